@@ -1,0 +1,367 @@
+//! One handler per endpoint: parse, call the runtime, render.
+
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{JsonBody, P, Q};
+use crate::AppState;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use bb_runtime::files::SbPath;
+use bb_runtime::model::*;
+use bb_runtime::ImageSource;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use utoipa::{IntoParams, OpenApi, ToSchema};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "branchboxd", description = "Sandbox runtime for AI agents. Errors: {\"error\": {\"code\", \"message\"}}."),
+    paths(
+        health, create_sandbox, list_sandboxes, get_sandbox, kill_sandbox, set_timeout,
+        run_command, stream_command, list_processes, wait_process, kill_process,
+        create_session, list_sessions, kill_session, run_session, run_code,
+        read_file, write_file, remove_file, list_files, stat_file, make_dir, rename_file,
+        list_images, build_image, import_image, remove_image
+    ),
+    components(schemas(
+        CreateSandbox, SandboxInfo, SandboxList, SetTimeout, RunCommand, CommandResult, Started,
+        ProcessInfo, ProcessList, WaitRequest, KillRequest, CreateSession, SessionInfo, SessionList,
+        RunCode, SessionResult, EntryInfo, EntryList, MakeDir, Rename, ImageInfo, ImageList,
+        BuildImage, ImportImage, ProgressEvent, CommandEvent, ErrorBody, Health, ErrorResponse, Done
+    ))
+)]
+pub struct ApiDoc;
+
+/// Error response body.
+#[derive(Serialize, Deserialize, ToSchema)]
+pub struct ErrorResponse {
+    pub error: ErrorBody,
+}
+
+/// Acknowledgement of a kill or removal.
+#[derive(Serialize, Deserialize, ToSchema)]
+pub struct Done {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub killed: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub removed: Option<bool>,
+}
+
+fn killed() -> Json<Done> {
+    Json(Done { killed: Some(true), removed: None })
+}
+fn removed() -> Json<Done> {
+    Json(Done { killed: None, removed: Some(true) })
+}
+
+/// NDJSON streaming response from a channel of serialisable events.
+fn ndjson<T: Serialize + Send + 'static>(rx: tokio::sync::mpsc::Receiver<T>) -> Response {
+    let stream = futures::stream::unfold(rx, |mut rx| async move {
+        let ev = rx.recv().await?;
+        let mut line = serde_json::to_vec(&ev).expect("event serializes");
+        line.push(b'\n');
+        Some((Ok::<_, std::convert::Infallible>(bytes::Bytes::from(line)), rx))
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "application/x-ndjson")
+        .body(Body::from_stream(stream))
+        .expect("valid response")
+}
+
+#[utoipa::path(get, path = "/v1/health", responses((status = 200, body = Health)))]
+pub async fn health(State(rt): State<AppState>) -> Json<Health> {
+    Json(Health {
+        ok: true,
+        version: env!("CARGO_PKG_VERSION").into(),
+        cgroup: rt.cgroups.version().to_string(),
+        sandboxes: rt.count(),
+    })
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandbox,
+    responses((status = 201, body = SandboxInfo), (status = 400, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
+pub async fn create_sandbox(State(rt): State<AppState>, JsonBody(req): JsonBody<CreateSandbox>) -> ApiResult<(StatusCode, Json<SandboxInfo>)> {
+    Ok((StatusCode::CREATED, Json(rt.create(req).await?)))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes",
+    params(("metadata.<key>" = Option<String>, Query, description = "only sandboxes whose metadata has this value")),
+    responses((status = 200, body = SandboxList)))]
+pub async fn list_sandboxes(State(rt): State<AppState>, Q(q): Q<HashMap<String, String>>) -> Json<SandboxList> {
+    let filter: Vec<(String, String)> = q
+        .into_iter()
+        .filter_map(|(k, v)| k.strip_prefix("metadata.").map(|k| (k.to_string(), v)))
+        .collect();
+    Json(SandboxList { sandboxes: rt.list(&filter) })
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}", params(("id" = String, Path, description = "sandbox id")),
+    responses((status = 200, body = SandboxInfo), (status = 404, body = ErrorResponse)))]
+pub async fn get_sandbox(State(rt): State<AppState>, P(id): P<String>) -> ApiResult<Json<SandboxInfo>> {
+    Ok(Json(rt.info(&id)?))
+}
+
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("id" = String, Path, description = "sandbox id")),
+    responses((status = 200, body = Done), (status = 404, body = ErrorResponse)))]
+pub async fn kill_sandbox(State(rt): State<AppState>, P(id): P<String>) -> ApiResult<Json<Done>> {
+    rt.kill(&id).await?;
+    Ok(killed())
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/timeout", params(("id" = String, Path, description = "sandbox id")), request_body = SetTimeout,
+    responses((status = 200, body = SandboxInfo), (status = 404, body = ErrorResponse)))]
+pub async fn set_timeout(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<SetTimeout>) -> ApiResult<Json<SandboxInfo>> {
+    Ok(Json(rt.set_timeout(&id, req.timeout)?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/commands", params(("id" = String, Path, description = "sandbox id")), request_body = RunCommand,
+    responses((status = 200, description = "foreground result", body = CommandResult), (status = 201, description = "background process started", body = Started),
+    (status = 400, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
+pub async fn run_command(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<RunCommand>) -> ApiResult<Response> {
+    if req.background {
+        let started = rt.start_background(&id, req).await?;
+        Ok((StatusCode::CREATED, Json(started)).into_response())
+    } else {
+        Ok(Json(rt.run_command(&id, req).await?).into_response())
+    }
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/commands/stream", params(("id" = String, Path, description = "sandbox id")), request_body = RunCommand,
+    responses((status = 200, description = "NDJSON stream of CommandEvent", body = CommandEvent, content_type = "application/x-ndjson")))]
+pub async fn stream_command(State(rt): State<AppState>, P(id): P<String>, JsonBody(mut req): JsonBody<RunCommand>) -> ApiResult<Response> {
+    req.background = false;
+    Ok(ndjson(rt.stream_command(&id, req).await?))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/commands", params(("id" = String, Path, description = "sandbox id")),
+    responses((status = 200, body = ProcessList)))]
+pub async fn list_processes(State(rt): State<AppState>, P(id): P<String>) -> ApiResult<Json<ProcessList>> {
+    Ok(Json(rt.list_processes(&id).await?))
+}
+
+fn parse_pid(pid: &str) -> ApiResult<i32> {
+    pid.parse::<i32>()
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| ApiError::bad_request(format!("{pid:?} is not a process id: give a positive integer")))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/commands/{pid}/wait", params(("id" = String, Path, description = "sandbox id"), ("pid" = i32, Path, description = "process id inside the sandbox")),
+    request_body = WaitRequest, responses((status = 200, body = CommandResult), (status = 404, body = ErrorResponse)))]
+pub async fn wait_process(State(rt): State<AppState>, P((id, pid)): P<(String, String)>, JsonBody(req): JsonBody<WaitRequest>) -> ApiResult<Json<CommandResult>> {
+    Ok(Json(rt.wait_process(&id, parse_pid(&pid)?, req.timeout).await?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/commands/{pid}/kill", params(("id" = String, Path, description = "sandbox id"), ("pid" = i32, Path, description = "process id inside the sandbox")),
+    request_body = KillRequest, responses((status = 200, body = Done), (status = 404, body = ErrorResponse)))]
+pub async fn kill_process(State(rt): State<AppState>, P((id, pid)): P<(String, String)>, JsonBody(req): JsonBody<KillRequest>) -> ApiResult<Json<Done>> {
+    rt.kill_process(&id, parse_pid(&pid)?, req.signal).await?;
+    Ok(killed())
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/sessions", params(("id" = String, Path, description = "sandbox id")), request_body = CreateSession,
+    responses((status = 201, body = SessionInfo), (status = 400, body = ErrorResponse)))]
+pub async fn create_session(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<CreateSession>) -> ApiResult<(StatusCode, Json<SessionInfo>)> {
+    Ok((StatusCode::CREATED, Json(rt.create_session(&id, req).await?)))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/sessions", params(("id" = String, Path, description = "sandbox id")), responses((status = 200, body = SessionList)))]
+pub async fn list_sessions(State(rt): State<AppState>, P(id): P<String>) -> ApiResult<Json<SessionList>> {
+    Ok(Json(rt.list_sessions(&id).await?))
+}
+
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}/sessions/{sid}", params(("id" = String, Path, description = "sandbox id"), ("sid" = String, Path, description = "session id")),
+    responses((status = 200, body = Done), (status = 404, body = ErrorResponse)))]
+pub async fn kill_session(State(rt): State<AppState>, P((id, sid)): P<(String, String)>) -> ApiResult<Json<Done>> {
+    rt.kill_session(&id, &sid).await?;
+    Ok(killed())
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/sessions/{sid}/run", params(("id" = String, Path, description = "sandbox id"), ("sid" = String, Path, description = "session id")),
+    request_body = RunCode, responses((status = 200, body = SessionResult), (status = 409, body = ErrorResponse)))]
+pub async fn run_session(State(rt): State<AppState>, P((id, sid)): P<(String, String)>, JsonBody(req): JsonBody<RunCode>) -> ApiResult<Json<SessionResult>> {
+    Ok(Json(rt.run_session(&id, &sid, req).await?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/code", params(("id" = String, Path, description = "sandbox id")), request_body = RunCode,
+    responses((status = 200, body = SessionResult)))]
+pub async fn run_code(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<RunCode>) -> ApiResult<Json<SessionResult>> {
+    Ok(Json(rt.run_code(&id, req).await?))
+}
+
+#[derive(Deserialize, IntoParams)]
+pub struct PathQuery {
+    /// Path inside the sandbox.
+    pub path: String,
+}
+
+#[derive(Deserialize, IntoParams)]
+pub struct WriteQuery {
+    pub path: String,
+    /// Octal file mode, e.g. `0644`.
+    pub mode: Option<String>,
+}
+
+#[derive(Deserialize, IntoParams)]
+pub struct ListQuery {
+    pub path: String,
+    /// How many levels to descend (default 1).
+    pub depth: Option<u32>,
+}
+
+#[derive(Deserialize, IntoParams)]
+pub struct RemoveQuery {
+    pub path: String,
+    pub recursive: Option<bool>,
+}
+
+/// Run blocking filesystem work off the async threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, bb_runtime::RuntimeError> + Send + 'static) -> ApiResult<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
+        .map_err(ApiError::from)
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files", params(("id" = String, Path, description = "sandbox id"), PathQuery),
+    responses((status = 200, description = "file content", content_type = "application/octet-stream", body = Vec<u8>),
+    (status = 400, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
+pub async fn read_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<PathQuery>) -> ApiResult<Response> {
+    let path = SbPath::parse(&q.path)?;
+    let fs = rt.fs(&id)?;
+    let (file, size) = blocking(move || fs.open_read(&path)).await?;
+    let stream = tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 256 * 1024);
+    Ok(Response::builder()
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .header(header::CONTENT_LENGTH, size)
+        .body(Body::from_stream(stream))
+        .expect("valid response"))
+}
+
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/files", params(("id" = String, Path, description = "sandbox id"), WriteQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 200, body = EntryInfo), (status = 400, body = ErrorResponse), (status = 413, body = ErrorResponse)))]
+pub async fn write_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<WriteQuery>, body: Body) -> ApiResult<Json<EntryInfo>> {
+    use tokio::io::AsyncWriteExt;
+    let path = SbPath::parse(&q.path)?;
+    let mode = match q.mode.as_deref() {
+        None => None,
+        Some(m) => Some(u32::from_str_radix(m.trim_start_matches("0o"), 8).ok().filter(|m| *m <= 0o7777).ok_or_else(|| {
+            ApiError::bad_request(format!("mode {m:?} is not an octal file mode such as 0644"))
+        })?),
+    };
+    let limit = rt.cfg.max_file_bytes;
+    let fs = std::sync::Arc::new(rt.fs(&id)?);
+    let fs2 = fs.clone();
+    let mut upload = blocking(move || fs2.begin_write(&path, mode)).await?;
+    let mut file = tokio::fs::File::from_std(upload.take_file());
+    let mut stream = body.into_data_stream();
+    let mut written: u64 = 0;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| ApiError::bad_request(format!("upload interrupted: {e}")))?;
+        written += chunk.len() as u64;
+        if written > limit {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                format!("file is larger than the daemon's limit of {limit} bytes (--max-file-bytes); the previous content is unchanged"),
+            ));
+        }
+        file.write_all(&chunk).await.map_err(|e| bb_runtime::RuntimeError::internal("write", e))?;
+    }
+    file.flush().await.map_err(|e| bb_runtime::RuntimeError::internal("write", e))?;
+    upload.put_file(file.into_std().await);
+    Ok(Json(blocking(move || fs.commit(upload)).await?))
+}
+
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}/files", params(("id" = String, Path, description = "sandbox id"), RemoveQuery),
+    responses((status = 200, body = Done), (status = 404, body = ErrorResponse), (status = 409, body = ErrorResponse)))]
+pub async fn remove_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<RemoveQuery>) -> ApiResult<Json<Done>> {
+    let path = SbPath::parse(&q.path)?;
+    let fs = rt.fs(&id)?;
+    blocking(move || fs.remove(&path, q.recursive.unwrap_or(false))).await?;
+    Ok(removed())
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files/list", params(("id" = String, Path, description = "sandbox id"), ListQuery),
+    responses((status = 200, body = EntryList), (status = 404, body = ErrorResponse)))]
+pub async fn list_files(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<ListQuery>) -> ApiResult<Json<EntryList>> {
+    let path = SbPath::parse(&q.path)?;
+    let fs = rt.fs(&id)?;
+    let depth = q.depth.unwrap_or(1);
+    if depth > 64 {
+        return Err(ApiError::bad_request("depth must be at most 64"));
+    }
+    Ok(Json(EntryList { entries: blocking(move || fs.list(&path, depth)).await? }))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/files/stat", params(("id" = String, Path, description = "sandbox id"), PathQuery),
+    responses((status = 200, body = EntryInfo), (status = 404, body = ErrorResponse)))]
+pub async fn stat_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<PathQuery>) -> ApiResult<Json<EntryInfo>> {
+    let path = SbPath::parse(&q.path)?;
+    let fs = rt.fs(&id)?;
+    Ok(Json(blocking(move || fs.stat(&path)).await?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/files/mkdir", params(("id" = String, Path, description = "sandbox id")), request_body = MakeDir,
+    responses((status = 200, body = EntryInfo), (status = 409, body = ErrorResponse)))]
+pub async fn make_dir(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<MakeDir>) -> ApiResult<Json<EntryInfo>> {
+    let path = SbPath::parse(&req.path)?;
+    let fs = rt.fs(&id)?;
+    Ok(Json(blocking(move || fs.mkdir(&path, req.parents)).await?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/files/rename", params(("id" = String, Path, description = "sandbox id")), request_body = Rename,
+    responses((status = 200, body = EntryInfo), (status = 404, body = ErrorResponse)))]
+pub async fn rename_file(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<Rename>) -> ApiResult<Json<EntryInfo>> {
+    let (from, to) = (SbPath::parse(&req.from)?, SbPath::parse(&req.to)?);
+    let fs = rt.fs(&id)?;
+    Ok(Json(blocking(move || fs.rename(&from, &to)).await?))
+}
+
+#[utoipa::path(get, path = "/v1/images", responses((status = 200, body = ImageList)))]
+pub async fn list_images(State(rt): State<AppState>) -> ApiResult<Json<ImageList>> {
+    let rt2 = rt.clone();
+    Ok(Json(blocking(move || rt2.list_images()).await?))
+}
+
+#[utoipa::path(post, path = "/v1/images/build", request_body = BuildImage,
+    responses((status = 200, description = "NDJSON stream of ProgressEvent", body = ProgressEvent, content_type = "application/x-ndjson")))]
+pub async fn build_image(State(rt): State<AppState>, JsonBody(req): JsonBody<BuildImage>) -> ApiResult<Response> {
+    let mut opts = bb_layers_opts();
+    if let Some(s) = req.suite {
+        opts.suite = s;
+    }
+    if let Some(p) = req.packages {
+        opts.packages = p;
+    }
+    if let Some(m) = req.mirror {
+        opts.mirror = m;
+    }
+    Ok(ndjson(rt.image_job(req.name.unwrap_or_else(|| "base".into()), ImageSource::Debootstrap(opts))))
+}
+
+fn bb_layers_opts() -> bb_runtime::BaseImageOpts {
+    bb_runtime::BaseImageOpts::default()
+}
+
+#[utoipa::path(post, path = "/v1/images/import", request_body = ImportImage,
+    responses((status = 200, description = "NDJSON stream of ProgressEvent", body = ProgressEvent, content_type = "application/x-ndjson")))]
+pub async fn import_image(State(rt): State<AppState>, JsonBody(req): JsonBody<ImportImage>) -> ApiResult<Response> {
+    let path = std::path::PathBuf::from(&req.path);
+    if !path.is_absolute() {
+        return Err(ApiError::bad_request(format!("path {:?} must be absolute (it is read by the daemon)", req.path)));
+    }
+    Ok(ndjson(rt.image_job(req.name, ImageSource::Path(path))))
+}
+
+#[utoipa::path(delete, path = "/v1/images/{name}", params(("name" = String, Path, description = "image name")),
+    responses((status = 200, body = Done), (status = 404, body = ErrorResponse), (status = 409, body = ErrorResponse)))]
+pub async fn remove_image(State(rt): State<AppState>, P(name): P<String>) -> ApiResult<Json<Done>> {
+    let rt2 = rt.clone();
+    blocking(move || rt2.remove_image(&name)).await?;
+    Ok(removed())
+}

@@ -1,0 +1,114 @@
+//! HTTP/JSON API of `branchboxd`.
+//!
+//! Handlers only parse a request into a call on [`bb_runtime::Runtime`] and render the result;
+//! every mechanism lives in the runtime. Errors are `{"error": {"code", "message"}}` with a stable
+//! code ([`error::ApiError`]). The OpenAPI document is generated from the handlers' annotations
+//! ([`ApiDoc`]), checked in as `openapi.json` and served at `/openapi.json`.
+
+pub mod error;
+mod extract;
+mod handlers;
+
+use axum::extract::DefaultBodyLimit;
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::Next;
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::Router;
+use bb_runtime::Runtime;
+use std::sync::Arc;
+use utoipa::OpenApi;
+
+pub use handlers::ApiDoc;
+
+/// Largest JSON request body.
+pub const MAX_JSON_BODY: usize = 16 << 20;
+
+pub type AppState = Arc<Runtime>;
+
+/// The API router. With `token`, every request must carry `Authorization: Bearer <token>`.
+pub fn router(rt: Arc<Runtime>, token: Option<String>) -> Router {
+    use handlers::*;
+    let files = Router::new()
+        .route("/v1/sandboxes/:id/files", get(read_file).put(write_file).delete(remove_file))
+        .layer(DefaultBodyLimit::disable());
+    let r = Router::new()
+        .route("/openapi.json", get(openapi))
+        .route("/v1/health", get(health))
+        .route("/v1/sandboxes", post(create_sandbox).get(list_sandboxes))
+        .route("/v1/sandboxes/:id", get(get_sandbox).delete(kill_sandbox))
+        .route("/v1/sandboxes/:id/timeout", post(set_timeout))
+        .route("/v1/sandboxes/:id/commands", post(run_command).get(list_processes))
+        .route("/v1/sandboxes/:id/commands/stream", post(stream_command))
+        .route("/v1/sandboxes/:id/commands/:pid/wait", post(wait_process))
+        .route("/v1/sandboxes/:id/commands/:pid/kill", post(kill_process))
+        .route("/v1/sandboxes/:id/sessions", post(create_session).get(list_sessions))
+        .route("/v1/sandboxes/:id/sessions/:sid", axum::routing::delete(kill_session))
+        .route("/v1/sandboxes/:id/sessions/:sid/run", post(run_session))
+        .route("/v1/sandboxes/:id/code", post(run_code))
+        .route("/v1/sandboxes/:id/files/list", get(list_files))
+        .route("/v1/sandboxes/:id/files/stat", get(stat_file))
+        .route("/v1/sandboxes/:id/files/mkdir", post(make_dir))
+        .route("/v1/sandboxes/:id/files/rename", post(rename_file))
+        .route("/v1/images", get(list_images))
+        .route("/v1/images/build", post(build_image))
+        .route("/v1/images/import", post(import_image))
+        .route("/v1/images/:name", axum::routing::delete(remove_image))
+        .layer(DefaultBodyLimit::max(MAX_JSON_BODY))
+        .merge(files)
+        .fallback(not_found)
+        .with_state(rt);
+    match token {
+        Some(t) => r.layer(axum::middleware::from_fn(move |h: HeaderMap, req, next: Next| {
+            let t = t.clone();
+            async move { check_token(&t, &h, req, next).await }
+        })),
+        None => r,
+    }
+}
+
+async fn check_token(token: &str, headers: &HeaderMap, req: axum::extract::Request, next: Next) -> Response {
+    let given = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    // Constant-time comparison: no early exit on the first differing byte.
+    let ok = given.is_some_and(|g| {
+        g.len() == token.len() && g.bytes().zip(token.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    });
+    if ok {
+        next.run(req).await
+    } else {
+        axum::response::IntoResponse::into_response(error::ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "missing or wrong bearer token: send `Authorization: Bearer <token>` (set BRANCHBOX_TOKEN)",
+        ))
+    }
+}
+
+async fn not_found(uri: axum::http::Uri) -> error::ApiError {
+    error::ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no route {}: see /openapi.json", uri.path()))
+}
+
+async fn openapi() -> axum::Json<utoipa::openapi::OpenApi> {
+    axum::Json(ApiDoc::openapi())
+}
+
+/// The OpenAPI document as pretty JSON (what is checked in as `openapi.json`).
+pub fn openapi_json() -> String {
+    ApiDoc::openapi().to_pretty_json().expect("openapi serializes") + "\n"
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn checked_in_openapi_matches_the_code() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/openapi.json");
+        let checked_in = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            checked_in == super::openapi_json(),
+            "crates/bb-api/openapi.json is stale: run `make openapi` and commit it"
+        );
+    }
+}

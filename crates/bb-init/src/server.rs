@@ -1,0 +1,264 @@
+//! The request loop: one poll over the listening socket, SIGCHLD (signalfd) and open connections.
+
+use crate::spawn::{fork_exec, Prepared};
+use bb_proto::{ExitStatus, ProcEntry, ProtoError, Request, Response, INIT_LISTEN_FD};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+/// How many exited processes are remembered for `List`/`Wait`.
+const KEEP_EXITED: usize = 1024;
+
+struct Proc {
+    tag: String,
+    background: bool,
+    started_at: f64,
+    exit: Option<ExitStatus>,
+}
+
+struct Conn {
+    fd: OwnedFd,
+    /// The foreground process this connection owns: killed if the connection goes away first.
+    owns: Option<i32>,
+    /// The process whose exit this connection waits for.
+    waits_for: Option<i32>,
+}
+
+pub struct Server {
+    listener: OwnedFd,
+    sigfd: SignalFd,
+    conns: HashMap<RawFd, Conn>,
+    procs: BTreeMap<i32, Proc>,
+    exited_order: std::collections::VecDeque<i32>,
+    policy: bb_isolation::SeccompFilter,
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+impl Server {
+    pub fn new(policy: bb_isolation::SeccompFilter) -> Server {
+        // SAFETY: fd 3 is the listening socket the daemon handed us; we own it from here on.
+        let listener = unsafe { OwnedFd::from_raw_fd(INIT_LISTEN_FD) };
+        // Children must not inherit the listener (dup2 in the daemon cleared CLOEXEC).
+        let _ = nix::fcntl::fcntl(
+            listener.as_raw_fd(),
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+        );
+        let mut mask = SigSet::empty();
+        mask.add(Signal::SIGCHLD);
+        mask.thread_block().expect("block SIGCHLD");
+        // SAFETY: ignoring SIGPIPE is always sound; children restore the default before exec.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+        let sigfd = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
+            .expect("signalfd");
+        Server {
+            listener,
+            sigfd,
+            conns: HashMap::new(),
+            procs: BTreeMap::new(),
+            exited_order: Default::default(),
+            policy,
+        }
+    }
+
+    pub fn run(mut self) -> ! {
+        loop {
+            let conn_fds: Vec<RawFd> = self.conns.keys().copied().collect();
+            let mut ready = Vec::new();
+            {
+                let mut pfds = Vec::with_capacity(conn_fds.len() + 2);
+                pfds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
+                pfds.push(PollFd::new(self.sigfd.as_fd(), PollFlags::POLLIN));
+                for fd in &conn_fds {
+                    // SAFETY: fd belongs to a Conn in self.conns, alive for this poll call.
+                    pfds.push(PollFd::new(unsafe { BorrowedFd::borrow_raw(*fd) }, PollFlags::POLLIN));
+                }
+                match poll(&mut pfds, PollTimeout::NONE) {
+                    Ok(_) => {}
+                    Err(nix::Error::EINTR) => continue,
+                    Err(e) => panic!("poll: {e}"),
+                }
+                for (i, p) in pfds.iter().enumerate() {
+                    if p.revents().is_some_and(|r| !r.is_empty()) {
+                        ready.push(i);
+                    }
+                }
+            }
+            for i in ready {
+                match i {
+                    0 => self.accept(),
+                    1 => self.reap(),
+                    _ => self.serve(conn_fds[i - 2]),
+                }
+            }
+        }
+    }
+
+    fn accept(&mut self) {
+        use nix::sys::socket::{accept4, SockFlag};
+        match accept4(self.listener.as_raw_fd(), SockFlag::SOCK_CLOEXEC) {
+            Ok(fd) => {
+                // SAFETY: accept4 returned a fresh fd that we own.
+                let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+                self.conns.insert(fd.as_raw_fd(), Conn { fd, owns: None, waits_for: None });
+            }
+            Err(e) => eprintln!("branchbox-init: accept: {e}"),
+        }
+    }
+
+    fn reply(&mut self, fd: RawFd, resp: &Response) {
+        if bb_proto::send(fd, resp, &[]).is_err() {
+            self.drop_conn(fd);
+        }
+    }
+
+    /// Close a connection; a foreground process it owned and that still runs is killed.
+    fn drop_conn(&mut self, fd: RawFd) {
+        if let Some(conn) = self.conns.remove(&fd) {
+            if let Some(pid) = conn.owns {
+                if self.procs.get(&pid).is_some_and(|p| p.exit.is_none()) {
+                    // SAFETY: signalling a process group we created.
+                    unsafe { libc::kill(-pid, libc::SIGKILL) };
+                }
+            }
+        }
+    }
+
+    fn serve(&mut self, fd: RawFd) {
+        let (req, fds) = match bb_proto::recv::<Request>(fd) {
+            Ok(x) => x,
+            Err(ProtoError::Malformed(e)) => {
+                let resp = Response::Error { errno: libc::EINVAL, message: format!("malformed request: {e}") };
+                return self.reply(fd, &resp);
+            }
+            Err(ProtoError::Io(nix::Error::EAGAIN)) => return,
+            Err(_) => return self.drop_conn(fd),
+        };
+        match req {
+            Request::Ping => {
+                let procs = self.procs.values().filter(|p| p.exit.is_none()).count();
+                self.reply(fd, &Response::Pong { pid: std::process::id() as i32, procs });
+            }
+            Request::Spawn(spawn) => self.spawn(fd, spawn, fds),
+            Request::Wait { pid } => match self.procs.get(&pid) {
+                None => self.reply(
+                    fd,
+                    &Response::Error { errno: libc::ESRCH, message: format!("no process {pid} was started in this sandbox") },
+                ),
+                Some(Proc { exit: Some(status), .. }) => {
+                    let status = *status;
+                    self.reply(fd, &Response::Exited { pid, status });
+                }
+                Some(_) => {
+                    if let Some(c) = self.conns.get_mut(&fd) {
+                        c.waits_for = Some(pid);
+                    }
+                }
+            },
+            Request::Kill { pid, signal, group } => {
+                let target = if group { -pid } else { pid };
+                // SAFETY: kill(2) with plain integers; pid namespace confines the target.
+                let ret = unsafe { libc::kill(target, signal) };
+                let resp = if ret == 0 {
+                    Response::Ok
+                } else {
+                    let e = nix::errno::Errno::last();
+                    Response::Error { errno: e as i32, message: format!("kill {pid}: {e}") }
+                };
+                self.reply(fd, &resp);
+            }
+            Request::List => {
+                let procs = self
+                    .procs
+                    .iter()
+                    .filter(|(_, p)| p.background)
+                    .map(|(pid, p)| ProcEntry {
+                        pid: *pid,
+                        tag: p.tag.clone(),
+                        background: true,
+                        started_at: p.started_at,
+                        exit: p.exit,
+                    })
+                    .collect();
+                self.reply(fd, &Response::Procs { procs });
+            }
+        }
+    }
+
+    fn spawn(&mut self, fd: RawFd, req: bb_proto::SpawnRequest, fds: Vec<OwnedFd>) {
+        let wanted = [req.stdin, req.stdout, req.stderr, req.fd3];
+        if wanted.iter().filter(|w| **w).count() != fds.len() {
+            let resp = Response::Error {
+                errno: libc::EINVAL,
+                message: format!("spawn wants {} fds, got {}", wanted.iter().filter(|w| **w).count(), fds.len()),
+            };
+            return self.reply(fd, &resp);
+        }
+        let mut it = fds.iter();
+        let stdio: [Option<RawFd>; 4] = wanted.map(|w| if w { it.next().map(|f| f.as_raw_fd()) } else { None });
+        let prepared = match Prepared::new(&req) {
+            Ok(p) => p,
+            Err(message) => return self.reply(fd, &Response::Error { errno: libc::EINVAL, message }),
+        };
+        match fork_exec(&prepared, stdio, &self.policy) {
+            Ok(pid) => {
+                drop(fds);
+                self.procs.insert(
+                    pid,
+                    Proc { tag: req.tag, background: req.background, started_at: now(), exit: None },
+                );
+                if !req.background {
+                    if let Some(c) = self.conns.get_mut(&fd) {
+                        c.owns = Some(pid);
+                        c.waits_for = Some(pid);
+                    }
+                }
+                self.reply(fd, &Response::Started { pid });
+            }
+            Err(f) => self.reply(fd, &Response::Error { errno: f.errno, message: f.message }),
+        }
+    }
+
+    fn reap(&mut self) {
+        while let Ok(Some(_)) = self.sigfd.read_signal() {}
+        loop {
+            let (pid, status) = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(pid, code)) => (pid.as_raw(), ExitStatus { code: Some(code), signal: None }),
+                Ok(WaitStatus::Signaled(pid, sig, _)) => {
+                    (pid.as_raw(), ExitStatus { code: None, signal: Some(sig as i32) })
+                }
+                Ok(WaitStatus::StillAlive) | Err(_) => break,
+                Ok(_) => continue,
+            };
+            let Some(p) = self.procs.get_mut(&pid) else { continue };
+            p.exit = Some(status);
+            self.exited_order.push_back(pid);
+            let waiting: Vec<RawFd> = self
+                .conns
+                .iter()
+                .filter(|(_, c)| c.waits_for == Some(pid))
+                .map(|(fd, _)| *fd)
+                .collect();
+            for fd in waiting {
+                if let Some(c) = self.conns.get_mut(&fd) {
+                    c.owns = None;
+                }
+                self.reply(fd, &Response::Exited { pid, status });
+                self.drop_conn(fd);
+            }
+        }
+        while self.exited_order.len() > KEEP_EXITED {
+            if let Some(old) = self.exited_order.pop_front() {
+                self.procs.remove(&old);
+            }
+        }
+    }
+}

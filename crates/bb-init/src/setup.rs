@@ -1,0 +1,164 @@
+//! Mount namespace, /proc, /dev, /sys, pivot_root: everything init does once, before serving.
+
+use bb_proto::InitConfig;
+use nix::mount::{mount, MsFlags};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("{what} ({path}): {source}")]
+    Mount { what: &'static str, path: String, source: nix::Error },
+    #[error("{what}: {source}")]
+    Io { what: String, source: std::io::Error },
+    #[error(transparent)]
+    Sys(#[from] bb_sys::SysError),
+}
+
+fn m(
+    what: &'static str,
+    src: Option<&Path>,
+    target: &Path,
+    fstype: Option<&str>,
+    flags: MsFlags,
+    data: Option<&str>,
+) -> Result<(), SetupError> {
+    mount(src, target, fstype, flags, data).map_err(|source| SetupError::Mount {
+        what,
+        path: target.display().to_string(),
+        source,
+    })
+}
+
+fn io<T>(what: impl Into<String>, r: std::io::Result<T>) -> Result<T, SetupError> {
+    r.map_err(|source| SetupError::Io { what: what.into(), source })
+}
+
+const NOSUID_NODEV_NOEXEC: MsFlags =
+    MsFlags::MS_NOSUID.union(MsFlags::MS_NODEV).union(MsFlags::MS_NOEXEC);
+
+/// Paths of /proc that stay read-only (as in Docker's default).
+const PROC_READONLY: &[&str] = &["bus", "fs", "irq", "sys", "sysrq-trigger"];
+/// Paths hidden behind /dev/null (files) or an empty read-only tmpfs (directories).
+const MASKED: &[&str] = &[
+    "proc/acpi",
+    "proc/asound",
+    "proc/kcore",
+    "proc/keys",
+    "proc/latency_stats",
+    "proc/timer_list",
+    "proc/timer_stats",
+    "proc/sched_debug",
+    "proc/scsi",
+    "sys/firmware",
+    "sys/fs/cgroup",
+    "sys/kernel/debug",
+    "sys/kernel/security",
+];
+const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
+
+pub fn setup(config: &InitConfig) -> Result<(), SetupError> {
+    // SAFETY: prctl with integer arguments only.
+    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+    let root = PathBuf::from(&config.rootfs);
+    // Nothing we mount may propagate back to the host.
+    m("make / private", None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
+    // A mount made by the host is locked in our user namespace: bind it to get one we own.
+    m("bind root", Some(&root), &root, None, MsFlags::MS_BIND | MsFlags::MS_REC, None)?;
+
+    let proc_dir = root.join("proc");
+    io("mkdir /proc", fs::create_dir_all(&proc_dir))?;
+    m("mount /proc", Some(Path::new("proc")), &proc_dir, Some("proc"), NOSUID_NODEV_NOEXEC, None)?;
+    for p in PROC_READONLY {
+        let path = proc_dir.join(p);
+        if path.exists() {
+            readonly_bind(&path)?;
+        }
+    }
+
+    setup_dev(&root, config)?;
+
+    let sys_dir = root.join("sys");
+    io("mkdir /sys", fs::create_dir_all(&sys_dir))?;
+    let sys_flags = NOSUID_NODEV_NOEXEC | MsFlags::MS_RDONLY;
+    if mount(Some("sysfs"), &sys_dir, Some("sysfs"), sys_flags, None::<&str>).is_err() {
+        m("bind /sys", Some(Path::new("/sys")), &sys_dir, None, MsFlags::MS_BIND | MsFlags::MS_REC, None)?;
+        readonly_bind(&sys_dir)?;
+    }
+    for p in MASKED {
+        mask(&root.join(p), &root)?;
+    }
+
+    io("chdir new root", std::env::set_current_dir(&root))?;
+    bb_sys::process::pivot_root_here()?;
+    io("chdir /", std::env::set_current_dir("/"))?;
+    nix::unistd::sethostname(&config.hostname).map_err(|source| SetupError::Mount {
+        what: "sethostname",
+        path: config.hostname.clone(),
+        source,
+    })?;
+    match config.network.as_str() {
+        "none" => bb_sys::process::loopback_up()?,
+        other => {
+            return Err(SetupError::Io {
+                what: format!("network mode {other:?}"),
+                source: std::io::Error::from(std::io::ErrorKind::Unsupported),
+            })
+        }
+    }
+    Ok(())
+}
+
+fn readonly_bind(path: &Path) -> Result<(), SetupError> {
+    m("bind read-only", Some(path), path, None, MsFlags::MS_BIND | MsFlags::MS_REC, None)?;
+    // Locked flags of the underlying mount must be repeated on remount inside a user namespace.
+    let flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC;
+    m("remount read-only", None, path, None, flags, None)
+}
+
+fn mask(path: &Path, root: &Path) -> Result<(), SetupError> {
+    let Ok(meta) = fs::symlink_metadata(path) else { return Ok(()) };
+    if meta.is_dir() {
+        let flags = MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC;
+        m("mask dir", Some(Path::new("tmpfs")), path, Some("tmpfs"), flags, Some("size=0,mode=0555"))
+    } else {
+        m("mask file", Some(&root.join("dev/null")), path, None, MsFlags::MS_BIND, None)
+    }
+}
+
+fn setup_dev(root: &Path, config: &InitConfig) -> Result<(), SetupError> {
+    let dev = root.join("dev");
+    io("mkdir /dev", fs::create_dir_all(&dev))?;
+    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC;
+    m("mount /dev", Some(Path::new("tmpfs")), &dev, Some("tmpfs"), flags, Some("mode=0755,size=1m"))?;
+    for name in DEVICES {
+        let target = dev.join(name);
+        io(format!("create /dev/{name}"), fs::File::create(&target))?;
+        let src = Path::new("/dev").join(name);
+        m("bind device", Some(&src), &target, None, MsFlags::MS_BIND, None)?;
+    }
+    let pts = dev.join("pts");
+    io("mkdir /dev/pts", fs::create_dir(&pts))?;
+    m(
+        "mount /dev/pts",
+        Some(Path::new("devpts")),
+        &pts,
+        Some("devpts"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620"),
+    )?;
+    let shm = dev.join("shm");
+    io("mkdir /dev/shm", fs::create_dir(&shm))?;
+    let shm_opts = format!("mode=1777,size={}", config.shm_bytes);
+    m("mount /dev/shm", Some(Path::new("tmpfs")), &shm, Some("tmpfs"), NOSUID_NODEV_NOEXEC, Some(&shm_opts))?;
+    for (link, target) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        io(format!("symlink /dev/{link}"), std::os::unix::fs::symlink(target, dev.join(link)))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,241 @@
+//! Wire protocol between `branchboxd` and `branchbox-init` (PID 1 of every sandbox).
+//!
+//! Transport: a `SOCK_SEQPACKET` unix socket. Each packet is one JSON message; file descriptors
+//! travel beside it as `SCM_RIGHTS`. One connection carries one request: the daemon connects, sends a
+//! [`Request`], and reads [`Response`]s until the one that ends the exchange. A foreground spawn keeps
+//! its connection open until the process exits; if the daemon drops the connection first, init kills
+//! the process group (so a cancelled request never leaves a command running).
+//!
+//! Keeping stdio as plain fds passed to init means command output never flows through init: the
+//! daemon reads the pipes directly.
+
+use serde::{Deserialize, Serialize};
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+/// fd on which init finds its listening control socket.
+pub const INIT_LISTEN_FD: RawFd = 3;
+/// fd on which init reports `ok` or `error: <why>` once its set-up is done, then closes it.
+pub const INIT_STATUS_FD: RawFd = 4;
+
+/// How init sets up the sandbox; passed as JSON in argv[1].
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct InitConfig {
+    /// Host path of the sandbox's merged root filesystem (an overlay mounted by the daemon).
+    pub rootfs: String,
+    pub hostname: String,
+    /// `none`: the sandbox's own network namespace with loopback only.
+    pub network: String,
+    /// Size limit of /dev/shm in bytes.
+    pub shm_bytes: u64,
+}
+
+/// Largest message either side will send or accept.
+pub const MAX_MESSAGE: usize = 256 * 1024;
+/// Largest number of fds attached to one message.
+pub const MAX_FDS: usize = 4;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProtoError {
+    #[error("message of {0} bytes exceeds the {MAX_MESSAGE}-byte limit: pass large data through files instead")]
+    TooLarge(usize),
+    #[error("peer closed the connection")]
+    Closed,
+    #[error("malformed message: {0}")]
+    Malformed(#[from] serde_json::Error),
+    #[error("socket error: {0}")]
+    Io(#[from] nix::Error),
+}
+
+/// What a spawned process gets on its stdio: the fds attached to the message, in this order,
+/// for each stream marked `true`; streams marked `false` are connected to /dev/null.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SpawnRequest {
+    pub argv: Vec<String>,
+    pub env: Vec<String>,
+    pub cwd: String,
+    /// Background processes outlive the connection and are listed by [`Request::List`].
+    pub background: bool,
+    /// Which of stdin, stdout, stderr, and fd 3 (a channel for sessions) are attached.
+    pub stdin: bool,
+    pub stdout: bool,
+    pub stderr: bool,
+    pub fd3: bool,
+    /// Shown in process listings (usually the command line).
+    pub tag: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    Ping,
+    Spawn(SpawnRequest),
+    /// Answer with `Exited` once `pid` (a process spawned through init) has exited.
+    Wait { pid: i32 },
+    /// Signal a process, or its whole process group when `group`.
+    Kill { pid: i32, signal: i32, group: bool },
+    /// Background processes, running and recently exited.
+    List,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ProcEntry {
+    pub pid: i32,
+    pub tag: String,
+    pub background: bool,
+    pub started_at: f64,
+    pub exit: Option<ExitStatus>,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ExitStatus {
+    pub code: Option<i32>,
+    pub signal: Option<i32>,
+}
+
+impl ExitStatus {
+    /// Decode a wait(2) status.
+    pub fn from_wait_status(status: i32) -> ExitStatus {
+        if libc::WIFSIGNALED(status) {
+            ExitStatus { code: None, signal: Some(libc::WTERMSIG(status)) }
+        } else {
+            ExitStatus { code: Some(libc::WEXITSTATUS(status)), signal: None }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Response {
+    Pong { pid: i32, procs: usize },
+    Started { pid: i32 },
+    Exited { pid: i32, status: ExitStatus },
+    Procs { procs: Vec<ProcEntry> },
+    Ok,
+    Error { errno: i32, message: String },
+}
+
+/// Send one JSON message with optional fds on a SEQPACKET socket.
+pub fn send<T: Serialize>(sock: RawFd, msg: &T, fds: &[RawFd]) -> Result<(), ProtoError> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    let bytes = serde_json::to_vec(msg)?;
+    if bytes.len() > MAX_MESSAGE {
+        return Err(ProtoError::TooLarge(bytes.len()));
+    }
+    let iov = [IoSlice::new(&bytes)];
+    let cmsg = [ControlMessage::ScmRights(fds)];
+    let cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &cmsg };
+    loop {
+        match sendmsg::<()>(sock, &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+            Ok(_) => return Ok(()),
+            Err(nix::Error::EINTR) => continue,
+            Err(nix::Error::EPIPE) | Err(nix::Error::ECONNRESET) => return Err(ProtoError::Closed),
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Receive one message and its fds. `Err(Closed)` on EOF; `Err(Io(EAGAIN))` on a non-blocking
+/// socket with nothing to read.
+pub fn recv<T: serde::de::DeserializeOwned>(sock: RawFd) -> Result<(T, Vec<OwnedFd>), ProtoError> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    let mut cmsg_space = nix::cmsg_space!([RawFd; MAX_FDS]);
+    let (len, fds) = loop {
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        match recvmsg::<()>(sock, &mut iov, Some(&mut cmsg_space), MsgFlags::MSG_CMSG_CLOEXEC) {
+            Ok(msg) => {
+                let mut fds = Vec::new();
+                for c in msg.cmsgs().map_err(ProtoError::Io)? {
+                    if let ControlMessageOwned::ScmRights(raw) = c {
+                        for fd in raw {
+                            // SAFETY: the kernel just installed these fds in our table for us.
+                            fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+                        }
+                    }
+                }
+                break (msg.bytes, fds);
+            }
+            Err(nix::Error::EINTR) => continue,
+            Err(nix::Error::ECONNRESET) => return Err(ProtoError::Closed),
+            Err(e) => return Err(e.into()),
+        }
+    };
+    if len == 0 {
+        return Err(ProtoError::Closed);
+    }
+    Ok((serde_json::from_slice(&buf[..len])?, fds))
+}
+
+/// A connected SEQPACKET socket pair (for tests and in-process use).
+pub fn seqpacket_pair() -> Result<(OwnedFd, OwnedFd), ProtoError> {
+    use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+    Ok(socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)?)
+}
+
+/// Helper to keep `AsRawFd` in scope for callers.
+pub fn raw<F: AsRawFd>(f: &F) -> RawFd {
+    f.as_raw_fd()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_round_trips_with_fds() {
+        let (a, b) = seqpacket_pair().unwrap();
+        let (pr, pw) = nix::unistd::pipe().unwrap();
+        let req = Request::Spawn(SpawnRequest {
+            argv: vec!["echo".into(), "hi".into()],
+            env: vec!["A=1".into()],
+            cwd: "/".into(),
+            background: false,
+            stdin: false,
+            stdout: true,
+            stderr: false,
+            fd3: false,
+            tag: "echo hi".into(),
+        });
+        send(a.as_raw_fd(), &req, &[pw.as_raw_fd()]).unwrap();
+        drop(pw);
+        let (got, fds): (Request, _) = recv(b.as_raw_fd()).unwrap();
+        assert_eq!(got, req);
+        assert_eq!(fds.len(), 1);
+        nix::unistd::write(&fds[0], b"x").unwrap();
+        let mut buf = [0u8; 1];
+        assert_eq!(nix::unistd::read(pr.as_raw_fd(), &mut buf).unwrap(), 1);
+    }
+
+    #[test]
+    fn eof_is_closed_and_garbage_is_malformed() {
+        let (a, b) = seqpacket_pair().unwrap();
+        nix::unistd::write(&a, b"{not json").unwrap();
+        assert!(matches!(recv::<Request>(b.as_raw_fd()), Err(ProtoError::Malformed(_))));
+        drop(a);
+        assert!(matches!(recv::<Request>(b.as_raw_fd()), Err(ProtoError::Closed)));
+    }
+
+    #[test]
+    fn oversized_message_is_refused_before_sending() {
+        let (a, _b) = seqpacket_pair().unwrap();
+        let big = Request::Spawn(SpawnRequest {
+            argv: vec!["x".repeat(MAX_MESSAGE)],
+            env: vec![],
+            cwd: "/".into(),
+            background: false,
+            stdin: false,
+            stdout: false,
+            stderr: false,
+            fd3: false,
+            tag: String::new(),
+        });
+        assert!(matches!(send(a.as_raw_fd(), &big, &[]), Err(ProtoError::TooLarge(_))));
+    }
+
+    #[test]
+    fn exit_status_decodes_codes_and_signals() {
+        assert_eq!(ExitStatus::from_wait_status(3 << 8), ExitStatus { code: Some(3), signal: None });
+        assert_eq!(ExitStatus::from_wait_status(9), ExitStatus { code: None, signal: Some(9) });
+    }
+}

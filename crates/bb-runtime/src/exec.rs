@@ -1,0 +1,417 @@
+//! Commands: foreground (buffered or streamed), background (logged to files), wait, kill, list.
+
+use crate::error::{Result, RuntimeError};
+use crate::initconn::{init_error, InitConn};
+use crate::model::{CommandEvent, CommandResult, ProcessInfo, RunCommand};
+use crate::sandbox::Sandbox;
+use base64::Engine;
+use bb_proto::{ExitStatus, Request, Response, SpawnRequest};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::time::{Duration, Instant};
+use tokio::io::AsyncWriteExt;
+use tokio::net::unix::pipe;
+use tokio::sync::{mpsc, watch};
+
+/// Largest stdout or stderr kept per command; the rest is read and dropped (`*_truncated`).
+pub const MAX_OUTPUT: usize = 16 << 20;
+pub const DEFAULT_TIMEOUT: f64 = 60.0;
+
+/// What to run, resolved against the sandbox's defaults.
+pub struct Resolved {
+    pub argv: Vec<String>,
+    pub env: Vec<String>,
+    pub cwd: String,
+    pub stdin: Option<Vec<u8>>,
+    pub timeout: Option<Duration>,
+    pub tag: String,
+}
+
+pub fn resolve(sb: &Sandbox, req: &RunCommand) -> Result<Resolved> {
+    let (argv, tag) = match (&req.cmd, &req.args) {
+        (Some(cmd), None) => (vec!["/bin/sh".into(), "-c".into(), cmd.clone()], cmd.clone()),
+        (None, Some(args)) if !args.is_empty() => (args.clone(), args.join(" ")),
+        (None, Some(_)) => return Err(RuntimeError::BadRequest("args is empty: give at least the program".into())),
+        (Some(_), Some(_)) => return Err(RuntimeError::BadRequest("give either cmd or args, not both".into())),
+        (None, None) => return Err(RuntimeError::BadRequest("give cmd (a shell command line) or args (an argv list)".into())),
+    };
+    let stdin = match (&req.stdin, &req.stdin_b64) {
+        (Some(_), Some(_)) => return Err(RuntimeError::BadRequest("give either stdin or stdin_b64, not both".into())),
+        (Some(s), None) => Some(s.clone().into_bytes()),
+        (None, Some(b)) => Some(
+            base64::engine::general_purpose::STANDARD
+                .decode(b)
+                .map_err(|e| RuntimeError::BadRequest(format!("stdin_b64 is not valid base64: {e}")))?,
+        ),
+        (None, None) => None,
+    };
+    let timeout = match req.timeout {
+        None => Some(Duration::from_secs_f64(DEFAULT_TIMEOUT)),
+        Some(t) if t < 0.0 || !t.is_finite() => {
+            return Err(RuntimeError::BadRequest("timeout must be >= 0 seconds (0 = no limit)".into()))
+        }
+        Some(t) if t == 0.0 => None,
+        Some(t) => Some(Duration::from_secs_f64(t)),
+    };
+    Ok(Resolved {
+        argv,
+        env: sb.env_with(&req.env),
+        cwd: req.cwd.clone().unwrap_or_else(|| sb.spec.cwd.clone()),
+        stdin,
+        timeout,
+        tag,
+    })
+}
+
+fn pipe_pair() -> Result<(OwnedFd, OwnedFd)> {
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| RuntimeError::internal("pipe", e))
+}
+
+fn receiver(fd: OwnedFd) -> Result<pipe::Receiver> {
+    pipe::Receiver::from_owned_fd(fd).map_err(|e| RuntimeError::internal("pipe", e))
+}
+
+/// Accumulates one output stream, capped, and forwards chunks as events.
+struct Collector {
+    buf: Vec<u8>,
+    truncated: bool,
+    carry: Vec<u8>,
+    events: Option<mpsc::Sender<CommandEvent>>,
+    is_err: bool,
+}
+
+impl Collector {
+    async fn push(&mut self, data: &[u8]) {
+        let room = MAX_OUTPUT.saturating_sub(self.buf.len());
+        if data.len() > room {
+            self.truncated = true;
+        }
+        self.buf.extend_from_slice(&data[..data.len().min(room)]);
+        if let Some(tx) = &self.events {
+            // Never split a UTF-8 sequence across two events.
+            self.carry.extend_from_slice(data);
+            let cut = match std::str::from_utf8(&self.carry) {
+                Ok(_) => self.carry.len(),
+                Err(e) if e.error_len().is_none() => e.valid_up_to(),
+                Err(_) => self.carry.len(),
+            };
+            if cut > 0 {
+                let text = String::from_utf8_lossy(&self.carry[..cut]).into_owned();
+                self.carry.drain(..cut);
+                let ev = if self.is_err { CommandEvent::Stderr { data: text } } else { CommandEvent::Stdout { data: text } };
+                let _ = tx.send(ev).await;
+            }
+        }
+    }
+
+    async fn finish(mut self) -> (String, bool) {
+        if !self.carry.is_empty() {
+            let rest = std::mem::take(&mut self.carry);
+            self.carry.clear();
+            if let Some(tx) = &self.events {
+                let text = String::from_utf8_lossy(&rest).into_owned();
+                let ev = if self.is_err { CommandEvent::Stderr { data: text } } else { CommandEvent::Stdout { data: text } };
+                let _ = tx.send(ev).await;
+            }
+        }
+        (String::from_utf8_lossy(&self.buf).into_owned(), self.truncated)
+    }
+}
+
+/// Read a pipe until EOF, or — once `exited` fires — until it is momentarily empty: what the
+/// process wrote before exiting is already in the pipe, and a grandchild that keeps the pipe open
+/// must not hold the answer hostage.
+async fn collect(rx: pipe::Receiver, mut col: Collector, mut exited: watch::Receiver<bool>) -> (String, bool) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut draining = false;
+    loop {
+        if *exited.borrow() {
+            draining = true;
+        }
+        if draining {
+            match rx.try_read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => col.push(&buf[..n]).await,
+                Err(_) => break,
+            }
+            continue;
+        }
+        tokio::select! {
+            r = rx.readable() => {
+                if r.is_err() { break; }
+                match rx.try_read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => col.push(&buf[..n]).await,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(_) => break,
+                }
+            }
+            _ = exited.changed() => draining = true,
+        }
+    }
+    col.finish().await
+}
+
+/// Run a command in the foreground. With `events`, output is also streamed as it comes.
+pub async fn run(sb: &Sandbox, req: &RunCommand, events: Option<mpsc::Sender<CommandEvent>>) -> Result<CommandResult> {
+    let r = resolve(sb, req)?;
+    let started = Instant::now();
+    let (out_r, out_w) = pipe_pair()?;
+    let (err_r, err_w) = pipe_pair()?;
+    let stdin_pipe = match r.stdin {
+        Some(_) => Some(pipe_pair()?),
+        None => None,
+    };
+    let oom_before = sb.oom_kills();
+    let conn = InitConn::connect(&sb.dirs.sock()).await?;
+    let mut fds = Vec::new();
+    if let Some((rd, _)) = &stdin_pipe {
+        fds.push(rd.as_raw_fd());
+    }
+    fds.push(out_w.as_raw_fd());
+    fds.push(err_w.as_raw_fd());
+    conn.send(
+        &Request::Spawn(SpawnRequest {
+            argv: r.argv,
+            env: r.env,
+            cwd: r.cwd,
+            background: false,
+            stdin: stdin_pipe.is_some(),
+            stdout: true,
+            stderr: true,
+            fd3: false,
+            tag: r.tag,
+        }),
+        &fds,
+    )?;
+    drop(out_w);
+    drop(err_w);
+    let stdin_w = stdin_pipe.map(|(rd, wr)| {
+        drop(rd);
+        wr
+    });
+    let pid = match conn.recv().await? {
+        Response::Started { pid } => pid,
+        Response::Error { errno, message } => return Err(init_error(errno, message)),
+        other => return Err(RuntimeError::Internal(format!("unexpected init answer {other:?}"))),
+    };
+    if let Some(tx) = &events {
+        let _ = tx.send(CommandEvent::Start { pid }).await;
+    }
+    if let (Some(w), Some(data)) = (stdin_w, r.stdin) {
+        let mut tx = pipe::Sender::from_owned_fd(w).map_err(|e| RuntimeError::internal("stdin pipe", e))?;
+        tokio::spawn(async move {
+            let _ = tx.write_all(&data).await;
+        });
+    }
+    let (exited_tx, exited) = watch::channel(false);
+    let col = |is_err| Collector { buf: Vec::new(), truncated: false, carry: Vec::new(), events: events.clone(), is_err };
+    let out_task = tokio::spawn(collect(receiver(out_r)?, col(false), exited.clone()));
+    let err_task = tokio::spawn(collect(receiver(err_r)?, col(true), exited.clone()));
+
+    let wait_exit = async {
+        loop {
+            match conn.recv().await? {
+                Response::Exited { status, .. } => return Ok::<ExitStatus, RuntimeError>(status),
+                _ => continue,
+            }
+        }
+    };
+    let (status, timed_out) = match r.timeout {
+        None => (wait_exit.await?, false),
+        Some(t) => {
+            tokio::pin!(wait_exit);
+            match tokio::time::timeout(t, &mut wait_exit).await {
+                Ok(s) => (s?, false),
+                Err(_) => {
+                    let _ = InitConn::call(&sb.dirs.sock(), &Request::Kill { pid, signal: libc::SIGKILL, group: true }).await;
+                    let s = tokio::time::timeout(Duration::from_secs(5), &mut wait_exit)
+                        .await
+                        .unwrap_or(Ok(ExitStatus { code: None, signal: Some(libc::SIGKILL) }))?;
+                    (s, true)
+                }
+            }
+        }
+    };
+    let _ = exited_tx.send(true);
+    let (stdout, stdout_truncated) = out_task.await.map_err(|e| RuntimeError::internal("stdout task", e))?;
+    let (stderr, stderr_truncated) = err_task.await.map_err(|e| RuntimeError::internal("stderr task", e))?;
+    let oom_killed = status.signal == Some(libc::SIGKILL) && sb.oom_kills() > oom_before;
+    let result = CommandResult {
+        pid,
+        exit_code: if timed_out { None } else { status.code },
+        signal: status.signal,
+        stdout,
+        stderr,
+        timed_out,
+        oom_killed,
+        duration: started.elapsed().as_secs_f64(),
+        stdout_truncated,
+        stderr_truncated,
+    };
+    if let Some(tx) = &events {
+        let _ = tx
+            .send(CommandEvent::Exit {
+                pid,
+                exit_code: result.exit_code,
+                signal: result.signal,
+                timed_out,
+                oom_killed,
+                duration: result.duration,
+            })
+            .await;
+    }
+    Ok(result)
+}
+
+fn log_paths(sb: &Sandbox, name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    (sb.dirs.logs().join(format!("{name}.out")), sb.dirs.logs().join(format!("{name}.err")))
+}
+
+fn open_log(path: &std::path::Path) -> Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .open(path)
+        .map_err(|e| RuntimeError::internal("open process log", e))
+}
+
+/// Start a background process; its output goes to log files kept by the daemon.
+pub async fn start_background(sb: &Sandbox, req: &RunCommand) -> Result<i32> {
+    let r = resolve(sb, req)?;
+    let tmp = format!("tmp-{}", uuid::Uuid::new_v4().simple());
+    let (out_p, err_p) = log_paths(sb, &tmp);
+    let (out, err) = (open_log(&out_p)?, open_log(&err_p)?);
+    let stdin_pipe = match r.stdin {
+        Some(_) => Some(pipe_pair()?),
+        None => None,
+    };
+    let mut fds = Vec::new();
+    if let Some((rd, _)) = &stdin_pipe {
+        fds.push(rd.as_raw_fd());
+    }
+    fds.push(out.as_raw_fd());
+    fds.push(err.as_raw_fd());
+    let conn = InitConn::connect(&sb.dirs.sock()).await?;
+    conn.send(
+        &Request::Spawn(SpawnRequest {
+            argv: r.argv,
+            env: r.env,
+            cwd: r.cwd,
+            background: true,
+            stdin: stdin_pipe.is_some(),
+            stdout: true,
+            stderr: true,
+            fd3: false,
+            tag: r.tag,
+        }),
+        &fds,
+    )?;
+    let pid = match conn.recv().await {
+        Ok(Response::Started { pid }) => pid,
+        Ok(Response::Error { errno, message }) => {
+            let _ = std::fs::remove_file(&out_p);
+            let _ = std::fs::remove_file(&err_p);
+            return Err(init_error(errno, message));
+        }
+        Ok(other) => return Err(RuntimeError::Internal(format!("unexpected init answer {other:?}"))),
+        Err(e) => return Err(e),
+    };
+    let (out_final, err_final) = log_paths(sb, &pid.to_string());
+    let _ = std::fs::rename(&out_p, out_final);
+    let _ = std::fs::rename(&err_p, err_final);
+    if let (Some((rd, wr)), Some(data)) = (stdin_pipe, r.stdin) {
+        drop(rd);
+        let mut tx = pipe::Sender::from_owned_fd(wr).map_err(|e| RuntimeError::internal("stdin pipe", e))?;
+        tokio::spawn(async move {
+            let _ = tx.write_all(&data).await;
+        });
+    }
+    Ok(pid)
+}
+
+fn read_log(path: &std::path::Path) -> (String, bool) {
+    use std::io::Read;
+    let Ok(f) = std::fs::File::open(path) else { return (String::new(), false) };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut buf = Vec::new();
+    let _ = f.take(MAX_OUTPUT as u64).read_to_end(&mut buf);
+    (String::from_utf8_lossy(&buf).into_owned(), len > MAX_OUTPUT as u64)
+}
+
+/// Wait for a background process (up to `timeout`; it keeps running after a timeout).
+pub async fn wait(sb: &Sandbox, pid: i32, timeout: Option<f64>) -> Result<CommandResult> {
+    let started = Instant::now();
+    let conn = InitConn::connect(&sb.dirs.sock()).await?;
+    conn.send(&Request::Wait { pid }, &[])?;
+    let fut = conn.recv();
+    let resp = match timeout {
+        Some(t) if t > 0.0 => tokio::time::timeout(Duration::from_secs_f64(t), fut).await.ok(),
+        _ => Some(fut.await),
+    };
+    let (out_p, err_p) = log_paths(sb, &pid.to_string());
+    let (stdout, stdout_truncated) = read_log(&out_p);
+    let (stderr, stderr_truncated) = read_log(&err_p);
+    let mut result = CommandResult {
+        pid,
+        stdout,
+        stderr,
+        stdout_truncated,
+        stderr_truncated,
+        duration: started.elapsed().as_secs_f64(),
+        ..Default::default()
+    };
+    match resp {
+        None => result.timed_out = true,
+        Some(Ok(Response::Exited { status, .. })) => {
+            result.exit_code = status.code;
+            result.signal = status.signal;
+        }
+        Some(Ok(Response::Error { errno, message })) => return Err(init_error(errno, message)),
+        Some(Ok(other)) => return Err(RuntimeError::Internal(format!("unexpected init answer {other:?}"))),
+        Some(Err(e)) => return Err(e),
+    }
+    Ok(result)
+}
+
+pub async fn list(sb: &Sandbox) -> Result<Vec<ProcessInfo>> {
+    match InitConn::call(&sb.dirs.sock(), &Request::List).await? {
+        Response::Procs { procs } => Ok(procs
+            .into_iter()
+            .filter(|p| !p.tag.starts_with(crate::session::SESSION_TAG))
+            .map(|p| ProcessInfo {
+                pid: p.pid,
+                cmd: p.tag,
+                running: p.exit.is_none(),
+                exit_code: p.exit.and_then(|e| e.code),
+                signal: p.exit.and_then(|e| e.signal),
+                started_at: p.started_at,
+            })
+            .collect()),
+        other => Err(RuntimeError::Internal(format!("unexpected init answer {other:?}"))),
+    }
+}
+
+/// Signal a process and its process group (every spawned process leads its own).
+pub async fn kill(sb: &Sandbox, pid: i32, signal: i32) -> Result<()> {
+    if !(1..=64).contains(&signal) {
+        return Err(RuntimeError::BadRequest(format!("signal {signal} is not a valid signal number (1-64)")));
+    }
+    match InitConn::call(&sb.dirs.sock(), &Request::Kill { pid, signal, group: true }).await? {
+        Response::Ok => Ok(()),
+        Response::Error { errno: libc::ESRCH, .. } => {
+            match InitConn::call(&sb.dirs.sock(), &Request::Kill { pid, signal, group: false }).await? {
+                Response::Ok => Ok(()),
+                Response::Error { errno: libc::ESRCH, .. } => Err(RuntimeError::NotFound {
+                    kind: "process",
+                    id: pid.to_string(),
+                    hint: ": it is not running (list processes with commands.list)",
+                }),
+                Response::Error { errno, message } => Err(init_error(errno, message)),
+                other => Err(RuntimeError::Internal(format!("unexpected init answer {other:?}"))),
+            }
+        }
+        Response::Error { errno, message } => Err(init_error(errno, message)),
+        other => Err(RuntimeError::Internal(format!("unexpected init answer {other:?}"))),
+    }
+}

@@ -1,0 +1,482 @@
+//! File access inside a sandbox, from the host side, without ever leaving its root.
+//!
+//! Every path is first normalised lexically (a `..` that would climb above `/` is refused with
+//! `path_escape`), then opened with `openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)` relative to an
+//! `O_PATH` fd of the sandbox's merged root: symlinks, absolute or relative, resolve inside the
+//! sandbox as they would for a process in it, and /proc magic links are refused. Files and
+//! directories the daemon creates are owned by the sandbox's root (the mapped host uid).
+
+use crate::error::{Result, RuntimeError};
+use crate::model::EntryInfo;
+use bb_sys::mount_api::{openat2, RESOLVE_BENEATH, RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS};
+use nix::fcntl::AtFlags;
+use nix::sys::stat::{fstatat, FileStat, Mode, SFlag};
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::Path;
+
+const IN_ROOT: u64 = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS;
+/// Most entries one `list` call returns.
+pub const MAX_LIST_ENTRIES: usize = 100_000;
+
+/// A normalised absolute path inside the sandbox.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SbPath {
+    parts: Vec<String>,
+}
+
+impl SbPath {
+    pub fn parse(path: &str) -> Result<SbPath> {
+        if path.contains('\0') {
+            return Err(RuntimeError::BadRequest("path contains a NUL byte".into()));
+        }
+        if path.is_empty() {
+            return Err(RuntimeError::BadRequest("path is empty: give an absolute path such as /root/file.txt".into()));
+        }
+        let mut parts: Vec<String> = Vec::new();
+        for c in path.split('/') {
+            match c {
+                "" | "." => {}
+                ".." => {
+                    if parts.pop().is_none() {
+                        return Err(RuntimeError::PathEscape(format!(
+                            "path {path:?} climbs above the sandbox root: remove the leading '..' components"
+                        )));
+                    }
+                }
+                c => parts.push(c.to_string()),
+            }
+        }
+        Ok(SbPath { parts })
+    }
+
+    pub fn is_root(&self) -> bool {
+        self.parts.is_empty()
+    }
+
+    /// Relative form for openat2 against the root fd ("." for the root).
+    pub fn rel(&self) -> String {
+        if self.parts.is_empty() {
+            ".".into()
+        } else {
+            self.parts.join("/")
+        }
+    }
+
+    pub fn display(&self) -> String {
+        format!("/{}", self.parts.join("/"))
+    }
+
+    pub fn name(&self) -> &str {
+        self.parts.last().map(|s| s.as_str()).unwrap_or("/")
+    }
+
+    pub fn parent(&self) -> SbPath {
+        SbPath { parts: self.parts[..self.parts.len().saturating_sub(1)].to_vec() }
+    }
+
+    pub fn join(&self, name: &str) -> SbPath {
+        let mut parts = self.parts.clone();
+        parts.push(name.to_string());
+        SbPath { parts }
+    }
+}
+
+pub struct SandboxFs {
+    root: OwnedFd,
+    uid: u32,
+}
+
+fn errno_to_error(what: &str, path: &SbPath, e: nix::Error) -> RuntimeError {
+    let p = path.display();
+    match e {
+        nix::Error::ENOENT => RuntimeError::NotFound { kind: "path", id: p, hint: "" },
+        nix::Error::EXDEV | nix::Error::ELOOP => {
+            RuntimeError::PathEscape(format!("{what} {p}: the path leaves the sandbox root or loops"))
+        }
+        nix::Error::ENOTDIR => RuntimeError::BadRequest(format!("{what} {p}: a component is not a directory")),
+        nix::Error::EISDIR => RuntimeError::BadRequest(format!("{what} {p}: is a directory")),
+        nix::Error::EEXIST => RuntimeError::Conflict(format!("{what} {p}: already exists")),
+        nix::Error::ENOTEMPTY => {
+            RuntimeError::Conflict(format!("{what} {p}: directory not empty (pass recursive=true)"))
+        }
+        nix::Error::ENOSPC | nix::Error::EDQUOT => RuntimeError::TooLarge(format!("{what} {p}: no space left")),
+        nix::Error::EACCES | nix::Error::EPERM | nix::Error::EROFS => {
+            RuntimeError::BadRequest(format!("{what} {p}: permission denied"))
+        }
+        e => RuntimeError::Internal(format!("{what} {p}: {e}")),
+    }
+}
+
+fn sys_to_nix(e: bb_sys::SysError) -> nix::Error {
+    nix::Error::from_raw(e.errno())
+}
+
+fn entry(path: &SbPath, st: &FileStat, target: Option<String>) -> EntryInfo {
+    let fmt = SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits());
+    let kind = match fmt {
+        SFlag::S_IFREG => "file",
+        SFlag::S_IFDIR => "dir",
+        SFlag::S_IFLNK => "symlink",
+        _ => "other",
+    };
+    EntryInfo {
+        name: path.name().to_string(),
+        path: path.display(),
+        kind: kind.into(),
+        size: st.st_size as u64,
+        mode: st.st_mode & 0o7777,
+        mtime: st.st_mtime as f64 + st.st_mtime_nsec as f64 / 1e9,
+        symlink_target: target,
+    }
+}
+
+impl SandboxFs {
+    /// `rootfs`: host path of the sandbox's merged root. `uid`: host uid of the sandbox's root.
+    pub fn open(rootfs: &Path, uid: u32) -> Result<SandboxFs> {
+        let root = File::options()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
+            .open(rootfs)
+            .map_err(|e| RuntimeError::internal("open sandbox root", e))?;
+        Ok(SandboxFs { root: root.into(), uid })
+    }
+
+    fn open_at(&self, path: &SbPath, flags: i32, mode: u32) -> Result<OwnedFd> {
+        openat2(self.root.as_fd(), path.rel(), flags, mode, IN_ROOT)
+            .map_err(|e| errno_to_error("open", path, sys_to_nix(e)))
+    }
+
+    fn parent_dir(&self, path: &SbPath) -> Result<OwnedFd> {
+        self.open_at(&path.parent(), libc::O_PATH | libc::O_DIRECTORY, 0)
+    }
+
+    fn stat_in(&self, dir: BorrowedFd<'_>, path: &SbPath) -> Result<EntryInfo> {
+        let st = fstatat(Some(dir.as_raw_fd()), path.name(), AtFlags::AT_SYMLINK_NOFOLLOW)
+            .map_err(|e| errno_to_error("stat", path, e))?;
+        let target = if st.st_mode & SFlag::S_IFMT.bits() == SFlag::S_IFLNK.bits() {
+            nix::fcntl::readlinkat(Some(dir.as_raw_fd()), path.name())
+                .ok()
+                .map(|t| t.to_string_lossy().into_owned())
+        } else {
+            None
+        };
+        Ok(entry(path, &st, target))
+    }
+
+    pub fn stat(&self, path: &SbPath) -> Result<EntryInfo> {
+        if path.is_root() {
+            let st = nix::sys::stat::fstat(self.root.as_raw_fd()).map_err(|e| errno_to_error("stat", path, e))?;
+            return Ok(entry(path, &st, None));
+        }
+        let dir = self.parent_dir(path)?;
+        self.stat_in(dir.as_fd(), path)
+    }
+
+    /// Open a regular file for reading.
+    pub fn open_read(&self, path: &SbPath) -> Result<(File, u64)> {
+        let fd = self.open_at(path, libc::O_RDONLY, 0)?;
+        let st = nix::sys::stat::fstat(fd.as_raw_fd()).map_err(|e| errno_to_error("stat", path, e))?;
+        if st.st_mode & SFlag::S_IFMT.bits() == SFlag::S_IFDIR.bits() {
+            return Err(RuntimeError::BadRequest(format!(
+                "{} is a directory: use the list endpoint (files.list) instead",
+                path.display()
+            )));
+        }
+        Ok((File::from(fd), st.st_size as u64))
+    }
+
+    /// Start writing a file: data goes to a hidden temporary file beside it, which
+    /// [`commit`](Self::commit) renames over the target, so a failed or oversized upload never
+    /// destroys the previous content. Parents are created. The file belongs to the sandbox's root;
+    /// it keeps the previous file's mode unless `mode` is given.
+    pub fn begin_write(&self, path: &SbPath, mode: Option<u32>) -> Result<Upload> {
+        if path.is_root() {
+            return Err(RuntimeError::BadRequest("cannot write to / : give a file path".into()));
+        }
+        self.mkdir(&path.parent(), true)?;
+        let dir = self.open_at(&path.parent(), libc::O_PATH | libc::O_DIRECTORY, 0)?;
+        let existing = fstatat(Some(dir.as_raw_fd()), path.name(), AtFlags::AT_SYMLINK_NOFOLLOW).ok();
+        if existing.is_some_and(|st| st.st_mode & SFlag::S_IFMT.bits() == SFlag::S_IFDIR.bits()) {
+            return Err(RuntimeError::BadRequest(format!("{} is a directory: give a file path", path.display())));
+        }
+        let mode = mode
+            .or(existing.filter(|st| st.st_mode & SFlag::S_IFMT.bits() == SFlag::S_IFREG.bits()).map(|st| st.st_mode))
+            .unwrap_or(0o644)
+            & 0o7777;
+        let tmp = format!(".branchbox-upload-{}", uuid::Uuid::new_v4().simple());
+        let fd = openat2(dir.as_fd(), &tmp, libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL, 0o600, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
+            .map_err(|e| errno_to_error("create", path, sys_to_nix(e)))?;
+        let up = Upload { file: Some(File::from(fd)), dir, tmp, dst: path.clone(), committed: false };
+        let raw = up.file.as_ref().expect("set").as_raw_fd();
+        nix::unistd::fchown(raw, Some(self.uid.into()), Some(self.uid.into())).map_err(|e| errno_to_error("chown", path, e))?;
+        nix::sys::stat::fchmod(raw, Mode::from_bits_truncate(mode)).map_err(|e| errno_to_error("chmod", path, e))?;
+        Ok(up)
+    }
+
+    /// Atomically put an upload in place.
+    pub fn commit(&self, mut up: Upload) -> Result<EntryInfo> {
+        if let Some(f) = up.file.take() {
+            f.sync_data().ok();
+        }
+        nix::fcntl::renameat(Some(up.dir.as_raw_fd()), up.tmp.as_str(), Some(up.dir.as_raw_fd()), up.dst.name())
+            .map_err(|e| errno_to_error("write", &up.dst, e))?;
+        up.committed = true;
+        self.stat_in(up.dir.as_fd(), &up.dst)
+    }
+
+    pub fn mkdir(&self, path: &SbPath, parents: bool) -> Result<EntryInfo> {
+        if path.is_root() {
+            return self.stat(path);
+        }
+        let mut cur = SbPath { parts: vec![] };
+        let n = path.parts.len();
+        for (i, part) in path.parts.iter().enumerate() {
+            let parent = self.open_at(&cur, libc::O_PATH | libc::O_DIRECTORY, 0)?;
+            cur = cur.join(part);
+            let last = i + 1 == n;
+            if !last && !parents {
+                continue;
+            }
+            match nix::sys::stat::mkdirat(Some(parent.as_raw_fd()), part.as_str(), Mode::from_bits_truncate(0o755)) {
+                Ok(()) => {
+                    nix::unistd::fchownat(
+                        Some(parent.as_raw_fd()),
+                        part.as_str(),
+                        Some(self.uid.into()),
+                        Some(self.uid.into()),
+                        AtFlags::AT_SYMLINK_NOFOLLOW,
+                    )
+                    .map_err(|e| errno_to_error("chown", &cur, e))?;
+                }
+                Err(nix::Error::EEXIST) if parents || !last => {
+                    // Must be (or lead to) a directory.
+                    self.open_at(&cur, libc::O_PATH | libc::O_DIRECTORY, 0)?;
+                }
+                Err(e) => return Err(errno_to_error("mkdir", &cur, e)),
+            }
+        }
+        self.stat(path)
+    }
+
+    pub fn list(&self, path: &SbPath, depth: u32) -> Result<Vec<EntryInfo>> {
+        let dir = self.open_at(path, libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
+        let mut out = Vec::new();
+        self.list_into(dir, path, depth.max(1), &mut out)?;
+        Ok(out)
+    }
+
+    fn list_into(&self, dir: OwnedFd, path: &SbPath, depth: u32, out: &mut Vec<EntryInfo>) -> Result<()> {
+        let raw = dir.as_raw_fd();
+        let mut d = nix::dir::Dir::from_fd(std::os::fd::IntoRawFd::into_raw_fd(dir)).map_err(|e| errno_to_error("list", path, e))?;
+        let mut names: Vec<String> = d
+            .iter()
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n != "." && n != "..")
+            .collect();
+        names.sort();
+        // SAFETY: `d` owns `raw` and stays alive for the rest of this function.
+        let dirfd = unsafe { BorrowedFd::borrow_raw(raw) };
+        for name in names {
+            if out.len() >= MAX_LIST_ENTRIES {
+                return Err(RuntimeError::TooLarge(format!(
+                    "more than {MAX_LIST_ENTRIES} entries under {}: list a smaller directory or a lower depth",
+                    path.display()
+                )));
+            }
+            let child = path.join(&name);
+            let info = match self.stat_in(dirfd, &child) {
+                Ok(i) => i,
+                Err(RuntimeError::NotFound { .. }) => continue, // removed meanwhile
+                Err(e) => return Err(e),
+            };
+            let is_dir = info.kind == "dir";
+            out.push(info);
+            if is_dir && depth > 1 {
+                let sub = openat2(dirfd, &name, libc::O_RDONLY | libc::O_DIRECTORY, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
+                    .map_err(|e| errno_to_error("list", &child, sys_to_nix(e)))?;
+                self.list_into(sub, &child, depth - 1, out)?;
+            }
+        }
+        drop(d);
+        Ok(())
+    }
+
+    pub fn remove(&self, path: &SbPath, recursive: bool) -> Result<()> {
+        if path.is_root() {
+            return Err(RuntimeError::BadRequest("refusing to remove / : give a path below it".into()));
+        }
+        let parent = self.parent_dir(path)?;
+        let info = self.stat_in(parent.as_fd(), path)?;
+        if info.kind == "dir" {
+            if recursive {
+                let dir = openat2(parent.as_fd(), path.name(), libc::O_RDONLY | libc::O_DIRECTORY, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
+                    .map_err(|e| errno_to_error("remove", path, sys_to_nix(e)))?;
+                remove_contents(dir, path)?;
+            }
+            nix::unistd::unlinkat(Some(parent.as_raw_fd()), path.name(), nix::unistd::UnlinkatFlags::RemoveDir)
+                .map_err(|e| errno_to_error("remove", path, e))
+        } else {
+            nix::unistd::unlinkat(Some(parent.as_raw_fd()), path.name(), nix::unistd::UnlinkatFlags::NoRemoveDir)
+                .map_err(|e| errno_to_error("remove", path, e))
+        }
+    }
+
+    pub fn rename(&self, from: &SbPath, to: &SbPath) -> Result<EntryInfo> {
+        if from.is_root() || to.is_root() {
+            return Err(RuntimeError::BadRequest("cannot rename / or onto /".into()));
+        }
+        let a = self.parent_dir(from)?;
+        self.mkdir(&to.parent(), true)?;
+        let b = self.parent_dir(to)?;
+        nix::fcntl::renameat(Some(a.as_raw_fd()), from.name(), Some(b.as_raw_fd()), to.name())
+            .map_err(|e| errno_to_error("rename", from, e))?;
+        self.stat(to)
+    }
+}
+
+/// A file being written; dropped without [`SandboxFs::commit`], its temporary file is removed.
+pub struct Upload {
+    file: Option<File>,
+    dir: OwnedFd,
+    tmp: String,
+    dst: SbPath,
+    committed: bool,
+}
+
+impl Upload {
+    pub fn file(&mut self) -> &mut File {
+        self.file.as_mut().expect("upload already committed")
+    }
+    pub fn take_file(&mut self) -> File {
+        self.file.take().expect("upload already committed")
+    }
+    pub fn put_file(&mut self, f: File) {
+        self.file = Some(f);
+    }
+}
+
+impl Drop for Upload {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = nix::unistd::unlinkat(Some(self.dir.as_raw_fd()), self.tmp.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
+        }
+    }
+}
+
+/// Remove everything below an open directory without following symlinks.
+fn remove_contents(dir: OwnedFd, path: &SbPath) -> Result<()> {
+    let raw = dir.as_raw_fd();
+    let mut d = nix::dir::Dir::from_fd(std::os::fd::IntoRawFd::into_raw_fd(dir)).map_err(|e| errno_to_error("remove", path, e))?;
+    let entries: Vec<(String, bool)> = d
+        .iter()
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            (name != "." && name != "..").then_some((name, e.file_type() == Some(nix::dir::Type::Directory)))
+        })
+        .collect();
+    // SAFETY: `d` owns `raw` and outlives every use below.
+    let dirfd = unsafe { BorrowedFd::borrow_raw(raw) };
+    for (name, is_dir) in entries {
+        let child = path.join(&name);
+        if is_dir {
+            let sub = openat2(dirfd, &name, libc::O_RDONLY | libc::O_DIRECTORY, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
+                .map_err(|e| errno_to_error("remove", &child, sys_to_nix(e)))?;
+            remove_contents(sub, &child)?;
+            nix::unistd::unlinkat(Some(raw), name.as_str(), nix::unistd::UnlinkatFlags::RemoveDir)
+                .map_err(|e| errno_to_error("remove", &child, e))?;
+        } else {
+            nix::unistd::unlinkat(Some(raw), name.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir)
+                .map_err(|e| errno_to_error("remove", &child, e))?;
+        }
+    }
+    drop(d);
+    Ok(())
+}
+
+use std::os::unix::fs::OpenOptionsExt;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lexical_escape_is_refused_and_paths_normalise() {
+        assert!(matches!(SbPath::parse("/../etc/shadow"), Err(RuntimeError::PathEscape(_))));
+        assert!(matches!(SbPath::parse("a/../../x"), Err(RuntimeError::PathEscape(_))));
+        assert_eq!(SbPath::parse("/a/./b/../c//d").unwrap().display(), "/a/c/d");
+        assert!(SbPath::parse("/").unwrap().is_root());
+        assert!(SbPath::parse("").is_err());
+        assert!(SbPath::parse("a\0b").is_err());
+    }
+
+    /// Uses the real syscalls on a temp dir standing in for a sandbox root (no root needed).
+    #[test]
+    fn symlinks_resolve_inside_the_root() {
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("secret"), "host").unwrap();
+        let root = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(outside.path().join("secret"), root.path().join("abs")).unwrap();
+        std::os::unix::fs::symlink("../../../../../../", root.path().join("up")).unwrap();
+        let me = nix::unistd::getuid().as_raw();
+        let fs = SandboxFs::open(root.path(), me).unwrap();
+        // The absolute symlink is resolved inside the root, where its target does not exist.
+        assert!(matches!(fs.open_read(&SbPath::parse("/abs").unwrap()), Err(RuntimeError::NotFound { .. })));
+        // Writing through it creates the file inside the root and leaves the host file untouched.
+        use std::io::Write;
+        let target = outside.path().join("secret");
+        let mut up = fs.begin_write(&SbPath::parse("/abs").unwrap(), None).unwrap();
+        up.file().write_all(b"sandbox").unwrap();
+        fs.commit(up).unwrap();
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "host");
+        // The symlink itself was replaced by the new file, inside the root.
+        assert_eq!(std::fs::read_to_string(root.path().join("abs")).unwrap(), "sandbox");
+        // Writing below a symlinked directory: dangling inside the root, it fails...
+        std::os::unix::fs::symlink(outside.path(), root.path().join("dirlink")).unwrap();
+        assert!(fs.begin_write(&SbPath::parse("/dirlink/secret").unwrap(), None).is_err());
+        // ...and once its target exists inside the root, the write lands there.
+        let in_root = root.path().join(outside.path().strip_prefix("/").unwrap());
+        std::fs::create_dir_all(&in_root).unwrap();
+        let mut up = fs.begin_write(&SbPath::parse("/dirlink/secret").unwrap(), None).unwrap();
+        up.file().write_all(b"x").unwrap();
+        fs.commit(up).unwrap();
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "host");
+        assert_eq!(std::fs::read_to_string(in_root.join("secret")).unwrap(), "x");
+        // A relative symlink climbing out stays clamped at the root.
+        let listed = fs.list(&SbPath::parse("/up").unwrap(), 1).unwrap();
+        assert!(listed.iter().any(|e| e.name == "abs"), "listing /up must list the sandbox root");
+    }
+
+    #[test]
+    fn mkdir_write_list_rename_remove() {
+        let root = tempfile::tempdir().unwrap();
+        let me = nix::unistd::getuid().as_raw();
+        let fs = SandboxFs::open(root.path(), me).unwrap();
+        let p = |s: &str| SbPath::parse(s).unwrap();
+        fs.mkdir(&p("/a/b/c"), true).unwrap();
+        assert!(matches!(fs.mkdir(&p("/a/b/c"), false), Err(RuntimeError::Conflict(_))));
+        use std::io::Write;
+        let mut up = fs.begin_write(&p("/a/b/f.txt"), Some(0o600)).unwrap();
+        up.file().write_all(b"hey").unwrap();
+        fs.commit(up).unwrap();
+        // An abandoned upload leaves the old content and no temporary file.
+        let mut up = fs.begin_write(&p("/a/b/f.txt"), None).unwrap();
+        up.file().write_all(b"partial").unwrap();
+        drop(up);
+        assert_eq!(std::fs::read_to_string(root.path().join("a/b/f.txt")).unwrap(), "hey");
+        assert_eq!(std::fs::read_dir(root.path().join("a/b")).unwrap().count(), 2);
+        let st = fs.stat(&p("/a/b/f.txt")).unwrap();
+        assert_eq!((st.kind.as_str(), st.size, st.mode), ("file", 3, 0o600));
+        let all = fs.list(&p("/a"), 3).unwrap();
+        let names: Vec<_> = all.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(names, vec!["/a/b", "/a/b/c", "/a/b/f.txt"]);
+        fs.rename(&p("/a/b/f.txt"), &p("/z/g.txt")).unwrap();
+        assert!(fs.stat(&p("/a/b/f.txt")).is_err());
+        assert!(matches!(fs.remove(&p("/a"), false), Err(RuntimeError::Conflict(_))));
+        fs.remove(&p("/a"), true).unwrap();
+        assert!(matches!(fs.stat(&p("/a")), Err(RuntimeError::NotFound { .. })));
+        assert!(fs.remove(&p("/"), true).is_err());
+    }
+}

@@ -1,0 +1,78 @@
+//! Async client side of the init protocol (see `bb_proto`).
+
+use crate::error::{Result, RuntimeError};
+use bb_proto::{ProtoError, Request, Response};
+use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::path::Path;
+use tokio::io::unix::AsyncFd;
+
+/// One connection to a sandbox's init: one request, then its responses.
+pub struct InitConn {
+    fd: AsyncFd<OwnedFd>,
+}
+
+impl InitConn {
+    pub async fn connect(sock: &Path) -> Result<InitConn> {
+        let fd = socket(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+            None,
+        )
+        .map_err(|e| RuntimeError::internal("socket", e))?;
+        let addr = UnixAddr::new(sock).map_err(|e| RuntimeError::internal("socket path", e))?;
+        let mut tries = 0;
+        loop {
+            match connect(fd.as_raw_fd(), &addr) {
+                Ok(()) => break,
+                // Backlog full: init is busy; back off briefly.
+                Err(nix::Error::EAGAIN) if tries < 200 => {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                }
+                Err(e) => {
+                    return Err(RuntimeError::Unavailable(format!(
+                        "cannot reach the sandbox's init ({e}): the sandbox has probably died; kill it and create a new one"
+                    )))
+                }
+            }
+        }
+        Ok(InitConn { fd: AsyncFd::new(fd).map_err(|e| RuntimeError::internal("AsyncFd", e))? })
+    }
+
+    pub fn send(&self, req: &Request, fds: &[RawFd]) -> Result<()> {
+        // A fresh connection's send buffer is empty, so a non-blocking send of one message succeeds.
+        bb_proto::send(self.fd.get_ref().as_raw_fd(), req, fds)?;
+        Ok(())
+    }
+
+    pub async fn recv(&self) -> Result<Response> {
+        loop {
+            let mut guard = self.fd.readable().await.map_err(|e| RuntimeError::internal("poll", e))?;
+            match bb_proto::recv::<Response>(self.fd.get_ref().as_raw_fd()) {
+                Ok((resp, _fds)) => return Ok(resp),
+                Err(ProtoError::Io(nix::Error::EAGAIN)) => guard.clear_ready(),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Send one request and read one response.
+    pub async fn call(sock: &Path, req: &Request) -> Result<Response> {
+        let conn = InitConn::connect(sock).await?;
+        conn.send(req, &[])?;
+        conn.recv().await
+    }
+}
+
+/// Turn an init `Error` response into a runtime error.
+pub fn init_error(errno: i32, message: String) -> RuntimeError {
+    match errno {
+        libc::ENOENT | libc::EACCES | libc::ENOTDIR | libc::EINVAL | libc::ENOEXEC | libc::E2BIG => {
+            RuntimeError::BadRequest(message)
+        }
+        libc::ESRCH => RuntimeError::NotFound { kind: "process", id: message, hint: "" },
+        _ => RuntimeError::Internal(message),
+    }
+}

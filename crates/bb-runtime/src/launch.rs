@@ -1,0 +1,263 @@
+//! Starting a sandbox: overlay root, cgroup, init cloned into new namespaces; and tearing it down.
+
+use crate::error::{Result, RuntimeError};
+use crate::model::SandboxSpec;
+use crate::RuntimeConfig;
+use bb_isolation::{Cgroup, CgroupLayout, CgroupVersion, Limits};
+use bb_proto::InitConfig;
+use bb_sys::process::{spawn_paused, NsSpawn};
+use nix::sys::socket::{bind, listen, socket, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The namespaces every sandbox gets.
+pub const NAMESPACES: u64 = (libc::CLONE_NEWUSER
+    | libc::CLONE_NEWNS
+    | libc::CLONE_NEWPID
+    | libc::CLONE_NEWUTS
+    | libc::CLONE_NEWIPC
+    | libc::CLONE_NEWNET
+    | libc::CLONE_NEWCGROUP) as u64;
+
+/// Paths of one sandbox's host-side state.
+#[derive(Debug, Clone)]
+pub struct SandboxDirs {
+    pub dir: PathBuf,
+}
+
+impl SandboxDirs {
+    pub fn new(state_dir: &Path, id: &str) -> Self {
+        SandboxDirs { dir: state_dir.join("sandboxes").join(id) }
+    }
+    pub fn rootfs(&self) -> PathBuf {
+        self.dir.join("rootfs")
+    }
+    pub fn sock(&self) -> PathBuf {
+        self.dir.join("control.sock")
+    }
+    pub fn logs(&self) -> PathBuf {
+        self.dir.join("logs")
+    }
+    pub fn init_log(&self) -> PathBuf {
+        self.dir.join("init.log")
+    }
+}
+
+pub struct Launched {
+    pub init_pid: i32,
+    pub init_start: u64,
+    pub cgroup: Cgroup,
+}
+
+pub fn limits(spec: &SandboxSpec) -> Limits {
+    Limits {
+        memory_bytes: Some(spec.memory_mb * 1024 * 1024),
+        cpu_millis: Some((spec.cpu * 1000.0).round() as u32),
+        pids: Some(spec.pids),
+    }
+}
+
+/// Undo what a failed launch did, in reverse order.
+struct Rollback<'a> {
+    dirs: &'a SandboxDirs,
+    mounted: bool,
+    cgroup: Option<Cgroup>,
+    pid: Option<i32>,
+    armed: bool,
+}
+
+impl Drop for Rollback<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Some(pid) = self.pid {
+            // SAFETY: signalling and reaping our own child.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, std::ptr::null_mut(), 0);
+            }
+        }
+        if let Some(cg) = self.cgroup.take() {
+            let _ = cg.destroy();
+        }
+        if self.mounted {
+            let _ = bb_layers::unmount(&self.dirs.rootfs());
+        }
+        let _ = std::fs::remove_dir_all(&self.dirs.dir);
+    }
+}
+
+fn io(what: &str, e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::internal(what, e)
+}
+
+pub fn launch(
+    cfg: &RuntimeConfig,
+    layout: &CgroupLayout,
+    id: &str,
+    spec: &SandboxSpec,
+    layer_paths: &[PathBuf],
+) -> Result<Launched> {
+    let dirs = SandboxDirs::new(&cfg.state_dir, id);
+    let mut rb = Rollback { dirs: &dirs, mounted: false, cgroup: None, pid: None, armed: true };
+    std::fs::create_dir_all(dirs.logs()).map_err(|e| io("create sandbox dir", e))?;
+    let (upper, work) = bb_layers::new_writable(&dirs.dir, &cfg.idmap).map_err(|e| io("writable layer", e))?;
+    let rootfs = dirs.rootfs();
+    std::fs::create_dir_all(&rootfs).map_err(|e| io("create rootfs dir", e))?;
+    // overlay wants the top-most lower layer first.
+    let lower: Vec<PathBuf> = layer_paths.iter().rev().cloned().collect();
+    bb_layers::mount_overlay(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &rootfs)
+        .map_err(|e| io("mount root filesystem", e))?;
+    rb.mounted = true;
+
+    let cgroup = Cgroup::create(layout, id, &limits(spec))?;
+    let cgroup_fd = cgroup.dir_fd()?;
+    rb.cgroup = Some(cgroup);
+
+    let listener = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None)
+        .map_err(|e| io("control socket", e))?;
+    let addr = UnixAddr::new(&dirs.sock()).map_err(|e| io("control socket path", e))?;
+    bind(listener.as_raw_fd(), &addr).map_err(|e| io("bind control socket", e))?;
+    listen(&listener, Backlog::new(256).expect("valid backlog")).map_err(|e| io("listen", e))?;
+
+    let (status_r, status_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| io("pipe", e))?;
+    let devnull = std::fs::File::open("/dev/null").map_err(|e| io("/dev/null", e))?;
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dirs.init_log())
+        .map_err(|e| io("init log", e))?;
+
+    let config = InitConfig {
+        rootfs: rootfs.to_string_lossy().into_owned(),
+        hostname: id.to_string(),
+        network: spec.network.clone(),
+        shm_bytes: (spec.memory_mb * 1024 * 1024 / 2).max(1 << 20),
+    };
+    let program = CString::new(cfg.init_bin.as_os_str().as_encoded_bytes())
+        .map_err(|_| RuntimeError::Internal("init binary path contains NUL".into()))?;
+    let argv = [
+        CString::new("branchbox-init").expect("no NUL"),
+        CString::new(serde_json::to_string(&config).expect("config serializes")).map_err(|_| {
+            RuntimeError::BadRequest("sandbox settings contain a NUL byte".into())
+        })?,
+    ];
+    let envp = [CString::new("PATH=/usr/sbin:/usr/bin:/sbin:/bin").expect("no NUL")];
+    let fds = [
+        (devnull.as_raw_fd(), 0),
+        (log.as_raw_fd(), 1),
+        (log.as_raw_fd(), 2),
+        (listener.as_raw_fd(), bb_proto::INIT_LISTEN_FD),
+        (status_w.as_raw_fd(), bb_proto::INIT_STATUS_FD),
+    ];
+    let child = spawn_paused(&NsSpawn {
+        program: &program,
+        argv: &argv,
+        envp: &envp,
+        fds: &fds,
+        namespaces: NAMESPACES,
+        cgroup_fd: cgroup_fd.as_ref().map(|f| f.as_raw_fd()),
+    })?;
+    let pid = child.pid;
+    rb.pid = Some(pid);
+    drop(status_w);
+    drop(listener);
+
+    let map = format!("0 {} {}\n", cfg.idmap.host_base, cfg.idmap.size);
+    std::fs::write(format!("/proc/{pid}/uid_map"), &map).map_err(|e| io("write uid_map", e))?;
+    std::fs::write(format!("/proc/{pid}/gid_map"), &map).map_err(|e| io("write gid_map", e))?;
+    let cgroup = rb.cgroup.as_ref().expect("set above");
+    if layout.version() == CgroupVersion::V1 {
+        cgroup.add_pid(pid)?;
+    }
+    child.release()?;
+
+    let status = read_status(status_r, Duration::from_secs(20))?;
+    if status.trim() != "ok" {
+        let log = std::fs::read_to_string(dirs.init_log()).unwrap_or_default();
+        let tail: String = log.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
+        return Err(RuntimeError::Internal(format!(
+            "sandbox init failed: {} {}",
+            status.trim(),
+            if tail.is_empty() { String::new() } else { format!("(init log: {tail})") }
+        )));
+    }
+    let init_start = bb_sys::process::process_start_time(pid)
+        .ok_or_else(|| RuntimeError::Internal("sandbox init exited right after start".into()))?;
+    rb.armed = false;
+    let cgroup = rb.cgroup.take().expect("set above");
+    Ok(Launched { init_pid: pid, init_start, cgroup })
+}
+
+fn read_status(fd: OwnedFd, timeout: Duration) -> Result<String> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let mut out = Vec::new();
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(RuntimeError::Internal(format!(
+                "sandbox init did not report ready within {}s",
+                timeout.as_secs()
+            )));
+        }
+        let mut pfd = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
+        let ms = PollTimeout::try_from(left.as_millis().min(60_000) as i32).unwrap_or(PollTimeout::MAX);
+        match poll(&mut pfd, ms) {
+            Ok(0) | Err(nix::Error::EINTR) => continue,
+            Ok(_) => {}
+            Err(e) => return Err(io("poll status pipe", e)),
+        }
+        let mut buf = [0u8; 512];
+        match nix::unistd::read(fd.as_raw_fd(), &mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                out.extend_from_slice(&buf[..n]);
+                if out.ends_with(b"\n") {
+                    break;
+                }
+            }
+            Err(nix::Error::EINTR) => continue,
+            Err(e) => return Err(io("read status pipe", e)),
+        }
+    }
+    if out.is_empty() {
+        return Ok("error: init exited before reporting".into());
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// Tear down every host-side trace of a sandbox: processes (via its cgroup), the root mount, the
+/// state directory. Safe to call on a half-built or already-removed sandbox.
+pub fn teardown(cfg: &RuntimeConfig, layout: &CgroupLayout, id: &str, init: Option<(i32, u64)>) -> Result<()> {
+    if let Some((pid, start)) = init {
+        if bb_sys::process::process_start_time(pid) == Some(start) {
+            // SAFETY: the start time matches, so this is still our sandbox's init.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+    match Cgroup::open(layout, id) {
+        Ok(cg) => cg.destroy()?,
+        Err(bb_isolation::IsolationError::NotFound { .. }) => {}
+        Err(e) => return Err(e.into()),
+    }
+    if let Some((pid, _)) = init {
+        // Reap init if it is our child (after a daemon restart it is not: ECHILD).
+        // SAFETY: non-blocking waitpid on a specific pid.
+        unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+    }
+    let dirs = SandboxDirs::new(&cfg.state_dir, id);
+    bb_layers::unmount(&dirs.rootfs()).map_err(|e| io("unmount root filesystem", e))?;
+    // Move the directory aside first so a slow delete never blocks a new sandbox with the same id.
+    let trash = cfg.state_dir.join("trash").join(format!("{id}-{}", uuid::Uuid::new_v4().simple()));
+    if dirs.dir.exists() {
+        std::fs::create_dir_all(cfg.state_dir.join("trash")).map_err(|e| io("trash dir", e))?;
+        std::fs::rename(&dirs.dir, &trash).map_err(|e| io("move sandbox dir", e))?;
+        std::fs::remove_dir_all(&trash).map_err(|e| io("remove sandbox dir", e))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,625 @@
+//! The branchbox sandbox runtime: the one door through which the API acts on sandboxes.
+//!
+//! A sandbox is: an overlay root (the image's read-only layers + one private writable layer,
+//! mounted by the daemon under `<state>/sandboxes/<id>/rootfs`), a cgroup with memory/cpu/pids
+//! limits, and `branchbox-init` cloned into fresh user/mount/pid/uts/ipc/net/cgroup namespaces.
+//! Init builds the sandbox's view (/proc, /dev, /sys, pivot_root) and then spawns processes on
+//! request over a unix socket (`bb_proto`); command output flows through pipes straight to the
+//! daemon. Files are accessed from the host side with `openat2(RESOLVE_IN_ROOT)` on the merged
+//! root ([`files`]). Sandbox records live in SQLite ([`store`]) so a restarted daemon re-attaches
+//! to every live sandbox and reaps the rest ([`Runtime::recover`]).
+//!
+//! Modules: [`launch`] (start/teardown), [`exec`] (commands), [`session`] (stateful sessions),
+//! [`files`], [`store`], [`model`] (API types), [`initconn`] (init protocol client).
+
+pub mod error;
+pub mod exec;
+pub mod files;
+pub mod initconn;
+pub mod launch;
+pub mod model;
+pub mod sandbox;
+pub mod session;
+pub mod store;
+
+pub use error::{Result, RuntimeError};
+
+use bb_isolation::{Cgroup, CgroupLayout};
+use bb_layers::{IdMap, ImageStore};
+use launch::SandboxDirs;
+use model::*;
+use sandbox::Sandbox;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+pub fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    pub state_dir: PathBuf,
+    /// Path of the `branchbox-init` binary.
+    pub init_bin: PathBuf,
+    pub idmap: IdMap,
+    /// cgroup under which every sandbox gets its own group.
+    pub cgroup_parent: String,
+    pub max_sandboxes: usize,
+    /// Upper bounds a create request may ask for.
+    pub max_memory_mb: u64,
+    pub max_cpu: f64,
+    pub max_pids: u64,
+    /// Largest file upload, bytes.
+    pub max_file_bytes: u64,
+}
+
+impl RuntimeConfig {
+    pub fn new(state_dir: PathBuf, init_bin: PathBuf) -> Self {
+        RuntimeConfig {
+            state_dir,
+            init_bin,
+            idmap: IdMap::default(),
+            cgroup_parent: "branchbox".into(),
+            max_sandboxes: 1000,
+            max_memory_mb: 64 * 1024,
+            max_cpu: 64.0,
+            max_pids: 65536,
+            max_file_bytes: 4 << 30,
+        }
+    }
+}
+
+pub struct Runtime {
+    pub cfg: RuntimeConfig,
+    pub cgroups: CgroupLayout,
+    images: Arc<ImageStore>,
+    store: Mutex<store::Store>,
+    sandboxes: RwLock<HashMap<String, Arc<Sandbox>>>,
+}
+
+fn blocking_err(e: tokio::task::JoinError) -> RuntimeError {
+    RuntimeError::internal("worker task", e)
+}
+
+pub fn layers_error(e: bb_layers::LayersError) -> RuntimeError {
+    use bb_layers::LayersError as L;
+    match e {
+        L::NotFound { name } => RuntimeError::NotFound { kind: "image", id: name, hint: ": list images with `branchbox image ls`" },
+        e @ (L::InvalidName { .. }
+        | L::InvalidOption { .. }
+        | L::UnsupportedSource { .. }
+        | L::BadImage { .. }
+        | L::UnsafeEntry { .. }
+        | L::IdOutOfRange { .. }
+        | L::DigestMismatch { .. }
+        | L::NoMatchingPlatform { .. }) => RuntimeError::BadRequest(e.to_string()),
+        e => RuntimeError::Internal(e.to_string()),
+    }
+}
+
+fn image_info(i: &bb_layers::Image) -> ImageInfo {
+    ImageInfo {
+        name: i.name.clone(),
+        id: i.id.clone(),
+        layers: i.layers.clone(),
+        size_bytes: i.size_bytes,
+        created_at: i.created_at,
+        source: i.source.clone(),
+    }
+}
+
+impl Runtime {
+    /// Open the state directory, then re-attach to or reap every sandbox a previous daemon left.
+    pub fn open(cfg: RuntimeConfig) -> Result<Arc<Runtime>> {
+        for sub in ["sandboxes", "trash", "tmp"] {
+            std::fs::create_dir_all(cfg.state_dir.join(sub)).map_err(|e| RuntimeError::internal("state dir", e))?;
+        }
+        if !cfg.init_bin.is_file() {
+            return Err(RuntimeError::Internal(format!(
+                "init binary {} not found: build it (`make build`) or pass --init-bin",
+                cfg.init_bin.display()
+            )));
+        }
+        let cgroups = CgroupLayout::detect(&cfg.cgroup_parent)?;
+        let mut images = ImageStore::open(&cfg.state_dir, cfg.idmap).map_err(layers_error)?;
+        let store = store::Store::open(&cfg.state_dir.join("branchbox.db"))?;
+        // An image's layers may not be deleted while a sandbox stands on them.
+        let rows_for_check = cfg.state_dir.join("branchbox.db");
+        images.set_layer_in_use_check(move |layer| {
+            store::Store::open(&rows_for_check)
+                .and_then(|s| s.all())
+                .map(|rows| rows.iter().any(|r| r.spec.layers.iter().any(|l| l == layer)))
+                .unwrap_or(true)
+        });
+        let rt = Arc::new(Runtime {
+            cfg,
+            cgroups,
+            images: Arc::new(images),
+            store: Mutex::new(store),
+            sandboxes: RwLock::new(HashMap::new()),
+        });
+        rt.recover()?;
+        Ok(rt)
+    }
+
+    /// Re-attach to sandboxes whose init still answers; reap everything else the state dir,
+    /// the cgroup tree or the mount table still holds.
+    pub fn recover(self: &Arc<Self>) -> Result<()> {
+        let rows = self.store.lock().expect("lock").all()?;
+        let mut kept = std::collections::HashSet::new();
+        for row in rows {
+            let dirs = SandboxDirs::new(&self.cfg.state_dir, &row.id);
+            let alive = bb_sys::process::process_start_time(row.init_pid) == Some(row.init_start)
+                && std::os::unix::net::UnixDatagram::unbound().is_ok()
+                && ping_blocking(&dirs.sock());
+            let cgroup = if alive { Cgroup::open(&self.cgroups, &row.id).ok() } else { None };
+            match cgroup {
+                Some(cgroup) => {
+                    tracing::info!(id = %row.id, "re-attached to sandbox");
+                    let sb = Arc::new(Sandbox {
+                        id: row.id.clone(),
+                        spec: row.spec,
+                        dirs,
+                        init_pid: row.init_pid,
+                        init_start: row.init_start,
+                        created_at: row.created_at,
+                        expires_at: Mutex::new(row.expires_at),
+                        cgroup,
+                        dead: Default::default(),
+                        sessions: Default::default(),
+                        default_session: Default::default(),
+                    });
+                    kept.insert(row.id.clone());
+                    self.sandboxes.write().expect("lock").insert(row.id, sb);
+                }
+                None => {
+                    tracing::warn!(id = %row.id, "sandbox did not survive; reaping it");
+                    launch::teardown(&self.cfg, &self.cgroups, &row.id, Some((row.init_pid, row.init_start)))?;
+                    self.store.lock().expect("lock").delete(&row.id)?;
+                }
+            }
+        }
+        // Strays: directories, mounts and cgroups with no record (a crash mid-create or mid-kill).
+        if let Ok(rd) = std::fs::read_dir(self.cfg.state_dir.join("sandboxes")) {
+            for e in rd.flatten() {
+                let id = e.file_name().to_string_lossy().into_owned();
+                if !kept.contains(&id) {
+                    tracing::warn!(%id, "removing stray sandbox directory");
+                    launch::teardown(&self.cfg, &self.cgroups, &id, None)?;
+                }
+            }
+        }
+        for name in self.cgroups.list()? {
+            if !kept.contains(&name) {
+                tracing::warn!(%name, "removing stray cgroup");
+                if let Ok(cg) = Cgroup::open(&self.cgroups, &name) {
+                    cg.destroy()?;
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(self.cfg.state_dir.join("trash"));
+        let _ = std::fs::create_dir_all(self.cfg.state_dir.join("trash"));
+        Ok(())
+    }
+
+    pub fn images(&self) -> Arc<ImageStore> {
+        self.images.clone()
+    }
+
+    pub fn count(&self) -> usize {
+        self.sandboxes.read().expect("lock").len()
+    }
+
+    pub fn get(&self, id: &str) -> Result<Arc<Sandbox>> {
+        self.sandboxes.read().expect("lock").get(id).cloned().ok_or_else(|| RuntimeError::sandbox(id))
+    }
+
+    /// Like [`get`](Self::get) but refuses a sandbox whose init has died.
+    fn live(&self, id: &str) -> Result<Arc<Sandbox>> {
+        let sb = self.get(id)?;
+        if sb.is_dead() {
+            let why = if sb.info().oom_killed { " (it ran out of memory)" } else { "" };
+            return Err(RuntimeError::Conflict(format!(
+                "sandbox {id} is dead{why}: kill it and create a new one, with more memory_mb if needed"
+            )));
+        }
+        Ok(sb)
+    }
+
+    fn validate(&self, req: CreateSandbox) -> Result<(SandboxSpec, Option<f64>, Vec<PathBuf>)> {
+        let c = &self.cfg;
+        let image_name = req.image.unwrap_or_else(|| "base".into());
+        let image = self.images.get(&image_name).map_err(layers_error)?;
+        let cpu = req.cpu.unwrap_or(1.0);
+        if !(cpu > 0.0 && cpu <= c.max_cpu) {
+            return Err(RuntimeError::BadRequest(format!("cpu must be in (0, {}]; got {cpu}", c.max_cpu)));
+        }
+        let memory_mb = req.memory_mb.unwrap_or(512);
+        if !(16..=c.max_memory_mb).contains(&memory_mb) {
+            return Err(RuntimeError::BadRequest(format!("memory_mb must be in [16, {}]; got {memory_mb}", c.max_memory_mb)));
+        }
+        let pids = req.pids.unwrap_or(512);
+        if !(8..=c.max_pids).contains(&pids) {
+            return Err(RuntimeError::BadRequest(format!("pids must be in [8, {}]; got {pids}", c.max_pids)));
+        }
+        let network = req.network.unwrap_or_else(|| "none".into());
+        if network != "none" {
+            return Err(RuntimeError::BadRequest(format!(
+                "network mode {network:?} is not supported yet: use \"none\" (loopback only)"
+            )));
+        }
+        let timeout = req.timeout.unwrap_or(300.0);
+        if !(timeout >= 0.0 && timeout.is_finite()) {
+            return Err(RuntimeError::BadRequest("timeout must be >= 0 seconds (0 = no limit)".into()));
+        }
+        for k in req.env.keys() {
+            if k.is_empty() || k.contains('=') || k.contains('\0') {
+                return Err(RuntimeError::BadRequest(format!("env name {k:?} is invalid: no '=' or NUL, not empty")));
+            }
+        }
+        let cwd = req.cwd.or(image.workdir.clone()).filter(|w| !w.is_empty()).unwrap_or_else(|| "/root".into());
+        if !cwd.starts_with('/') {
+            return Err(RuntimeError::BadRequest(format!("cwd {cwd:?} must be an absolute path")));
+        }
+        let layer_paths = image.layers.iter().map(|l| self.images.layer_path(l)).collect();
+        let spec = SandboxSpec {
+            image: image.name.clone(),
+            image_env: image.env.clone(),
+            layers: image.layers.clone(),
+            cpu,
+            memory_mb,
+            pids,
+            env: req.env,
+            cwd,
+            network,
+            metadata: req.metadata,
+        };
+        Ok((spec, (timeout > 0.0).then_some(timeout), layer_paths))
+    }
+
+    pub async fn create(self: &Arc<Self>, req: CreateSandbox) -> Result<SandboxInfo> {
+        if self.count() >= self.cfg.max_sandboxes {
+            return Err(RuntimeError::Unavailable(format!(
+                "{} sandboxes are running, the daemon's limit (--max-sandboxes): kill some first",
+                self.cfg.max_sandboxes
+            )));
+        }
+        let (spec, timeout, layer_paths) = self.validate(req)?;
+        let id = format!("sb-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+        let rt = self.clone();
+        let sb = tokio::task::spawn_blocking(move || -> Result<Arc<Sandbox>> {
+            let launched = launch::launch(&rt.cfg, &rt.cgroups, &id, &spec, &layer_paths)?;
+            let created_at = now();
+            let expires_at = timeout.map(|t| created_at + t);
+            let row = store::SandboxRow {
+                id: id.clone(),
+                spec: spec.clone(),
+                init_pid: launched.init_pid,
+                init_start: launched.init_start,
+                created_at,
+                expires_at,
+            };
+            if let Err(e) = rt.store.lock().expect("lock").insert(&row) {
+                let _ = launch::teardown(&rt.cfg, &rt.cgroups, &id, Some((launched.init_pid, launched.init_start)));
+                return Err(e);
+            }
+            let sb = Arc::new(Sandbox {
+                id: id.clone(),
+                spec,
+                dirs: SandboxDirs::new(&rt.cfg.state_dir, &id),
+                init_pid: launched.init_pid,
+                init_start: launched.init_start,
+                created_at,
+                expires_at: Mutex::new(expires_at),
+                cgroup: launched.cgroup,
+                dead: Default::default(),
+                sessions: Default::default(),
+                default_session: Default::default(),
+            });
+            rt.sandboxes.write().expect("lock").insert(id, sb.clone());
+            Ok(sb)
+        })
+        .await
+        .map_err(blocking_err)??;
+        self.watch_init(&sb);
+        Ok(sb.info())
+    }
+
+    /// Reap init as soon as it exits (it is our child) so it never lingers as a zombie.
+    fn watch_init(&self, sb: &Arc<Sandbox>) {
+        let sb = sb.clone();
+        tokio::spawn(async move {
+            let Ok(pidfd) = bb_sys::process::pidfd_open(sb.init_pid) else { return };
+            let Ok(afd) = tokio::io::unix::AsyncFd::new(pidfd) else { return };
+            if afd.readable().await.is_ok() {
+                sb.dead.store(true, Ordering::SeqCst);
+                // SAFETY: non-blocking reap of a specific pid; ECHILD if it is not our child.
+                unsafe { libc::waitpid(sb.init_pid, std::ptr::null_mut(), libc::WNOHANG) };
+            }
+        });
+    }
+
+    pub fn list(&self, filter: &[(String, String)]) -> Vec<SandboxInfo> {
+        let mut v: Vec<SandboxInfo> = self
+            .sandboxes
+            .read()
+            .expect("lock")
+            .values()
+            .filter(|s| filter.iter().all(|(k, v)| s.spec.metadata.get(k) == Some(v)))
+            .map(|s| s.info())
+            .collect();
+        v.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
+        v
+    }
+
+    pub fn info(&self, id: &str) -> Result<SandboxInfo> {
+        Ok(self.get(id)?.info())
+    }
+
+    pub fn set_timeout(&self, id: &str, timeout: f64) -> Result<SandboxInfo> {
+        if !(timeout >= 0.0 && timeout.is_finite()) {
+            return Err(RuntimeError::BadRequest("timeout must be >= 0 seconds (0 = no limit)".into()));
+        }
+        let sb = self.get(id)?;
+        let exp = (timeout > 0.0).then(|| now() + timeout);
+        self.store.lock().expect("lock").set_expiry(id, exp)?;
+        *sb.expires_at.lock().expect("lock") = exp;
+        Ok(sb.info())
+    }
+
+    pub async fn kill(self: &Arc<Self>, id: &str) -> Result<()> {
+        let sb = self.sandboxes.write().expect("lock").remove(id).ok_or_else(|| RuntimeError::sandbox(id))?;
+        sb.dead.store(true, Ordering::SeqCst);
+        let rt = self.clone();
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || {
+            launch::teardown(&rt.cfg, &rt.cgroups, &id, Some((sb.init_pid, sb.init_start)))?;
+            rt.store.lock().expect("lock").delete(&id)
+        })
+        .await
+        .map_err(blocking_err)?
+    }
+
+    /// Kill every sandbox whose TTL has passed. Returns their ids.
+    pub async fn reap_expired(self: &Arc<Self>) -> Vec<String> {
+        let t = now();
+        let expired: Vec<String> = self
+            .sandboxes
+            .read()
+            .expect("lock")
+            .values()
+            .filter(|s| s.expires_at.lock().expect("lock").is_some_and(|e| e <= t))
+            .map(|s| s.id.clone())
+            .collect();
+        for id in &expired {
+            match self.kill(id).await {
+                Ok(()) => tracing::info!(%id, "sandbox reached its timeout and was killed"),
+                Err(e) => tracing::warn!(%id, "reaping expired sandbox failed: {e}"),
+            }
+        }
+        expired
+    }
+
+    /// Kill every sandbox (daemon shutdown with --kill-on-exit).
+    pub async fn kill_all(self: &Arc<Self>) {
+        let ids: Vec<String> = self.sandboxes.read().expect("lock").keys().cloned().collect();
+        for id in ids {
+            let _ = self.kill(&id).await;
+        }
+    }
+
+    // ---- commands ----
+
+    pub async fn run_command(&self, id: &str, req: RunCommand) -> Result<CommandResult> {
+        let sb = self.live(id)?;
+        exec::run(&sb, &req, None).await
+    }
+
+    /// Start a foreground command whose events arrive on the returned channel.
+    pub async fn stream_command(&self, id: &str, req: RunCommand) -> Result<mpsc::Receiver<CommandEvent>> {
+        let sb = self.live(id)?;
+        exec::resolve(&sb, &req)?; // report bad input as an HTTP error, before the stream starts
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            if let Err(e) = exec::run(&sb, &req, Some(tx.clone())).await {
+                let _ = tx.send(CommandEvent::Error { error: ErrorBody { code: e.code().into(), message: e.to_string() } }).await;
+            }
+        });
+        Ok(rx)
+    }
+
+    pub async fn start_background(&self, id: &str, req: RunCommand) -> Result<Started> {
+        let sb = self.live(id)?;
+        Ok(Started { pid: exec::start_background(&sb, &req).await? })
+    }
+
+    pub async fn list_processes(&self, id: &str) -> Result<ProcessList> {
+        let sb = self.live(id)?;
+        Ok(ProcessList { processes: exec::list(&sb).await? })
+    }
+
+    pub async fn wait_process(&self, id: &str, pid: i32, timeout: Option<f64>) -> Result<CommandResult> {
+        let sb = self.live(id)?;
+        exec::wait(&sb, pid, timeout).await
+    }
+
+    pub async fn kill_process(&self, id: &str, pid: i32, signal: Option<i32>) -> Result<()> {
+        let sb = self.live(id)?;
+        exec::kill(&sb, pid, signal.unwrap_or(libc::SIGKILL)).await
+    }
+
+    // ---- sessions ----
+
+    pub async fn create_session(&self, id: &str, req: CreateSession) -> Result<SessionInfo> {
+        let sb = self.live(id)?;
+        let kind = req.kind.unwrap_or_else(|| "python".into());
+        let s = Arc::new(session::create(&sb, &kind, req.cwd, &req.env).await?);
+        let info = s.info();
+        sb.sessions.lock().await.insert(s.id.clone(), s);
+        Ok(info)
+    }
+
+    pub async fn list_sessions(&self, id: &str) -> Result<SessionList> {
+        let sb = self.get(id)?;
+        let mut sessions: Vec<SessionInfo> = sb.sessions.lock().await.values().map(|s| s.info()).collect();
+        sessions.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
+        Ok(SessionList { sessions })
+    }
+
+    async fn session(&self, sb: &Sandbox, sid: &str) -> Result<Arc<session::Session>> {
+        sb.sessions.lock().await.get(sid).cloned().ok_or_else(|| RuntimeError::NotFound {
+            kind: "session",
+            id: sid.into(),
+            hint: ": list sessions with sbx.sessions.list()",
+        })
+    }
+
+    pub async fn run_session(&self, id: &str, sid: &str, req: RunCode) -> Result<SessionResult> {
+        let sb = self.live(id)?;
+        let s = self.session(&sb, sid).await?;
+        session::run(&sb, &s, &req.code, timeout_of(req.timeout)?).await
+    }
+
+    pub async fn kill_session(&self, id: &str, sid: &str) -> Result<()> {
+        let sb = self.get(id)?;
+        let s = sb.sessions.lock().await.remove(sid).ok_or_else(|| RuntimeError::NotFound {
+            kind: "session",
+            id: sid.into(),
+            hint: ": list sessions with sbx.sessions.list()",
+        })?;
+        session::kill(&sb, &s).await
+    }
+
+    /// Run python code in the sandbox's default session (created on first use or after it died).
+    pub async fn run_code(&self, id: &str, req: RunCode) -> Result<SessionResult> {
+        if let Some(lang) = req.language.as_deref() {
+            if lang != "python" {
+                return Err(RuntimeError::BadRequest(format!("language {lang:?} is not supported: use \"python\"")));
+            }
+        }
+        let sb = self.live(id)?;
+        let s = {
+            let mut default = sb.default_session.lock().await;
+            let existing = match default.as_ref() {
+                Some(sid) => sb.sessions.lock().await.get(sid).filter(|s| s.is_alive()).cloned(),
+                None => None,
+            };
+            match existing {
+                Some(s) => s,
+                None => {
+                    let s = Arc::new(session::create(&sb, "python", None, &Default::default()).await?);
+                    sb.sessions.lock().await.insert(s.id.clone(), s.clone());
+                    *default = Some(s.id.clone());
+                    s
+                }
+            }
+        };
+        session::run(&sb, &s, &req.code, timeout_of(req.timeout)?).await
+    }
+
+    // ---- files ----
+
+    pub fn fs(&self, id: &str) -> Result<files::SandboxFs> {
+        let sb = self.live(id)?;
+        files::SandboxFs::open(&sb.dirs.rootfs(), self.cfg.idmap.host_base)
+    }
+
+    // ---- images ----
+
+    pub fn list_images(&self) -> Result<ImageList> {
+        let images = self.images.list().map_err(layers_error)?;
+        Ok(ImageList { images: images.iter().map(image_info).collect() })
+    }
+
+    pub fn remove_image(&self, name: &str) -> Result<()> {
+        let in_use: Vec<String> = self
+            .sandboxes
+            .read()
+            .expect("lock")
+            .values()
+            .filter(|s| s.spec.image == name)
+            .map(|s| s.id.clone())
+            .collect();
+        if !in_use.is_empty() {
+            return Err(RuntimeError::Conflict(format!(
+                "image {name:?} is used by sandbox(es) {}: kill them first",
+                in_use.join(", ")
+            )));
+        }
+        self.images.remove(name).map_err(layers_error)
+    }
+
+    /// Build (`source = None`) or import an image on a worker thread, reporting progress.
+    pub fn image_job(&self, name: String, source: ImageSource) -> mpsc::Receiver<ProgressEvent> {
+        let (tx, rx) = mpsc::channel(256);
+        let images = self.images.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut report = |p: bb_layers::Progress| {
+                let ev = match p {
+                    bb_layers::Progress::Stage { stage, message } => {
+                        ProgressEvent::Progress { stage, done: None, total: None, message }
+                    }
+                    bb_layers::Progress::Step { stage, done, total } => {
+                        ProgressEvent::Progress { stage, done: Some(done), total: Some(total), message: String::new() }
+                    }
+                };
+                let _ = tx.blocking_send(ev);
+            };
+            let res = match source {
+                ImageSource::Debootstrap(opts) => images.build_base(&name, &opts, &mut report),
+                ImageSource::Path(p) => images.import(&name, &p, &mut report),
+            };
+            let last = match res {
+                Ok(img) => ProgressEvent::Done { image: image_info(&img) },
+                Err(e) => {
+                    let e = layers_error(e);
+                    ProgressEvent::Error { error: ErrorBody { code: e.code().into(), message: e.to_string() } }
+                }
+            };
+            let _ = tx.blocking_send(last);
+        });
+        rx
+    }
+}
+
+pub use bb_layers::BaseImageOpts;
+
+pub enum ImageSource {
+    Debootstrap(bb_layers::BaseImageOpts),
+    Path(PathBuf),
+}
+
+fn timeout_of(t: Option<f64>) -> Result<Option<Duration>> {
+    match t {
+        None => Ok(Some(Duration::from_secs_f64(exec::DEFAULT_TIMEOUT))),
+        Some(t) if !(t >= 0.0 && t.is_finite()) => {
+            Err(RuntimeError::BadRequest("timeout must be >= 0 seconds (0 = no limit)".into()))
+        }
+        Some(t) if t == 0.0 => Ok(None),
+        Some(t) => Ok(Some(Duration::from_secs_f64(t))),
+    }
+}
+
+/// Blocking ping of an init control socket (used during recovery, before the runtime serves).
+fn ping_blocking(sock: &Path) -> bool {
+    use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
+    use std::os::fd::AsRawFd;
+    let Ok(fd) = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None) else { return false };
+    let Ok(addr) = UnixAddr::new(sock) else { return false };
+    if connect(fd.as_raw_fd(), &addr).is_err() {
+        return false;
+    }
+    let tv = nix::sys::time::TimeVal::new(2, 0);
+    let _ = nix::sys::socket::setsockopt(&fd, nix::sys::socket::sockopt::ReceiveTimeout, &tv);
+    if bb_proto::send(fd.as_raw_fd(), &bb_proto::Request::Ping, &[]).is_err() {
+        return false;
+    }
+    matches!(bb_proto::recv::<bb_proto::Response>(fd.as_raw_fd()), Ok((bb_proto::Response::Pong { .. }, _)))
+}

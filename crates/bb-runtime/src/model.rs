@@ -1,0 +1,294 @@
+//! Request and response types of the public API (serde + OpenAPI schemas).
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use utoipa::ToSchema;
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandbox {
+    /// Image name (default `base`).
+    pub image: Option<String>,
+    /// CPUs (1.0 = one core).
+    pub cpu: Option<f64>,
+    pub memory_mb: Option<u64>,
+    pub pids: Option<u64>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    pub cwd: Option<String>,
+    /// Seconds until the sandbox is killed (0 = never; default 300).
+    pub timeout: Option<f64>,
+    /// `none` (loopback only).
+    pub network: Option<String>,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// What a sandbox was created with (persisted).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SandboxSpec {
+    pub image: String,
+    pub image_env: Vec<String>,
+    pub layers: Vec<String>,
+    pub cpu: f64,
+    pub memory_mb: u64,
+    pub pids: u64,
+    pub env: BTreeMap<String, String>,
+    pub cwd: String,
+    pub network: String,
+    pub metadata: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SandboxInfo {
+    pub id: String,
+    pub image: String,
+    /// `running` or `dead`.
+    pub state: String,
+    pub created_at: f64,
+    pub expires_at: Option<f64>,
+    pub cpu: f64,
+    pub memory_mb: u64,
+    pub pids: u64,
+    pub network: String,
+    pub env: BTreeMap<String, String>,
+    pub cwd: String,
+    pub metadata: BTreeMap<String, String>,
+    pub init_pid: i32,
+    pub oom_killed: bool,
+    pub memory_bytes: u64,
+    pub pids_current: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SandboxList {
+    pub sandboxes: Vec<SandboxInfo>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SetTimeout {
+    pub timeout: f64,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunCommand {
+    /// Shell command line, run with `/bin/sh -c`.
+    pub cmd: Option<String>,
+    /// argv, instead of `cmd`.
+    pub args: Option<Vec<String>>,
+    pub cwd: Option<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Seconds (default 60; 0 = no limit).
+    pub timeout: Option<f64>,
+    pub stdin: Option<String>,
+    pub stdin_b64: Option<String>,
+    #[serde(default)]
+    pub background: bool,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+pub struct CommandResult {
+    pub pid: i32,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub timed_out: bool,
+    pub oom_killed: bool,
+    pub duration: f64,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Started {
+    pub pid: i32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ProcessInfo {
+    pub pid: i32,
+    pub cmd: String,
+    pub running: bool,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub started_at: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ProcessList {
+    pub processes: Vec<ProcessInfo>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WaitRequest {
+    pub timeout: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct KillRequest {
+    pub signal: Option<i32>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSession {
+    /// `python` or `shell`.
+    pub kind: Option<String>,
+    pub cwd: Option<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SessionInfo {
+    pub id: String,
+    pub kind: String,
+    pub pid: i32,
+    pub created_at: f64,
+    pub alive: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SessionList {
+    pub sessions: Vec<SessionInfo>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunCode {
+    pub code: String,
+    pub timeout: Option<f64>,
+    /// Only `python` (for `/code`).
+    pub language: Option<String>,
+}
+
+/// Result of a session run: python (`result`, `error`) or shell (`exit_code`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+pub struct SessionResult {
+    pub stdout: String,
+    pub stderr: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub error: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    pub timed_out: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct EntryInfo {
+    pub name: String,
+    pub path: String,
+    /// `file`, `dir`, `symlink` or `other`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub size: u64,
+    pub mode: u32,
+    pub mtime: f64,
+    pub symlink_target: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct EntryList {
+    pub entries: Vec<EntryInfo>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct MakeDir {
+    pub path: String,
+    #[serde(default = "yes")]
+    pub parents: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Rename {
+    pub from: String,
+    pub to: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ImageInfo {
+    pub name: String,
+    pub id: String,
+    pub layers: Vec<String>,
+    pub size_bytes: u64,
+    pub created_at: f64,
+    pub source: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ImageList {
+    pub images: Vec<ImageInfo>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BuildImage {
+    pub name: Option<String>,
+    pub suite: Option<String>,
+    pub packages: Option<Vec<String>>,
+    pub mirror: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ImportImage {
+    pub name: String,
+    /// Path on the daemon's host of a `docker save` tarball or an OCI layout (dir or tar).
+    pub path: String,
+}
+
+/// One line of an NDJSON progress stream.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ProgressEvent {
+    Progress { stage: String, done: Option<u64>, total: Option<u64>, message: String },
+    Done { image: ImageInfo },
+    Error { error: ErrorBody },
+}
+
+/// One line of a streamed command.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum CommandEvent {
+    Start { pid: i32 },
+    Stdout { data: String },
+    Stderr { data: String },
+    Exit {
+        pid: i32,
+        exit_code: Option<i32>,
+        signal: Option<i32>,
+        timed_out: bool,
+        oom_killed: bool,
+        duration: f64,
+    },
+    Error { error: ErrorBody },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ErrorBody {
+    pub code: String,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct Health {
+    pub ok: bool,
+    pub version: String,
+    pub cgroup: String,
+    pub sandboxes: usize,
+}

@@ -1,0 +1,104 @@
+//! One live sandbox as the daemon holds it in memory.
+
+use crate::launch::SandboxDirs;
+use crate::model::{SandboxInfo, SandboxSpec};
+use crate::session::Session;
+use bb_isolation::Cgroup;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+pub struct Sandbox {
+    pub id: String,
+    pub spec: SandboxSpec,
+    pub dirs: SandboxDirs,
+    pub init_pid: i32,
+    pub init_start: u64,
+    pub created_at: f64,
+    pub expires_at: Mutex<Option<f64>>,
+    pub cgroup: Cgroup,
+    pub dead: AtomicBool,
+    pub sessions: tokio::sync::Mutex<HashMap<String, Arc<Session>>>,
+    /// Serialises creation of the default python session used by `/code`.
+    pub default_session: tokio::sync::Mutex<Option<String>>,
+}
+
+/// Environment every command starts with, before the image's and the caller's.
+const BASE_ENV: &[(&str, &str)] = &[
+    ("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"),
+    ("HOME", "/root"),
+    ("LANG", "C.UTF-8"),
+    ("TERM", "xterm"),
+];
+
+impl Sandbox {
+    /// Base env, then the image's, then the sandbox's, then `extra`; later entries win.
+    pub fn env_with(&self, extra: &BTreeMap<String, String>) -> Vec<String> {
+        let mut merged: Vec<(String, String)> = Vec::new();
+        let mut set = |k: &str, v: &str| {
+            if let Some(e) = merged.iter_mut().find(|(key, _)| key == k) {
+                e.1 = v.to_string();
+            } else {
+                merged.push((k.to_string(), v.to_string()));
+            }
+        };
+        for (k, v) in BASE_ENV {
+            set(k, v);
+        }
+        set("HOSTNAME", &self.id);
+        for kv in &self.spec.image_env {
+            if let Some((k, v)) = kv.split_once('=') {
+                set(k, v);
+            }
+        }
+        for (k, v) in self.spec.env.iter().chain(extra.iter()) {
+            set(k, v);
+        }
+        merged.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
+    }
+
+    pub fn oom_kills(&self) -> u64 {
+        self.cgroup.stats().map(|s| s.oom_kills).unwrap_or(0)
+    }
+
+    pub fn is_dead(&self) -> bool {
+        if self.dead.load(Ordering::SeqCst) {
+            return true;
+        }
+        if bb_sys::process::process_start_time(self.init_pid) != Some(self.init_start) || is_zombie(self.init_pid) {
+            self.dead.store(true, Ordering::SeqCst);
+            return true;
+        }
+        false
+    }
+
+    pub fn info(&self) -> SandboxInfo {
+        let stats = self.cgroup.stats().ok();
+        let dead = self.is_dead();
+        SandboxInfo {
+            id: self.id.clone(),
+            image: self.spec.image.clone(),
+            state: if dead { "dead" } else { "running" }.into(),
+            created_at: self.created_at,
+            expires_at: *self.expires_at.lock().expect("lock"),
+            cpu: self.spec.cpu,
+            memory_mb: self.spec.memory_mb,
+            pids: self.spec.pids,
+            network: self.spec.network.clone(),
+            env: self.spec.env.clone(),
+            cwd: self.spec.cwd.clone(),
+            metadata: self.spec.metadata.clone(),
+            init_pid: self.init_pid,
+            oom_killed: stats.as_ref().is_some_and(|s| s.oom_kills > 0),
+            memory_bytes: stats.as_ref().map(|s| s.memory_bytes).unwrap_or(0),
+            pids_current: stats.as_ref().map(|s| s.pids_current).unwrap_or(0),
+        }
+    }
+}
+
+fn is_zombie(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rfind(')').map(|i| s[i + 2..].starts_with('Z')))
+        .unwrap_or(true)
+}

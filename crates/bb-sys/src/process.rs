@@ -1,0 +1,287 @@
+//! Starting a process in new namespaces with clone3, paused until the parent has set it up.
+//!
+//! The daemon is multi-threaded, so the child may only make async-signal-safe calls between clone
+//! and execve: everything it needs (paths, argv, envp, fd plan) is prepared before the clone, and the
+//! child does nothing but wait on the sync pipe, dup2, reset signal dispositions and execve.
+
+use crate::{check, SysError, SysResult};
+use std::ffi::{CStr, CString};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+/// `struct clone_args` from linux/sched.h (version 2, 88 bytes).
+#[repr(C)]
+#[derive(Default)]
+struct CloneArgs {
+    flags: u64,
+    pidfd: u64,
+    child_tid: u64,
+    parent_tid: u64,
+    exit_signal: u64,
+    stack: u64,
+    stack_size: u64,
+    tls: u64,
+    set_tid: u64,
+    set_tid_size: u64,
+    cgroup: u64,
+}
+
+pub const CLONE_INTO_CGROUP: u64 = 0x200000000;
+
+/// What to start and how.
+pub struct NsSpawn<'a> {
+    /// Absolute path of the program to execute in the child.
+    pub program: &'a CStr,
+    pub argv: &'a [CString],
+    pub envp: &'a [CString],
+    /// (source fd in the parent, fd number in the child). Every other fd must be O_CLOEXEC.
+    pub fds: &'a [(RawFd, RawFd)],
+    /// CLONE_NEW* flags.
+    pub namespaces: u64,
+    /// cgroup v2 directory fd for CLONE_INTO_CGROUP; None on cgroup v1.
+    pub cgroup_fd: Option<RawFd>,
+}
+
+/// A child that is waiting for [`PausedChild::release`] before it executes its program.
+pub struct PausedChild {
+    pub pid: i32,
+    release: Option<OwnedFd>,
+}
+
+impl PausedChild {
+    /// Let the child execute its program.
+    pub fn release(mut self) -> SysResult<()> {
+        let fd = self.release.take().expect("released once");
+        // SAFETY: writes one byte from a valid stack buffer to an fd we own.
+        let ret = unsafe { libc::write(fd.as_raw_fd(), b"g".as_ptr().cast(), 1) };
+        check("write(sync pipe)", ret as libc::c_long)?;
+        Ok(())
+    }
+}
+
+impl Drop for PausedChild {
+    fn drop(&mut self) {
+        // Dropping without release closes the pipe: the child reads EOF and exits 1.
+        self.release.take();
+    }
+}
+
+fn cloexec_pipe() -> SysResult<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: fds is a valid 2-element array for pipe2 to fill.
+    let ret = unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) };
+    check("pipe2", ret as libc::c_long)?;
+    // SAFETY: pipe2 succeeded, so both fds are open and owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Duplicate `fd` to a number >= `min` with O_CLOEXEC.
+pub fn dup_high(fd: RawFd, min: RawFd) -> SysResult<OwnedFd> {
+    // SAFETY: F_DUPFD_CLOEXEC only reads the fd table.
+    let ret = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, min) };
+    check("fcntl(F_DUPFD_CLOEXEC)", ret as libc::c_long)?;
+    // SAFETY: fcntl returned a fresh fd that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(ret) })
+}
+
+/// clone3 a child into new namespaces; it blocks until [`PausedChild::release`] and then execs.
+pub fn spawn_paused(spec: &NsSpawn<'_>) -> SysResult<PausedChild> {
+    let (sync_r, sync_w) = cloexec_pipe()?;
+    // Move every source fd above the highest target so dup2 in the child never clobbers a source.
+    let high: Vec<(OwnedFd, RawFd)> = spec
+        .fds
+        .iter()
+        .map(|&(src, dst)| dup_high(src, 256).map(|fd| (fd, dst)))
+        .collect::<SysResult<_>>()?;
+    let plan: Vec<(RawFd, RawFd)> = high.iter().map(|(fd, dst)| (fd.as_raw_fd(), *dst)).collect();
+
+    let mut argv: Vec<*const libc::c_char> = spec.argv.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let mut envp: Vec<*const libc::c_char> = spec.envp.iter().map(|a| a.as_ptr()).collect();
+    envp.push(std::ptr::null());
+
+    let mut args = CloneArgs {
+        flags: spec.namespaces,
+        exit_signal: libc::SIGCHLD as u64,
+        ..Default::default()
+    };
+    if let Some(cg) = spec.cgroup_fd {
+        args.flags |= CLONE_INTO_CGROUP;
+        args.cgroup = cg as u64;
+    }
+    // SAFETY: args is a valid clone_args of the size we pass; without CLONE_VM this behaves like fork.
+    let pid = unsafe {
+        libc::syscall(
+            libc::SYS_clone3,
+            &mut args as *mut CloneArgs,
+            std::mem::size_of::<CloneArgs>(),
+        )
+    };
+    if pid < 0 {
+        return Err(SysError::last("clone3"));
+    }
+    if pid == 0 {
+        // Child: async-signal-safe calls only.
+        // SAFETY: every pointer was prepared before the clone and stays valid (copied address space).
+        unsafe { child_after_clone(sync_r.as_raw_fd(), sync_w.as_raw_fd(), &plan, spec.program.as_ptr(), &argv, &envp) }
+    }
+    drop(sync_r);
+    drop(high);
+    Ok(PausedChild { pid: pid as i32, release: Some(sync_w) })
+}
+
+/// # Safety
+/// Only to be called in the child right after clone; pointers must stay valid.
+unsafe fn child_after_clone(
+    sync_r: RawFd,
+    sync_w: RawFd,
+    plan: &[(RawFd, RawFd)],
+    program: *const libc::c_char,
+    argv: &[*const libc::c_char],
+    envp: &[*const libc::c_char],
+) -> ! {
+    // Our copy of the write end would keep the pipe from ever reaching EOF.
+    libc::close(sync_w);
+    let mut b = 0u8;
+    // Wait for the parent: EOF means it gave up on us.
+    if libc::read(sync_r, (&mut b as *mut u8).cast(), 1) != 1 {
+        libc::_exit(1);
+    }
+    for &(src, dst) in plan {
+        if libc::dup2(src, dst) < 0 {
+            libc::_exit(126);
+        }
+    }
+    // Rust ignores SIGPIPE; ignored dispositions survive execve, so restore the default.
+    libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    let mut empty: libc::sigset_t = std::mem::zeroed();
+    libc::sigemptyset(&mut empty);
+    libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+    libc::execve(program, argv.as_ptr(), envp.as_ptr());
+    libc::_exit(127);
+}
+
+/// Field 22 of /proc/<pid>/stat: start time in clock ticks since boot. With the pid it identifies a
+/// process across pid reuse.
+pub fn process_start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // comm may contain spaces and parens: split after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// pivot_root(2) onto the current directory and detach the old root (the `pivot_root(".", ".")` idiom).
+pub fn pivot_root_here() -> SysResult<()> {
+    let dot = c".";
+    // SAFETY: both arguments are valid NUL-terminated strings.
+    let ret = unsafe { libc::syscall(libc::SYS_pivot_root, dot.as_ptr(), dot.as_ptr()) };
+    check("pivot_root", ret)?;
+    // SAFETY: valid NUL-terminated path.
+    let ret = unsafe { libc::umount2(dot.as_ptr(), libc::MNT_DETACH) };
+    check("umount2(old root)", ret as libc::c_long)?;
+    Ok(())
+}
+
+/// Bring the loopback interface of the current network namespace up.
+pub fn loopback_up() -> SysResult<()> {
+    // SAFETY: plain socket creation.
+    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    check("socket(AF_INET)", sock as libc::c_long)?;
+    // SAFETY: socket() returned a fresh fd we own.
+    let sock = unsafe { OwnedFd::from_raw_fd(sock) };
+    // SAFETY: ifreq is plain old data; zeroed is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (i, b) in b"lo".iter().enumerate() {
+        req.ifr_name[i] = *b as libc::c_char;
+    }
+    // SAFETY: req is a valid ifreq for SIOCGIFFLAGS.
+    let ret = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) };
+    check("ioctl(SIOCGIFFLAGS)", ret as libc::c_long)?;
+    // SAFETY: ifru_flags is the active union member after SIOCGIFFLAGS.
+    unsafe { req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
+    // SAFETY: req is a valid ifreq for SIOCSIFFLAGS.
+    let ret = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) };
+    check("ioctl(SIOCSIFFLAGS)", ret as libc::c_long)?;
+    Ok(())
+}
+
+/// pidfd_open(2): an fd that becomes readable when `pid` exits.
+pub fn pidfd_open(pid: i32) -> SysResult<OwnedFd> {
+    // SAFETY: pidfd_open takes plain integers.
+    let ret = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let fd = check("pidfd_open", ret)?;
+    // SAFETY: the kernel returned a fresh fd that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// close_range(first, ~0, 0): close every fd >= first.
+pub fn close_fds_from(first: u32) -> SysResult<()> {
+    // SAFETY: close_range only affects this process's fd table.
+    let ret = unsafe { libc::syscall(libc::SYS_close_range, first, u32::MAX, 0u32) };
+    check("close_range", ret)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_time_of_self_is_readable_and_stable() {
+        let me = std::process::id() as i32;
+        let a = process_start_time(me).expect("own start time");
+        assert_eq!(Some(a), process_start_time(me));
+        assert_eq!(process_start_time(i32::MAX), None);
+    }
+
+    #[test]
+    fn spawn_paused_runs_program_only_after_release() {
+        let (r, w) = cloexec_pipe().unwrap();
+        let prog = CString::new("/bin/sh").unwrap();
+        let argv = [prog.clone(), CString::new("-c").unwrap(), CString::new("echo ran >&5").unwrap()];
+        let child = spawn_paused(&NsSpawn {
+            program: &prog,
+            argv: &argv,
+            envp: &[],
+            fds: &[(w.as_raw_fd(), 5)],
+            namespaces: 0,
+            cgroup_fd: None,
+        })
+        .unwrap();
+        drop(w);
+        // Not released yet: nothing written (poll for a moment).
+        let mut pfd = libc::pollfd { fd: r.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, 100) };
+        assert_eq!(n, 0, "child ran before release");
+        let pid = child.pid;
+        child.release().unwrap();
+        let mut out = String::new();
+        use std::io::Read;
+        std::fs::File::from(r).read_to_string(&mut out).unwrap();
+        assert_eq!(out, "ran\n");
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
+    }
+
+    #[test]
+    fn dropping_unreleased_child_makes_it_exit() {
+        let prog = CString::new("/bin/true").unwrap();
+        let child = spawn_paused(&NsSpawn {
+            program: &prog,
+            argv: &[prog.clone()],
+            envp: &[],
+            fds: &[],
+            namespaces: 0,
+            cgroup_fd: None,
+        })
+        .unwrap();
+        let pid = child.pid;
+        drop(child);
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(libc::WEXITSTATUS(status), 1);
+    }
+}

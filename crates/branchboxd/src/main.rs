@@ -1,0 +1,143 @@
+//! `branchboxd`: the branchbox daemon.
+//!
+//! Opens the runtime on its state directory (re-attaching to or reaping sandboxes a previous run
+//! left), serves the API on a unix socket (and on TCP with a bearer token when asked), and kills
+//! sandboxes whose timeout has passed. Sandboxes outlive a daemon restart unless `--kill-on-exit`.
+
+use anyhow::{bail, Context};
+use bb_runtime::{Runtime, RuntimeConfig};
+use clap::Parser;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Parser, Debug)]
+#[command(name = "branchboxd", version, about = "branchbox sandbox daemon")]
+struct Args {
+    /// State directory (images, layers, sandboxes, database).
+    #[arg(long, env = "BRANCHBOX_STATE_DIR", default_value = "/var/lib/branchbox")]
+    state_dir: PathBuf,
+    /// Unix socket to serve the API on.
+    #[arg(long, env = "BRANCHBOX_SOCKET", default_value = "/run/branchbox/branchboxd.sock")]
+    socket: PathBuf,
+    /// Also serve on this TCP address (e.g. 127.0.0.1:7070); requires --token.
+    #[arg(long)]
+    listen: Option<String>,
+    /// Bearer token required on TCP.
+    #[arg(long, env = "BRANCHBOX_TOKEN")]
+    token: Option<String>,
+    /// Path of branchbox-init (default: next to this binary).
+    #[arg(long, env = "BRANCHBOX_INIT_BIN")]
+    init_bin: Option<PathBuf>,
+    /// cgroup under which sandboxes get their groups.
+    #[arg(long, default_value = "branchbox")]
+    cgroup_parent: String,
+    #[arg(long, default_value_t = 1000)]
+    max_sandboxes: usize,
+    /// Largest file upload in bytes.
+    #[arg(long, default_value_t = 4 << 30)]
+    max_file_bytes: u64,
+    /// First host uid/gid of the sandboxes' user namespace range (65536 ids).
+    #[arg(long, default_value_t = 1_000_000)]
+    uid_base: u32,
+    /// Kill every sandbox when the daemon exits (default: they survive and are re-attached).
+    #[arg(long)]
+    kill_on_exit: bool,
+    /// Print the OpenAPI document and exit.
+    #[arg(long)]
+    print_openapi: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if args.print_openapi {
+        print!("{}", bb_api::openapi_json());
+        return Ok(());
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("BRANCHBOX_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("branchboxd")
+        .build()?
+        .block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    if args.listen.is_some() && args.token.as_deref().unwrap_or("").is_empty() {
+        bail!("--listen needs --token (or BRANCHBOX_TOKEN): the TCP API must not be open to anyone");
+    }
+    let init_bin = match args.init_bin {
+        Some(p) => p,
+        None => std::env::current_exe()?.with_file_name("branchbox-init"),
+    };
+    let mut cfg = RuntimeConfig::new(args.state_dir.clone(), init_bin);
+    cfg.cgroup_parent = args.cgroup_parent;
+    cfg.max_sandboxes = args.max_sandboxes;
+    cfg.max_file_bytes = args.max_file_bytes;
+    cfg.idmap.host_base = args.uid_base;
+    let rt = tokio::task::spawn_blocking(move || Runtime::open(cfg)).await?.context("opening the runtime")?;
+    tracing::info!(state_dir = %args.state_dir.display(), sandboxes = rt.count(), "runtime ready");
+
+    // TTL reaper.
+    let reaper_rt = rt.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        loop {
+            tick.tick().await;
+            reaper_rt.reap_expired().await;
+        }
+    });
+
+    if let Some(dir) = args.socket.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    if args.socket.exists() {
+        if std::os::unix::net::UnixStream::connect(&args.socket).is_ok() {
+            bail!("another daemon is already serving on {}: stop it first (`branchbox daemon stop`)", args.socket.display());
+        }
+        std::fs::remove_file(&args.socket)?;
+    }
+    let unix = tokio::net::UnixListener::bind(&args.socket).with_context(|| format!("binding {}", args.socket.display()))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&args.socket, std::fs::Permissions::from_mode(0o660))?;
+    }
+    tracing::info!(socket = %args.socket.display(), "serving");
+    let app = bb_api::router(rt.clone(), None);
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = unix.accept().await else { continue };
+            let svc = TowerToHyperService::new(app.clone());
+            tokio::spawn(async move {
+                let _ = auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(stream), svc).await;
+            });
+        }
+    });
+    if let Some(addr) = &args.listen {
+        let tcp = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        tracing::info!(%addr, "serving on TCP (bearer token required)");
+        let app = bb_api::router(rt.clone(), args.token.clone());
+        tokio::spawn(async move {
+            let _ = axum::serve(tcp, app).await;
+        });
+    }
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("shutting down");
+    if args.kill_on_exit {
+        rt.kill_all().await;
+    }
+    let _ = std::fs::remove_file(&args.socket);
+    Ok(())
+}

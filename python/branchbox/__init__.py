@@ -1,0 +1,84 @@
+"""branchbox: sandboxes for AI agents, driven through the local ``branchboxd`` daemon.
+
+    from branchbox import Sandbox
+
+    with Sandbox.create() as sbx:
+        print(sbx.commands.run("echo hi").stdout)
+        print(sbx.run_code("1 + 1").text)
+"""
+
+from __future__ import annotations
+
+from . import images
+from ._version import __version__
+from .exceptions import (
+    AuthenticationError,
+    CommandExitError,
+    ConflictError,
+    DaemonUnavailableError,
+    InvalidArgumentError,
+    NotFoundError,
+    PathEscapeError,
+    PayloadTooLargeError,
+    SandboxError,
+    TimeoutError,
+)
+from .models import (
+    CommandResult,
+    EntryInfo,
+    Execution,
+    ExecutionError,
+    ImageInfo,
+    ImageProgress,
+    ProcessInfo,
+    SandboxInfo,
+    SessionInfo,
+    ShellResult,
+)
+from .sandbox_async import (
+    AsyncByteStream,
+    AsyncCommandHandle,
+    AsyncImages,
+    AsyncSandbox,
+    AsyncSession,
+)
+from .sandbox_sync import ByteStream, CommandHandle, Images, Sandbox, Session
+
+__all__ = [
+    # sandboxes
+    "Sandbox",
+    "AsyncSandbox",
+    "CommandHandle",
+    "AsyncCommandHandle",
+    "Session",
+    "AsyncSession",
+    "ByteStream",
+    "AsyncByteStream",
+    # images
+    "images",
+    "Images",
+    "AsyncImages",
+    # models
+    "SandboxInfo",
+    "CommandResult",
+    "ProcessInfo",
+    "EntryInfo",
+    "Execution",
+    "ExecutionError",
+    "ShellResult",
+    "SessionInfo",
+    "ImageInfo",
+    "ImageProgress",
+    # exceptions
+    "SandboxError",
+    "NotFoundError",
+    "InvalidArgumentError",
+    "PathEscapeError",
+    "AuthenticationError",
+    "ConflictError",
+    "PayloadTooLargeError",
+    "TimeoutError",
+    "DaemonUnavailableError",
+    "CommandExitError",
+    "__version__",
+]

@@ -1,0 +1,622 @@
+"""Request building and response parsing shared by the sync and async SDKs.
+
+Everything that knows about the daemon's HTTP API lives here: each endpoint is a
+function returning a :class:`Call` (method, path, query, JSON body, how to parse the
+answer, how long it may take).  ``sandbox_sync`` and ``sandbox_async`` only execute
+calls, so their surfaces stay mirrored without duplicating API knowledge.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import stat as stat_mod
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from urllib.parse import quote
+
+import httpx
+
+from . import exceptions as exc
+from .models import (
+    CommandResult,
+    EntryInfo,
+    Execution,
+    ImageInfo,
+    ImageProgress,
+    ProcessInfo,
+    SandboxInfo,
+    SessionInfo,
+    ShellResult,
+)
+
+# Extra seconds the HTTP read timeout allows beyond an operation's own timeout, so the
+# daemon has time to kill the command and report ``timed_out``.
+TIMEOUT_GRACE = 15.0
+# Read timeout between two events of an image build/import progress stream.
+IMAGE_STREAM_TIMEOUT = 900.0
+CHUNK_SIZE = 1 << 20
+
+StdinT = Union[str, bytes, None]
+CmdT = Union[str, Sequence[str]]
+Callback = Callable[[str], Any]
+
+
+@dataclass
+class Call:
+    """One HTTP request to the daemon and how to interpret its answer.
+
+    ``op_timeout`` is the operation's own timeout (the HTTP read timeout becomes at least
+    ``op_timeout + TIMEOUT_GRACE``); ``unbounded`` disables the read timeout.
+    """
+
+    method: str
+    path: str
+    params: Optional[Dict[str, Any]] = None
+    json: Any = None
+    parse: Optional[Callable[[Any], Any]] = None
+    op_timeout: Optional[float] = None
+    unbounded: bool = False
+    headers: Dict[str, str] = field(default_factory=dict)
+    content: Any = None
+
+    def http_timeout(self, request_timeout: Optional[float]) -> Any:
+        """The ``timeout=`` to give httpx for this call."""
+        if self.unbounded:
+            return None
+        if self.op_timeout is not None:
+            if self.op_timeout <= 0 or request_timeout is None:
+                return None
+            t = max(float(request_timeout), float(self.op_timeout) + TIMEOUT_GRACE)
+            return httpx.Timeout(t, connect=min(t, 10.0))
+        return httpx.USE_CLIENT_DEFAULT
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def parse_json(content: bytes) -> Any:
+    if not content:
+        return None
+    try:
+        return json.loads(content)
+    except ValueError:
+        raise exc.SandboxError(
+            "daemon sent an invalid JSON answer: %r" % content[:200], code="protocol"
+        ) from None
+
+
+def error_for_status(status_code: int, content: bytes) -> exc.SandboxError:
+    try:
+        body: Any = json.loads(content) if content else None
+    except ValueError:
+        body = content.decode("utf-8", "replace")
+    return exc.error_from_response(status_code, body)
+
+
+def transport_error(err: Exception, url: str) -> exc.SandboxError:
+    """Map an httpx transport failure to a branchbox exception."""
+    if isinstance(err, httpx.TimeoutException):
+        return exc.TimeoutError(
+            "request to branchboxd at %s timed out (%s); raise request_timeout if the "
+            "operation is expected to take longer" % (url, type(err).__name__),
+            code="timeout",
+        )
+    if isinstance(err, httpx.ConnectError):
+        return exc.DaemonUnavailableError(
+            "cannot reach branchboxd at %s (%s): run `branchbox daemon start` or set "
+            "BRANCHBOX_URL to where the daemon listens" % (url, err),
+            code="connect",
+        )
+    return exc.DaemonUnavailableError(
+        "connection to branchboxd at %s failed: %s: %s" % (url, type(err).__name__, err),
+        code="connection_lost",
+    )
+
+
+# ----------------------------------------------------------------------------- NDJSON
+
+
+class NDJSONDecoder:
+    """Incremental decoder for ``application/x-ndjson`` bodies."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, chunk: bytes) -> List[Any]:
+        self._buf += chunk
+        if b"\n" not in chunk:
+            return []
+        *lines, rest = bytes(self._buf).split(b"\n")
+        self._buf = bytearray(rest)
+        return [self._decode(line) for line in lines if line.strip()]
+
+    def close(self) -> List[Any]:
+        rest, self._buf = bytes(self._buf), bytearray()
+        return [self._decode(rest)] if rest.strip() else []
+
+    @staticmethod
+    def _decode(line: bytes) -> Any:
+        try:
+            return json.loads(line)
+        except ValueError:
+            raise exc.SandboxError(
+                "daemon sent a malformed stream line: %r" % line[:200], code="protocol"
+            ) from None
+
+
+def _stream_error(event: Mapping[str, Any]) -> exc.SandboxError:
+    return exc.error_from_response(int(event.get("status") or 500), dict(event))
+
+
+class CommandStream:
+    """Folds ``/commands/stream`` events into a :class:`CommandResult`.
+
+    :meth:`handle` returns ``(callback, data)`` when a user callback must be invoked
+    (the sync/async layers call or await it).
+    """
+
+    def __init__(self, on_stdout: Optional[Callback] = None, on_stderr: Optional[Callback] = None):
+        self.on_stdout = on_stdout
+        self.on_stderr = on_stderr
+        self.pid: Optional[int] = None
+        self._stdout: List[str] = []
+        self._stderr: List[str] = []
+        self.result: Optional[CommandResult] = None
+
+    def handle(self, event: Any) -> Optional[Tuple[Callback, str]]:
+        if not isinstance(event, dict):
+            return None
+        kind = event.get("type")
+        if kind == "start":
+            self.pid = event.get("pid")
+        elif kind in ("stdout", "stderr"):
+            data = event.get("data") or ""
+            if kind == "stdout":
+                self._stdout.append(data)
+                cb = self.on_stdout
+            else:
+                self._stderr.append(data)
+                cb = self.on_stderr
+            if cb is not None and data:
+                return cb, data
+        elif kind == "exit":
+            fields = {k: v for k, v in event.items() if k != "type"}
+            fields.setdefault("pid", self.pid)
+            if self._stdout or not fields.get("stdout"):
+                fields["stdout"] = "".join(self._stdout)
+            if self._stderr or not fields.get("stderr"):
+                fields["stderr"] = "".join(self._stderr)
+            self.result = CommandResult.from_dict(fields)
+        elif kind == "error":
+            raise _stream_error(event)
+        return None
+
+    def finish(self) -> CommandResult:
+        if self.result is None:
+            raise exc.SandboxError(
+                "command stream ended without an exit event", code="connection_lost"
+            )
+        return self.result
+
+
+class ImageStream:
+    """Folds an image build/import progress stream into the final :class:`ImageInfo`."""
+
+    def __init__(self) -> None:
+        self.image: Optional[ImageInfo] = None
+
+    def handle(self, event: Any) -> Optional[ImageProgress]:
+        if not isinstance(event, dict):
+            return None
+        kind = event.get("type")
+        if kind == "progress":
+            return ImageProgress.from_dict(event)
+        if kind == "done":
+            self.image = ImageInfo.from_dict(event.get("image"))
+        elif kind == "error":
+            raise _stream_error(event)
+        return None
+
+    def finish(self) -> ImageInfo:
+        if self.image is None:
+            raise exc.SandboxError("image stream ended without a done event", code="connection_lost")
+        return self.image
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _seg(value: Any) -> str:
+    return quote(str(value), safe="")
+
+
+def _sbx(sandbox_id: str) -> str:
+    if not sandbox_id:
+        raise exc.InvalidArgumentError("sandbox id must not be empty")
+    return "/v1/sandboxes/" + _seg(sandbox_id)
+
+
+def _compact(body: Mapping[str, Any]) -> Dict[str, Any]:
+    """Drop unset (None) fields so the daemon applies its defaults."""
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def _list_of(key: str, model: Any) -> Callable[[Any], List[Any]]:
+    def parse(data: Any) -> List[Any]:
+        items = (data or {}).get(key) or []
+        return [model.from_dict(x) for x in items]
+
+    return parse
+
+
+def _flag(key: str) -> Callable[[Any], bool]:
+    def parse(data: Any) -> bool:
+        return bool((data or {}).get(key, True))
+
+    return parse
+
+
+def parse_run_result(data: Any) -> Union[Execution, ShellResult]:
+    """A session run answers an Execution (python) or a ShellResult (shell)."""
+    if isinstance(data, dict) and "exit_code" in data and "result" not in data:
+        return ShellResult.from_dict(data)
+    return Execution.from_dict(data)
+
+
+def _env(env: Optional[Mapping[str, Any]]) -> Optional[Dict[str, str]]:
+    if env is None:
+        return None
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def format_mode(mode: Union[int, str, None]) -> Optional[str]:
+    """``0o644`` / ``"644"`` / ``"0644"`` -> ``"0644"`` (octal, as the API expects)."""
+    if mode is None:
+        return None
+    if isinstance(mode, bool):
+        raise exc.InvalidArgumentError("mode must be an int like 0o644 or an octal string")
+    if isinstance(mode, int):
+        value = mode
+    else:
+        try:
+            value = int(str(mode), 8)
+        except ValueError:
+            raise exc.InvalidArgumentError("mode %r is not an octal permission string" % (mode,)) from None
+    if not 0 <= value <= 0o7777:
+        raise exc.InvalidArgumentError("mode %o is out of range (0..07777)" % value)
+    return "%04o" % value
+
+
+# ----------------------------------------------------------------------------- daemon
+
+
+def health() -> Call:
+    return Call("GET", "/v1/health")
+
+
+# ----------------------------------------------------------------------------- sandboxes
+
+
+def create_sandbox(
+    image: str = "base",
+    cpu: Optional[float] = None,
+    memory_mb: Optional[int] = None,
+    pids: Optional[int] = None,
+    env: Optional[Mapping[str, Any]] = None,
+    cwd: Optional[str] = None,
+    timeout: Optional[float] = 300,
+    network: Optional[str] = "none",
+    metadata: Optional[Mapping[str, Any]] = None,
+) -> Call:
+    body = _compact(
+        {
+            "image": image,
+            "cpu": cpu,
+            "memory_mb": memory_mb,
+            "pids": pids,
+            "env": _env(env),
+            "cwd": cwd,
+            "timeout": timeout,
+            "network": network,
+            "metadata": _env(metadata),
+        }
+    )
+    return Call("POST", "/v1/sandboxes", json=body, parse=SandboxInfo.from_dict)
+
+
+def list_sandboxes(metadata: Optional[Mapping[str, Any]] = None) -> Call:
+    params = {"metadata.%s" % k: str(v) for k, v in (metadata or {}).items()} or None
+    return Call("GET", "/v1/sandboxes", params=params, parse=_list_of("sandboxes", SandboxInfo))
+
+
+def get_sandbox(sandbox_id: str) -> Call:
+    return Call("GET", _sbx(sandbox_id), parse=SandboxInfo.from_dict)
+
+
+def set_timeout(sandbox_id: str, seconds: float) -> Call:
+    return Call(
+        "POST", _sbx(sandbox_id) + "/timeout", json={"timeout": seconds}, parse=SandboxInfo.from_dict
+    )
+
+
+def kill_sandbox(sandbox_id: str) -> Call:
+    return Call("DELETE", _sbx(sandbox_id), parse=_flag("killed"))
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def command_body(
+    cmd: CmdT,
+    background: bool = False,
+    cwd: Optional[str] = None,
+    env: Optional[Mapping[str, Any]] = None,
+    timeout: Optional[float] = 60,
+    stdin: StdinT = None,
+) -> Dict[str, Any]:
+    body: Dict[str, Any] = {}
+    if isinstance(cmd, str):
+        if not cmd.strip():
+            raise exc.InvalidArgumentError("cmd must not be empty")
+        body["cmd"] = cmd
+    elif isinstance(cmd, (list, tuple)):
+        if not cmd:
+            raise exc.InvalidArgumentError("cmd argv list must not be empty")
+        body["args"] = [os.fspath(a) if isinstance(a, os.PathLike) else str(a) for a in cmd]
+    else:
+        raise exc.InvalidArgumentError("cmd must be a string or a list of arguments")
+    if cwd is not None:
+        body["cwd"] = cwd
+    if env:
+        body["env"] = _env(env)
+    if timeout is not None:
+        body["timeout"] = timeout
+    if isinstance(stdin, str):
+        body["stdin"] = stdin
+    elif isinstance(stdin, (bytes, bytearray, memoryview)):
+        body["stdin_b64"] = base64.b64encode(bytes(stdin)).decode("ascii")
+    elif stdin is not None:
+        raise exc.InvalidArgumentError("stdin must be str or bytes")
+    if background:
+        body["background"] = True
+    return body
+
+
+def run_command(sandbox_id: str, body: Dict[str, Any]) -> Call:
+    if body.get("background"):
+        return Call(
+            "POST", _sbx(sandbox_id) + "/commands", json=body, parse=lambda d: int(d["pid"])
+        )
+    return Call(
+        "POST",
+        _sbx(sandbox_id) + "/commands",
+        json=body,
+        parse=CommandResult.from_dict,
+        op_timeout=body.get("timeout"),
+    )
+
+
+def stream_command(sandbox_id: str, body: Dict[str, Any]) -> Call:
+    return Call(
+        "POST",
+        _sbx(sandbox_id) + "/commands/stream",
+        json={k: v for k, v in body.items() if k != "background"},
+        op_timeout=body.get("timeout"),
+        headers={"Accept": "application/x-ndjson"},
+    )
+
+
+def list_processes(sandbox_id: str) -> Call:
+    return Call("GET", _sbx(sandbox_id) + "/commands", parse=_list_of("processes", ProcessInfo))
+
+
+def wait_process(sandbox_id: str, pid: int, timeout: Optional[float] = None) -> Call:
+    return Call(
+        "POST",
+        "%s/commands/%d/wait" % (_sbx(sandbox_id), int(pid)),
+        json=_compact({"timeout": timeout}),
+        parse=CommandResult.from_dict,
+        op_timeout=timeout,
+        unbounded=timeout is None,
+    )
+
+
+def kill_process(sandbox_id: str, pid: int, signal: int = 9) -> Call:
+    return Call(
+        "POST",
+        "%s/commands/%d/kill" % (_sbx(sandbox_id), int(pid)),
+        json={"signal": int(signal)},
+        parse=_flag("killed"),
+    )
+
+
+# ----------------------------------------------------------------------------- sessions & code
+
+
+def create_session(
+    sandbox_id: str,
+    kind: str = "python",
+    cwd: Optional[str] = None,
+    env: Optional[Mapping[str, Any]] = None,
+) -> Call:
+    if kind not in ("python", "shell"):
+        raise exc.InvalidArgumentError("session kind must be 'python' or 'shell', not %r" % (kind,))
+    body = {"kind": kind, "cwd": cwd, "env": _env(env) or {}}
+    return Call("POST", _sbx(sandbox_id) + "/sessions", json=body, parse=SessionInfo.from_dict)
+
+
+def list_sessions(sandbox_id: str) -> Call:
+    return Call("GET", _sbx(sandbox_id) + "/sessions", parse=_list_of("sessions", SessionInfo))
+
+
+def kill_session(sandbox_id: str, session_id: str) -> Call:
+    return Call("DELETE", "%s/sessions/%s" % (_sbx(sandbox_id), _seg(session_id)), parse=_flag("killed"))
+
+
+def run_session(sandbox_id: str, session_id: str, code: str, timeout: Optional[float] = 60) -> Call:
+    return Call(
+        "POST",
+        "%s/sessions/%s/run" % (_sbx(sandbox_id), _seg(session_id)),
+        json=_compact({"code": code, "timeout": timeout}),
+        parse=parse_run_result,
+        op_timeout=timeout,
+    )
+
+
+def run_code(
+    sandbox_id: str, code: str, language: str = "python", timeout: Optional[float] = 60
+) -> Call:
+    return Call(
+        "POST",
+        _sbx(sandbox_id) + "/code",
+        json=_compact({"code": code, "language": language, "timeout": timeout}),
+        parse=Execution.from_dict,
+        op_timeout=timeout,
+    )
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def read_file(sandbox_id: str, path: str) -> Call:
+    return Call(
+        "GET",
+        _sbx(sandbox_id) + "/files",
+        params={"path": path},
+        headers={"Accept": "application/octet-stream"},
+    )
+
+
+def write_file(
+    sandbox_id: str, path: str, content: Any, mode: Union[int, str, None] = None, length: Optional[int] = None
+) -> Call:
+    params = {"path": path}
+    m = format_mode(mode)
+    if m is not None:
+        params["mode"] = m
+    headers = {"Content-Type": "application/octet-stream"}
+    if length is not None:
+        headers["Content-Length"] = str(length)
+    return Call(
+        "PUT",
+        _sbx(sandbox_id) + "/files",
+        params=params,
+        headers=headers,
+        content=content,
+        parse=EntryInfo.from_dict,
+    )
+
+
+def list_dir(sandbox_id: str, path: str, depth: int = 1) -> Call:
+    return Call(
+        "GET",
+        _sbx(sandbox_id) + "/files/list",
+        params={"path": path, "depth": int(depth)},
+        parse=_list_of("entries", EntryInfo),
+    )
+
+
+def stat(sandbox_id: str, path: str) -> Call:
+    return Call("GET", _sbx(sandbox_id) + "/files/stat", params={"path": path}, parse=EntryInfo.from_dict)
+
+
+def make_dir(sandbox_id: str, path: str, parents: bool = True) -> Call:
+    return Call(
+        "POST",
+        _sbx(sandbox_id) + "/files/mkdir",
+        json={"path": path, "parents": bool(parents)},
+        parse=EntryInfo.from_dict,
+    )
+
+
+def rename(sandbox_id: str, src: str, dst: str) -> Call:
+    return Call(
+        "POST",
+        _sbx(sandbox_id) + "/files/rename",
+        json={"from": src, "to": dst},
+        parse=EntryInfo.from_dict,
+    )
+
+
+def remove(sandbox_id: str, path: str, recursive: bool = False) -> Call:
+    return Call(
+        "DELETE",
+        _sbx(sandbox_id) + "/files",
+        params={"path": path, "recursive": "true" if recursive else "false"},
+        parse=_flag("removed"),
+    )
+
+
+def bytes_payload(data: Any) -> Optional[bytes]:
+    """``data`` as bytes if it is str/bytes-like, else None (it is streamed)."""
+    if isinstance(data, str):
+        return data.encode("utf-8")
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    return None
+
+
+def remaining_length(fileobj: Any) -> Optional[int]:
+    """Bytes left in a regular binary file object (for Content-Length), else None."""
+    if isinstance(fileobj, io.TextIOBase):
+        return None
+    try:
+        st = os.fstat(fileobj.fileno())
+        if not stat_mod.S_ISREG(st.st_mode):
+            return None
+        return max(st.st_size - fileobj.tell(), 0)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+
+
+def iter_file(fileobj: Any, chunk_size: int = CHUNK_SIZE) -> Iterable[bytes]:
+    while True:
+        chunk = fileobj.read(chunk_size)
+        if not chunk:
+            return
+        yield chunk.encode("utf-8") if isinstance(chunk, str) else bytes(chunk)
+
+
+def iter_chunks(data: Iterable[Any]) -> Iterable[bytes]:
+    for chunk in data:
+        if chunk:
+            yield chunk.encode("utf-8") if isinstance(chunk, str) else bytes(chunk)
+
+
+def is_filelike(data: Any) -> bool:
+    return callable(getattr(data, "read", None))
+
+
+# ----------------------------------------------------------------------------- images
+
+
+def list_images() -> Call:
+    return Call("GET", "/v1/images", parse=_list_of("images", ImageInfo))
+
+
+def build_image(name: str = "base", suite: Optional[str] = None, packages: Optional[Sequence[str]] = None) -> Call:
+    body = _compact({"name": name, "suite": suite, "packages": list(packages) if packages is not None else None})
+    return Call(
+        "POST",
+        "/v1/images/build",
+        json=body,
+        op_timeout=IMAGE_STREAM_TIMEOUT,
+        headers={"Accept": "application/x-ndjson"},
+    )
+
+
+def import_image(name: str, path: str) -> Call:
+    return Call(
+        "POST",
+        "/v1/images/import",
+        json={"name": name, "path": os.fspath(path)},
+        op_timeout=IMAGE_STREAM_TIMEOUT,
+        headers={"Accept": "application/x-ndjson"},
+    )
+
+
+def remove_image(name: str) -> Call:
+    return Call("DELETE", "/v1/images/" + _seg(name), parse=_flag("removed"))

@@ -1,0 +1,672 @@
+"""branchbox in-sandbox session server (stdlib only, Python 3.9+).
+
+The daemon runs this file inside a sandbox as::
+
+    python3 -I -S -c "<source of this file>" python|shell
+
+with fd 3 a connected AF_UNIX SOCK_STREAM socket (the *channel*).  Nothing from the
+``branchbox`` package is imported: this file must stay self-contained.
+
+Wire protocol: one JSON object per line in each direction, one response per request,
+in order.  A request's ``"id"`` (any JSON value) is echoed in its response.
+
+    {"op":"ping"}              -> {"ok":true,"pid":N}
+    {"op":"run","code":"..."}  -> python: {"stdout":s,"stderr":s,"result":s|null,
+                                           "error":null|{"name","value","traceback"}}
+                                  shell:  {"stdout":s,"stderr":s,"exit_code":n}
+                                  (+ "stdout_truncated"/"stderr_truncated": true when a
+                                  stream exceeded 16 MiB; exit_code is 128+N for signal N)
+    {"op":"fork"} sent with exactly one fd (SCM_RIGHTS, same sendmsg)
+                               -> old channel (parent): {"ok":true,"child":PID}
+                                  new channel (child):  {"ok":true,"pid":PID}
+    bad JSON / not an object / unknown op / missing field
+                               -> {"error":{"name":"ProtocolError","value":"..."}}
+    internal failure (e.g. memfd_create denied)
+                               -> {"error":{"name":...,"value":...,"traceback":...}}
+
+EOF on the channel exits 0.  fds received with any other op are closed.
+
+Process model: single-threaded, fd 0 is /dev/null, only fds 0-3 are open between
+requests (memfds live for one run), and the server idles in recvmsg() - a quiescent
+point where it can fork.  A parent that forked reaps its fork children from a SIGCHLD
+handler that waits for those pids only.  Output is captured at the fd level into memfds;
+nothing is written to the sandbox filesystem.  The python kind re-enables site-packages
+(``-S`` skipped them) and puts ``''`` and ``$PYTHONPATH`` on ``sys.path`` like an
+interactive interpreter.
+"""
+
+import array
+import ast
+import builtins
+import io
+import json
+import linecache
+import os
+import signal
+import socket
+import sys
+import traceback
+import types
+
+CHANNEL_FD = 3
+MAX_OUTPUT = 16 * 1024 * 1024  # bytes kept per stream and run
+MAX_FDS = 16  # ancillary fds accepted per recvmsg
+_RECV_SIZE = 256 * 1024
+_MFD_CLOEXEC = getattr(os, "MFD_CLOEXEC", 1)
+
+
+# --------------------------------------------------------------------------- channel
+
+
+class Channel(object):
+    """Newline-delimited JSON over a stream socket, collecting SCM_RIGHTS fds."""
+
+    def __init__(self, fd):
+        self.sock = socket.socket(fileno=fd)
+        self.buf = bytearray()
+        self.scanned = 0
+        self.fds = []
+
+    def read_request(self):
+        """Return (line bytes, fds received with it) or (None, []) at EOF."""
+        while True:
+            i = self.buf.find(b"\n", self.scanned)
+            if i >= 0:
+                line = bytes(self.buf[:i])
+                del self.buf[: i + 1]
+                self.scanned = 0
+                fds, self.fds = self.fds, []
+                return line, fds
+            self.scanned = len(self.buf)
+            try:
+                data, ancdata, _flags, _addr = self.sock.recvmsg(
+                    _RECV_SIZE,
+                    socket.CMSG_SPACE(MAX_FDS * 4),
+                    getattr(socket, "MSG_CMSG_CLOEXEC", 0),
+                )
+            except KeyboardInterrupt:  # a stray SIGINT while idle must not kill us
+                continue
+            for level, kind, cdata in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    arr = array.array("i")
+                    arr.frombytes(cdata[: len(cdata) - (len(cdata) % arr.itemsize)])
+                    self.fds.extend(arr)
+            if not data:
+                return None, []
+            self.buf += data
+
+    def send(self, obj):
+        data = json.dumps(obj, separators=(",", ":")).encode("ascii") + b"\n"
+        self.sock.sendall(data)
+
+    def close(self):
+        self.sock.close()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _protocol_error(message):
+    return {"error": {"name": "ProtocolError", "value": message}}
+
+
+def _close_fds(fds):
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _memfd(name):
+    return os.memfd_create(name, _MFD_CLOEXEC)
+
+
+def _read_memfd(fd, limit=MAX_OUTPUT):
+    """Read a memfd from its start; returns (text, truncated)."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    total = 0
+    while total < limit:
+        chunk = os.read(fd, min(1 << 20, limit - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    truncated = total >= limit and bool(os.read(fd, 1))
+    return b"".join(chunks).decode("utf-8", "replace"), truncated
+
+
+def _capture_result(out_fd, err_fd):
+    stdout, out_trunc = _read_memfd(out_fd)
+    stderr, err_trunc = _read_memfd(err_fd)
+    res = {"stdout": stdout, "stderr": stderr}
+    if out_trunc:
+        res["stdout_truncated"] = True
+    if err_trunc:
+        res["stderr_truncated"] = True
+    return res
+
+
+def _ensure_std_fds():
+    """fd 0 is /dev/null (user code must never block on stdin); 1 and 2 must exist."""
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.dup2(null, fd)
+    if null > 2:
+        os.close(null)
+
+
+# --------------------------------------------------------------------------- python kind
+
+
+class PythonKernel(object):
+    """Runs code in one persistent ``__main__`` namespace."""
+
+    def __init__(self):
+        self._setup_paths()
+        main = types.ModuleType("__main__")
+        main.__dict__["__builtins__"] = builtins
+        # The server's own functions keep their globals; user code gets a clean __main__
+        # (pickle and multiprocessing resolve user classes through sys.modules).
+        sys.modules["__main__"] = main
+        self.globals = main.__dict__
+        self.counter = 0
+        sys.argv = [""]
+
+    @staticmethod
+    def _setup_paths():
+        # -S skips site: restore site-packages so installed libraries import; -I drops
+        # the cwd and PYTHONPATH: give user code what an interactive python would see.
+        try:
+            import site
+
+            site.main()
+        except Exception:
+            pass
+        extra = [""]
+        pp = os.environ.get("PYTHONPATH")
+        if pp:
+            extra.extend(p for p in pp.split(os.pathsep) if p)
+        sys.path[:0] = [p for p in extra if p not in sys.path]
+
+    def run(self, code):
+        self.counter += 1
+        filename = "<cell-%d>" % self.counter
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        out_fd = _memfd("bb-stdout")
+        err_fd = _memfd("bb-stderr")
+        try:
+            for f in (sys.stdout, sys.stderr):
+                try:
+                    f.flush()
+                except Exception:
+                    pass
+            saved_out = os.dup(1)
+            saved_err = os.dup(2)
+            old_stdout, old_stderr = sys.stdout, sys.stderr
+            os.dup2(out_fd, 1)
+            os.dup2(err_fd, 2)
+            new_stdout = _text_stream(1)
+            new_stderr = _text_stream(2)
+            sys.stdout, sys.stderr = new_stdout, new_stderr
+            try:
+                result, error = self._execute(code, filename)
+            finally:
+                for f in (sys.stdout, sys.stderr, new_stdout, new_stderr):
+                    try:
+                        f.flush()
+                    except Exception:
+                        pass
+                _flush_c_stdio()
+                sys.stdout, sys.stderr = old_stdout, old_stderr
+                os.dup2(saved_out, 1)
+                os.dup2(saved_err, 2)
+                os.close(saved_out)
+                os.close(saved_err)
+            res = _capture_result(out_fd, err_fd)
+        finally:
+            os.close(out_fd)
+            os.close(err_fd)
+        res["result"] = result
+        res["error"] = error
+        return res
+
+    def _execute(self, code, filename):
+        """Returns (repr of the last expression or None, error dict or None)."""
+        g = self.globals
+        try:
+            tree = ast.parse(code, filename, "exec")
+            last = None
+            if tree.body and isinstance(tree.body[-1], ast.Expr):
+                last = ast.Expression(tree.body.pop().value)
+            flags = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
+            body = compile(tree, filename, "exec", flags=flags, dont_inherit=True)
+            expr = None
+            if last is not None:
+                expr = compile(last, filename, "eval", flags=flags, dont_inherit=True)
+        except BaseException as exc:  # SyntaxError, ValueError (null bytes), ...
+            return None, _format_error(exc, only=True)
+        try:
+            if _is_coroutine_code(body) or (expr is not None and _is_coroutine_code(expr)):
+                value = _run_async(body, expr, g)
+            else:
+                exec(body, g)
+                value = eval(expr, g) if expr is not None else None
+        except BaseException as exc:  # SystemExit / KeyboardInterrupt must not kill us
+            return None, _format_error(exc)
+        if value is None:
+            return None, None
+        g["_"] = value
+        try:
+            return _clean(repr(value)), None
+        except BaseException as exc:
+            return None, _format_error(exc)
+
+
+def _text_stream(fd):
+    return io.open(
+        fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False
+    )
+
+
+def _flush_c_stdio():
+    # Only if user code loaded ctypes can it have written through C stdio buffers.
+    if "ctypes" in sys.modules:
+        try:
+            ctypes = sys.modules["ctypes"]
+            ctypes.CDLL(None).fflush(None)
+        except Exception:
+            pass
+
+
+def _is_coroutine_code(code_obj):
+    return bool(code_obj.co_flags & 0x80)  # CO_COROUTINE (top-level await)
+
+
+def _run_async(body, expr, g):
+    import asyncio
+
+    async def both():
+        r = eval(body, g)
+        if r is not None and hasattr(r, "__await__"):
+            await r
+        if expr is None:
+            return None
+        v = eval(expr, g)
+        if _is_coroutine_code(expr):
+            v = await v
+        return v
+
+    return asyncio.run(both())
+
+
+def _format_error(exc, only=False):
+    """Error dict for the wire; the traceback starts at the first user (cell) frame."""
+    tb = None if only else exc.__traceback__
+    while tb is not None and not tb.tb_frame.f_code.co_filename.startswith("<cell-"):
+        tb = tb.tb_next
+    try:
+        if tb is None:
+            lines = traceback.format_exception_only(type(exc), exc)
+        else:
+            lines = traceback.format_exception(type(exc), exc, tb)
+        text = "".join(lines)
+    except BaseException:
+        text = "%s\n" % type(exc).__name__
+    try:
+        value = str(exc)
+    except BaseException:
+        value = "<unprintable %s>" % type(exc).__name__
+    return {"name": type(exc).__name__, "value": _clean(value), "traceback": _clean(text)}
+
+
+def _clean(text):
+    """Replace lone surrogates so the response is valid UTF-8 JSON."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# --------------------------------------------------------------------------- shell kind
+
+# Variables bash sets itself, readonly ones and dynamic ones: never saved/restored.
+_BASH_SKIP = (
+    "BASH|BASH[A-Z_]*|COMP_WORDBREAKS|DIRSTACK|EPOCHREALTIME|EPOCHSECONDS|EUID|"
+    "FUNCNAME|GROUPS|HISTCMD|HOSTTYPE|LINENO|MACHTYPE|OSTYPE|PIPESTATUS|PPID|PWD|"
+    "RANDOM|SECONDS|SHELLOPTS|SHLVL|SRANDOM|UID|_|__bb_*|COPROC|COPROC_PID"
+)
+_SH_SKIP = frozenset(["PWD", "SHLVL", "_"])
+_NAME_PREFIXES = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_"
+_MAX_ARG = 100 * 1024  # stay well below MAX_ARG_STRLEN (128 KiB)
+
+
+def _bash_dump_code(fd):
+    """Bash code writing 4 NUL-terminated sections (vars, functions, -F, pwd) to fd."""
+    names = " ".join('"${!%s@}"' % c for c in _NAME_PREFIXES)
+    return (
+        "{ __bb_st=$?; builtin set +xeuv; } 2>/dev/null; "
+        "if [[ -z ${__bb_done+x} ]]; then __bb_done=1; "
+        "{ for __bb_n in %s; do case $__bb_n in %s) ;; "
+        '*) builtin declare -p -- "$__bb_n";; esac; done; '
+        'builtin printf "\\0"; builtin declare -f; builtin printf "\\0"; '
+        'builtin declare -F; builtin printf "\\0"; builtin pwd; builtin printf "\\0"; '
+        "} >&%d 2>/dev/null; fi" % (names, _BASH_SKIP, fd)
+    )
+
+
+def _sh_quote(s):
+    return "'" + s.replace("'", "'\\''") + "'"
+
+
+class ShellKernel(object):
+    """Each run is a fresh bash restoring the previous run's variables, functions and cwd.
+
+    Running user code in a child keeps this process single-threaded and forkable.  The
+    state travels through memfds: the restore script is read by bash's ``read`` builtin
+    from an inherited fd, the new state is dumped by an EXIT trap (and after the last
+    line) into another fd.  Without /bin/bash, /bin/sh keeps exported variables and cwd.
+    """
+
+    def __init__(self):
+        if os.access("/bin/bash", os.X_OK):
+            self.shell = "/bin/bash"
+        else:
+            self.shell = "/bin/sh"
+        self.bash = self.shell == "/bin/bash"
+        self.cwd = os.getcwd()
+        self.env = dict(os.environ)  # sh mode, and bash's environment until a first dump
+        self.vars = None  # bash: `declare -p` lines of the last dump
+        self.funcs = ""
+        self.exported_funcs = []
+        import subprocess  # imported now so forked children start warm
+
+        self.subprocess = subprocess
+
+    def run(self, code):
+        subprocess = self.subprocess
+        code = code.replace("\0", "")
+        fds = []
+        try:
+            out_fd = _memfd("bb-stdout")
+            fds.append(out_fd)
+            err_fd = _memfd("bb-stderr")
+            fds.append(err_fd)
+            dump_fd = _memfd("bb-state-out")
+            fds.append(dump_fd)
+            if self.bash:
+                argv, env, pass_fds = self._bash_invocation(code, dump_fd, fds)
+            else:
+                argv, env, pass_fds = self._sh_invocation(code, dump_fd, fds)
+            cwd = self.cwd if os.path.isdir(self.cwd) else "/"
+            env = dict(env)
+            env["PWD"] = cwd
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out_fd,
+                stderr=err_fd,
+                pass_fds=pass_fds,
+                cwd=cwd,
+                env=env,
+                close_fds=True,
+            )
+            rc = proc.wait()
+            exit_code = rc if rc >= 0 else 128 - rc
+            self._load_state(dump_fd)
+            res = _capture_result(out_fd, err_fd)
+        finally:
+            _close_fds(fds)
+        res["exit_code"] = exit_code
+        return res
+
+    # -- bash
+    def _bash_invocation(self, code, dump_fd, fds):
+        dump = _bash_dump_code(dump_fd)
+        parts = []
+        if self.vars is not None:
+            parts.append(self.vars)
+            parts.append(self.funcs)
+            parts.extend("builtin declare -fx -- %s" % n for n in self.exported_funcs)
+        parts.append("builtin trap -- %s EXIT" % _sh_quote(dump + "; builtin exit $__bb_st"))
+        parts.append("builtin unset -v __bb_r")
+        restore = "\n".join(parts) + "\n"
+        in_fd = _memfd("bb-state-in")
+        fds.append(in_fd)
+        read = "IFS= builtin read -r -d '' %s <&%d"
+        prefix = read % ("__bb_r", in_fd)
+        payload = restore.encode("utf-8", "surrogateescape") + b"\0"
+        if len(code.encode("utf-8", "surrogateescape")) > _MAX_ARG:
+            # Too big for one argv string: ship it through the memfd too.
+            prefix += "; " + read % ("__bb_c", in_fd)
+            payload += code.encode("utf-8", "surrogateescape") + b"\0"
+            code = 'eval "$__bb_c"'
+        _write_all(in_fd, payload)
+        os.lseek(in_fd, 0, os.SEEK_SET)
+        # The user's first line shares line 1 with the prefix so LINENO/errors match; a
+        # dump after the last line covers a user-replaced EXIT trap.
+        script = '%s; builtin exec %d<&-; builtin eval "$__bb_r"; %s\n%s; builtin exit $__bb_st\n' % (
+            prefix,
+            in_fd,
+            code,
+            dump,
+        )
+        env = self.env if self.vars is None else {}
+        return [self.shell, "-c", script, "bash"], env, (in_fd, dump_fd)
+
+    # -- /bin/sh fallback (degraded: exported variables and cwd only)
+    def _sh_invocation(self, code, dump_fd, fds):
+        low = _single_digit_fd(dump_fd)  # dash only understands fds 0-9 in redirections
+        if low != dump_fd:
+            fds.append(low)
+        dump = (
+            "__bb_st=$?; { export -p; printf '\\000'; pwd; printf '\\000'; } >&%d 2>/dev/null; "
+            "exit $__bb_st" % low
+        )
+        script = "trap %s EXIT; %s\n" % (_sh_quote(dump), code)
+        return [self.shell, "-c", script, "sh"], self.env, (low,)
+
+    def _load_state(self, dump_fd):
+        os.lseek(dump_fd, 0, os.SEEK_SET)
+        chunks = []
+        while True:
+            chunk = os.read(dump_fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        sections = b"".join(chunks).split(b"\0")
+        want = 4 if self.bash else 2
+        # A run that exec'd another program or was killed dumps nothing: keep old state.
+        if len(sections) < want + 1:
+            return
+        text = [s.decode("utf-8", "surrogateescape") for s in sections[:want]]
+        if self.bash:
+            self.vars, self.funcs = text[0], text[1]
+            self.exported_funcs = [
+                line.split()[-1]
+                for line in text[2].splitlines()
+                if line.startswith("declare -f") and "x" in line.split()[1]
+                and not line.split()[-1].startswith("__bb_")
+            ]
+            cwd = text[3].rstrip("\n")
+        else:
+            self.env = _parse_export_p(text[0])
+            cwd = text[1].rstrip("\n")
+        if cwd:
+            self.cwd = cwd
+
+
+def _single_digit_fd(fd):
+    """A duplicate of ``fd`` numbered below 10 (``fd`` itself if it already is)."""
+    if fd < 10:
+        return fd
+    for n in range(4, 10):
+        try:
+            os.fstat(n)
+        except OSError:
+            os.dup2(fd, n, inheritable=False)
+            return n
+    raise OSError("no free file descriptor below 10 for /bin/sh")
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _parse_export_p(text):
+    import shlex
+
+    env = {}
+    try:
+        tokens = shlex.split(text, posix=True)
+    except ValueError:
+        return env
+    for tok in tokens:
+        if tok == "export" or "=" not in tok:
+            continue
+        name, value = tok.split("=", 1)
+        if name and name not in _SH_SKIP:
+            env[name] = value
+    return env
+
+
+# --------------------------------------------------------------------------- server
+
+
+class Server(object):
+    def __init__(self, kind):
+        if kind == "python":
+            self.kernel = PythonKernel()
+        elif kind == "shell":
+            self.kernel = ShellKernel()
+        else:
+            raise SystemExit("usage: session server <python|shell>")
+        self.kind = kind
+        try:
+            os.set_inheritable(CHANNEL_FD, False)
+        except OSError:
+            raise SystemExit("session server: fd %d (the daemon channel) is not open" % CHANNEL_FD)
+        self.channel = Channel(CHANNEL_FD)
+        self.children = set()
+        self.reaping = False
+
+    def serve(self):
+        while True:
+            self._reap()
+            line, fds = self.channel.read_request()
+            if line is None:
+                _close_fds(fds)
+                return
+            try:
+                resp = self.handle(line, fds)
+            except KeyboardInterrupt:
+                resp = {"error": {"name": "KeyboardInterrupt", "value": "interrupted"}}
+            except Exception as exc:  # a bug here must not take the session down
+                resp = {"error": _format_error(exc)}
+            try:
+                self.channel.send(resp)
+            except OSError:
+                return
+
+    def handle(self, line, fds):
+        try:
+            req = json.loads(line)
+        except ValueError as exc:
+            _close_fds(fds)
+            return _protocol_error("bad JSON: %s" % exc)
+        if not isinstance(req, dict):
+            _close_fds(fds)
+            return _protocol_error("request must be a JSON object")
+        op = req.get("op")
+        if op == "fork":
+            resp = self.op_fork(fds)
+        else:
+            _close_fds(fds)
+            if op == "ping":
+                resp = {"ok": True, "pid": os.getpid()}
+            elif op == "run":
+                code = req.get("code")
+                if not isinstance(code, str):
+                    resp = _protocol_error('"run" needs a string "code"')
+                else:
+                    resp = self.kernel.run(code)
+            else:
+                resp = _protocol_error("unknown op %r" % (op,))
+        if "id" in req:
+            resp["id"] = req["id"]
+        return resp
+
+    def op_fork(self, fds):
+        if not fds:
+            return _protocol_error('"fork" needs one fd passed with SCM_RIGHTS')
+        new_fd = fds[0]
+        _close_fds(fds[1:])
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:
+                pass
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            os.close(new_fd)
+            return {"error": {"name": "OSError", "value": "fork failed: %s" % exc}}
+        if pid == 0:
+            self.channel.close()
+            os.dup2(new_fd, CHANNEL_FD, inheritable=False)
+            os.close(new_fd)
+            self.channel = Channel(CHANNEL_FD)
+            self.children = set()
+            if self.reaping:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                self.reaping = False
+            return {"ok": True, "pid": os.getpid()}
+        os.close(new_fd)
+        self.children.add(pid)
+        if not self.reaping:
+            # Reap forked sessions as soon as they die, even while we idle in recvmsg.
+            # The handler only waits for our own fork children, never for user processes.
+            signal.signal(signal.SIGCHLD, self._on_sigchld)
+            self.reaping = True
+        return {"ok": True, "child": pid}
+
+    def _on_sigchld(self, _signum, _frame):
+        self._reap()
+
+    def _reap(self):
+        # Forked sessions are our children: collect the dead ones so no zombie lingers.
+        for pid in list(self.children):
+            try:
+                done, _status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                self.children.discard(pid)
+
+
+def main(argv=None):
+    argv = sys.argv if argv is None else argv
+    kind = argv[1] if len(argv) > 1 else "python"
+    _ensure_std_fds()
+    server = Server(kind)
+    server.serve()
+    # Exit without running interpreter shutdown hooks or waiting on user threads.
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:
+        pass
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,703 @@
+"""The ``branchbox`` command line (typer + rich).
+
+Errors print one red line on stderr and exit 1; set ``BRANCHBOX_DEBUG=1`` for tracebacks.
+"""
+
+# No `from __future__ import annotations`: typer evaluates these annotations at runtime
+# and must work on Python 3.9.
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from . import bench as bench_mod
+from ._transport import DEFAULT_SOCKET
+from .exceptions import SandboxError
+from .models import ImageProgress
+from .sandbox_sync import Images, Sandbox, health
+
+DEFAULT_STATE_DIR = "/var/lib/branchbox"
+DEFAULT_PIDFILE = "/run/branchbox/branchboxd.pid"
+DAEMON_BIN_ENV = "BRANCHBOX_DAEMON_BIN"
+DEBUG_ENV = "BRANCHBOX_DEBUG"
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+app = typer.Typer(
+    name="branchbox",
+    help="branchbox: sandboxes for AI agents.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+daemon_app = typer.Typer(help="Run the local branchboxd daemon.", no_args_is_help=True)
+sandbox_app = typer.Typer(help="Create, inspect and use sandboxes.", no_args_is_help=True)
+image_app = typer.Typer(help="Manage root filesystem images.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+app.add_typer(daemon_app, name="daemon")
+app.add_typer(sandbox_app, name="sandbox")
+app.add_typer(image_app, name="image")
+app.add_typer(bench_app, name="bench")
+
+
+@dataclass
+class Ctx:
+    daemon: Optional[str] = None
+    token: Optional[str] = None
+
+    def sdk(self) -> Dict[str, Any]:
+        return {"daemon": self.daemon, "token": self.token}
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def fail(message: str, code: int = 1) -> "typer.Exit":
+    """Print one red error line on stderr and return the Exit to raise."""
+    err.print(Text("error: " + " ".join(str(message).split("\n")).strip(), style="red"))
+    return typer.Exit(code)
+
+
+def _is_cli_control(e: BaseException) -> bool:
+    """typer/click exits and usage errors (whichever click typer bundles) pass through."""
+    if isinstance(e, (typer.Exit, typer.Abort)):
+        return True
+    return hasattr(e, "exit_code") and callable(getattr(e, "show", None))
+
+
+def cli_errors(fn: F) -> F:
+    """Turn exceptions into a one-line red message and exit 1 (unless BRANCHBOX_DEBUG)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            if _is_cli_control(e):
+                raise
+            if _debug():
+                raise
+            if isinstance(e, SandboxError):
+                raise fail(str(e)) from None
+            raise fail("%s: %s" % (type(e).__name__, e)) from None
+        except KeyboardInterrupt:
+            if _debug():
+                raise
+            raise fail("interrupted", 130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _ctx(ctx: typer.Context) -> Ctx:
+    obj = ctx.find_object(Ctx)
+    return obj if obj is not None else Ctx()
+
+
+def parse_env(items: Optional[List[str]], what: str = "--env") -> Dict[str, str]:
+    """``["K=V", ...]`` -> ``{"K": "V"}`` (the value may contain ``=``; it may be empty)."""
+    env: Dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter("expected KEY=VALUE, got %r" % item, param_hint=what)
+        env[key] = value
+    return env
+
+
+def exit_code_of(result: Any) -> int:
+    """Shell-style exit status of a CommandResult (124 for a timeout, 128+N for signal N)."""
+    if result.timed_out:
+        return 124
+    if result.exit_code is not None:
+        return int(result.exit_code)
+    if result.signal:
+        return 128 + int(result.signal)
+    return 1
+
+
+def fmt_duration(seconds: float) -> str:
+    """Compact duration: 45s, 4m59s, 2h03m, 3d04h."""
+    s = int(max(seconds, 0))
+    if s < 60:
+        return "%ds" % s
+    if s < 3600:
+        return "%dm%02ds" % (s // 60, s % 60)
+    if s < 86400:
+        return "%dh%02dm" % (s // 3600, (s % 3600) // 60)
+    return "%dd%02dh" % (s // 86400, (s % 86400) // 3600)
+
+
+def _fmt_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return ("%d %s" % (size, unit)) if unit == "B" else ("%.1f %s" % (size, unit))
+        size /= 1024
+    return str(n)
+
+
+def _print_json(data: Any) -> None:
+    out.print_json(json.dumps(data, default=str))
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    daemon: Optional[str] = typer.Option(
+        None, "--daemon", envvar="BRANCHBOX_URL", help="Daemon address: unix:///path.sock or http://host:port."
+    ),
+    token: Optional[str] = typer.Option(
+        None, "--token", envvar="BRANCHBOX_TOKEN", help="Bearer token (TCP listeners).", show_default=False
+    ),
+) -> None:
+    ctx.obj = Ctx(daemon=daemon, token=token)
+
+
+# ----------------------------------------------------------------------------- daemon
+
+
+def _daemon_bin() -> str:
+    path = os.environ.get(DAEMON_BIN_ENV)
+    if path:
+        if not os.access(path, os.X_OK):
+            raise fail("%s=%s is not an executable file" % (DAEMON_BIN_ENV, path))
+        return path
+    found = shutil.which("branchboxd")
+    if not found:
+        raise fail("branchboxd not found on PATH: install it or set %s=/path/to/branchboxd" % DAEMON_BIN_ENV)
+    return found
+
+
+def read_pidfile(pidfile: str) -> Optional[int]:
+    try:
+        with open(pidfile) as f:
+            return int(f.read().strip() or "0") or None
+    except (OSError, ValueError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purposes
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _looks_like_daemon(pid: int) -> bool:
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return True  # cannot tell: trust the pidfile
+    names = {b"branchboxd"}
+    if os.environ.get(DAEMON_BIN_ENV):
+        names.add(os.path.basename(os.environ[DAEMON_BIN_ENV]).encode())
+    return any(os.path.basename(a) in names for a in argv[:2])
+
+
+def _log_tail(path: str, offset: int = 0, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            end = f.tell()
+            start = max(offset, end - 16384)
+            f.seek(start)
+            data = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])
+
+
+def _health_ok(url: str, timeout: float = 2.0) -> Optional[Dict[str, Any]]:
+    try:
+        return health(daemon=url, request_timeout=timeout)
+    except SandboxError:
+        return None
+
+
+@daemon_app.command("start")
+@cli_errors
+def daemon_start(
+    state_dir: str = typer.Option(DEFAULT_STATE_DIR, "--state-dir", help="Daemon state directory."),
+    socket_path: str = typer.Option(DEFAULT_SOCKET, "--socket", help="Unix socket to listen on."),
+    pidfile: str = typer.Option(DEFAULT_PIDFILE, "--pidfile", help="Where to record the daemon pid."),
+    wait: float = typer.Option(30.0, "--wait", help="Seconds to wait for /v1/health."),
+    extra: Optional[List[str]] = typer.Argument(None, help="Extra branchboxd arguments (after --)."),
+) -> None:
+    """Start branchboxd in the background and wait until it is healthy."""
+    binary = _daemon_bin()
+    url = "unix://" + os.path.abspath(socket_path)
+    pid = read_pidfile(pidfile)
+    if pid and pid_alive(pid) and _looks_like_daemon(pid):
+        info = _health_ok(url)
+        if info is not None:
+            out.print("branchboxd already running (pid %d, %s)" % (pid, url))
+            return
+        raise fail("branchboxd (pid %d from %s) is running but %s is not healthy" % (pid, pidfile, url))
+    info = _health_ok(url, timeout=1.0)
+    if info is not None:
+        out.print("a branchboxd %s is already answering on %s" % (info.get("version", "?"), url))
+        return
+    state_dir = os.path.abspath(state_dir)
+    for d in (state_dir, os.path.dirname(os.path.abspath(socket_path)), os.path.dirname(os.path.abspath(pidfile))):
+        os.makedirs(d, exist_ok=True)
+    log_path = os.path.join(state_dir, "branchboxd.log")
+    argv = [binary, "--state-dir", state_dir, "--socket", os.path.abspath(socket_path)] + list(extra or [])
+    with open(log_path, "ab") as log:
+        offset = log.tell()
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+            cwd="/",
+        )
+    tmp = pidfile + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("%d\n" % proc.pid)
+    os.replace(tmp, pidfile)
+
+    deadline = time.monotonic() + wait
+    info = None
+    rc = None
+    with err.status("waiting for branchboxd (pid %d) on %s" % (proc.pid, url)):
+        while time.monotonic() < deadline:
+            rc = proc.poll()
+            if rc is not None:
+                break
+            info = _health_ok(url, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+            if info is not None:
+                break
+            time.sleep(0.1)
+    if info is not None:
+        out.print(
+            "branchboxd %s started (pid %d, %s, log %s)" % (info.get("version", "?"), proc.pid, url, log_path)
+        )
+        return
+    if rc is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        why = "did not answer GET /v1/health within %gs (stopped it)" % wait
+    else:
+        why = "exited with code %d" % rc
+    try:
+        os.unlink(pidfile)
+    except OSError:
+        pass
+    tail = _log_tail(log_path, offset)
+    err.print(Text("error: branchboxd %s; log: %s" % (why, log_path), style="red"))
+    if tail:
+        err.print(Text(tail))
+    raise typer.Exit(1)
+
+
+@daemon_app.command("stop")
+@cli_errors
+def daemon_stop(
+    pidfile: str = typer.Option(DEFAULT_PIDFILE, "--pidfile", help="The daemon's pidfile."),
+    timeout: float = typer.Option(30.0, "--timeout", help="Seconds to wait for the daemon to exit."),
+    force: bool = typer.Option(False, "--force", help="SIGKILL it if it does not exit in time."),
+) -> None:
+    """Stop branchboxd (SIGTERM via the pidfile, then wait)."""
+    pid = read_pidfile(pidfile)
+    if pid is None:
+        out.print("branchboxd is not running (no pidfile at %s)" % pidfile)
+        return
+    if not pid_alive(pid):
+        os.unlink(pidfile)
+        out.print("branchboxd is not running (removed stale pidfile for pid %d)" % pid)
+        return
+    if not _looks_like_daemon(pid):
+        raise fail("pid %d from %s is not branchboxd (stale pidfile?); not signalling it" % (pid, pidfile))
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if pid_alive(pid):
+        if not force:
+            raise fail("branchboxd (pid %d) still running after %gs; retry with --force" % (pid, timeout))
+        os.kill(pid, signal.SIGKILL)
+        while pid_alive(pid):
+            time.sleep(0.05)
+    try:
+        os.unlink(pidfile)
+    except OSError:
+        pass
+    out.print("branchboxd stopped (pid %d)" % pid)
+
+
+@daemon_app.command("status")
+@cli_errors
+def daemon_status(ctx: typer.Context) -> None:
+    """Print the daemon's health JSON (exit 1 if it cannot be reached)."""
+    c = _ctx(ctx)
+    _print_json(health(daemon=c.daemon, token=c.token))
+
+
+# ----------------------------------------------------------------------------- sandbox
+
+
+@sandbox_app.command("create")
+@cli_errors
+def sandbox_create(
+    ctx: typer.Context,
+    image: str = typer.Option("base", "--image", help="Image name."),
+    memory_mb: Optional[int] = typer.Option(None, "--memory-mb", help="Memory limit (MiB)."),
+    cpu: Optional[float] = typer.Option(None, "--cpu", help="CPU limit (cores)."),
+    pids: Optional[int] = typer.Option(None, "--pids", help="Max number of processes."),
+    timeout: float = typer.Option(300, "--timeout", help="Time to live in seconds (0 = none)."),
+    env: Optional[List[str]] = typer.Option(None, "--env", "-e", help="KEY=VALUE (repeatable)."),
+    cwd: Optional[str] = typer.Option(None, "--cwd", help="Working directory."),
+    metadata: Optional[List[str]] = typer.Option(None, "--metadata", "-m", help="KEY=VALUE (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the SandboxInfo JSON."),
+) -> None:
+    """Create a sandbox and print its id."""
+    c = _ctx(ctx)
+    sbx = Sandbox.create(
+        image,
+        cpu=cpu,
+        memory_mb=memory_mb,
+        pids=pids,
+        env=parse_env(env) or None,
+        cwd=cwd,
+        timeout=timeout,
+        metadata=parse_env(metadata, "--metadata") or None,
+        **c.sdk(),
+    )
+    sbx.close()
+    if as_json:
+        info = sbx._info
+        _print_json(info.raw if info is not None and info.raw else {"id": sbx.id})
+    else:
+        out.print(sbx.id)
+
+
+@sandbox_app.command(
+    "exec", context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True}
+)
+@cli_errors
+def sandbox_exec(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    cmd: List[str] = typer.Argument(..., metavar="-- CMD...", help="One argument runs via /bin/sh -c; several run as argv."),
+    cwd: Optional[str] = typer.Option(None, "--cwd", help="Working directory."),
+    env: Optional[List[str]] = typer.Option(None, "--env", "-e", help="KEY=VALUE (repeatable)."),
+    timeout: float = typer.Option(600, "--timeout", help="Kill the command after this many seconds."),
+    stdin: bool = typer.Option(False, "--stdin", "-i", help="Forward this process's stdin."),
+) -> None:
+    """Run a command, streaming its output; exits with the command's exit code."""
+    c = _ctx(ctx)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise typer.BadParameter("missing command", param_hint="CMD")
+    data = sys.stdin.buffer.read() if stdin else None
+    sbx = Sandbox.connect(sandbox_id, **c.sdk())
+
+    def write(stream: Any) -> Callable[[str], None]:
+        def cb(chunk: str) -> None:
+            stream.write(chunk)
+            stream.flush()
+
+        return cb
+
+    try:
+        result = sbx.commands.run(
+            cmd[0] if len(cmd) == 1 else cmd,
+            cwd=cwd,
+            env=parse_env(env) or None,
+            timeout=timeout,
+            stdin=data,
+            on_stdout=write(sys.stdout),
+            on_stderr=write(sys.stderr),
+        )
+    finally:
+        sbx.close()
+    if result.timed_out:
+        err.print(Text("command timed out after %gs" % timeout, style="yellow"))
+    raise typer.Exit(exit_code_of(result))
+
+
+@sandbox_app.command("ls")
+@cli_errors
+def sandbox_ls(
+    ctx: typer.Context,
+    metadata: Optional[List[str]] = typer.Option(None, "--metadata", "-m", help="Filter KEY=VALUE."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """List sandboxes."""
+    c = _ctx(ctx)
+    infos = Sandbox.list(metadata=parse_env(metadata, "--metadata") or None, **c.sdk())
+    if as_json:
+        _print_json([i.raw for i in infos])
+        return
+    now = time.time()
+    table = Table(box=None, header_style="bold")
+    table.add_column("ID", no_wrap=True, min_width=max([len(i.id) for i in infos] + [2]))
+    for col in ("IMAGE", "STATE", "CPU", "MEMORY", "AGE", "EXPIRES"):
+        table.add_column(col, no_wrap=True)
+    for i in infos:
+        state = i.state + (" (oom)" if i.oom_killed else "")
+        table.add_row(
+            i.id,
+            i.image,
+            Text(state, style="green" if i.state == "running" else "red"),
+            "-" if i.cpu is None else "%g" % i.cpu,
+            "-" if i.memory_mb is None else "%d MiB" % i.memory_mb,
+            fmt_duration(now - i.created_at) if i.created_at else "-",
+            ("in " + fmt_duration(i.expires_at - now)) if i.expires_at else "never",
+        )
+    out.print(table)
+
+
+@sandbox_app.command("info")
+@cli_errors
+def sandbox_info(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metavar="ID")) -> None:
+    """Print a sandbox's SandboxInfo JSON."""
+    c = _ctx(ctx)
+    sbx = Sandbox.connect(sandbox_id, **c.sdk())
+    sbx.close()
+    info = sbx._info
+    _print_json(info.raw if info is not None else {"id": sandbox_id})
+
+
+@sandbox_app.command("kill")
+@cli_errors
+def sandbox_kill(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metavar="ID")) -> None:
+    """Kill a sandbox."""
+    c = _ctx(ctx)
+    sbx = Sandbox.connect(sandbox_id, **c.sdk())
+    try:
+        if not sbx.kill():
+            raise fail("sandbox %s not found" % sandbox_id)
+    finally:
+        sbx.close()
+    out.print("killed %s" % sandbox_id)
+
+
+@sandbox_app.command("run-code")
+@cli_errors
+def sandbox_run_code(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    code: str = typer.Argument(..., help="Python code ('-' reads it from stdin)."),
+    timeout: float = typer.Option(60, "--timeout", help="Seconds before the run is killed."),
+) -> None:
+    """Run python code in the sandbox's default session; prints output and the result."""
+    c = _ctx(ctx)
+    if code == "-":
+        code = sys.stdin.read()
+    sbx = Sandbox.connect(sandbox_id, **c.sdk())
+    try:
+        ex = sbx.run_code(code, timeout=timeout)
+    finally:
+        sbx.close()
+    if ex.stdout:
+        sys.stdout.write(ex.stdout)
+        sys.stdout.flush()
+    if ex.stderr:
+        sys.stderr.write(ex.stderr)
+        sys.stderr.flush()
+    if ex.result is not None:
+        out.print(Text(ex.result))
+    if ex.timed_out:
+        raise fail("run timed out after %gs (the session was killed)" % timeout)
+    if ex.error is not None:
+        err.print(Text((ex.error.traceback or str(ex.error)).rstrip("\n"), style="red"))
+        raise typer.Exit(1)
+
+
+# ----------------------------------------------------------------------------- images
+
+
+@image_app.command("ls")
+@cli_errors
+def image_ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """List images."""
+    c = _ctx(ctx)
+    with Images(**c.sdk()) as images:
+        infos = images.list()
+    if as_json:
+        _print_json([i.raw for i in infos])
+        return
+    now = time.time()
+    table = Table(box=None, header_style="bold")
+    for col in ("NAME", "ID", "SOURCE", "SIZE", "LAYERS", "AGE"):
+        table.add_column(col, no_wrap=True)
+    for i in infos:
+        table.add_row(
+            i.name,
+            (i.id or "-")[:19],
+            i.source or "-",
+            _fmt_bytes(i.size_bytes),
+            str(len(i.layers)),
+            fmt_duration(now - i.created_at) if i.created_at else "-",
+        )
+    out.print(table)
+
+
+class ProgressView:
+    """Renders NDJSON image progress events as rich progress bars (one task per stage)."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.tasks: Dict[str, Any] = {}
+        self.totals: Dict[str, Optional[float]] = {}
+        self.current: Optional[str] = None
+
+    def __call__(self, ev: ImageProgress) -> None:
+        stage = ev.stage or "working"
+        if stage != self.current:
+            self._complete(self.current)
+            if stage not in self.tasks:
+                self.tasks[stage] = self.progress.add_task(stage, total=None)
+            self.current = stage
+        total = ev.total or None
+        self.totals[stage] = total
+        desc = stage + (": " + ev.message if ev.message else "")
+        self.progress.update(self.tasks[stage], description=desc, total=total, completed=ev.done or 0)
+
+    def _complete(self, stage: Optional[str]) -> None:
+        if stage in self.tasks:
+            total = self.totals.get(stage) or 1
+            self.progress.update(self.tasks[stage], total=total, completed=total)
+
+    def finish(self) -> None:
+        for stage in self.tasks:
+            self._complete(stage)
+
+
+def _progress() -> Progress:
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=False,
+    )
+
+
+def _print_image(info: Any, verb: str) -> None:
+    out.print("%s image %s (%s, %s)" % (verb, info.name, (info.id or "?")[:19], _fmt_bytes(info.size_bytes)))
+
+
+@image_app.command("build")
+@cli_errors
+def image_build(
+    ctx: typer.Context,
+    name: str = typer.Argument("base", help="Image name."),
+    suite: Optional[str] = typer.Option(None, "--suite", help="Debian suite (daemon default: bookworm)."),
+    package: Optional[List[str]] = typer.Option(None, "--package", "-p", help="Extra package (repeatable)."),
+) -> None:
+    """Build an image with debootstrap, showing progress."""
+    c = _ctx(ctx)
+    with Images(**c.sdk()) as images, _progress() as progress:
+        view = ProgressView(progress)
+        info = images.build(name, suite=suite, packages=package or None, on_progress=view)
+        view.finish()
+    _print_image(info, "built")
+
+
+@image_app.command("import")
+@cli_errors
+def image_import(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Image name."),
+    path: str = typer.Argument(..., help="OCI/docker image tarball (path on the daemon's host)."),
+) -> None:
+    """Import an OCI/docker image tarball, showing progress."""
+    c = _ctx(ctx)
+    with Images(**c.sdk()) as images, _progress() as progress:
+        view = ProgressView(progress)
+        info = images.import_(name, os.path.abspath(path), on_progress=view)
+        view.finish()
+    _print_image(info, "imported")
+
+
+@image_app.command("rm")
+@cli_errors
+def image_rm(ctx: typer.Context, name: str = typer.Argument(..., help="Image name.")) -> None:
+    """Remove an image."""
+    c = _ctx(ctx)
+    with Images(**c.sdk()) as images:
+        images.remove(name)
+    out.print("removed image %s" % name)
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+@bench_app.command("api")
+@cli_errors
+def bench_api(
+    ctx: typer.Context,
+    n: int = typer.Option(30, "--n", min=1, help="Samples per metric (exec uses 3n)."),
+    image: str = typer.Option("base", "--image", help="Image for the sandboxes."),
+    as_json: bool = typer.Option(False, "--json", help="Only print the JSON summary line."),
+) -> None:
+    """Measure API latencies against the running daemon and a host-spawn baseline.
+
+    The last line of stdout is always the JSON summary.
+    """
+    c = _ctx(ctx)
+    with err.status("benchmarking") as status:
+        result = bench_mod.run_api_bench(
+            n, image=image, daemon=c.daemon, token=c.token, progress=lambda m: status.update("bench: " + m)
+        )
+    summary = result.summary()
+    if not as_json:
+        table = Table(title="branchbox bench api (n=%d, ms)" % n, header_style="bold")
+        for col in ("metric", "samples", "p50", "p99", "min", "max"):
+            table.add_column(col, justify="left" if col == "metric" else "right")
+        for row in result.rows():
+            table.add_row(*row)
+        out.print(table)
+        ratio = summary["exec_vs_host_ratio"]
+        if ratio is not None:
+            out.print("exec `true` p50 is %.1fx a host spawn of `true`" % ratio)
+    sys.stdout.flush()
+    # Plain print: the summary must be exactly one line, the last one on stdout.
+    print(json.dumps(summary, separators=(", ", ": ")))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,221 @@
+"""Plain data returned by the SDK (dataclasses built from the daemon's JSON).
+
+Every model has ``from_dict`` (unknown keys are ignored, missing ones default) and keeps
+the original JSON object in ``raw`` (excluded from repr and equality).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional, Type, TypeVar
+
+from .exceptions import CommandExitError
+
+__all__ = [
+    "SandboxInfo",
+    "CommandResult",
+    "ProcessInfo",
+    "EntryInfo",
+    "Execution",
+    "ExecutionError",
+    "ShellResult",
+    "SessionInfo",
+    "ImageInfo",
+    "ImageProgress",
+]
+
+T = TypeVar("T", bound="_Model")
+
+
+class _Model:
+    @classmethod
+    def from_dict(cls: Type[T], data: Optional[Dict[str, Any]]) -> T:
+        data = data if isinstance(data, dict) else {}
+        kwargs = {f.name: data[f.name] for f in fields(cls) if f.name in data and f.name != "raw"}  # type: ignore[arg-type]
+        obj = cls(**kwargs)
+        object.__setattr__(obj, "raw", dict(data))
+        return obj
+
+
+def _raw() -> Any:
+    return field(default_factory=dict, repr=False, compare=False)
+
+
+@dataclass
+class SandboxInfo(_Model):
+    """``GET /v1/sandboxes/{id}``. ``state`` is ``"running"`` or ``"dead"``."""
+
+    id: str = ""
+    image: str = ""
+    state: str = ""
+    created_at: Optional[float] = None
+    expires_at: Optional[float] = None
+    cpu: Optional[float] = None
+    memory_mb: Optional[int] = None
+    pids: Optional[int] = None
+    network: Optional[str] = None
+    env: Dict[str, str] = field(default_factory=dict)
+    cwd: Optional[str] = None
+    metadata: Dict[str, str] = field(default_factory=dict)
+    init_pid: Optional[int] = None
+    oom_killed: bool = False
+    memory_bytes: Optional[int] = None
+    pids_current: Optional[int] = None
+    raw: Dict[str, Any] = _raw()
+
+    @property
+    def is_running(self) -> bool:
+        return self.state == "running"
+
+
+@dataclass
+class CommandResult(_Model):
+    """Result of a foreground command (or of waiting for a background one).
+
+    ``exit_code`` is None when the command was killed by a signal or timed out.
+    """
+
+    pid: Optional[int] = None
+    exit_code: Optional[int] = None
+    signal: Optional[int] = None
+    stdout: str = ""
+    stderr: str = ""
+    timed_out: bool = False
+    oom_killed: bool = False
+    duration: Optional[float] = None
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    raw: Dict[str, Any] = _raw()
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+    def check(self) -> "CommandResult":
+        """Return self, or raise :class:`CommandExitError` unless the exit code is 0."""
+        if not self.ok:
+            raise CommandExitError(self)
+        return self
+
+
+@dataclass
+class ProcessInfo(_Model):
+    """A background process started with ``commands.run(..., background=True)``."""
+
+    pid: int = 0
+    cmd: str = ""
+    running: bool = False
+    exit_code: Optional[int] = None
+    signal: Optional[int] = None
+    started_at: Optional[float] = None
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class EntryInfo(_Model):
+    """A filesystem entry. ``type`` is ``file``, ``dir``, ``symlink`` or ``other``."""
+
+    name: str = ""
+    path: str = ""
+    type: str = ""
+    size: int = 0
+    mode: int = 0
+    mtime: Optional[float] = None
+    symlink_target: Optional[str] = None
+    raw: Dict[str, Any] = _raw()
+
+    @property
+    def is_dir(self) -> bool:
+        return self.type == "dir"
+
+    @property
+    def is_file(self) -> bool:
+        return self.type == "file"
+
+
+@dataclass
+class ExecutionError(_Model):
+    """An exception raised by code run in a python session."""
+
+    name: str = ""
+    value: str = ""
+    traceback: str = ""
+    raw: Dict[str, Any] = _raw()
+
+    def __str__(self) -> str:
+        return "%s: %s" % (self.name, self.value) if self.value else self.name
+
+
+@dataclass
+class Execution(_Model):
+    """Result of ``run_code`` / a python session run.
+
+    ``result`` is the ``repr`` of the last expression (None if there was none or it was
+    None); ``text`` is an alias. ``error`` is set when the code raised.
+    """
+
+    stdout: str = ""
+    stderr: str = ""
+    result: Optional[str] = None
+    error: Optional[ExecutionError] = None
+    timed_out: bool = False
+    raw: Dict[str, Any] = _raw()
+
+    @classmethod
+    def from_dict(cls, data: Optional[Dict[str, Any]]) -> "Execution":
+        obj = super().from_dict(data)
+        if isinstance(obj.error, dict):
+            obj.error = ExecutionError.from_dict(obj.error)
+        elif obj.error is not None and not isinstance(obj.error, ExecutionError):
+            obj.error = ExecutionError(name="Error", value=str(obj.error))
+        return obj
+
+    @property
+    def text(self) -> Optional[str]:
+        return self.result
+
+
+@dataclass
+class ShellResult(_Model):
+    """Result of a shell session run."""
+
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: Optional[int] = None
+    timed_out: bool = False
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class SessionInfo(_Model):
+    """A stateful session (``kind`` is ``python`` or ``shell``)."""
+
+    id: str = ""
+    kind: str = ""
+    pid: Optional[int] = None
+    created_at: Optional[float] = None
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class ImageInfo(_Model):
+    """A root filesystem image the daemon can start sandboxes from."""
+
+    name: str = ""
+    id: str = ""
+    layers: List[str] = field(default_factory=list)
+    size_bytes: int = 0
+    created_at: Optional[float] = None
+    source: Optional[str] = None
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class ImageProgress(_Model):
+    """One progress event of an image build/import (``total`` may be None)."""
+
+    stage: str = ""
+    done: Optional[float] = None
+    total: Optional[float] = None
+    message: str = ""
+    raw: Dict[str, Any] = _raw()

@@ -1,0 +1,561 @@
+"""Asynchronous SDK: :class:`AsyncSandbox`, the mirror of ``sandbox_sync`` with ``await``.
+
+Callbacks (``on_stdout``, ``on_stderr``, ``on_progress``) may be plain functions or
+coroutine functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from typing import Any, AsyncIterator, Callable, Dict, List, Mapping, Optional, Sequence, Union
+
+import httpx
+
+from . import _core
+from ._transport import ConnectionConfig
+from .exceptions import InvalidArgumentError, NotFoundError, SandboxError
+from .models import (
+    CommandResult,
+    EntryInfo,
+    Execution,
+    ImageInfo,
+    ImageProgress,
+    ProcessInfo,
+    SandboxInfo,
+    SessionInfo,
+    ShellResult,
+)
+
+__all__ = [
+    "AsyncSandbox",
+    "AsyncCommands",
+    "AsyncCommandHandle",
+    "AsyncFiles",
+    "AsyncByteStream",
+    "AsyncSessions",
+    "AsyncSession",
+    "AsyncImages",
+    "health",
+]
+
+
+async def _maybe_await(value: Any) -> Any:
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+class _AsyncHTTP:
+    """Executes :class:`_core.Call` objects with an ``httpx.AsyncClient``."""
+
+    def __init__(self, config: ConnectionConfig) -> None:
+        self.config = config
+        self.client = config.async_client()
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def __aenter__(self) -> "_AsyncHTTP":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    async def send(self, call: _core.Call, stream: bool = False) -> httpx.Response:
+        request = self.client.build_request(
+            call.method,
+            call.path,
+            params=call.params,
+            json=call.json,
+            content=call.content,
+            headers=call.headers or None,
+            timeout=call.http_timeout(self.config.request_timeout),
+        )
+        try:
+            response = await self.client.send(request, stream=stream)
+        except httpx.TransportError as err:
+            raise _core.transport_error(err, self.config.url) from None
+        if response.status_code >= 400:
+            try:
+                content = await response.aread()
+            except httpx.TransportError as err:
+                raise _core.transport_error(err, self.config.url) from None
+            finally:
+                await response.aclose()
+            raise _core.error_for_status(response.status_code, content)
+        return response
+
+    async def call(self, call: _core.Call) -> Any:
+        response = await self.send(call)
+        data = _core.parse_json(response.content)
+        return call.parse(data) if call.parse else data
+
+    @contextlib.asynccontextmanager
+    async def events(self, call: _core.Call) -> AsyncIterator[AsyncIterator[Any]]:
+        """``async with http.events(call) as events: async for event in events: ...``"""
+        response = await self.send(call, stream=True)
+
+        async def gen() -> AsyncIterator[Any]:
+            decoder = _core.NDJSONDecoder()
+            try:
+                async for chunk in response.aiter_bytes():
+                    for event in decoder.feed(chunk):
+                        yield event
+            except httpx.TransportError as err:
+                raise _core.transport_error(err, self.config.url) from None
+            for event in decoder.close():
+                yield event
+
+        try:
+            yield gen()
+        finally:
+            await response.aclose()
+
+
+async def health(
+    *,
+    daemon: Optional[str] = None,
+    token: Optional[str] = None,
+    request_timeout: Optional[float] = 10,
+    transport: Optional[httpx.AsyncBaseTransport] = None,
+) -> Dict[str, Any]:
+    """``GET /v1/health`` of the daemon."""
+    async with _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport)) as http:
+        return await http.call(_core.health())
+
+
+# ----------------------------------------------------------------------------- sandbox
+
+
+class AsyncSandbox:
+    """Async sandbox::
+
+        async with await AsyncSandbox.create() as sbx:
+            print((await sbx.commands.run("echo hi")).stdout)
+    """
+
+    def __init__(self, sandbox_id: str, *, _http: _AsyncHTTP, info: Optional[SandboxInfo] = None) -> None:
+        self.id = sandbox_id
+        self._http = _http
+        self._info = info
+        self.commands = AsyncCommands(self)
+        self.files = AsyncFiles(self)
+        self.sessions = AsyncSessions(self)
+
+    @property
+    def sandbox_id(self) -> str:
+        """Alias of :attr:`id` (E2B naming)."""
+        return self.id
+
+    @classmethod
+    async def create(
+        cls,
+        image: str = "base",
+        *,
+        cpu: Optional[float] = None,
+        memory_mb: Optional[int] = None,
+        pids: Optional[int] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        timeout: Optional[float] = 300,
+        network: str = "none",
+        metadata: Optional[Mapping[str, str]] = None,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.AsyncBaseTransport] = None,
+    ) -> "AsyncSandbox":
+        """Start a sandbox (see :meth:`branchbox.Sandbox.create`)."""
+        http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+        try:
+            info = await http.call(
+                _core.create_sandbox(image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata)
+            )
+        except BaseException:
+            await http.close()
+            raise
+        return cls(info.id, _http=http, info=info)
+
+    @classmethod
+    async def connect(
+        cls,
+        sandbox_id: str,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.AsyncBaseTransport] = None,
+    ) -> "AsyncSandbox":
+        """Attach to an existing sandbox (raises :class:`NotFoundError` if unknown)."""
+        http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+        try:
+            info = await http.call(_core.get_sandbox(sandbox_id))
+        except BaseException:
+            await http.close()
+            raise
+        return cls(info.id or sandbox_id, _http=http, info=info)
+
+    @classmethod
+    async def list(
+        cls,
+        *,
+        metadata: Optional[Mapping[str, str]] = None,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.AsyncBaseTransport] = None,
+    ) -> List[SandboxInfo]:
+        """All sandboxes, optionally only those whose metadata match ``metadata``."""
+        async with _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport)) as http:
+            return await http.call(_core.list_sandboxes(metadata))
+
+    async def info(self) -> SandboxInfo:
+        info = await self._http.call(_core.get_sandbox(self.id))
+        self._info = info
+        return info
+
+    async def set_timeout(self, seconds: float) -> SandboxInfo:
+        """Restart the time to live from now (0 = no TTL)."""
+        info = await self._http.call(_core.set_timeout(self.id, seconds))
+        self._info = info
+        return info
+
+    async def is_running(self) -> bool:
+        try:
+            return (await self.info()).state == "running"
+        except NotFoundError:
+            return False
+
+    async def kill(self) -> bool:
+        """Kill the sandbox. Returns False if it did not exist (anymore)."""
+        try:
+            return await self._http.call(_core.kill_sandbox(self.id))
+        except NotFoundError:
+            return False
+
+    async def run_code(self, code: str, *, timeout: Optional[float] = 60, language: str = "python") -> Execution:
+        """Run code in the sandbox's default python session (created on first use)."""
+        return await self._http.call(_core.run_code(self.id, code, language, timeout))
+
+    async def close(self) -> None:
+        """Release the HTTP connection (the sandbox keeps running)."""
+        await self._http.close()
+
+    async def __aenter__(self) -> "AsyncSandbox":
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            await self.kill()
+        except SandboxError:
+            if exc_type is None:
+                raise
+        finally:
+            await self.close()
+
+    def __repr__(self) -> str:
+        return "AsyncSandbox(id=%r)" % self.id
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+class AsyncCommandHandle:
+    """A background command: ``await wait()`` for its result or ``await kill()`` it."""
+
+    def __init__(self, sandbox: AsyncSandbox, pid: int) -> None:
+        self.sandbox = sandbox
+        self.pid = pid
+
+    async def wait(self, timeout: Optional[float] = None) -> CommandResult:
+        return await self.sandbox.commands.wait(self.pid, timeout=timeout)
+
+    async def kill(self, signal: int = 9) -> bool:
+        return await self.sandbox.commands.kill(self.pid, signal=signal)
+
+    def __repr__(self) -> str:
+        return "AsyncCommandHandle(sandbox=%r, pid=%d)" % (self.sandbox.id, self.pid)
+
+
+class AsyncCommands:
+    """``sbx.commands`` (async)."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sbx = sandbox
+
+    async def run(
+        self,
+        cmd: Union[str, Sequence[str]],
+        *,
+        background: bool = False,
+        cwd: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        timeout: Optional[float] = 60,
+        stdin: Union[str, bytes, None] = None,
+        on_stdout: Optional[Callable[[str], Any]] = None,
+        on_stderr: Optional[Callable[[str], Any]] = None,
+    ) -> Any:
+        """See :meth:`branchbox.sandbox_sync.Commands.run`."""
+        body = _core.command_body(cmd, background, cwd, env, timeout, stdin)
+        http = self._sbx._http
+        if background:
+            if on_stdout is not None or on_stderr is not None:
+                raise InvalidArgumentError(
+                    "on_stdout/on_stderr stream foreground commands only; "
+                    "get a background command's output with handle.wait()"
+                )
+            return AsyncCommandHandle(self._sbx, await http.call(_core.run_command(self._sbx.id, body)))
+        if on_stdout is None and on_stderr is None:
+            return await http.call(_core.run_command(self._sbx.id, body))
+        stream = _core.CommandStream(on_stdout, on_stderr)
+        async with http.events(_core.stream_command(self._sbx.id, body)) as events:
+            async for event in events:
+                todo = stream.handle(event)
+                if todo is not None:
+                    await _maybe_await(todo[0](todo[1]))
+        return stream.finish()
+
+    async def list(self) -> List[ProcessInfo]:
+        return await self._sbx._http.call(_core.list_processes(self._sbx.id))
+
+    async def kill(self, pid: int, signal: int = 9) -> bool:
+        return await self._sbx._http.call(_core.kill_process(self._sbx.id, pid, signal))
+
+    async def wait(self, pid: int, timeout: Optional[float] = None) -> CommandResult:
+        return await self._sbx._http.call(_core.wait_process(self._sbx.id, pid, timeout))
+
+
+# ----------------------------------------------------------------------------- files
+
+
+class AsyncByteStream:
+    """Async iterator over a file's content; ``aclose()`` it (or ``async with``) when done early."""
+
+    def __init__(self, response: httpx.Response, http: _AsyncHTTP, chunk_size: Optional[int] = None) -> None:
+        self._response = response
+        self._http = http
+        self._it = response.aiter_bytes(chunk_size)
+
+    def __aiter__(self) -> "AsyncByteStream":
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._it.__anext__()
+        except StopAsyncIteration:
+            await self.aclose()
+            raise
+        except httpx.TransportError as err:
+            await self.aclose()
+            raise _core.transport_error(err, self._http.config.url) from None
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self])
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+    async def __aenter__(self) -> "AsyncByteStream":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+
+async def _aiter_file(fileobj: Any, chunk_size: int = _core.CHUNK_SIZE) -> AsyncIterator[bytes]:
+    while True:
+        chunk = await _maybe_await(fileobj.read(chunk_size))
+        if not chunk:
+            return
+        yield chunk.encode("utf-8") if isinstance(chunk, str) else bytes(chunk)
+
+
+async def _aiter_chunks(data: Any) -> AsyncIterator[bytes]:
+    if hasattr(data, "__aiter__"):
+        async for chunk in data:
+            if chunk:
+                yield chunk.encode("utf-8") if isinstance(chunk, str) else bytes(chunk)
+    else:
+        for chunk in _core.iter_chunks(data):
+            yield chunk
+
+
+class AsyncFiles:
+    """``sbx.files`` (async)."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sbx = sandbox
+
+    async def read(self, path: str, format: str = "text") -> Any:
+        """Content as ``str`` (``"text"``), ``bytes`` or an :class:`AsyncByteStream`."""
+        if format not in ("text", "bytes", "stream"):
+            raise InvalidArgumentError("format must be 'text', 'bytes' or 'stream'")
+        http = self._sbx._http
+        response = await http.send(_core.read_file(self._sbx.id, path), stream=True)
+        stream = AsyncByteStream(response, http)
+        if format == "stream":
+            return stream
+        async with stream:
+            data = await stream.read()
+        return data.decode("utf-8", "replace") if format == "text" else data
+
+    async def write(self, path: str, data: Any, mode: Union[int, str, None] = None) -> EntryInfo:
+        """Write str, bytes, a (sync or async) file object or an (async) iterable of chunks."""
+        payload = _core.bytes_payload(data)
+        if payload is not None:
+            content: Any = payload
+            length: Optional[int] = len(payload)
+        elif _core.is_filelike(data):
+            content, length = _aiter_file(data), _core.remaining_length(data)
+        elif hasattr(data, "__aiter__") or hasattr(data, "__iter__"):
+            content, length = _aiter_chunks(data), None
+        else:
+            raise InvalidArgumentError("data must be str, bytes, a file object or an iterable of bytes")
+        return await self._sbx._http.call(_core.write_file(self._sbx.id, path, content, mode, length))
+
+    async def list(self, path: str = "/", depth: int = 1) -> List[EntryInfo]:
+        return await self._sbx._http.call(_core.list_dir(self._sbx.id, path, depth))
+
+    async def stat(self, path: str) -> EntryInfo:
+        return await self._sbx._http.call(_core.stat(self._sbx.id, path))
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.stat(path)
+        except NotFoundError:
+            return False
+        return True
+
+    async def make_dir(self, path: str, parents: bool = True) -> EntryInfo:
+        return await self._sbx._http.call(_core.make_dir(self._sbx.id, path, parents))
+
+    async def remove(self, path: str, recursive: bool = False) -> bool:
+        return await self._sbx._http.call(_core.remove(self._sbx.id, path, recursive))
+
+    async def rename(self, src: str, dst: str) -> EntryInfo:
+        return await self._sbx._http.call(_core.rename(self._sbx.id, src, dst))
+
+    async def upload(self, local_path: Union[str, "os.PathLike[str]"], remote_path: str, mode: Union[int, str, None] = None) -> EntryInfo:
+        """Stream a local file into the sandbox."""
+        with open(local_path, "rb") as f:
+            return await self.write(remote_path, f, mode=mode)
+
+    async def download(self, remote_path: str, local_path: Union[str, "os.PathLike[str]"]) -> str:
+        """Stream a sandbox file to ``local_path``; returns the local path."""
+        stream = await self.read(remote_path, format="stream")
+        async with stream:
+            with open(local_path, "wb") as f:
+                async for chunk in stream:
+                    f.write(chunk)
+        return os.fspath(local_path)
+
+
+# ----------------------------------------------------------------------------- sessions
+
+
+class AsyncSession:
+    """A stateful ``python`` or ``shell`` session (async)."""
+
+    def __init__(self, sandbox: AsyncSandbox, info: SessionInfo) -> None:
+        self.sandbox = sandbox
+        self.info = info
+        self.id = info.id
+        self.kind = info.kind
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.info.pid
+
+    async def run(self, code: str, *, timeout: Optional[float] = 60) -> Union[Execution, ShellResult]:
+        return await self.sandbox._http.call(_core.run_session(self.sandbox.id, self.id, code, timeout))
+
+    async def kill(self) -> bool:
+        try:
+            return await self.sandbox._http.call(_core.kill_session(self.sandbox.id, self.id))
+        except NotFoundError:
+            return False
+
+    async def __aenter__(self) -> "AsyncSession":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.kill()
+
+    def __repr__(self) -> str:
+        return "AsyncSession(id=%r, kind=%r)" % (self.id, self.kind)
+
+
+class AsyncSessions:
+    """``sbx.sessions`` (async)."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sbx = sandbox
+
+    async def create(
+        self, kind: str = "python", *, cwd: Optional[str] = None, env: Optional[Mapping[str, str]] = None
+    ) -> AsyncSession:
+        info = await self._sbx._http.call(_core.create_session(self._sbx.id, kind, cwd, env))
+        if not info.kind:
+            info.kind = kind
+        return AsyncSession(self._sbx, info)
+
+    async def list(self) -> List[SessionInfo]:
+        return await self._sbx._http.call(_core.list_sessions(self._sbx.id))
+
+
+# ----------------------------------------------------------------------------- images
+
+
+class AsyncImages:
+    """Root filesystem images (async mirror of :class:`branchbox.Images`)."""
+
+    def __init__(
+        self,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.AsyncBaseTransport] = None,
+    ) -> None:
+        self._http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+
+    async def list(self) -> List[ImageInfo]:
+        return await self._http.call(_core.list_images())
+
+    async def build(
+        self,
+        name: str = "base",
+        *,
+        suite: Optional[str] = None,
+        packages: Optional[Sequence[str]] = None,
+        on_progress: Optional[Callable[[ImageProgress], Any]] = None,
+    ) -> ImageInfo:
+        return await self._consume(_core.build_image(name, suite, packages), on_progress)
+
+    async def import_(
+        self, name: str, path: str, *, on_progress: Optional[Callable[[ImageProgress], Any]] = None
+    ) -> ImageInfo:
+        return await self._consume(_core.import_image(name, path), on_progress)
+
+    async def remove(self, name: str) -> bool:
+        return await self._http.call(_core.remove_image(name))
+
+    async def _consume(self, call: _core.Call, on_progress: Optional[Callable[[ImageProgress], Any]]) -> ImageInfo:
+        stream = _core.ImageStream()
+        async with self._http.events(call) as events:
+            async for event in events:
+                progress = stream.handle(event)
+                if progress is not None and on_progress is not None:
+                    await _maybe_await(on_progress(progress))
+        return stream.finish()
+
+    async def close(self) -> None:
+        await self._http.close()
+
+    async def __aenter__(self) -> "AsyncImages":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()

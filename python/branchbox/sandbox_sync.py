@@ -1,0 +1,555 @@
+"""Synchronous SDK: :class:`Sandbox` and its ``commands`` / ``files`` / ``sessions``.
+
+``sandbox_async`` mirrors this module method for method; all API knowledge lives in
+``_core``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+
+import httpx
+
+from . import _core
+from ._transport import ConnectionConfig
+from .exceptions import InvalidArgumentError, NotFoundError, SandboxError
+from .models import (
+    CommandResult,
+    EntryInfo,
+    Execution,
+    ImageInfo,
+    ImageProgress,
+    ProcessInfo,
+    SandboxInfo,
+    SessionInfo,
+    ShellResult,
+)
+
+__all__ = [
+    "Sandbox",
+    "Commands",
+    "CommandHandle",
+    "Files",
+    "ByteStream",
+    "Sessions",
+    "Session",
+    "Images",
+    "health",
+]
+
+
+class _HTTP:
+    """Executes :class:`_core.Call` objects with an ``httpx.Client``."""
+
+    def __init__(self, config: ConnectionConfig) -> None:
+        self.config = config
+        self.client = config.sync_client()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> "_HTTP":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def send(self, call: _core.Call, stream: bool = False) -> httpx.Response:
+        request = self.client.build_request(
+            call.method,
+            call.path,
+            params=call.params,
+            json=call.json,
+            content=call.content,
+            headers=call.headers or None,
+            timeout=call.http_timeout(self.config.request_timeout),
+        )
+        try:
+            response = self.client.send(request, stream=stream)
+        except httpx.TransportError as err:
+            raise _core.transport_error(err, self.config.url) from None
+        if response.status_code >= 400:
+            try:
+                content = response.read()
+            except httpx.TransportError as err:
+                raise _core.transport_error(err, self.config.url) from None
+            finally:
+                response.close()
+            raise _core.error_for_status(response.status_code, content)
+        return response
+
+    def call(self, call: _core.Call) -> Any:
+        response = self.send(call)
+        data = _core.parse_json(response.content)
+        return call.parse(data) if call.parse else data
+
+    @contextlib.contextmanager
+    def events(self, call: _core.Call) -> Iterator[Iterator[Any]]:
+        """``with http.events(call) as events: for event in events: ...`` (NDJSON)."""
+        response = self.send(call, stream=True)
+
+        def gen() -> Iterator[Any]:
+            decoder = _core.NDJSONDecoder()
+            try:
+                for chunk in response.iter_bytes():
+                    yield from decoder.feed(chunk)
+            except httpx.TransportError as err:
+                raise _core.transport_error(err, self.config.url) from None
+            yield from decoder.close()
+
+        try:
+            yield gen()
+        finally:
+            response.close()
+
+
+def health(
+    *,
+    daemon: Optional[str] = None,
+    token: Optional[str] = None,
+    request_timeout: Optional[float] = 10,
+    transport: Optional[httpx.BaseTransport] = None,
+) -> Dict[str, Any]:
+    """``GET /v1/health`` of the daemon."""
+    with _HTTP(ConnectionConfig(daemon, token, request_timeout, transport)) as http:
+        return http.call(_core.health())
+
+
+# ----------------------------------------------------------------------------- sandbox
+
+
+class Sandbox:
+    """A running sandbox. Create with :meth:`create`, attach with :meth:`connect`.
+
+    Used as a context manager the sandbox is killed on exit::
+
+        with Sandbox.create() as sbx:
+            print(sbx.commands.run("echo hi").stdout)
+    """
+
+    def __init__(self, sandbox_id: str, *, _http: _HTTP, info: Optional[SandboxInfo] = None) -> None:
+        self.id = sandbox_id
+        self._http = _http
+        self._info = info
+        self.commands = Commands(self)
+        self.files = Files(self)
+        self.sessions = Sessions(self)
+
+    @property
+    def sandbox_id(self) -> str:
+        """Alias of :attr:`id` (E2B naming)."""
+        return self.id
+
+    @classmethod
+    def create(
+        cls,
+        image: str = "base",
+        *,
+        cpu: Optional[float] = None,
+        memory_mb: Optional[int] = None,
+        pids: Optional[int] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        timeout: Optional[float] = 300,
+        network: str = "none",
+        metadata: Optional[Mapping[str, str]] = None,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.BaseTransport] = None,
+    ) -> "Sandbox":
+        """Start a sandbox. ``timeout`` is its time to live in seconds (0 = none).
+
+        ``daemon``/``token`` default to ``$BRANCHBOX_URL``/``$BRANCHBOX_TOKEN``;
+        ``request_timeout`` bounds each HTTP request; ``transport`` replaces the
+        network transport (tests).
+        """
+        http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+        try:
+            info = http.call(
+                _core.create_sandbox(image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata)
+            )
+        except BaseException:
+            http.close()
+            raise
+        return cls(info.id, _http=http, info=info)
+
+    @classmethod
+    def connect(
+        cls,
+        sandbox_id: str,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.BaseTransport] = None,
+    ) -> "Sandbox":
+        """Attach to an existing sandbox (raises :class:`NotFoundError` if unknown)."""
+        http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+        try:
+            info = http.call(_core.get_sandbox(sandbox_id))
+        except BaseException:
+            http.close()
+            raise
+        return cls(info.id or sandbox_id, _http=http, info=info)
+
+    @classmethod
+    def list(
+        cls,
+        *,
+        metadata: Optional[Mapping[str, str]] = None,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.BaseTransport] = None,
+    ) -> List[SandboxInfo]:
+        """All sandboxes, optionally only those whose metadata match ``metadata``."""
+        with _HTTP(ConnectionConfig(daemon, token, request_timeout, transport)) as http:
+            return http.call(_core.list_sandboxes(metadata))
+
+    def info(self) -> SandboxInfo:
+        info = self._http.call(_core.get_sandbox(self.id))
+        self._info = info
+        return info
+
+    def set_timeout(self, seconds: float) -> SandboxInfo:
+        """Restart the time to live from now (0 = no TTL)."""
+        info = self._http.call(_core.set_timeout(self.id, seconds))
+        self._info = info
+        return info
+
+    def is_running(self) -> bool:
+        try:
+            return self.info().state == "running"
+        except NotFoundError:
+            return False
+
+    def kill(self) -> bool:
+        """Kill the sandbox. Returns False if it did not exist (anymore)."""
+        try:
+            return self._http.call(_core.kill_sandbox(self.id))
+        except NotFoundError:
+            return False
+
+    def run_code(self, code: str, *, timeout: Optional[float] = 60, language: str = "python") -> Execution:
+        """Run code in the sandbox's default python session (created on first use)."""
+        return self._http.call(_core.run_code(self.id, code, language, timeout))
+
+    def close(self) -> None:
+        """Release the HTTP connection (the sandbox keeps running)."""
+        self._http.close()
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self.kill()
+        except SandboxError:
+            if exc_type is None:
+                raise
+        finally:
+            self.close()
+
+    def __repr__(self) -> str:
+        return "Sandbox(id=%r)" % self.id
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+class CommandHandle:
+    """A background command: ``wait()`` for its result or ``kill()`` it."""
+
+    def __init__(self, sandbox: Sandbox, pid: int) -> None:
+        self.sandbox = sandbox
+        self.pid = pid
+
+    def wait(self, timeout: Optional[float] = None) -> CommandResult:
+        """Wait for exit (``timed_out`` is set if it still runs after ``timeout``)."""
+        return self.sandbox.commands.wait(self.pid, timeout=timeout)
+
+    def kill(self, signal: int = 9) -> bool:
+        return self.sandbox.commands.kill(self.pid, signal=signal)
+
+    def __repr__(self) -> str:
+        return "CommandHandle(sandbox=%r, pid=%d)" % (self.sandbox.id, self.pid)
+
+
+class Commands:
+    """``sbx.commands``: run and manage processes in the sandbox."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sbx = sandbox
+
+    def run(
+        self,
+        cmd: Union[str, Sequence[str]],
+        *,
+        background: bool = False,
+        cwd: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        timeout: Optional[float] = 60,
+        stdin: Union[str, bytes, None] = None,
+        on_stdout: Optional[_core.Callback] = None,
+        on_stderr: Optional[_core.Callback] = None,
+    ) -> Any:
+        """Run ``cmd`` (a ``/bin/sh -c`` string, or an argv list).
+
+        Returns a :class:`CommandResult` (a nonzero exit is not an error: use
+        ``.check()``), or a :class:`CommandHandle` with ``background=True``. With
+        ``on_stdout``/``on_stderr`` output is streamed and the callbacks get each chunk.
+        """
+        body = _core.command_body(cmd, background, cwd, env, timeout, stdin)
+        http = self._sbx._http
+        if background:
+            if on_stdout is not None or on_stderr is not None:
+                raise InvalidArgumentError(
+                    "on_stdout/on_stderr stream foreground commands only; "
+                    "get a background command's output with handle.wait()"
+                )
+            return CommandHandle(self._sbx, http.call(_core.run_command(self._sbx.id, body)))
+        if on_stdout is None and on_stderr is None:
+            return http.call(_core.run_command(self._sbx.id, body))
+        stream = _core.CommandStream(on_stdout, on_stderr)
+        with http.events(_core.stream_command(self._sbx.id, body)) as events:
+            for event in events:
+                todo = stream.handle(event)
+                if todo is not None:
+                    todo[0](todo[1])
+        return stream.finish()
+
+    def list(self) -> List[ProcessInfo]:
+        """Background processes started through the API."""
+        return self._sbx._http.call(_core.list_processes(self._sbx.id))
+
+    def kill(self, pid: int, signal: int = 9) -> bool:
+        return self._sbx._http.call(_core.kill_process(self._sbx.id, pid, signal))
+
+    def wait(self, pid: int, timeout: Optional[float] = None) -> CommandResult:
+        return self._sbx._http.call(_core.wait_process(self._sbx.id, pid, timeout))
+
+
+# ----------------------------------------------------------------------------- files
+
+
+class ByteStream:
+    """Iterator over a file's content in chunks; close it (or use ``with``) when done early."""
+
+    def __init__(self, response: httpx.Response, http: _HTTP, chunk_size: Optional[int] = None) -> None:
+        self._response = response
+        self._http = http
+        self._it = response.iter_bytes(chunk_size)
+
+    def __iter__(self) -> "ByteStream":
+        return self
+
+    def __next__(self) -> bytes:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self.close()
+            raise
+        except httpx.TransportError as err:
+            self.close()
+            raise _core.transport_error(err, self._http.config.url) from None
+
+    def read(self) -> bytes:
+        """The rest of the content at once."""
+        return b"".join(self)
+
+    def close(self) -> None:
+        self._response.close()
+
+    def __enter__(self) -> "ByteStream":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+class Files:
+    """``sbx.files``: the sandbox filesystem (paths are resolved inside the sandbox root)."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sbx = sandbox
+
+    def read(self, path: str, format: str = "text") -> Any:
+        """Content of ``path`` as ``str`` (``"text"``), ``bytes`` or a :class:`ByteStream`."""
+        if format not in ("text", "bytes", "stream"):
+            raise InvalidArgumentError("format must be 'text', 'bytes' or 'stream'")
+        http = self._sbx._http
+        response = http.send(_core.read_file(self._sbx.id, path), stream=True)
+        stream = ByteStream(response, http)
+        if format == "stream":
+            return stream
+        with stream:
+            data = stream.read()
+        return data.decode("utf-8", "replace") if format == "text" else data
+
+    def write(self, path: str, data: Any, mode: Union[int, str, None] = None) -> EntryInfo:
+        """Write ``data`` (str, bytes, a binary/text file object or an iterable of chunks).
+
+        File objects and iterables are streamed. Parent directories are created.
+        """
+        payload = _core.bytes_payload(data)
+        if payload is not None:
+            content: Any = payload
+            length: Optional[int] = len(payload)
+        elif _core.is_filelike(data):
+            content, length = _core.iter_file(data), _core.remaining_length(data)
+        elif hasattr(data, "__iter__"):
+            content, length = _core.iter_chunks(data), None
+        else:
+            raise InvalidArgumentError("data must be str, bytes, a file object or an iterable of bytes")
+        return self._sbx._http.call(_core.write_file(self._sbx.id, path, content, mode, length))
+
+    def list(self, path: str = "/", depth: int = 1) -> List[EntryInfo]:
+        return self._sbx._http.call(_core.list_dir(self._sbx.id, path, depth))
+
+    def stat(self, path: str) -> EntryInfo:
+        return self._sbx._http.call(_core.stat(self._sbx.id, path))
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.stat(path)
+        except NotFoundError:
+            return False
+        return True
+
+    def make_dir(self, path: str, parents: bool = True) -> EntryInfo:
+        return self._sbx._http.call(_core.make_dir(self._sbx.id, path, parents))
+
+    def remove(self, path: str, recursive: bool = False) -> bool:
+        return self._sbx._http.call(_core.remove(self._sbx.id, path, recursive))
+
+    def rename(self, src: str, dst: str) -> EntryInfo:
+        return self._sbx._http.call(_core.rename(self._sbx.id, src, dst))
+
+    def upload(self, local_path: Union[str, "os.PathLike[str]"], remote_path: str, mode: Union[int, str, None] = None) -> EntryInfo:
+        """Stream a local file into the sandbox."""
+        with open(local_path, "rb") as f:
+            return self.write(remote_path, f, mode=mode)
+
+    def download(self, remote_path: str, local_path: Union[str, "os.PathLike[str]"]) -> str:
+        """Stream a sandbox file to ``local_path``; returns the local path."""
+        with self.read(remote_path, format="stream") as stream, open(local_path, "wb") as f:
+            for chunk in stream:
+                f.write(chunk)
+        return os.fspath(local_path)
+
+
+# ----------------------------------------------------------------------------- sessions
+
+
+class Session:
+    """A stateful interpreter (``python``) or shell (``shell``) inside the sandbox."""
+
+    def __init__(self, sandbox: Sandbox, info: SessionInfo) -> None:
+        self.sandbox = sandbox
+        self.info = info
+        self.id = info.id
+        self.kind = info.kind
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.info.pid
+
+    def run(self, code: str, *, timeout: Optional[float] = 60) -> Union[Execution, ShellResult]:
+        """Run code; python sessions return an :class:`Execution`, shells a
+        :class:`ShellResult`. A timed-out run kills the session (``timed_out=True``)."""
+        return self.sandbox._http.call(_core.run_session(self.sandbox.id, self.id, code, timeout))
+
+    def kill(self) -> bool:
+        try:
+            return self.sandbox._http.call(_core.kill_session(self.sandbox.id, self.id))
+        except NotFoundError:
+            return False
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.kill()
+
+    def __repr__(self) -> str:
+        return "Session(id=%r, kind=%r)" % (self.id, self.kind)
+
+
+class Sessions:
+    """``sbx.sessions``: create and list stateful sessions."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sbx = sandbox
+
+    def create(
+        self, kind: str = "python", *, cwd: Optional[str] = None, env: Optional[Mapping[str, str]] = None
+    ) -> Session:
+        info = self._sbx._http.call(_core.create_session(self._sbx.id, kind, cwd, env))
+        if not info.kind:
+            info.kind = kind
+        return Session(self._sbx, info)
+
+    def list(self) -> List[SessionInfo]:
+        return self._sbx._http.call(_core.list_sessions(self._sbx.id))
+
+
+# ----------------------------------------------------------------------------- images
+
+
+class Images:
+    """Root filesystem images known to the daemon.
+
+    ``on_progress`` receives an :class:`ImageProgress` per progress event.
+    """
+
+    def __init__(
+        self,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.BaseTransport] = None,
+    ) -> None:
+        self._http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+
+    def list(self) -> List[ImageInfo]:
+        return self._http.call(_core.list_images())
+
+    def build(
+        self,
+        name: str = "base",
+        *,
+        suite: Optional[str] = None,
+        packages: Optional[Sequence[str]] = None,
+        on_progress: Optional[Callable[[ImageProgress], Any]] = None,
+    ) -> ImageInfo:
+        """Build a Debian image (debootstrap) and return it when done."""
+        return self._consume(_core.build_image(name, suite, packages), on_progress)
+
+    def import_(self, name: str, path: str, *, on_progress: Optional[Callable[[ImageProgress], Any]] = None) -> ImageInfo:
+        """Import an OCI/docker image tarball found at ``path`` on the daemon's host."""
+        return self._consume(_core.import_image(name, path), on_progress)
+
+    def remove(self, name: str) -> bool:
+        return self._http.call(_core.remove_image(name))
+
+    def _consume(self, call: _core.Call, on_progress: Optional[Callable[[ImageProgress], Any]]) -> ImageInfo:
+        stream = _core.ImageStream()
+        with self._http.events(call) as events:
+            for event in events:
+                progress = stream.handle(event)
+                if progress is not None and on_progress is not None:
+                    on_progress(progress)
+        return stream.finish()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Images":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()

@@ -1,0 +1,442 @@
+"""The in-sandbox session server, run exactly as the daemon runs it:
+``python3 -I -S -c <source> python|shell`` with the channel on fd 3."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from session_helpers import SERVER_SOURCE, SessionClient, SessionProcess
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd/SCM_RIGHTS need Linux")
+
+
+@pytest.fixture
+def py():
+    s = SessionProcess("python")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def sh(tmp_path):
+    s = SessionProcess("shell", cwd=str(tmp_path), env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/root", "START": "yes"})
+    yield s
+    s.stop()
+
+
+def _fds(pid: int) -> set:
+    return {int(n) for n in os.listdir("/proc/%d/fd" % pid)}
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir("/proc/%d/task" % pid))
+
+
+# ----------------------------------------------------------------------------- the file itself
+
+
+def test_source_is_self_contained_stdlib_py39() -> None:
+    tree = ast.parse(SERVER_SOURCE, feature_version=(3, 9))
+    stdlib = set(getattr(sys, "stdlib_module_names", ())) or None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Match if hasattr(ast, "Match") else ()):
+            pytest.fail("match statement is not Python 3.9 compatible")
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "relative import"
+            mod = node.module or ""
+        elif isinstance(node, ast.Import):
+            mod = node.names[0].name
+        else:
+            continue
+        top = mod.split(".")[0]
+        assert top != "branchbox"
+        if stdlib is not None:
+            assert top in stdlib, "non-stdlib import %s" % mod
+
+
+# ----------------------------------------------------------------------------- protocol
+
+
+def test_ping_and_idle_state(py: SessionProcess) -> None:
+    r = py.request({"op": "ping"})
+    assert r == {"ok": True, "pid": py.proc.pid}
+    # idle: single-threaded, only stdio and the channel are open
+    assert _threads(py.proc.pid) == 1
+    assert _fds(py.proc.pid) == {0, 1, 2, 3}
+    py.run("import os\nos.system('true')\nprint(1)")
+    assert _fds(py.proc.pid) == {0, 1, 2, 3}
+
+
+def test_request_id_is_echoed(py: SessionProcess) -> None:
+    assert py.request({"op": "ping", "id": "abc"})["id"] == "abc"
+    assert py.request({"op": "run", "code": "1", "id": 5})["id"] == 5
+
+
+@pytest.mark.parametrize("kind", ["python", "shell"])
+def test_protocol_errors_keep_serving(kind: str) -> None:
+    s = SessionProcess(kind)
+    try:
+        for bad in (b"{nope", b"[1,2]", b'"str"', b"{}", b'{"op":"explode"}', b'{"op":"run"}', b'{"op":"run","code":1}'):
+            r = s.request(bad)
+            assert r["error"]["name"] == "ProtocolError", bad
+            assert r["error"]["value"]
+        assert s.request({"op": "ping"})["ok"] is True
+    finally:
+        assert s.stop() == 0
+
+
+def test_eof_exits_zero(py: SessionProcess) -> None:
+    py.run("x = 1")
+    assert py.stop() == 0
+
+
+def test_pipelined_requests(py: SessionProcess) -> None:
+    py.sock.sendall(b'{"op":"run","code":"a=1"}\n{"op":"run","code":"a+1"}\n{"op":"ping"}\n')
+    assert py.recv()["error"] is None
+    assert py.recv()["result"] == "2"
+    assert py.recv()["ok"] is True
+
+
+# ----------------------------------------------------------------------------- python kind
+
+
+def test_python_state_and_last_expression(py: SessionProcess) -> None:
+    r = py.run("x = 1\ndef inc(v):\n    return v + 1\n")
+    assert r == {"stdout": "", "stderr": "", "result": None, "error": None}
+    assert py.run("inc(x)")["result"] == "2"
+    assert py.run("x = inc(x)\nx * 10")["result"] == "20"
+    assert py.run("'s'")["result"] == "'s'"
+    assert py.run("None")["result"] is None
+    assert py.run("print('p')\n[1, 2]") == {"stdout": "p\n", "stderr": "", "result": "[1, 2]", "error": None}
+    assert py.run("x = 5")["result"] is None  # an assignment is not an expression
+    assert py.run("__name__")["result"] == "'__main__'"
+    assert py.run("_")["result"] == "'__main__'"  # REPL-style last result
+
+
+def test_python_classes_pickle_and_import_site(py: SessionProcess) -> None:
+    r = py.run("import pickle\nclass P:\n    pass\nlen(pickle.dumps(P())) > 0")
+    assert r["error"] is None and r["result"] == "True"
+    assert py.run("import sys\n'' in sys.path")["result"] == "True"
+
+
+def test_python_traceback_has_no_server_frames(py: SessionProcess) -> None:
+    r = py.run("def f():\n    raise ValueError('bad value')\n\nf()")
+    err = r["error"]
+    assert err["name"] == "ValueError" and err["value"] == "bad value"
+    tb = err["traceback"]
+    assert tb.startswith("Traceback (most recent call last):")
+    assert 'File "<cell-1>", line 4, in <module>' in tb and "line 2, in f" in tb
+    assert "raise ValueError('bad value')" in tb  # source lines are shown
+    assert "<string>" not in tb and "_session_server" not in tb and "exec(" not in tb
+    assert r["result"] is None
+
+
+def test_python_syntax_error(py: SessionProcess) -> None:
+    err = py.run("x = (1,\nprint('never')")["error"]
+    assert err["name"] == "SyntaxError"
+    assert "<cell-1>" in err["traceback"] and "ast.py" not in err["traceback"]
+    assert not err["traceback"].startswith("Traceback")
+    assert py.run("1 + 1")["result"] == "2"  # still alive
+    assert py.run("return 5")["error"]["name"] == "SyntaxError"
+
+
+@pytest.mark.parametrize("code, name", [
+    ("import sys\nsys.exit(3)", "SystemExit"),
+    ("raise SystemExit('bye')", "SystemExit"),
+    ("exit()", None),  # site's exit() may be missing under -S: NameError or SystemExit
+    ("raise KeyboardInterrupt", "KeyboardInterrupt"),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGINT)", "KeyboardInterrupt"),
+])
+def test_python_exits_and_interrupts_do_not_kill_server(py: SessionProcess, code: str, name) -> None:
+    py.run("alive = 'yes'")
+    err = py.run(code)["error"]
+    assert err is not None
+    if name:
+        assert err["name"] == name
+    assert py.run("alive")["result"] == "'yes'"
+
+
+def test_python_fd_level_capture(py: SessionProcess) -> None:
+    r = py.run(
+        "import os, subprocess, sys\n"
+        "print('one')\n"
+        "os.system('echo hi')\n"
+        "subprocess.run(['sh', '-c', 'echo sub; echo suberr >&2'])\n"
+        "os.write(1, b'raw\\n')\n"
+        "os.write(2, b'rawerr\\n')\n"
+        "print('two', file=sys.stderr)\n"
+        "print('three')"
+    )
+    assert r["error"] is None
+    assert r["stdout"] == "one\nhi\nsub\nraw\nthree\n"
+    assert r["stderr"] == "suberr\nrawerr\ntwo\n"
+    # nothing leaks into the next run
+    assert py.run("print('next')")["stdout"] == "next\n"
+
+
+def test_python_output_without_newline_and_unicode(py: SessionProcess) -> None:
+    r = py.run("import sys\nsys.stdout.write('no newline \u00e9\u2603')\nsys.stderr.write('\\udcff')")
+    assert r["stdout"] == "no newline \u00e9\u2603"
+    assert r["stderr"]  # lone surrogate escaped, not a crash
+
+
+def test_python_ctypes_stdio_flushed(py: SessionProcess) -> None:
+    r = py.run("import ctypes\nlibc = ctypes.CDLL(None)\nlibc.printf(b'from C\\n')\nNone")
+    assert r["error"] is None and r["stdout"] == "from C\n"
+
+
+def test_python_stdin_is_devnull(py: SessionProcess) -> None:
+    assert py.run("input()")["error"]["name"] == "EOFError"
+
+
+def test_python_top_level_await(py: SessionProcess) -> None:
+    r = py.run("import asyncio\nawait asyncio.sleep(0)\nasync def f():\n    return 42\nawait f()")
+    assert r["error"] is None and r["result"] == "42"
+    assert _fds(py.proc.pid) == {0, 1, 2, 3}  # the event loop was closed
+
+
+def test_python_bad_repr(py: SessionProcess) -> None:
+    err = py.run("class B:\n    def __repr__(self):\n        raise RuntimeError('no repr')\nB()")["error"]
+    assert err["name"] == "RuntimeError" and "__repr__" in err["traceback"]
+
+
+def test_python_large_output_and_code(py: SessionProcess) -> None:
+    r = py.run("print('x' * 3_000_000)")
+    assert len(r["stdout"]) == 3_000_001
+    code = "y = " + repr("z" * 400_000) + "\nlen(y)"
+    assert py.run(code)["result"] == "400000"
+
+
+def test_python_initial_env_and_cwd(tmp_path) -> None:
+    s = SessionProcess("python", cwd=str(tmp_path), env={"FOO": "bar", "PATH": os.environ["PATH"]})
+    try:
+        assert s.run("import os\n(os.getcwd(), os.environ['FOO'])")["result"] == repr((str(tmp_path), "bar"))
+        assert not os.listdir(tmp_path)  # nothing written to the filesystem
+    finally:
+        s.stop()
+
+
+# ----------------------------------------------------------------------------- shell kind
+
+
+def test_shell_persistence(sh: SessionProcess, tmp_path) -> None:
+    assert sh.run("pwd; echo $START") == {"stdout": "%s\nyes\n" % tmp_path, "stderr": "", "exit_code": 0}
+    r = sh.run("mkdir -p sub && cd sub\nX=1\nexport Y='two words'\ngreet() { echo \"hello $1\"; }")
+    assert r == {"stdout": "", "stderr": "", "exit_code": 0}
+    r = sh.run("pwd\necho \"$X|$Y\"\ngreet you\nsh -c 'echo child:$Y:$X'")
+    assert r["stdout"] == "%s/sub\n1|two words\nhello you\nchild:two words:\n" % tmp_path
+    assert r["stderr"] == "" and r["exit_code"] == 0
+    r = sh.run("cd ..; unset Y; unset -f greet; export START=no")
+    r = sh.run("pwd; echo \"[$Y]\"; type greet >/dev/null 2>&1 || echo nofunc; env | grep -c '^Y=' ; echo $START")
+    assert r["stdout"] == "%s\n[]\nnofunc\n0\nno\n" % tmp_path
+
+
+def test_shell_rich_state_restores_silently(sh: SessionProcess) -> None:
+    setup = (
+        "declare -a arr=(a 'b c' $'d\\ne')\n"
+        "declare -A map=([k]=v [sp ace]=\"q'uote\")\n"
+        "declare -i n=41\n"
+        "declare -l lower=ABC\n"
+        "readonly RO=fixed\n"
+        "ml=$'line1\\nline2'\n"
+        "target=t; declare -n ref=target\n"
+        "export -f f 2>/dev/null; f() { echo exported-f; }; export -f f\n"
+        "IFS=:\n"
+    )
+    assert sh.run(setup) == {"stdout": "", "stderr": "", "exit_code": 0}
+    for _ in range(2):  # restoring twice must be as clean as once
+        r = sh.run(
+            "n+=1; echo $n; echo \"${arr[1]}|${arr[2]}\"; echo \"${map[sp ace]}\"; echo $lower; echo $RO;"
+            " echo \"$ml\"; echo $ref; bash -c f; printf '%q\\n' \"$IFS\"; n=41"
+        )
+        assert r["stderr"] == ""
+        assert r["exit_code"] == 0
+        assert r["stdout"] == "42\nb c|d\ne\nq'uote\nabc\nfixed\nline1\nline2\nt\nexported-f\n:\n"
+
+
+def test_shell_no_noise_from_special_variables(sh: SessionProcess) -> None:
+    r = sh.run("RANDOM=4; SECONDS=10; BASH_XTRACEFD=2; set -u; set -e; set -x; set -o pipefail; true")
+    assert r["exit_code"] == 0
+    assert r["stderr"] == "+ set -o pipefail\n+ true\n"  # only the user's own trace, nothing from the state dump
+    r = sh.run("echo ok")
+    assert r == {"stdout": "ok\n", "stderr": "", "exit_code": 0}  # options do not persist
+
+
+def test_shell_exit_codes(sh: SessionProcess) -> None:
+    assert sh.run("false")["exit_code"] == 1
+    assert sh.run("true")["exit_code"] == 0
+    assert sh.run("(exit 7)")["exit_code"] == 7
+    r = sh.run("K=before_exit; exit 3; echo never")
+    assert r["exit_code"] == 3 and r["stdout"] == ""
+    assert sh.run("echo $K")["stdout"] == "before_exit\n"  # state dumped even on exit
+    assert sh.run("nosuchcommand_xyz")["exit_code"] == 127
+    assert sh.run("kill -TERM $$")["exit_code"] == 128 + 15
+    r = sh.run("set -e; E=1; false; E=2")
+    assert r["exit_code"] == 1
+    assert sh.run("echo $E")["stdout"] == "1\n"
+
+
+def test_shell_syntax_error(sh: SessionProcess) -> None:
+    r = sh.run("if true; then")
+    assert r["exit_code"] == 2 and "syntax error" in r["stderr"]
+    assert sh.run("echo fine")["stdout"] == "fine\n"
+
+
+def test_shell_user_exit_trap_and_exec(sh: SessionProcess) -> None:
+    r = sh.run("trap 'echo bye' EXIT; T=1")
+    assert r["stdout"] == "bye\n" and r["exit_code"] == 0
+    assert sh.run("echo $T")["stdout"] == "1\n"  # state kept although the trap was replaced
+    sh.run("V=old")
+    r = sh.run("V=new; exec echo replaced")
+    assert r["stdout"] == "replaced\n"
+    assert sh.run("echo $V")["stdout"] == "old\n"  # an exec'd run cannot dump: previous state kept
+
+
+def test_shell_output_capture_and_background(sh: SessionProcess) -> None:
+    r = sh.run("echo out; echo err >&2; printf 'no-nl'")
+    assert (r["stdout"], r["stderr"]) == ("out\nno-nl", "err\n")
+    t0 = time.monotonic()
+    r = sh.run("sleep 30 & echo started $!")
+    assert r["stdout"].startswith("started ") and time.monotonic() - t0 < 10  # no wait for bg jobs
+    os.kill(int(r["stdout"].split()[1]), 9)
+    assert sh.run("read line; echo \"[$line] $?\"")["stdout"] == "[] 1\n"  # stdin is /dev/null
+
+
+def test_shell_lineno_matches_user_code(sh: SessionProcess) -> None:
+    r = sh.run("echo $LINENO\necho $LINENO\nnosuch_cmd_here")
+    assert r["stdout"] == "1\n2\n"
+    assert "line 3: nosuch_cmd_here" in r["stderr"]
+
+
+def test_shell_large_code_goes_through_memfd(sh: SessionProcess) -> None:
+    code = "BIG=%s\necho ${#BIG}\n" % ("a" * 200_000)
+    r = sh.run(code)
+    assert r["stdout"] == "200000\n" and r["exit_code"] == 0 and r["stderr"] == ""
+    assert sh.run("echo ${#BIG}")["stdout"] == "200000\n"
+
+
+def test_shell_deleted_cwd(sh: SessionProcess, tmp_path) -> None:
+    sh.run("mkdir gone && cd gone")
+    os.rmdir(tmp_path / "gone")
+    r = sh.run("pwd")
+    assert r["exit_code"] == 0 and r["stdout"] == "/\n"
+
+
+def test_shell_idle_state(sh: SessionProcess) -> None:
+    sh.run("X=1; cd /")
+    assert _fds(sh.proc.pid) == {0, 1, 2, 3}
+    assert _threads(sh.proc.pid) == 1
+
+
+def test_sh_fallback(tmp_path) -> None:
+    """Without bash, /bin/sh keeps exported variables and cwd (degraded persistence)."""
+    driver = (
+        "import json, sys\n"
+        "ns = {'__name__': 'bb_session_server'}\n"
+        "exec(compile(sys.stdin.read(), 'srv', 'exec'), ns)\n"
+        "k = ns['ShellKernel']()\n"
+        "k.shell, k.bash = '/bin/sh', False\n"
+        "out = [k.run(\"mkdir d; cd d; export A='x y'; unset KEEP; echo hi\"),\n"
+        "       k.run('pwd; echo \"$A|${KEEP:-unset}\"; exit 4'),\n"
+        "       k.run('echo $A; echo err >&2')]\n"
+        "print(json.dumps(out))\n"
+    )
+    env = {"PATH": os.environ["PATH"], "KEEP": "k"}
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", driver], input=SERVER_SOURCE, cwd=str(tmp_path),
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    r1, r2, r3 = json.loads(proc.stdout)
+    assert r1 == {"stdout": "hi\n", "stderr": "", "exit_code": 0}
+    assert r2 == {"stdout": "%s/d\nx y|unset\n" % tmp_path, "stderr": "", "exit_code": 4}
+    assert r3 == {"stdout": "x y\n", "stderr": "err\n", "exit_code": 0}
+
+
+# ----------------------------------------------------------------------------- fork
+
+
+def _fork(s: SessionProcess):
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        parent_resp = s.request({"op": "fork", "id": 1}, fds=[theirs.fileno()])
+    finally:
+        theirs.close()
+    child = SessionClient(ours)
+    child_resp = child.recv()
+    return parent_resp, child, child_resp
+
+
+def _gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not os.path.exists("/proc/%d" % pid):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_fork_python(py: SessionProcess) -> None:
+    py.run("state = ['base']\nimport os")
+    parent_resp, child, child_resp = _fork(py)
+    pid = parent_resp["child"]
+    assert parent_resp == {"ok": True, "child": pid, "id": 1}
+    assert child_resp == {"ok": True, "pid": pid, "id": 1}
+    assert pid != py.proc.pid
+    # both serve, with independent state
+    assert child.run("state.append('child')\nstate")["result"] == "['base', 'child']"
+    assert py.run("state.append('parent')\nstate")["result"] == "['base', 'parent']"
+    assert child.run("os.getpid()")["result"] == str(pid)
+    assert child.run("print('c')")["stdout"] == "c\n"
+    assert _fds(pid) == {0, 1, 2, 3} and _fds(py.proc.pid) == {0, 1, 2, 3}
+    # closing the child's channel ends it; the parent reaps it on its next request
+    child.close()
+    py.request({"op": "ping"})
+    assert _gone(pid)
+    assert py.run("state")["result"] == "['base', 'parent']"
+
+
+def test_fork_shell_and_nested(sh: SessionProcess) -> None:
+    sh.run("S=base; cd /tmp")
+    parent_resp, child, child_resp = _fork(sh)
+    assert child_resp["pid"] == parent_resp["child"]
+    assert child.run("S=child; cd /; echo $S")["stdout"] == "child\n"
+    assert sh.run("echo $S; pwd")["stdout"] == "base\n/tmp\n"
+    assert child.run("echo $S; pwd")["stdout"] == "child\n/\n"
+    # the child can fork again
+    ours, theirs = socket.socketpair()
+    r = child.request({"op": "fork"}, fds=[theirs.fileno()])
+    theirs.close()
+    grandchild = SessionClient(ours)
+    assert grandchild.recv()["pid"] == r["child"]
+    assert grandchild.run("echo $S")["stdout"] == "child\n"
+    grandchild.close()
+    child.close()
+    assert sh.request({"op": "ping"})["ok"]
+
+
+def test_fork_fd_handling(py: SessionProcess) -> None:
+    r = py.request({"op": "fork"})
+    assert r["error"]["name"] == "ProtocolError"
+    # extra fds are closed, fds sent with other ops are closed too
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    r = py.request({"op": "fork"}, fds=[b.fileno(), d.fileno()])
+    b.close(), d.close()
+    child = SessionClient(a)
+    assert child.recv()["pid"] == r["child"]
+    e, f = socket.socketpair()
+    assert py.request({"op": "ping"}, fds=[f.fileno()])["ok"]
+    f.close()
+    assert _fds(py.proc.pid) == {0, 1, 2, 3}
+    assert _fds(r["child"]) == {0, 1, 2, 3}
+    for s in (child, c, e):
+        s.close()
