@@ -260,7 +260,7 @@ def _flag(key: str) -> Callable[[Any], bool]:
 
 
 def parse_run_result(data: Any) -> Union[Execution, ShellResult]:
-    """A session run answers an Execution (python) or a ShellResult (shell)."""
+    """A session run of unknown kind: a ShellResult if it has an exit code, else an Execution."""
     if isinstance(data, dict) and "exit_code" in data and "result" not in data:
         return ShellResult.from_dict(data)
     return Execution.from_dict(data)
@@ -456,12 +456,19 @@ def kill_session(sandbox_id: str, session_id: str) -> Call:
     return Call("DELETE", "%s/sessions/%s" % (_sbx(sandbox_id), _seg(session_id)), parse=_flag("killed"))
 
 
-def run_session(sandbox_id: str, session_id: str, code: str, timeout: Optional[float] = 60) -> Call:
+def run_session(
+    sandbox_id: str, session_id: str, code: str, timeout: Optional[float] = 60, kind: Optional[str] = None
+) -> Call:
+    parse: Callable[[Any], Any] = parse_run_result
+    if kind == "shell":
+        parse = ShellResult.from_dict
+    elif kind == "python":
+        parse = Execution.from_dict
     return Call(
         "POST",
         "%s/sessions/%s/run" % (_sbx(sandbox_id), _seg(session_id)),
         json=_compact({"code": code, "timeout": timeout}),
-        parse=parse_run_result,
+        parse=parse,
         op_timeout=timeout,
     )
 

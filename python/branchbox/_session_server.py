@@ -7,15 +7,16 @@ The daemon runs this file inside a sandbox as::
 with fd 3 a connected AF_UNIX SOCK_STREAM socket (the *channel*).  Nothing from the
 ``branchbox`` package is imported: this file must stay self-contained.
 
-Wire protocol: one JSON object per line in each direction, one response per request,
-in order.  A request's ``"id"`` (any JSON value) is echoed in its response.
+Wire protocol: one UTF-8 JSON object per line in each direction, one response per
+request, in order.  A request's ``"id"`` (any JSON value) is echoed in its response.
 
     {"op":"ping"}              -> {"ok":true,"pid":N}
     {"op":"run","code":"..."}  -> python: {"stdout":s,"stderr":s,"result":s|null,
                                            "error":null|{"name","value","traceback"}}
                                   shell:  {"stdout":s,"stderr":s,"exit_code":n}
                                   (+ "stdout_truncated"/"stderr_truncated": true when a
-                                  stream exceeded 16 MiB; exit_code is 128+N for signal N)
+                                  stream exceeded 16 MiB or 24 MiB once JSON-escaped;
+                                  exit_code is 128+N for signal N)
     {"op":"fork"} sent with exactly one fd (SCM_RIGHTS, same sendmsg)
                                -> old channel (parent): {"ok":true,"child":PID}
                                   new channel (child):  {"ok":true,"pid":PID}
@@ -49,7 +50,9 @@ import traceback
 import types
 
 CHANNEL_FD = 3
-MAX_OUTPUT = 16 * 1024 * 1024  # bytes kept per stream and run
+MAX_OUTPUT = 16 * 1024 * 1024  # bytes read back per stream and run
+MAX_ENCODED = 24 * 1024 * 1024  # bytes of JSON per stream in a response line
+MAX_RESULT = 4 * 1024 * 1024  # bytes of JSON for a result repr / an error text
 MAX_FDS = 16  # ancillary fds accepted per recvmsg
 _RECV_SIZE = 256 * 1024
 _MFD_CLOEXEC = getattr(os, "MFD_CLOEXEC", 1)
@@ -96,7 +99,8 @@ class Channel(object):
             self.buf += data
 
     def send(self, obj):
-        data = json.dumps(obj, separators=(",", ":")).encode("ascii") + b"\n"
+        text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        data = text.encode("utf-8", "replace") + b"\n"
         self.sock.sendall(data)
 
     def close(self):
@@ -137,9 +141,22 @@ def _read_memfd(fd, limit=MAX_OUTPUT):
     return b"".join(chunks).decode("utf-8", "replace"), truncated
 
 
+def _fit(text, truncated, limit=None):
+    """Keep a string's JSON encoding under ``limit`` bytes (the daemon bounds lines)."""
+    limit = limit or MAX_ENCODED
+    if len(text) * 6 <= limit:  # no character encodes to more than 6 bytes
+        return text, truncated
+    size = len(json.dumps(text, ensure_ascii=False).encode("utf-8"))
+    while size > limit:
+        text = text[: int(len(text) * limit / size * 0.95)]
+        size = len(json.dumps(text, ensure_ascii=False).encode("utf-8"))
+        truncated = True
+    return text, truncated
+
+
 def _capture_result(out_fd, err_fd):
-    stdout, out_trunc = _read_memfd(out_fd)
-    stderr, err_trunc = _read_memfd(err_fd)
+    stdout, out_trunc = _fit(*_read_memfd(out_fd))
+    stderr, err_trunc = _fit(*_read_memfd(err_fd))
     res = {"stdout": stdout, "stderr": stderr}
     if out_trunc:
         res["stdout_truncated"] = True
@@ -182,12 +199,14 @@ class PythonKernel(object):
     def _setup_paths():
         # -S skips site: restore site-packages so installed libraries import; -I drops
         # the cwd and PYTHONPATH: give user code what an interactive python would see.
-        try:
-            import site
+        # (Harmless when the server is started without -I/-S.)
+        if sys.flags.no_site:
+            try:
+                import site
 
-            site.main()
-        except Exception:
-            pass
+                site.main()
+            except Exception:
+                pass
         extra = [""]
         pp = os.environ.get("PYTHONPATH")
         if pp:
@@ -263,7 +282,7 @@ class PythonKernel(object):
             return None, None
         g["_"] = value
         try:
-            return _clean(repr(value)), None
+            return _fit(_clean(repr(value)), False, MAX_RESULT)[0], None
         except BaseException as exc:
             return None, _format_error(exc)
 
@@ -322,7 +341,11 @@ def _format_error(exc, only=False):
         value = str(exc)
     except BaseException:
         value = "<unprintable %s>" % type(exc).__name__
-    return {"name": type(exc).__name__, "value": _clean(value), "traceback": _clean(text)}
+    return {
+        "name": type(exc).__name__,
+        "value": _fit(_clean(value), False, MAX_RESULT)[0],
+        "traceback": _fit(_clean(text), False, MAX_RESULT)[0],
+    }
 
 
 def _clean(text):

@@ -194,6 +194,7 @@ class SessionInfo(_Model):
     kind: str = ""
     pid: Optional[int] = None
     created_at: Optional[float] = None
+    alive: Optional[bool] = None
     raw: Dict[str, Any] = _raw()
 
 

@@ -469,7 +469,7 @@ class AsyncSession:
         return self.info.pid
 
     async def run(self, code: str, *, timeout: Optional[float] = 60) -> Union[Execution, ShellResult]:
-        return await self.sandbox._http.call(_core.run_session(self.sandbox.id, self.id, code, timeout))
+        return await self.sandbox._http.call(_core.run_session(self.sandbox.id, self.id, code, timeout, self.kind))
 
     async def kill(self) -> bool:
         try:

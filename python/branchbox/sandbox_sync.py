@@ -460,7 +460,7 @@ class Session:
     def run(self, code: str, *, timeout: Optional[float] = 60) -> Union[Execution, ShellResult]:
         """Run code; python sessions return an :class:`Execution`, shells a
         :class:`ShellResult`. A timed-out run kills the session (``timed_out=True``)."""
-        return self.sandbox._http.call(_core.run_session(self.sandbox.id, self.id, code, timeout))
+        return self.sandbox._http.call(_core.run_session(self.sandbox.id, self.id, code, timeout, self.kind))
 
     def kill(self) -> bool:
         try:

@@ -320,13 +320,17 @@ def test_sessions(sbx: Sandbox, fake: FakeDaemon) -> None:
     assert fake.body() == {"code": "pwd", "timeout": 5}
     assert isinstance(res, ShellResult) and res.stdout == "/tmp\n" and res.exit_code == 0
     assert sbx.sessions.list() == [SessionInfo(id="ss-01234567", kind="shell", pid=9)]
+    # a timed-out shell run has no exit_code: the session's kind still decides the type
+    fake.on("POST", BASE + "/sessions/ss-01234567/run", {"stdout": "", "stderr": "", "timed_out": True})
+    res = sess.run("sleep 100", timeout=1)
+    assert isinstance(res, ShellResult) and res.timed_out and res.exit_code is None
     assert sess.kill() is True
     assert (fake.last.method, fake.last.url.path) == ("DELETE", BASE + "/sessions/ss-01234567")
 
 
 def test_python_session_run_and_context(sbx: Sandbox, fake: FakeDaemon) -> None:
     fake.on("POST", BASE + "/sessions", {"id": "ss-1", "kind": "python", "pid": 9}, 201)
-    fake.on("POST", BASE + "/sessions/ss-1/run", {"stdout": "", "stderr": "", "result": "3", "error": None})
+    fake.on("POST", BASE + "/sessions/ss-1/run", {"stdout": "", "stderr": "", "result": "3", "timed_out": False})
     fake.on("DELETE", BASE + "/sessions/ss-1", {"killed": True})
     with sbx.sessions.create() as sess:
         assert fake.body() == {"kind": "python", "cwd": None, "env": {}}

@@ -208,6 +208,17 @@ def test_python_bad_repr(py: SessionProcess) -> None:
     assert err["name"] == "RuntimeError" and "__repr__" in err["traceback"]
 
 
+def test_output_is_capped_to_fit_a_response_line(py: SessionProcess) -> None:
+    r = py.run("import os\nos.write(1, bytes(range(32)) * (600 * 1024))\nNone")  # ~19 MiB of control chars
+    line_len = len(json.dumps(r, ensure_ascii=False).encode())
+    assert r["stdout_truncated"] is True and line_len <= 25 * 1024 * 1024
+    r = py.run("print('ok')")
+    assert r["stdout"] == "ok\n" and "stdout_truncated" not in r
+    r = py.run("'\\x00' * (8 * 1024 * 1024)")  # a huge repr is cut too
+    assert len(json.dumps(r, ensure_ascii=False).encode()) <= 5 * 1024 * 1024
+    assert r["result"].startswith("'\\x00")
+
+
 def test_python_large_output_and_code(py: SessionProcess) -> None:
     r = py.run("print('x' * 3_000_000)")
     assert len(r["stdout"]) == 3_000_001

@@ -2,7 +2,7 @@
 //!
 //! The daemon clones this process into new user, mount, pid, uts, ipc, net and cgroup namespaces
 //! (uid 0 inside maps to an unprivileged host uid) and execs it with:
-//! - argv[1]: an [`bb_proto::InitConfig`] as JSON,
+//! - env `BRANCHBOX_INIT_CONFIG`: an [`bb_proto::InitConfig`] as JSON,
 //! - fd 3: a listening `SOCK_SEQPACKET` socket (bound by the daemon on a host path),
 //! - fd 4: a status pipe on which init writes `ok` or `error: <why>` once set up.
 //!
@@ -39,9 +39,14 @@ fn main() {
 }
 
 fn run_setup() -> Result<bb_isolation::SeccompFilter, String> {
-    let arg = std::env::args().nth(1).ok_or("missing config argument")?;
+    // The config comes in the environment, which (unlike argv) sandbox processes cannot read:
+    // init is non-dumpable, so its /proc/1/environ is closed to them. Nothing else is inherited.
+    let arg = std::env::var(bb_proto::INIT_CONFIG_ENV).map_err(|_| "missing config in the environment")?;
     let config: bb_proto::InitConfig =
         serde_json::from_str(&arg).map_err(|e| format!("bad config: {e}"))?;
+    for (k, _) in std::env::vars_os() {
+        std::env::remove_var(k);
+    }
     // Close everything we were not meant to inherit (keep stdio, listener, status pipe).
     bb_sys::process::close_fds_from(5).map_err(|e| e.to_string())?;
     setup::setup(&config).map_err(|e| e.to_string())?;

@@ -56,7 +56,11 @@ pub(crate) fn clean_stale_tmp(tmp_root: &Path) {
         let path = ent.path();
         let name = ent.file_name().to_string_lossy().into_owned();
         // A work dir is briefly unlocked between its creation and its owner taking the lock.
-        let age = ent.metadata().ok().and_then(|m| m.modified().ok()).and_then(|t| t.elapsed().ok());
+        let age = ent
+            .metadata()
+            .ok()
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| t.elapsed().ok());
         let young = match age {
             Some(age) => age < std::time::Duration::from_secs(60),
             None => true,
@@ -101,7 +105,9 @@ pub(crate) fn unescape_mountinfo(s: &str) -> PathBuf {
 
 /// Mount points at or below `root` in this mount namespace, deepest first.
 pub(crate) fn mounts_under(root: &Path) -> Vec<PathBuf> {
-    let Ok(info) = fs::read_to_string("/proc/self/mountinfo") else { return Vec::new() };
+    let Ok(info) = fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
     let mut v: Vec<PathBuf> = info
         .lines()
         .filter_map(|l| l.split(' ').nth(4))
@@ -149,7 +155,12 @@ pub(crate) fn remove_tree(path: &Path) -> Result<(), LayersError> {
 pub(crate) fn tree_size(root: &Path) -> u64 {
     let mut seen = HashSet::new();
     let mut total = 0u64;
-    for ent in walkdir::WalkDir::new(root).follow_links(false).same_file_system(true).into_iter().flatten() {
+    for ent in walkdir::WalkDir::new(root)
+        .follow_links(false)
+        .same_file_system(true)
+        .into_iter()
+        .flatten()
+    {
         if !ent.file_type().is_file() {
             continue;
         }
@@ -222,7 +233,11 @@ pub(crate) fn shift_tree(root: &Path, idmap: &IdMap) -> Result<u64, LayersError>
             id: meta.gid() as u64,
             size: idmap.size,
         })?;
-        let caps = if meta.is_file() { xattr::get(path, CAPS_XATTR).ok().flatten() } else { None };
+        let caps = if meta.is_file() {
+            xattr::get(path, CAPS_XATTR).ok().flatten()
+        } else {
+            None
+        };
         fchownat(
             None,
             path,
@@ -237,7 +252,8 @@ pub(crate) fn shift_tree(root: &Path, idmap: &IdMap) -> Result<u64, LayersError>
                 .map_err(|e| LayersError::io(format!("chmod {}", path.display()), e.into()))?;
         }
         if let Some(c) = caps.as_deref().and_then(caps_for_host) {
-            xattr::set(path, CAPS_XATTR, &c).map_err(io_err(format!("restoring file capabilities of {}", path.display())))?;
+            xattr::set(path, CAPS_XATTR, &c)
+                .map_err(io_err(format!("restoring file capabilities of {}", path.display())))?;
         }
     }
     Ok(total)

@@ -30,8 +30,12 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 /// The overlay options set on every mount (besides the layer dirs), in order.
-pub const OVERLAY_OPTIONS: &[(&str, &str)] =
-    &[("index", "off"), ("metacopy", "off"), ("xino", "off"), ("redirect_dir", "on")];
+pub const OVERLAY_OPTIONS: &[(&str, &str)] = &[
+    ("index", "off"),
+    ("metacopy", "off"),
+    ("xino", "off"),
+    ("redirect_dir", "on"),
+];
 
 /// Layer dirs of one overlay mount.
 #[derive(Debug, Clone, Copy)]
@@ -85,12 +89,18 @@ impl Ctx<'_> {
             "move_mount" => "; the target must be an existing directory",
             _ => "; every lower, upper and work dir must exist, upper and work on the same filesystem, and that filesystem must support trusted.* xattrs (ext4, xfs, btrfs)",
         });
-        LayersError::Mount { step, target: self.target.to_path_buf(), source, detail }
+        LayersError::Mount {
+            step,
+            target: self.target.to_path_buf(),
+            source,
+            detail,
+        }
     }
 
     fn open(&self) -> Result<OwnedFd, LayersError> {
         let fs = fsopen("overlay", FSOPEN_CLOEXEC).map_err(|e| self.err("fsopen(overlay)", None, e))?;
-        fsconfig_set_string(fs.as_fd(), "source", "branchbox").map_err(|e| self.err("fsconfig(source)", Some(&fs), e))?;
+        fsconfig_set_string(fs.as_fd(), "source", "branchbox")
+            .map_err(|e| self.err("fsconfig(source)", Some(&fs), e))?;
         Ok(fs)
     }
 }
@@ -110,13 +120,19 @@ fn mount_overlay_with(spec: &OverlaySpec, target: &Path, legacy_lowerdir: bool) 
         return Err(ctx.err(
             "fsconfig(lowerdir+)",
             None,
-            SysError { call: "fsconfig", source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "no lower layers given") },
+            SysError {
+                call: "fsconfig",
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "no lower layers given"),
+            },
         ));
     }
     let mut fs = ctx.open()?;
     for (i, l) in spec.lower.iter().enumerate() {
         let res = if legacy_lowerdir {
-            Err(SysError { call: "fsconfig", source: std::io::Error::from_raw_os_error(libc::EINVAL) })
+            Err(SysError {
+                call: "fsconfig",
+                source: std::io::Error::from_raw_os_error(libc::EINVAL),
+            })
         } else {
             fsconfig_set_string(fs.as_fd(), "lowerdir+", l)
         };
@@ -143,7 +159,8 @@ fn mount_overlay_with(spec: &OverlaySpec, target: &Path, legacy_lowerdir: bool) 
     }
     fsconfig_set_string(fs.as_fd(), "upperdir", spec.upper)
         .map_err(|e| ctx.err_for("fsconfig(upperdir)", Some(spec.upper), Some(&fs), e))?;
-    fsconfig_set_string(fs.as_fd(), "workdir", spec.work).map_err(|e| ctx.err_for("fsconfig(workdir)", Some(spec.work), Some(&fs), e))?;
+    fsconfig_set_string(fs.as_fd(), "workdir", spec.work)
+        .map_err(|e| ctx.err_for("fsconfig(workdir)", Some(spec.work), Some(&fs), e))?;
     for (k, v) in OVERLAY_OPTIONS {
         fsconfig_set_string(fs.as_fd(), k, v).map_err(|e| ctx.err("fsconfig(options)", Some(&fs), e))?;
     }
@@ -157,7 +174,10 @@ fn mount_overlay_with(spec: &OverlaySpec, target: &Path, legacy_lowerdir: bool) 
 pub fn unmount(target: &Path) -> Result<(), LayersError> {
     match nix::mount::umount2(target, nix::mount::MntFlags::MNT_DETACH) {
         Ok(()) | Err(nix::errno::Errno::EINVAL) | Err(nix::errno::Errno::ENOENT) => Ok(()),
-        Err(e) => Err(LayersError::Unmount { target: target.to_path_buf(), source: e }),
+        Err(e) => Err(LayersError::Unmount {
+            target: target.to_path_buf(),
+            source: e,
+        }),
     }
 }
 
@@ -181,9 +201,11 @@ pub fn new_writable(dir: &Path, idmap: &IdMap) -> Result<(PathBuf, PathBuf), Lay
     let base = idmap.host_base;
     chown(&upper, Some(Uid::from_raw(base)), Some(Gid::from_raw(base)))
         .map_err(|e| LayersError::io(format!("chown {}", upper.display()), e.into()))?;
-    fs::set_permissions(&upper, fs::Permissions::from_mode(0o755)).map_err(io_err(format!("chmod {}", upper.display())))?;
+    fs::set_permissions(&upper, fs::Permissions::from_mode(0o755))
+        .map_err(io_err(format!("chmod {}", upper.display())))?;
     fs::create_dir_all(&work).map_err(io_err(format!("creating {}", work.display())))?;
-    fs::set_permissions(&work, fs::Permissions::from_mode(0o700)).map_err(io_err(format!("chmod {}", work.display())))?;
+    fs::set_permissions(&work, fs::Permissions::from_mode(0o700))
+        .map_err(io_err(format!("chmod {}", work.display())))?;
     Ok((upper, work))
 }
 
@@ -207,13 +229,19 @@ mod tests {
     #[test]
     fn lowerdir_escaping() {
         assert_eq!(escape_lowerdir(Path::new("/a/b")), "/a/b");
-        assert_eq!(escape_lowerdir(Path::new("/s/layers/sha256:ab")), "/s/layers/sha256\\:ab");
+        assert_eq!(
+            escape_lowerdir(Path::new("/s/layers/sha256:ab")),
+            "/s/layers/sha256\\:ab"
+        );
         assert_eq!(escape_lowerdir(Path::new("/x\\y,z")), "/x\\\\y\\,z");
     }
 
     #[test]
     fn legacy_lowerdir_string_handles_colons() {
-        assert!(nix::unistd::geteuid().is_root(), "this test mounts an overlay; run the tests as root");
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "this test mounts an overlay; run the tests as root"
+        );
         let d = tempfile::tempdir().unwrap();
         // Layer dirs are named like `sha256:<hex>`: the colon must be escaped in `lowerdir`.
         let l1 = d.path().join("layers/sha256:aa");
@@ -226,7 +254,16 @@ mod tests {
         let (upper, work) = new_writable(&d.path().join("rw"), &IdMap::default()).unwrap();
         let target = d.path().join("merged");
         fs::create_dir(&target).unwrap();
-        mount_overlay_with(&OverlaySpec { lower: &[l2, l1], upper: &upper, work: &work }, &target, true).unwrap();
+        mount_overlay_with(
+            &OverlaySpec {
+                lower: &[l2, l1],
+                upper: &upper,
+                work: &work,
+            },
+            &target,
+            true,
+        )
+        .unwrap();
         let f = fs::read_to_string(target.join("f"));
         let g = fs::read_to_string(target.join("g"));
         unmount(&target).unwrap();

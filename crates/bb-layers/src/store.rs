@@ -45,7 +45,9 @@ pub(crate) fn validate_name(name: &str) -> Result<(), LayersError> {
     let ok = !name.is_empty()
         && name.len() <= 128
         && name.as_bytes()[0].is_ascii_alphanumeric()
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-:/@+".contains(&b));
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-:/@+".contains(&b));
     if ok {
         Ok(())
     } else {
@@ -70,7 +72,8 @@ const COLUMNS: &str = "name, id, layers, env, workdir, cmd, size_bytes, created_
 fn row_to_image(r: &rusqlite::Row<'_>) -> rusqlite::Result<Image> {
     let json = |i: usize| -> rusqlite::Result<Vec<String>> {
         let s: String = r.get(i)?;
-        serde_json::from_str(&s).map_err(|e| rusqlite::Error::FromSqlConversionFailure(i, rusqlite::types::Type::Text, Box::new(e)))
+        serde_json::from_str(&s)
+            .map_err(|e| rusqlite::Error::FromSqlConversionFailure(i, rusqlite::types::Type::Text, Box::new(e)))
     };
     Ok(Image {
         name: r.get(0)?,
@@ -91,11 +94,13 @@ impl ImageStore {
     pub fn open(state_dir: &Path, idmap: IdMap) -> Result<ImageStore, LayersError> {
         fs::create_dir_all(state_dir).map_err(io_err(format!("creating state dir {}", state_dir.display())))?;
         // Absolute paths: debootstrap's --cache-dir and overlay layer paths need them.
-        let state_dir = &fs::canonicalize(state_dir).map_err(io_err(format!("resolving state dir {}", state_dir.display())))?;
+        let state_dir =
+            &fs::canonicalize(state_dir).map_err(io_err(format!("resolving state dir {}", state_dir.display())))?;
         for sub in ["layers", "tmp", "cache"] {
             let p = state_dir.join(sub);
             fs::create_dir_all(&p).map_err(io_err(format!("creating {}", p.display())))?;
-            fs::set_permissions(&p, fs::Permissions::from_mode(0o700)).map_err(io_err(format!("chmod {}", p.display())))?;
+            fs::set_permissions(&p, fs::Permissions::from_mode(0o700))
+                .map_err(io_err(format!("chmod {}", p.display())))?;
         }
         let db_path = state_dir.join("branchbox.db");
         let dberr = |context| {
@@ -103,10 +108,18 @@ impl ImageStore {
             move |source| LayersError::Db { path, context, source }
         };
         let conn = Connection::open(&db_path).map_err(dberr("opening"))?;
-        conn.busy_timeout(std::time::Duration::from_secs(10)).map_err(dberr("setting busy timeout"))?;
-        conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get::<_, String>(0)).map_err(dberr("enabling WAL"))?;
+        conn.busy_timeout(std::time::Duration::from_secs(10))
+            .map_err(dberr("setting busy timeout"))?;
+        conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get::<_, String>(0))
+            .map_err(dberr("enabling WAL"))?;
         conn.execute(SCHEMA, []).map_err(dberr("creating table images"))?;
-        let store = ImageStore { state_dir: state_dir.to_path_buf(), idmap, db_path, db: Mutex::new(conn), in_use: None };
+        let store = ImageStore {
+            state_dir: state_dir.to_path_buf(),
+            idmap,
+            db_path,
+            db: Mutex::new(conn),
+            in_use: None,
+        };
         clean_stale_tmp(&store.tmp_dir());
         Ok(store)
     }
@@ -158,37 +171,59 @@ impl ImageStore {
     }
 
     fn dberr(&self, context: &'static str) -> impl FnOnce(rusqlite::Error) -> LayersError + '_ {
-        move |source| LayersError::Db { path: self.db_path.clone(), context, source }
+        move |source| LayersError::Db {
+            path: self.db_path.clone(),
+            context,
+            source,
+        }
     }
 
     /// Exclusive lock over layer placement, image records and layer deletion (across processes).
     fn lock(&self) -> Result<Flock<File>, LayersError> {
         let p = self.state_dir.join("layers.lock");
-        let f = File::options().create(true).truncate(false).write(true).open(&p).map_err(io_err(format!("opening {}", p.display())))?;
-        Flock::lock(f, FlockArg::LockExclusive).map_err(|(_, e)| LayersError::io(format!("locking {}", p.display()), e.into()))
+        let f = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&p)
+            .map_err(io_err(format!("opening {}", p.display())))?;
+        Flock::lock(f, FlockArg::LockExclusive)
+            .map_err(|(_, e)| LayersError::io(format!("locking {}", p.display()), e.into()))
     }
 
     pub fn list(&self) -> Result<Vec<Image>, LayersError> {
         let db = self.db();
-        let mut st = db.prepare(&format!("SELECT {COLUMNS} FROM images ORDER BY name")).map_err(self.dberr("listing images"))?;
+        let mut st = db
+            .prepare(&format!("SELECT {COLUMNS} FROM images ORDER BY name"))
+            .map_err(self.dberr("listing images"))?;
         let rows = st.query_map([], row_to_image).map_err(self.dberr("listing images"))?;
-        rows.collect::<Result<Vec<_>, _>>().map_err(self.dberr("reading image rows"))
+        rows.collect::<Result<Vec<_>, _>>()
+            .map_err(self.dberr("reading image rows"))
     }
 
     pub fn get(&self, name: &str) -> Result<Image, LayersError> {
-        self.get_opt(name)?.ok_or_else(|| LayersError::NotFound { name: name.to_string() })
+        self.get_opt(name)?
+            .ok_or_else(|| LayersError::NotFound { name: name.to_string() })
     }
 
     fn get_opt(&self, name: &str) -> Result<Option<Image>, LayersError> {
         let db = self.db();
-        db.query_row(&format!("SELECT {COLUMNS} FROM images WHERE name = ?1"), [name], row_to_image)
-            .optional()
-            .map_err(self.dberr("reading image"))
+        db.query_row(
+            &format!("SELECT {COLUMNS} FROM images WHERE name = ?1"),
+            [name],
+            row_to_image,
+        )
+        .optional()
+        .map_err(self.dberr("reading image"))
     }
 
     fn referenced_layers(&self, db: &Connection) -> Result<HashSet<String>, LayersError> {
-        let mut st = db.prepare("SELECT layers FROM images").map_err(self.dberr("reading layer references"))?;
-        let rows = st.query_map([], |r| r.get::<_, String>(0)).map_err(self.dberr("reading layer references"))?;
+        let mut st = db
+            .prepare("SELECT layers FROM images")
+            .map_err(self.dberr("reading layer references"))?;
+        let rows = st
+            .query_map([], |r| r.get::<_, String>(0))
+            .map_err(self.dberr("reading layer references"))?;
         let mut set = HashSet::new();
         for r in rows {
             let s = r.map_err(self.dberr("reading layer references"))?;
@@ -205,7 +240,8 @@ impl ImageStore {
             let _lock = self.lock()?;
             let img = self.get(name)?;
             let db = self.db();
-            db.execute("DELETE FROM images WHERE name = ?1", [name]).map_err(self.dberr("deleting image"))?;
+            db.execute("DELETE FROM images WHERE name = ?1", [name])
+                .map_err(self.dberr("deleting image"))?;
             let referenced = self.referenced_layers(&db)?;
             drop(db);
             self.trash_unreferenced(img.layers.iter(), &referenced)
@@ -220,7 +256,8 @@ impl ImageStore {
         let (removed, trash) = {
             let _lock = self.lock()?;
             let referenced = self.referenced_layers(&self.db())?;
-            let rd = fs::read_dir(self.layers_dir()).map_err(io_err(format!("reading {}", self.layers_dir().display())))?;
+            let rd =
+                fs::read_dir(self.layers_dir()).map_err(io_err(format!("reading {}", self.layers_dir().display())))?;
             let ids: Vec<String> = rd
                 .flatten()
                 .filter_map(|e| e.file_name().to_str().map(str::to_string))
@@ -236,7 +273,11 @@ impl ImageStore {
 
     /// Under the lock: move unreferenced, unused layers out of `layers/` (a rename, so overlays
     /// still holding them are unaffected). Returns (id, trash path) to delete after unlocking.
-    fn trash_unreferenced<'a>(&self, candidates: impl Iterator<Item = &'a String>, referenced: &HashSet<String>) -> Vec<(String, PathBuf)> {
+    fn trash_unreferenced<'a>(
+        &self,
+        candidates: impl Iterator<Item = &'a String>,
+        referenced: &HashSet<String>,
+    ) -> Vec<(String, PathBuf)> {
         let mut out = Vec::new();
         let mut seen = HashSet::new();
         for id in candidates {
@@ -263,19 +304,38 @@ impl ImageStore {
         out
     }
 
+    /// Delete trashed layers in a background thread: they are already out of `layers/`, and
+    /// deleting a few hundred MB can take many seconds. Trash a process leaves behind (exit
+    /// before the thread is done) is removed by the next [`ImageStore::open`] / [`ImageStore::gc`].
     fn empty_trash(&self, trash: Vec<(String, PathBuf)>) {
-        for (id, p) in trash {
-            match remove_tree(&p) {
-                Ok(()) => tracing::info!(layer = %id, "removed unreferenced layer"),
-                Err(e) => tracing::warn!(layer = %id, error = %e, "could not delete unreferenced layer"),
+        if trash.is_empty() {
+            return;
+        }
+        let spawned = std::thread::Builder::new().name("bb-layers-trash".into()).spawn(move || {
+            for (id, p) in trash {
+                match remove_tree(&p) {
+                    Ok(()) => tracing::info!(layer = %id, "removed unreferenced layer"),
+                    Err(e) => tracing::warn!(layer = %id, error = %e, "could not delete unreferenced layer"),
+                }
             }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "could not start the layer deletion thread; trash stays in tmp/ until the next gc");
         }
     }
 
     /// Move staged layers into place, check every layer of `image` exists, record the image
     /// (replacing one of the same name) and delete the replaced image's now-unreferenced layers.
-    pub(crate) fn commit(&self, mut image: Image, staged: Vec<Staged>, progress: &mut dyn FnMut(Progress)) -> Result<Commit, LayersError> {
-        progress(Progress::Stage { stage: "commit".into(), message: format!("recording image `{}`", image.name) });
+    pub(crate) fn commit(
+        &self,
+        mut image: Image,
+        staged: Vec<Staged>,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<Commit, LayersError> {
+        progress(Progress::Stage {
+            stage: "commit".into(),
+            message: format!("recording image `{}`", image.name),
+        });
         let mut sizes = std::collections::HashMap::new();
         let trash = {
             let _lock = self.lock()?;
@@ -289,7 +349,12 @@ impl ImageStore {
                 fs::rename(&s.root, &dst).map_err(io_err(format!("moving layer into {}", dst.display())))?;
                 placed.push(s.id);
             }
-            let missing: Vec<String> = image.layers.iter().filter(|l| !self.layer_path(l).is_dir()).cloned().collect();
+            let missing: Vec<String> = image
+                .layers
+                .iter()
+                .filter(|l| !self.layer_path(l).is_dir())
+                .cloned()
+                .collect();
             if !missing.is_empty() {
                 return Ok(Commit::Missing(missing));
             }
@@ -382,7 +447,12 @@ mod tests {
         let root = dir.path().join("tmp/x");
         fs::create_dir_all(root.join("etc")).unwrap();
         fs::write(root.join("etc/f"), b"12345").unwrap();
-        let staged = Staged { id: id.clone(), root, size: 5, _work: WorkDir::new(&s.tmp_dir(), "t").unwrap() };
+        let staged = Staged {
+            id: id.clone(),
+            root,
+            size: 5,
+            _work: WorkDir::new(&s.tmp_dir(), "t").unwrap(),
+        };
         let img = Image {
             name: "t".into(),
             id: "sha256:1".into(),
@@ -394,14 +464,18 @@ mod tests {
             created_at: 12.5,
             source: "oci".into(),
         };
-        let Commit::Done(done) = s.commit(img.clone(), vec![staged], &mut |_| {}).unwrap() else { panic!("missing") };
+        let Commit::Done(done) = s.commit(img.clone(), vec![staged], &mut |_| {}).unwrap() else {
+            panic!("missing")
+        };
         assert_eq!(done.size_bytes, 5);
         assert_eq!(s.get("t").unwrap(), done);
         assert_eq!(s.list().unwrap(), vec![done]);
         assert!(s.layer_path(&id).join("etc/f").is_file());
         // The table is readable by another connection (WAL) with the documented columns.
         let c = Connection::open(dir.path().join("branchbox.db")).unwrap();
-        let layers: String = c.query_row("SELECT layers FROM images WHERE name='t'", [], |r| r.get(0)).unwrap();
+        let layers: String = c
+            .query_row("SELECT layers FROM images WHERE name='t'", [], |r| r.get(0))
+            .unwrap();
         assert_eq!(layers, format!("[\"{id}\"]"));
         let mode: String = c.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
         assert_eq!(mode, "wal");

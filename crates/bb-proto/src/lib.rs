@@ -18,7 +18,10 @@ pub const INIT_LISTEN_FD: RawFd = 3;
 /// fd on which init reports `ok` or `error: <why>` once its set-up is done, then closes it.
 pub const INIT_STATUS_FD: RawFd = 4;
 
-/// How init sets up the sandbox; passed as JSON in argv[1].
+/// Environment variable through which init receives its [`InitConfig`] as JSON.
+pub const INIT_CONFIG_ENV: &str = "BRANCHBOX_INIT_CONFIG";
+
+/// How init sets up the sandbox.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct InitConfig {
     /// Host path of the sandbox's merged root filesystem (an overlay mounted by the daemon).

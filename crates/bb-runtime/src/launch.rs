@@ -139,13 +139,13 @@ pub fn launch(
     };
     let program = CString::new(cfg.init_bin.as_os_str().as_encoded_bytes())
         .map_err(|_| RuntimeError::Internal("init binary path contains NUL".into()))?;
-    let argv = [
-        CString::new("branchbox-init").expect("no NUL"),
-        CString::new(serde_json::to_string(&config).expect("config serializes")).map_err(|_| {
-            RuntimeError::BadRequest("sandbox settings contain a NUL byte".into())
-        })?,
-    ];
-    let envp = [CString::new("PATH=/usr/sbin:/usr/bin:/sbin:/bin").expect("no NUL")];
+    let argv = [CString::new("branchbox-init").expect("no NUL")];
+    let envp = [CString::new(format!(
+        "{}={}",
+        bb_proto::INIT_CONFIG_ENV,
+        serde_json::to_string(&config).expect("config serializes")
+    ))
+    .map_err(|_| RuntimeError::BadRequest("sandbox settings contain a NUL byte".into()))?];
     let fds = [
         (devnull.as_raw_fd(), 0),
         (log.as_raw_fd(), 1),
@@ -160,6 +160,7 @@ pub fn launch(
         fds: &fds,
         namespaces: NAMESPACES,
         cgroup_fd: cgroup_fd.as_ref().map(|f| f.as_raw_fd()),
+        become_root: true,
     })?;
     let pid = child.pid;
     rb.pid = Some(pid);

@@ -263,7 +263,9 @@ mod tests {
         fsconfig_set_flag(fs.as_fd(), "ro").unwrap();
         let e = fsconfig_set_string(fs.as_fd(), "no-such-option", "1").unwrap_err();
         assert_eq!(e.errno(), libc::EINVAL);
-        assert!(fs_context_messages(fs.as_fd()).iter().any(|m| m.contains("no-such-option")));
+        assert!(fs_context_messages(fs.as_fd())
+            .iter()
+            .any(|m| m.contains("no-such-option")));
         fsconfig_create(fs.as_fd()).unwrap();
         let mnt = fsmount(fs.as_fd(), FSMOUNT_CLOEXEC, MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC).unwrap();
         move_mount_to(mnt.as_fd(), &dir).unwrap();
@@ -272,8 +274,14 @@ mod tests {
         nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH).unwrap();
         std::fs::remove_dir(&dir).unwrap();
         assert_eq!(err.raw_os_error(), Some(libc::EROFS));
-        let line = info.lines().find(|l| l.contains(dir.to_str().unwrap())).expect("mounted");
-        assert!(line.contains("tmpfs") && line.contains("nodev") && line.contains("noexec"), "{line}");
+        let line = info
+            .lines()
+            .find(|l| l.contains(dir.to_str().unwrap()))
+            .expect("mounted");
+        assert!(
+            line.contains("tmpfs") && line.contains("nodev") && line.contains("noexec"),
+            "{line}"
+        );
     }
 
     fn is_root() -> bool {

@@ -39,6 +39,10 @@ pub struct NsSpawn<'a> {
     pub namespaces: u64,
     /// cgroup v2 directory fd for CLONE_INTO_CGROUP; None on cgroup v1.
     pub cgroup_fd: Option<RawFd>,
+    /// After release, switch to uid/gid 0 of the (new) user namespace before exec, so the program
+    /// runs as that namespace's root with its full capability set. The parent must have written
+    /// uid_map/gid_map by then.
+    pub become_root: bool,
 }
 
 /// A child that is waiting for [`PausedChild::release`] before it executes its program.
@@ -122,7 +126,17 @@ pub fn spawn_paused(spec: &NsSpawn<'_>) -> SysResult<PausedChild> {
     if pid == 0 {
         // Child: async-signal-safe calls only.
         // SAFETY: every pointer was prepared before the clone and stays valid (copied address space).
-        unsafe { child_after_clone(sync_r.as_raw_fd(), sync_w.as_raw_fd(), &plan, spec.program.as_ptr(), &argv, &envp) }
+        unsafe {
+            child_after_clone(
+                sync_r.as_raw_fd(),
+                sync_w.as_raw_fd(),
+                &plan,
+                spec.become_root,
+                spec.program.as_ptr(),
+                &argv,
+                &envp,
+            )
+        }
     }
     drop(sync_r);
     drop(high);
@@ -135,6 +149,7 @@ unsafe fn child_after_clone(
     sync_r: RawFd,
     sync_w: RawFd,
     plan: &[(RawFd, RawFd)],
+    become_root: bool,
     program: *const libc::c_char,
     argv: &[*const libc::c_char],
     envp: &[*const libc::c_char],
@@ -145,6 +160,16 @@ unsafe fn child_after_clone(
     // Wait for the parent: EOF means it gave up on us.
     if libc::read(sync_r, (&mut b as *mut u8).cast(), 1) != 1 {
         libc::_exit(1);
+    }
+    if become_root {
+        // Raw syscalls: glibc's set*id wrappers would try to signal the parent's other threads,
+        // which do not exist in this child.
+        if libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) < 0
+            || libc::syscall(libc::SYS_setresgid, 0, 0, 0) < 0
+            || libc::syscall(libc::SYS_setresuid, 0, 0, 0) < 0
+        {
+            libc::_exit(125);
+        }
     }
     for &(src, dst) in plan {
         if libc::dup2(src, dst) < 0 {
@@ -245,6 +270,7 @@ mod tests {
             fds: &[(w.as_raw_fd(), 5)],
             namespaces: 0,
             cgroup_fd: None,
+            become_root: false,
         })
         .unwrap();
         drop(w);
@@ -275,6 +301,7 @@ mod tests {
             fds: &[],
             namespaces: 0,
             cgroup_fd: None,
+            become_root: false,
         })
         .unwrap();
         let pid = child.pid;

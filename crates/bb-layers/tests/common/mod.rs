@@ -43,7 +43,15 @@ impl LayerTar {
     pub fn new() -> Self {
         LayerTar(tar::Builder::new(Vec::new()))
     }
-    pub fn entry(mut self, path: &str, kind: tar::EntryType, mode: u32, uid: u64, data: &[u8], link: Option<&str>) -> Self {
+    pub fn entry(
+        mut self,
+        path: &str,
+        kind: tar::EntryType,
+        mode: u32,
+        uid: u64,
+        data: &[u8],
+        link: Option<&str>,
+    ) -> Self {
         let mut h = tar::Header::new_gnu();
         h.as_old_mut().name[..path.len()].copy_from_slice(path.as_bytes());
         if let Some(l) = link {
@@ -76,7 +84,11 @@ impl LayerTar {
     }
     /// `.wh.<name>` in `dir` ("" = root).
     pub fn whiteout(self, dir: &str, name: &str) -> Self {
-        let p = if dir.is_empty() { format!(".wh.{name}") } else { format!("{dir}/.wh.{name}") };
+        let p = if dir.is_empty() {
+            format!(".wh.{name}")
+        } else {
+            format!("{dir}/.wh.{name}")
+        };
         self.file(&p, "")
     }
     pub fn opaque(self, dir: &str) -> Self {
@@ -129,7 +141,10 @@ impl TestImage {
         }
     }
     pub fn diff_ids(&self) -> Vec<String> {
-        self.layers.iter().map(|l| format!("sha256:{}", sha256_hex(l))).collect()
+        self.layers
+            .iter()
+            .map(|l| format!("sha256:{}", sha256_hex(l)))
+            .collect()
     }
     pub fn config(&self, arch: &str) -> Vec<u8> {
         serde_json::to_vec(&json!({
@@ -273,12 +288,18 @@ pub fn tar_dir(dir: &Path, out: &Path) {
 
 /// Names of the layer dirs in a state dir.
 pub fn stored_layers(state: &Path) -> Vec<String> {
-    let mut v: Vec<String> = fs::read_dir(state.join("layers")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut v: Vec<String> = fs::read_dir(state.join("layers"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
     v.sort();
     v
 }
 
 /// Entries of `<state>/tmp` (work dirs must be gone after every operation).
 pub fn tmp_entries(state: &Path) -> Vec<String> {
-    fs::read_dir(state.join("tmp")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect()
+    fs::read_dir(state.join("tmp"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect()
 }
