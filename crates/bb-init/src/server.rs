@@ -20,7 +20,8 @@ struct Proc {
 }
 
 struct Conn {
-    fd: OwnedFd,
+    /// Keeps the connection open; closed when the Conn is dropped.
+    _fd: OwnedFd,
     /// The foreground process this connection owns: killed if the connection goes away first.
     owns: Option<i32>,
     /// The process whose exit this connection waits for.
@@ -108,7 +109,7 @@ impl Server {
             Ok(fd) => {
                 // SAFETY: accept4 returned a fresh fd that we own.
                 let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-                self.conns.insert(fd.as_raw_fd(), Conn { fd, owns: None, waits_for: None });
+                self.conns.insert(fd.as_raw_fd(), Conn { _fd: fd, owns: None, waits_for: None });
             }
             Err(e) => eprintln!("branchbox-init: accept: {e}"),
         }

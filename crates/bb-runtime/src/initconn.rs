@@ -38,7 +38,10 @@ impl InitConn {
                 }
             }
         }
-        Ok(InitConn { fd: AsyncFd::new(fd).map_err(|e| RuntimeError::internal("AsyncFd", e))? })
+        // SAFETY: `fd` is an open socket we own and hand over to the AsyncFd, which keeps it open
+        // for its whole lifetime.
+        let fd = unsafe { AsyncFd::register(fd) }.map_err(|e| RuntimeError::internal("AsyncFd", e.into_parts().1))?;
+        Ok(InitConn { fd })
     }
 
     pub fn send(&self, req: &Request, fds: &[RawFd]) -> Result<()> {

@@ -119,7 +119,12 @@ impl Runtime {
     /// Open the state directory, then re-attach to or reap every sandbox a previous daemon left.
     pub fn open(cfg: RuntimeConfig) -> Result<Arc<Runtime>> {
         for sub in ["sandboxes", "trash", "tmp"] {
-            std::fs::create_dir_all(cfg.state_dir.join(sub)).map_err(|e| RuntimeError::internal("state dir", e))?;
+            let dir = cfg.state_dir.join(sub);
+            std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::internal("state dir", e))?;
+            // Root only: host users must not reach sandbox roots (setuid binaries, private files).
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| RuntimeError::internal("state dir permissions", e))?;
         }
         if !cfg.init_bin.is_file() {
             return Err(RuntimeError::Internal(format!(
@@ -337,7 +342,8 @@ impl Runtime {
         let sb = sb.clone();
         tokio::spawn(async move {
             let Ok(pidfd) = bb_sys::process::pidfd_open(sb.init_pid) else { return };
-            let Ok(afd) = tokio::io::unix::AsyncFd::new(pidfd) else { return };
+            // SAFETY: the pidfd is open and owned by the AsyncFd for its whole lifetime.
+            let Ok(afd) = (unsafe { tokio::io::unix::AsyncFd::register(pidfd) }) else { return };
             if afd.readable().await.is_ok() {
                 sb.dead.store(true, Ordering::SeqCst);
                 // SAFETY: non-blocking reap of a specific pid; ECHILD if it is not our child.
