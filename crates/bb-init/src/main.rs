@@ -50,6 +50,10 @@ fn run_setup() -> Result<bb_isolation::SeccompFilter, String> {
     // Close everything we were not meant to inherit (keep stdio, listener, status pipe).
     bb_sys::process::close_fds_from(5).map_err(|e| e.to_string())?;
     setup::setup(&config).map_err(|e| e.to_string())?;
+    // Init needs no privilege once the sandbox is built: reduce it (and so every process it
+    // spawns, which inherits the bounding set and no_new_privs) to Docker's default capabilities.
+    bb_isolation::drop_capabilities().map_err(|e| e.to_string())?;
+    bb_isolation::set_no_new_privs().map_err(|e| e.to_string())?;
     // Compile the policy once; children apply it right before execve.
     bb_isolation::SeccompFilter::default_policy().map_err(|e| e.to_string())
 }

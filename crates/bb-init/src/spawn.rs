@@ -2,20 +2,28 @@
 
 use bb_proto::SpawnRequest;
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::RawFd;
 
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
-/// A request turned into C strings before forking.
+/// A request turned into C strings and pointer arrays before cloning: the child shares our
+/// memory (vfork semantics) and must not allocate.
 pub struct Prepared {
     argv: Vec<CString>,
-    envp: Vec<CString>,
+    /// Owns the strings `envp_ptrs` points into.
+    _envp: Vec<CString>,
     cwd: CString,
     candidates: Vec<CString>,
+    argv_ptrs: Vec<*const libc::c_char>,
+    envp_ptrs: Vec<*const libc::c_char>,
 }
 
 fn cstr(what: &str, s: &str) -> Result<CString, String> {
     CString::new(s).map_err(|_| format!("{what} contains a NUL byte"))
+}
+
+fn ptrs(v: &[CString]) -> Vec<*const libc::c_char> {
+    v.iter().map(|c| c.as_ptr()).chain(std::iter::once(std::ptr::null())).collect()
 }
 
 impl Prepared {
@@ -37,7 +45,8 @@ impl Prepared {
                 .map(|d| cstr("PATH entry", &format!("{d}/{prog}")))
                 .collect::<Result<_, _>>()?
         };
-        Ok(Prepared { argv, envp, cwd, candidates })
+        let (argv_ptrs, envp_ptrs) = (ptrs(&argv), ptrs(&envp));
+        Ok(Prepared { argv, _envp: envp, cwd, candidates, argv_ptrs, envp_ptrs })
     }
 }
 
@@ -47,76 +56,64 @@ pub struct SpawnFailure {
     pub message: String,
 }
 
-const STAGES: &[&str] = &["dup2", "chdir", "setsid", "no_new_privs", "capabilities", "seccomp", "execve"];
+const STAGES: &[&str] = &["dup2", "chdir", "setsid", "seccomp", "execve"];
 
-/// Fork a child that execs `p` with `stdio` (stdin, stdout, stderr, fd 3; None = /dev/null or closed).
+/// Stack of the vforked child until it execs.
+const CHILD_STACK: usize = 64 * 1024;
+
+/// Start a child that execs `p` with `stdio` (stdin, stdout, stderr, fd 3; None = /dev/null or
+/// closed). Uses clone(CLONE_VM | CLONE_VFORK): no page-table copy, and init resumes once the child
+/// has exec'd (or failed, reporting through memory we share).
 pub fn fork_exec(
     p: &Prepared,
     stdio: [Option<RawFd>; 4],
     policy: &bb_isolation::SeccompFilter,
 ) -> Result<i32, SpawnFailure> {
-    let (err_r, err_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-        .map_err(|e| SpawnFailure { errno: e as i32, message: format!("pipe2: {e}") })?;
-    // SAFETY: init is single-threaded, so the child may run arbitrary code after fork.
-    match unsafe { nix::unistd::fork() } {
-        Err(e) => Err(SpawnFailure { errno: e as i32, message: format!("fork: {e}") }),
-        Ok(nix::unistd::ForkResult::Child) => {
-            let (stage, errno) = child(p, stdio, policy);
-            let mut buf = [0u8; 5];
-            buf[..4].copy_from_slice(&errno.to_ne_bytes());
-            buf[4] = stage as u8;
-            let _ = nix::unistd::write(&err_w, &buf);
-            // SAFETY: leaving the forked child without running destructors or atexit handlers.
-            unsafe { libc::_exit(127) }
-        }
-        Ok(nix::unistd::ForkResult::Parent { child: pid }) => {
-            drop(err_w);
-            let mut buf = [0u8; 5];
-            let n = loop {
-                match nix::unistd::read(err_r.as_raw_fd(), &mut buf) {
-                    Err(nix::Error::EINTR) => continue,
-                    other => break other.unwrap_or(0),
-                }
-            };
-            if n == 0 {
-                return Ok(pid.as_raw());
-            }
-            // The child failed before exec and exits 127; the main loop reaps it.
-            let errno = i32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]);
-            let stage = STAGES.get(buf[4] as usize).copied().unwrap_or("spawn");
-            let err = std::io::Error::from_raw_os_error(errno);
-            let message = match stage {
-                "execve" => format!("cannot execute {:?}: {err}", p.argv[0]),
-                "chdir" => format!("working directory {:?}: {err}", p.cwd),
-                _ => format!("{stage}: {err}"),
-            };
-            Err(SpawnFailure { errno, message })
-        }
+    let mut stack = vec![0u8; CHILD_STACK];
+    // (stage, errno) written by the child on failure; read after it exec'd or exited.
+    let failure = std::cell::Cell::new((usize::MAX, 0i32));
+    let cb = Box::new(|| -> isize {
+        let (stage, errno) = child(p, stdio, policy);
+        failure.set((stage, errno));
+        // SAFETY: leaving the child without running destructors or atexit handlers.
+        unsafe { libc::_exit(127) }
+    });
+    let flags = nix::sched::CloneFlags::CLONE_VM | nix::sched::CloneFlags::CLONE_VFORK;
+    // SAFETY: the child runs `child`, which makes only raw syscalls on memory prepared before the
+    // clone (no allocation, no locks), on its own stack, and ends in execve or _exit.
+    let pid = unsafe { nix::sched::clone(cb, &mut stack, flags, Some(libc::SIGCHLD)) }
+        .map_err(|e| SpawnFailure { errno: e as i32, message: format!("clone: {e}") })?;
+    let (stage, errno) = failure.get();
+    if stage == usize::MAX {
+        return Ok(pid.as_raw());
     }
+    // The child exits 127; the main loop reaps it.
+    let err = std::io::Error::from_raw_os_error(errno);
+    let message = match STAGES.get(stage).copied().unwrap_or("spawn") {
+        "execve" => format!("cannot execute {:?}: {err}", p.argv[0]),
+        "chdir" => format!("working directory {:?}: {err}", p.cwd),
+        stage => format!("{stage}: {err}"),
+    };
+    Err(SpawnFailure { errno, message })
 }
 
-/// Runs in the forked child; returns only on failure (stage index, errno).
+/// Runs in the child; returns only on failure (stage index, errno). No allocation allowed.
 fn child(p: &Prepared, stdio: [Option<RawFd>; 4], policy: &bb_isolation::SeccompFilter) -> (usize, i32) {
     let errno = || nix::errno::Errno::last_raw();
-    // SAFETY: plain syscalls on our own process state in a single-threaded child.
+    // SAFETY: plain syscalls on this process's own state, with pointers prepared before the clone.
     unsafe {
         if libc::setsid() < 0 {
             return (2, errno());
         }
-        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
         for (target, fd) in stdio.iter().enumerate() {
-            match (fd, target) {
-                (Some(fd), _) => {
-                    if libc::dup2(*fd, target as i32) < 0 {
-                        return (0, errno());
-                    }
-                }
-                (None, 0..=2) => {
-                    if libc::dup2(null, target as i32) < 0 {
-                        return (0, errno());
-                    }
-                }
-                (None, _) => {}
+            let src = match (fd, target) {
+                (Some(fd), _) => *fd,
+                (None, 0..=2) => null,
+                (None, _) => continue,
+            };
+            if libc::dup2(src, target as i32) < 0 {
+                return (0, errno());
             }
         }
         if libc::chdir(p.cwd.as_ptr()) < 0 {
@@ -127,28 +124,19 @@ fn child(p: &Prepared, stdio: [Option<RawFd>; 4], policy: &bb_isolation::Seccomp
         libc::sigemptyset(&mut empty);
         libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
     }
-    if bb_isolation::set_no_new_privs().is_err() {
+    // Capabilities and no_new_privs were reduced once in init and are inherited.
+    if policy.apply().is_err() {
         return (3, errno());
     }
-    if bb_isolation::drop_capabilities().is_err() {
-        return (4, errno());
-    }
-    if policy.apply().is_err() {
-        return (5, errno());
-    }
-    let mut argv: Vec<*const libc::c_char> = p.argv.iter().map(|a| a.as_ptr()).collect();
-    argv.push(std::ptr::null());
-    let mut envp: Vec<*const libc::c_char> = p.envp.iter().map(|a| a.as_ptr()).collect();
-    envp.push(std::ptr::null());
     let mut last = libc::ENOENT;
     for c in &p.candidates {
-        // SAFETY: NUL-terminated argv/envp arrays of valid C strings that outlive the call.
-        unsafe { libc::execve(c.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
+        // SAFETY: NUL-terminated argv/envp pointer arrays into CStrings that outlive the call.
+        unsafe { libc::execve(c.as_ptr(), p.argv_ptrs.as_ptr(), p.envp_ptrs.as_ptr()) };
         let e = errno();
         // Like execvp: remember the most telling error (EACCES beats ENOENT).
         if e != libc::ENOENT && e != libc::ENOTDIR {
             last = e;
         }
     }
-    (6, last)
+    (4, last)
 }

@@ -104,6 +104,13 @@ pub fn launch(
     let dirs = SandboxDirs::new(&cfg.state_dir, id);
     let mut rb = Rollback { dirs: &dirs, mounted: false, cgroup: None, pid: None, armed: true };
     std::fs::create_dir_all(dirs.logs()).map_err(|e| io("create sandbox dir", e))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let uid = cfg.idmap.host_base;
+        std::os::unix::fs::chown(&dirs.dir, Some(uid), Some(uid)).map_err(|e| io("chown sandbox dir", e))?;
+        std::fs::set_permissions(&dirs.dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| io("chmod sandbox dir", e))?;
+    }
     let (upper, work) = bb_layers::new_writable(&dirs.dir, &cfg.idmap).map_err(|e| io("writable layer", e))?;
     let rootfs = dirs.rootfs();
     std::fs::create_dir_all(&rootfs).map_err(|e| io("create rootfs dir", e))?;

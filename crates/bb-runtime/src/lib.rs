@@ -118,12 +118,13 @@ fn image_info(i: &bb_layers::Image) -> ImageInfo {
 impl Runtime {
     /// Open the state directory, then re-attach to or reap every sandbox a previous daemon left.
     pub fn open(cfg: RuntimeConfig) -> Result<Arc<Runtime>> {
-        for sub in ["sandboxes", "trash", "tmp"] {
+        // `sandboxes/` is traverse-only; each sandbox's own directory is 0700 and owned by the
+        // sandbox's host uid (its init must traverse it): host users cannot reach sandbox roots.
+        for (sub, mode) in [("sandboxes", 0o711), ("trash", 0o700), ("tmp", 0o700)] {
             let dir = cfg.state_dir.join(sub);
             std::fs::create_dir_all(&dir).map_err(|e| RuntimeError::internal("state dir", e))?;
-            // Root only: host users must not reach sandbox roots (setuid binaries, private files).
             use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))
                 .map_err(|e| RuntimeError::internal("state dir permissions", e))?;
         }
         if !cfg.init_bin.is_file() {
