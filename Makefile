@@ -46,7 +46,7 @@ demo: install
 test: install test-rust test-python test-integration
 
 test-rust:
-	BRANCHBOX_TEST_DEBOOTSTRAP=1 $(CARGO) test --release --locked --workspace
+	BRANCHBOX_TEST_DEBOOTSTRAP=1 $(CARGO) test --locked --workspace
 
 test-python:
 	$(VENV)/bin/pytest -q python/tests

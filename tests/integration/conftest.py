@@ -11,16 +11,13 @@ import signal
 import subprocess
 import time
 
+import httpx
 import pytest
 
 from branchbox import Sandbox
 from branchbox.images import Images
 
-STATE = os.environ.get("BRANCHBOX_TEST_STATE", "/var/lib/branchbox-test")
-RUN = "/run/branchbox-test"
-SOCKET = os.path.join(RUN, "d.sock")
-URL = "unix://" + SOCKET
-CGROUP_PARENT = "branchbox-test"
+from helpers import CGROUP_PARENT, RUN, SOCKET, STATE, URL, state_mounts  # noqa: F401 (re-exported)
 
 
 def daemon_bin() -> str:
@@ -61,6 +58,20 @@ class Daemon:
             self.proc.wait(timeout=30)
         self.proc = None
 
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None and self.proc.poll() is None, "branchboxd is not running"
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ensure_running(self) -> None:
+        """Restart the daemon if a test left it stopped (or it died)."""
+        if not self.running():
+            self.proc = None
+            self.start()
+
 
 @pytest.fixture(scope="session")
 def daemon():
@@ -76,9 +87,13 @@ def daemon():
         imgs.build("base")
     yield d
     # Kill whatever the tests left, then stop.
+    d.ensure_running()
     for info in Sandbox.list(daemon=URL):
         Sandbox.connect(info.id, daemon=URL).kill()
     d.stop()
+    # Killed sandboxes must not leave their root filesystems mounted on the host.
+    left = state_mounts(os.path.join(STATE, "sandboxes"))
+    assert not left, "mounts of killed sandboxes remain after the suite:\n" + "\n".join(left)
 
 
 @pytest.fixture
@@ -86,3 +101,30 @@ def sbx(daemon):
     s = Sandbox.create(daemon=URL, timeout=600)
     yield s
     s.kill()
+
+
+@pytest.fixture
+def make_sandbox(daemon):
+    """Factory: ``make_sandbox(**create_kwargs)``; every sandbox made is killed at teardown."""
+    made = []
+
+    def make(**kw):
+        kw.setdefault("timeout", 600)
+        s = Sandbox.create(daemon=URL, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        try:
+            s.kill()
+        except Exception:
+            pass
+        s.close()
+
+
+@pytest.fixture
+def raw(daemon):
+    """A bare httpx client on the daemon's socket, for requests the SDK would not send."""
+    with httpx.Client(transport=httpx.HTTPTransport(uds=SOCKET), base_url="http://d", timeout=60) as c:
+        yield c

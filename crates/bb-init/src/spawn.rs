@@ -140,3 +140,65 @@ fn child(p: &Prepared, stdio: [Option<RawFd>; 4], policy: &bb_isolation::Seccomp
     }
     (4, last)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(argv: &[&str], env: &[&str]) -> SpawnRequest {
+        SpawnRequest {
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            env: env.iter().map(|s| s.to_string()).collect(),
+            cwd: "/".into(),
+            background: false,
+            stdin: false,
+            stdout: false,
+            stderr: false,
+            fd3: false,
+            tag: String::new(),
+        }
+    }
+
+    #[test]
+    fn program_is_searched_in_the_requests_path() {
+        let p = Prepared::new(&req(&["ls", "-l"], &["PATH=/a::/b"])).unwrap();
+        let c: Vec<_> = p.candidates.iter().map(|c| c.to_str().unwrap()).collect();
+        assert_eq!(c, ["/a/ls", "/b/ls"]);
+        let p = Prepared::new(&req(&["./x"], &[])).unwrap();
+        assert_eq!(p.candidates.len(), 1, "a path with a slash is not searched");
+        let p = Prepared::new(&req(&["ls"], &[])).unwrap();
+        assert_eq!(p.candidates.first().unwrap().to_str().unwrap(), "/usr/local/sbin/ls");
+        assert_eq!(*p.argv_ptrs.last().unwrap(), std::ptr::null(), "argv is NULL-terminated");
+    }
+
+    #[test]
+    fn bad_requests_are_refused_before_cloning() {
+        assert!(Prepared::new(&req(&[], &[])).is_err());
+        assert!(Prepared::new(&req(&["a\0b"], &[])).is_err());
+        assert!(Prepared::new(&req(&["ls"], &["A=\0"])).is_err());
+    }
+
+    /// Spawns real children (no namespaces needed): exit status, exec failure, bad cwd.
+    #[test]
+    fn fork_exec_runs_reports_and_fails_cleanly() {
+        let policy = bb_isolation::SeccompFilter::default_policy().unwrap();
+        let pid = fork_exec(&Prepared::new(&req(&["/bin/sh", "-c", "exit 7"], &[])).unwrap(), [None; 4], &policy)
+            .unwrap_or_else(|f| panic!("{}", f.message));
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(libc::WEXITSTATUS(status), 7);
+        let err = fork_exec(&Prepared::new(&req(&["/no/such/program"], &[])).unwrap(), [None; 4], &policy)
+            .err()
+            .expect("exec must fail");
+        assert_eq!(err.errno, libc::ENOENT);
+        assert!(err.message.contains("/no/such/program"), "{}", err.message);
+        let mut r = req(&["/bin/true"], &[]);
+        r.cwd = "/no/such/dir".into();
+        let err = fork_exec(&Prepared::new(&r).unwrap(), [None; 4], &policy).err().expect("chdir must fail");
+        assert!(err.message.contains("working directory"), "{}", err.message);
+        // Reap the failed children.
+        // SAFETY: reaping our own children.
+        while unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) } > 0 {}
+    }
+}

@@ -435,7 +435,13 @@ impl Runtime {
         exec::resolve(&sb, &req)?; // report bad input as an HTTP error, before the stream starts
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(async move {
-            if let Err(e) = exec::run(&sb, &req, Some(tx.clone())).await {
+            // A client that goes away cancels the command: dropping `run` drops its init
+            // connection, and init kills the process group.
+            let res = tokio::select! {
+                r = exec::run(&sb, &req, Some(tx.clone())) => r,
+                _ = tx.closed() => return,
+            };
+            if let Err(e) = res {
                 let _ = tx.send(CommandEvent::Error { error: ErrorBody { code: e.code().into(), message: e.to_string() } }).await;
             }
         });
