@@ -101,6 +101,7 @@ pub fn launch(
     spec: &SandboxSpec,
     layer_paths: &[PathBuf],
 ) -> Result<Launched> {
+    let t0 = std::time::Instant::now();
     let dirs = SandboxDirs::new(&cfg.state_dir, id);
     let mut rb = Rollback { dirs: &dirs, mounted: false, cgroup: None, pid: None, armed: true };
     std::fs::create_dir_all(dirs.logs()).map_err(|e| io("create sandbox dir", e))?;
@@ -119,10 +120,12 @@ pub fn launch(
     bb_layers::mount_overlay(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &rootfs)
         .map_err(|e| io("mount root filesystem", e))?;
     rb.mounted = true;
+    let t_mount = t0.elapsed();
 
     let cgroup = Cgroup::create(layout, id, &limits(spec))?;
     let cgroup_fd = cgroup.dir_fd()?;
     rb.cgroup = Some(cgroup);
+    let t_cgroup = t0.elapsed();
 
     let listener = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None)
         .map_err(|e| io("control socket", e))?;
@@ -182,6 +185,7 @@ pub fn launch(
         cgroup.add_pid(pid)?;
     }
     child.release()?;
+    let t_clone = t0.elapsed();
 
     let status = read_status(status_r, Duration::from_secs(20))?;
     if status.trim() != "ok" {
@@ -196,6 +200,7 @@ pub fn launch(
     let init_start = bb_sys::process::process_start_time(pid)
         .ok_or_else(|| RuntimeError::Internal("sandbox init exited right after start".into()))?;
     rb.armed = false;
+    tracing::debug!(%id, ?t_mount, ?t_cgroup, ?t_clone, ready = ?t0.elapsed(), "sandbox launched");
     let cgroup = rb.cgroup.take().expect("set above");
     Ok(Launched { init_pid: pid, init_start, cgroup })
 }

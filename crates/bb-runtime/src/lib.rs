@@ -297,11 +297,14 @@ impl Runtime {
                 self.cfg.max_sandboxes
             )));
         }
+        let t0 = std::time::Instant::now();
         let (spec, timeout, layer_paths) = self.validate(req)?;
         let id = format!("sb-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
         let rt = self.clone();
         let sb = tokio::task::spawn_blocking(move || -> Result<Arc<Sandbox>> {
+            let t_validated = t0.elapsed();
             let launched = launch::launch(&rt.cfg, &rt.cgroups, &id, &spec, &layer_paths)?;
+            let t_launched = t0.elapsed();
             let created_at = now();
             let expires_at = timeout.map(|t| created_at + t);
             let row = store::SandboxRow {
@@ -329,7 +332,8 @@ impl Runtime {
                 sessions: Default::default(),
                 default_session: Default::default(),
             });
-            rt.sandboxes.write().expect("lock").insert(id, sb.clone());
+            rt.sandboxes.write().expect("lock").insert(id.clone(), sb.clone());
+            tracing::debug!(%id, ?t_validated, ?t_launched, recorded = ?t0.elapsed(), "sandbox created");
             Ok(sb)
         })
         .await
