@@ -7,10 +7,12 @@ at random. ``test_fast_commands_never_lose_output`` reproduces that bug reliably
 import hashlib
 import os
 import re
+import signal
 import threading
 import time
 import uuid
 
+import httpx
 import pytest
 
 from branchbox import (
@@ -18,12 +20,14 @@ from branchbox import (
     CommandHandle,
     ConflictError,
     Images,
+    InvalidArgumentError,
     NotFoundError,
     Sandbox,
 )
 from branchbox.sandbox_sync import health
 from helpers import (
     BUG_OUTPUT_LOST,
+    SOCKET,
     UID_BASE,
     URL,
     assert_no_host_traces,
@@ -33,6 +37,13 @@ from helpers import (
     sandbox_dir,
     wait_until,
 )
+
+
+@pytest.fixture
+def raw_short(daemon):
+    """A bare client that gives up after 1 s (to play a client that goes away)."""
+    with httpx.Client(transport=httpx.HTTPTransport(uds=SOCKET), base_url="http://d", timeout=1) as c:
+        yield c
 
 
 def tag():
@@ -293,6 +304,50 @@ def test_fast_commands_never_lose_output(make_sandbox):
     assert not bad, "%d of 390 commands lost output, e.g. %r" % (len(bad), bad[:3])
 
 
+def test_output_over_16mib_is_truncated_and_flagged(sbx):
+    """stdout is capped at 16 MiB and flagged stdout_truncated; the command still completes."""
+    r = sbx.commands.run("head -c 17000000 /dev/zero | tr '\\0' a", timeout=60)
+    assert r.exit_code == 0 and r.stdout_truncated is True and r.stderr_truncated is False, \
+        (r.exit_code, r.stdout_truncated, r.stderr_truncated, len(r.stdout))
+    assert len(r.stdout) == 16 << 20 and set(r.stdout) == {"a"}
+
+
+def test_foreground_command_dies_with_its_client(sbx, raw_short):
+    """A foreground command whose HTTP client goes away is killed, not left running."""
+    with pytest.raises(httpx.ReadTimeout):
+        raw_short.post("/v1/sandboxes/%s/commands" % sbx.id, json={"cmd": "sleep 4293", "timeout": 60})
+    wait_until(lambda: sandbox_pids_with(sbx, "sleep 4293") == [], timeout=10,
+               what="the abandoned command to be killed")
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: a streamed command (POST /commands/stream) keeps running after its "
+                                        "client disconnects (until its own timeout, forever with timeout=0); "
+                                        "the non-streamed endpoint kills it")
+def test_streamed_command_dies_with_its_client(sbx, raw_short):
+    with pytest.raises(httpx.ReadTimeout):
+        with raw_short.stream("POST", "/v1/sandboxes/%s/commands/stream" % sbx.id,
+                              json={"cmd": "sleep 4294", "timeout": 0}) as r:
+            for _ in r.iter_lines():
+                pass
+    wait_until(lambda: sandbox_pids_with(sbx, "sleep 4294") == [], timeout=5,
+               what="the abandoned streamed command to be killed")
+
+
+def test_dead_sandbox_is_listed_dead_refuses_work_and_can_be_killed(make_sandbox):
+    """If init dies (killed from the host), the sandbox shows state dead, answers 409, and kill() cleans up."""
+    sbx = make_sandbox()
+    os.kill(sbx.info().init_pid, signal.SIGKILL)
+    wait_until(lambda: sbx.info().state == "dead", timeout=10, what="state dead")
+    assert {i.id: i.state for i in Sandbox.list()}[sbx.id] == "dead"
+    for call in (lambda: sbx.commands.run("true"), lambda: sbx.run_code("1"),
+                 lambda: sbx.files.read("/etc/hostname"), lambda: sbx.sessions.create("python")):
+        with pytest.raises(ConflictError) as ei:
+            call()
+        assert sbx.id in str(ei.value) and "dead" in str(ei.value)
+    assert sbx.kill() is True
+    assert_no_host_traces(sbx.id)
+
+
 # ============================================================================ sessions
 
 
@@ -400,6 +455,15 @@ def test_write_and_read_text_and_bytes(sbx):
     # Overwriting replaces the content (no leftovers of a longer previous file).
     sbx.files.write("/root/b.bin", b"short")
     assert sbx.files.read("/root/b.bin", format="bytes") == b"short"
+    # A given mode is applied and kept by later writes that give none; executables run.
+    sbx.files.write("/root/m.txt", "a", mode=0o600)
+    sbx.files.write("/root/m.txt", "b")
+    assert sbx.files.stat("/root/m.txt").mode == 0o600
+    sbx.files.write("/root/run.sh", "#!/bin/sh\necho ran\n", mode="0755")
+    assert sbx.commands.run("/root/run.sh", background=True).wait(timeout=30).stdout == "ran\n"
+    # A parent that is a file is a client error.
+    with pytest.raises(InvalidArgumentError):
+        sbx.files.write("/root/m.txt/child", "x")
     # Text reads decode invalid UTF-8 with replacement.
     sbx.files.write("/root/bad.txt", b"a\xffb")
     assert sbx.files.read("/root/bad.txt") == "a\ufffdb"

@@ -23,6 +23,7 @@ from helpers import (
     URL,
     api_error,
     cgroup_children,
+    cgroup_file,
     expect_in,
     sandbox_dir,
     sandbox_entries,
@@ -355,6 +356,19 @@ def test_other_bad_command_and_session_parameters(raw, sbx):
     h.kill()
     with pytest.raises(InvalidArgumentError):
         sbx.sessions.create("ruby")
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: at the sandbox's pids limit, starting code answers 500 internal "
+                                        "'fork: EAGAIN: Try again' instead of a client error naming the pids limit")
+def test_spawning_at_the_pids_limit_is_a_clear_client_error(make_sandbox, raw):
+    sbx = make_sandbox(pids=16)
+    sbx.commands.run("for i in $(seq 20); do sleep 4253 & done; wait", background=True)
+    wait_until(lambda: int(cgroup_file("pids", sbx.id, "pids.current")) >= 16, timeout=10,
+               what="the sandbox to reach pids.max")
+    r = raw.post("/v1/sandboxes/%s/code" % sbx.id, json={"code": "1"})
+    assert r.status_code != 500, "at the pids limit: HTTP %d %s" % (r.status_code, r.text)
+    err = api_error(r, r.status_code)
+    assert "pids" in err["message"], err
 
 
 # ============================================================================ routes

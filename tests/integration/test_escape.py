@@ -170,6 +170,15 @@ os.symlink("../../../../../../..", "/tmp/up-link")
         assert f.read() == secret
     inside = probe(sbx, "(read('/etc/%s'), os.path.islink('/tmp/abs-link'), read('/tmp/abs-link'))" % name)
     assert inside == (b"pwned-2", False, b"pwned-1")
+    # Removing or renaming through symlinks only ever touches the sandbox's own files.
+    with pytest.raises((NotFoundError, PathEscapeError)):
+        sbx.files.rename("/tmp/up-link/etc/%s-nope" % name, "/root/stolen")
+    assert sbx.files.remove("/tmp/etc-link/" + name) is True
+    with pytest.raises((NotFoundError, PathEscapeError)):
+        sbx.files.remove("/tmp/up-link" + path)
+    with pytest.raises((NotFoundError, PathEscapeError)):
+        sbx.files.remove("/tmp/rel-link/x", recursive=True)
+    assert os.path.exists(path)
 
 
 # ============================================================================ processes

@@ -161,7 +161,7 @@ pub async fn run(sb: &Sandbox, req: &RunCommand, events: Option<mpsc::Sender<Com
         Some(_) => Some(pipe_pair()?),
         None => None,
     };
-    let oom_before = sb.oom_kills();
+    let oom_before = sb.oom_seen();
     let conn = InitConn::connect(&sb.dirs.sock()).await?;
     let mut fds = Vec::new();
     if let Some((rd, _)) = &stdin_pipe {
@@ -235,7 +235,10 @@ pub async fn run(sb: &Sandbox, req: &RunCommand, events: Option<mpsc::Sender<Com
     let _ = exited_tx.send(true);
     let (stdout, stdout_truncated) = out_task.await.map_err(|e| RuntimeError::internal("stdout task", e))?;
     let (stderr, stderr_truncated) = err_task.await.map_err(|e| RuntimeError::internal("stderr task", e))?;
-    let oom_killed = status.signal == Some(libc::SIGKILL) && sb.oom_kills() > oom_before;
+    // Killed by SIGKILL itself, or a shell reporting a SIGKILLed child (128 + 9): ask the cgroup
+    // whether the OOM killer did it.
+    let killed = status.signal == Some(libc::SIGKILL) || status.code == Some(128 + libc::SIGKILL);
+    let oom_killed = killed && sb.oom_since(oom_before);
     let result = CommandResult {
         pid,
         exit_code: if timed_out { None } else { status.code },

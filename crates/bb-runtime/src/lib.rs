@@ -179,9 +179,13 @@ impl Runtime {
                         expires_at: Mutex::new(row.expires_at),
                         cgroup,
                         dead: Default::default(),
+                        oom_seen: Default::default(),
                         sessions: Default::default(),
                         default_session: Default::default(),
                     });
+                    if tokio::runtime::Handle::try_current().is_ok() {
+                        self.watch_init(&sb);
+                    }
                     kept.insert(row.id.clone());
                     self.sandboxes.write().expect("lock").insert(row.id, sb);
                 }
@@ -329,6 +333,7 @@ impl Runtime {
                 expires_at: Mutex::new(expires_at),
                 cgroup: launched.cgroup,
                 dead: Default::default(),
+                oom_seen: Default::default(),
                 sessions: Default::default(),
                 default_session: Default::default(),
             });
@@ -346,14 +351,17 @@ impl Runtime {
     fn watch_init(&self, sb: &Arc<Sandbox>) {
         let sb = sb.clone();
         tokio::spawn(async move {
-            let Ok(pidfd) = bb_sys::process::pidfd_open(sb.init_pid) else { return };
-            // SAFETY: the pidfd is open and owned by the AsyncFd for its whole lifetime.
-            let Ok(afd) = (unsafe { tokio::io::unix::AsyncFd::register(pidfd) }) else { return };
-            if afd.readable().await.is_ok() {
-                sb.dead.store(true, Ordering::SeqCst);
-                // SAFETY: non-blocking reap of a specific pid; ECHILD if it is not our child.
-                unsafe { libc::waitpid(sb.init_pid, std::ptr::null_mut(), libc::WNOHANG) };
+            let afd = bb_sys::process::pidfd_open(sb.init_pid).ok().and_then(|pidfd| {
+                // SAFETY: the pidfd is open and owned by the AsyncFd for its whole lifetime.
+                unsafe { tokio::io::unix::AsyncFd::register(pidfd) }.ok()
+            });
+            // A pidfd is readable once the process has exited; without one, init is already gone.
+            if let Some(afd) = afd {
+                let _ = afd.readable().await;
             }
+            sb.dead.store(true, Ordering::SeqCst);
+            // SAFETY: non-blocking reap of a specific pid; ECHILD if it is not our child.
+            unsafe { libc::waitpid(sb.init_pid, std::ptr::null_mut(), libc::WNOHANG) };
         });
     }
 

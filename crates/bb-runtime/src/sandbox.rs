@@ -5,7 +5,7 @@ use crate::model::{SandboxInfo, SandboxSpec};
 use crate::session::Session;
 use bb_isolation::Cgroup;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub struct Sandbox {
@@ -18,6 +18,7 @@ pub struct Sandbox {
     pub expires_at: Mutex<Option<f64>>,
     pub cgroup: Cgroup,
     pub dead: AtomicBool,
+    pub oom_seen: AtomicU64,
     pub sessions: tokio::sync::Mutex<HashMap<String, Arc<Session>>>,
     /// Serialises creation of the default python session used by `/code`.
     pub default_session: tokio::sync::Mutex<Option<String>>,
@@ -57,23 +58,28 @@ impl Sandbox {
         merged.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
     }
 
-    pub fn oom_kills(&self) -> u64 {
-        self.cgroup.stats().map(|s| s.oom_kills).unwrap_or(0)
+    /// OOM kills seen so far (refreshed whenever the cgroup's counters are read).
+    pub fn oom_seen(&self) -> u64 {
+        self.oom_seen.load(Ordering::SeqCst)
     }
 
+    /// Read the cgroup's OOM-kill counter; true when it grew beyond `before`.
+    pub fn oom_since(&self, before: u64) -> bool {
+        let now = self.cgroup.stats().map(|s| s.oom_kills).unwrap_or(0);
+        self.oom_seen.fetch_max(now, Ordering::SeqCst);
+        now > before
+    }
+
+    /// Init has exited (set by the pidfd watcher the runtime starts for every sandbox).
     pub fn is_dead(&self) -> bool {
-        if self.dead.load(Ordering::SeqCst) {
-            return true;
-        }
-        if bb_sys::process::process_start_time(self.init_pid) != Some(self.init_start) || is_zombie(self.init_pid) {
-            self.dead.store(true, Ordering::SeqCst);
-            return true;
-        }
-        false
+        self.dead.load(Ordering::SeqCst)
     }
 
     pub fn info(&self) -> SandboxInfo {
         let stats = self.cgroup.stats().ok();
+        if let Some(s) = &stats {
+            self.oom_seen.fetch_max(s.oom_kills, Ordering::SeqCst);
+        }
         let dead = self.is_dead();
         SandboxInfo {
             id: self.id.clone(),
@@ -94,11 +100,4 @@ impl Sandbox {
             pids_current: stats.as_ref().map(|s| s.pids_current).unwrap_or(0),
         }
     }
-}
-
-fn is_zombie(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| s.rfind(')').map(|i| s[i + 2..].starts_with('Z')))
-        .unwrap_or(true)
 }
