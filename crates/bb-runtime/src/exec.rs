@@ -128,10 +128,13 @@ async fn collect(rx: pipe::Receiver, mut col: Collector, mut exited: watch::Rece
             draining = true;
         }
         if draining {
-            match rx.try_read(&mut buf) {
+            // A raw read: tokio's try_read answers WouldBlock without reading whenever the reactor
+            // has not yet seen the pipe readable, which would drop output still in the pipe.
+            match nix::unistd::read(rx.as_raw_fd(), &mut buf) {
                 Ok(0) => break,
                 Ok(n) => col.push(&buf[..n]).await,
-                Err(_) => break,
+                Err(nix::Error::EINTR) => {}
+                Err(_) => break, // EAGAIN: the pipe is empty
             }
             continue;
         }
