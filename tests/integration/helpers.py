@@ -17,16 +17,6 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 # Host uid the sandbox's root maps to (branchboxd --uid-base default).
 UID_BASE = 1_000_000
 
-# Known daemon bug, see test_api.py::test_fast_commands_never_lose_output (strict xfail, reliable
-# repro). Other tests that merely *use* foreground output hit it now and then; they report it as
-# an xfail with this reason instead of failing at random (see expect_output).
-BUG_OUTPUT_LOST = (
-    "BUG: foreground command output is intermittently lost (exec.rs collect(): once the exit "
-    "is known the pipes are drained with tokio try_read, which answers WouldBlock when the "
-    "reactor has not yet seen the pipe readable, so the data still in the pipe is dropped)"
-)
-
-
 # ----------------------------------------------------------------------------- waiting
 
 
@@ -148,36 +138,21 @@ def fd_targets(pid):
 
 
 def expect_output(result, stdout=None, stderr=None, exit_code=0):
-    """Assert a foreground CommandResult exactly.
-
-    If a stream differs from what was expected *only* by being a strict prefix of it (the
-    signature of the known output-loss race, BUG_OUTPUT_LOST) and everything else is right, the
-    test is reported as xfail with that bug instead of failing; any other difference fails.
-    """
+    """Assert a foreground CommandResult exactly (streams given as None are not checked)."""
     assert result.exit_code == exit_code, "exit code %r != %r: %r" % (result.exit_code, exit_code, result)
     assert not result.timed_out, "unexpected timeout: %r" % (result,)
-    lost = []
-    for name, got, want in (("stdout", result.stdout, stdout), ("stderr", result.stderr, stderr)):
-        if want is None or got == want:
-            continue
-        if want.startswith(got):
-            lost.append(name)
-            continue
-        pytest.fail("%s is %r, expected %r (result: %r)" % (name, got, want, result))
-    if lost:
-        pytest.xfail("%s [%s lost: %r]" % (BUG_OUTPUT_LOST, "+".join(lost), result))
+    if stdout is not None:
+        assert result.stdout == stdout, "stdout is %r, expected %r (result: %r)" % (result.stdout, stdout, result)
+    if stderr is not None:
+        assert result.stderr == stderr, "stderr is %r, expected %r (result: %r)" % (result.stderr, stderr, result)
 
 
 def expect_in(result, stream, needle, exit_code=None):
-    """Assert ``needle`` occurs in ``result.<stream>`` (xfail on the output-loss signature)."""
+    """Assert ``needle`` occurs in ``result.<stream>`` (and the exit code, if given)."""
     if exit_code is not None:
         assert result.exit_code == exit_code, "exit code %r != %r: %r" % (result.exit_code, exit_code, result)
     got = getattr(result, stream)
-    if needle in got:
-        return
-    if got == "":
-        pytest.xfail("%s [%s lost: %r]" % (BUG_OUTPUT_LOST, stream, result))
-    pytest.fail("%r not in %s %r (result: %r)" % (needle, stream, got, result))
+    assert needle in got, "%r not in %s %r (result: %r)" % (needle, stream, got, result)
 
 
 def api_error(response, status, code=None):

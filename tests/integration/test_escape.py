@@ -1,11 +1,9 @@
 """Escape battery: from inside a sandbox, every attempt to reach the host must fail, precisely.
 
-Most probes run as python in the sandbox (``run_code``), which reports errno names exactly (and
-its output capture is not affected by the foreground output-loss bug); shell tools are run as
-subprocesses of that python. The host-side facts (a marker file, a TCP listener, our own pid)
+Most probes run as python in the sandbox (``run_code``), which reports errno names exactly; shell
+tools are run as subprocesses of that python. The host-side facts (a marker file, a TCP listener, our own pid)
 are set up by the test on the host.
 """
-import errno
 import os
 import platform
 import socket

@@ -14,7 +14,6 @@ from helpers import (
     URL,
     assert_no_host_traces,
     cgroup_dirs_of,
-    expect_output,
     host_traces,
     proc_stat,
     sandbox_dir,
@@ -48,9 +47,8 @@ def check_reattached(sid, bg_pid, before):
     for field in ("created_at", "expires_at", "init_pid", "env", "metadata", "cwd", "memory_mb", "cpu", "pids"):
         assert getattr(info, field) == getattr(before, field), (field, getattr(info, field), getattr(before, field))
     assert s.files.read("/root/keep.txt") == "kept across restart"
-    r = s.commands.run(["cat", "/root/keep.txt"])
-    assert r.exit_code == 0, r
-    expect_output(s.commands.run('cat /root/keep.txt; echo " $BB_R"'), stdout="kept across restart kept\n")
+    r = s.commands.run(["sh", "-c", 'test "$(cat /root/keep.txt)" = "kept across restart" && test "$BB_R" = kept'])
+    assert r.exit_code == 0, "exec after the restart does not see the file or the env: %r" % (r,)
     procs = {p.pid: p for p in s.commands.list()}
     assert bg_pid in procs and procs[bg_pid].running is True and procs[bg_pid].cmd == "sleep 4261", procs
     assert s.run_code("import os\nos.path.exists('/proc/%d')" % bg_pid).result == "True"

@@ -26,9 +26,15 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for JsonBody<T> {
             }
         })?;
         let text: &[u8] = if bytes.iter().all(|b| b.is_ascii_whitespace()) { b"{}" } else { &bytes };
-        serde_json::from_slice(text)
-            .map(JsonBody)
-            .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+        let mut de = serde_json::Deserializer::from_slice(text);
+        serde_path_to_error::deserialize(&mut de).map(JsonBody).map_err(|e| {
+            let field = e.path().to_string();
+            if field.is_empty() || field == "." {
+                ApiError::bad_request(format!("invalid JSON body: {}", e.inner()))
+            } else {
+                ApiError::bad_request(format!("invalid JSON body: field `{field}`: {}", e.inner()))
+            }
+        })
     }
 }
 

@@ -57,6 +57,7 @@ pub fn router(rt: Arc<Runtime>, token: Option<String>) -> Router {
         .layer(DefaultBodyLimit::max(MAX_JSON_BODY))
         .merge(files)
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(rt);
     match token {
         Some(t) => r.layer(axum::middleware::from_fn(move |h: HeaderMap, req, next: Next| {
@@ -89,6 +90,14 @@ async fn check_token(token: &str, headers: &HeaderMap, req: axum::extract::Reque
 
 async fn not_found(uri: axum::http::Uri) -> error::ApiError {
     error::ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("no route {}: see /openapi.json", uri.path()))
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> error::ApiError {
+    error::ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("{method} is not allowed on {}: see /openapi.json", uri.path()),
+    )
 }
 
 async fn openapi() -> axum::Json<utoipa::openapi::OpenApi> {

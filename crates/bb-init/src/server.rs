@@ -164,6 +164,11 @@ impl Server {
                     }
                 }
             },
+            Request::Kill { pid, .. } if pid <= 1 => {
+                // kill(-1) would signal every process, and pid 1 is init itself.
+                let resp = Response::Error { errno: libc::EPERM, message: format!("process {pid} cannot be signalled") };
+                self.reply(fd, &resp);
+            }
             Request::Kill { pid, signal, group } => {
                 let target = if group { -pid } else { pid };
                 // SAFETY: kill(2) with plain integers; pid namespace confines the target.

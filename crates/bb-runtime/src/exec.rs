@@ -28,6 +28,9 @@ pub struct Resolved {
 
 pub fn resolve(sb: &Sandbox, req: &RunCommand) -> Result<Resolved> {
     let (argv, tag) = match (&req.cmd, &req.args) {
+        (Some(cmd), None) if cmd.trim().is_empty() => {
+            return Err(RuntimeError::BadRequest("cmd is empty: give a shell command line".into()))
+        }
         (Some(cmd), None) => (vec!["/bin/sh".into(), "-c".into(), cmd.clone()], cmd.clone()),
         (None, Some(args)) if !args.is_empty() => (args.clone(), args.join(" ")),
         (None, Some(_)) => return Err(RuntimeError::BadRequest("args is empty: give at least the program".into())),
@@ -269,6 +272,14 @@ pub async fn run(sb: &Sandbox, req: &RunCommand, events: Option<mpsc::Sender<Com
     Ok(result)
 }
 
+fn unknown_process(pid: i32) -> RuntimeError {
+    RuntimeError::NotFound {
+        kind: "process",
+        id: pid.to_string(),
+        hint: ": it is not running or was not started through the API (list processes with commands.list)",
+    }
+}
+
 fn log_paths(sb: &Sandbox, name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
     (sb.dirs.logs().join(format!("{name}.out")), sb.dirs.logs().join(format!("{name}.err")))
 }
@@ -373,6 +384,7 @@ pub async fn wait(sb: &Sandbox, pid: i32, timeout: Option<f64>) -> Result<Comman
             result.exit_code = status.code;
             result.signal = status.signal;
         }
+        Some(Ok(Response::Error { errno: libc::ESRCH, .. })) => return Err(unknown_process(pid)),
         Some(Ok(Response::Error { errno, message })) => return Err(init_error(errno, message)),
         Some(Ok(other)) => return Err(RuntimeError::Internal(format!("unexpected init answer {other:?}"))),
         Some(Err(e)) => return Err(e),
@@ -400,6 +412,11 @@ pub async fn list(sb: &Sandbox) -> Result<Vec<ProcessInfo>> {
 
 /// Signal a process and its process group (every spawned process leads its own).
 pub async fn kill(sb: &Sandbox, pid: i32, signal: i32) -> Result<()> {
+    if pid == 1 {
+        return Err(RuntimeError::BadRequest(
+            "pid 1 is the sandbox's init: kill the sandbox instead (DELETE /v1/sandboxes/{id})".into(),
+        ));
+    }
     if !(1..=64).contains(&signal) {
         return Err(RuntimeError::BadRequest(format!("signal {signal} is not a valid signal number (1-64)")));
     }
@@ -408,11 +425,7 @@ pub async fn kill(sb: &Sandbox, pid: i32, signal: i32) -> Result<()> {
         Response::Error { errno: libc::ESRCH, .. } => {
             match InitConn::call(&sb.dirs.sock(), &Request::Kill { pid, signal, group: false }).await? {
                 Response::Ok => Ok(()),
-                Response::Error { errno: libc::ESRCH, .. } => Err(RuntimeError::NotFound {
-                    kind: "process",
-                    id: pid.to_string(),
-                    hint: ": it is not running (list processes with commands.list)",
-                }),
+                Response::Error { errno: libc::ESRCH, .. } => Err(unknown_process(pid)),
                 Response::Error { errno, message } => Err(init_error(errno, message)),
                 other => Err(RuntimeError::Internal(format!("unexpected init answer {other:?}"))),
             }

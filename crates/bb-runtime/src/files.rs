@@ -175,14 +175,24 @@ impl SandboxFs {
 
     /// Open a regular file for reading.
     pub fn open_read(&self, path: &SbPath) -> Result<(File, u64)> {
-        let fd = self.open_at(path, libc::O_RDONLY, 0)?;
+        // O_NONBLOCK: opening a FIFO the sandbox made must not block the daemon.
+        let fd = self.open_at(path, libc::O_RDONLY | libc::O_NONBLOCK, 0)?;
         let st = nix::sys::stat::fstat(fd.as_raw_fd()).map_err(|e| errno_to_error("stat", path, e))?;
-        if st.st_mode & SFlag::S_IFMT.bits() == SFlag::S_IFDIR.bits() {
+        let fmt = st.st_mode & SFlag::S_IFMT.bits();
+        if fmt == SFlag::S_IFDIR.bits() {
             return Err(RuntimeError::BadRequest(format!(
                 "{} is a directory: use the list endpoint (files.list) instead",
                 path.display()
             )));
         }
+        if fmt != SFlag::S_IFREG.bits() {
+            return Err(RuntimeError::BadRequest(format!(
+                "{} is not a regular file (a FIFO, socket or device): read it from a command instead",
+                path.display()
+            )));
+        }
+        nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()))
+            .map_err(|e| errno_to_error("open", path, e))?;
         Ok((File::from(fd), st.st_size as u64))
     }
 

@@ -76,6 +76,10 @@ pub fn init_error(errno: i32, message: String) -> RuntimeError {
             RuntimeError::BadRequest(message)
         }
         libc::ESRCH => RuntimeError::NotFound { kind: "process", id: message, hint: "" },
+        libc::EAGAIN | libc::ENOMEM => RuntimeError::Conflict(format!(
+            "{message}: the sandbox is at its process or memory limit; wait for processes to exit, \
+             or create the sandbox with larger `pids` / `memory_mb`"
+        )),
         _ => RuntimeError::Internal(message),
     }
 }

@@ -120,6 +120,9 @@ pub fn launch(
     bb_layers::mount_overlay(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &rootfs)
         .map_err(|e| io("mount root filesystem", e))?;
     rb.mounted = true;
+    // The working directory exists from the start (created like Docker's WORKDIR when missing).
+    let cwd = crate::files::SbPath::parse(&spec.cwd)?;
+    crate::files::SandboxFs::open(&rootfs, cfg.idmap.host_base)?.mkdir(&cwd, true)?;
     let t_mount = t0.elapsed();
 
     let cgroup = Cgroup::create(layout, id, &limits(spec))?;

@@ -248,8 +248,8 @@ impl Runtime {
         let image_name = req.image.unwrap_or_else(|| "base".into());
         let image = self.images.get(&image_name).map_err(layers_error)?;
         let cpu = req.cpu.unwrap_or(1.0);
-        if !(cpu > 0.0 && cpu <= c.max_cpu) {
-            return Err(RuntimeError::BadRequest(format!("cpu must be in (0, {}]; got {cpu}", c.max_cpu)));
+        if !(0.01..=c.max_cpu).contains(&cpu) {
+            return Err(RuntimeError::BadRequest(format!("cpu must be in [0.01, {}]; got {cpu}", c.max_cpu)));
         }
         let memory_mb = req.memory_mb.unwrap_or(512);
         if !(16..=c.max_memory_mb).contains(&memory_mb) {
