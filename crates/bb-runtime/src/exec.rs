@@ -1,7 +1,7 @@
 //! Commands: foreground (buffered or streamed), background (logged to files), wait, kill, list.
 
 use crate::error::{Result, RuntimeError};
-use crate::initconn::{init_error, InitConn};
+use crate::initconn::{init_error, unexpected, InitConn};
 use crate::model::{CommandEvent, CommandResult, ProcessInfo, RunCommand};
 use crate::sandbox::Sandbox;
 use base64::Engine;
@@ -198,7 +198,7 @@ pub async fn run(sb: &Sandbox, req: &RunCommand, events: Option<mpsc::Sender<Com
     let pid = match conn.recv().await? {
         Response::Started { pid } => pid,
         Response::Error { errno, message } => return Err(init_error(errno, message)),
-        other => return Err(RuntimeError::Internal(format!("unexpected init answer {other:?}"))),
+        other => return Err(unexpected(other)),
     };
     if let Some(tx) = &events {
         let _ = tx.send(CommandEvent::Start { pid }).await;
@@ -331,7 +331,7 @@ pub async fn start_background(sb: &Sandbox, req: &RunCommand) -> Result<i32> {
             let _ = std::fs::remove_file(&err_p);
             return Err(init_error(errno, message));
         }
-        Ok(other) => return Err(RuntimeError::Internal(format!("unexpected init answer {other:?}"))),
+        Ok(other) => return Err(unexpected(other)),
         Err(e) => return Err(e),
     };
     let (out_final, err_final) = log_paths(sb, &pid.to_string());
@@ -386,7 +386,7 @@ pub async fn wait(sb: &Sandbox, pid: i32, timeout: Option<f64>) -> Result<Comman
         }
         Some(Ok(Response::Error { errno: libc::ESRCH, .. })) => return Err(unknown_process(pid)),
         Some(Ok(Response::Error { errno, message })) => return Err(init_error(errno, message)),
-        Some(Ok(other)) => return Err(RuntimeError::Internal(format!("unexpected init answer {other:?}"))),
+        Some(Ok(other)) => return Err(unexpected(other)),
         Some(Err(e)) => return Err(e),
     }
     Ok(result)
@@ -406,7 +406,7 @@ pub async fn list(sb: &Sandbox) -> Result<Vec<ProcessInfo>> {
                 started_at: p.started_at,
             })
             .collect()),
-        other => Err(RuntimeError::Internal(format!("unexpected init answer {other:?}"))),
+        other => Err(unexpected(other)),
     }
 }
 
@@ -427,10 +427,10 @@ pub async fn kill(sb: &Sandbox, pid: i32, signal: i32) -> Result<()> {
                 Response::Ok => Ok(()),
                 Response::Error { errno: libc::ESRCH, .. } => Err(unknown_process(pid)),
                 Response::Error { errno, message } => Err(init_error(errno, message)),
-                other => Err(RuntimeError::Internal(format!("unexpected init answer {other:?}"))),
+                other => Err(unexpected(other)),
             }
         }
         Response::Error { errno, message } => Err(init_error(errno, message)),
-        other => Err(RuntimeError::Internal(format!("unexpected init answer {other:?}"))),
+        other => Err(unexpected(other)),
     }
 }

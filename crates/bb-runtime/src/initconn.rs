@@ -69,6 +69,11 @@ impl InitConn {
     }
 }
 
+/// An init answer that does not fit the request (a protocol bug, never user error).
+pub fn unexpected(resp: Response) -> RuntimeError {
+    RuntimeError::Internal(format!("unexpected init answer {resp:?}"))
+}
+
 /// Turn an init `Error` response into a runtime error.
 pub fn init_error(errno: i32, message: String) -> RuntimeError {
     match errno {

@@ -6,7 +6,7 @@
 //! (checkpoints), and its channel can be replaced after a fork (`{"op":"fork"}` + SCM_RIGHTS).
 
 use crate::error::{Result, RuntimeError};
-use crate::initconn::{init_error, InitConn};
+use crate::initconn::{init_error, unexpected, InitConn};
 use crate::model::{SessionInfo, SessionResult};
 use crate::sandbox::Sandbox;
 use bb_proto::{Request, Response, SpawnRequest};
@@ -126,7 +126,7 @@ pub async fn create(sb: &Sandbox, kind: &str, cwd: Option<String>, env: &std::co
             )))
         }
         Response::Error { errno, message } => return Err(init_error(errno, message)),
-        other => return Err(RuntimeError::Internal(format!("unexpected init answer {other:?}"))),
+        other => return Err(unexpected(other)),
     };
     ours.set_nonblocking(true).map_err(|e| RuntimeError::internal("socket", e))?;
     let stream = UnixStream::from_std(ours).map_err(|e| RuntimeError::internal("socket", e))?;
