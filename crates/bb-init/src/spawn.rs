@@ -146,17 +146,11 @@ mod tests {
     use super::*;
 
     fn req(argv: &[&str], env: &[&str]) -> SpawnRequest {
-        SpawnRequest {
-            argv: argv.iter().map(|s| s.to_string()).collect(),
-            env: env.iter().map(|s| s.to_string()).collect(),
-            cwd: "/".into(),
-            background: false,
-            stdin: false,
-            stdout: false,
-            stderr: false,
-            fd3: false,
-            tag: String::new(),
-        }
+        SpawnRequest::new(
+            argv.iter().map(|s| s.to_string()).collect(),
+            env.iter().map(|s| s.to_string()).collect(),
+            "/",
+        )
     }
 
     #[test]

@@ -68,6 +68,23 @@ pub struct SpawnRequest {
     pub tag: String,
 }
 
+impl SpawnRequest {
+    /// A foreground spawn of `argv` with no stdio attached (all /dev/null).
+    pub fn new(argv: Vec<String>, env: Vec<String>, cwd: impl Into<String>) -> SpawnRequest {
+        SpawnRequest {
+            argv,
+            env,
+            cwd: cwd.into(),
+            background: false,
+            stdin: false,
+            stdout: false,
+            stderr: false,
+            fd3: false,
+            tag: String::new(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request {
@@ -222,17 +239,7 @@ mod tests {
     #[test]
     fn oversized_message_is_refused_before_sending() {
         let (a, _b) = seqpacket_pair().unwrap();
-        let big = Request::Spawn(SpawnRequest {
-            argv: vec!["x".repeat(MAX_MESSAGE)],
-            env: vec![],
-            cwd: "/".into(),
-            background: false,
-            stdin: false,
-            stdout: false,
-            stderr: false,
-            fd3: false,
-            tag: String::new(),
-        });
+        let big = Request::Spawn(SpawnRequest::new(vec!["x".repeat(MAX_MESSAGE)], vec![], "/"));
         assert!(matches!(send(a.as_raw_fd(), &big, &[]), Err(ProtoError::TooLarge(_))));
     }
 
