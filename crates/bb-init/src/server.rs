@@ -35,6 +35,8 @@ pub struct Server {
     procs: BTreeMap<i32, Proc>,
     exited_order: std::collections::VecDeque<i32>,
     policy: bb_isolation::SeccompFilter,
+    /// Session channels kept for the daemon: key -> (owning pid, fd).
+    stash: HashMap<String, (i32, OwnedFd)>,
 }
 
 fn now() -> f64 {
@@ -67,6 +69,7 @@ impl Server {
             procs: BTreeMap::new(),
             exited_order: Default::default(),
             policy,
+            stash: HashMap::new(),
         }
     }
 
@@ -181,6 +184,25 @@ impl Server {
                 };
                 self.reply(fd, &resp);
             }
+            Request::Stash { key, pid } => {
+                let resp = match fds.into_iter().next() {
+                    Some(f) if self.procs.get(&pid).is_some_and(|p| p.exit.is_none()) => {
+                        self.stash.insert(key, (pid, f));
+                        Response::Ok
+                    }
+                    Some(_) => Response::Error { errno: libc::ESRCH, message: format!("process {pid} is not running") },
+                    None => Response::Error { errno: libc::EINVAL, message: "stash needs one fd".into() },
+                };
+                self.reply(fd, &resp);
+            }
+            Request::Fetch { key } => match self.stash.get(&key) {
+                Some((_, f)) => {
+                    if bb_proto::send(fd, &Response::Ok, &[f.as_raw_fd()]).is_err() {
+                        self.drop_conn(fd);
+                    }
+                }
+                None => self.reply(fd, &Response::Error { errno: libc::ENOENT, message: format!("nothing stashed as {key:?}") }),
+            },
             Request::List => {
                 let procs = self
                     .procs
@@ -244,6 +266,7 @@ impl Server {
                 Ok(WaitStatus::StillAlive) | Err(_) => break,
                 Ok(_) => continue,
             };
+            self.stash.retain(|_, (owner, _)| *owner != pid);
             let Some(p) = self.procs.get_mut(&pid) else { continue };
             p.exit = Some(status);
             self.exited_order.push_back(pid);

@@ -96,6 +96,11 @@ pub enum Request {
     Kill { pid: i32, signal: i32, group: bool },
     /// Background processes, running and recently exited.
     List,
+    /// Keep the attached fd (the daemon's end of a session channel) until process `pid` exits, so
+    /// a restarted daemon can take the channel back with `Fetch`.
+    Stash { key: String, pid: i32 },
+    /// Answer `Ok` with a duplicate of the fd stashed under `key` attached.
+    Fetch { key: String },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

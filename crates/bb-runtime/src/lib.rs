@@ -185,6 +185,7 @@ impl Runtime {
                     });
                     if tokio::runtime::Handle::try_current().is_ok() {
                         self.watch_init(&sb);
+                        reattach_sessions(&sb);
                     }
                     kept.insert(row.id.clone());
                     self.sandboxes.write().expect("lock").insert(row.id, sb);
@@ -485,7 +486,7 @@ impl Runtime {
     pub async fn create_session(&self, id: &str, req: CreateSession) -> Result<SessionInfo> {
         let sb = self.live(id)?;
         let kind = req.kind.unwrap_or_else(|| "python".into());
-        let s = Arc::new(session::create(&sb, &kind, req.cwd, &req.env).await?);
+        let s = Arc::new(session::create(&sb, &kind, false, req.cwd, &req.env).await?);
         let info = s.info();
         sb.sessions.lock().await.insert(s.id.clone(), s);
         Ok(info)
@@ -539,7 +540,7 @@ impl Runtime {
             match existing {
                 Some(s) => s,
                 None => {
-                    let s = Arc::new(session::create(&sb, "python", None, &Default::default()).await?);
+                    let s = Arc::new(session::create(&sb, "python", true, None, &Default::default()).await?);
                     sb.sessions.lock().await.insert(s.id.clone(), s.clone());
                     *default = Some(s.id.clone());
                     s
@@ -632,19 +633,43 @@ fn timeout_of(t: Option<f64>) -> Result<Option<Duration>> {
     }
 }
 
-/// Blocking ping of an init control socket (used during recovery, before the runtime serves).
-fn ping_blocking(sock: &Path) -> bool {
+/// One blocking request to an init control socket, answered within 2 s (used during recovery,
+/// before the runtime serves).
+fn call_blocking(sock: &Path, req: &bb_proto::Request) -> Option<(bb_proto::Response, Vec<std::os::fd::OwnedFd>)> {
     use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
     use std::os::fd::AsRawFd;
-    let Ok(fd) = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None) else { return false };
-    let Ok(addr) = UnixAddr::new(sock) else { return false };
-    if connect(fd.as_raw_fd(), &addr).is_err() {
-        return false;
-    }
+    let fd = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None).ok()?;
+    connect(fd.as_raw_fd(), &UnixAddr::new(sock).ok()?).ok()?;
     let tv = nix::sys::time::TimeVal::new(2, 0);
     let _ = nix::sys::socket::setsockopt(&fd, nix::sys::socket::sockopt::ReceiveTimeout, &tv);
-    if bb_proto::send(fd.as_raw_fd(), &bb_proto::Request::Ping, &[]).is_err() {
-        return false;
+    bb_proto::send(fd.as_raw_fd(), req, &[]).ok()?;
+    bb_proto::recv::<bb_proto::Response>(fd.as_raw_fd()).ok()
+}
+
+fn ping_blocking(sock: &Path) -> bool {
+    matches!(call_blocking(sock, &bb_proto::Request::Ping), Some((bb_proto::Response::Pong { .. }, _)))
+}
+
+/// Take back the channels of a re-attached sandbox's live sessions from its init.
+fn reattach_sessions(sb: &Sandbox) {
+    let Some((bb_proto::Response::Procs { procs }, _)) = call_blocking(&sb.dirs.sock(), &bb_proto::Request::List) else {
+        return;
+    };
+    for p in procs.into_iter().filter(|p| p.exit.is_none()) {
+        let Some((id, kind, default)) = session::parse_session_tag(&p.tag) else { continue };
+        let fetched = call_blocking(&sb.dirs.sock(), &bb_proto::Request::Fetch { key: id.clone() });
+        let Some((bb_proto::Response::Ok, mut fds)) = fetched else { continue };
+        let Some(fd) = fds.pop() else { continue };
+        match session::Session::attach(id.clone(), kind, p.pid, p.started_at, std::os::unix::net::UnixStream::from(fd)) {
+            Ok(s) => {
+                if let (Ok(mut sessions), Ok(mut dflt)) = (sb.sessions.try_lock(), sb.default_session.try_lock()) {
+                    sessions.insert(id.clone(), Arc::new(s));
+                    if default {
+                        *dflt = Some(id);
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(sandbox = %sb.id, session = %id, "cannot re-attach session: {e}"),
+        }
     }
-    matches!(bb_proto::recv::<bb_proto::Response>(fd.as_raw_fd()), Ok((bb_proto::Response::Pong { .. }, _)))
 }

@@ -31,9 +31,40 @@ pub struct Session {
     pub created_at: f64,
     alive: AtomicBool,
     chan: tokio::sync::Mutex<Option<BufReader<UnixStream>>>,
+    /// Request ids: every answer is matched to its request, so a restarted daemon that inherits
+    /// a channel with a stale answer in flight skips it.
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+/// Process tag of a session: `branchbox-session:<id>:<kind>[:default]`.
+pub fn session_tag(id: &str, kind: &str, default: bool) -> String {
+    format!("{SESSION_TAG}{id}:{kind}{}", if default { ":default" } else { "" })
+}
+
+/// (id, kind, default) from a process tag made by [`session_tag`].
+pub fn parse_session_tag(tag: &str) -> Option<(String, String, bool)> {
+    let mut parts = tag.strip_prefix(SESSION_TAG)?.split(':');
+    let id = parts.next()?.to_string();
+    let kind = parts.next()?.to_string();
+    Some((id, kind, parts.next() == Some("default")))
 }
 
 impl Session {
+    /// A session whose process runs already, on a channel taken back from init (daemon restart).
+    pub fn attach(id: String, kind: String, pid: i32, created_at: f64, chan: std::os::unix::net::UnixStream) -> Result<Session> {
+        chan.set_nonblocking(true).map_err(|e| RuntimeError::internal("socket", e))?;
+        let stream = UnixStream::from_std(chan).map_err(|e| RuntimeError::internal("socket", e))?;
+        Ok(Session {
+            id,
+            kind,
+            pid,
+            created_at,
+            alive: AtomicBool::new(true),
+            chan: tokio::sync::Mutex::new(Some(BufReader::new(stream))),
+            next_id: Default::default(),
+        })
+    }
+
     pub fn info(&self) -> SessionInfo {
         SessionInfo {
             id: self.id.clone(),
@@ -52,13 +83,24 @@ impl Session {
     async fn request(&self, req: &serde_json::Value, timeout: Option<Duration>) -> Result<Option<serde_json::Value>> {
         let mut guard = self.chan.lock().await;
         let chan = guard.as_mut().ok_or_else(|| self.dead_error())?;
-        let mut line = serde_json::to_vec(req).expect("json");
+        let id = format!("r{}", self.next_id.fetch_add(1, Ordering::SeqCst));
+        let mut req = req.clone();
+        req["id"] = serde_json::Value::String(id.clone());
+        let mut line = serde_json::to_vec(&req).expect("json");
         line.push(b'\n');
         let io = async {
             chan.get_mut().write_all(&line).await?;
-            let mut resp = Vec::new();
-            let n = tokio::io::AsyncReadExt::take(&mut *chan, MAX_LINE as u64).read_until(b'\n', &mut resp).await?;
-            Ok::<_, std::io::Error>((n, resp))
+            loop {
+                let mut resp = Vec::new();
+                let n = tokio::io::AsyncReadExt::take(&mut *chan, MAX_LINE as u64).read_until(b'\n', &mut resp).await?;
+                // Skip answers to requests of a previous daemon (same channel, taken over).
+                let stale = n > 0
+                    && serde_json::from_slice::<serde_json::Value>(&resp)
+                        .is_ok_and(|v| v.get("id").is_some_and(|got| got.as_str() != Some(id.as_str())));
+                if !stale {
+                    return Ok::<_, std::io::Error>((n, resp));
+                }
+            }
         };
         let res = match timeout {
             Some(t) => tokio::time::timeout(t, io).await.ok(),
@@ -90,7 +132,13 @@ impl Session {
     }
 }
 
-pub async fn create(sb: &Sandbox, kind: &str, cwd: Option<String>, env: &std::collections::BTreeMap<String, String>) -> Result<Session> {
+pub async fn create(
+    sb: &Sandbox,
+    kind: &str,
+    default: bool,
+    cwd: Option<String>,
+    env: &std::collections::BTreeMap<String, String>,
+) -> Result<Session> {
     if kind != "python" && kind != "shell" {
         return Err(RuntimeError::BadRequest(format!("session kind {kind:?} is unknown: use \"python\" or \"shell\"")));
     }
@@ -112,7 +160,7 @@ pub async fn create(sb: &Sandbox, kind: &str, cwd: Option<String>, env: &std::co
             stdout: true,
             stderr: true,
             fd3: true,
-            tag: format!("{SESSION_TAG}{id}"),
+            tag: session_tag(&id, kind, default),
         }),
         &[log.as_raw_fd(), log.as_raw_fd(), theirs.as_raw_fd()],
     )?;
@@ -128,16 +176,17 @@ pub async fn create(sb: &Sandbox, kind: &str, cwd: Option<String>, env: &std::co
         Response::Error { errno, message } => return Err(init_error(errno, message)),
         other => return Err(unexpected(other)),
     };
-    ours.set_nonblocking(true).map_err(|e| RuntimeError::internal("socket", e))?;
-    let stream = UnixStream::from_std(ours).map_err(|e| RuntimeError::internal("socket", e))?;
-    let session = Session {
-        id,
-        kind: kind.into(),
-        pid,
-        created_at: crate::now(),
-        alive: AtomicBool::new(true),
-        chan: tokio::sync::Mutex::new(Some(BufReader::new(stream))),
-    };
+    // init keeps a copy of our end, so the session outlives a daemon restart (see `recover`).
+    let keep = ours.try_clone().map_err(|e| RuntimeError::internal("socket", e))?;
+    let stash = InitConn::connect(&sb.dirs.sock()).await?;
+    stash.send(&Request::Stash { key: id.clone(), pid }, &[keep.as_raw_fd()])?;
+    drop(keep);
+    let stashed = stash.recv().await;
+    let session = Session::attach(id, kind.into(), pid, crate::now(), ours)?;
+    if !matches!(stashed, Ok(Response::Ok)) {
+        let _ = kill_process(sb, pid).await;
+        return Err(RuntimeError::Internal(format!("session did not start: {stashed:?}")));
+    }
     match session.request(&serde_json::json!({"op": "ping"}), Some(START_TIMEOUT)).await {
         Ok(Some(_)) => Ok(session),
         other => {
