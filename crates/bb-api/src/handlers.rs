@@ -331,7 +331,7 @@ pub async fn list_images(State(rt): State<AppState>) -> ApiResult<Json<ImageList
 #[utoipa::path(post, path = "/v1/images/build", request_body = BuildImage,
     responses((status = 200, description = "NDJSON stream of ProgressEvent", body = ProgressEvent, content_type = "application/x-ndjson")))]
 pub async fn build_image(State(rt): State<AppState>, JsonBody(req): JsonBody<BuildImage>) -> ApiResult<Response> {
-    let mut opts = bb_layers_opts();
+    let mut opts = bb_runtime::BaseImageOpts::default();
     if let Some(s) = req.suite {
         opts.suite = s;
     }
@@ -342,10 +342,6 @@ pub async fn build_image(State(rt): State<AppState>, JsonBody(req): JsonBody<Bui
         opts.mirror = m;
     }
     Ok(ndjson(rt.image_job(req.name.unwrap_or_else(|| "base".into()), ImageSource::Debootstrap(opts))))
-}
-
-fn bb_layers_opts() -> bb_runtime::BaseImageOpts {
-    bb_runtime::BaseImageOpts::default()
 }
 
 #[utoipa::path(post, path = "/v1/images/import", request_body = ImportImage,

@@ -11,7 +11,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::io::{IoSlice, IoSliceMut};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 
 /// fd on which init finds its listening control socket.
 pub const INIT_LISTEN_FD: RawFd = 3;
@@ -198,14 +198,10 @@ pub fn seqpacket_pair() -> Result<(OwnedFd, OwnedFd), ProtoError> {
     Ok(socketpair(AddressFamily::Unix, SockType::SeqPacket, None, SockFlag::SOCK_CLOEXEC)?)
 }
 
-/// Helper to keep `AsRawFd` in scope for callers.
-pub fn raw<F: AsRawFd>(f: &F) -> RawFd {
-    f.as_raw_fd()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
 
     #[test]
     fn request_round_trips_with_fds() {
