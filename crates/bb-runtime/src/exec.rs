@@ -83,13 +83,21 @@ struct Collector {
 }
 
 impl Collector {
+    async fn emit(&self, bytes: &[u8]) {
+        if let Some(tx) = &self.events {
+            let data = String::from_utf8_lossy(bytes).into_owned();
+            let ev = if self.is_err { CommandEvent::Stderr { data } } else { CommandEvent::Stdout { data } };
+            let _ = tx.send(ev).await;
+        }
+    }
+
     async fn push(&mut self, data: &[u8]) {
         let room = MAX_OUTPUT.saturating_sub(self.buf.len());
         if data.len() > room {
             self.truncated = true;
         }
         self.buf.extend_from_slice(&data[..data.len().min(room)]);
-        if let Some(tx) = &self.events {
+        if self.events.is_some() {
             // Never split a UTF-8 sequence across two events.
             self.carry.extend_from_slice(data);
             let cut = match std::str::from_utf8(&self.carry) {
@@ -98,10 +106,8 @@ impl Collector {
                 Err(_) => self.carry.len(),
             };
             if cut > 0 {
-                let text = String::from_utf8_lossy(&self.carry[..cut]).into_owned();
-                self.carry.drain(..cut);
-                let ev = if self.is_err { CommandEvent::Stderr { data: text } } else { CommandEvent::Stdout { data: text } };
-                let _ = tx.send(ev).await;
+                let head: Vec<u8> = self.carry.drain(..cut).collect();
+                self.emit(&head).await;
             }
         }
     }
@@ -109,12 +115,7 @@ impl Collector {
     async fn finish(mut self) -> (String, bool) {
         if !self.carry.is_empty() {
             let rest = std::mem::take(&mut self.carry);
-            self.carry.clear();
-            if let Some(tx) = &self.events {
-                let text = String::from_utf8_lossy(&rest).into_owned();
-                let ev = if self.is_err { CommandEvent::Stderr { data: text } } else { CommandEvent::Stdout { data: text } };
-                let _ = tx.send(ev).await;
-            }
+            self.emit(&rest).await;
         }
         (String::from_utf8_lossy(&self.buf).into_owned(), self.truncated)
     }
