@@ -435,3 +435,47 @@ pub async fn kill(sb: &Sandbox, pid: i32, signal: i32) -> Result<()> {
         other => Err(unexpected(other)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn collector(events: Option<mpsc::Sender<CommandEvent>>) -> Collector {
+        Collector { buf: Vec::new(), truncated: false, carry: Vec::new(), events, is_err: false }
+    }
+
+    #[tokio::test]
+    async fn streamed_chunks_never_split_a_utf8_sequence() {
+        let (tx, mut rx) = mpsc::channel(16);
+        let mut c = collector(Some(tx));
+        let bytes = "aé€😀".as_bytes();
+        // Feed one byte at a time: every event must be valid text on its own.
+        for b in bytes {
+            c.push(std::slice::from_ref(b)).await;
+        }
+        let (all, truncated) = c.finish().await;
+        assert_eq!((all.as_str(), truncated), ("aé€😀", false));
+        let mut streamed = String::new();
+        while let Ok(ev) = rx.try_recv() {
+            match ev {
+                CommandEvent::Stdout { data } => {
+                    assert!(!data.contains('\u{FFFD}'), "an event split a character: {data:?}");
+                    streamed.push_str(&data);
+                }
+                other => panic!("unexpected event {other:?}"),
+            }
+        }
+        assert_eq!(streamed, "aé€😀");
+    }
+
+    #[tokio::test]
+    async fn output_beyond_the_cap_is_dropped_and_flagged() {
+        let mut c = collector(None);
+        c.push(&vec![b'x'; MAX_OUTPUT - 1]).await;
+        c.push(b"yz").await;
+        let (all, truncated) = c.finish().await;
+        assert!(truncated);
+        assert_eq!(all.len(), MAX_OUTPUT);
+        assert!(all.ends_with('y'));
+    }
+}
