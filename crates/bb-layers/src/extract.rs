@@ -18,7 +18,7 @@ use std::collections::HashSet;
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io::{self, Read};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 use xattr::FileExt;
@@ -123,6 +123,12 @@ impl LayerWriter {
         LayersError::io(format!("layer {}: {what} /{}", self.layer, rel.display()), e.into())
     }
 
+    /// lchown `name` in `dir` to host ids (never following a symlink).
+    fn chown_at<P: ?Sized + nix::NixPath>(&self, dir: RawFd, name: &P, uid: u32, gid: u32, rel: &Path) -> Result<(), LayersError> {
+        fchownat(Some(dir), name, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)), AtFlags::AT_SYMLINK_NOFOLLOW)
+            .map_err(|e| self.sys("chown", rel, e))
+    }
+
     /// Unpack every entry of `archive`, then fix directory mtimes.
     pub fn unpack<R: Read>(&mut self, archive: &mut tar::Archive<R>) -> Result<(), LayersError> {
         let entries = archive
@@ -162,14 +168,7 @@ impl LayerWriter {
                     mkdirat(Some(cur.as_raw_fd()), comp, Mode::from_bits_truncate(0o755))
                         .map_err(|e| self.sys("mkdir", &so_far, e))?;
                     let base = self.idmap.host_base;
-                    fchownat(
-                        Some(cur.as_raw_fd()),
-                        comp,
-                        Some(Uid::from_raw(base)),
-                        Some(Gid::from_raw(base)),
-                        AtFlags::AT_SYMLINK_NOFOLLOW,
-                    )
-                    .map_err(|e| self.sys("chown", &so_far, e))?;
+                    self.chown_at(cur.as_raw_fd(), comp, base, base, &so_far)?;
                     openat2(cur.as_fd(), comp, flags, 0, RESOLVE_STRICT)
                         .map_err(|e| self.resolve_error(&so_far, shown, e.errno()))?
                 }
@@ -343,14 +342,7 @@ impl LayerWriter {
                 mknodat(Some(dir.as_raw_fd()), target, SFlag::S_IFCHR, Mode::empty(), 0)
                     .map_err(|e| self.sys("creating whiteout", &target_rel, e))?;
                 let base = self.idmap.host_base;
-                fchownat(
-                    Some(dir.as_raw_fd()),
-                    target,
-                    Some(Uid::from_raw(base)),
-                    Some(Gid::from_raw(base)),
-                    AtFlags::AT_SYMLINK_NOFOLLOW,
-                )
-                .map_err(|e| self.sys("chown", &target_rel, e))?;
+                self.chown_at(dir.as_raw_fd(), target, base, base, &target_rel)?;
                 return Ok(());
             }
             Special::Ignored => return Ok(()),
@@ -476,14 +468,7 @@ impl LayerWriter {
             };
             symlinkat(target.as_os_str(), Some(dir.as_raw_fd()), name.as_os_str())
                 .map_err(|e| self.sys("symlink", &rel, e))?;
-            fchownat(
-                Some(dir.as_raw_fd()),
-                name.as_os_str(),
-                Some(Uid::from_raw(uid)),
-                Some(Gid::from_raw(gid)),
-                AtFlags::AT_SYMLINK_NOFOLLOW,
-            )
-            .map_err(|e| self.sys("chown", &rel, e))?;
+            self.chown_at(dir.as_raw_fd(), name.as_os_str(), uid, gid, &rel)?;
             let t = TimeSpec::new(mtime, 0);
             nix::sys::stat::utimensat(
                 Some(dir.as_raw_fd()),
@@ -505,14 +490,7 @@ impl LayerWriter {
                 0,
             )
             .map_err(|e| self.sys("mkfifo", &rel, e))?;
-            fchownat(
-                Some(dir.as_raw_fd()),
-                name.as_os_str(),
-                Some(Uid::from_raw(uid)),
-                Some(Gid::from_raw(gid)),
-                AtFlags::AT_SYMLINK_NOFOLLOW,
-            )
-            .map_err(|e| self.sys("chown", &rel, e))?;
+            self.chown_at(dir.as_raw_fd(), name.as_os_str(), uid, gid, &rel)?;
             fchmodat(
                 Some(dir.as_raw_fd()),
                 name.as_os_str(),
