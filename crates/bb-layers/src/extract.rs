@@ -123,6 +123,13 @@ impl LayerWriter {
         LayersError::io(format!("layer {}: {what} /{}", self.layer, rel.display()), e.into())
     }
 
+    /// Set atime and mtime of `name` in `dir` (never following a symlink).
+    fn set_mtime_at<P: ?Sized + nix::NixPath>(&self, dir: RawFd, name: &P, mtime: i64, rel: &Path) -> Result<(), LayersError> {
+        let t = TimeSpec::new(mtime, 0);
+        nix::sys::stat::utimensat(Some(dir), name, &t, &t, nix::sys::stat::UtimensatFlags::NoFollowSymlink)
+            .map_err(|e| self.sys("setting mtime of", rel, e))
+    }
+
     /// lchown `name` in `dir` to host ids (never following a symlink).
     fn chown_at<P: ?Sized + nix::NixPath>(&self, dir: RawFd, name: &P, uid: u32, gid: u32, rel: &Path) -> Result<(), LayersError> {
         fchownat(Some(dir), name, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)), AtFlags::AT_SYMLINK_NOFOLLOW)
@@ -469,15 +476,7 @@ impl LayerWriter {
             symlinkat(target.as_os_str(), Some(dir.as_raw_fd()), name.as_os_str())
                 .map_err(|e| self.sys("symlink", &rel, e))?;
             self.chown_at(dir.as_raw_fd(), name.as_os_str(), uid, gid, &rel)?;
-            let t = TimeSpec::new(mtime, 0);
-            nix::sys::stat::utimensat(
-                Some(dir.as_raw_fd()),
-                name.as_os_str(),
-                &t,
-                &t,
-                nix::sys::stat::UtimensatFlags::NoFollowSymlink,
-            )
-            .map_err(|e| self.sys("setting mtime of", &rel, e))?;
+            self.set_mtime_at(dir.as_raw_fd(), name.as_os_str(), mtime, &rel)?;
             return Ok(());
         }
 
@@ -498,15 +497,7 @@ impl LayerWriter {
                 FchmodatFlags::FollowSymlink,
             )
             .map_err(|e| self.sys("chmod", &rel, e))?;
-            let t = TimeSpec::new(mtime, 0);
-            nix::sys::stat::utimensat(
-                Some(dir.as_raw_fd()),
-                name.as_os_str(),
-                &t,
-                &t,
-                nix::sys::stat::UtimensatFlags::NoFollowSymlink,
-            )
-            .map_err(|e| self.sys("setting mtime of", &rel, e))?;
+            self.set_mtime_at(dir.as_raw_fd(), name.as_os_str(), mtime, &rel)?;
             return Ok(());
         }
 
