@@ -6,7 +6,7 @@ use crate::model::{CommandEvent, CommandResult, ProcessInfo, RunCommand};
 use crate::sandbox::Sandbox;
 use base64::Engine;
 use bb_proto::{ExitStatus, Request, Response, SpawnRequest};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
 use tokio::net::unix::pipe;
@@ -63,6 +63,29 @@ pub fn resolve(sb: &Sandbox, req: &RunCommand) -> Result<Resolved> {
         timeout,
         tag,
     })
+}
+
+/// Connect to init and ask it to spawn `r` with these stdio fds (stdin only when given).
+async fn send_spawn(
+    sb: &Sandbox,
+    r: &mut Resolved,
+    background: bool,
+    stdin: Option<RawFd>,
+    stdout: RawFd,
+    stderr: RawFd,
+) -> Result<InitConn> {
+    let conn = InitConn::connect(&sb.dirs.sock()).await?;
+    let req = SpawnRequest {
+        background,
+        stdin: stdin.is_some(),
+        stdout: true,
+        stderr: true,
+        tag: std::mem::take(&mut r.tag),
+        ..SpawnRequest::new(std::mem::take(&mut r.argv), std::mem::take(&mut r.env), std::mem::take(&mut r.cwd))
+    };
+    let fds: Vec<RawFd> = stdin.into_iter().chain([stdout, stderr]).collect();
+    conn.send(&Request::Spawn(req), &fds)?;
+    Ok(conn)
 }
 
 fn pipe_pair() -> Result<(OwnedFd, OwnedFd)> {
@@ -160,7 +183,7 @@ async fn collect(rx: pipe::Receiver, mut col: Collector, mut exited: watch::Rece
 
 /// Run a command in the foreground. With `events`, output is also streamed as it comes.
 pub async fn run(sb: &Sandbox, req: &RunCommand, events: Option<mpsc::Sender<CommandEvent>>) -> Result<CommandResult> {
-    let r = resolve(sb, req)?;
+    let mut r = resolve(sb, req)?;
     let started = Instant::now();
     let (out_r, out_w) = pipe_pair()?;
     let (err_r, err_w) = pipe_pair()?;
@@ -169,27 +192,8 @@ pub async fn run(sb: &Sandbox, req: &RunCommand, events: Option<mpsc::Sender<Com
         None => None,
     };
     let oom_before = sb.oom_seen();
-    let conn = InitConn::connect(&sb.dirs.sock()).await?;
-    let mut fds = Vec::new();
-    if let Some((rd, _)) = &stdin_pipe {
-        fds.push(rd.as_raw_fd());
-    }
-    fds.push(out_w.as_raw_fd());
-    fds.push(err_w.as_raw_fd());
-    conn.send(
-        &Request::Spawn(SpawnRequest {
-            argv: r.argv,
-            env: r.env,
-            cwd: r.cwd,
-            background: false,
-            stdin: stdin_pipe.is_some(),
-            stdout: true,
-            stderr: true,
-            fd3: false,
-            tag: r.tag,
-        }),
-        &fds,
-    )?;
+    let stdin_rd = stdin_pipe.as_ref().map(|(rd, _)| rd.as_raw_fd());
+    let conn = send_spawn(sb, &mut r, false, stdin_rd, out_w.as_raw_fd(), err_w.as_raw_fd()).await?;
     drop(out_w);
     drop(err_w);
     let stdin_w = stdin_pipe.map(|(rd, wr)| {
@@ -296,7 +300,7 @@ fn open_log(path: &std::path::Path) -> Result<std::fs::File> {
 
 /// Start a background process; its output goes to log files kept by the daemon.
 pub async fn start_background(sb: &Sandbox, req: &RunCommand) -> Result<i32> {
-    let r = resolve(sb, req)?;
+    let mut r = resolve(sb, req)?;
     let tmp = format!("tmp-{}", uuid::Uuid::new_v4().simple());
     let (out_p, err_p) = log_paths(sb, &tmp);
     let (out, err) = (open_log(&out_p)?, open_log(&err_p)?);
@@ -304,27 +308,8 @@ pub async fn start_background(sb: &Sandbox, req: &RunCommand) -> Result<i32> {
         Some(_) => Some(pipe_pair()?),
         None => None,
     };
-    let mut fds = Vec::new();
-    if let Some((rd, _)) = &stdin_pipe {
-        fds.push(rd.as_raw_fd());
-    }
-    fds.push(out.as_raw_fd());
-    fds.push(err.as_raw_fd());
-    let conn = InitConn::connect(&sb.dirs.sock()).await?;
-    conn.send(
-        &Request::Spawn(SpawnRequest {
-            argv: r.argv,
-            env: r.env,
-            cwd: r.cwd,
-            background: true,
-            stdin: stdin_pipe.is_some(),
-            stdout: true,
-            stderr: true,
-            fd3: false,
-            tag: r.tag,
-        }),
-        &fds,
-    )?;
+    let stdin_rd = stdin_pipe.as_ref().map(|(rd, _)| rd.as_raw_fd());
+    let conn = send_spawn(sb, &mut r, true, stdin_rd, out.as_raw_fd(), err.as_raw_fd()).await?;
     let pid = match conn.recv().await {
         Ok(Response::Started { pid }) => pid,
         Ok(Response::Error { errno, message }) => {
