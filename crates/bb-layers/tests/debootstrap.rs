@@ -3,8 +3,8 @@
 
 mod common;
 
-use bb_layers::{mount_overlay, new_writable, BaseImageOpts, IdMap, ImageStore, OverlaySpec, Progress};
-use common::{require_root, Mounted};
+use bb_layers::{BaseImageOpts, IdMap, ImageStore, Progress};
+use common::require_root;
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
@@ -104,22 +104,7 @@ fn build_base_image_with_debootstrap() {
     assert!(common::tmp_entries(&state).is_empty());
 
     // The image runs: mount it and start python3 in a chroot.
-    let (upper, work) = new_writable(&d.path().join("sb"), &idmap).unwrap();
-    let merged = d.path().join("sb/merged");
-    fs::create_dir_all(&merged).unwrap();
-    let lower = store.lower_dirs(&img);
-    let t = Instant::now();
-    mount_overlay(
-        &OverlaySpec {
-            lower: &lower,
-            upper: &upper,
-            work: &work,
-        },
-        &merged,
-    )
-    .unwrap();
-    eprintln!("overlay mount of the base image: {:?}", t.elapsed());
-    let m = Mounted(merged);
+    let m = common::mount_image(&store, &img, &d.path().join("sb"));
     let out = std::process::Command::new("chroot")
         .arg(&m.0)
         .args(["/usr/bin/python3", "-c", "print(6*7)"])

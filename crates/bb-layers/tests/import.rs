@@ -3,7 +3,7 @@
 
 mod common;
 
-use bb_layers::{mount_overlay, new_writable, IdMap, ImageStore, LayersError, OverlaySpec, Progress};
+use bb_layers::{IdMap, ImageStore, LayersError, Progress};
 use common::*;
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -47,26 +47,6 @@ fn three_layers() -> Vec<Vec<u8>> {
 
 fn open_store(state: &Path) -> ImageStore {
     ImageStore::open(state, IdMap::default()).unwrap()
-}
-
-/// Mount `image` on a fresh overlay under `dir` and return the mount guard.
-fn mount_image(store: &ImageStore, img: &bb_layers::Image, dir: &Path) -> Mounted {
-    let (upper, work) = new_writable(&dir.join("rw"), &store.idmap()).unwrap();
-    let merged = dir.join("merged");
-    fs::create_dir_all(&merged).unwrap();
-    let lower = store.lower_dirs(img);
-    let t = Instant::now();
-    mount_overlay(
-        &OverlaySpec {
-            lower: &lower,
-            upper: &upper,
-            work: &work,
-        },
-        &merged,
-    )
-    .unwrap();
-    eprintln!("overlay mount of {} layers: {:?}", lower.len(), t.elapsed());
-    Mounted(merged)
 }
 
 fn check_merged_view(root: &Path) {
@@ -162,7 +142,7 @@ fn docker_save_import_stores_shifted_layers_and_mounts() {
         Some(b"y".to_vec())
     );
 
-    let m = mount_image(&store, &got, d.path());
+    let m = common::mount_image(&store, &got, d.path());
     check_merged_view(&m.0);
 }
 
@@ -204,7 +184,7 @@ fn oci_layout_dir_and_archive_share_layers() {
     names.sort();
     assert_eq!(names, vec!["from-archive", "from-dir"]);
 
-    let m = mount_image(&store, &b, d.path());
+    let m = common::mount_image(&store, &b, d.path());
     check_merged_view(&m.0);
 }
 

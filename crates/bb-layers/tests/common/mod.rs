@@ -24,6 +24,26 @@ impl Drop for Mounted {
     }
 }
 
+/// Mount `image` on a fresh overlay under `dir` and return the mount guard.
+pub fn mount_image(store: &bb_layers::ImageStore, img: &bb_layers::Image, dir: &Path) -> Mounted {
+    let (upper, work) = bb_layers::new_writable(&dir.join("rw"), &store.idmap()).unwrap();
+    let merged = dir.join("merged");
+    fs::create_dir_all(&merged).unwrap();
+    let lower = store.lower_dirs(img);
+    let t = std::time::Instant::now();
+    bb_layers::mount_overlay(
+        &bb_layers::OverlaySpec {
+            lower: &lower,
+            upper: &upper,
+            work: &work,
+        },
+        &merged,
+    )
+    .unwrap();
+    eprintln!("overlay mount of {} layers: {:?}", lower.len(), t.elapsed());
+    Mounted(merged)
+}
+
 pub fn sha256_hex(b: &[u8]) -> String {
     hex::encode(Sha256::digest(b))
 }
