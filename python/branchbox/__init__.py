@@ -28,12 +28,17 @@ from .models import (
     EntryInfo,
     Execution,
     ExecutionError,
+    ForkResult,
+    GcResult,
     ImageInfo,
     ImageProgress,
     ProcessInfo,
+    RollbackResult,
     SandboxInfo,
     SessionInfo,
     ShellResult,
+    SnapshotInfo,
+    SnapshotSession,
 )
 from .sandbox_async import (
     AsyncByteStream,
@@ -41,8 +46,9 @@ from .sandbox_async import (
     AsyncImages,
     AsyncSandbox,
     AsyncSession,
+    AsyncSnapshots,
 )
-from .sandbox_sync import ByteStream, CommandHandle, Images, Sandbox, Session
+from .sandbox_sync import ByteStream, CommandHandle, Images, Sandbox, Session, Snapshots
 
 __all__ = [
     # sandboxes
@@ -58,6 +64,9 @@ __all__ = [
     "images",
     "Images",
     "AsyncImages",
+    # snapshots
+    "Snapshots",
+    "AsyncSnapshots",
     # models
     "SandboxInfo",
     "CommandResult",
@@ -69,6 +78,11 @@ __all__ = [
     "SessionInfo",
     "ImageInfo",
     "ImageProgress",
+    "SnapshotInfo",
+    "SnapshotSession",
+    "RollbackResult",
+    "ForkResult",
+    "GcResult",
     # exceptions
     "SandboxError",
     "NotFoundError",

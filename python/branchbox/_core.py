@@ -24,12 +24,16 @@ from .models import (
     CommandResult,
     EntryInfo,
     Execution,
+    ForkResult,
+    GcResult,
     ImageInfo,
     ImageProgress,
     ProcessInfo,
+    RollbackResult,
     SandboxInfo,
     SessionInfo,
     ShellResult,
+    SnapshotInfo,
 )
 
 # Extra seconds the HTTP read timeout allows beyond an operation's own timeout, so the
@@ -38,6 +42,8 @@ TIMEOUT_GRACE = 15.0
 # Read timeout between two events of an image build/import progress stream.
 IMAGE_STREAM_TIMEOUT = 900.0
 CHUNK_SIZE = 1 << 20
+# Most children one fork may create (the daemon answers 400 above).
+MAX_FORK = 64
 
 StdinT = Union[str, bytes, None]
 CmdT = Union[str, Sequence[str]]
@@ -627,3 +633,122 @@ def import_image(name: str, path: str) -> Call:
 
 def remove_image(name: str) -> Call:
     return Call("DELETE", "/v1/images/" + _seg(name), parse=_flag("removed"))
+
+
+# ----------------------------------------------------------------------------- snapshots
+
+
+def snapshot_id(snapshot: Any, what: str = "snapshot") -> str:
+    """The id of ``snapshot`` (an id string or a :class:`SnapshotInfo`)."""
+    if isinstance(snapshot, SnapshotInfo):
+        snapshot = snapshot.id
+    if not isinstance(snapshot, str):
+        raise exc.InvalidArgumentError(
+            "%s must be a snapshot id (str) or a SnapshotInfo, not %s" % (what, type(snapshot).__name__)
+        )
+    if not snapshot.strip():
+        raise exc.InvalidArgumentError("%s id must not be empty" % what)
+    return snapshot
+
+
+def sandbox_ref(sandbox: Any, what: str = "sandbox") -> str:
+    """The id of ``sandbox`` (an id string, a Sandbox/AsyncSandbox or a SandboxInfo)."""
+    if not isinstance(sandbox, str):
+        sid = getattr(sandbox, "id", None)
+        if not isinstance(sid, str):
+            raise exc.InvalidArgumentError(
+                "%s must be a sandbox id (str) or a Sandbox, not %s" % (what, type(sandbox).__name__)
+            )
+        sandbox = sid
+    if not sandbox.strip():
+        raise exc.InvalidArgumentError("%s id must not be empty" % what)
+    return sandbox
+
+
+def _snap(sid: Any) -> str:
+    return "/v1/snapshots/" + _seg(snapshot_id(sid))
+
+
+def checkpoint(sandbox_id: str, label: Optional[str] = None) -> Call:
+    if label is not None and not isinstance(label, str):
+        raise exc.InvalidArgumentError("label must be a string, not %s" % type(label).__name__)
+    return Call(
+        "POST", _sbx(sandbox_id) + "/checkpoint", json=_compact({"label": label}), parse=SnapshotInfo.from_dict
+    )
+
+
+def rollback(sandbox_id: str, snapshot: Any) -> Call:
+    body = {"snapshot": snapshot_id(snapshot)}
+    return Call("POST", _sbx(sandbox_id) + "/rollback", json=body, parse=RollbackResult.from_dict)
+
+
+def fork(sandbox_id: str, count: int = 1, snapshot: Any = None, timeout: Optional[float] = None) -> Call:
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise exc.InvalidArgumentError("n (the number of children) must be an int, not %r" % (count,))
+    if not 1 <= count <= MAX_FORK:
+        raise exc.InvalidArgumentError("n (the number of children) must be in 1..%d, got %d" % (MAX_FORK, count))
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+        raise exc.InvalidArgumentError("timeout (the children's TTL) must be a number >= 0 (0 = none), got %r" % (timeout,))
+    body = _compact(
+        {
+            "count": count,
+            "snapshot": snapshot_id(snapshot) if snapshot is not None else None,
+            "timeout": timeout,
+        }
+    )
+    return Call("POST", _sbx(sandbox_id) + "/fork", json=body, parse=ForkResult.from_dict)
+
+
+def evaluate(sandbox_id: str, body: Dict[str, Any]) -> Call:
+    """``body`` is a :func:`command_body` (foreground, no stdin)."""
+    return Call(
+        "POST",
+        _sbx(sandbox_id) + "/evaluate",
+        json=body,
+        parse=CommandResult.from_dict,
+        op_timeout=body.get("timeout"),
+    )
+
+
+def sandbox_snapshots(sandbox_id: str) -> Call:
+    return Call("GET", _sbx(sandbox_id) + "/snapshots", parse=_list_of("snapshots", SnapshotInfo))
+
+
+def list_snapshots() -> Call:
+    return Call("GET", "/v1/snapshots", parse=_list_of("snapshots", SnapshotInfo))
+
+
+def get_snapshot(sid: Any) -> Call:
+    return Call("GET", _snap(sid), parse=SnapshotInfo.from_dict)
+
+
+def delete_snapshot(sid: Any, subtree: bool = False) -> Call:
+    # The contract answers 204 (no body): _flag then reads True.
+    return Call(
+        "DELETE",
+        _snap(sid),
+        params={"subtree": "true" if subtree else "false"},
+        parse=_flag("removed"),
+    )
+
+
+def gc_snapshots(keep: Any, sandbox: Any = None) -> Call:
+    if keep is None:
+        raise exc.InvalidArgumentError(
+            "keep must list the snapshots to keep (an empty list deletes every snapshot in scope)"
+        )
+    if isinstance(keep, (str, SnapshotInfo)):
+        keep = [keep]
+    try:
+        items = list(keep)
+    except TypeError:
+        raise exc.InvalidArgumentError(
+            "keep must be a list of snapshot ids or SnapshotInfo, not %s" % type(keep).__name__
+        ) from None
+    body = _compact(
+        {
+            "keep": [snapshot_id(k, "keep entry") for k in items],
+            "sandbox": sandbox_ref(sandbox) if sandbox is not None else None,
+        }
+    )
+    return Call("POST", "/v1/snapshots/gc", json=body, parse=GcResult.from_dict)

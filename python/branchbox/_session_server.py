@@ -20,12 +20,50 @@ request, in order.  A request's ``"id"`` (any JSON value) is echoed in its respo
     {"op":"fork"} sent with exactly one fd (SCM_RIGHTS, same sendmsg)
                                -> old channel (parent): {"ok":true,"child":PID}
                                   new channel (child):  {"ok":true,"pid":PID}
-    bad JSON / not an object / unknown op / missing field
+    {"op":"fork","role":"template"} + one fd  (checkpoint)
+                               -> old channel (parent, stays the live session):
+                                      {"ok":true,"child":PID}
+                                  new channel (child, the snapshot's template):
+                                      {"ok":true,"pid":PID,"role":"template"}
+    {"op":"fork","role":"restore"} + one fd   (rollback / fork from a template)
+                               -> old channel (parent, stays a template):
+                                      {"ok":true,"child":PID}
+                                  new channel (child, a new live session):
+                                      {"ok":true,"pid":PID,"role":"restore","reopened":N}
+    bad JSON / not an object / unknown op / missing field / unknown fork role
                                -> {"error":{"name":"ProtocolError","value":"..."}}
     internal failure (e.g. memfd_create denied)
                                -> {"error":{"name":...,"value":...,"traceback":...}}
 
-EOF on the channel exits 0.  fds received with any other op are closed.
+EOF on the channel exits 0.  fds received with any other op are closed (with a rejected
+fork too).
+
+Checkpoint and rollback.  A *template* is a frozen copy of a session: it idles in
+recvmsg() on its own channel and the daemon forks it with role "restore" only (it
+would serve ping/run like any session, but code run in it changes what later restores
+get).
+
+* role "template", child: setsid() (killing the live session's process group never
+  kills the template), then it records its cwd and every open fd except 0-3 that is a
+  regular file of the root filesystem (same st_dev as "/", path not deleted): path, open
+  flags (/proc/self/fdinfo), offset, close-on-exec; then prctl(PR_SET_DUMPABLE, 0) so
+  sandbox code without CAP_SYS_PTRACE cannot read or alter its memory.  A template
+  forked with role "template" gives a copy of itself (same record).
+* role "template", parent: answers only once the template is frozen as above, so the
+  daemon may swap the root filesystem as soon as it has the answer (the template's own
+  answer may come later).  The parent's cwd, now a directory of the old mount, is
+  re-resolved by path - chdir() to the cwd recorded before the fork, "/" if that fails -
+  before the next request that is not a fork.  (The shell kind also passes its own cwd
+  string to every bash it starts.)
+* role "restore", child: setsid(), prctl(PR_SET_DUMPABLE, 1), chdir() to the recorded
+  cwd by path ("/" if that fails); every recorded fd is reopened by path with its flags
+  (minus O_CREAT/O_TRUNC/O_EXCL/O_NOCTTY), seeked to its offset and dup2()ed over its
+  old number with its close-on-exec flag, so the new session uses the files of the
+  current root filesystem.  "reopened" counts them; an fd whose path no longer opens
+  (or is no longer a regular file) keeps the old open file.  fds that shared one open
+  file (dup) get one open file each.  The template itself is unchanged and can be
+  forked again.  On a session that is not a template, "restore" is a plain fork plus
+  setsid() ("reopened":0).
 
 Process model: single-threaded, fd 0 is /dev/null, only fds 0-3 are open between
 requests (memfds live for one run), and the server idles in recvmsg() - a quiescent
@@ -39,12 +77,14 @@ interactive interpreter.
 import array
 import ast
 import builtins
+import fcntl
 import io
 import json
 import linecache
 import os
 import signal
 import socket
+import stat
 import sys
 import traceback
 import types
@@ -562,6 +602,116 @@ def _parse_export_p(text):
     return env
 
 
+# --------------------------------------------------------------------------- templates
+
+_PR_SET_DUMPABLE = 4
+# Flags that only make sense when a file is created: never replayed on a reopen.
+_REOPEN_DROP = os.O_CREAT | os.O_TRUNC | os.O_EXCL | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+_O_PATH = getattr(os, "O_PATH", 0)
+FORK_ROLES = ("template", "restore")
+
+
+def _set_dumpable(value):
+    """prctl(PR_SET_DUMPABLE, value); best effort (False when it failed)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        zero = ctypes.c_ulong(0)
+        rc = libc.prctl(_PR_SET_DUMPABLE, ctypes.c_ulong(value), zero, zero, zero)
+        return rc == 0
+    except Exception:
+        return False
+
+
+def _setsid():
+    try:
+        os.setsid()
+    except OSError:  # EPERM: already a process group leader
+        pass
+
+
+def _fd_flags(fd):
+    with io.open("/proc/self/fdinfo/%d" % fd) as f:  # not open(): user code may patch it
+        for line in f:
+            if line.startswith("flags:"):
+                return int(line.split()[1], 8)
+    raise OSError("no flags in fdinfo of fd %d" % fd)
+
+
+def _record_fds(skip):
+    """(fd, path, flags, offset|None, cloexec) of every open fd on a regular file of the
+    root filesystem, except the fds in ``skip``."""
+    try:
+        root_dev = os.stat("/").st_dev
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    saved = []
+    for name in names:
+        try:
+            fd = int(name)
+        except ValueError:
+            continue
+        if fd in skip:
+            continue
+        try:  # the fd listdir used is closed by now: fstat fails and it is skipped
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_dev != root_dev:
+                continue
+            path = os.readlink("/proc/self/fd/%d" % fd)
+            if not path.startswith("/") or path.endswith(" (deleted)"):
+                continue
+            flags = _fd_flags(fd)
+            cloexec = not os.get_inheritable(fd)
+        except (OSError, ValueError):
+            continue
+        try:
+            offset = os.lseek(fd, 0, os.SEEK_CUR)
+        except OSError:  # O_PATH fds have no offset
+            offset = None
+        saved.append((fd, path, flags, offset, cloexec))
+    saved.sort()
+    return saved
+
+
+def _reopen_fds(saved):
+    """Reopen each recorded fd by path over its old number; returns how many were."""
+    count = 0
+    for fd, path, flags, offset, cloexec in saved:
+        want = flags & ~_REOPEN_DROP
+        try:
+            # O_NONBLOCK: never hang on a fifo that replaced the file; dropped below.
+            new = os.open(path, want | os.O_NONBLOCK | os.O_NOCTTY)
+        except OSError:
+            continue  # gone or not openable any more: keep the old open file
+        try:
+            if not stat.S_ISREG(os.fstat(new).st_mode):
+                continue
+            if not (want & os.O_NONBLOCK) and not (want & _O_PATH):
+                fcntl.fcntl(new, fcntl.F_SETFL, fcntl.fcntl(new, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            if offset is not None:
+                os.lseek(new, offset, os.SEEK_SET)
+            os.dup2(new, fd, inheritable=not cloexec)
+            count += 1
+        except OSError:
+            pass
+        finally:
+            os.close(new)
+    return count
+
+
+def _wait_eof(fd):
+    while True:
+        try:
+            if not os.read(fd, 64):
+                return
+        except KeyboardInterrupt:
+            continue
+        except OSError:
+            return
+
+
 # --------------------------------------------------------------------------- server
 
 
@@ -581,6 +731,10 @@ class Server(object):
         self.channel = Channel(CHANNEL_FD)
         self.children = set()
         self.reaping = False
+        self.template = False  # a snapshot's frozen template (see the module docstring)
+        self.saved_cwd = None  # template: cwd at the checkpoint
+        self.saved_fds = []  # template: [(fd, path, flags, offset|None, cloexec)]
+        self.rebase_cwd = None  # live session: chdir() here before the next request
 
     def serve(self):
         while True:
@@ -611,9 +765,10 @@ class Server(object):
             return _protocol_error("request must be a JSON object")
         op = req.get("op")
         if op == "fork":
-            resp = self.op_fork(fds)
+            resp = self.op_fork(fds, req.get("role"))
         else:
             _close_fds(fds)
+            self._rebase()
             if op == "ping":
                 resp = {"ok": True, "pid": os.getpid()}
             elif op == "run":
@@ -628,7 +783,10 @@ class Server(object):
             resp["id"] = req["id"]
         return resp
 
-    def op_fork(self, fds):
+    def op_fork(self, fds, role=None):
+        if role is not None and role not in FORK_ROLES:
+            _close_fds(fds)
+            return _protocol_error('unknown fork role %r (expected "template" or "restore")' % (role,))
         if not fds:
             return _protocol_error('"fork" needs one fd passed with SCM_RIGHTS')
         new_fd = fds[0]
@@ -638,10 +796,25 @@ class Server(object):
                 f.flush()
             except Exception:
                 pass
+        cwd = None
+        if role == "template" and not self.template:
+            # Recorded before the fork: the root filesystem is swapped right after it.
+            cwd = self.rebase_cwd
+            if cwd is None:
+                try:
+                    cwd = os.getcwd()
+                except OSError:
+                    cwd = "/"
+        # A template must be frozen (record taken, setsid, non-dumpable) before the parent
+        # answers: the daemon swaps the root filesystem as soon as it has the answer.
+        ready = None
         try:
+            if role == "template":
+                ready = os.pipe()
             pid = os.fork()
         except OSError as exc:
             os.close(new_fd)
+            _close_fds(ready or ())
             return {"error": {"name": "OSError", "value": "fork failed: %s" % exc}}
         if pid == 0:
             self.channel.close()
@@ -652,8 +825,22 @@ class Server(object):
             if self.reaping:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 self.reaping = False
+            if role == "template":
+                os.close(ready[0])
+                try:
+                    return self._become_template(cwd)
+                finally:
+                    os.close(ready[1])  # EOF: the parent may answer
+            if role == "restore":
+                return self._become_restored()
             return {"ok": True, "pid": os.getpid()}
         os.close(new_fd)
+        if ready is not None:
+            os.close(ready[1])
+            _wait_eof(ready[0])
+            os.close(ready[0])
+        if cwd is not None:
+            self.rebase_cwd = cwd
         self.children.add(pid)
         if not self.reaping:
             # Reap forked sessions as soon as they die, even while we idle in recvmsg.
@@ -661,6 +848,50 @@ class Server(object):
             signal.signal(signal.SIGCHLD, self._on_sigchld)
             self.reaping = True
         return {"ok": True, "child": pid}
+
+    def _become_template(self, cwd):
+        """Fork child of role "template": freeze as the snapshot's template."""
+        _setsid()
+        if not self.template:  # a template of a template copies its record
+            self.saved_cwd = cwd
+            self.saved_fds = _record_fds(frozenset((0, 1, 2, CHANNEL_FD)))
+            self.template = True
+        self.rebase_cwd = None
+        _set_dumpable(0)
+        return {"ok": True, "pid": os.getpid(), "role": "template"}
+
+    def _become_restored(self):
+        """Fork child of role "restore": a new live session from a template."""
+        _setsid()
+        reopened = 0
+        if self.template:
+            _set_dumpable(1)
+            try:
+                os.chdir(self.saved_cwd)
+            except (OSError, TypeError):
+                try:
+                    os.chdir("/")
+                except OSError:
+                    pass
+            reopened = _reopen_fds(self.saved_fds)
+            self.rebase_cwd = None
+        self.template = False
+        self.saved_cwd = None
+        self.saved_fds = []
+        return {"ok": True, "pid": os.getpid(), "role": "restore", "reopened": reopened}
+
+    def _rebase(self):
+        """After a checkpoint, re-resolve the cwd by path in the new root filesystem."""
+        cwd, self.rebase_cwd = self.rebase_cwd, None
+        if cwd is None:
+            return
+        try:
+            os.chdir(cwd)
+        except OSError:
+            try:
+                os.chdir("/")
+            except OSError:
+                pass
 
     def _on_sigchld(self, _signum, _frame):
         self._reap()

@@ -21,12 +21,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
+from rich.tree import Tree
 
 from . import bench as bench_mod
 from ._transport import DEFAULT_SOCKET
 from .exceptions import SandboxError
-from .models import ImageProgress
-from .sandbox_sync import Images, Sandbox, health
+from .models import ImageProgress, RollbackResult, SnapshotInfo
+from .sandbox_sync import Images, Sandbox, Snapshots, health
 
 DEFAULT_STATE_DIR = "/var/lib/branchbox"
 DEFAULT_PIDFILE = "/run/branchbox/branchboxd.pid"
@@ -46,10 +47,12 @@ app = typer.Typer(
 daemon_app = typer.Typer(help="Run the local branchboxd daemon.", no_args_is_help=True)
 sandbox_app = typer.Typer(help="Create, inspect and use sandboxes.", no_args_is_help=True)
 image_app = typer.Typer(help="Manage root filesystem images.", no_args_is_help=True)
+snapshot_app = typer.Typer(help="Inspect and clean up sandbox snapshots.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 app.add_typer(daemon_app, name="daemon")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(image_app, name="image")
+app.add_typer(snapshot_app, name="snapshot")
 app.add_typer(bench_app, name="bench")
 
 
@@ -537,6 +540,181 @@ def sandbox_run_code(
     if ex.error is not None:
         err.print(Text((ex.error.traceback or str(ex.error)).rstrip("\n"), style="red"))
         raise typer.Exit(1)
+
+
+@sandbox_app.command("checkpoint")
+@cli_errors
+def sandbox_checkpoint(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    label: Optional[str] = typer.Option(None, "--label", "-l", help="Label shown in `snapshot ls`."),
+) -> None:
+    """Snapshot a sandbox (files and live sessions) and print the snapshot id."""
+    c = _ctx(ctx)
+    sbx = Sandbox.connect(sandbox_id, **c.sdk())
+    try:
+        sid = sbx.checkpoint(label)
+    finally:
+        sbx.close()
+    out.print(sid)
+
+
+def rollback_summary(sandbox_id: str, result: RollbackResult) -> str:
+    """One line: where the sandbox went, whether sessions restarted, which pids were killed."""
+    took = (" in %.1f ms" % result.took_ms) if result.took_ms is not None else ""
+    killed = ", ".join(str(p) for p in result.killed) if result.killed else "none"
+    return "rolled back %s to %s%s (sessions restarted: %s, killed pids: %s)" % (
+        sandbox_id,
+        result.snapshot,
+        took,
+        "yes" if result.sessions_restarted else "no",
+        killed,
+    )
+
+
+@sandbox_app.command("rollback")
+@cli_errors
+def sandbox_rollback(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    snapshot: str = typer.Argument(..., metavar="SNAPSHOT", help="Snapshot id to return to."),
+) -> None:
+    """Return a sandbox to a snapshot (its other processes are killed)."""
+    c = _ctx(ctx)
+    sbx = Sandbox.connect(sandbox_id, **c.sdk())
+    try:
+        result = sbx.rollback(snapshot)
+    finally:
+        sbx.close()
+    out.print(rollback_summary(sandbox_id, result))
+
+
+@sandbox_app.command("fork")
+@cli_errors
+def sandbox_fork(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    n: int = typer.Option(1, "-n", "--count", min=1, max=64, help="Number of children (1..64)."),
+    snapshot: Optional[str] = typer.Option(None, "--snapshot", "-s", help="Fork from this snapshot (default: checkpoint now)."),
+) -> None:
+    """Start new sandboxes from a snapshot of ID; prints the child ids, one per line."""
+    c = _ctx(ctx)
+    sbx = Sandbox.connect(sandbox_id, **c.sdk())
+    try:
+        children = sbx.fork(n, snapshot=snapshot)
+    finally:
+        sbx.close()
+    for child in children:
+        child.close()
+        out.print(child.id)
+
+
+# ----------------------------------------------------------------------------- snapshots
+
+
+def _snapshot_label(s: SnapshotInfo, now: float) -> Text:
+    text = Text(s.id, style="bold")
+    if s.label:
+        text.append("  ")
+        text.append(s.label, style="cyan")
+    text.append("  %s" % (fmt_duration(now - s.created_at) + " ago" if s.created_at else "-"), style="dim")
+    text.append("  %s" % _fmt_bytes(s.size_bytes))
+    if s.lightweight:
+        text.append("  lightweight", style="dim")
+    if s.sandbox_id:
+        text.append("  (%s)" % s.sandbox_id, style="dim")
+    return text
+
+
+def snapshot_tree(snapshots: List[SnapshotInfo], title: str = "snapshots", now: Optional[float] = None) -> Tree:
+    """A rich Tree of ``snapshots`` built from their parent/children links.
+
+    Roots are snapshots without a parent, or whose parent is not in the list; children keep
+    the list's order (by creation time).
+    """
+    now = time.time() if now is None else now
+    by_id = {s.id: s for s in snapshots}
+    order = {s.id: i for i, s in enumerate(snapshots)}
+    kids: Dict[str, List[str]] = {s.id: [] for s in snapshots}
+    for s in snapshots:
+        for child in s.children:
+            if child in by_id and child not in kids[s.id]:
+                kids[s.id].append(child)
+        if s.parent in by_id and s.id not in kids[s.parent]:
+            kids[s.parent].append(s.id)
+    for ids in kids.values():
+        ids.sort(key=order.__getitem__)
+    tree = Tree(Text(title, style="bold"))
+    seen: set = set()
+
+    def add(node: Tree, sid: str) -> None:
+        if sid in seen:  # a malformed answer must not loop forever
+            return
+        seen.add(sid)
+        branch = node.add(_snapshot_label(by_id[sid], now))
+        for child in kids[sid]:
+            add(branch, child)
+
+    for s in snapshots:
+        if s.parent is None or s.parent not in by_id:
+            add(tree, s.id)
+    for s in snapshots:  # whatever a cycle left unreachable
+        if s.id not in seen:
+            add(tree, s.id)
+    return tree
+
+
+@snapshot_app.command("ls")
+@cli_errors
+def snapshot_ls(
+    ctx: typer.Context,
+    sandbox: Optional[str] = typer.Option(None, "--sandbox", help="Only the tree this sandbox belongs to."),
+    as_json: bool = typer.Option(False, "--json", help="Print the raw JSON list."),
+) -> None:
+    """Show snapshots as a tree (id, label, age, size)."""
+    c = _ctx(ctx)
+    with Snapshots(**c.sdk()) as snaps:
+        infos = snaps.list(sandbox=sandbox)
+    if as_json:
+        _print_json([i.raw for i in infos])
+        return
+    if not infos:
+        out.print("no snapshots" + (" for sandbox %s" % sandbox if sandbox else ""))
+        return
+    # soft_wrap off: a long label wraps under its tree guide instead of being cropped.
+    out.print(snapshot_tree(infos, "snapshots of %s" % sandbox if sandbox else "snapshots"), soft_wrap=False)
+
+
+@snapshot_app.command("rm")
+@cli_errors
+def snapshot_rm(
+    ctx: typer.Context,
+    sid: str = typer.Argument(..., metavar="SID", help="Snapshot id."),
+    subtree: bool = typer.Option(False, "--subtree", help="Also delete every descendant."),
+) -> None:
+    """Delete a snapshot."""
+    c = _ctx(ctx)
+    with Snapshots(**c.sdk()) as snaps:
+        snaps.delete(sid, subtree=subtree)
+    out.print("removed snapshot %s%s" % (sid, " and its descendants" if subtree else ""))
+
+
+@snapshot_app.command("gc")
+@cli_errors
+def snapshot_gc(
+    ctx: typer.Context,
+    keep: Optional[List[str]] = typer.Option(None, "--keep", "-k", help="Snapshot to keep with its ancestors (repeatable)."),
+    sandbox: Optional[str] = typer.Option(None, "--sandbox", help="Only this sandbox's snapshot tree."),
+) -> None:
+    """Delete every snapshot not kept (nor an ancestor of a kept one)."""
+    c = _ctx(ctx)
+    with Snapshots(**c.sdk()) as snaps:
+        result = snaps.gc(keep or [], sandbox=sandbox)
+    n = len(result.deleted)
+    line = "deleted %d snapshot%s, freed %s" % (n, "" if n == 1 else "s", _fmt_bytes(result.freed_bytes))
+    if result.deleted:
+        line += ": " + " ".join(result.deleted)
+    out.print(line)
 
 
 # ----------------------------------------------------------------------------- images

@@ -22,6 +22,11 @@ __all__ = [
     "SessionInfo",
     "ImageInfo",
     "ImageProgress",
+    "SnapshotSession",
+    "SnapshotInfo",
+    "RollbackResult",
+    "ForkResult",
+    "GcResult",
 ]
 
 T = TypeVar("T", bound="_Model")
@@ -219,4 +224,94 @@ class ImageProgress(_Model):
     done: Optional[float] = None
     total: Optional[float] = None
     message: str = ""
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class SnapshotSession(_Model):
+    """A session captured in a snapshot.
+
+    ``template`` is False when the session's live template was evicted or died: rollback
+    and fork then start that session fresh (its in-memory state is lost).
+    """
+
+    id: str = ""
+    kind: str = ""
+    default: bool = False
+    template: bool = False
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class SnapshotInfo(_Model):
+    """A snapshot (``sn-<12 hex>``) taken by ``sbx.checkpoint()``.
+
+    ``size_bytes`` counts the bytes only this snapshot holds (0 when it shares its
+    parent's state, see ``lightweight``); ``depth`` is the number of snapshot layers in
+    its chain (image layers excluded). ``took_ms`` is only set in a checkpoint answer.
+    """
+
+    id: str = ""
+    sandbox_id: str = ""
+    parent: Optional[str] = None
+    children: List[str] = field(default_factory=list)
+    created_at: Optional[float] = None
+    label: Optional[str] = None
+    size_bytes: int = 0
+    depth: int = 0
+    lightweight: bool = False
+    sessions: List[SnapshotSession] = field(default_factory=list)
+    took_ms: Optional[float] = None
+    raw: Dict[str, Any] = _raw()
+
+    @classmethod
+    def from_dict(cls, data: Optional[Dict[str, Any]]) -> "SnapshotInfo":
+        obj = super().from_dict(data)
+        obj.children = list(obj.children or [])
+        obj.sessions = [
+            s if isinstance(s, SnapshotSession) else SnapshotSession.from_dict(s) for s in obj.sessions or []
+        ]
+        return obj
+
+
+@dataclass
+class RollbackResult(_Model):
+    """Result of ``sbx.rollback()``.
+
+    ``sessions_restarted`` is True when some session had no live template and was started
+    fresh; ``killed`` lists the pids of the non-session processes that were killed.
+    """
+
+    snapshot: str = ""
+    sessions_restarted: bool = False
+    killed: List[int] = field(default_factory=list)
+    took_ms: Optional[float] = None
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class ForkResult(_Model):
+    """Answer of ``POST /v1/sandboxes/{id}/fork`` (``sbx.fork()`` returns the sandboxes)."""
+
+    snapshot: str = ""
+    sandboxes: List[SandboxInfo] = field(default_factory=list)
+    sessions_restarted: bool = False
+    took_ms: Optional[float] = None
+    raw: Dict[str, Any] = _raw()
+
+    @classmethod
+    def from_dict(cls, data: Optional[Dict[str, Any]]) -> "ForkResult":
+        obj = super().from_dict(data)
+        obj.sandboxes = [
+            s if isinstance(s, SandboxInfo) else SandboxInfo.from_dict(s) for s in obj.sandboxes or []
+        ]
+        return obj
+
+
+@dataclass
+class GcResult(_Model):
+    """Result of a snapshot garbage collection: the deleted ids and the bytes freed."""
+
+    deleted: List[str] = field(default_factory=list)
+    freed_bytes: int = 0
     raw: Dict[str, Any] = _raw()

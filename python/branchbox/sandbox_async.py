@@ -20,12 +20,15 @@ from .models import (
     CommandResult,
     EntryInfo,
     Execution,
+    GcResult,
     ImageInfo,
     ImageProgress,
     ProcessInfo,
+    RollbackResult,
     SandboxInfo,
     SessionInfo,
     ShellResult,
+    SnapshotInfo,
 )
 
 __all__ = [
@@ -37,6 +40,7 @@ __all__ = [
     "AsyncSessions",
     "AsyncSession",
     "AsyncImages",
+    "AsyncSnapshots",
     "health",
 ]
 
@@ -238,6 +242,47 @@ class AsyncSandbox:
     async def run_code(self, code: str, *, timeout: Optional[float] = 60, language: str = "python") -> Execution:
         """Run code in the sandbox's default python session (created on first use)."""
         return await self._http.call(_core.run_code(self.id, code, language, timeout))
+
+    # -- snapshots
+
+    async def checkpoint(self, label: Optional[str] = None) -> str:
+        """Snapshot the sandbox (filesystem and live sessions); returns the snapshot id."""
+        return (await self._http.call(_core.checkpoint(self.id, label))).id
+
+    async def rollback(self, snapshot: Union[str, SnapshotInfo]) -> RollbackResult:
+        """Return the sandbox to ``snapshot``; non-session processes are killed."""
+        return await self._http.call(_core.rollback(self.id, snapshot))
+
+    async def fork(
+        self,
+        n: int = 1,
+        snapshot: Union[str, SnapshotInfo, None] = None,
+        timeout: Optional[float] = None,
+    ) -> List["AsyncSandbox"]:
+        """Start ``n`` (1..64) new sandboxes from ``snapshot`` (see :meth:`branchbox.Sandbox.fork`).
+
+        Each child has its own connection with this sandbox's settings: close (or kill)
+        them when done.
+        """
+        result = await self._http.call(_core.fork(self.id, n, snapshot, timeout))
+        return [AsyncSandbox(info.id, _http=_AsyncHTTP(self._http.config), info=info) for info in result.sandboxes]
+
+    async def snapshots(self) -> List[SnapshotInfo]:
+        """The snapshot tree this sandbox belongs to, ordered by creation time."""
+        return await self._http.call(_core.sandbox_snapshots(self.id))
+
+    async def evaluate(
+        self,
+        cmd: Union[str, Sequence[str]],
+        *,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        timeout: Optional[float] = None,
+    ) -> CommandResult:
+        """Run ``cmd`` without leaving a side effect on the sandbox (see
+        :meth:`branchbox.Sandbox.evaluate`)."""
+        body = _core.command_body(cmd, False, cwd, env, timeout, None)
+        return await self._http.call(_core.evaluate(self.id, body))
 
     async def close(self) -> None:
         """Release the HTTP connection (the sandbox keeps running)."""
@@ -555,6 +600,52 @@ class AsyncImages:
         await self._http.close()
 
     async def __aenter__(self) -> "AsyncImages":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+
+# ----------------------------------------------------------------------------- snapshots
+
+
+class AsyncSnapshots:
+    """Snapshots known to the daemon (the mirror of :class:`branchbox.Snapshots`)."""
+
+    def __init__(
+        self,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.AsyncBaseTransport] = None,
+    ) -> None:
+        self._http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+
+    async def list(self, sandbox: Union[str, AsyncSandbox, None] = None) -> List[SnapshotInfo]:
+        """All snapshots, or the tree ``sandbox`` belongs to; ordered by creation time."""
+        if sandbox is None:
+            return await self._http.call(_core.list_snapshots())
+        return await self._http.call(_core.sandbox_snapshots(_core.sandbox_ref(sandbox)))
+
+    async def get(self, sid: Union[str, SnapshotInfo]) -> SnapshotInfo:
+        return await self._http.call(_core.get_snapshot(sid))
+
+    async def delete(self, sid: Union[str, SnapshotInfo], subtree: bool = False) -> bool:
+        """Delete a snapshot; ``subtree=True`` also deletes its descendants."""
+        return await self._http.call(_core.delete_snapshot(sid, subtree))
+
+    async def gc(
+        self, keep: Sequence[Union[str, SnapshotInfo]], sandbox: Union[str, AsyncSandbox, None] = None
+    ) -> GcResult:
+        """Delete every snapshot (of ``sandbox``'s tree, or all) that is neither in ``keep``
+        nor an ancestor of a kept one."""
+        return await self._http.call(_core.gc_snapshots(keep, sandbox))
+
+    async def close(self) -> None:
+        await self._http.close()
+
+    async def __aenter__(self) -> "AsyncSnapshots":
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:

@@ -19,12 +19,15 @@ from .models import (
     CommandResult,
     EntryInfo,
     Execution,
+    GcResult,
     ImageInfo,
     ImageProgress,
     ProcessInfo,
+    RollbackResult,
     SandboxInfo,
     SessionInfo,
     ShellResult,
+    SnapshotInfo,
 )
 
 __all__ = [
@@ -36,6 +39,7 @@ __all__ = [
     "Sessions",
     "Session",
     "Images",
+    "Snapshots",
     "health",
 ]
 
@@ -236,6 +240,49 @@ class Sandbox:
     def run_code(self, code: str, *, timeout: Optional[float] = 60, language: str = "python") -> Execution:
         """Run code in the sandbox's default python session (created on first use)."""
         return self._http.call(_core.run_code(self.id, code, language, timeout))
+
+    # -- snapshots
+
+    def checkpoint(self, label: Optional[str] = None) -> str:
+        """Snapshot the sandbox (filesystem and live sessions); returns the snapshot id."""
+        return self._http.call(_core.checkpoint(self.id, label)).id
+
+    def rollback(self, snapshot: Union[str, SnapshotInfo]) -> RollbackResult:
+        """Return the sandbox to ``snapshot``; non-session processes are killed."""
+        return self._http.call(_core.rollback(self.id, snapshot))
+
+    def fork(
+        self,
+        n: int = 1,
+        snapshot: Union[str, SnapshotInfo, None] = None,
+        timeout: Optional[float] = None,
+    ) -> List["Sandbox"]:
+        """Start ``n`` (1..64) new sandboxes from ``snapshot`` (default: a checkpoint taken
+        now). ``timeout`` is the children's time to live in seconds (0 = none).
+
+        Each child has its own connection with this sandbox's settings: close (or kill)
+        them when done, e.g. ``with child: ...``.
+        """
+        result = self._http.call(_core.fork(self.id, n, snapshot, timeout))
+        return [Sandbox(info.id, _http=_HTTP(self._http.config), info=info) for info in result.sandboxes]
+
+    def snapshots(self) -> List[SnapshotInfo]:
+        """The snapshot tree this sandbox belongs to (its own snapshots and its ancestors'),
+        ordered by creation time."""
+        return self._http.call(_core.sandbox_snapshots(self.id))
+
+    def evaluate(
+        self,
+        cmd: Union[str, Sequence[str]],
+        *,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        timeout: Optional[float] = None,
+    ) -> CommandResult:
+        """Run ``cmd`` like ``commands.run`` but leave no side effect on the sandbox
+        (its filesystem and sessions are as before the call)."""
+        body = _core.command_body(cmd, False, cwd, env, timeout, None)
+        return self._http.call(_core.evaluate(self.id, body))
 
     def close(self) -> None:
         """Release the HTTP connection (the sandbox keeps running)."""
@@ -549,6 +596,52 @@ class Images:
         self._http.close()
 
     def __enter__(self) -> "Images":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- snapshots
+
+
+class Snapshots:
+    """Snapshots known to the daemon (take them with :meth:`Sandbox.checkpoint`)."""
+
+    def __init__(
+        self,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.BaseTransport] = None,
+    ) -> None:
+        self._http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+
+    def list(self, sandbox: Union[str, Sandbox, None] = None) -> List[SnapshotInfo]:
+        """All snapshots, or the tree ``sandbox`` belongs to; ordered by creation time."""
+        if sandbox is None:
+            return self._http.call(_core.list_snapshots())
+        return self._http.call(_core.sandbox_snapshots(_core.sandbox_ref(sandbox)))
+
+    def get(self, sid: Union[str, SnapshotInfo]) -> SnapshotInfo:
+        return self._http.call(_core.get_snapshot(sid))
+
+    def delete(self, sid: Union[str, SnapshotInfo], subtree: bool = False) -> bool:
+        """Delete a snapshot; ``subtree=True`` also deletes its descendants."""
+        return self._http.call(_core.delete_snapshot(sid, subtree))
+
+    def gc(
+        self, keep: Sequence[Union[str, SnapshotInfo]], sandbox: Union[str, Sandbox, None] = None
+    ) -> GcResult:
+        """Delete every snapshot (of ``sandbox``'s tree, or all) that is neither in ``keep``
+        nor an ancestor of a kept one. Layers a kept snapshot or a live sandbox needs stay."""
+        return self._http.call(_core.gc_snapshots(keep, sandbox))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Snapshots":
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

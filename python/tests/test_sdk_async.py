@@ -224,6 +224,7 @@ PAIRS = [
     (sandbox_sync.Sessions, sandbox_async.AsyncSessions),
     (sandbox_sync.Session, sandbox_async.AsyncSession),
     (Images, AsyncImages),
+    (sandbox_sync.Snapshots, sandbox_async.AsyncSnapshots),
 ]
 
 

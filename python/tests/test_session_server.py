@@ -451,3 +451,291 @@ def test_fork_fd_handling(py: SessionProcess) -> None:
     assert _fds(r["child"]) == {0, 1, 2, 3}
     for s in (child, c, e):
         s.close()
+
+
+# ----------------------------------------------------------------------------- checkpoint / rollback roles
+
+
+@pytest.fixture
+def forks():
+    """fork(session, role=None) -> (parent response, child client, child response); every
+    forked process is killed at teardown (templates call setsid: they outlive their parent)."""
+    clients, pids = [], []
+
+    def fork(s: SessionClient, role=None):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        req = {"op": "fork", "id": 1}
+        if role is not None:
+            req["role"] = role
+        try:
+            parent_resp = s.request(req, fds=[theirs.fileno()])
+        finally:
+            theirs.close()
+        child = SessionClient(ours)
+        clients.append(child)
+        assert parent_resp.get("ok") is True, parent_resp
+        pids.append(parent_resp["child"])
+        return parent_resp, child, child.recv()
+
+    yield fork
+    for c in clients:
+        c.close()
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def rootfs_tmp(tmp_path):
+    """A tmp dir on the filesystem of "/" (only such files are reopened on restore)."""
+    if os.stat(str(tmp_path)).st_dev != os.stat("/").st_dev:
+        pytest.skip("the tmp dir is not on the root filesystem")
+    return tmp_path
+
+
+_DUMPABLE = "import ctypes\nctypes.CDLL(None).prctl(3, 0, 0, 0, 0)"  # PR_GET_DUMPABLE
+
+
+def test_template_stays_frozen_while_parent_changes(py: SessionProcess, forks) -> None:
+    py.run("import os\nstate = ['base']\nx = 1")
+    parent_resp, tmpl, tmpl_resp = forks(py, "template")
+    pid = parent_resp["child"]
+    assert parent_resp == {"ok": True, "child": pid, "id": 1}
+    assert tmpl_resp == {"ok": True, "pid": pid, "role": "template", "id": 1}
+    py.run("state.append('parent')\nx = 2")
+    assert py.run("(state, x)")["result"] == "(['base', 'parent'], 2)"
+    assert tmpl.run("(state, x, os.getpid())")["result"] == "(['base'], 1, %d)" % pid
+    assert _fds(pid) == {0, 1, 2, 3} and _fds(py.proc.pid) == {0, 1, 2, 3}
+    assert _threads(pid) == 1
+
+
+def test_restore_twice_gives_independent_sessions(py: SessionProcess, forks) -> None:
+    py.run("import os\nstate = ['base']")
+    _, tmpl, _ = forks(py, "template")
+    py.run("state.append('parent')")
+    children = []
+    for _ in range(2):
+        parent_resp, child, child_resp = forks(tmpl, "restore")
+        pid = parent_resp["child"]
+        assert parent_resp == {"ok": True, "child": pid, "id": 1}  # the template's answer
+        assert child_resp == {"ok": True, "pid": pid, "role": "restore", "reopened": 0, "id": 1}
+        assert child.run("os.getpid()")["result"] == str(pid)
+        children.append(child)
+    a, b = children
+    assert a.run("state.append('a')\nstate")["result"] == "['base', 'a']"
+    assert b.run("state")["result"] == "['base']"
+    assert b.run("state.append('b')\nstate")["result"] == "['base', 'b']"
+    assert a.run("state")["result"] == "['base', 'a']"
+    assert py.run("state")["result"] == "['base', 'parent']"
+    # the template is unchanged and forks again; a restored session forks like any session
+    _, c, _ = forks(tmpl, "restore")
+    assert c.run("state")["result"] == "['base']"
+    _, grandchild, resp = forks(a, None)
+    assert set(resp) == {"ok", "pid", "id"}
+    assert grandchild.run("state")["result"] == "['base', 'a']"
+
+
+def test_template_and_restored_sessions_have_own_process_groups(py: SessionProcess, forks) -> None:
+    py.run("import os")
+    ours, theirs = socket.socketpair()
+    parent_resp = py.request({"op": "fork", "role": "template"}, fds=[theirs.fileno()])
+    theirs.close()
+    tmpl_pid = parent_resp["child"]
+    tmpl = SessionClient(ours)
+    try:
+        # already frozen when the parent answers (the daemon swaps the rootfs right then)
+        assert os.getsid(tmpl_pid) == tmpl_pid and os.getpgid(tmpl_pid) == tmpl_pid
+        assert tmpl.recv()["role"] == "template"
+        assert os.getsid(py.proc.pid) != tmpl_pid and os.getpgid(py.proc.pid) != tmpl_pid
+        _, child, resp = forks(tmpl, "restore")
+        pid = resp["pid"]
+        assert os.getsid(pid) == pid and os.getpgid(pid) == pid
+        # killing a live session's process group (with its user processes) spares the template
+        sleeper = int(child.run("import subprocess\np = subprocess.Popen(['sleep', '60'])\np.pid")["result"])
+        assert os.getpgid(sleeper) == pid
+        os.killpg(pid, 9)
+        assert _gone(pid) and _gone(sleeper)
+        assert tmpl.request({"op": "ping"})["pid"] == tmpl_pid
+        _, again, resp = forks(tmpl, "restore")
+        assert again.run("os.getpid()")["result"] == str(resp["pid"])
+        # a plain fork stays in its parent's session and process group
+        _, plain, resp = forks(py)
+        assert os.getsid(resp["pid"]) == os.getsid(py.proc.pid)
+        assert os.getpgid(resp["pid"]) == os.getpgid(py.proc.pid)
+    finally:
+        tmpl.close()
+        try:
+            os.kill(tmpl_pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def test_dumpable_flag(py: SessionProcess, forks) -> None:
+    _, tmpl, _ = forks(py, "template")
+    _, child, _ = forks(tmpl, "restore")
+    assert py.run(_DUMPABLE)["result"] == "1"
+    assert tmpl.run(_DUMPABLE)["result"] == "0"
+    assert child.run(_DUMPABLE)["result"] == "1"
+
+
+def test_restore_reopens_files_by_path(rootfs_tmp, forks) -> None:
+    log, data, gone = rootfs_tmp / "log.txt", rootfs_tmp / "data.bin", rootfs_tmp / "unlinked"
+    log.write_text("start\n")
+    data.write_bytes(b"hello world!")
+    py = SessionProcess("python", cwd=str(rootfs_tmp), env={"PATH": os.environ["PATH"]})
+    try:
+        py.run(
+            "import os, socket\n"
+            "f = open('log.txt', 'a')\n"
+            "f.write('parent-before\\n'); f.flush()\n"
+            "g = os.open('data.bin', os.O_RDWR)\n"
+            "os.lseek(g, 6, os.SEEK_SET)\n"
+            "os.set_inheritable(g, True)\n"
+            "h = open('unlinked', 'w'); os.unlink('unlinked')\n"  # deleted: not recorded
+            "v = open('/proc/version')\n"  # another filesystem: not recorded
+            "s = socket.socket()\n"
+        )
+        fds = _fds(py.proc.pid)
+        assert len(fds) == 9
+        tmpl_resp, tmpl, _ = forks(py, "template")
+        tmpl_pid = tmpl_resp["child"]
+        assert _fds(tmpl_pid) == fds
+        py.run("f.write('parent-after\\n'); f.flush()")
+
+        _, a, resp = forks(tmpl, "restore")
+        assert resp["reopened"] == 2
+        assert _fds(resp["pid"]) == fds  # same fd numbers
+        r = a.run(
+            "import fcntl\n"
+            "fl = [fcntl.fcntl(n, fcntl.F_GETFL) for n in (f.fileno(), g)]\n"
+            "f.write('restored-a\\n'); f.flush()\n"
+            "os.write(g, b'WORLD')\n"
+            "(os.get_inheritable(f.fileno()), os.get_inheritable(g), os.lseek(g, 0, os.SEEK_CUR), v.read()[:5],\n"
+            " [(x & (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK)) for x in fl])"
+        )
+        assert r["result"] == "(False, True, 11, 'Linux', [%d, %d])" % (os.O_WRONLY | os.O_APPEND, os.O_RDWR), r
+        assert log.read_text() == "start\nparent-before\nparent-after\nrestored-a\n"
+        assert data.read_bytes() == b"hello WORLD!"
+
+        # the files are replaced by new inodes at the same paths (what a rollback's new
+        # root filesystem looks like): a restored session writes into the new ones
+        for path, content in ((log, b"new\n"), (data, b"0123456789ab")):
+            tmp = path.with_name(path.name + ".new")
+            tmp.write_bytes(content)
+            os.replace(tmp, path)
+        _, b, resp = forks(tmpl, "restore")
+        assert resp["reopened"] == 2
+        b.run("f.write('restored-b\\n'); f.flush()\nos.write(g, b'WORLD')")
+        assert log.read_text() == "new\nrestored-b\n"
+        assert data.read_bytes() == b"012345WORLDb"
+        # the live session and the template keep the old (now unlinked) inode
+        py.run("f.write('parent-late\\n'); f.flush()")
+        assert log.read_text() == "new\nrestored-b\n"
+        f_fd = int(py.run("f.fileno()")["result"])
+        assert os.readlink("/proc/%d/fd/%d" % (tmpl_pid, f_fd)) == str(log) + " (deleted)"
+
+        # a path that is gone keeps the old open file
+        os.unlink(log)
+        _, c, resp = forks(tmpl, "restore")
+        assert resp["reopened"] == 1
+        r = c.run("f.write('into-the-void\\n'); f.flush()\nos.lseek(g, 0, os.SEEK_CUR)")
+        assert r["error"] is None and r["result"] == "6"
+        assert not log.exists()
+    finally:
+        py.stop()
+
+
+def test_template_rebases_parent_cwd(rootfs_tmp, forks) -> None:
+    work, old = rootfs_tmp / "work", rootfs_tmp / "old"
+    work.mkdir()
+    py = SessionProcess("python", cwd=str(rootfs_tmp), env={"PATH": os.environ["PATH"]})
+    try:
+        py.run("import os\nos.chdir('work')")
+        _, tmpl, _ = forks(py, "template")
+        # the rootfs swap, simulated: the directory moves away, a new one takes its path
+        os.rename(work, old)
+        work.mkdir()
+        # a second checkpoint before any run records the path, not the moved directory
+        _, tmpl2, _ = forks(py, "template")
+        r = py.run("open('here.txt', 'w').close()\nos.getcwd()")
+        assert r["result"] == repr(str(work))
+        assert (work / "here.txt").exists() and not (old / "here.txt").exists()
+        # the template stays where it was; restored sessions chdir by path
+        assert os.readlink("/proc/%d/cwd" % int(tmpl.run("os.getpid()")["result"])) == str(old)
+        for t in (tmpl, tmpl2):
+            _, child, _ = forks(t, "restore")
+            assert child.run("os.getcwd()")["result"] == repr(str(work))
+        # a plain fork does not rebase (control)
+        forks(py)
+        os.rename(work, rootfs_tmp / "old2")
+        work.mkdir()
+        assert py.run("os.getcwd()")["result"] == repr(str(rootfs_tmp / "old2"))
+    finally:
+        py.stop()
+
+
+def test_template_rebase_cwd_fallback(tmp_path, forks) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    py = SessionProcess("python", cwd=str(work), env={"PATH": os.environ["PATH"]})
+    try:
+        _, tmpl, _ = forks(py, "template")
+        os.rmdir(work)
+        assert py.run("import os\nos.getcwd()")["result"] == "'/'"
+        _, child, _ = forks(tmpl, "restore")
+        assert child.run("import os\nos.getcwd()")["result"] == "'/'"
+    finally:
+        py.stop()
+
+
+def test_template_restore_shell(sh: SessionProcess, tmp_path, forks) -> None:
+    (tmp_path / "work").mkdir()
+    sh.run("S=base; cd work")
+    _, tmpl, _ = forks(sh, "template")
+    os.rename(tmp_path / "work", tmp_path / "old")
+    (tmp_path / "work").mkdir()
+    assert sh.run("S=parent; pwd; echo x > here")["stdout"] == "%s/work\n" % tmp_path
+    assert (tmp_path / "work" / "here").exists()
+    for _ in range(2):
+        _, child, resp = forks(tmpl, "restore")
+        assert resp["reopened"] == 0
+        assert child.run("echo $S; pwd; S=child")["stdout"] == "base\n%s/work\n" % tmp_path
+    assert sh.run("echo $S")["stdout"] == "parent\n"
+
+
+def test_restore_on_a_plain_session(py: SessionProcess, forks) -> None:
+    py.run("import os\nx = 7")
+    parent_resp, child, resp = forks(py, "restore")
+    assert resp == {"ok": True, "pid": parent_resp["child"], "role": "restore", "reopened": 0, "id": 1}
+    assert os.getsid(resp["pid"]) == resp["pid"]
+    assert child.run("x")["result"] == "7"
+    assert child.run(_DUMPABLE)["result"] == "1"
+
+
+def test_plain_fork_response_unchanged(py: SessionProcess, forks) -> None:
+    parent_resp, child, resp = forks(py)
+    assert resp == {"ok": True, "pid": parent_resp["child"], "id": 1}
+    ours, theirs = socket.socketpair()
+    r = py.request({"op": "fork", "role": None}, fds=[theirs.fileno()])  # null role: plain fork
+    theirs.close()
+    c = SessionClient(ours)
+    try:
+        assert c.recv() == {"ok": True, "pid": r["child"]}
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("role", ["bogus", "", 1, ["template"]])
+def test_unknown_fork_role_rejected(py: SessionProcess, role) -> None:
+    ours, theirs = socket.socketpair()
+    r = py.request({"op": "fork", "role": role, "id": 9}, fds=[theirs.fileno()])
+    theirs.close()
+    assert r["error"]["name"] == "ProtocolError" and r["id"] == 9
+    ours.settimeout(10)
+    assert ours.recv(1) == b""  # the fd was closed, no child
+    ours.close()
+    assert _fds(py.proc.pid) == {0, 1, 2, 3}
+    assert py.request({"op": "fork", "role": "template"})["error"]["name"] == "ProtocolError"  # no fd
+    assert py.request({"op": "ping"})["ok"] is True

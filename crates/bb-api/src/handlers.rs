@@ -24,13 +24,17 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         run_command, stream_command, list_processes, wait_process, kill_process,
         create_session, list_sessions, kill_session, run_session, run_code,
         read_file, write_file, remove_file, list_files, stat_file, make_dir, rename_file,
-        list_images, build_image, import_image, remove_image
+        list_images, build_image, import_image, remove_image,
+        checkpoint, rollback, fork, evaluate, sandbox_snapshots, list_snapshots, get_snapshot,
+        delete_snapshot, gc_snapshots
     ),
     components(schemas(
         CreateSandbox, SandboxInfo, SandboxList, SetTimeout, RunCommand, CommandResult, Started,
         ProcessInfo, ProcessList, WaitRequest, KillRequest, CreateSession, SessionInfo, SessionList,
         RunCode, SessionResult, EntryInfo, EntryList, MakeDir, Rename, ImageInfo, ImageList,
-        BuildImage, ImportImage, ProgressEvent, CommandEvent, ErrorBody, Health, ErrorResponse, Done
+        BuildImage, ImportImage, ProgressEvent, CommandEvent, ErrorBody, Health, ErrorResponse, Done,
+        CheckpointRequest, RollbackRequest, ForkRequest, GcRequest, SnapshotInfo, SnapshotSessionInfo,
+        SnapshotList, RollbackResult, ForkResult, GcResult
     ))
 )]
 pub struct ApiDoc;
@@ -231,7 +235,7 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, bb_runtime::R
     (status = 400, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
 pub async fn read_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<PathQuery>) -> ApiResult<Response> {
     let path = SbPath::parse(&q.path)?;
-    let fs = rt.fs(&id)?;
+    let fs = rt.fs(&id).await?;
     let (file, size) = blocking(move || fs.open_read(&path)).await?;
     let stream = tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 256 * 1024);
     Ok(Response::builder()
@@ -254,7 +258,7 @@ pub async fn write_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<Wr
         })?),
     };
     let limit = rt.cfg.max_file_bytes;
-    let fs = std::sync::Arc::new(rt.fs(&id)?);
+    let fs = std::sync::Arc::new(rt.fs(&id).await?);
     let fs2 = fs.clone();
     let mut upload = blocking(move || fs2.begin_write(&path, mode)).await?;
     let mut file = tokio::fs::File::from_std(upload.take_file());
@@ -281,7 +285,7 @@ pub async fn write_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<Wr
     responses((status = 200, body = Done), (status = 404, body = ErrorResponse), (status = 409, body = ErrorResponse)))]
 pub async fn remove_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<RemoveQuery>) -> ApiResult<Json<Done>> {
     let path = SbPath::parse(&q.path)?;
-    let fs = rt.fs(&id)?;
+    let fs = rt.fs(&id).await?;
     blocking(move || fs.remove(&path, q.recursive.unwrap_or(false))).await?;
     Ok(removed())
 }
@@ -290,7 +294,7 @@ pub async fn remove_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<R
     responses((status = 200, body = EntryList), (status = 404, body = ErrorResponse)))]
 pub async fn list_files(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<ListQuery>) -> ApiResult<Json<EntryList>> {
     let path = SbPath::parse(&q.path)?;
-    let fs = rt.fs(&id)?;
+    let fs = rt.fs(&id).await?;
     let depth = q.depth.unwrap_or(1);
     if depth > 64 {
         return Err(ApiError::bad_request("depth must be at most 64"));
@@ -302,7 +306,7 @@ pub async fn list_files(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<Li
     responses((status = 200, body = EntryInfo), (status = 404, body = ErrorResponse)))]
 pub async fn stat_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<PathQuery>) -> ApiResult<Json<EntryInfo>> {
     let path = SbPath::parse(&q.path)?;
-    let fs = rt.fs(&id)?;
+    let fs = rt.fs(&id).await?;
     Ok(Json(blocking(move || fs.stat(&path)).await?))
 }
 
@@ -310,7 +314,7 @@ pub async fn stat_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<Pat
     responses((status = 200, body = EntryInfo), (status = 409, body = ErrorResponse)))]
 pub async fn make_dir(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<MakeDir>) -> ApiResult<Json<EntryInfo>> {
     let path = SbPath::parse(&req.path)?;
-    let fs = rt.fs(&id)?;
+    let fs = rt.fs(&id).await?;
     Ok(Json(blocking(move || fs.mkdir(&path, req.parents)).await?))
 }
 
@@ -318,7 +322,7 @@ pub async fn make_dir(State(rt): State<AppState>, P(id): P<String>, JsonBody(req
     responses((status = 200, body = EntryInfo), (status = 404, body = ErrorResponse)))]
 pub async fn rename_file(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<Rename>) -> ApiResult<Json<EntryInfo>> {
     let (from, to) = (SbPath::parse(&req.from)?, SbPath::parse(&req.to)?);
-    let fs = rt.fs(&id)?;
+    let fs = rt.fs(&id).await?;
     Ok(Json(blocking(move || fs.rename(&from, &to)).await?))
 }
 
@@ -360,4 +364,65 @@ pub async fn remove_image(State(rt): State<AppState>, P(name): P<String>) -> Api
     let rt2 = rt.clone();
     blocking(move || rt2.remove_image(&name)).await?;
     Ok(removed())
+}
+
+// ---- snapshots ----
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/checkpoint", params(("id" = String, Path, description = "sandbox id")),
+    request_body = CheckpointRequest, responses((status = 201, body = SnapshotInfo), (status = 404, body = ErrorResponse), (status = 409, body = ErrorResponse)))]
+pub async fn checkpoint(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<CheckpointRequest>) -> ApiResult<(StatusCode, Json<SnapshotInfo>)> {
+    Ok((StatusCode::CREATED, Json(rt.checkpoint(&id, req).await?)))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/rollback", params(("id" = String, Path, description = "sandbox id")),
+    request_body = RollbackRequest, responses((status = 200, body = RollbackResult), (status = 404, body = ErrorResponse)))]
+pub async fn rollback(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<RollbackRequest>) -> ApiResult<Json<RollbackResult>> {
+    Ok(Json(rt.rollback(&id, req).await?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", params(("id" = String, Path, description = "sandbox id")),
+    request_body = ForkRequest, responses((status = 201, body = ForkResult), (status = 400, body = ErrorResponse), (status = 503, body = ErrorResponse)))]
+pub async fn fork(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<ForkRequest>) -> ApiResult<(StatusCode, Json<ForkResult>)> {
+    Ok((StatusCode::CREATED, Json(rt.fork(&id, req).await?)))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/evaluate", params(("id" = String, Path, description = "sandbox id")),
+    request_body = RunCommand, responses((status = 200, body = CommandResult), (status = 400, body = ErrorResponse)))]
+pub async fn evaluate(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<RunCommand>) -> ApiResult<Json<CommandResult>> {
+    Ok(Json(rt.evaluate(&id, req).await?))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/snapshots", params(("id" = String, Path, description = "sandbox id")),
+    responses((status = 200, body = SnapshotList), (status = 404, body = ErrorResponse)))]
+pub async fn sandbox_snapshots(State(rt): State<AppState>, P(id): P<String>) -> ApiResult<Json<SnapshotList>> {
+    Ok(Json(rt.list_snapshots(Some(&id))?))
+}
+
+#[utoipa::path(get, path = "/v1/snapshots", responses((status = 200, body = SnapshotList)))]
+pub async fn list_snapshots(State(rt): State<AppState>) -> ApiResult<Json<SnapshotList>> {
+    Ok(Json(rt.list_snapshots(None)?))
+}
+
+#[utoipa::path(get, path = "/v1/snapshots/{sid}", params(("sid" = String, Path, description = "snapshot id")),
+    responses((status = 200, body = SnapshotInfo), (status = 404, body = ErrorResponse)))]
+pub async fn get_snapshot(State(rt): State<AppState>, P(sid): P<String>) -> ApiResult<Json<SnapshotInfo>> {
+    Ok(Json(rt.snapshot(&sid)?))
+}
+
+#[derive(Deserialize, IntoParams)]
+pub struct DeleteSnapshotQuery {
+    /// Also delete every descendant.
+    pub subtree: Option<bool>,
+}
+
+#[utoipa::path(delete, path = "/v1/snapshots/{sid}", params(("sid" = String, Path, description = "snapshot id"), DeleteSnapshotQuery),
+    responses((status = 200, body = Done), (status = 404, body = ErrorResponse)))]
+pub async fn delete_snapshot(State(rt): State<AppState>, P(sid): P<String>, Q(q): Q<DeleteSnapshotQuery>) -> ApiResult<Json<Done>> {
+    rt.delete_snapshot(&sid, q.subtree.unwrap_or(false)).await?;
+    Ok(removed())
+}
+
+#[utoipa::path(post, path = "/v1/snapshots/gc", request_body = GcRequest, responses((status = 200, body = GcResult), (status = 404, body = ErrorResponse)))]
+pub async fn gc_snapshots(State(rt): State<AppState>, JsonBody(req): JsonBody<GcRequest>) -> ApiResult<Json<GcResult>> {
+    Ok(Json(rt.gc(req).await?))
 }

@@ -37,6 +37,8 @@ pub struct Server {
     policy: bb_isolation::SeccompFilter,
     /// Session channels kept for the daemon: key -> (owning pid, fd).
     stash: HashMap<String, (i32, OwnedFd)>,
+    /// pidfds of adopted processes (not our children): readable once they exit.
+    adopted: BTreeMap<i32, OwnedFd>,
 }
 
 fn now() -> f64 {
@@ -70,20 +72,25 @@ impl Server {
             exited_order: Default::default(),
             policy,
             stash: HashMap::new(),
+            adopted: BTreeMap::new(),
         }
     }
 
     pub fn run(mut self) -> ! {
         loop {
             let conn_fds: Vec<RawFd> = self.conns.keys().copied().collect();
+            let adopted: Vec<i32> = self.adopted.keys().copied().collect();
             let mut ready = Vec::new();
             {
-                let mut pfds = Vec::with_capacity(conn_fds.len() + 2);
+                let mut pfds = Vec::with_capacity(conn_fds.len() + adopted.len() + 2);
                 pfds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
                 pfds.push(PollFd::new(self.sigfd.as_fd(), PollFlags::POLLIN));
                 for fd in &conn_fds {
                     // SAFETY: fd belongs to a Conn in self.conns, alive for this poll call.
                     pfds.push(PollFd::new(unsafe { BorrowedFd::borrow_raw(*fd) }, PollFlags::POLLIN));
+                }
+                for pid in &adopted {
+                    pfds.push(PollFd::new(self.adopted[pid].as_fd(), PollFlags::POLLIN));
                 }
                 match poll(&mut pfds, PollTimeout::NONE) {
                     Ok(_) => {}
@@ -100,7 +107,13 @@ impl Server {
                 match i {
                     0 => self.accept(),
                     1 => self.reap(),
-                    _ => self.serve(conn_fds[i - 2]),
+                    i if i < conn_fds.len() + 2 => self.serve(conn_fds[i - 2]),
+                    i => {
+                        // An adopted process exited; if it became our child, reap() records it.
+                        self.reap();
+                        let pid = adopted[i - 2 - conn_fds.len()];
+                        self.exited(pid, ExitStatus { code: None, signal: None });
+                    }
                 }
             }
         }
@@ -203,6 +216,25 @@ impl Server {
                 }
                 None => self.reply(fd, &Response::Error { errno: libc::ENOENT, message: format!("nothing stashed as {key:?}") }),
             },
+            Request::Adopt { pid, .. } if pid <= 1 => {
+                self.reply(fd, &Response::Error { errno: libc::EINVAL, message: format!("process {pid} cannot be adopted") })
+            }
+            Request::Adopt { pid, tag } => {
+                let resp = match bb_sys::process::pidfd_open(pid) {
+                    Ok(pidfd) => {
+                        match self.procs.get_mut(&pid).filter(|p| p.exit.is_none()) {
+                            Some(p) => p.tag = tag,
+                            None => {
+                                self.procs.insert(pid, Proc { tag, background: true, started_at: now(), exit: None });
+                            }
+                        }
+                        self.adopted.insert(pid, pidfd);
+                        Response::Ok
+                    }
+                    Err(e) => Response::Error { errno: e.errno(), message: format!("adopt {pid}: {e}") },
+                };
+                self.reply(fd, &resp);
+            }
             Request::List => {
                 let procs = self
                     .procs
@@ -255,6 +287,31 @@ impl Server {
         }
     }
 
+    /// Record that `pid` exited (once): drop its stash and pidfd, answer whoever waits for it.
+    fn exited(&mut self, pid: i32, status: ExitStatus) {
+        self.stash.retain(|_, (owner, _)| *owner != pid);
+        self.adopted.remove(&pid);
+        let Some(p) = self.procs.get_mut(&pid) else { return };
+        if p.exit.is_some() {
+            return;
+        }
+        p.exit = Some(status);
+        self.exited_order.push_back(pid);
+        let waiting: Vec<RawFd> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.waits_for == Some(pid))
+            .map(|(fd, _)| *fd)
+            .collect();
+        for fd in waiting {
+            if let Some(c) = self.conns.get_mut(&fd) {
+                c.owns = None;
+            }
+            self.reply(fd, &Response::Exited { pid, status });
+            self.drop_conn(fd);
+        }
+    }
+
     fn reap(&mut self) {
         while let Ok(Some(_)) = self.sigfd.read_signal() {}
         loop {
@@ -266,23 +323,7 @@ impl Server {
                 Ok(WaitStatus::StillAlive) | Err(_) => break,
                 Ok(_) => continue,
             };
-            self.stash.retain(|_, (owner, _)| *owner != pid);
-            let Some(p) = self.procs.get_mut(&pid) else { continue };
-            p.exit = Some(status);
-            self.exited_order.push_back(pid);
-            let waiting: Vec<RawFd> = self
-                .conns
-                .iter()
-                .filter(|(_, c)| c.waits_for == Some(pid))
-                .map(|(fd, _)| *fd)
-                .collect();
-            for fd in waiting {
-                if let Some(c) = self.conns.get_mut(&fd) {
-                    c.owns = None;
-                }
-                self.reply(fd, &Response::Exited { pid, status });
-                self.drop_conn(fd);
-            }
+            self.exited(pid, status);
         }
         while self.exited_order.len() > KEEP_EXITED {
             if let Some(old) = self.exited_order.pop_front() {

@@ -183,13 +183,12 @@ mod tests {
         unsafe { libc::waitpid(pid, &mut status, 0) };
         assert_eq!(libc::WEXITSTATUS(status), 7);
         let err = fork_exec(&Prepared::new(&req(&["/no/such/program"], &[])).unwrap(), [None; 4], &policy)
-            .err()
-            .expect("exec must fail");
+            .expect_err("exec must fail");
         assert_eq!(err.errno, libc::ENOENT);
         assert!(err.message.contains("/no/such/program"), "{}", err.message);
         let mut r = req(&["/bin/true"], &[]);
         r.cwd = "/no/such/dir".into();
-        let err = fork_exec(&Prepared::new(&r).unwrap(), [None; 4], &policy).err().expect("chdir must fail");
+        let err = fork_exec(&Prepared::new(&r).unwrap(), [None; 4], &policy).expect_err("chdir must fail");
         assert!(err.message.contains("working directory"), "{}", err.message);
         // Reap the failed children.
         // SAFETY: reaping our own children.

@@ -24,6 +24,7 @@
 //! locally). Everything here needs root (chown to the shifted ids, mknod whiteouts, `trusted.*`
 //! xattrs, mounting).
 
+pub mod flatten;
 pub mod overlay;
 
 mod base;
@@ -32,7 +33,8 @@ mod fsutil;
 mod import;
 mod store;
 
-pub use overlay::{mount_overlay, new_writable, supports_reflink, unmount, OverlaySpec};
+pub use flatten::{flatten, FlattenStats};
+pub use overlay::{mount_overlay, new_writable, overlay_fd, supports_reflink, unmount, OverlaySpec};
 pub use store::ImageStore;
 
 use bb_sys::SysError;

@@ -19,7 +19,7 @@
 use crate::{io_err, IdMap, LayersError};
 use bb_sys::mount_api::{
     fs_context_messages, fsconfig_create, fsconfig_set_string, fsmount, fsopen, move_mount_to, FSMOUNT_CLOEXEC,
-    FSOPEN_CLOEXEC, MOUNT_ATTR_NODEV,
+    FSOPEN_CLOEXEC, MOUNT_ATTR_NOATIME, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY,
 };
 use bb_sys::SysError;
 use nix::unistd::{chown, Gid, Uid};
@@ -112,11 +112,49 @@ pub fn mount_overlay(spec: &OverlaySpec, target: &Path) -> Result<(), LayersErro
     mount_overlay_with(spec, target, false)
 }
 
+/// Build `overlay(spec)` as a *detached* mount (fsmount without move_mount) and return its fd.
+/// The caller attaches it wherever it wants (`move_mount`, possibly in another mount namespace)
+/// or clones it (`open_tree`). `name` only appears in error messages.
+pub fn overlay_fd(spec: &OverlaySpec, name: &Path) -> Result<OwnedFd, LayersError> {
+    let ctx = Ctx { target: name };
+    let fs = create_context(&ctx, spec.lower, Some((spec.upper, spec.work)), false)?;
+    fsmount(fs.as_fd(), FSMOUNT_CLOEXEC, MOUNT_ATTR_NODEV).map_err(|e| ctx.err("fsmount", Some(&fs), e))
+}
+
 /// `legacy_lowerdir`: skip `lowerdir+` and pass one escaped `lowerdir` string (what happens
 /// automatically on kernels without `lowerdir+`).
 fn mount_overlay_with(spec: &OverlaySpec, target: &Path, legacy_lowerdir: bool) -> Result<(), LayersError> {
     let ctx = Ctx { target };
-    if spec.lower.is_empty() {
+    let fs = create_context(&ctx, spec.lower, Some((spec.upper, spec.work)), legacy_lowerdir)?;
+    let mnt = fsmount(fs.as_fd(), FSMOUNT_CLOEXEC, MOUNT_ATTR_NODEV).map_err(|e| ctx.err("fsmount", Some(&fs), e))?;
+    move_mount_to(mnt.as_fd(), target).map_err(|e| ctx.err("move_mount", None, e))?;
+    Ok(())
+}
+
+/// A read-only `overlay(lower)` (no upper/work, same options as [`mount_overlay`]) as a *detached*
+/// mount: the returned fd is the mount's root, never attached anywhere, so no other process can
+/// see it and it disappears when the fd (and everything opened below it) is closed, even if the
+/// process dies. Mount flags: `ro,nodev,nosuid,noexec,noatime`. `what` names it in errors.
+pub(crate) fn mount_detached_readonly(lower: &[PathBuf], what: &Path) -> Result<OwnedFd, LayersError> {
+    let ctx = Ctx { target: what };
+    let fs = create_context(&ctx, lower, None, false)?;
+    fsmount(
+        fs.as_fd(),
+        FSMOUNT_CLOEXEC,
+        MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC | MOUNT_ATTR_NOATIME,
+    )
+    .map_err(|e| ctx.err("fsmount", Some(&fs), e))
+}
+
+/// An overlay filesystem context with `lower` (TOP-most first), optional `(upper, work)` and
+/// [`OVERLAY_OPTIONS`], after `FSCONFIG_CMD_CREATE`.
+fn create_context(
+    ctx: &Ctx,
+    lower: &[PathBuf],
+    upper_work: Option<(&Path, &Path)>,
+    legacy_lowerdir: bool,
+) -> Result<OwnedFd, LayersError> {
+    if lower.is_empty() {
         return Err(ctx.err(
             "fsconfig(lowerdir+)",
             None,
@@ -127,7 +165,7 @@ fn mount_overlay_with(spec: &OverlaySpec, target: &Path, legacy_lowerdir: bool) 
         ));
     }
     let mut fs = ctx.open()?;
-    for (i, l) in spec.lower.iter().enumerate() {
+    for (i, l) in lower.iter().enumerate() {
         let res = if legacy_lowerdir {
             Err(SysError {
                 call: "fsconfig",
@@ -142,7 +180,7 @@ fn mount_overlay_with(spec: &OverlaySpec, target: &Path, legacy_lowerdir: bool) 
             if legacy_lowerdir || msgs.iter().any(|m| m.contains("Unknown parameter")) {
                 tracing::debug!("overlay has no lowerdir+ (kernel < 6.8), using one lowerdir string");
                 fs = ctx.open()?;
-                let joined: Vec<String> = spec.lower.iter().map(|p| escape_lowerdir(p)).collect();
+                let joined: Vec<String> = lower.iter().map(|p| escape_lowerdir(p)).collect();
                 fsconfig_set_string(fs.as_fd(), "lowerdir", joined.join(":"))
                     .map_err(|e| ctx.err("fsconfig(lowerdir)", Some(&fs), e))?;
                 break;
@@ -157,17 +195,17 @@ fn mount_overlay_with(spec: &OverlaySpec, target: &Path, legacy_lowerdir: bool) 
         }
         return Err(ctx.err_for("fsconfig(lowerdir+)", Some(l), Some(&fs), e));
     }
-    fsconfig_set_string(fs.as_fd(), "upperdir", spec.upper)
-        .map_err(|e| ctx.err_for("fsconfig(upperdir)", Some(spec.upper), Some(&fs), e))?;
-    fsconfig_set_string(fs.as_fd(), "workdir", spec.work)
-        .map_err(|e| ctx.err_for("fsconfig(workdir)", Some(spec.work), Some(&fs), e))?;
+    if let Some((upper, work)) = upper_work {
+        fsconfig_set_string(fs.as_fd(), "upperdir", upper)
+            .map_err(|e| ctx.err_for("fsconfig(upperdir)", Some(upper), Some(&fs), e))?;
+        fsconfig_set_string(fs.as_fd(), "workdir", work)
+            .map_err(|e| ctx.err_for("fsconfig(workdir)", Some(work), Some(&fs), e))?;
+    }
     for (k, v) in OVERLAY_OPTIONS {
         fsconfig_set_string(fs.as_fd(), k, v).map_err(|e| ctx.err("fsconfig(options)", Some(&fs), e))?;
     }
     fsconfig_create(fs.as_fd()).map_err(|e| ctx.err("fsconfig(FSCONFIG_CMD_CREATE)", Some(&fs), e))?;
-    let mnt = fsmount(fs.as_fd(), FSMOUNT_CLOEXEC, MOUNT_ATTR_NODEV).map_err(|e| ctx.err("fsmount", Some(&fs), e))?;
-    move_mount_to(mnt.as_fd(), target).map_err(|e| ctx.err("move_mount", None, e))?;
-    Ok(())
+    Ok(fs)
 }
 
 /// Lazily unmount `target` (`umount2(MNT_DETACH)`). Ok if nothing is mounted there.

@@ -101,6 +101,11 @@ pub enum Request {
     Stash { key: String, pid: i32 },
     /// Answer `Ok` with a duplicate of the fd stashed under `key` attached.
     Fetch { key: String },
+    /// Track `pid`, a live process of the sandbox that init did not spawn (a session copy made by
+    /// fork), as a background process with this tag: it is listed, may own stashed fds, and its
+    /// exit is noticed (through a pidfd; its exit status is unknown unless init reaps it itself).
+    /// `Error{ESRCH}` if there is no such process, `EINVAL` for pid <= 1.
+    Adopt { pid: i32, tag: String },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

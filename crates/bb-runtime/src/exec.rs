@@ -52,7 +52,7 @@ pub fn resolve(sb: &Sandbox, req: &RunCommand) -> Result<Resolved> {
         Some(t) if t < 0.0 || !t.is_finite() => {
             return Err(RuntimeError::BadRequest("timeout must be >= 0 seconds (0 = no limit)".into()))
         }
-        Some(t) if t == 0.0 => None,
+        Some(0.0) => None,
         Some(t) => Some(Duration::from_secs_f64(t)),
     };
     Ok(Resolved {

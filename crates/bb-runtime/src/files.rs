@@ -85,6 +85,9 @@ impl SbPath {
 pub struct SandboxFs {
     root: OwnedFd,
     uid: u32,
+    /// Held while the handle lives: a checkpoint or rollback (which swaps the root under us)
+    /// waits for file operations in flight, and new ones wait for it.
+    _gate: Option<tokio::sync::OwnedRwLockReadGuard<()>>,
 }
 
 fn errno_to_error(what: &str, path: &SbPath, e: nix::Error) -> RuntimeError {
@@ -139,7 +142,14 @@ impl SandboxFs {
             .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
             .open(rootfs)
             .map_err(|e| RuntimeError::internal("open sandbox root", e))?;
-        Ok(SandboxFs { root: root.into(), uid })
+        Ok(SandboxFs { root: root.into(), uid, _gate: None })
+    }
+
+    /// Like [`open`](Self::open), holding `gate` (the sandbox's root-swap lock) while alive.
+    pub fn open_gated(rootfs: &Path, uid: u32, gate: tokio::sync::OwnedRwLockReadGuard<()>) -> Result<SandboxFs> {
+        let mut fs = SandboxFs::open(rootfs, uid)?;
+        fs._gate = Some(gate);
+        Ok(fs)
     }
 
     fn open_at(&self, path: &SbPath, flags: i32, mode: u32) -> Result<OwnedFd> {

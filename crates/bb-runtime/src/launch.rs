@@ -49,6 +49,40 @@ pub struct Launched {
     pub init_pid: i32,
     pub init_start: u64,
     pub cgroup: Cgroup,
+    /// Id of the writable layer (a dir under `<state>/snaplayers`).
+    pub upper: String,
+}
+
+/// Directory of snapshot and writable layers.
+pub fn snaplayers_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("snaplayers")
+}
+
+/// Path of a layer of a chain: `sl-*` ids are snapshot/writable layers, others image layers.
+pub fn layer_dir(cfg: &RuntimeConfig, images: &bb_layers::ImageStore, id: &str) -> PathBuf {
+    if id.starts_with("sl-") {
+        snaplayers_dir(&cfg.state_dir).join(id)
+    } else {
+        images.layer_path(id)
+    }
+}
+
+/// A fresh writable layer `<state>/snaplayers/sl-<hex>` (owned by the sandbox root, 0755) and the
+/// overlay work dir `<sandbox dir>/work-<n>` for it. Returns (layer id, upper, work).
+pub fn new_upper(cfg: &RuntimeConfig, dirs: &SandboxDirs, n: u64) -> Result<(String, PathBuf, PathBuf)> {
+    use std::os::unix::fs::PermissionsExt;
+    let id = format!("sl-{}", uuid::Uuid::new_v4().simple());
+    let upper = snaplayers_dir(&cfg.state_dir).join(&id);
+    std::fs::create_dir_all(snaplayers_dir(&cfg.state_dir)).map_err(|e| io("create layer dir", e))?;
+    std::fs::create_dir(&upper).map_err(|e| io("create writable layer", e))?;
+    let base = cfg.idmap.host_base;
+    std::os::unix::fs::chown(&upper, Some(base), Some(base)).map_err(|e| io("chown writable layer", e))?;
+    std::fs::set_permissions(&upper, std::fs::Permissions::from_mode(0o755)).map_err(|e| io("chmod writable layer", e))?;
+    let work = dirs.dir.join(format!("work-{n}"));
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir(&work).map_err(|e| io("create overlay work dir", e))?;
+    std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o700)).map_err(|e| io("chmod work dir", e))?;
+    Ok((id, upper, work))
 }
 
 pub fn limits(spec: &SandboxSpec) -> Limits {
@@ -65,6 +99,7 @@ struct Rollback<'a> {
     mounted: bool,
     cgroup: Option<Cgroup>,
     pid: Option<i32>,
+    upper: Option<PathBuf>,
     armed: bool,
 }
 
@@ -87,6 +122,9 @@ impl Drop for Rollback<'_> {
             let _ = bb_layers::unmount(&self.dirs.rootfs());
         }
         let _ = std::fs::remove_dir_all(&self.dirs.dir);
+        if let Some(u) = &self.upper {
+            let _ = std::fs::remove_dir_all(u);
+        }
     }
 }
 
@@ -103,7 +141,7 @@ pub fn launch(
 ) -> Result<Launched> {
     let t0 = std::time::Instant::now();
     let dirs = SandboxDirs::new(&cfg.state_dir, id);
-    let mut rb = Rollback { dirs: &dirs, mounted: false, cgroup: None, pid: None, armed: true };
+    let mut rb = Rollback { dirs: &dirs, mounted: false, cgroup: None, pid: None, upper: None, armed: true };
     std::fs::create_dir_all(dirs.logs()).map_err(|e| io("create sandbox dir", e))?;
     {
         use std::os::unix::fs::PermissionsExt;
@@ -112,7 +150,8 @@ pub fn launch(
         std::fs::set_permissions(&dirs.dir, std::fs::Permissions::from_mode(0o700))
             .map_err(|e| io("chmod sandbox dir", e))?;
     }
-    let (upper, work) = bb_layers::new_writable(&dirs.dir, &cfg.idmap).map_err(|e| io("writable layer", e))?;
+    let (upper_id, upper, work) = new_upper(cfg, &dirs, 0)?;
+    rb.upper = Some(upper.clone());
     let rootfs = dirs.rootfs();
     std::fs::create_dir_all(&rootfs).map_err(|e| io("create rootfs dir", e))?;
     // overlay wants the top-most lower layer first.
@@ -205,7 +244,7 @@ pub fn launch(
     rb.armed = false;
     tracing::debug!(%id, ?t_mount, ?t_cgroup, ?t_clone, ready = ?t0.elapsed(), "sandbox launched");
     let cgroup = rb.cgroup.take().expect("set above");
-    Ok(Launched { init_pid: pid, init_start, cgroup })
+    Ok(Launched { init_pid: pid, init_start, cgroup, upper: upper_id })
 }
 
 fn read_status(fd: OwnedFd, timeout: Duration) -> Result<String> {

@@ -19,7 +19,10 @@ pub mod initconn;
 pub mod launch;
 pub mod model;
 pub mod sandbox;
+pub mod checkpoint;
+pub mod rootswap;
 pub mod session;
+pub mod snapstore;
 pub mod store;
 
 pub use error::{Result, RuntimeError};
@@ -58,6 +61,8 @@ pub struct RuntimeConfig {
     pub max_pids: u64,
     /// Largest file upload, bytes.
     pub max_file_bytes: u64,
+    /// Live session templates kept for snapshots (LRU beyond this).
+    pub max_templates: usize,
 }
 
 impl RuntimeConfig {
@@ -72,6 +77,7 @@ impl RuntimeConfig {
             max_cpu: 64.0,
             max_pids: 65536,
             max_file_bytes: 4 << 30,
+            max_templates: 64,
         }
     }
 }
@@ -81,6 +87,8 @@ pub struct Runtime {
     pub cgroups: CgroupLayout,
     images: Arc<ImageStore>,
     store: Mutex<store::Store>,
+    pub(crate) snaps: Mutex<snapstore::SnapStore>,
+    pub(crate) templates: Mutex<checkpoint::TemplatePool>,
     sandboxes: RwLock<HashMap<String, Arc<Sandbox>>>,
 }
 
@@ -136,19 +144,31 @@ impl Runtime {
         let cgroups = CgroupLayout::detect(&cfg.cgroup_parent)?;
         let mut images = ImageStore::open(&cfg.state_dir, cfg.idmap).map_err(layers_error)?;
         let store = store::Store::open(&cfg.state_dir.join("branchbox.db"))?;
+        let snaps = snapstore::SnapStore::open(&cfg.state_dir.join("branchbox.db"))?;
         // An image's layers may not be deleted while a sandbox stands on them.
         let rows_for_check = cfg.state_dir.join("branchbox.db");
         images.set_layer_in_use_check(move |layer| {
-            store::Store::open(&rows_for_check)
+            let in_rows = store::Store::open(&rows_for_check)
                 .and_then(|s| s.all())
                 .map(|rows| rows.iter().any(|r| r.spec.layers.iter().any(|l| l == layer)))
-                .unwrap_or(true)
+                .unwrap_or(true);
+            let in_snaps = snapstore::SnapStore::open(&rows_for_check)
+                .and_then(|s| Ok((s.all()?, s.generations()?)))
+                .map(|(snaps, gens)| {
+                    snaps.iter().any(|s| s.layers.iter().any(|l| l == layer))
+                        || gens.iter().any(|(_, g)| g.chain.iter().chain(&g.mounted).any(|l| l == layer))
+                })
+                .unwrap_or(true);
+            in_rows || in_snaps
         });
+        let cfg_templates = cfg.max_templates;
         let rt = Arc::new(Runtime {
             cfg,
             cgroups,
             images: Arc::new(images),
             store: Mutex::new(store),
+            snaps: Mutex::new(snaps),
+            templates: Mutex::new(checkpoint::TemplatePool::new(cfg_templates)),
             sandboxes: RwLock::new(HashMap::new()),
         });
         rt.recover()?;
@@ -168,23 +188,23 @@ impl Runtime {
             match cgroup {
                 Some(cgroup) => {
                     tracing::info!(id = %row.id, "re-attached to sandbox");
-                    let sb = Arc::new(Sandbox {
-                        id: row.id.clone(),
-                        spec: row.spec,
+                    let gen = self.snaps.lock().expect("lock").generation(&row.id)?;
+                    let sb = Arc::new(Sandbox::new(
+                        row.id.clone(),
+                        row.spec,
                         dirs,
-                        init_pid: row.init_pid,
-                        init_start: row.init_start,
-                        created_at: row.created_at,
-                        expires_at: Mutex::new(row.expires_at),
+                        row.init_pid,
+                        row.init_start,
+                        row.created_at,
+                        row.expires_at,
                         cgroup,
-                        dead: Default::default(),
-                        oom_seen: Default::default(),
-                        sessions: Default::default(),
-                        default_session: Default::default(),
-                    });
+                        gen,
+                    ));
                     if tokio::runtime::Handle::try_current().is_ok() {
                         self.watch_init(&sb);
-                        reattach_sessions(&sb);
+                        for (key, t) in reattach_sessions(&sb) {
+                            let _ = self.templates.lock().expect("lock").insert(key, sb.id.clone(), Arc::new(t));
+                        }
                     }
                     kept.insert(row.id.clone());
                     self.sandboxes.write().expect("lock").insert(row.id, sb);
@@ -213,6 +233,17 @@ impl Runtime {
                     cg.destroy()?;
                 }
             }
+        }
+        // Generations of sandboxes that are gone, then layers nothing uses any more.
+        let gens = self.snaps.lock().expect("lock").generations()?;
+        for (id, g) in gens {
+            if !kept.contains(&id) {
+                self.snaps.lock().expect("lock").delete_generation(&id)?;
+                self.remove_layer_dir(&g.upper);
+            }
+        }
+        if let Err(e) = self.gc_layers() {
+            tracing::warn!("layer clean-up at start failed: {e}");
         }
         let _ = std::fs::remove_dir_all(self.cfg.state_dir.join("trash"));
         let _ = std::fs::create_dir_all(self.cfg.state_dir.join("trash"));
@@ -295,18 +326,36 @@ impl Runtime {
     }
 
     pub async fn create(self: &Arc<Self>, req: CreateSandbox) -> Result<SandboxInfo> {
-        if self.count() >= self.cfg.max_sandboxes {
+        self.check_capacity(1)?;
+        let (spec, timeout, _) = self.validate(req)?;
+        let chain = spec.layers.clone();
+        Ok(self.create_from(spec, chain, None, timeout).await?.info())
+    }
+
+    fn check_capacity(&self, n: usize) -> Result<()> {
+        if self.count() + n > self.cfg.max_sandboxes {
             return Err(RuntimeError::Unavailable(format!(
-                "{} sandboxes are running, the daemon's limit (--max-sandboxes): kill some first",
+                "{} sandboxes are running and the daemon's limit (--max-sandboxes) is {}: kill some first",
+                self.count(),
                 self.cfg.max_sandboxes
             )));
         }
+        Ok(())
+    }
+
+    /// Launch a sandbox standing on `chain` (layer ids, bottom first; image and snapshot layers).
+    pub(crate) async fn create_from(
+        self: &Arc<Self>,
+        spec: SandboxSpec,
+        chain: Vec<String>,
+        base: Option<String>,
+        timeout: Option<f64>,
+    ) -> Result<Arc<Sandbox>> {
         let t0 = std::time::Instant::now();
-        let (spec, timeout, layer_paths) = self.validate(req)?;
         let id = format!("sb-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
         let rt = self.clone();
         let sb = tokio::task::spawn_blocking(move || -> Result<Arc<Sandbox>> {
-            let t_validated = t0.elapsed();
+            let layer_paths: Vec<PathBuf> = chain.iter().map(|l| launch::layer_dir(&rt.cfg, &rt.images, l)).collect();
             let launched = launch::launch(&rt.cfg, &rt.cgroups, &id, &spec, &layer_paths)?;
             let t_launched = t0.elapsed();
             let created_at = now();
@@ -319,32 +368,38 @@ impl Runtime {
                 created_at,
                 expires_at,
             };
-            if let Err(e) = rt.store.lock().expect("lock").insert(&row) {
+            let gen = snapstore::Generation { upper: launched.upper.clone(), mounted: chain.clone(), chain, base, n: 0 };
+            let recorded = rt
+                .snaps
+                .lock()
+                .expect("lock")
+                .set_generation(&id, &gen)
+                .and_then(|()| rt.store.lock().expect("lock").insert(&row));
+            if let Err(e) = recorded {
                 let _ = launch::teardown(&rt.cfg, &rt.cgroups, &id, Some((launched.init_pid, launched.init_start)));
+                rt.remove_layer_dir(&launched.upper);
+                let _ = rt.snaps.lock().expect("lock").delete_generation(&id);
                 return Err(e);
             }
-            let sb = Arc::new(Sandbox {
-                id: id.clone(),
+            let sb = Arc::new(Sandbox::new(
+                id.clone(),
                 spec,
-                dirs: SandboxDirs::new(&rt.cfg.state_dir, &id),
-                init_pid: launched.init_pid,
-                init_start: launched.init_start,
+                SandboxDirs::new(&rt.cfg.state_dir, &id),
+                launched.init_pid,
+                launched.init_start,
                 created_at,
-                expires_at: Mutex::new(expires_at),
-                cgroup: launched.cgroup,
-                dead: Default::default(),
-                oom_seen: Default::default(),
-                sessions: Default::default(),
-                default_session: Default::default(),
-            });
+                expires_at,
+                launched.cgroup,
+                Some(gen),
+            ));
             rt.sandboxes.write().expect("lock").insert(id.clone(), sb.clone());
-            tracing::debug!(%id, ?t_validated, ?t_launched, recorded = ?t0.elapsed(), "sandbox created");
+            tracing::debug!(%id, ?t_launched, recorded = ?t0.elapsed(), "sandbox created");
             Ok(sb)
         })
         .await
         .map_err(blocking_err)??;
         self.watch_init(&sb);
-        Ok(sb.info())
+        Ok(sb)
     }
 
     /// Reap init as soon as it exits (it is our child) so it never lingers as a zombie.
@@ -398,8 +453,17 @@ impl Runtime {
         sb.dead.store(true, Ordering::SeqCst);
         let rt = self.clone();
         let id = id.to_string();
+        let gone_templates = self.templates.lock().expect("lock").remove_sandbox(&id);
         tokio::task::spawn_blocking(move || {
             launch::teardown(&rt.cfg, &rt.cgroups, &id, Some((sb.init_pid, sb.init_start)))?;
+            for key in gone_templates {
+                let _ = rt.snaps.lock().expect("lock").drop_template(&key);
+            }
+            let upper = sb.gen.lock().expect("lock").as_ref().map(|g| g.upper.clone());
+            rt.snaps.lock().expect("lock").delete_generation(&id)?;
+            if let Some(u) = upper {
+                rt.remove_layer_dir(&u);
+            }
             rt.store.lock().expect("lock").delete(&id)
         })
         .await
@@ -551,9 +615,10 @@ impl Runtime {
 
     // ---- files ----
 
-    pub fn fs(&self, id: &str) -> Result<files::SandboxFs> {
+    pub async fn fs(&self, id: &str) -> Result<files::SandboxFs> {
         let sb = self.live(id)?;
-        files::SandboxFs::open(&sb.dirs.rootfs(), self.cfg.idmap.host_base)
+        let gate = sb.fs_gate.clone().read_owned().await;
+        files::SandboxFs::open_gated(&sb.dirs.rootfs(), self.cfg.idmap.host_base, gate)
     }
 
     // ---- images ----
@@ -627,7 +692,7 @@ fn timeout_of(t: Option<f64>) -> Result<Option<Duration>> {
         Some(t) if !(t >= 0.0 && t.is_finite()) => {
             Err(RuntimeError::BadRequest("timeout must be >= 0 seconds (0 = no limit)".into()))
         }
-        Some(t) if t == 0.0 => Ok(None),
+        Some(0.0) => Ok(None),
         Some(t) => Ok(Some(Duration::from_secs_f64(t))),
     }
 }
@@ -649,26 +714,36 @@ fn ping_blocking(sock: &Path) -> bool {
     matches!(call_blocking(sock, &bb_proto::Request::Ping), Some((bb_proto::Response::Pong { .. }, _)))
 }
 
-/// Take back the channels of a re-attached sandbox's live sessions from its init.
-fn reattach_sessions(sb: &Sandbox) {
+/// Take back the channels of a re-attached sandbox's live sessions from its init; returns the
+/// sandbox's live templates (forked session copies kept for snapshots) by key.
+fn reattach_sessions(sb: &Sandbox) -> Vec<(String, session::Session)> {
+    let mut templates = Vec::new();
     let Some((bb_proto::Response::Procs { procs }, _)) = call_blocking(&sb.dirs.sock(), &bb_proto::Request::List) else {
-        return;
+        return templates;
     };
     for p in procs.into_iter().filter(|p| p.exit.is_none()) {
-        let Some((id, kind, default)) = session::parse_session_tag(&p.tag) else { continue };
-        let fetched = call_blocking(&sb.dirs.sock(), &bb_proto::Request::Fetch { key: id.clone() });
+        let template = p.tag.strip_prefix(checkpoint::TEMPLATE_TAG).and_then(|rest| rest.split_once(':'));
+        let (key, kind, default) = match (template, session::parse_session_tag(&p.tag)) {
+            (Some((key, kind)), _) => (key.to_string(), kind.to_string(), false),
+            (None, Some(parsed)) => parsed,
+            (None, None) => continue,
+        };
+        let fetched = call_blocking(&sb.dirs.sock(), &bb_proto::Request::Fetch { key: key.clone() });
         let Some((bb_proto::Response::Ok, mut fds)) = fetched else { continue };
         let Some(fd) = fds.pop() else { continue };
-        match session::Session::attach(id.clone(), kind, p.pid, p.started_at, std::os::unix::net::UnixStream::from(fd)) {
+        let chan = std::os::unix::net::UnixStream::from(fd);
+        match session::Session::attach(key.clone(), kind, p.pid, p.started_at, chan) {
+            Ok(s) if template.is_some() => templates.push((key, s)),
             Ok(s) => {
                 if let (Ok(mut sessions), Ok(mut dflt)) = (sb.sessions.try_lock(), sb.default_session.try_lock()) {
-                    sessions.insert(id.clone(), Arc::new(s));
+                    sessions.insert(key.clone(), Arc::new(s));
                     if default {
-                        *dflt = Some(id);
+                        *dflt = Some(key);
                     }
                 }
             }
-            Err(e) => tracing::warn!(sandbox = %sb.id, session = %id, "cannot re-attach session: {e}"),
+            Err(e) => tracing::warn!(sandbox = %sb.id, session = %key, "cannot re-attach session: {e}"),
         }
     }
+    templates
 }

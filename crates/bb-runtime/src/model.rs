@@ -292,3 +292,100 @@ pub struct Health {
     pub cgroup: String,
     pub sandboxes: usize,
 }
+
+// ---- snapshots ----
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointRequest {
+    /// Free-form label shown in snapshot listings.
+    pub label: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RollbackRequest {
+    /// Snapshot id to return to.
+    pub snapshot: String,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    /// Number of children (1..=64, default 1).
+    pub count: Option<u32>,
+    /// Snapshot to fork from (default: a checkpoint taken now).
+    pub snapshot: Option<String>,
+    /// TTL of the children in seconds (default: the daemon's default; 0 = none).
+    pub timeout: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GcRequest {
+    /// Snapshots to keep (with their ancestors).
+    #[serde(default)]
+    pub keep: Vec<String>,
+    /// Only consider the snapshots taken in this sandbox (default: all).
+    pub sandbox: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct SnapshotSessionInfo {
+    pub id: String,
+    pub kind: String,
+    pub default: bool,
+    /// A live template process holds this session's state (false: rollback/fork start it fresh).
+    pub template: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SnapshotInfo {
+    pub id: String,
+    /// Sandbox the snapshot was taken in.
+    pub sandbox_id: String,
+    pub parent: Option<String>,
+    pub children: Vec<String>,
+    pub created_at: f64,
+    pub label: Option<String>,
+    /// Bytes only this snapshot holds (its own layer); 0 when it shares its parent's state.
+    pub size_bytes: u64,
+    /// Snapshot layers under it (image layers not counted).
+    pub depth: usize,
+    /// Nothing changed since the previous snapshot: this one shares its state.
+    pub lightweight: bool,
+    pub sessions: Vec<SnapshotSessionInfo>,
+    /// How long the checkpoint took (only in the checkpoint response).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub took_ms: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SnapshotList {
+    pub snapshots: Vec<SnapshotInfo>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RollbackResult {
+    pub snapshot: String,
+    /// Some session had no live template (evicted or died) and was started fresh.
+    pub sessions_restarted: bool,
+    /// Pids of the non-session processes that were killed.
+    pub killed: Vec<i32>,
+    pub took_ms: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ForkResult {
+    pub snapshot: String,
+    pub sandboxes: Vec<SandboxInfo>,
+    /// The children's sessions were started fresh (not live copies).
+    pub sessions_restarted: bool,
+    pub took_ms: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct GcResult {
+    pub deleted: Vec<String>,
+    pub freed_bytes: u64,
+}

@@ -22,6 +22,14 @@ pub struct Sandbox {
     pub sessions: tokio::sync::Mutex<HashMap<String, Arc<Session>>>,
     /// Serialises creation of the default python session used by `/code`.
     pub default_session: tokio::sync::Mutex<Option<String>>,
+    /// The layer stack the sandbox stands on (None: created by a daemon without snapshots).
+    pub gen: Mutex<Option<crate::snapstore::Generation>>,
+    /// Serialises checkpoint / rollback / fork / evaluate of this sandbox.
+    pub ops: tokio::sync::Mutex<()>,
+    /// File operations hold it shared; a root swap holds it exclusively.
+    pub fs_gate: Arc<tokio::sync::RwLock<()>>,
+    /// A session ran, was created or was killed since the last checkpoint or rollback.
+    pub dirty: AtomicBool,
 }
 
 /// Environment every command starts with, before the image's and the caller's.
@@ -33,6 +41,39 @@ const BASE_ENV: &[(&str, &str)] = &[
 ];
 
 impl Sandbox {
+    /// A sandbox record as the runtime keeps it in memory.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        id: String,
+        spec: SandboxSpec,
+        dirs: SandboxDirs,
+        init_pid: i32,
+        init_start: u64,
+        created_at: f64,
+        expires_at: Option<f64>,
+        cgroup: Cgroup,
+        gen: Option<crate::snapstore::Generation>,
+    ) -> Sandbox {
+        Sandbox {
+            id,
+            spec,
+            dirs,
+            init_pid,
+            init_start,
+            created_at,
+            expires_at: Mutex::new(expires_at),
+            cgroup,
+            dead: Default::default(),
+            oom_seen: Default::default(),
+            sessions: Default::default(),
+            default_session: Default::default(),
+            gen: Mutex::new(gen),
+            ops: Default::default(),
+            fs_gate: Default::default(),
+            dirty: AtomicBool::new(true),
+        }
+    }
+
     /// Base env, then the image's, then the sandbox's, then `extra`; later entries win.
     pub fn env_with(&self, extra: &BTreeMap<String, String>) -> Vec<String> {
         let mut merged: Vec<(String, String)> = Vec::new();

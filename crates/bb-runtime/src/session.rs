@@ -34,6 +34,8 @@ pub struct Session {
     /// Request ids: every answer is matched to its request, so a restarted daemon that inherits
     /// a channel with a stale answer in flight skips it.
     next_id: std::sync::atomic::AtomicU64,
+    /// Held for a whole user-visible operation (a run); a checkpoint holds every session's.
+    pub op_lock: tokio::sync::Mutex<()>,
 }
 
 /// Process tag of a session: `branchbox-session:<id>:<kind>[:default]`.
@@ -62,6 +64,7 @@ impl Session {
             alive: AtomicBool::new(true),
             chan: tokio::sync::Mutex::new(Some(BufReader::new(stream))),
             next_id: Default::default(),
+            op_lock: Default::default(),
         })
     }
 
@@ -79,8 +82,57 @@ impl Session {
         self.alive.load(Ordering::SeqCst)
     }
 
+    /// Mark the session dead without killing anything (its process is already gone).
+    pub(crate) async fn forget(&self) {
+        self.chan.lock().await.take();
+        self.alive.store(false, Ordering::SeqCst);
+    }
+
+    /// Fork the session server (`{"op":"fork","role":role}` with a new channel).
+    ///
+    /// `role = "template"`: the child is a frozen copy (the snapshot's template), this process goes
+    /// on. `role = "restore"` (sent to a template): the child is a new live session. Returns the
+    /// child's pid and the daemon's end of the child's channel, after the child has answered on it.
+    pub async fn fork(&self, role: &str) -> Result<(i32, std::os::unix::net::UnixStream)> {
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| RuntimeError::internal("socketpair", e))?;
+        let resp = self
+            .request_fd(&serde_json::json!({"op": "fork", "role": role}), Some(theirs.as_raw_fd()), Some(FORK_TIMEOUT))
+            .await?
+            .ok_or_else(|| RuntimeError::Internal(format!("session {} did not answer a fork request", self.id)))?;
+        drop(theirs);
+        let Some(child) = resp.get("child").and_then(|c| c.as_i64()) else {
+            return Err(RuntimeError::Internal(format!("session {} refused to fork: {resp}", self.id)));
+        };
+        // The child's first line on its channel says it is ready.
+        ours.set_nonblocking(true).map_err(|e| RuntimeError::internal("socket", e))?;
+        let stream = UnixStream::from_std(ours).map_err(|e| RuntimeError::internal("socket", e))?;
+        let mut reader = BufReader::new(stream);
+        let mut hello = Vec::new();
+        let read = tokio::time::timeout(FORK_TIMEOUT, reader.read_until(b'\n', &mut hello)).await;
+        if !matches!(read, Ok(Ok(n)) if n > 0) {
+            return Err(RuntimeError::Internal(format!("forked copy of session {} did not report", self.id)));
+        }
+        let v: serde_json::Value = serde_json::from_slice(&hello).unwrap_or_default();
+        if v.get("ok").and_then(|o| o.as_bool()) != Some(true) {
+            return Err(RuntimeError::Internal(format!("forked copy of session {} failed: {v}", self.id)));
+        }
+        let std = reader.into_inner().into_std().map_err(|e| RuntimeError::internal("socket", e))?;
+        std.set_nonblocking(false).map_err(|e| RuntimeError::internal("socket", e))?;
+        Ok((child as i32, std))
+    }
+
     /// Send one request line and read one response line.
     async fn request(&self, req: &serde_json::Value, timeout: Option<Duration>) -> Result<Option<serde_json::Value>> {
+        self.request_fd(req, None, timeout).await
+    }
+
+    /// [`request`](Self::request), with `fd` attached to the request line (SCM_RIGHTS).
+    async fn request_fd(
+        &self,
+        req: &serde_json::Value,
+        fd: Option<std::os::fd::RawFd>,
+        timeout: Option<Duration>,
+    ) -> Result<Option<serde_json::Value>> {
         let mut guard = self.chan.lock().await;
         let chan = guard.as_mut().ok_or_else(|| self.dead_error())?;
         let id = format!("r{}", self.next_id.fetch_add(1, Ordering::SeqCst));
@@ -89,7 +141,10 @@ impl Session {
         let mut line = serde_json::to_vec(&req).expect("json");
         line.push(b'\n');
         let io = async {
-            chan.get_mut().write_all(&line).await?;
+            match fd {
+                None => chan.get_mut().write_all(&line).await?,
+                Some(fd) => send_with_fd(chan.get_mut(), &line, fd).await?,
+            }
             loop {
                 let mut resp = Vec::new();
                 let n = tokio::io::AsyncReadExt::take(&mut *chan, MAX_LINE as u64).read_until(b'\n', &mut resp).await?;
@@ -132,8 +187,58 @@ impl Session {
     }
 }
 
+/// Send `line` with `fd` attached in one sendmsg; the rest (if the socket took only part) plainly.
+async fn send_with_fd(stream: &mut UnixStream, line: &[u8], fd: std::os::fd::RawFd) -> std::io::Result<()> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    let fds = [fd];
+    let cmsg = [ControlMessage::ScmRights(&fds)];
+    let sent = loop {
+        stream.writable().await?;
+        let iov = [std::io::IoSlice::new(line)];
+        match sendmsg::<()>(stream.as_raw_fd(), &iov, &cmsg, MsgFlags::MSG_NOSIGNAL, None) {
+            Ok(n) => break n,
+            Err(nix::Error::EAGAIN) | Err(nix::Error::EINTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    stream.write_all(&line[sent..]).await
+}
+
+const FORK_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Record a process made by fork (not spawned by init) with init, and stash its channel there,
+/// so a restarted daemon finds it like any session (`tag`) and takes its channel back (`key`).
+pub async fn adopt(sb: &Sandbox, pid: i32, tag: String, key: String, chan: &std::os::unix::net::UnixStream) -> Result<()> {
+    match InitConn::call(&sb.dirs.sock(), &Request::Adopt { pid, tag }).await? {
+        Response::Ok => {}
+        Response::Error { errno, message } => return Err(init_error(errno, message)),
+        other => return Err(unexpected(other)),
+    }
+    let keep = chan.try_clone().map_err(|e| RuntimeError::internal("socket", e))?;
+    let stash = InitConn::connect(&sb.dirs.sock()).await?;
+    stash.send(&Request::Stash { key, pid }, &[keep.as_raw_fd()])?;
+    drop(keep);
+    match stash.recv().await? {
+        Response::Ok => Ok(()),
+        Response::Error { errno, message } => Err(init_error(errno, message)),
+        other => Err(unexpected(other)),
+    }
+}
+
 pub async fn create(
     sb: &Sandbox,
+    kind: &str,
+    default: bool,
+    cwd: Option<String>,
+    env: &std::collections::BTreeMap<String, String>,
+) -> Result<Session> {
+    create_as(sb, None, kind, default, cwd, env).await
+}
+
+/// [`create`] with a chosen session id (sessions recreated after a rollback keep theirs).
+pub async fn create_as(
+    sb: &Sandbox,
+    id: Option<String>,
     kind: &str,
     default: bool,
     cwd: Option<String>,
@@ -142,7 +247,8 @@ pub async fn create(
     if kind != "python" && kind != "shell" {
         return Err(RuntimeError::BadRequest(format!("session kind {kind:?} is unknown: use \"python\" or \"shell\"")));
     }
-    let id = format!("ss-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let id = id.unwrap_or_else(|| format!("ss-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]));
+    sb.dirty.store(true, Ordering::SeqCst);
     let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| RuntimeError::internal("socketpair", e))?;
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -205,12 +311,14 @@ pub async fn create(
     }
 }
 
-async fn kill_process(sb: &Sandbox, pid: i32) -> Result<()> {
+pub(crate) async fn kill_process(sb: &Sandbox, pid: i32) -> Result<()> {
     InitConn::call(&sb.dirs.sock(), &Request::Kill { pid, signal: libc::SIGKILL, group: true }).await?;
     Ok(())
 }
 
 pub async fn run(sb: &Sandbox, session: &Session, code: &str, timeout: Option<Duration>) -> Result<SessionResult> {
+    let _op = session.op_lock.lock().await;
+    sb.dirty.store(true, Ordering::SeqCst);
     let resp = session.request(&serde_json::json!({"op": "run", "code": code}), timeout).await?;
     let Some(v) = resp else {
         let _ = kill_process(sb, session.pid).await;
@@ -231,6 +339,7 @@ pub async fn run(sb: &Sandbox, session: &Session, code: &str, timeout: Option<Du
 }
 
 pub async fn kill(sb: &Sandbox, session: &Session) -> Result<()> {
+    sb.dirty.store(true, Ordering::SeqCst);
     session.chan.lock().await.take();
     session.alive.store(false, Ordering::SeqCst);
     match kill_process(sb, session.pid).await {

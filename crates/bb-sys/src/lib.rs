@@ -4,6 +4,7 @@
 //! returns `Result<_, SysError>`; callers never touch `libc::syscall` themselves.
 
 pub mod mount_api;
+pub mod ns;
 pub mod process;
 
 use std::io;

@@ -1,0 +1,773 @@
+//! Checkpoint, rollback, fork and evaluate: the sandbox's files and sessions captured together.
+//!
+//! * **checkpoint**: each session server forks at a quiescent point (between requests); the child
+//!   stays idle as the snapshot's *template*. Then, with the sandbox frozen (cgroup freezer), the
+//!   writable layer becomes a frozen snapshot layer and the sandbox is moved onto a fresh writable
+//!   layer stacked on it ([`crate::rootswap`]). Cost: one fork per session plus a mount and a
+//!   pivot, independent of how many files the sandbox holds.
+//! * **rollback**: every process but init and the templates is killed, the sandbox is moved onto a
+//!   fresh writable layer over the snapshot's chain, and each session is forked again from its
+//!   template (or started fresh when the template is gone: `sessions_restarted`).
+//! * **fork(n)**: n new sandboxes (own namespaces, cgroup, writable layer) on the snapshot's chain.
+//! * Templates live in a bounded LRU pool ([`TemplatePool`]); an evicted template only means the
+//!   session restarts fresh on rollback.
+
+use crate::error::{Result, RuntimeError};
+use crate::launch::{layer_dir, new_upper};
+use crate::model::*;
+use crate::rootswap;
+use crate::sandbox::Sandbox;
+use crate::session::{self, Session};
+use crate::snapstore::{self, Generation, SnapSession, SnapshotRow};
+use crate::{blocking_err, now, Runtime};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Process tag of a template: `branchbox-template:<key>:<kind>`.
+pub const TEMPLATE_TAG: &str = "branchbox-template:";
+/// Snapshot layers beyond which a chain is compacted in the background.
+pub const MAX_CHAIN: usize = 24;
+/// Most children one fork request may ask for.
+pub const MAX_FORK: u32 = 64;
+
+pub struct Template {
+    pub key: String,
+    pub sandbox_id: String,
+    pub session: Arc<Session>,
+    last_used: Instant,
+}
+
+/// Live template processes by key, least recently used evicted beyond `cap`.
+pub struct TemplatePool {
+    cap: usize,
+    map: HashMap<String, Template>,
+}
+
+impl TemplatePool {
+    pub fn new(cap: usize) -> Self {
+        TemplatePool { cap, map: HashMap::new() }
+    }
+
+    /// Add a template; returns the ones evicted to stay within the cap.
+    pub fn insert(&mut self, key: String, sandbox_id: String, session: Arc<Session>) -> Vec<Template> {
+        self.map.insert(key.clone(), Template { key, sandbox_id, session, last_used: Instant::now() });
+        let mut evicted = Vec::new();
+        while self.map.len() > self.cap {
+            let Some(oldest) = self.map.values().min_by_key(|t| t.last_used).map(|t| t.key.clone()) else { break };
+            evicted.extend(self.map.remove(&oldest));
+        }
+        evicted
+    }
+
+    /// The template's session if it is alive (marks it used).
+    pub fn get(&mut self, key: &str, sandbox_id: &str) -> Option<Arc<Session>> {
+        let t = self.map.get_mut(key)?;
+        if t.sandbox_id != sandbox_id || !t.session.is_alive() {
+            return None;
+        }
+        t.last_used = Instant::now();
+        Some(t.session.clone())
+    }
+
+    pub fn contains(&self, key: &str) -> bool {
+        self.map.get(key).is_some_and(|t| t.session.is_alive())
+    }
+
+    /// Pids (in the sandbox's pid namespace) of a sandbox's templates.
+    pub fn pids_of(&self, sandbox_id: &str) -> HashSet<i32> {
+        self.map.values().filter(|t| t.sandbox_id == sandbox_id).map(|t| t.session.pid).collect()
+    }
+
+    pub fn remove(&mut self, keys: &BTreeSet<String>) -> Vec<Template> {
+        keys.iter().filter_map(|k| self.map.remove(k)).collect()
+    }
+
+    /// Forget every template of a sandbox (it is being torn down); returns their keys.
+    pub fn remove_sandbox(&mut self, sandbox_id: &str) -> Vec<String> {
+        let keys: Vec<String> = self.map.values().filter(|t| t.sandbox_id == sandbox_id).map(|t| t.key.clone()).collect();
+        for k in &keys {
+            self.map.remove(k);
+        }
+        keys
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+/// Pid of host process `host_pid` in its innermost pid namespace.
+fn ns_pid(host_pid: i32) -> Option<i32> {
+    let status = std::fs::read_to_string(format!("/proc/{host_pid}/status")).ok()?;
+    status.lines().find(|l| l.starts_with("NSpid:"))?.split_whitespace().last()?.parse().ok()
+}
+
+fn dir_is_empty(p: &Path) -> bool {
+    std::fs::read_dir(p).map(|mut d| d.next().is_none()).unwrap_or(false)
+}
+
+/// Bytes allocated by a layer dir (what deleting it frees).
+fn du(p: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![p.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            let Ok(m) = e.path().symlink_metadata() else { continue };
+            total += m.blocks() * 512;
+            if m.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    total
+}
+
+fn snapshot_id() -> String {
+    format!("sn-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1000.0
+}
+
+fn legacy(id: &str) -> RuntimeError {
+    RuntimeError::Conflict(format!(
+        "sandbox {id} was created by a daemon without snapshot support: create a new sandbox to checkpoint it"
+    ))
+}
+
+impl Runtime {
+    fn snapshot_info(&self, row: &SnapshotRow, all: &[SnapshotRow]) -> SnapshotInfo {
+        let pool = self.templates.lock().expect("lock");
+        let size = row
+            .own_layer
+            .as_ref()
+            .and_then(|l| self.snaps.lock().expect("lock").layer_size(l).ok().flatten())
+            .unwrap_or(0);
+        SnapshotInfo {
+            id: row.id.clone(),
+            sandbox_id: row.sandbox_id.clone(),
+            parent: row.parent.clone(),
+            children: all.iter().filter(|s| s.parent.as_deref() == Some(&row.id)).map(|s| s.id.clone()).collect(),
+            created_at: row.created_at,
+            label: row.label.clone(),
+            size_bytes: size,
+            depth: row.layers.iter().filter(|l| l.starts_with("sl-")).count(),
+            lightweight: row.own_layer.is_none(),
+            sessions: row
+                .sessions
+                .iter()
+                .map(|s| SnapshotSessionInfo {
+                    id: s.id.clone(),
+                    kind: s.kind.clone(),
+                    default: s.default,
+                    template: s.template.as_deref().is_some_and(|k| pool.contains(k)),
+                })
+                .collect(),
+            took_ms: None,
+        }
+    }
+
+    fn snapshot_row(&self, sid: &str) -> Result<SnapshotRow> {
+        self.snaps.lock().expect("lock").get(sid)?.ok_or_else(|| RuntimeError::NotFound {
+            kind: "snapshot",
+            id: sid.into(),
+            hint: ": list snapshots with `branchbox snapshot ls`",
+        })
+    }
+
+    pub(crate) fn remove_layer_dir(&self, id: &str) {
+        if !id.starts_with("sl-") {
+            return;
+        }
+        let dir = crate::launch::snaplayers_dir(&self.cfg.state_dir).join(id);
+        let trash = self.cfg.state_dir.join("trash").join(format!("{id}-{}", uuid::Uuid::new_v4().simple()));
+        if std::fs::rename(&dir, &trash).is_ok() {
+            let _ = std::fs::remove_dir_all(&trash);
+        } else {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+
+    /// Kill template processes and forget their keys in snapshot records.
+    async fn drop_templates(&self, gone: Vec<Template>) {
+        for t in gone {
+            t.session.forget().await;
+            if let Ok(sb) = self.get(&t.sandbox_id) {
+                let _ = session::kill_process(&sb, t.session.pid).await;
+            }
+            let _ = self.snaps.lock().expect("lock").drop_template(&t.key);
+        }
+    }
+
+    pub async fn checkpoint(self: &Arc<Self>, id: &str, req: CheckpointRequest) -> Result<SnapshotInfo> {
+        let t0 = Instant::now();
+        if req.label.as_ref().is_some_and(|l| l.len() > 256) {
+            return Err(RuntimeError::BadRequest("label is longer than 256 bytes: shorten it".into()));
+        }
+        let sb = self.live(id)?;
+        let _ops = sb.ops.lock().await;
+        let (row, _) = self.checkpoint_locked(&sb, req.label, true).await?;
+        let all = self.snaps.lock().expect("lock").all()?;
+        let mut info = self.snapshot_info(&row, &all);
+        info.took_ms = Some(ms(t0));
+        Ok(info)
+    }
+
+    /// Take a snapshot of `sb` (caller holds `sb.ops`). `with_sessions = false` captures files
+    /// only (evaluate). Returns the snapshot and whether it is new (false: an existing one was
+    /// reused because nothing changed).
+    async fn checkpoint_locked(self: &Arc<Self>, sb: &Arc<Sandbox>, label: Option<String>, with_sessions: bool) -> Result<(SnapshotRow, bool)> {
+        let gen = sb.gen.lock().expect("lock").clone().ok_or_else(|| legacy(&sb.id))?;
+        let sessions_map = sb.sessions.lock().await;
+        let default_id = sb.default_session.lock().await.clone();
+        let mut sessions: Vec<Arc<Session>> = sessions_map.values().filter(|s| s.is_alive()).cloned().collect();
+        sessions.sort_by(|a, b| a.id.cmp(&b.id));
+        let mut guards = Vec::with_capacity(sessions.len());
+        for s in &sessions {
+            guards.push(s.op_lock.lock().await);
+        }
+        let upper_dir = layer_dir(&self.cfg, &self.images, &gen.upper);
+
+        // Nothing changed since the last checkpoint or rollback: share that snapshot.
+        if !sb.dirty.load(Ordering::SeqCst) && dir_is_empty(&upper_dir) {
+            if let Some(base) = gen.base.as_deref().and_then(|b| self.snaps.lock().expect("lock").get(b).ok().flatten()) {
+                let same: Vec<&str> = base.sessions.iter().map(|s| s.id.as_str()).collect();
+                let now_ids: Vec<&str> = sessions.iter().map(|s| s.id.as_str()).collect();
+                if !with_sessions {
+                    return Ok((base, false));
+                }
+                if same == now_ids {
+                    let row = SnapshotRow {
+                        id: snapshot_id(),
+                        sandbox_id: sb.id.clone(),
+                        parent: Some(base.id.clone()),
+                        created_at: now(),
+                        label,
+                        layers: base.layers.clone(),
+                        own_layer: None,
+                        spec: sb.spec.clone(),
+                        sessions: base.sessions.clone(),
+                    };
+                    self.snaps.lock().expect("lock").insert(&row)?;
+                    self.set_gen(sb, Generation { base: Some(row.id.clone()), ..gen })?;
+                    return Ok((row, true));
+                }
+            }
+        }
+
+        // Sessions first (they are idle: we hold their locks): one fork each.
+        let mut snap_sessions = Vec::new();
+        let mut new_templates: Vec<(String, Arc<Session>)> = Vec::new();
+        if with_sessions {
+            for s in &sessions {
+                let default = default_id.as_deref() == Some(s.id.as_str());
+                let mut template = None;
+                match s.fork("template").await {
+                    Ok((pid, chan)) => {
+                        let key = format!("tp-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+                        let tag = format!("{TEMPLATE_TAG}{key}:{}", s.kind);
+                        if let Err(e) = session::adopt(sb, pid, tag, key.clone(), &chan).await {
+                            tracing::warn!(sandbox = %sb.id, session = %s.id, "template not registered with init: {e}");
+                        }
+                        match Session::attach(key.clone(), s.kind.clone(), pid, now(), chan) {
+                            Ok(t) => {
+                                new_templates.push((key.clone(), Arc::new(t)));
+                                template = Some(key);
+                            }
+                            Err(e) => tracing::warn!(sandbox = %sb.id, "template channel: {e}"),
+                        }
+                    }
+                    Err(e) => tracing::warn!(sandbox = %sb.id, session = %s.id, "session did not fork; it will restart fresh on rollback: {e}"),
+                }
+                snap_sessions.push(SnapSession { id: s.id.clone(), kind: s.kind.clone(), default, template });
+            }
+        }
+
+        // Files: freeze, pin open files, swap the root onto a fresh writable layer.
+        let swapped = {
+            let _gate = sb.fs_gate.write().await;
+            let (rt, sbc, g) = (self.clone(), sb.clone(), gen.clone());
+            tokio::task::spawn_blocking(move || rt.freeze_and_swap(&sbc, &g, None)).await.map_err(blocking_err)?
+        };
+        let (new_gen, pinned) = match swapped {
+            Ok(x) => x,
+            Err(e) => {
+                for (_, t) in new_templates {
+                    t.forget().await;
+                    let _ = session::kill_process(sb, t.pid).await;
+                }
+                return Err(e);
+            }
+        };
+        if pinned.files > 0 {
+            tracing::debug!(sandbox = %sb.id, files = pinned.files, bytes = pinned.bytes_copied, "open files moved to the live layer");
+        }
+        let row = SnapshotRow {
+            id: snapshot_id(),
+            sandbox_id: sb.id.clone(),
+            parent: gen.base.clone(),
+            created_at: now(),
+            label,
+            layers: new_gen.chain.clone(),
+            own_layer: Some(gen.upper.clone()),
+            spec: sb.spec.clone(),
+            sessions: snap_sessions,
+        };
+        self.snaps.lock().expect("lock").insert(&row)?;
+        let base = with_sessions.then(|| row.id.clone());
+        self.set_gen(sb, Generation { base, ..new_gen })?;
+        sb.dirty.store(false, Ordering::SeqCst);
+        drop(guards);
+        drop(sessions_map);
+        let mut evicted = Vec::new();
+        {
+            let mut pool = self.templates.lock().expect("lock");
+            for (key, t) in new_templates {
+                evicted.extend(pool.insert(key, sb.id.clone(), t));
+            }
+        }
+        self.drop_templates(evicted).await;
+        self.after_swap(sb, gen.n, Some(gen.upper.clone()), None);
+        Ok((row, true))
+    }
+
+    fn set_gen(&self, sb: &Sandbox, g: Generation) -> Result<()> {
+        self.snaps.lock().expect("lock").set_generation(&sb.id, &g)?;
+        *sb.gen.lock().expect("lock") = Some(g);
+        Ok(())
+    }
+
+    /// Background clean-up after a root swap: the old work dir goes (writes through stale
+    /// references to the old root then fail instead of reaching a frozen layer), the frozen
+    /// layer's size is measured, a discarded writable layer is deleted, deep chains compacted.
+    fn after_swap(self: &Arc<Self>, sb: &Arc<Sandbox>, old_n: u64, measure: Option<String>, discard: Option<String>) {
+        let rt = self.clone();
+        let dir = sb.dirs.dir.clone();
+        tokio::task::spawn_blocking(move || {
+            let _ = std::fs::remove_dir_all(dir.join(format!("work-{old_n}")));
+            if let Some(l) = measure {
+                let size = du(&layer_dir(&rt.cfg, &rt.images, &l));
+                let _ = rt.snaps.lock().expect("lock").set_layer_size(&l, size);
+            }
+            if let Some(l) = discard {
+                rt.remove_layer_dir(&l);
+            }
+        });
+    }
+
+    /// Freeze `sb`, optionally kill every process except init and `keep_pids` (namespace pids),
+    /// move the sandbox onto a new writable layer over `chain` (default: the current chain plus
+    /// the current writable layer, frozen), thaw. Returns the new generation (base unset) and
+    /// what was pinned; with `kill` the killed namespace pids are in `PinStats`-free form below.
+    fn freeze_and_swap(&self, sb: &Sandbox, gen: &Generation, restore: Option<(&[String], &HashSet<i32>, &mut Vec<i32>)>) -> Result<(Generation, rootswap::PinStats)> {
+        let t0 = Instant::now();
+        sb.cgroup.freeze()?;
+        let t_frozen = t0.elapsed();
+        let res = self.swap_frozen(sb, gen, restore);
+        let thawed = sb.cgroup.thaw();
+        tracing::debug!(sandbox = %sb.id, ?t_frozen, total = ?t0.elapsed(), "root swapped");
+        let out = res?;
+        thawed?;
+        Ok(out)
+    }
+
+    fn swap_frozen(&self, sb: &Sandbox, gen: &Generation, restore: Option<(&[String], &HashSet<i32>, &mut Vec<i32>)>) -> Result<(Generation, rootswap::PinStats)> {
+        let rootfs = sb.dirs.rootfs();
+        let pids = sb.cgroup.pids()?;
+        let (chain, pin_from) = match restore {
+            Some((chain, keep, killed)) => {
+                for hp in pids {
+                    if hp == sb.init_pid {
+                        continue;
+                    }
+                    let ns = ns_pid(hp);
+                    if ns.is_some_and(|p| keep.contains(&p)) {
+                        continue;
+                    }
+                    // SAFETY: kill(2) on a member of the sandbox's cgroup (frozen: it dies on thaw).
+                    if unsafe { libc::kill(hp, libc::SIGKILL) } == 0 {
+                        killed.extend(ns);
+                    }
+                }
+                (chain.to_vec(), None)
+            }
+            None => {
+                let mut chain = gen.chain.clone();
+                chain.push(gen.upper.clone());
+                (chain, Some(layer_dir(&self.cfg, &self.images, &gen.upper)))
+            }
+        };
+        let n = gen.n + 1;
+        let (lid, upper, work) = new_upper(&self.cfg, &sb.dirs, n)?;
+        let mut pinned = rootswap::PinStats::default();
+        let mut pinned_files = Vec::new();
+        if let Some(old_upper) = &pin_from {
+            let dev = std::fs::metadata(&rootfs).map_err(|e| RuntimeError::internal("stat sandbox root", e))?.dev();
+            let files = rootswap::written_files(&sb.cgroup.pids()?, dev);
+            match rootswap::pin_open_files(&files, old_upper, &upper) {
+                Ok(p) => {
+                    pinned = p;
+                    pinned_files = files;
+                }
+                Err(e) => {
+                    rootswap::unpin(&files, old_upper, &upper);
+                    self.remove_layer_dir(&lid);
+                    return Err(e);
+                }
+            }
+        }
+        let lower: Vec<PathBuf> = chain.iter().rev().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
+        let swapped = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &rootfs)
+            .map_err(crate::layers_error)
+            .and_then(|mnt| rootswap::swap_root(sb.init_pid, &rootfs, mnt));
+        if let Err(e) = swapped {
+            if let Some(old_upper) = &pin_from {
+                rootswap::unpin(&pinned_files, old_upper, &upper);
+            }
+            self.remove_layer_dir(&lid);
+            return Err(e);
+        }
+        Ok((Generation { upper: lid, mounted: chain.clone(), chain, base: None, n }, pinned))
+    }
+
+    pub async fn rollback(self: &Arc<Self>, id: &str, req: RollbackRequest) -> Result<RollbackResult> {
+        let t0 = Instant::now();
+        let sb = self.live(id)?;
+        let snap = self.snapshot_row(&req.snapshot)?;
+        if snap.spec.image != sb.spec.image {
+            return Err(RuntimeError::BadRequest(format!(
+                "snapshot {} was taken in a sandbox of image {:?} and this one runs {:?}: fork the snapshot instead",
+                snap.id, snap.spec.image, sb.spec.image
+            )));
+        }
+        let _ops = sb.ops.lock().await;
+        let gen = sb.gen.lock().expect("lock").clone().ok_or_else(|| legacy(&sb.id))?;
+        let mut sessions_map = sb.sessions.lock().await;
+        let mut default = sb.default_session.lock().await;
+        let old: Vec<Arc<Session>> = sessions_map.values().cloned().collect();
+        let mut guards = Vec::new();
+        for s in &old {
+            guards.push(s.op_lock.lock().await);
+        }
+        let old_pids: HashSet<i32> = old.iter().map(|s| s.pid).collect();
+        let keep = self.templates.lock().expect("lock").pids_of(&sb.id);
+        let (new_gen, killed) = {
+            let _gate = sb.fs_gate.write().await;
+            let (rt, sbc, g, chain) = (self.clone(), sb.clone(), gen.clone(), snap.layers.clone());
+            tokio::task::spawn_blocking(move || {
+                let mut killed = Vec::new();
+                rt.freeze_and_swap(&sbc, &g, Some((&chain, &keep, &mut killed))).map(|(g, _)| (g, killed))
+            })
+            .await
+            .map_err(blocking_err)??
+        };
+        for s in &old {
+            s.forget().await;
+        }
+        drop(guards);
+        sessions_map.clear();
+        *default = None;
+        let mut restarted = false;
+        for ss in &snap.sessions {
+            let tpl = ss.template.as_deref().and_then(|k| self.templates.lock().expect("lock").get(k, &sb.id));
+            let forked = match tpl {
+                Some(t) => match self.restore_session(&sb, &t, ss).await {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        tracing::warn!(sandbox = %sb.id, session = %ss.id, "template fork failed, starting the session fresh: {e}");
+                        None
+                    }
+                },
+                None => None,
+            };
+            let s = match forked {
+                Some(s) => s,
+                None => {
+                    restarted = true;
+                    session::create_as(&sb, Some(ss.id.clone()), &ss.kind, ss.default, None, &Default::default()).await?
+                }
+            };
+            if ss.default {
+                *default = Some(ss.id.clone());
+            }
+            sessions_map.insert(ss.id.clone(), Arc::new(s));
+        }
+        drop(sessions_map);
+        drop(default);
+        self.set_gen(&sb, Generation { base: Some(snap.id.clone()), ..new_gen })?;
+        sb.dirty.store(false, Ordering::SeqCst);
+        self.after_swap(&sb, gen.n, None, Some(gen.upper.clone()));
+        let mut killed: Vec<i32> = killed.into_iter().filter(|p| !old_pids.contains(p)).collect();
+        killed.sort_unstable();
+        Ok(RollbackResult { snapshot: snap.id, sessions_restarted: restarted, killed, took_ms: ms(t0) })
+    }
+
+    /// Fork a live session from template `t` for snapshot session `ss`, registered with init.
+    async fn restore_session(&self, sb: &Sandbox, t: &Session, ss: &SnapSession) -> Result<Session> {
+        let (pid, chan) = t.fork("restore").await?;
+        let tag = session::session_tag(&ss.id, &ss.kind, ss.default);
+        if let Err(e) = session::adopt(sb, pid, tag, ss.id.clone(), &chan).await {
+            tracing::warn!(sandbox = %sb.id, session = %ss.id, "restored session not registered with init: {e}");
+        }
+        Session::attach(ss.id.clone(), ss.kind.clone(), pid, now(), chan)
+    }
+
+    pub async fn fork(self: &Arc<Self>, id: &str, req: ForkRequest) -> Result<ForkResult> {
+        let t0 = Instant::now();
+        let n = req.count.unwrap_or(1);
+        if !(1..=MAX_FORK).contains(&n) {
+            return Err(RuntimeError::BadRequest(format!("count must be in [1, {MAX_FORK}]; got {n}")));
+        }
+        let timeout = match req.timeout {
+            None => Some(300.0),
+            Some(t) if t >= 0.0 && t.is_finite() => (t > 0.0).then_some(t),
+            Some(_) => return Err(RuntimeError::BadRequest("timeout must be >= 0 seconds (0 = no limit)".into())),
+        };
+        self.check_capacity(n as usize)?;
+        let snap = match req.snapshot {
+            Some(sid) => {
+                let snap = self.snapshot_row(&sid)?;
+                self.get(id)?; // the sandbox must exist even when forking a named snapshot
+                snap
+            }
+            None => {
+                let sb = self.live(id)?;
+                let _ops = sb.ops.lock().await;
+                self.checkpoint_locked(&sb, Some("fork".into()), true).await?.0
+            }
+        };
+        let children = self.fork_snapshot(&snap, n, timeout).await?;
+        let sessions_restarted = !snap.sessions.is_empty();
+        Ok(ForkResult {
+            snapshot: snap.id,
+            sandboxes: children.iter().map(|c| c.info()).collect(),
+            sessions_restarted,
+            took_ms: ms(t0),
+        })
+    }
+
+    /// Start `n` sandboxes on `snap`'s layers with its sessions (fresh), all or none.
+    async fn fork_snapshot(self: &Arc<Self>, snap: &SnapshotRow, n: u32, timeout: Option<f64>) -> Result<Vec<Arc<Sandbox>>> {
+        let jobs = (0..n).map(|_| {
+            let rt = self.clone();
+            let snap = snap.clone();
+            async move {
+                let child = rt.create_from(snap.spec.clone(), snap.layers.clone(), Some(snap.id.clone()), timeout).await?;
+                let res: Result<()> = async {
+                    let mut map = child.sessions.lock().await;
+                    for ss in &snap.sessions {
+                        let s = session::create_as(&child, Some(ss.id.clone()), &ss.kind, ss.default, None, &Default::default()).await?;
+                        if ss.default {
+                            *child.default_session.lock().await = Some(ss.id.clone());
+                        }
+                        map.insert(ss.id.clone(), Arc::new(s));
+                    }
+                    Ok(())
+                }
+                .await;
+                child.dirty.store(false, Ordering::SeqCst);
+                match res {
+                    Ok(()) => Ok(child),
+                    Err(e) => {
+                        let _ = rt.kill(&child.id).await;
+                        Err(e)
+                    }
+                }
+            }
+        });
+        let results = futures::future::join_all(jobs).await;
+        let mut ok = Vec::new();
+        let mut first_err = None;
+        for r in results {
+            match r {
+                Ok(c) => ok.push(c),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            for c in ok {
+                let _ = self.kill(&c.id).await;
+            }
+            return Err(e);
+        }
+        Ok(ok)
+    }
+
+    /// Run a command against the sandbox's current state in a throw-away fork: the sandbox
+    /// itself (files, sessions, processes) is left exactly as it was.
+    pub async fn evaluate(self: &Arc<Self>, id: &str, req: RunCommand) -> Result<CommandResult> {
+        if req.background {
+            return Err(RuntimeError::BadRequest("evaluate runs in the foreground: drop \"background\"".into()));
+        }
+        let sb = self.live(id)?;
+        crate::exec::resolve(&sb, &req)?;
+        self.check_capacity(1)?;
+        let (snap, created) = {
+            let _ops = sb.ops.lock().await;
+            self.checkpoint_locked(&sb, Some("evaluate".into()), false).await?
+        };
+        let child = self.create_from(snap.spec.clone(), snap.layers.clone(), None, Some(600.0)).await;
+        if created {
+            let _ = self.snaps.lock().expect("lock").delete(&BTreeSet::from([snap.id.clone()]));
+        }
+        let child = child?;
+        let res = crate::exec::run(&child, &req, None).await;
+        let _ = self.kill(&child.id).await;
+        res
+    }
+
+    // ---- snapshot tree ----
+
+    pub fn list_snapshots(&self, sandbox: Option<&str>) -> Result<SnapshotList> {
+        let all = self.snaps.lock().expect("lock").all()?;
+        let selected: Vec<&SnapshotRow> = match sandbox {
+            None => all.iter().collect(),
+            Some(id) => {
+                let known = self.get(id).is_ok() || all.iter().any(|s| s.sandbox_id == id);
+                if !known {
+                    return Err(RuntimeError::sandbox(id));
+                }
+                // The sandbox's own snapshots and their ancestors (a fork child's tree starts in its parent).
+                let mut ids: BTreeSet<String> = all.iter().filter(|s| s.sandbox_id == id).map(|s| s.id.clone()).collect();
+                if let Some(base) = self.get(id).ok().and_then(|sb| sb.gen.lock().expect("lock").as_ref().and_then(|g| g.base.clone())) {
+                    ids.insert(base);
+                }
+                let parent: HashMap<&str, Option<&str>> = all.iter().map(|s| (s.id.as_str(), s.parent.as_deref())).collect();
+                for start in ids.clone() {
+                    let mut cur = parent.get(start.as_str()).copied().flatten();
+                    while let Some(p) = cur {
+                        if !ids.insert(p.to_string()) {
+                            break;
+                        }
+                        cur = parent.get(p).copied().flatten();
+                    }
+                }
+                all.iter().filter(|s| ids.contains(&s.id)).collect()
+            }
+        };
+        Ok(SnapshotList { snapshots: selected.into_iter().map(|s| self.snapshot_info(s, &all)).collect() })
+    }
+
+    pub fn snapshot(&self, sid: &str) -> Result<SnapshotInfo> {
+        let row = self.snapshot_row(sid)?;
+        let all = self.snaps.lock().expect("lock").all()?;
+        Ok(self.snapshot_info(&row, &all))
+    }
+
+    pub async fn delete_snapshot(self: &Arc<Self>, sid: &str, subtree: bool) -> Result<()> {
+        self.snapshot_row(sid)?;
+        let all = self.snaps.lock().expect("lock").all()?;
+        let ids = if subtree { snapstore::subtree(&all, sid) } else { BTreeSet::from([sid.to_string()]) };
+        self.delete_snapshots(&ids, &all).await.map(drop)
+    }
+
+    pub async fn gc(self: &Arc<Self>, req: GcRequest) -> Result<GcResult> {
+        let all = self.snaps.lock().expect("lock").all()?;
+        let keep: BTreeSet<String> = req.keep.iter().cloned().collect();
+        for k in &keep {
+            if !all.iter().any(|s| &s.id == k) {
+                return Err(RuntimeError::NotFound { kind: "snapshot", id: k.clone(), hint: ": keep only existing snapshots" });
+            }
+        }
+        let scope: BTreeSet<String> = match &req.sandbox {
+            Some(id) => all.iter().filter(|s| &s.sandbox_id == id).map(|s| s.id.clone()).collect(),
+            None => all.iter().map(|s| s.id.clone()).collect(),
+        };
+        let ids = snapstore::unreachable(&all, &scope, &keep);
+        let freed = self.delete_snapshots(&ids, &all).await?;
+        Ok(GcResult { deleted: ids.into_iter().collect(), freed_bytes: freed })
+    }
+
+    /// Delete snapshot records, the templates only they used, and the layers nothing needs any more.
+    async fn delete_snapshots(self: &Arc<Self>, ids: &BTreeSet<String>, all: &[SnapshotRow]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let used_elsewhere: HashSet<&str> = all
+            .iter()
+            .filter(|s| !ids.contains(&s.id))
+            .flat_map(|s| s.sessions.iter().filter_map(|ss| ss.template.as_deref()))
+            .collect();
+        let dead_templates: BTreeSet<String> = all
+            .iter()
+            .filter(|s| ids.contains(&s.id))
+            .flat_map(|s| s.sessions.iter().filter_map(|ss| ss.template.clone()))
+            .filter(|k| !used_elsewhere.contains(k.as_str()))
+            .collect();
+        self.snaps.lock().expect("lock").delete(ids)?;
+        for sb in self.sandboxes.read().expect("lock").values() {
+            let mut g = sb.gen.lock().expect("lock");
+            if let Some(gen) = g.as_mut().filter(|g| g.base.as_ref().is_some_and(|b| ids.contains(b))) {
+                gen.base = None;
+                let _ = self.snaps.lock().expect("lock").set_generation(&sb.id, gen);
+            }
+        }
+        let gone = self.templates.lock().expect("lock").remove(&dead_templates);
+        self.drop_templates(gone).await;
+        let rt = self.clone();
+        tokio::task::spawn_blocking(move || rt.gc_layers()).await.map_err(blocking_err)?
+    }
+
+    /// Delete every layer dir under `<state>/snaplayers` that no snapshot and no sandbox uses.
+    /// Returns the bytes freed.
+    pub(crate) fn gc_layers(&self) -> Result<u64> {
+        let snaps = self.snaps.lock().expect("lock");
+        let mut used: HashSet<String> = HashSet::new();
+        for s in snaps.all()? {
+            used.extend(s.layers);
+        }
+        for (_, g) in snaps.generations()? {
+            used.extend(g.chain);
+            used.extend(g.mounted);
+            used.insert(g.upper);
+        }
+        drop(snaps);
+        let mut freed = 0;
+        let Ok(rd) = std::fs::read_dir(crate::launch::snaplayers_dir(&self.cfg.state_dir)) else { return Ok(0) };
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if used.contains(&name) {
+                continue;
+            }
+            let size = self.snaps.lock().expect("lock").layer_size(&name).ok().flatten().unwrap_or_else(|| du(&e.path()));
+            self.remove_layer_dir(&name);
+            let _ = self.snaps.lock().expect("lock").forget_layer(&name);
+            freed += size;
+        }
+        Ok(freed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ns_pid_of_self() {
+        let me = std::process::id() as i32;
+        // Outside any pid namespace the innermost pid is the pid itself.
+        assert_eq!(ns_pid(me), Some(me));
+        assert_eq!(ns_pid(i32::MAX), None);
+    }
+
+    #[test]
+    fn du_counts_allocated_bytes() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir(d.path().join("a")).unwrap();
+        std::fs::write(d.path().join("a/f"), vec![1u8; 100_000]).unwrap();
+        assert!(du(d.path()) >= 100_000);
+        assert!(!dir_is_empty(&d.path().join("a")));
+    }
+}

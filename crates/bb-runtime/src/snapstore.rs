@@ -1,0 +1,372 @@
+//! Snapshot records and the sandbox's layer "generation", in SQLite next to the sandbox rows.
+//!
+//! A snapshot is a list of frozen layers (bottom first, on top of its image's layers), the spec
+//! of the sandbox it was taken in, and its sessions with the key of each session's live template
+//! process (if one was kept). Layers are directories `<state>/snaplayers/<layer id>`; a layer is
+//! deleted only when no snapshot and no live sandbox lists it.
+
+use crate::error::Result;
+use crate::model::SandboxSpec;
+use rusqlite::{params, Connection, OptionalExtension};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// A session as a snapshot holds it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SnapSession {
+    pub id: String,
+    pub kind: String,
+    pub default: bool,
+    /// Key of the template process in the runtime's template pool (None: recreate fresh).
+    pub template: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotRow {
+    pub id: String,
+    pub sandbox_id: String,
+    pub parent: Option<String>,
+    pub created_at: f64,
+    pub label: Option<String>,
+    /// Frozen layer ids, bottom first (image layers are in `spec.layers`).
+    pub layers: Vec<String>,
+    /// The layer this snapshot added (None: it shares its parent's state, nothing changed).
+    pub own_layer: Option<String>,
+    pub spec: SandboxSpec,
+    pub sessions: Vec<SnapSession>,
+}
+
+/// Where a live sandbox's root stands: the frozen chain under it and its writable layer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Generation {
+    /// Writable layer id (a dir under `<state>/snaplayers`).
+    pub upper: String,
+    /// Frozen layers under it, bottom first (what the next mount uses).
+    pub chain: Vec<String>,
+    /// Layers the overlay mounted now uses (differs from `chain` after a compaction).
+    pub mounted: Vec<String>,
+    /// The snapshot the sandbox's state equals while nothing changed since (checkpoint or rollback).
+    pub base: Option<String>,
+    /// Bumped by every root swap; names the overlay work dir (`work-<n>`).
+    pub n: u64,
+}
+
+pub struct SnapStore {
+    conn: Connection,
+}
+
+fn json<T: Serialize>(v: &T) -> String {
+    serde_json::to_string(v).expect("serializes")
+}
+
+impl SnapStore {
+    pub fn open(path: &std::path::Path) -> Result<SnapStore> {
+        let conn = Connection::open(path)?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS snapshots (
+                id TEXT PRIMARY KEY,
+                sandbox_id TEXT NOT NULL,
+                parent TEXT,
+                created_at REAL NOT NULL,
+                label TEXT,
+                layers TEXT NOT NULL,
+                own_layer TEXT,
+                spec TEXT NOT NULL,
+                sessions TEXT NOT NULL
+            );
+            CREATE TABLE IF NOT EXISTS snap_layers (
+                id TEXT PRIMARY KEY,
+                size_bytes INTEGER
+            );
+            CREATE TABLE IF NOT EXISTS generations (
+                sandbox_id TEXT PRIMARY KEY,
+                gen TEXT NOT NULL
+            );",
+        )?;
+        Ok(SnapStore { conn })
+    }
+
+    pub fn insert(&self, s: &SnapshotRow) -> Result<()> {
+        self.conn.execute(
+            "INSERT INTO snapshots (id, sandbox_id, parent, created_at, label, layers, own_layer, spec, sessions)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+            params![
+                s.id,
+                s.sandbox_id,
+                s.parent,
+                s.created_at,
+                s.label,
+                json(&s.layers),
+                s.own_layer,
+                json(&s.spec),
+                json(&s.sessions)
+            ],
+        )?;
+        if let Some(l) = &s.own_layer {
+            self.conn.execute("INSERT OR IGNORE INTO snap_layers (id, size_bytes) VALUES (?1, NULL)", params![l])?;
+        }
+        Ok(())
+    }
+
+    pub fn get(&self, id: &str) -> Result<Option<SnapshotRow>> {
+        Ok(self.all()?.into_iter().find(|s| s.id == id))
+    }
+
+    pub fn all(&self) -> Result<Vec<SnapshotRow>> {
+        let mut stmt = self.conn.prepare(
+            "SELECT id, sandbox_id, parent, created_at, label, layers, own_layer, spec, sessions FROM snapshots ORDER BY created_at, rowid",
+        )?;
+        let rows = stmt.query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, Option<String>>(2)?,
+                r.get::<_, f64>(3)?,
+                r.get::<_, Option<String>>(4)?,
+                r.get::<_, String>(5)?,
+                r.get::<_, Option<String>>(6)?,
+                r.get::<_, String>(7)?,
+                r.get::<_, String>(8)?,
+            ))
+        })?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (id, sandbox_id, parent, created_at, label, layers, own_layer, spec, sessions) = row?;
+            match (serde_json::from_str(&layers), serde_json::from_str(&spec), serde_json::from_str(&sessions)) {
+                (Ok(layers), Ok(spec), Ok(sessions)) => out.push(SnapshotRow {
+                    id,
+                    sandbox_id,
+                    parent,
+                    created_at,
+                    label,
+                    layers,
+                    own_layer,
+                    spec,
+                    sessions,
+                }),
+                _ => tracing::warn!(%id, "unreadable snapshot record; ignored"),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Delete snapshot records; children of a deleted snapshot get its parent as theirs.
+    pub fn delete(&self, ids: &BTreeSet<String>) -> Result<()> {
+        let all = self.all()?;
+        let parent_of: BTreeMap<&str, Option<&str>> = all.iter().map(|s| (s.id.as_str(), s.parent.as_deref())).collect();
+        let tx = self.conn.unchecked_transaction()?;
+        for s in &all {
+            if ids.contains(&s.id) {
+                continue;
+            }
+            let mut p = s.parent.as_deref();
+            while let Some(id) = p.filter(|id| ids.contains(*id)) {
+                p = parent_of.get(id).copied().flatten();
+            }
+            if p != s.parent.as_deref() {
+                tx.execute("UPDATE snapshots SET parent = ?2 WHERE id = ?1", params![s.id, p])?;
+            }
+        }
+        for id in ids {
+            tx.execute("DELETE FROM snapshots WHERE id = ?1", params![id])?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Forget a template key everywhere (its process is gone).
+    pub fn drop_template(&self, key: &str) -> Result<()> {
+        for mut s in self.all()? {
+            let mut changed = false;
+            for ss in &mut s.sessions {
+                if ss.template.as_deref() == Some(key) {
+                    ss.template = None;
+                    changed = true;
+                }
+            }
+            if changed {
+                self.conn.execute("UPDATE snapshots SET sessions = ?2 WHERE id = ?1", params![s.id, json(&s.sessions)])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Replace the bottom of every chain that starts with `old` by `new` (compaction).
+    pub fn replace_prefix(&self, old: &[String], new: &str) -> Result<usize> {
+        let mut n = 0;
+        let tx = self.conn.unchecked_transaction()?;
+        for s in self.all()? {
+            if s.layers.len() > old.len() && s.layers.starts_with(old) {
+                let mut layers = vec![new.to_string()];
+                layers.extend_from_slice(&s.layers[old.len()..]);
+                tx.execute("UPDATE snapshots SET layers = ?2 WHERE id = ?1", params![s.id, json(&layers)])?;
+                n += 1;
+            }
+        }
+        tx.execute("INSERT OR IGNORE INTO snap_layers (id, size_bytes) VALUES (?1, NULL)", params![new])?;
+        tx.commit()?;
+        Ok(n)
+    }
+
+    pub fn layer_size(&self, id: &str) -> Result<Option<u64>> {
+        Ok(self
+            .conn
+            .query_row("SELECT size_bytes FROM snap_layers WHERE id = ?1", params![id], |r| r.get::<_, Option<i64>>(0))
+            .optional()?
+            .flatten()
+            .map(|v| v as u64))
+    }
+
+    pub fn set_layer_size(&self, id: &str, size: u64) -> Result<()> {
+        self.conn.execute(
+            "INSERT INTO snap_layers (id, size_bytes) VALUES (?1, ?2) ON CONFLICT(id) DO UPDATE SET size_bytes = ?2",
+            params![id, size as i64],
+        )?;
+        Ok(())
+    }
+
+    pub fn forget_layer(&self, id: &str) -> Result<()> {
+        self.conn.execute("DELETE FROM snap_layers WHERE id = ?1", params![id])?;
+        Ok(())
+    }
+
+    pub fn set_generation(&self, sandbox_id: &str, g: &Generation) -> Result<()> {
+        self.conn.execute(
+            "INSERT INTO generations (sandbox_id, gen) VALUES (?1, ?2) ON CONFLICT(sandbox_id) DO UPDATE SET gen = ?2",
+            params![sandbox_id, json(g)],
+        )?;
+        Ok(())
+    }
+
+    pub fn generation(&self, sandbox_id: &str) -> Result<Option<Generation>> {
+        let g: Option<String> = self
+            .conn
+            .query_row("SELECT gen FROM generations WHERE sandbox_id = ?1", params![sandbox_id], |r| r.get(0))
+            .optional()?;
+        Ok(g.and_then(|g| serde_json::from_str(&g).ok()))
+    }
+
+    pub fn generations(&self) -> Result<Vec<(String, Generation)>> {
+        let mut stmt = self.conn.prepare("SELECT sandbox_id, gen FROM generations")?;
+        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+        let mut out = Vec::new();
+        for r in rows {
+            let (id, g) = r?;
+            if let Ok(g) = serde_json::from_str(&g) {
+                out.push((id, g));
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn delete_generation(&self, sandbox_id: &str) -> Result<()> {
+        self.conn.execute("DELETE FROM generations WHERE sandbox_id = ?1", params![sandbox_id])?;
+        Ok(())
+    }
+}
+
+/// Snapshots to delete for `gc(keep)`: every snapshot in `scope` that is neither kept nor an
+/// ancestor of a kept one.
+pub fn unreachable(all: &[SnapshotRow], scope: &BTreeSet<String>, keep: &BTreeSet<String>) -> BTreeSet<String> {
+    let parent: BTreeMap<&str, Option<&str>> = all.iter().map(|s| (s.id.as_str(), s.parent.as_deref())).collect();
+    let mut reachable = BTreeSet::new();
+    for k in keep {
+        let mut cur = Some(k.as_str());
+        while let Some(id) = cur {
+            if !reachable.insert(id.to_string()) {
+                break;
+            }
+            cur = parent.get(id).copied().flatten();
+        }
+    }
+    scope.iter().filter(|id| !reachable.contains(*id)).cloned().collect()
+}
+
+/// `id` and all its descendants.
+pub fn subtree(all: &[SnapshotRow], id: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::from([id.to_string()]);
+    loop {
+        let before = out.len();
+        for s in all {
+            if s.parent.as_ref().is_some_and(|p| out.contains(p)) {
+                out.insert(s.id.clone());
+            }
+        }
+        if out.len() == before {
+            return out;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> SandboxSpec {
+        SandboxSpec {
+            image: "base".into(),
+            image_env: vec![],
+            layers: vec!["img".into()],
+            cpu: 1.0,
+            memory_mb: 256,
+            pids: 64,
+            env: Default::default(),
+            cwd: "/root".into(),
+            network: "none".into(),
+            metadata: Default::default(),
+        }
+    }
+
+    fn row(id: &str, parent: Option<&str>, layers: &[&str]) -> SnapshotRow {
+        SnapshotRow {
+            id: id.into(),
+            sandbox_id: "sb".into(),
+            parent: parent.map(String::from),
+            created_at: 1.0,
+            label: None,
+            layers: layers.iter().map(|s| s.to_string()).collect(),
+            own_layer: layers.last().map(|s| s.to_string()),
+            spec: spec(),
+            sessions: vec![SnapSession { id: "s".into(), kind: "python".into(), default: true, template: Some("t1".into()) }],
+        }
+    }
+
+    fn set(v: &[&str]) -> BTreeSet<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn tree_operations() {
+        // a -> b -> c ; a -> d
+        let all = vec![row("a", None, &["1"]), row("b", Some("a"), &["1", "2"]), row("c", Some("b"), &["1", "2", "3"]), row("d", Some("a"), &["1", "4"])];
+        let scope = set(&["a", "b", "c", "d"]);
+        assert_eq!(unreachable(&all, &scope, &set(&["c"])), set(&["d"]));
+        assert_eq!(unreachable(&all, &scope, &set(&[])), scope);
+        assert_eq!(unreachable(&all, &scope, &set(&["b", "d"])), set(&["c"]));
+        assert_eq!(subtree(&all, "b"), set(&["b", "c"]));
+        assert_eq!(subtree(&all, "a"), scope);
+    }
+
+    #[test]
+    fn store_round_trip_reparent_and_compaction() {
+        let d = tempfile::tempdir().unwrap();
+        let st = SnapStore::open(&d.path().join("db")).unwrap();
+        for r in [row("a", None, &["1"]), row("b", Some("a"), &["1", "2"]), row("c", Some("b"), &["1", "2", "3"])] {
+            st.insert(&r).unwrap();
+        }
+        assert_eq!(st.get("b").unwrap().unwrap(), row("b", Some("a"), &["1", "2"]));
+        st.delete(&set(&["b"])).unwrap();
+        assert_eq!(st.get("c").unwrap().unwrap().parent.as_deref(), Some("a"), "children move up to the deleted one's parent");
+        assert_eq!(st.replace_prefix(&["1".into(), "2".into()], "m").unwrap(), 1);
+        assert_eq!(st.get("c").unwrap().unwrap().layers, vec!["m".to_string(), "3".into()]);
+        assert_eq!(st.get("a").unwrap().unwrap().layers, vec!["1".to_string()], "a chain that is only the prefix is unchanged");
+        st.drop_template("t1").unwrap();
+        assert!(st.all().unwrap().iter().all(|s| s.sessions[0].template.is_none()));
+        let g = Generation { upper: "u".into(), chain: vec!["1".into()], mounted: vec!["1".into()], base: Some("a".into()), n: 3 };
+        st.set_generation("sb", &g).unwrap();
+        assert_eq!(st.generation("sb").unwrap(), Some(g));
+        st.set_layer_size("3", 42).unwrap();
+        assert_eq!(st.layer_size("3").unwrap(), Some(42));
+    }
+}

@@ -1,0 +1,254 @@
+"""Checkpoint / rollback / fork / evaluate against a live daemon (raw HTTP: the SDK is tested
+separately; these tests pin the mechanism)."""
+import os
+import time
+
+import pytest
+
+from helpers import STATE, state_mounts, wait_until
+
+
+def ckpt(raw, sid, label=None):
+    r = raw.post("/v1/sandboxes/%s/checkpoint" % sid, json={"label": label} if label else {})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def rollback(raw, sid, snap):
+    r = raw.post("/v1/sandboxes/%s/rollback" % sid, json={"snapshot": snap})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sh(raw, sid, cmd, code=0):
+    r = raw.post("/v1/sandboxes/%s/commands" % sid, json={"cmd": cmd, "timeout": 30})
+    assert r.status_code == 200, r.text
+    res = r.json()
+    if code is not None:
+        assert res["exit_code"] == code, res
+    return res["stdout"]
+
+
+def py(raw, sid, code):
+    r = raw.post("/v1/sandboxes/%s/code" % sid, json={"code": code})
+    assert r.status_code == 200, r.text
+    res = r.json()
+    assert res.get("error") is None, res
+    return res
+
+
+def test_files_and_session_roll_back_together(sbx, raw):
+    sid = sbx.sandbox_id
+    sh(raw, sid, "mkdir -p /work && echo one > /work/a && echo keep > /work/b")
+    py(raw, sid, "x = 1; import os; os.chdir('/work')")
+    s1 = ckpt(raw, sid, "first")
+    assert s1["label"] == "first" and s1["depth"] == 1 and not s1["lightweight"]
+    assert [s["template"] for s in s1["sessions"]] == [True]
+    sh(raw, sid, "echo two > /work/a && rm /work/b && echo new > /work/c && mv /work /work2")
+    py(raw, sid, "x = 2; y = 'later'")
+    s2 = ckpt(raw, sid)
+    assert s2["parent"] == s1["id"]
+    r = rollback(raw, sid, s1["id"])
+    assert r["sessions_restarted"] is False
+    assert sh(raw, sid, "cat /work/a /work/b; ls /work; test ! -e /work2 && echo gone") == "one\nkeep\na\nb\ngone\n"
+    assert py(raw, sid, "(x, 'y' in globals(), os.getcwd())").get("result") == "(1, False, '/work')"
+    # Forward again to the later snapshot.
+    rollback(raw, sid, s2["id"])
+    assert sh(raw, sid, "cat /work2/a /work2/c") == "two\nnew\n"
+    assert py(raw, sid, "(x, y)").get("result") == "(2, 'later')"
+    # And back again: a template can be forked any number of times.
+    rollback(raw, sid, s1["id"])
+    assert py(raw, sid, "x").get("result") == "1"
+
+
+def test_open_file_cannot_change_the_snapshot(sbx, raw):
+    sid = sbx.sandbox_id
+    # A background writer holds /root/log open for appending across the checkpoint.
+    sh(raw, sid, "echo start > /root/log")
+    r = raw.post(
+        "/v1/sandboxes/%s/commands" % sid,
+        json={"cmd": "exec 3>>/root/log; while :; do echo tick >&3; sleep 0.01; done", "background": True},
+    )
+    assert r.status_code == 201, r.text
+    wait_until(lambda: sh(raw, sid, "grep -c tick /root/log", code=None).strip() not in ("", "0"))
+    snap = ckpt(raw, sid)
+    at_ckpt = int(sh(raw, sid, "wc -l < /root/log"))
+    wait_until(lambda: int(sh(raw, sid, "wc -l < /root/log")) > at_ckpt + 5, what="writer keeps appending to the live file")
+    # A session holds a file open for writing too.
+    py(raw, sid, "f = open('/root/pyfile', 'w'); f.write('before'); f.flush()")
+    snap2 = ckpt(raw, sid)
+    py(raw, sid, "f.write(' after'); f.flush()")
+    assert sh(raw, sid, "cat /root/pyfile") == "before after"
+    # Fork the first snapshot: its log has exactly what was there at the checkpoint instant,
+    # give or take the line being written while the sandbox froze.
+    r = raw.post("/v1/sandboxes/%s/fork" % sid, json={"snapshot": snap["id"]})
+    assert r.status_code == 201, r.text
+    child = r.json()["sandboxes"][0]["id"]
+    try:
+        lines = int(sh(raw, child, "wc -l < /root/log"))
+        assert lines <= at_ckpt, (lines, at_ckpt)
+    finally:
+        raw.delete("/v1/sandboxes/%s" % child)
+    rollback(raw, sid, snap2["id"])
+    assert sh(raw, sid, "cat /root/pyfile") == "before"
+    # The restored session re-opened its file: writing continues in the restored sandbox.
+    py(raw, sid, "f.write('+again'); f.flush()")
+    assert sh(raw, sid, "cat /root/pyfile") == "before+again"
+
+
+def test_rollback_kills_background_processes_and_reports_them(sbx, raw):
+    sid = sbx.sandbox_id
+    py(raw, sid, "v = 'kept'")
+    snap = ckpt(raw, sid)
+    r = raw.post("/v1/sandboxes/%s/commands" % sid, json={"cmd": "sleep 1000", "background": True})
+    pid = r.json()["pid"]
+    res = rollback(raw, sid, snap["id"])
+    assert pid in res["killed"], res
+    assert py(raw, sid, "v").get("result") == "'kept'"
+    out = sh(raw, sid, "ps -eo comm= | grep -c '^sleep$'", code=None)
+    assert out.strip() == "0"
+
+
+def test_lightweight_checkpoint_when_nothing_changed(sbx, raw):
+    sid = sbx.sandbox_id
+    py(raw, sid, "a = 1")
+    s1 = ckpt(raw, sid)
+    s2 = ckpt(raw, sid)
+    assert s2["lightweight"] is True and s2["parent"] == s1["id"] and s2["size_bytes"] == 0
+    assert s2["depth"] == s1["depth"]
+    sh(raw, sid, "echo x > /root/x")
+    s3 = ckpt(raw, sid)
+    assert s3["lightweight"] is False and s3["depth"] == s1["depth"] + 1
+    rollback(raw, sid, s2["id"])
+    assert sh(raw, sid, "test -e /root/x || echo absent") == "absent\n"
+    assert py(raw, sid, "a").get("result") == "1"
+
+
+def test_fork_children_are_isolated(sbx, raw):
+    sid = sbx.sandbox_id
+    sh(raw, sid, "echo parent > /root/f")
+    py(raw, sid, "n = 41")
+    r = raw.post("/v1/sandboxes/%s/fork" % sid, json={"count": 3})
+    assert r.status_code == 201, r.text
+    body = r.json()
+    kids = [c["id"] for c in body["sandboxes"]]
+    assert len(set(kids)) == 3 and sid not in kids
+    try:
+        for i, k in enumerate(kids):
+            assert sh(raw, k, "cat /root/f") == "parent\n"
+            sh(raw, k, "echo child%d > /root/f && sleep 1000 >/dev/null 2>&1 &" % i)
+        for i, k in enumerate(kids):
+            assert sh(raw, k, "cat /root/f") == "child%d\n" % i
+            # Own pid namespace: no sibling's or parent's sleep is visible.
+            assert sh(raw, k, "ps -eo comm= | grep -c '^sleep$'", code=None).strip() == "1"
+        assert sh(raw, sid, "cat /root/f") == "parent\n"
+        assert sh(raw, sid, "ps -eo comm= | grep -c '^sleep$'", code=None).strip() == "0"
+        # A child can itself be checkpointed, rolled back and forked.
+        c = kids[0]
+        s = ckpt(raw, c)
+        sh(raw, c, "rm /root/f")
+        rollback(raw, c, s["id"])
+        assert sh(raw, c, "cat /root/f") == "child0\n"
+        r = raw.post("/v1/sandboxes/%s/fork" % c, json={"count": 1})
+        assert r.status_code == 201, r.text
+        grandchild = r.json()["sandboxes"][0]["id"]
+        kids.append(grandchild)
+        assert sh(raw, grandchild, "cat /root/f") == "child0\n"
+    finally:
+        for k in kids:
+            raw.delete("/v1/sandboxes/%s" % k)
+
+
+def test_evaluate_leaves_no_trace(sbx, raw):
+    sid = sbx.sandbox_id
+    sh(raw, sid, "echo orig > /root/f")
+    py(raw, sid, "z = 5")
+    r = raw.post("/v1/sandboxes/%s/evaluate" % sid, json={"cmd": "cat /root/f; echo changed > /root/f; touch /root/new; exit 3"})
+    assert r.status_code == 200, r.text
+    res = r.json()
+    assert res["exit_code"] == 3 and res["stdout"] == "orig\n"
+    assert sh(raw, sid, "cat /root/f; test -e /root/new || echo nonew") == "orig\nnonew\n"
+    assert py(raw, sid, "z").get("result") == "5"
+
+
+def test_snapshot_tree_delete_and_gc(sbx, raw):
+    sid = sbx.sandbox_id
+    ids = []
+    for i in range(4):
+        sh(raw, sid, "echo %d > /root/v" % i)
+        ids.append(ckpt(raw, sid, "s%d" % i)["id"])
+    r = raw.get("/v1/sandboxes/%s/snapshots" % sid)
+    snaps = {s["id"]: s for s in r.json()["snapshots"]}
+    assert set(ids) <= set(snaps)
+    assert snaps[ids[1]]["children"] == [ids[2]] and snaps[ids[2]]["parent"] == ids[1]
+    assert all(snaps[i]["size_bytes"] >= 0 for i in ids)
+    # Delete a middle snapshot: its child hangs from its parent; the layers stay (still needed).
+    assert raw.delete("/v1/snapshots/%s" % ids[1]).status_code == 200
+    assert raw.get("/v1/snapshots/%s" % ids[2]).json()["parent"] == ids[0]
+    rollback(raw, sid, ids[2])
+    assert sh(raw, sid, "cat /root/v") == "2\n"
+    # gc keeping ids[2]: ids[0] is its ancestor and stays, ids[3] goes.
+    r = raw.post("/v1/snapshots/gc", json={"keep": [ids[2]], "sandbox": sid})
+    assert r.status_code == 200, r.text
+    assert ids[3] in r.json()["deleted"] and ids[0] not in r.json()["deleted"]
+    assert raw.get("/v1/snapshots/%s" % ids[3]).status_code == 404
+    rollback(raw, sid, ids[0])
+    assert sh(raw, sid, "cat /root/v") == "0\n"
+
+
+def test_bad_input(sbx, raw):
+    sid = sbx.sandbox_id
+    r = raw.post("/v1/sandboxes/%s/rollback" % sid, json={"snapshot": "sn-nope"})
+    assert r.status_code == 404 and "sn-nope" in r.json()["error"]["message"]
+    r = raw.post("/v1/sandboxes/%s/rollback" % sid, json={})
+    assert r.status_code == 400 and "snapshot" in r.json()["error"]["message"]
+    r = raw.post("/v1/sandboxes/%s/fork" % sid, json={"count": 0})
+    assert r.status_code == 400 and "count" in r.json()["error"]["message"]
+    r = raw.post("/v1/sandboxes/%s/fork" % sid, json={"count": 1000})
+    assert r.status_code == 400
+    r = raw.post("/v1/sandboxes/sb-nope/checkpoint", json={})
+    assert r.status_code == 404
+    r = raw.post("/v1/snapshots/gc", json={"keep": ["sn-nope"]})
+    assert r.status_code == 404
+    r = raw.delete("/v1/snapshots/sn-nope")
+    assert r.status_code == 404
+    r = raw.post("/v1/sandboxes/%s/checkpoint" % sid, json={"label": "x" * 1000})
+    assert r.status_code == 400
+
+
+def test_cycles_leak_nothing(sbx, raw):
+    sid = sbx.sandbox_id
+    py(raw, sid, "import os; data = bytearray(1 << 20)")
+    base = ckpt(raw, sid)
+
+    def fds():
+        return len(os.listdir("/proc/%d/fd" % int(open("/run/branchbox-test/d.pid").read()))) if os.path.exists("/run/branchbox-test/d.pid") else 0
+
+    def layers():
+        return len(os.listdir(os.path.join(STATE, "snaplayers")))
+
+    def counts():
+        return (len(state_mounts()), layers(), int(sh(raw, sid, "ls /proc | grep -c '^[0-9]'").strip()))
+
+    for _ in range(3):
+        py(raw, sid, "data[0] = 1")
+        s = ckpt(raw, sid)
+        rollback(raw, sid, base["id"])
+        raw.delete("/v1/snapshots/%s" % s["id"])
+    time.sleep(0.5)  # let the clean-up of the warm-up cycles finish
+    before = counts()
+    for i in range(60):
+        sh(raw, sid, "echo %d > /root/i" % i)
+        s = ckpt(raw, sid)
+        rollback(raw, sid, base["id"])
+        raw.delete("/v1/snapshots/%s" % s["id"])
+    last = []
+
+    def no_growth():
+        last[:] = [counts()]
+        return all(a <= b for a, b in zip(last[0], before))
+
+    try:
+        wait_until(no_growth, timeout=10)
+    except AssertionError:
+        raise AssertionError("mounts, layers, processes grew: before %r, after %r" % (before, last))
