@@ -29,7 +29,8 @@ request, in order.  A request's ``"id"`` (any JSON value) is echoed in its respo
                                -> old channel (parent, stays a template):
                                       {"ok":true,"child":PID}
                                   new channel (child, a new live session):
-                                      {"ok":true,"pid":PID,"role":"restore","reopened":N}
+                                      {"ok":true,"pid":PID,"role":"restore"}
+                                  the child's next non-fork answer carries "reopened":N
     bad JSON / not an object / unknown op / missing field / unknown fork role
                                -> {"error":{"name":"ProtocolError","value":"..."}}
     internal failure (e.g. memfd_create denied)
@@ -49,17 +50,19 @@ get).
   flags (/proc/self/fdinfo), offset, close-on-exec; then prctl(PR_SET_DUMPABLE, 0) so
   sandbox code without CAP_SYS_PTRACE cannot read or alter its memory.  A template
   forked with role "template" gives a copy of itself (same record).
-* role "template", parent: answers only once the template is frozen as above, so the
-  daemon may swap the root filesystem as soon as it has the answer (the template's own
-  answer may come later).  The parent's cwd, now a directory of the old mount, is
+* role "template", parent: answers at once; the daemon swaps the root filesystem only
+  after the template's own answer (its record is taken by then).  The parent's cwd, now a directory of the old mount, is
   re-resolved by path - chdir() to the cwd recorded before the fork, "/" if that fails -
   before the next request that is not a fork.  (The shell kind also passes its own cwd
   string to every bash it starts.)
-* role "restore", child: setsid(), prctl(PR_SET_DUMPABLE, 1), chdir() to the recorded
-  cwd by path ("/" if that fails); every recorded fd is reopened by path with its flags
+* role "restore", child: setsid(), prctl(PR_SET_DUMPABLE, 1), and answers at once (the
+  daemon forks before it swaps the root filesystem).  Before its next request it does the
+  rest: chdir() to the recorded cwd by path ("/" if that fails); every recorded fd is
+  reopened by path with its flags
   (minus O_CREAT/O_TRUNC/O_EXCL/O_NOCTTY), seeked to its offset and dup2()ed over its
   old number with its close-on-exec flag, so the new session uses the files of the
-  current root filesystem.  "reopened" counts them; an fd whose path no longer opens
+  current root filesystem.  "reopened" (in that next answer) counts them; an fd whose
+  path no longer opens
   (or is no longer a regular file) keeps the old open file.  fds that shared one open
   file (dup) get one open file each.  The template itself is unchanged and can be
   forked again.  On a session that is not a template, "restore" is a plain fork plus
@@ -77,6 +80,7 @@ interactive interpreter.
 import array
 import ast
 import builtins
+import gc
 import fcntl
 import io
 import json
@@ -611,15 +615,29 @@ _O_PATH = getattr(os, "O_PATH", 0)
 FORK_ROLES = ("template", "restore")
 
 
+_PRCTL = []  # [prctl function, c_ulong] once loaded: loading ctypes takes milliseconds
+
+
+def _load_prctl():
+    """Load prctl(2) through ctypes ahead of time (at start), so forks do not pay for it."""
+    if not _PRCTL:
+        try:
+            import ctypes
+
+            _PRCTL.extend([ctypes.CDLL(None, use_errno=True).prctl, ctypes.c_ulong])
+        except Exception:
+            _PRCTL.extend([None, None])
+    return _PRCTL
+
+
 def _set_dumpable(value):
     """prctl(PR_SET_DUMPABLE, value); best effort (False when it failed)."""
+    prctl, ulong = _load_prctl()
+    if prctl is None:
+        return False
     try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        zero = ctypes.c_ulong(0)
-        rc = libc.prctl(_PR_SET_DUMPABLE, ctypes.c_ulong(value), zero, zero, zero)
-        return rc == 0
+        zero = ulong(0)
+        return prctl(_PR_SET_DUMPABLE, ulong(value), zero, zero, zero) == 0
     except Exception:
         return False
 
@@ -701,17 +719,6 @@ def _reopen_fds(saved):
     return count
 
 
-def _wait_eof(fd):
-    while True:
-        try:
-            if not os.read(fd, 64):
-                return
-        except KeyboardInterrupt:
-            continue
-        except OSError:
-            return
-
-
 # --------------------------------------------------------------------------- server
 
 
@@ -735,6 +742,7 @@ class Server(object):
         self.saved_cwd = None  # template: cwd at the checkpoint
         self.saved_fds = []  # template: [(fd, path, flags, offset|None, cloexec)]
         self.rebase_cwd = None  # live session: chdir() here before the next request
+        self.pending_restore = None  # restored session: (cwd, fds) to re-resolve before the next request
 
     def serve(self):
         while True:
@@ -764,10 +772,13 @@ class Server(object):
             _close_fds(fds)
             return _protocol_error("request must be a JSON object")
         op = req.get("op")
+        reopened = None
         if op == "fork":
+            self._finish_restore()  # a copy of a restored session gets the restored files
             resp = self.op_fork(fds, req.get("role"))
         else:
             _close_fds(fds)
+            reopened = self._finish_restore()
             self._rebase()
             if op == "ping":
                 resp = {"ok": True, "pid": os.getpid()}
@@ -779,6 +790,8 @@ class Server(object):
                     resp = self.kernel.run(code)
             else:
                 resp = _protocol_error("unknown op %r" % (op,))
+        if reopened is not None:
+            resp["reopened"] = reopened
         if "id" in req:
             resp["id"] = req["id"]
         return resp
@@ -805,16 +818,15 @@ class Server(object):
                     cwd = os.getcwd()
                 except OSError:
                     cwd = "/"
-        # A template must be frozen (record taken, setsid, non-dumpable) before the parent
-        # answers: the daemon swaps the root filesystem as soon as it has the answer.
-        ready = None
+        # The daemon swaps the root filesystem only once the template answered on its own
+        # channel (record taken, setsid, non-dumpable): the parent answers right away.
+        # gc.freeze(): a collection would write every tracked object's header and so copy
+        # the whole heap page by page in whichever process runs it.
+        gc.freeze()
         try:
-            if role == "template":
-                ready = os.pipe()
             pid = os.fork()
         except OSError as exc:
             os.close(new_fd)
-            _close_fds(ready or ())
             return {"error": {"name": "OSError", "value": "fork failed: %s" % exc}}
         if pid == 0:
             self.channel.close()
@@ -826,19 +838,11 @@ class Server(object):
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 self.reaping = False
             if role == "template":
-                os.close(ready[0])
-                try:
-                    return self._become_template(cwd)
-                finally:
-                    os.close(ready[1])  # EOF: the parent may answer
+                return self._become_template(cwd)
             if role == "restore":
                 return self._become_restored()
             return {"ok": True, "pid": os.getpid()}
         os.close(new_fd)
-        if ready is not None:
-            os.close(ready[1])
-            _wait_eof(ready[0])
-            os.close(ready[0])
         if cwd is not None:
             self.rebase_cwd = cwd
         self.children.add(pid)
@@ -861,24 +865,35 @@ class Server(object):
         return {"ok": True, "pid": os.getpid(), "role": "template"}
 
     def _become_restored(self):
-        """Fork child of role "restore": a new live session from a template."""
+        """Fork child of role "restore": a new live session from a template.
+
+        Answers at once; the cwd and the files are re-resolved by path before the next
+        request (the daemon may swap the root filesystem in between)."""
         _setsid()
-        reopened = 0
         if self.template:
             _set_dumpable(1)
-            try:
-                os.chdir(self.saved_cwd)
-            except (OSError, TypeError):
-                try:
-                    os.chdir("/")
-                except OSError:
-                    pass
-            reopened = _reopen_fds(self.saved_fds)
+            self.pending_restore = (self.saved_cwd, self.saved_fds)
             self.rebase_cwd = None
         self.template = False
         self.saved_cwd = None
         self.saved_fds = []
-        return {"ok": True, "pid": os.getpid(), "role": "restore", "reopened": reopened}
+        return {"ok": True, "pid": os.getpid(), "role": "restore"}
+
+    def _finish_restore(self):
+        """Deferred part of a restore: chdir to the recorded cwd and reopen the recorded
+        files by path, in the current root filesystem. Returns how many were reopened."""
+        pending, self.pending_restore = self.pending_restore, None
+        if pending is None:
+            return None
+        cwd, fds = pending
+        try:
+            os.chdir(cwd)
+        except (OSError, TypeError):
+            try:
+                os.chdir("/")
+            except OSError:
+                pass
+        return _reopen_fds(fds)
 
     def _rebase(self):
         """After a checkpoint, re-resolve the cwd by path in the new root filesystem."""
@@ -911,6 +926,7 @@ def main(argv=None):
     argv = sys.argv if argv is None else argv
     kind = argv[1] if len(argv) > 1 else "python"
     _ensure_std_fds()
+    _load_prctl()
     server = Server(kind)
     server.serve()
     # Exit without running interpreter shutdown hooks or waiting on user threads.

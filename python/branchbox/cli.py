@@ -872,6 +872,103 @@ def bench_api(
     print(json.dumps(summary, separators=(", ", ": ")))
 
 
+def _fmt_num(v: Any, unit: str = "", spec: str = "%.2f") -> str:
+    return "-" if v is None else (spec % v) + unit
+
+
+def cr_report_lines(s: Dict[str, Any]) -> List[str]:
+    """Human-readable summary lines of a ``bench cr`` JSON summary."""
+    lines = [
+        "workload %s, session heap %s MiB (session RssAnon %s MiB), seed %s"
+        % (s.get("workload"), _fmt_num(s.get("heap_mb"), "", "%.0f"), _fmt_num(s.get("heap_rss_mb"), "", "%.1f"), s.get("seed")),
+        "fork n=16 until all exec'd: %s (server %s), n=64: %s (server %s), n=16 without sessions: %s"
+        % (
+            _fmt_num(s.get("fork_n16_ms"), " ms", "%.1f"),
+            _fmt_num(s.get("fork_n16_server_ms"), " ms", "%.1f"),
+            _fmt_num(s.get("fork_n64_ms"), " ms", "%.1f"),
+            _fmt_num(s.get("fork_n64_server_ms"), " ms", "%.1f"),
+            _fmt_num(s.get("fork_n16_files_only_ms"), " ms", "%.1f"),
+        ),
+        "idle fork child private memory: %s" % _fmt_num(s.get("child_private_mb"), " MiB", "%.1f"),
+        "speedup vs copytree: checkpoint %s, rollback %s; vs commit: checkpoint %s, rollback %s"
+        % tuple(
+            _fmt_num(s.get(k), "x", "%.1f")
+            for k in (
+                "ckpt_speedup_vs_copytree",
+                "rollback_speedup_vs_copytree",
+                "ckpt_speedup_vs_commit",
+                "rollback_speedup_vs_commit",
+            )
+        ),
+        "bytes per 10-byte edit of a 64 MiB file: state dir (%s, reflink %s) %s, XFS (reflink %s) %s"
+        % (
+            s.get("default_fs_type") or "?",
+            s.get("default_fs_reflink_supported"),
+            _fmt_bytes(s.get("default_fs_bytes_per_edit")),
+            s.get("xfs_reflink_supported"),
+            _fmt_bytes(s.get("xfs_bytes_per_edit")),
+        ),
+        "rollbacks with sessions restarted: %s; verifications passed: %s; test runs: %s (%s failing as expected)"
+        % (s.get("rollback_sessions_restarted"), s.get("verifications"), s.get("test_runs"), s.get("failing_test_runs")),
+    ]
+    met = s.get("targets_met") or {}
+    if met:
+        lines.append(
+            "targets: " + ", ".join("%s=%s" % (k, {True: "yes", False: "NO", None: "-"}[v]) for k, v in met.items())
+        )
+    for note in s.get("notes") or []:
+        lines.append("note: " + note)
+    return lines
+
+
+@bench_app.command("cr")
+@cli_errors
+def bench_cr(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Only print the JSON summary line."),
+    quick: bool = typer.Option(False, "--quick", help="Few iterations, no XFS part (CI smoke test)."),
+    seed: int = typer.Option(1, "--seed", help="Seed of the scripted tree search."),
+    checkpoints: Optional[int] = typer.Option(None, "--checkpoints", min=2, help="Checkpoints of the search (default 80, quick 16)."),
+    image: str = typer.Option("base", "--image", help="Image for the sandboxes."),
+    xfs: Optional[bool] = typer.Option(None, "--xfs/--no-xfs", help="Measure write amplification on an XFS loop device (default: on unless --quick)."),
+    daemon_bin: Optional[str] = typer.Option(None, "--daemon-bin", help="branchboxd for the XFS daemon (default: the running daemon's binary)."),
+    cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="Where the workload sdist is cached."),
+) -> None:
+    """Checkpoint / rollback / fork on a real workload, against copytree and commit baselines.
+
+    The last line of stdout is always the JSON summary.
+    """
+    from . import bench_cr as cr
+
+    c = _ctx(ctx)
+    cfg = cr.CrConfig.make(
+        quick,
+        daemon=c.daemon,
+        token=c.token,
+        image=image,
+        seed=seed,
+        checkpoints=checkpoints,
+        xfs=xfs,
+        daemon_bin=daemon_bin,
+        cache_dir=cache_dir,
+    )
+    with err.status("benchmarking") as status:
+        result = cr.run_cr_bench(cfg, progress=lambda m: status.update("bench cr: " + m))
+    summary = result.summary()
+    if not as_json:
+        table = Table(title="branchbox bench cr (ms)", header_style="bold")
+        for col in ("metric", "samples", "p50", "p99", "min", "max"):
+            table.add_column(col, justify="left" if col == "metric" else "right")
+        for row in result.rows():
+            table.add_row(*row)
+        out.print(table)
+        for line in cr_report_lines(summary):
+            out.print(Text(line))
+    sys.stdout.flush()
+    # Plain print: the summary must be exactly one line, the last one on stdout.
+    print(json.dumps(summary, separators=(", ", ": ")))
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

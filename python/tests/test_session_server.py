@@ -475,7 +475,12 @@ def forks():
         clients.append(child)
         assert parent_resp.get("ok") is True, parent_resp
         pids.append(parent_resp["child"])
-        return parent_resp, child, child.recv()
+        child_resp = child.recv()
+        if role == "restore":
+            # A restored session re-resolves its cwd and files before its next request.
+            ping = child.request({"op": "ping"})
+            child_resp["reopened"] = ping.get("reopened", 0)
+        return parent_resp, child, child_resp
 
     yield fork
     for c in clients:
@@ -545,9 +550,10 @@ def test_template_and_restored_sessions_have_own_process_groups(py: SessionProce
     tmpl_pid = parent_resp["child"]
     tmpl = SessionClient(ours)
     try:
-        # already frozen when the parent answers (the daemon swaps the rootfs right then)
-        assert os.getsid(tmpl_pid) == tmpl_pid and os.getpgid(tmpl_pid) == tmpl_pid
+        # frozen once the template answered on its own channel (the daemon swaps the root
+        # filesystem only after that answer)
         assert tmpl.recv()["role"] == "template"
+        assert os.getsid(tmpl_pid) == tmpl_pid and os.getpgid(tmpl_pid) == tmpl_pid
         assert os.getsid(py.proc.pid) != tmpl_pid and os.getpgid(py.proc.pid) != tmpl_pid
         _, child, resp = forks(tmpl, "restore")
         pid = resp["pid"]

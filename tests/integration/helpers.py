@@ -9,10 +9,10 @@ import time
 import pytest
 
 STATE = os.environ.get("BRANCHBOX_TEST_STATE", "/var/lib/branchbox-test")
-RUN = "/run/branchbox-test"
+RUN = os.environ.get("BRANCHBOX_TEST_RUN", "/run/branchbox-test")
 SOCKET = os.path.join(RUN, "d.sock")
 URL = "unix://" + SOCKET
-CGROUP_PARENT = "branchbox-test"
+CGROUP_PARENT = os.environ.get("BRANCHBOX_TEST_CGROUP", "branchbox-test")
 CGROUP_ROOT = "/sys/fs/cgroup"
 # Host uid the sandbox's root maps to (branchboxd --uid-base default).
 UID_BASE = 1_000_000

@@ -216,19 +216,19 @@ def test_bad_input(sbx, raw):
     assert r.status_code == 400
 
 
-def test_cycles_leak_nothing(sbx, raw):
+def test_cycles_leak_nothing(daemon, sbx, raw):
     sid = sbx.sandbox_id
     py(raw, sid, "import os; data = bytearray(1 << 20)")
     base = ckpt(raw, sid)
 
     def fds():
-        return len(os.listdir("/proc/%d/fd" % int(open("/run/branchbox-test/d.pid").read()))) if os.path.exists("/run/branchbox-test/d.pid") else 0
+        return len(os.listdir("/proc/%d/fd" % daemon.pid))
 
     def layers():
         return len(os.listdir(os.path.join(STATE, "snaplayers")))
 
     def counts():
-        return (len(state_mounts()), layers(), int(sh(raw, sid, "ls /proc | grep -c '^[0-9]'").strip()))
+        return (len(state_mounts()), layers(), int(sh(raw, sid, "ls /proc | grep -c '^[0-9]'").strip()), fds())
 
     for _ in range(3):
         py(raw, sid, "data[0] = 1")

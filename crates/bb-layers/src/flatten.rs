@@ -145,11 +145,9 @@ pub fn flatten(layers: &[PathBuf], dest: &Path) -> Result<FlattenStats, LayersEr
     let mut stats = {
         let mut c = Copier::new(mnt, layers, &tmp_path)?;
         c.run()?;
-        eprintln!("TMPDBG copy {:?}", start.elapsed());
         // Sync while the fds are open: data and metadata are durable before the name appears.
         nix::unistd::syncfs(c.dst_root.as_raw_fd())
             .map_err(|e| LayersError::io(format!("flatten: syncfs on {}", tmp_path.display()), e.into()))?;
-        eprintln!("TMPDBG synced {:?}", start.elapsed());
         c.stats
         // The Copier (and with it the last reference to the detached mount) is dropped here.
     };

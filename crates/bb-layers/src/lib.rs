@@ -13,6 +13,8 @@
 //!   `RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS`); absolute or escaping paths abort the import.
 //!   OCI whiteouts become overlay whiteouts (char 0/0) and opaque markers become
 //!   `trusted.overlay.opaque=y`; device nodes are skipped.
+//! * [`flatten()`] merges the bottom layers of a growing snapshot chain into one equivalent layer
+//!   (copy of their read-only merged view; reflinks where the filesystem has them).
 //! * Sandboxes run in a user namespace mapping ids `0..size` to `host_base..host_base+size`
 //!   ([`IdMap`]), so every file (layer roots included) is stored with `host_base + id` as owner.
 //! * Image records live in the `images` table of `<state>/branchbox.db` (SQLite, WAL). Replacing

@@ -34,6 +34,15 @@ pub const MAX_CHAIN: usize = 24;
 /// Most children one fork request may ask for.
 pub const MAX_FORK: u32 = 64;
 
+/// The next root of a sandbox, built before the frozen window.
+struct Prepared {
+    lid: String,
+    upper: PathBuf,
+    mnt: std::os::fd::OwnedFd,
+    chain: Vec<String>,
+    n: u64,
+}
+
 pub struct Template {
     pub key: String,
     pub sandbox_id: String,
@@ -265,50 +274,60 @@ impl Runtime {
             }
         }
 
-        // Sessions first (they are idle: we hold their locks): one fork each.
+        // The next root is built while the sessions fork (they are idle: we hold their locks).
+        let t0 = Instant::now();
+        let mut chain = gen.chain.clone();
+        chain.push(gen.upper.clone());
+        let prep = {
+            let (rt, sbc, n) = (self.clone(), sb.clone(), gen.n + 1);
+            tokio::task::spawn_blocking(move || rt.prepare(&sbc, n, chain))
+        };
         let mut snap_sessions = Vec::new();
-        let mut new_templates: Vec<(String, Arc<Session>)> = Vec::new();
+        let mut new_templates: Vec<(String, Arc<Session>, std::os::unix::net::UnixStream)> = Vec::new();
         if with_sessions {
             for s in &sessions {
                 let default = default_id.as_deref() == Some(s.id.as_str());
                 let mut template = None;
-                match s.fork("template").await {
-                    Ok((pid, chan)) => {
-                        let key = format!("tp-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
-                        let tag = format!("{TEMPLATE_TAG}{key}:{}", s.kind);
-                        if let Err(e) = session::adopt(sb, pid, tag, key.clone(), &chan).await {
-                            tracing::warn!(sandbox = %sb.id, session = %s.id, "template not registered with init: {e}");
-                        }
-                        match Session::attach(key.clone(), s.kind.clone(), pid, now(), chan) {
-                            Ok(t) => {
-                                new_templates.push((key.clone(), Arc::new(t)));
-                                template = Some(key);
-                            }
-                            Err(e) => tracing::warn!(sandbox = %sb.id, "template channel: {e}"),
-                        }
+                let forked = s.fork("template").await.and_then(|(pid, chan)| {
+                    let keep = chan.try_clone().map_err(|e| RuntimeError::internal("socket", e))?;
+                    let key = format!("tp-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+                    Ok((key.clone(), Session::attach(key, s.kind.clone(), pid, now(), chan)?, keep))
+                });
+                match forked {
+                    Ok((key, t, keep)) => {
+                        new_templates.push((key.clone(), Arc::new(t), keep));
+                        template = Some(key);
                     }
                     Err(e) => tracing::warn!(sandbox = %sb.id, session = %s.id, "session did not fork; it will restart fresh on rollback: {e}"),
                 }
                 snap_sessions.push(SnapSession { id: s.id.clone(), kind: s.kind.clone(), default, template });
             }
         }
-
-        // Files: freeze, pin open files, swap the root onto a fresh writable layer.
-        let swapped = {
-            let _gate = sb.fs_gate.write().await;
-            let (rt, sbc, g) = (self.clone(), sb.clone(), gen.clone());
-            tokio::task::spawn_blocking(move || rt.freeze_and_swap(&sbc, &g, None)).await.map_err(blocking_err)?
+        let t_forked = t0.elapsed();
+        // Files: freeze, pin open files, swap the root onto the fresh writable layer.
+        // File operations wait until the new root is recorded (they open `sb.rootfs()`).
+        let gate = sb.fs_gate.write().await;
+        let swapped = match prep.await.map_err(blocking_err).and_then(|p| p) {
+            Ok(prep) => {
+                let (rt, sbc, old) = (self.clone(), sb.clone(), upper_dir.clone());
+                tokio::task::spawn_blocking(move || rt.swap_prepared(&sbc, prep, Some(&old), None))
+                    .await
+                    .map_err(blocking_err)
+                    .and_then(|r| r)
+            }
+            Err(e) => Err(e),
         };
         let (new_gen, pinned) = match swapped {
             Ok(x) => x,
             Err(e) => {
-                for (_, t) in new_templates {
+                for (_, t, _) in new_templates {
                     t.forget().await;
                     let _ = session::kill_process(sb, t.pid).await;
                 }
                 return Err(e);
             }
         };
+        let t_swapped = t0.elapsed();
         if pinned.files > 0 {
             tracing::debug!(sandbox = %sb.id, files = pinned.files, bytes = pinned.bytes_copied, "open files moved to the live layer");
         }
@@ -326,18 +345,27 @@ impl Runtime {
         self.snaps.lock().expect("lock").insert(&row)?;
         let base = with_sessions.then(|| row.id.clone());
         self.set_gen(sb, Generation { base, ..new_gen })?;
+        drop(gate);
         sb.dirty.store(false, Ordering::SeqCst);
         drop(guards);
         drop(sessions_map);
         let mut evicted = Vec::new();
         {
             let mut pool = self.templates.lock().expect("lock");
-            for (key, t) in new_templates {
+            for (key, t, keep) in new_templates {
+                // Registered with init off the critical path (it only matters after a daemon restart).
+                let (sbc, tag, k, pid) = (sb.clone(), format!("{TEMPLATE_TAG}{key}:{}", t.kind), key.clone(), t.pid);
+                tokio::spawn(async move {
+                    if let Err(e) = session::adopt(&sbc, pid, tag, k, &keep).await {
+                        tracing::warn!(sandbox = %sbc.id, "template not registered with init: {e}");
+                    }
+                });
                 evicted.extend(pool.insert(key, sb.id.clone(), t));
             }
         }
         self.drop_templates(evicted).await;
         self.after_swap(sb, gen.n, Some(gen.upper.clone()), None);
+        tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, total = ?t0.elapsed(), "checkpoint");
         Ok((row, true))
     }
 
@@ -353,7 +381,11 @@ impl Runtime {
     fn after_swap(self: &Arc<Self>, sb: &Arc<Sandbox>, old_n: u64, measure: Option<String>, discard: Option<String>) {
         let rt = self.clone();
         let dir = sb.dirs.dir.clone();
+        let old_root = sb.dirs.rootfs_gen(old_n);
         tokio::task::spawn_blocking(move || {
+            if bb_layers::unmount(&old_root).is_ok() {
+                let _ = std::fs::remove_dir(&old_root);
+            }
             let _ = std::fs::remove_dir_all(dir.join(format!("work-{old_n}")));
             if let Some(l) = measure {
                 let size = du(&layer_dir(&rt.cfg, &rt.images, &l));
@@ -365,79 +397,98 @@ impl Runtime {
         });
     }
 
-    /// Freeze `sb`, optionally kill every process except init and `keep_pids` (namespace pids),
-    /// move the sandbox onto a new writable layer over `chain` (default: the current chain plus
-    /// the current writable layer, frozen), thaw. Returns the new generation (base unset) and
-    /// what was pinned; with `kill` the killed namespace pids are in `PinStats`-free form below.
-    fn freeze_and_swap(&self, sb: &Sandbox, gen: &Generation, restore: Option<(&[String], &HashSet<i32>, &mut Vec<i32>)>) -> Result<(Generation, rootswap::PinStats)> {
+    /// Build the next root ahead of the frozen window: a fresh writable layer and a detached
+    /// overlay of it over `chain` (bottom first).
+    fn prepare(&self, sb: &Sandbox, n: u64, chain: Vec<String>) -> Result<Prepared> {
+        let (lid, upper, work) = new_upper(&self.cfg, &sb.dirs, n)?;
+        let lower: Vec<PathBuf> = chain.iter().rev().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
+        match bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &sb.dirs.rootfs_gen(n)) {
+            Ok(mnt) => Ok(Prepared { lid, upper, mnt, chain, n }),
+            Err(e) => {
+                self.remove_layer_dir(&lid);
+                Err(crate::layers_error(e))
+            }
+        }
+    }
+
+    /// With the sandbox frozen: kill every process but init and `kill`'s keep-set (namespace
+    /// pids; the killed ones are appended), or move files open for writing out of `pin_from`
+    /// (the writable layer being frozen); then swap the root onto `prep`, and thaw.
+    fn swap_prepared(
+        &self,
+        sb: &Sandbox,
+        prep: Prepared,
+        pin_from: Option<&Path>,
+        kill: Option<(&HashSet<i32>, &mut Vec<i32>)>,
+    ) -> Result<(Generation, rootswap::PinStats)> {
         let t0 = Instant::now();
         sb.cgroup.freeze()?;
         let t_frozen = t0.elapsed();
-        let res = self.swap_frozen(sb, gen, restore);
+        let res = self.swap_frozen(sb, prep, pin_from, kill);
         let thawed = sb.cgroup.thaw();
-        tracing::debug!(sandbox = %sb.id, ?t_frozen, total = ?t0.elapsed(), "root swapped");
-        let out = res?;
+        let t_thawed = t0.elapsed();
+        // The host-side mount (file API) is swapped after the thaw; the caller holds the file gate.
+        let (gen, pinned, host_clone) = res?;
+        let target = sb.dirs.rootfs_gen(gen.n);
+        std::fs::create_dir_all(&target).map_err(|e| RuntimeError::internal("create root mount point", e))?;
+        rootswap::attach_host_root(&target, host_clone)?;
+        tracing::debug!(sandbox = %sb.id, ?t_frozen, ?t_thawed, total = ?t0.elapsed(), "root swapped");
         thawed?;
-        Ok(out)
+        Ok((gen, pinned))
     }
 
-    fn swap_frozen(&self, sb: &Sandbox, gen: &Generation, restore: Option<(&[String], &HashSet<i32>, &mut Vec<i32>)>) -> Result<(Generation, rootswap::PinStats)> {
-        let rootfs = sb.dirs.rootfs();
+    fn swap_frozen(
+        &self,
+        sb: &Sandbox,
+        prep: Prepared,
+        pin_from: Option<&Path>,
+        kill: Option<(&HashSet<i32>, &mut Vec<i32>)>,
+    ) -> Result<(Generation, rootswap::PinStats, std::os::fd::OwnedFd)> {
+        let rootfs = sb.rootfs();
         let pids = sb.cgroup.pids()?;
-        let (chain, pin_from) = match restore {
-            Some((chain, keep, killed)) => {
-                for hp in pids {
-                    if hp == sb.init_pid {
-                        continue;
-                    }
-                    let ns = ns_pid(hp);
-                    if ns.is_some_and(|p| keep.contains(&p)) {
-                        continue;
-                    }
-                    // SAFETY: kill(2) on a member of the sandbox's cgroup (frozen: it dies on thaw).
-                    if unsafe { libc::kill(hp, libc::SIGKILL) } == 0 {
-                        killed.extend(ns);
-                    }
+        if let Some((keep, killed)) = kill {
+            for hp in &pids {
+                if *hp == sb.init_pid {
+                    continue;
                 }
-                (chain.to_vec(), None)
+                let ns = ns_pid(*hp);
+                if ns.is_some_and(|p| keep.contains(&p)) {
+                    continue;
+                }
+                // SAFETY: kill(2) on a member of the sandbox's cgroup (frozen: it dies on thaw).
+                if unsafe { libc::kill(*hp, libc::SIGKILL) } == 0 {
+                    killed.extend(ns);
+                }
             }
-            None => {
-                let mut chain = gen.chain.clone();
-                chain.push(gen.upper.clone());
-                (chain, Some(layer_dir(&self.cfg, &self.images, &gen.upper)))
-            }
-        };
-        let n = gen.n + 1;
-        let (lid, upper, work) = new_upper(&self.cfg, &sb.dirs, n)?;
+        }
         let mut pinned = rootswap::PinStats::default();
         let mut pinned_files = Vec::new();
-        if let Some(old_upper) = &pin_from {
+        if let Some(old_upper) = pin_from {
             let dev = std::fs::metadata(&rootfs).map_err(|e| RuntimeError::internal("stat sandbox root", e))?.dev();
-            let files = rootswap::written_files(&sb.cgroup.pids()?, dev);
-            match rootswap::pin_open_files(&files, old_upper, &upper) {
+            let files = rootswap::written_files(&pids, dev);
+            match rootswap::pin_open_files(&files, old_upper, &prep.upper) {
                 Ok(p) => {
                     pinned = p;
                     pinned_files = files;
                 }
                 Err(e) => {
-                    rootswap::unpin(&files, old_upper, &upper);
-                    self.remove_layer_dir(&lid);
+                    rootswap::unpin(&files, old_upper, &prep.upper);
+                    self.remove_layer_dir(&prep.lid);
                     return Err(e);
                 }
             }
         }
-        let lower: Vec<PathBuf> = chain.iter().rev().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
-        let swapped = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &rootfs)
-            .map_err(crate::layers_error)
-            .and_then(|mnt| rootswap::swap_root(sb.init_pid, &rootfs, mnt));
-        if let Err(e) = swapped {
-            if let Some(old_upper) = &pin_from {
-                rootswap::unpin(&pinned_files, old_upper, &upper);
+        let Prepared { lid, upper, mnt, chain, n } = prep;
+        match rootswap::swap_root(sb.init_pid, mnt) {
+            Ok(host_clone) => Ok((Generation { upper: lid, mounted: chain.clone(), chain, base: None, n }, pinned, host_clone)),
+            Err(e) => {
+                if let Some(old_upper) = pin_from {
+                    rootswap::unpin(&pinned_files, old_upper, &upper);
+                }
+                self.remove_layer_dir(&lid);
+                Err(e)
             }
-            self.remove_layer_dir(&lid);
-            return Err(e);
         }
-        Ok((Generation { upper: lid, mounted: chain.clone(), chain, base: None, n }, pinned))
     }
 
     pub async fn rollback(self: &Arc<Self>, id: &str, req: RollbackRequest) -> Result<RollbackResult> {
@@ -460,17 +511,57 @@ impl Runtime {
             guards.push(s.op_lock.lock().await);
         }
         let old_pids: HashSet<i32> = old.iter().map(|s| s.pid).collect();
-        let keep = self.templates.lock().expect("lock").pids_of(&sb.id);
-        let (new_gen, killed) = {
-            let _gate = sb.fs_gate.write().await;
-            let (rt, sbc, g, chain) = (self.clone(), sb.clone(), gen.clone(), snap.layers.clone());
-            tokio::task::spawn_blocking(move || {
-                let mut killed = Vec::new();
-                rt.freeze_and_swap(&sbc, &g, Some((&chain, &keep, &mut killed))).map(|(g, _)| (g, killed))
-            })
-            .await
-            .map_err(blocking_err)??
+        let prep = {
+            let (rt, sbc, n, chain) = (self.clone(), sb.clone(), gen.n + 1, snap.layers.clone());
+            tokio::task::spawn_blocking(move || rt.prepare(&sbc, n, chain))
         };
+        // Fork the templates first: the copies re-resolve their cwd and files by path on their
+        // first request, after the swap below moved them (with everything else) to the new root.
+        let mut restored: Vec<Option<(Session, std::os::unix::net::UnixStream)>> = Vec::new();
+        for ss in &snap.sessions {
+            let tpl = ss.template.as_deref().and_then(|k| self.templates.lock().expect("lock").get(k, &sb.id));
+            let forked = match tpl {
+                Some(t) => t.fork("restore").await.and_then(|(pid, chan)| {
+                    let keep = chan.try_clone().map_err(|e| RuntimeError::internal("socket", e))?;
+                    Ok((Session::attach(ss.id.clone(), ss.kind.clone(), pid, now(), chan)?, keep))
+                }),
+                None => Err(RuntimeError::Conflict("no live template".into())),
+            };
+            restored.push(match forked {
+                Ok(x) => Some(x),
+                Err(e) => {
+                    tracing::debug!(sandbox = %sb.id, session = %ss.id, "session starts fresh: {e}");
+                    None
+                }
+            });
+        }
+        let mut keep = self.templates.lock().expect("lock").pids_of(&sb.id);
+        keep.extend(restored.iter().flatten().map(|(s, _)| s.pid));
+        let gate = sb.fs_gate.write().await;
+        let swapped = match prep.await.map_err(blocking_err).and_then(|p| p) {
+            Ok(prep) => {
+                let (rt, sbc) = (self.clone(), sb.clone());
+                tokio::task::spawn_blocking(move || {
+                    let mut killed = Vec::new();
+                    rt.swap_prepared(&sbc, prep, None, Some((&keep, &mut killed))).map(|(g, _)| (g, killed))
+                })
+                .await
+                .map_err(blocking_err)
+                .and_then(|r| r)
+            }
+            Err(e) => Err(e),
+        };
+        let (new_gen, killed) = match swapped {
+            Ok(x) => x,
+            Err(e) => {
+                for (s, _) in restored.into_iter().flatten() {
+                    let _ = session::kill_process(&sb, s.pid).await;
+                }
+                return Err(e);
+            }
+        };
+        self.set_gen(&sb, Generation { base: Some(snap.id.clone()), ..new_gen })?;
+        drop(gate);
         for s in &old {
             s.forget().await;
         }
@@ -478,20 +569,17 @@ impl Runtime {
         sessions_map.clear();
         *default = None;
         let mut restarted = false;
-        for ss in &snap.sessions {
-            let tpl = ss.template.as_deref().and_then(|k| self.templates.lock().expect("lock").get(k, &sb.id));
-            let forked = match tpl {
-                Some(t) => match self.restore_session(&sb, &t, ss).await {
-                    Ok(s) => Some(s),
-                    Err(e) => {
-                        tracing::warn!(sandbox = %sb.id, session = %ss.id, "template fork failed, starting the session fresh: {e}");
-                        None
-                    }
-                },
-                None => None,
-            };
-            let s = match forked {
-                Some(s) => s,
+        for (ss, r) in snap.sessions.iter().zip(restored) {
+            let s = match r {
+                Some((s, keep)) => {
+                    let (sbc, tag, key, pid) = (sb.clone(), session::session_tag(&ss.id, &ss.kind, ss.default), ss.id.clone(), s.pid);
+                    tokio::spawn(async move {
+                        if let Err(e) = session::adopt(&sbc, pid, tag, key, &keep).await {
+                            tracing::warn!(sandbox = %sbc.id, "restored session not registered with init: {e}");
+                        }
+                    });
+                    s
+                }
                 None => {
                     restarted = true;
                     session::create_as(&sb, Some(ss.id.clone()), &ss.kind, ss.default, None, &Default::default()).await?
@@ -504,22 +592,12 @@ impl Runtime {
         }
         drop(sessions_map);
         drop(default);
-        self.set_gen(&sb, Generation { base: Some(snap.id.clone()), ..new_gen })?;
+
         sb.dirty.store(false, Ordering::SeqCst);
         self.after_swap(&sb, gen.n, None, Some(gen.upper.clone()));
         let mut killed: Vec<i32> = killed.into_iter().filter(|p| !old_pids.contains(p)).collect();
         killed.sort_unstable();
         Ok(RollbackResult { snapshot: snap.id, sessions_restarted: restarted, killed, took_ms: ms(t0) })
-    }
-
-    /// Fork a live session from template `t` for snapshot session `ss`, registered with init.
-    async fn restore_session(&self, sb: &Sandbox, t: &Session, ss: &SnapSession) -> Result<Session> {
-        let (pid, chan) = t.fork("restore").await?;
-        let tag = session::session_tag(&ss.id, &ss.kind, ss.default);
-        if let Err(e) = session::adopt(sb, pid, tag, ss.id.clone(), &chan).await {
-            tracing::warn!(sandbox = %sb.id, session = %ss.id, "restored session not registered with init: {e}");
-        }
-        Session::attach(ss.id.clone(), ss.kind.clone(), pid, now(), chan)
     }
 
     pub async fn fork(self: &Arc<Self>, id: &str, req: ForkRequest) -> Result<ForkResult> {

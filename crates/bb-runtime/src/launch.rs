@@ -31,8 +31,26 @@ impl SandboxDirs {
     pub fn new(state_dir: &Path, id: &str) -> Self {
         SandboxDirs { dir: state_dir.join("sandboxes").join(id) }
     }
+    /// Host-side mount point of the sandbox's root at launch (generation 0).
     pub fn rootfs(&self) -> PathBuf {
-        self.dir.join("rootfs")
+        self.rootfs_gen(0)
+    }
+    /// Host-side mount point of generation `n`'s root: each root swap mounts the new root at a
+    /// new path, so the old one can be unmounted off the critical path.
+    pub fn rootfs_gen(&self, n: u64) -> PathBuf {
+        if n == 0 {
+            self.dir.join("rootfs")
+        } else {
+            self.dir.join(format!("rootfs-{n}"))
+        }
+    }
+    /// Every host-side root mount point this sandbox may have.
+    pub fn rootfs_all(&self) -> Vec<PathBuf> {
+        let mut v = vec![self.rootfs()];
+        if let Ok(rd) = std::fs::read_dir(&self.dir) {
+            v.extend(rd.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("rootfs-")).map(|e| e.path()));
+        }
+        v
     }
     pub fn sock(&self) -> PathBuf {
         self.dir.join("control.sock")
@@ -306,7 +324,9 @@ pub fn teardown(cfg: &RuntimeConfig, layout: &CgroupLayout, id: &str, init: Opti
         unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
     }
     let dirs = SandboxDirs::new(&cfg.state_dir, id);
-    bb_layers::unmount(&dirs.rootfs()).map_err(|e| io("unmount root filesystem", e))?;
+    for r in dirs.rootfs_all() {
+        bb_layers::unmount(&r).map_err(|e| io("unmount root filesystem", e))?;
+    }
     // Move the directory aside first so a slow delete never blocks a new sandbox with the same id.
     let trash = cfg.state_dir.join("trash").join(format!("{id}-{}", uuid::Uuid::new_v4().simple()));
     if dirs.dir.exists() {

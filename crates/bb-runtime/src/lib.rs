@@ -618,7 +618,7 @@ impl Runtime {
     pub async fn fs(&self, id: &str) -> Result<files::SandboxFs> {
         let sb = self.live(id)?;
         let gate = sb.fs_gate.clone().read_owned().await;
-        files::SandboxFs::open_gated(&sb.dirs.rootfs(), self.cfg.idmap.host_base, gate)
+        files::SandboxFs::open_gated(&sb.rootfs(), self.cfg.idmap.host_base, gate)
     }
 
     // ---- images ----

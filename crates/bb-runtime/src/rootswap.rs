@@ -32,31 +32,78 @@ fn err(what: &str, e: impl std::fmt::Display) -> RuntimeError {
 }
 
 /// Replace the sandbox's root overlay with `new_mnt` (a detached overlay mount from
-/// [`bb_layers::overlay_fd`]), both inside the sandbox (pid `init_pid`'s mount namespace) and at
-/// the host-side path `host_rootfs` the daemon uses for file access.
-pub fn swap_root(init_pid: i32, host_rootfs: &Path, new_mnt: OwnedFd) -> Result<()> {
+/// [`bb_layers::overlay_fd`]) inside the sandbox (pid `init_pid`'s mount namespace). Returns a
+/// second mount of the same overlay for the host side: attach it with [`attach_host_root`] (that
+/// can wait until the sandbox is thawed).
+pub fn swap_root(init_pid: i32, new_mnt: OwnedFd) -> Result<OwnedFd> {
+    let t0 = std::time::Instant::now();
     let mntns = fs::File::open(format!("/proc/{init_pid}/ns/mnt")).map_err(|e| err("open sandbox mount namespace", e))?;
     // A second mount of the same overlay instance for the host side.
     let host_clone = ns::open_tree(new_mnt.as_fd(), Path::new(""), ns::OPEN_TREE_CLONE | ns::OPEN_TREE_CLOEXEC)
         .map_err(|e| err("clone new root mount", e))?;
     // Read from the host: inside the sandbox's mount namespace, /proc is the sandbox's.
     let submounts = root_submounts(init_pid).map_err(|e| err("read sandbox mount table", e))?;
-    let inside = std::thread::scope(|s| {
-        s.spawn(|| -> Result<()> {
-            ns::unshare(libc::CLONE_FS).map_err(|e| err("unshare fs context", e))?;
-            ns::setns(mntns.as_fd(), libc::CLONE_NEWNS).map_err(|e| err("enter sandbox mount namespace", e))?;
-            pivot_inside(&new_mnt, &submounts)
-        })
-        .join()
-        .unwrap_or_else(|_| Err(RuntimeError::Internal("root swap thread panicked".into())))
-    });
-    inside?;
-    // Host side: the old mount goes (lazily: in-flight file operations finish on it), the new one
-    // takes its place.
-    bb_layers::unmount(host_rootfs).map_err(|e| err("unmount old host-side root", e))?;
+    ns_worker().run(mntns.into(), Box::new(move || pivot_inside(&new_mnt, &submounts)))?;
+    tracing::debug!(took = ?t0.elapsed(), "swap_root");
+    Ok(host_clone)
+}
+
+/// Attach `host_clone` (from [`swap_root`]) at `host_rootfs` (an empty dir). The old host-side
+/// root is unmounted later, off the critical path (unmounting waits for an RCU grace period).
+pub fn attach_host_root(host_rootfs: &Path, host_clone: OwnedFd) -> Result<()> {
     ns::move_mount(Some(host_clone.as_fd()), Path::new(""), None, host_rootfs, ns::MOVE_MOUNT_F_EMPTY_PATH)
-        .map_err(|e| err("attach new host-side root", e))?;
-    Ok(())
+        .map_err(|e| err("attach new host-side root", e))
+}
+
+type NsJob = Box<dyn FnOnce() -> Result<()> + Send>;
+
+/// One long-lived thread that enters sandbox mount namespaces on request. `setns(CLONE_NEWNS)`
+/// needs a thread with its own fs context (`unshare(CLONE_FS)`); keeping that thread saves
+/// spawning one per swap. After each job it returns to the host's mount namespace.
+struct NsWorker {
+    tx: std::sync::Mutex<std::sync::mpsc::Sender<(OwnedFd, NsJob, std::sync::mpsc::Sender<Result<()>>)>>,
+}
+
+fn ns_worker() -> &'static NsWorker {
+    static WORKER: std::sync::OnceLock<NsWorker> = std::sync::OnceLock::new();
+    WORKER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<(OwnedFd, NsJob, std::sync::mpsc::Sender<Result<()>>)>();
+        std::thread::Builder::new()
+            .name("bb-mntns".into())
+            .spawn(move || {
+                let setup = ns::unshare(libc::CLONE_FS)
+                    .map_err(|e| err("unshare fs context", e))
+                    .and_then(|()| fs::File::open("/proc/thread-self/ns/mnt").map_err(|e| err("open host mount namespace", e)));
+                for (target, job, reply) in rx {
+                    let res = match &setup {
+                        Err(e) => Err(RuntimeError::Internal(e.to_string())),
+                        Ok(host) => ns::setns(target.as_fd(), libc::CLONE_NEWNS)
+                            .map_err(|e| err("enter sandbox mount namespace", e))
+                            .and_then(|()| {
+                                let r = job();
+                                // Back home; a failure here would leave this thread in a sandbox.
+                                ns::setns(host.as_fd(), libc::CLONE_NEWNS).expect("return to the host mount namespace");
+                                r
+                            }),
+                    };
+                    let _ = reply.send(res);
+                }
+            })
+            .expect("spawn mount namespace worker");
+        NsWorker { tx: std::sync::Mutex::new(tx) }
+    })
+}
+
+impl NsWorker {
+    fn run(&self, target: OwnedFd, job: NsJob) -> Result<()> {
+        let (reply_tx, reply_rx) = std::sync::mpsc::channel();
+        self.tx
+            .lock()
+            .expect("lock")
+            .send((target, job, reply_tx))
+            .map_err(|_| RuntimeError::Internal("mount namespace worker is gone".into()))?;
+        reply_rx.recv().map_err(|_| RuntimeError::Internal("mount namespace worker panicked".into()))?
+    }
 }
 
 /// Runs on a thread inside the sandbox's mount namespace, whose root and cwd are the sandbox's `/`.

@@ -99,6 +99,12 @@ impl Sandbox {
         merged.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
     }
 
+    /// Host-side path of the sandbox's current root (the file API works there).
+    pub fn rootfs(&self) -> std::path::PathBuf {
+        let n = self.gen.lock().expect("lock").as_ref().map(|g| g.n).unwrap_or(0);
+        self.dirs.rootfs_gen(n)
+    }
+
     /// OOM kills seen so far (refreshed whenever the cgroup's counters are read).
     pub fn oom_seen(&self) -> u64 {
         self.oom_seen.load(Ordering::SeqCst)

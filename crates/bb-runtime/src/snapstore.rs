@@ -63,6 +63,10 @@ impl SnapStore {
     pub fn open(path: &std::path::Path) -> Result<SnapStore> {
         let conn = Connection::open(path)?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        // WAL without an fsync per commit (the sandboxes table does the same): a crash loses at
+        // most the last transactions, never consistency.
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.execute_batch(
             "CREATE TABLE IF NOT EXISTS snapshots (
                 id TEXT PRIMARY KEY,

@@ -6,6 +6,7 @@
 pub mod mount_api;
 pub mod ns;
 pub mod process;
+pub mod ptrace;
 
 use std::io;
 

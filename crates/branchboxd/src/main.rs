@@ -39,6 +39,10 @@ struct Args {
     /// Largest file upload in bytes.
     #[arg(long, default_value_t = 4 << 30)]
     max_file_bytes: u64,
+    /// Live session templates kept for snapshots; beyond it the least recently used is evicted
+    /// (its snapshots still roll back, with sessions restarted fresh)
+    #[arg(long, default_value_t = 64)]
+    max_templates: usize,
     /// First host uid/gid of the sandboxes' user namespace range (65536 ids).
     #[arg(long, default_value_t = 1_000_000)]
     uid_base: u32,
@@ -80,6 +84,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     cfg.cgroup_parent = args.cgroup_parent;
     cfg.max_sandboxes = args.max_sandboxes;
     cfg.max_file_bytes = args.max_file_bytes;
+    cfg.max_templates = args.max_templates.max(1);
     cfg.idmap.host_base = args.uid_base;
     let rt = tokio::task::spawn_blocking(move || Runtime::open(cfg)).await?.context("opening the runtime")?;
     tracing::info!(state_dir = %args.state_dir.display(), sandboxes = rt.count(), "runtime ready");

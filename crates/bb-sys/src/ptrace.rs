@@ -1,0 +1,463 @@
+//! Running syscalls inside another process that is idle in a blocking syscall (ptrace syscall
+//! injection, x86_64).
+//!
+//! branchbox uses it to fork a session *template* (a frozen copy of a live session, idle in
+//! `recvmsg` on its channel) into another sandbox's namespaces without running any of the
+//! template's own code: the daemon seizes the template, makes it `clone` a helper that shares its
+//! memory, has the helper `setns` into the target sandbox and `fork` the copy there, gives the copy
+//! a new channel, and then lets template and copy go on with the `recvmsg` they were in. Untrusted
+//! code that ran in the session earlier cannot interfere, because none of it runs until the daemon
+//! has detached; and privileged steps (the `setns`) carry arguments only the daemon knows.
+//!
+//! How one syscall is injected: at a ptrace stop the tracee's registers are set to
+//! `rip = <a syscall instruction>`, `rax = nr`, the arguments, and `orig_rax = -1` (so the kernel
+//! does not treat the stop as an interrupted syscall to restart); `PTRACE_SYSCALL` runs to the
+//! syscall-entry stop and again to the exit stop, where `rax` holds the result. The syscall
+//! instruction is the one the tracee's own blocking call entered through (`rip - 2` while it is
+//! stopped inside a syscall). [`Tracee::resume`] puts the saved registers back with
+//! `rip = that instruction` and `rax = the interrupted syscall's number`, so the tracee issues its
+//! interrupted call again, exactly as the kernel's own restart would.
+//!
+//! Everything here must run on one thread: ptrace ties a tracee to the tracing *thread*.
+
+use crate::{SysError, SysResult};
+use std::io;
+
+/// Result of one injected syscall.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Injected {
+    /// The raw return value: >= 0 on success, `-errno` on failure.
+    pub ret: i64,
+    /// For clone/fork/vfork: pid (in our pid namespace) of the new child, which is traced too and
+    /// stopped; take it over with [`Tracee::child`].
+    pub child: Option<i32>,
+}
+
+impl Injected {
+    /// The return value, or the error the syscall returned.
+    pub fn ok(self, call: &'static str) -> SysResult<i64> {
+        if self.ret < 0 && self.ret > -4096 {
+            Err(SysError { call, source: io::Error::from_raw_os_error(-self.ret as i32) })
+        } else {
+            Ok(self.ret)
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub use imp::Tracee;
+
+/// Whether syscall injection is implemented on this architecture.
+pub const SUPPORTED: bool = cfg!(target_arch = "x86_64");
+
+#[cfg(not(target_arch = "x86_64"))]
+pub struct Tracee;
+
+#[cfg(not(target_arch = "x86_64"))]
+impl Tracee {
+    pub fn seize(_pid: i32) -> SysResult<Tracee> {
+        Err(SysError { call: "ptrace injection", source: io::Error::from_raw_os_error(libc::ENOSYS) })
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod imp {
+    use super::*;
+
+    const PTRACE_EVENT_STOP: i32 = 128;
+    /// Kernel-internal "restart this syscall" codes seen in `rax` when a blocking syscall was
+    /// interrupted by our stop (ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND).
+    const RESTART_CODES: [i64; 3] = [-512, -513, -514];
+    /// Bytes below the stack pointer that the ABI lets leaf functions use (the red zone), plus
+    /// headroom: scratch memory starts below this.
+    const SCRATCH_BELOW_SP: u64 = 4096;
+
+    /// A process stopped under our ptrace, with the registers it had when we took it over.
+    pub struct Tracee {
+        pid: i32,
+        saved: libc::user_regs_struct,
+        syscall_ip: u64,
+        /// False once detached or gone: Drop then does nothing.
+        attached: bool,
+        /// Signals that arrived while we were injecting, delivered again on resume.
+        pending_signal: i32,
+    }
+
+    fn err(call: &'static str) -> SysError {
+        SysError::last(call)
+    }
+
+    fn ptrace(req: libc::c_uint, pid: i32, addr: u64, data: u64) -> SysResult<libc::c_long> {
+        // SAFETY: every request used here takes integers or a pointer to a regs struct that the
+        // caller passes as `data` and that lives for the call.
+        let r = unsafe { libc::ptrace(req, pid, addr as *mut libc::c_void, data as *mut libc::c_void) };
+        if r < 0 && io::Error::last_os_error().raw_os_error().unwrap_or(0) != 0 {
+            return Err(err("ptrace"));
+        }
+        Ok(r)
+    }
+
+    fn get_regs(pid: i32) -> SysResult<libc::user_regs_struct> {
+        // SAFETY: user_regs_struct is plain old data; an all-zero value is valid.
+        let mut regs: libc::user_regs_struct = unsafe { std::mem::zeroed() };
+        ptrace(libc::PTRACE_GETREGS, pid, 0, &mut regs as *mut _ as u64)?;
+        Ok(regs)
+    }
+
+    fn set_regs(pid: i32, regs: &libc::user_regs_struct) -> SysResult<()> {
+        ptrace(libc::PTRACE_SETREGS, pid, 0, regs as *const _ as u64).map(drop)
+    }
+
+    /// Wait for `pid` to stop; Err(ESRCH) if it died instead.
+    fn wait_stop(pid: i32) -> SysResult<i32> {
+        loop {
+            let mut status = 0;
+            // SAFETY: waitpid on a specific traced pid with a valid status pointer.
+            let r = unsafe { libc::waitpid(pid, &mut status, libc::__WALL) };
+            if r < 0 {
+                if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                    continue;
+                }
+                return Err(err("waitpid(tracee)"));
+            }
+            if libc::WIFSTOPPED(status) {
+                return Ok(status);
+            }
+            return Err(SysError { call: "tracee", source: io::Error::from_raw_os_error(libc::ESRCH) });
+        }
+    }
+
+    fn is_syscall_stop(status: i32) -> bool {
+        (status >> 8) & 0xffff == (libc::SIGTRAP | 0x80)
+    }
+
+    fn event(status: i32) -> i32 {
+        status >> 16
+    }
+
+    impl Tracee {
+        /// Seize `pid` and stop it. It must be blocked in a syscall (an idle template): otherwise
+        /// it is released at once and `EBUSY` returned.
+        pub fn seize(pid: i32) -> SysResult<Tracee> {
+            let opts = libc::PTRACE_O_TRACESYSGOOD
+                | libc::PTRACE_O_TRACECLONE
+                | libc::PTRACE_O_TRACEFORK
+                | libc::PTRACE_O_TRACEVFORK
+                | libc::PTRACE_O_EXITKILL;
+            ptrace(libc::PTRACE_SEIZE, pid, 0, opts as u64)?;
+            let mut t = Tracee { pid, saved: unsafe_zeroed_regs(), syscall_ip: 0, attached: true, pending_signal: 0 };
+            ptrace(libc::PTRACE_INTERRUPT, pid, 0, 0)?;
+            t.wait_quiet()?;
+            let regs = get_regs(pid)?;
+            let in_syscall = regs.orig_rax as i64 >= 0 && RESTART_CODES.contains(&(regs.rax as i64));
+            let ip = regs.rip.wrapping_sub(2);
+            if !in_syscall || t.peek_u16(ip)? != 0x050f {
+                // Not idle in a restartable syscall: leave it exactly as it was.
+                t.attached = false;
+                let _ = ptrace(libc::PTRACE_DETACH, pid, 0, 0);
+                return Err(SysError { call: "seize template", source: io::Error::from_raw_os_error(libc::EBUSY) });
+            }
+            t.saved = regs;
+            t.syscall_ip = ip;
+            Ok(t)
+        }
+
+        pub fn pid(&self) -> i32 {
+            self.pid
+        }
+
+        /// A child made by an injected clone/fork (traced automatically): wait for its first
+        /// stop. It resumes, like us, into the interrupted syscall.
+        pub fn child(&self, pid: i32) -> SysResult<Tracee> {
+            let mut t = Tracee { pid, saved: self.saved, syscall_ip: self.syscall_ip, attached: true, pending_signal: 0 };
+            t.wait_quiet()?;
+            Ok(t)
+        }
+
+        /// Wait for a stop, swallowing signal-delivery stops (remembered for resume).
+        fn wait_quiet(&mut self) -> SysResult<i32> {
+            let status = wait_stop(self.pid).inspect_err(|_| self.attached = false)?;
+            let sig = libc::WSTOPSIG(status);
+            if event(status) == 0 && !is_syscall_stop(status) && sig != libc::SIGTRAP && sig != libc::SIGSTOP {
+                // A signal for the tracee: keep it for later and stay stopped.
+                self.pending_signal = sig;
+            }
+            Ok(status)
+        }
+
+        /// Continue to the next syscall stop, collecting fork events and parking signals.
+        fn to_syscall_stop(&mut self, child: &mut Option<i32>) -> SysResult<()> {
+            loop {
+                ptrace(libc::PTRACE_SYSCALL, self.pid, 0, 0)?;
+                let status = wait_stop(self.pid).inspect_err(|_| self.attached = false)?;
+                if is_syscall_stop(status) {
+                    return Ok(());
+                }
+                match event(status) {
+                    libc::PTRACE_EVENT_FORK | libc::PTRACE_EVENT_VFORK | libc::PTRACE_EVENT_CLONE => {
+                        let mut msg: libc::c_ulong = 0;
+                        ptrace(libc::PTRACE_GETEVENTMSG, self.pid, 0, &mut msg as *mut _ as u64)?;
+                        *child = Some(msg as i32);
+                    }
+                    PTRACE_EVENT_STOP | 0 => {
+                        let sig = libc::WSTOPSIG(status);
+                        if event(status) == 0 && sig != libc::SIGTRAP {
+                            self.pending_signal = sig;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+
+        /// Run syscall `nr` with `args` in the tracee.
+        pub fn syscall(&mut self, nr: i64, args: [u64; 6]) -> SysResult<Injected> {
+            let mut regs = get_regs(self.pid)?;
+            regs.rip = self.syscall_ip;
+            regs.rax = nr as u64;
+            regs.orig_rax = u64::MAX;
+            regs.rdi = args[0];
+            regs.rsi = args[1];
+            regs.rdx = args[2];
+            regs.r10 = args[3];
+            regs.r8 = args[4];
+            regs.r9 = args[5];
+            set_regs(self.pid, &regs)?;
+            let mut child = None;
+            self.to_syscall_stop(&mut child)?; // entry
+            self.to_syscall_stop(&mut child)?; // exit
+            let regs = get_regs(self.pid)?;
+            Ok(Injected { ret: regs.rax as i64, child })
+        }
+
+        /// Address of `len` bytes of scratch memory in the tracee (below its saved stack
+        /// pointer, under the red zone), 16-byte aligned.
+        pub fn scratch(&self, len: usize) -> u64 {
+            (self.saved.rsp - SCRATCH_BELOW_SP - len as u64) & !15
+        }
+
+        pub fn write_mem(&self, addr: u64, data: &[u8]) -> SysResult<()> {
+            let local = libc::iovec { iov_base: data.as_ptr() as *mut _, iov_len: data.len() };
+            let remote = libc::iovec { iov_base: addr as *mut _, iov_len: data.len() };
+            // SAFETY: both iovecs describe valid buffers for the length given; the remote one is
+            // checked by the kernel.
+            let n = unsafe { libc::process_vm_writev(self.pid, &local, 1, &remote, 1, 0) };
+            if n != data.len() as isize {
+                return Err(err("process_vm_writev"));
+            }
+            Ok(())
+        }
+
+        pub fn read_mem(&self, addr: u64, buf: &mut [u8]) -> SysResult<()> {
+            let local = libc::iovec { iov_base: buf.as_mut_ptr() as *mut _, iov_len: buf.len() };
+            let remote = libc::iovec { iov_base: addr as *mut _, iov_len: buf.len() };
+            // SAFETY: as in write_mem.
+            let n = unsafe { libc::process_vm_readv(self.pid, &local, 1, &remote, 1, 0) };
+            if n != buf.len() as isize {
+                return Err(err("process_vm_readv"));
+            }
+            Ok(())
+        }
+
+        fn peek_u16(&self, addr: u64) -> SysResult<u16> {
+            // PEEKTEXT also works on execute-only pages, which process_vm_readv may not read.
+            // SAFETY: clearing errno before PEEKTEXT, whose -1 result is ambiguous.
+            unsafe { *libc::__errno_location() = 0 };
+            let word = ptrace(libc::PTRACE_PEEKTEXT, self.pid, addr, 0)?;
+            Ok(word as u16)
+        }
+
+        /// Put the saved registers back (the interrupted syscall is issued again) and detach.
+        pub fn resume(mut self) -> SysResult<()> {
+            let mut regs = self.saved;
+            regs.rip = self.syscall_ip;
+            regs.rax = self.saved.orig_rax;
+            regs.orig_rax = u64::MAX;
+            set_regs(self.pid, &regs)?;
+            self.attached = false;
+            ptrace(libc::PTRACE_DETACH, self.pid, 0, self.pending_signal as u64).map(drop)
+        }
+
+        /// Make the tracee call `exit(code)` (it ends; its parent reaps it).
+        pub fn exit(mut self, code: i32) -> SysResult<()> {
+            let mut regs = get_regs(self.pid)?;
+            regs.rip = self.syscall_ip;
+            regs.rax = libc::SYS_exit as u64;
+            regs.orig_rax = u64::MAX;
+            regs.rdi = code as u64;
+            set_regs(self.pid, &regs)?;
+            self.attached = false;
+            ptrace(libc::PTRACE_CONT, self.pid, 0, 0)?;
+            // Collect the exit notification meant for us as tracer.
+            let mut status = 0;
+            // SAFETY: waitpid on the traced pid.
+            unsafe { libc::waitpid(self.pid, &mut status, libc::__WALL) };
+            Ok(())
+        }
+
+        /// SIGKILL the tracee (for copies that failed half-way).
+        pub fn kill(mut self) {
+            self.attached = false;
+            // SAFETY: kill(2) and waitpid(2) on our own tracee.
+            unsafe {
+                libc::kill(self.pid, libc::SIGKILL);
+                libc::waitpid(self.pid, std::ptr::null_mut(), libc::__WALL);
+            }
+        }
+    }
+
+    impl Drop for Tracee {
+        /// A tracee dropped without `resume`/`exit`/`kill` (an error path) goes back to what it
+        /// was doing.
+        fn drop(&mut self) {
+            if self.attached {
+                let mut regs = self.saved;
+                regs.rip = self.syscall_ip;
+                regs.rax = self.saved.orig_rax;
+                regs.orig_rax = u64::MAX;
+                let _ = set_regs(self.pid, &regs);
+                let _ = ptrace(libc::PTRACE_DETACH, self.pid, 0, self.pending_signal as u64);
+            }
+        }
+    }
+
+    fn unsafe_zeroed_regs() -> libc::user_regs_struct {
+        // SAFETY: user_regs_struct is plain old data; all-zero is a valid value.
+        unsafe { std::mem::zeroed() }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+        use std::io::{Read, Write};
+        use std::os::unix::net::UnixStream;
+
+        /// A child blocked in read() on a socket, like an idle template. It answers each read
+        /// with the bytes followed by " from <its pid>". No allocation after fork (the test
+        /// harness is multi-threaded).
+        fn idle_child() -> (i32, UnixStream, i32) {
+            let (ours, theirs) = UnixStream::pair().unwrap();
+            let fd = std::os::fd::AsRawFd::as_raw_fd(&theirs);
+            let ours_fd = std::os::fd::AsRawFd::as_raw_fd(&ours);
+            // SAFETY: the child only makes raw syscalls on stack buffers and then _exits.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                // SAFETY: closing our copy of the test's end.
+                unsafe { libc::close(ours_fd) };
+                let mut buf = [0u8; 96];
+                loop {
+                    // SAFETY: raw syscalls on a stack buffer and an fd we hold.
+                    unsafe {
+                        let n = libc::read(fd, buf.as_mut_ptr().cast(), 32);
+                        if n <= 0 {
+                            libc::_exit(0);
+                        }
+                        let mut len = n as usize;
+                        for b in b" from " {
+                            buf[len] = *b;
+                            len += 1;
+                        }
+                        let mut digits = [0u8; 12];
+                        let (mut p, mut k) = (libc::getpid() as u32, 0);
+                        loop {
+                            digits[k] = b'0' + (p % 10) as u8;
+                            k += 1;
+                            p /= 10;
+                            if p == 0 {
+                                break;
+                            }
+                        }
+                        while k > 0 {
+                            k -= 1;
+                            buf[len] = digits[k];
+                            len += 1;
+                        }
+                        libc::write(fd, buf.as_ptr().cast(), len);
+                    }
+                }
+            }
+            drop(theirs);
+            (pid, ours, fd)
+        }
+
+        #[test]
+        fn inject_getpid_fork_and_resume() {
+            let (pid, mut chan, old) = idle_child();
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let mut t = Tracee::seize(pid).expect("seize idle child");
+            assert_eq!(t.syscall(libc::SYS_getpid, [0; 6]).unwrap().ret, pid as i64);
+            // A bad syscall reports -errno and leaves the tracee usable.
+            let bad = t.syscall(libc::SYS_close, [9999, 0, 0, 0, 0, 0]).unwrap();
+            assert_eq!(bad.ok("close").unwrap_err().errno(), libc::EBADF);
+            // Memory round trip through scratch space.
+            let at = t.scratch(16);
+            t.write_mem(at, b"0123456789abcdef").unwrap();
+            let mut back = [0u8; 16];
+            t.read_mem(at, &mut back).unwrap();
+            assert_eq!(&back, b"0123456789abcdef");
+            // fork: the copy is traced and stopped; give it its own channel, then let both go.
+            let forked = t.syscall(libc::SYS_fork, [0; 6]).unwrap();
+            let cpid = forked.child.expect("fork reports the child");
+            assert_eq!(forked.ret, cpid as i64);
+            let mut c = t.child(cpid).unwrap();
+            let sv = c.scratch(8);
+            let r = c.syscall(libc::SYS_socketpair, [libc::AF_UNIX as u64, (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64, 0, sv, 0, 0]).unwrap();
+            assert_eq!(r.ret, 0);
+            let mut fds = [0u8; 8];
+            c.read_mem(sv, &mut fds).unwrap();
+            let (a, b) = (i32::from_ne_bytes(fds[..4].try_into().unwrap()), i32::from_ne_bytes(fds[4..].try_into().unwrap()));
+            // The copy reads fd `old` (its copy of the channel): put its new channel there.
+            assert_eq!(c.syscall(libc::SYS_dup3, [a as u64, old as u64, 0, 0, 0, 0]).unwrap().ret, old as i64);
+            let pidfd = crate::process::pidfd_open(cpid).unwrap();
+            // SAFETY: pidfd_getfd with a valid pidfd; the result is a new fd we own.
+            let mine = unsafe { libc::syscall(libc::SYS_pidfd_getfd, std::os::fd::AsRawFd::as_raw_fd(&pidfd), b, 0) };
+            assert!(mine >= 0, "pidfd_getfd: {}", io::Error::last_os_error());
+            // SAFETY: mine is a fresh fd owned by nobody else.
+            let mut copy_chan: UnixStream = unsafe { std::os::fd::FromRawFd::from_raw_fd(mine as i32) };
+            c.syscall(libc::SYS_close, [a as u64, 0, 0, 0, 0, 0]).unwrap();
+            c.syscall(libc::SYS_close, [b as u64, 0, 0, 0, 0, 0]).unwrap();
+            c.resume().unwrap();
+            t.resume().unwrap();
+            // Both go on with their read(): each answers on its own channel.
+            chan.write_all(b"hi").unwrap();
+            copy_chan.write_all(b"yo").unwrap();
+            let mut buf = [0u8; 64];
+            let n = chan.read(&mut buf).unwrap();
+            assert_eq!(std::str::from_utf8(&buf[..n]).unwrap(), format!("hi from {pid}"));
+            let n = copy_chan.read(&mut buf).unwrap();
+            assert!(std::str::from_utf8(&buf[..n]).unwrap().starts_with("yo from "), "copy answers on its channel");
+            drop(chan);
+            drop(copy_chan);
+            // SAFETY: reaping our children.
+            unsafe {
+                libc::waitpid(pid, std::ptr::null_mut(), 0);
+                libc::waitpid(cpid, std::ptr::null_mut(), 0);
+            }
+        }
+
+        #[test]
+        fn a_busy_process_is_refused_and_left_alone() {
+            // SAFETY: the child spins without touching shared state.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                let mut x: u64 = 0;
+                loop {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let e = Tracee::seize(pid).err().expect("a running process is not idle in a syscall");
+            assert_eq!(e.errno(), libc::EBUSY);
+            // It still runs (not stopped, not traced).
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+            let state = stat.rsplit(')').next().unwrap().split_whitespace().next().unwrap();
+            assert_eq!(state, "R", "state {state}");
+            // SAFETY: killing and reaping our child.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, std::ptr::null_mut(), 0);
+            }
+        }
+    }
+}

@@ -1,0 +1,1680 @@
+"""``branchbox bench cr``: checkpoint, rollback and fork on a real workload, against two baselines.
+
+The workload: the sdist of a real Python project (:data:`WORKLOAD_NAME` ==
+:data:`WORKLOAD_VERSION`, fetched once on the host with ``pip download`` into a cache, then
+uploaded into the sandbox; sandboxes have no network) unpacked in :data:`PROJECT_DIR`, and a
+Python session holding ``heap_mb`` of live, touched heap (distinct 4 KiB ``bytes`` objects).
+
+A seeded script of a tree search (:func:`generate_script`) is replayed: edits of the project's
+sources, new test files, session updates (a state dict and one heap object per step), test runs
+(``python3 -m unittest`` on a few test classes; an injected bug must make them fail),
+checkpoints, rollbacks to random ancestors, forks, pruning of abandoned branches. After every
+rollback the sandbox is checked against what the script recorded for that node (files, the
+session's state and a checksum of heap objects); any mismatch aborts the benchmark.
+
+The same script is replayed on two baselines (fewer iterations: they are slow):
+
+- ``copytree``: checkpoint = ``cp -a /work /snap/N`` in the sandbox and the session's inputs
+  recorded; rollback = copy it back, kill the session and replay its inputs in a new one.
+- ``commit``: checkpoint = tar of ``/work`` (the writable content) fetched to the host, like
+  ``docker commit``; rollback = kill the sandbox, create a new one, upload and unpack the
+  archive, replay the session's inputs.
+
+Then ``fork`` of 16 and 64 children (until every child has run ``true``), the private memory of
+an idle child, and the write amplification of an edit (10 bytes in a 64 MiB file between two
+checkpoints) on the daemon's state-dir filesystem and on a reflink-enabled XFS loop device
+served by a second daemon started for the purpose.
+
+All times are client-side wall times (``*_server_ms`` are the daemon's ``took_ms``).
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import errno
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import platform
+import random
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from . import _core
+from .bench import percentile
+from .exceptions import SandboxError
+from .sandbox_sync import Images, Sandbox, Snapshots, _HTTP, health
+
+__all__ = [
+    "BenchError",
+    "CrConfig",
+    "CrResult",
+    "NodeState",
+    "Op",
+    "Script",
+    "SearchTree",
+    "SUMMARY_KEYS",
+    "generate_script",
+    "heap_checksum",
+    "run_cr_bench",
+]
+
+WORKLOAD_NAME = "more-itertools"
+WORKLOAD_VERSION = "10.5.0"
+WORKLOAD_SDIST = "more-itertools-10.5.0.tar.gz"
+WORKLOAD_SHA256 = "5482bfef7849c25dc3c6dd53a6173ae4795da2a41a80faea6700d9f5846c5da6"
+PROJECT_DIR = "/work/proj"
+#: Source files the tree search edits (relative to :data:`PROJECT_DIR`).
+EDIT_FILES = ("more_itertools/recipes.py", "more_itertools/more.py")
+BUG_FILE = "more_itertools/recipes.py"
+#: Appended to ``recipes.py`` it shadows ``take``: every test target below then fails.
+BUG_TEXT = "\n\ndef take(n, iterable):  # bench: injected bug (step %d)\n    return []\n"
+EDIT_TEXT = "\n_BENCH_STEP_%d = %d  # bench: tree-search edit\n"
+NEW_TEST_TEXT = (
+    "import unittest\n\nimport more_itertools as mi\n\n\n"
+    "class BenchStep%dTests(unittest.TestCase):\n"
+    "    def test_take(self):\n"
+    "        self.assertEqual(mi.take(%d, range(100)), list(range(%d)))\n"
+)
+#: Test runs: a few classes each (all include ``TakeTests``, which the injected bug breaks).
+TEST_TARGETS = (
+    (
+        "tests.test_recipes.TakeTests",
+        "tests.test_recipes.TailTests",
+        "tests.test_recipes.PairwiseTests",
+        "tests.test_recipes.GrouperTests",
+        "tests.test_recipes.UniqueEverseenTests",
+    ),
+    (
+        "tests.test_recipes.TakeTests",
+        "tests.test_more.ChunkedTests",
+        "tests.test_more.WindowedTests",
+        "tests.test_more.SpyTests",
+        "tests.test_more.SplitAtTests",
+    ),
+    (
+        "tests.test_recipes.TakeTests",
+        "tests.test_recipes.PowersetTests",
+        "tests.test_more.PeekableTests",
+        "tests.test_more.IlenTests",
+    ),
+)
+HEAP_CHUNK = 4096
+#: Heap objects checksummed by every verification (besides those the path wrote).
+HEAP_SAMPLE = 48
+FORK_TTL = 120.0
+KIB = 1024
+MIB = 1024 * 1024
+
+SUMMARY_KEYS = (
+    "ckpt_ms_p50",
+    "ckpt_ms_p99",
+    "rollback_ms_p50",
+    "rollback_ms_p99",
+    "fork_n16_ms",
+    "fork_n64_ms",
+    "child_private_mb",
+    "copytree_ckpt_ms_p50",
+    "copytree_rollback_ms_p50",
+    "commit_ckpt_ms_p50",
+    "commit_rollback_ms_p50",
+    "ckpt_speedup_vs_copytree",
+    "rollback_speedup_vs_copytree",
+    "xfs_bytes_per_edit",
+    "default_fs_bytes_per_edit",
+)
+
+
+class BenchError(SandboxError):
+    """The benchmark found the sandbox in a state the script did not predict (or could not run)."""
+
+
+# ----------------------------------------------------------------------------- the script
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """What the sandbox holds at a point of the search (a node after its checkpoint)."""
+
+    step: int = 0
+    #: ``(file, text)`` appended to project files, in order.
+    appends: Tuple[Tuple[str, str], ...] = ()
+    #: ``(path, content)`` of files the search created (relative to the project).
+    new_files: Tuple[Tuple[str, str], ...] = ()
+    bug: bool = False
+    #: ``(heap index, step)``: ``heap[index]`` was set by ``step`` (later entries win).
+    heap_writes: Tuple[Tuple[int, int], ...] = ()
+    #: ``state['path']`` of the session: the steps taken to reach the node.
+    path: Tuple[int, ...] = ()
+
+    def file_text(self, rel: str, original: str) -> str:
+        return original + "".join(text for f, text in self.appends if f == rel)
+
+    def bench_modules(self) -> List[str]:
+        """Dotted names of the test modules the search created."""
+        return [p[: -len(".py")].replace("/", ".") for p, _ in self.new_files]
+
+    def heap_overrides(self) -> Dict[int, int]:
+        return dict(self.heap_writes)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One step of the script.
+
+    ``kind``: ``edit`` (append ``text`` to ``path``), ``new_file``, ``session`` (run ``text``),
+    ``test`` (run the unittest command ``text``; it must pass iff ``expect_ok``),
+    ``checkpoint`` (``node`` is the new node), ``rollback`` (to ``node``), ``verify`` (the
+    sandbox must match ``node``), ``prune`` (keep only ``node`` and its ancestors), ``fork``
+    (``n`` children of ``node`` each run the test command ``text``).
+    """
+
+    kind: str
+    node: int = -1
+    path: str = ""
+    text: str = ""
+    expect_ok: Optional[bool] = None
+    n: int = 0
+
+
+class SearchTree:
+    """Nodes (ints from 0) with their parent and :class:`NodeState`."""
+
+    def __init__(self) -> None:
+        self.parent: Dict[int, Optional[int]] = {}
+        self.states: Dict[int, NodeState] = {}
+
+    def add(self, parent: Optional[int], state: NodeState) -> int:
+        if parent is not None and parent not in self.parent:
+            raise KeyError("unknown parent node %r" % (parent,))
+        node = len(self.parent)
+        self.parent[node] = parent
+        self.states[node] = state
+        return node
+
+    def ancestors(self, node: int) -> List[int]:
+        """Proper ancestors, nearest first."""
+        out = []
+        cur = self.parent[node]
+        while cur is not None:
+            out.append(cur)
+            cur = self.parent[cur]
+        return out
+
+    def depth(self, node: int) -> int:
+        return len(self.ancestors(node))
+
+    def path(self, node: int) -> List[int]:
+        """Root first, ``node`` last."""
+        return list(reversed(self.ancestors(node))) + [node]
+
+    def __len__(self) -> int:
+        return len(self.parent)
+
+
+@dataclass
+class Script:
+    ops: List[Op]
+    tree: SearchTree
+    seed: int
+
+    def count(self, kind: str) -> int:
+        return sum(1 for op in self.ops if op.kind == kind)
+
+
+def heap_index(step: int, chunks: int) -> int:
+    return (step * 7919) % chunks
+
+
+def session_setup_code(chunks: int) -> str:
+    """Run once in the session: the project imported, ``chunks`` distinct 4 KiB objects."""
+    return (
+        "import os, sys, zlib\n"
+        "sys.path.insert(0, %r)\n"
+        "import more_itertools\n"
+        "heap = [(b'%%08d' %% _i) * 512 for _i in range(%d)]\n"
+        "state = {'step': 0, 'path': []}\n"
+        "def _bench_check(idx):\n"
+        "    c = 0\n"
+        "    for i in idx:\n"
+        "        c = zlib.crc32(heap[i], c)\n"
+        "    return (state['step'], len(state['path']), sum(state['path']), len(heap), c)\n"
+        "len(heap)\n"
+    ) % (PROJECT_DIR, chunks)
+
+
+def session_step_code(step: int, idx: int) -> str:
+    return (
+        "state['step'] = %d\n"
+        "state['path'].append(%d)\n"
+        "heap[%d] = (b'S%%07d' %% %d) * 512\n"
+        "len(more_itertools.take(3, range(%d)))\n"
+    ) % (step, step, idx, step, step + 3)
+
+
+def heap_chunk(i: int, overrides: Dict[int, int]) -> bytes:
+    if i in overrides:
+        return (b"S%07d" % overrides[i]) * 512
+    return (b"%08d" % i) * 512
+
+
+def heap_checksum(indices: Iterable[int], overrides: Dict[int, int]) -> int:
+    """CRC-32 of the heap objects at ``indices`` (what ``_bench_check`` computes)."""
+    c = 0
+    for i in indices:
+        c = zlib.crc32(heap_chunk(i, overrides), c)
+    return c
+
+
+def verify_indices(state: NodeState, chunks: int) -> List[int]:
+    sample = range(0, chunks, max(1, chunks // HEAP_SAMPLE))
+    return sorted(set(sample) | {i for i, _ in state.heap_writes})
+
+
+def expected_check(state: NodeState, chunks: int) -> Tuple[int, int, int, int, int]:
+    idx = verify_indices(state, chunks)
+    return (state.step, len(state.path), sum(state.path), chunks, heap_checksum(idx, state.heap_overrides()))
+
+
+def test_command(target: Sequence[str], state: NodeState) -> str:
+    return "python3 -m unittest -q " + " ".join(list(target) + state.bench_modules())
+
+
+def generate_script(
+    seed: int,
+    checkpoints: int,
+    chunks: int,
+    *,
+    p_rollback: float = 0.55,
+    p_test: float = 0.35,
+    p_new_file: float = 0.2,
+    p_bug: float = 0.08,
+    max_depth: int = 20,
+    prune_every: int = 6,
+    verify_every: int = 10,
+    fork_every: int = 30,
+    fork_n: int = 4,
+) -> Script:
+    """A deterministic tree search of ``checkpoints`` checkpoints (node 0 is the set-up state).
+
+    Each step edits a source file (sometimes injecting a bug, sometimes adding a test module),
+    updates the session, sometimes runs tests, checkpoints; then, with probability
+    ``p_rollback`` (always after a bug, or at ``max_depth``), rolls back to a uniformly random
+    ancestor (a bug-free one after a bug) and verifies it. Every ``prune_every`` rollbacks the
+    branches left behind are pruned (only ancestors are ever rolled back to, so nothing else is
+    needed again); every ``fork_every`` checkpoints ``fork_n`` children run the tests.
+    """
+    if checkpoints < 2:
+        raise ValueError("checkpoints must be at least 2")
+    if chunks < 1:
+        raise ValueError("chunks must be at least 1")
+    rng = random.Random(seed)
+    tree = SearchTree()
+    state = NodeState()
+    cur = tree.add(None, state)
+    ops = [Op("checkpoint", node=cur), Op("verify", node=cur)]
+    step = 0
+    rollbacks = 0
+    while len(tree) < checkpoints:
+        step += 1
+        injected = not state.bug and rng.random() < p_bug
+        if injected:
+            rel, text = BUG_FILE, BUG_TEXT % step
+        else:
+            rel, text = rng.choice(EDIT_FILES), EDIT_TEXT % (step, step)
+        ops.append(Op("edit", path=rel, text=text))
+        state = replace(state, appends=state.appends + ((rel, text),), bug=state.bug or injected)
+        if rng.random() < p_new_file:
+            path = "tests/test_bench_%d.py" % step
+            content = NEW_TEST_TEXT % (step, step % 7, step % 7)
+            ops.append(Op("new_file", path=path, text=content))
+            state = replace(state, new_files=state.new_files + ((path, content),))
+        idx = heap_index(step, chunks)
+        ops.append(Op("session", text=session_step_code(step, idx)))
+        state = replace(
+            state, step=step, path=state.path + (step,), heap_writes=state.heap_writes + ((idx, step),)
+        )
+        if injected or rng.random() < p_test:
+            target = TEST_TARGETS[rng.randrange(len(TEST_TARGETS))]
+            ops.append(Op("test", text=test_command(target, state), expect_ok=not state.bug))
+        cur = tree.add(cur, state)
+        ops.append(Op("checkpoint", node=cur))
+        if len(tree) % verify_every == 0:
+            ops.append(Op("verify", node=cur))
+        if fork_every and len(tree) % fork_every == 0:
+            target = TEST_TARGETS[rng.randrange(len(TEST_TARGETS))]
+            ops.append(Op("fork", node=cur, n=fork_n, text=test_command(target, state), expect_ok=not state.bug))
+        ancestors = tree.ancestors(cur)
+        if ancestors and (state.bug or len(ancestors) >= max_depth or rng.random() < p_rollback):
+            candidates = [a for a in ancestors if not tree.states[a].bug]
+            target_node = candidates[rng.randrange(len(candidates))]
+            ops.append(Op("rollback", node=target_node))
+            ops.append(Op("verify", node=target_node))
+            cur = target_node
+            state = tree.states[cur]
+            rollbacks += 1
+            if prune_every and rollbacks % prune_every == 0:
+                ops.append(Op("prune", node=cur))
+    return Script(ops=ops, tree=tree, seed=seed)
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class Phase:
+    """Samples of one backend's replay (ms)."""
+
+    name: str
+    ckpt_ms: List[float] = field(default_factory=list)
+    ckpt_server_ms: List[float] = field(default_factory=list)
+    rollback_ms: List[float] = field(default_factory=list)
+    rollback_server_ms: List[float] = field(default_factory=list)
+    search_fork_ms: List[float] = field(default_factory=list)
+    sessions_restarted: int = 0
+    verifications: int = 0
+    test_runs: int = 0
+    failing_test_runs: int = 0
+    edits: int = 0
+    seconds: float = 0.0
+
+    def p(self, attr: str, q: float) -> Optional[float]:
+        xs = getattr(self, attr)
+        return percentile(xs, q) if xs else None
+
+
+@dataclass
+class CrResult:
+    workload: str = "%s==%s" % (WORKLOAD_NAME, WORKLOAD_VERSION)
+    seed: int = 0
+    quick: bool = False
+    heap_mb: float = 0.0
+    heap_rss_mb: Optional[float] = None
+    project_files: Optional[int] = None
+    project_kib: Optional[float] = None
+    branchbox: Phase = field(default_factory=lambda: Phase("branchbox"))
+    copytree: Phase = field(default_factory=lambda: Phase("copytree"))
+    commit: Phase = field(default_factory=lambda: Phase("commit"))
+    fork: Dict[str, Any] = field(default_factory=dict)
+    write_amp: Dict[str, Any] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> Dict[str, Any]:
+        """The JSON summary: :data:`SUMMARY_KEYS` first, then details. Ratios come from numbers
+        measured in this run; a value that could not be measured is ``null``."""
+        b, c, m = self.branchbox, self.copytree, self.commit
+        out: Dict[str, Any] = {
+            "ckpt_ms_p50": b.p("ckpt_ms", 50),
+            "ckpt_ms_p99": b.p("ckpt_ms", 99),
+            "rollback_ms_p50": b.p("rollback_ms", 50),
+            "rollback_ms_p99": b.p("rollback_ms", 99),
+            "fork_n16_ms": self.fork.get("n16_ms"),
+            "fork_n64_ms": self.fork.get("n64_ms"),
+            "child_private_mb": self.fork.get("child_private_mb"),
+            "copytree_ckpt_ms_p50": c.p("ckpt_ms", 50),
+            "copytree_rollback_ms_p50": c.p("rollback_ms", 50),
+            "commit_ckpt_ms_p50": m.p("ckpt_ms", 50),
+            "commit_rollback_ms_p50": m.p("rollback_ms", 50),
+            "ckpt_speedup_vs_copytree": ratio(c.p("ckpt_ms", 50), b.p("ckpt_ms", 50)),
+            "rollback_speedup_vs_copytree": ratio(c.p("rollback_ms", 50), b.p("rollback_ms", 50)),
+            "xfs_bytes_per_edit": self.write_amp.get("xfs_bytes_per_edit"),
+            "default_fs_bytes_per_edit": self.write_amp.get("default_fs_bytes_per_edit"),
+        }
+        out.update(
+            {
+                "ckpt_speedup_vs_commit": ratio(m.p("ckpt_ms", 50), b.p("ckpt_ms", 50)),
+                "rollback_speedup_vs_commit": ratio(m.p("rollback_ms", 50), b.p("rollback_ms", 50)),
+                "ckpt_server_ms_p50": b.p("ckpt_server_ms", 50),
+                "rollback_server_ms_p50": b.p("rollback_server_ms", 50),
+                "n_ckpt": len(b.ckpt_ms),
+                "n_rollback": len(b.rollback_ms),
+                "copytree_rollback_ms_p99": c.p("rollback_ms", 99),
+                "copytree_n_ckpt": len(c.ckpt_ms),
+                "copytree_n_rollback": len(c.rollback_ms),
+                "commit_n_ckpt": len(m.ckpt_ms),
+                "commit_n_rollback": len(m.rollback_ms),
+                "search_fork_n4_ms_p50": b.p("search_fork_ms", 50),
+                "rollback_sessions_restarted": b.sessions_restarted,
+                "verifications": b.verifications + c.verifications + m.verifications,
+                "test_runs": b.test_runs,
+                "failing_test_runs": b.failing_test_runs,
+            }
+        )
+        for k in (
+            "n16_samples_ms",
+            "n16_server_ms",
+            "n64_server_ms",
+            "n16_files_only_ms",
+            "children_sessions_restarted",
+        ):
+            if k in self.fork:
+                out["fork_" + k] = self.fork[k]
+        for k, v in self.write_amp.items():
+            if k not in out:
+                out[k] = v
+        out.update(
+            {
+                "heap_mb": self.heap_mb,
+                "heap_rss_mb": self.heap_rss_mb,
+                "workload": self.workload,
+                "project_files": self.project_files,
+                "project_kib": self.project_kib,
+                "seed": self.seed,
+                "quick": self.quick,
+                "targets_met": targets_met(out),
+                "bench_seconds": self.seconds,
+            }
+        )
+        if self.notes:
+            out["notes"] = list(self.notes)
+        return {k: _round(v) for k, v in out.items()}
+
+    def rows(self) -> List[List[str]]:
+        """Table rows: metric, samples, p50, p99, min, max (ms)."""
+        rows = []
+        for phase in (self.branchbox, self.copytree, self.commit):
+            for label, attr in (
+                ("checkpoint", "ckpt_ms"),
+                ("checkpoint (server)", "ckpt_server_ms"),
+                ("rollback", "rollback_ms"),
+                ("rollback (server)", "rollback_server_ms"),
+                ("fork n=4 + tests", "search_fork_ms"),
+            ):
+                xs = getattr(phase, attr)
+                if not xs:
+                    continue
+                rows.append(
+                    [
+                        "%s %s" % (phase.name, label),
+                        str(len(xs)),
+                        "%.2f" % percentile(xs, 50),
+                        "%.2f" % percentile(xs, 99),
+                        "%.2f" % min(xs),
+                        "%.2f" % max(xs),
+                    ]
+                )
+        return rows
+
+
+def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
+    if num is None or den is None or den <= 0:
+        return None
+    return num / den
+
+
+def _round(v: Any) -> Any:
+    if isinstance(v, float):
+        return round(v, 3)
+    if isinstance(v, list):
+        return [_round(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _round(x) for k, x in v.items()}
+    return v
+
+
+def targets_met(s: Dict[str, Any]) -> Dict[str, Optional[bool]]:
+    """The issue's targets against this run's numbers (``None``: not measured)."""
+
+    def le(key: str, limit: float) -> Optional[bool]:
+        v = s.get(key)
+        return None if v is None else v <= limit
+
+    def ge(key: str, limit: float) -> Optional[bool]:
+        v = s.get(key)
+        return None if v is None else v >= limit
+
+    return {
+        "ckpt_p50_le_5ms": le("ckpt_ms_p50", 5.0),
+        "rollback_p50_le_5ms": le("rollback_ms_p50", 5.0),
+        "fork_n16_le_50ms": le("fork_n16_ms", 50.0),
+        "ckpt_speedup_ge_30x": ge("ckpt_speedup_vs_copytree", 30.0),
+        "rollback_speedup_ge_30x": ge("rollback_speedup_vs_copytree", 30.0),
+    }
+
+
+# ----------------------------------------------------------------------------- host helpers
+
+
+def private_kib(smaps_rollup: str) -> int:
+    """``Private_Clean + Private_Dirty`` (kB) of a ``/proc/<pid>/smaps_rollup`` text."""
+    total = 0
+    for line in smaps_rollup.splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("Private_Clean", "Private_Dirty"):
+            total += int(rest.split()[0])
+    return total
+
+
+def cgroup_procs_files(sandbox_id: str, root: str = "/sys/fs/cgroup") -> List[str]:
+    """``cgroup.procs`` of the sandbox's cgroup (``<parent>/<id>``) in every hierarchy found
+    (v1: one per controller; v2: the unified tree)."""
+    found = []
+    for depth in range(1, 5):
+        pattern = os.path.join(root, *(["*"] * depth), sandbox_id, "cgroup.procs")
+        found.extend(glob.glob(pattern))
+    return sorted(set(found))
+
+
+def sandbox_private_mb(sandbox_id: str, root: str = "/sys/fs/cgroup") -> Optional[float]:
+    """Private memory (MiB) of every process in the sandbox's cgroup, read on the host."""
+    pids: Set[int] = set()
+    for path in cgroup_procs_files(sandbox_id, root):
+        try:
+            with open(path) as f:
+                pids.update(int(x) for x in f.read().split())
+        except OSError:
+            continue
+    if not pids:
+        return None
+    total = 0
+    for pid in pids:
+        try:
+            with open("/proc/%d/smaps_rollup" % pid) as f:
+                total += private_kib(f.read())
+        except (OSError, ValueError):
+            continue
+    return total / KIB
+
+
+def _unescape_mountinfo(s: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)
+
+
+def parse_mountinfo(text: str) -> List[Tuple[str, str, str]]:
+    """``(mount point, fstype, super options)`` of each line of ``/proc/self/mountinfo``."""
+    out = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        fields = left.split()
+        rfields = right.split()
+        if len(fields) < 5 or len(rfields) < 2:
+            continue
+        out.append((_unescape_mountinfo(fields[4]), rfields[0], rfields[2] if len(rfields) > 2 else ""))
+    return out
+
+
+def state_dir_of(sandbox_id: str, mountinfo: str) -> Optional[str]:
+    """The daemon's state dir, from the host mount of the sandbox's root
+    (``<state>/sandboxes/<id>/rootfs[-N]``)."""
+    pat = re.compile(r"^(.*)/sandboxes/%s/rootfs(-\d+)?$" % re.escape(sandbox_id))
+    for mnt, _fstype, _opts in parse_mountinfo(mountinfo):
+        m = pat.match(mnt)
+        if m:
+            return m.group(1) or "/"
+    return None
+
+
+def fs_type_of(path: str, mountinfo: str) -> Optional[str]:
+    """Filesystem type of the mount holding ``path`` (longest mount-point prefix)."""
+    path = os.path.abspath(path)
+    best, best_type = "", None
+    for mnt, fstype, _ in parse_mountinfo(mountinfo):
+        prefix = mnt.rstrip("/") + "/"
+        if (path == mnt or path.startswith(prefix) or mnt == "/") and len(mnt) >= len(best):
+            best, best_type = mnt, fstype
+    return best_type
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def fs_used_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def syncfs(path: str) -> None:
+    """``syncfs(2)`` on the filesystem holding ``path`` (``sync(2)`` where unavailable)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if libc.syncfs(fd) == 0:
+                return
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        pass
+    os.sync()
+
+
+FICLONE = 0x40049409
+
+
+def probe_reflink(directory: str) -> Optional[bool]:
+    """Whether the filesystem holding ``directory`` can reflink (``FICLONE`` between two
+    temporary files); ``None`` if the probe could not run."""
+    try:
+        with tempfile.TemporaryFile(dir=directory) as src, tempfile.TemporaryFile(dir=directory) as dst:
+            src.write(b"x" * 4096)
+            src.flush()
+            try:
+                fcntl.ioctl(dst.fileno(), FICLONE, src.fileno())
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.EXDEV, errno.ENOTTY, errno.ENOSYS):
+                    return False
+                return None
+            return True
+    except OSError:
+        return None
+
+
+def daemon_args(argv: Sequence[str]) -> Dict[str, str]:
+    """``--flag value`` / ``--flag=value`` options of a command line."""
+    out: Dict[str, str] = {}
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--") and "=" in a:
+            k, v = a.split("=", 1)
+            out[k] = v
+        elif a.startswith("--") and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out[a] = argv[i + 1]
+            i += 1
+        elif a.startswith("--"):
+            out[a] = ""
+        i += 1
+    return out
+
+
+def find_daemon_process(state_dir: str) -> Optional[Tuple[str, Optional[str]]]:
+    """``(binary, init binary or None)`` of the running branchboxd serving ``state_dir``."""
+    want = os.path.realpath(state_dir)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/cmdline" % entry, "rb") as f:
+                argv = [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
+        except OSError:
+            continue
+        if not argv or "branchboxd" not in os.path.basename(argv[0]):
+            continue
+        try:
+            cwd = os.readlink("/proc/%s/cwd" % entry)
+        except OSError:
+            cwd = "/"
+        opts = daemon_args(argv)
+        sd = opts.get("--state-dir") or "/var/lib/branchbox"
+        if os.path.realpath(os.path.join(cwd, sd)) != want:
+            continue
+        try:
+            exe = os.readlink("/proc/%s/exe" % entry)
+        except OSError:
+            exe = ""
+        if not exe or exe.endswith(" (deleted)") or not os.access(exe, os.X_OK):
+            exe = os.path.join(cwd, argv[0]) if "/" in argv[0] else (shutil.which(argv[0]) or "")
+        init = opts.get("--init-bin")
+        if init:
+            init = os.path.join(cwd, init)
+        if exe and os.access(exe, os.X_OK):
+            return exe, init or None
+    return None
+
+
+def docker_save_config(diff_id: str, arch: Optional[str] = None) -> Dict[str, Any]:
+    machine = arch or platform.machine()
+    goarch = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm"}.get(machine, machine)
+    return {
+        "architecture": goarch,
+        "os": "linux",
+        "config": {"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]},
+        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+    }
+
+
+# ----------------------------------------------------------------------------- workload
+
+
+def workload_sdist(cache_dir: Optional[str] = None, say: Callable[[str], None] = lambda _m: None) -> str:
+    """Path of the workload sdist, downloaded once (``pip download``) into the cache."""
+    candidates = [cache_dir] if cache_dir else []
+    candidates += [
+        os.environ.get("BRANCHBOX_BENCH_CACHE", ""),
+        os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "branchbox-bench"),
+        "/var/cache/branchbox-bench",
+    ]
+    candidates = [c for c in candidates if c]
+    for d in candidates:
+        p = os.path.join(d, WORKLOAD_SDIST)
+        if os.path.isfile(p) and _sha256_file(p) == WORKLOAD_SHA256:
+            return p
+    target = candidates[0]
+    os.makedirs(target, exist_ok=True)
+    say("downloading %s==%s (sdist) into %s" % (WORKLOAD_NAME, WORKLOAD_VERSION, target))
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+        "--dest", target, "%s==%s" % (WORKLOAD_NAME, WORKLOAD_VERSION),
+    ]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = os.path.join(target, WORKLOAD_SDIST)
+    if proc.returncode != 0 or not os.path.isfile(p):
+        raise BenchError(
+            "bench: could not download the workload (%s): %s; put %s in %s"
+            % (" ".join(cmd), proc.stdout.strip()[-300:], WORKLOAD_SDIST, target)
+        )
+    got = _sha256_file(p)
+    if got != WORKLOAD_SHA256:
+        raise BenchError("bench: %s has sha256 %s, expected %s" % (p, got, WORKLOAD_SHA256))
+    return p
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sdist_sources(sdist: str) -> Tuple[Dict[str, str], int, int]:
+    """The original text of :data:`EDIT_FILES`, and the number of files / bytes in the sdist."""
+    out: Dict[str, str] = {}
+    files = size = 0
+    with tarfile.open(sdist, "r:gz") as tar:
+        for m in tar.getmembers():
+            if not m.isfile():
+                continue
+            files += 1
+            size += m.size
+            rel = m.name.split("/", 1)[1] if "/" in m.name else m.name
+            if rel in EDIT_FILES:
+                f = tar.extractfile(m)
+                assert f is not None
+                out[rel] = f.read().decode("utf-8")
+    missing = set(EDIT_FILES) - set(out)
+    if missing:
+        raise BenchError("bench: %s lacks %s" % (sdist, ", ".join(sorted(missing))))
+    return out, files, size
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def _check_cmd(result: Any, what: str) -> Any:
+    if result.exit_code != 0:
+        raise BenchError(
+            "bench: %s failed (exit_code=%r, signal=%r): %s"
+            % (what, result.exit_code, result.signal, ((result.stderr or "") + (result.stdout or ""))[-400:])
+        )
+    return result
+
+
+def _check_exec(ex: Any, what: str) -> Any:
+    if ex.error is not None or ex.timed_out:
+        raise BenchError("bench: %s raised in the session: %s" % (what, ex.error or "timed out"))
+    return ex
+
+
+class _Backend:
+    """A way to hold the workload and take checkpoints (one sandbox per backend)."""
+
+    name = "?"
+
+    def __init__(self, cfg: "CrConfig") -> None:
+        self.cfg = cfg
+        self.sbx: Optional[Sandbox] = None
+
+    def _create(self) -> Sandbox:
+        return Sandbox.create(
+            self.cfg.image,
+            memory_mb=self.cfg.memory_mb,
+            timeout=self.cfg.sandbox_ttl,
+            metadata={"branchbox-bench": "cr-" + self.name},
+            daemon=self.cfg.daemon,
+            token=self.cfg.token,
+        )
+
+    def _unpack(self, sbx: Sandbox, sdist: bytes) -> None:
+        sbx.files.write("/tmp/workload.tar.gz", sdist)
+        _check_cmd(
+            sbx.commands.run(
+                "mkdir -p %s && tar -xzf /tmp/workload.tar.gz -C %s --strip-components=1 && rm /tmp/workload.tar.gz"
+                % (PROJECT_DIR, PROJECT_DIR),
+                timeout=120,
+            ),
+            "unpacking the workload",
+        )
+
+    def setup(self, sdist: bytes, setup_code: str) -> None:
+        raise NotImplementedError
+
+    @property
+    def sandbox(self) -> Sandbox:
+        assert self.sbx is not None
+        return self.sbx
+
+    def session(self, code: str, record: bool = True) -> Any:
+        raise NotImplementedError
+
+    def checkpoint(self, node: int) -> Optional[float]:
+        """Returns the server-side time (ms) if known."""
+        raise NotImplementedError
+
+    def rollback(self, node: int) -> Tuple[Optional[float], bool]:
+        """Returns (server-side ms or None, whether sessions were restarted)."""
+        raise NotImplementedError
+
+    def prune(self, keep: Set[int]) -> None:
+        pass
+
+    def fork_run(
+        self, node: int, n: int, cmd: str, expect_ok: bool, pool: ThreadPoolExecutor
+    ) -> Optional[List[Any]]:
+        """Fork ``n`` children of ``node`` that each run ``cmd``; None if unsupported."""
+        return None
+
+    def close(self) -> None:
+        if self.sbx is not None:
+            try:
+                self.sbx.kill()
+            except SandboxError:
+                pass
+            finally:
+                self.sbx.close()
+                self.sbx = None
+
+
+class BranchboxBackend(_Backend):
+    name = "branchbox"
+
+    def __init__(self, cfg: "CrConfig") -> None:
+        super().__init__(cfg)
+        self.sids: Dict[int, str] = {}
+        self.files_only_sid: Optional[str] = None
+        self.snaps = Snapshots(daemon=cfg.daemon, token=cfg.token)
+
+    def setup(self, sdist: bytes, setup_code: str) -> None:
+        self.sbx = self._create()
+        self._unpack(self.sbx, sdist)
+        # Files only (no session yet): the fork diagnostic forks it.
+        self.files_only_sid = self.sbx.checkpoint("bench: files only")
+        _check_exec(self.sbx.run_code(setup_code, timeout=120), "the session set-up")
+
+    def session(self, code: str, record: bool = True) -> Any:
+        return self.sandbox.run_code(code, timeout=60)
+
+    def checkpoint(self, node: int) -> Optional[float]:
+        info = self.sandbox._http.call(_core.checkpoint(self.sandbox.id, "node %d" % node))
+        self.sids[node] = info.id
+        return info.took_ms
+
+    def rollback(self, node: int) -> Tuple[Optional[float], bool]:
+        res = self.sandbox.rollback(self.sids[node])
+        return res.took_ms, bool(res.sessions_restarted)
+
+    def prune(self, keep: Set[int]) -> None:
+        keep_sids = [self.sids[k] for k in keep if k in self.sids]
+        self.snaps.gc(keep_sids, sandbox=self.sandbox.id)
+        for k in [k for k in self.sids if k not in keep]:
+            del self.sids[k]
+
+    def fork_run(
+        self, node: int, n: int, cmd: str, expect_ok: bool, pool: ThreadPoolExecutor
+    ) -> Optional[List[Any]]:
+        kids, results, _ = fork_and_run(
+            self.sandbox, self.sids[node], n, cmd, pool, cwd=PROJECT_DIR, expect_ok=expect_ok
+        )
+        kill_all(kids, pool)
+        return results
+
+    def close(self) -> None:
+        sid = self.sandbox.id if self.sbx is not None else None
+        super().close()
+        if sid is not None:
+            try:
+                self.snaps.gc([], sandbox=sid)
+            except SandboxError:
+                pass
+        self.snaps.close()
+
+
+class _ReplayBackend(_Backend):
+    """Baselines: an explicit python session whose inputs are recorded and replayed."""
+
+    def __init__(self, cfg: "CrConfig") -> None:
+        super().__init__(cfg)
+        self.sess: Any = None
+        self.inputs: List[str] = []
+        self.saved: Dict[int, List[str]] = {}
+
+    def _new_session(self, inputs: Sequence[str]) -> None:
+        self.sess = self.sandbox.sessions.create("python")
+        for code in inputs:
+            _check_exec(self.sess.run(code, timeout=120), "replaying the session")
+
+    def setup(self, sdist: bytes, setup_code: str) -> None:
+        self.sbx = self._create()
+        self._unpack(self.sbx, sdist)
+        self._new_session([setup_code])
+        self.inputs = [setup_code]
+
+    def session(self, code: str, record: bool = True) -> Any:
+        ex = self.sess.run(code, timeout=60)
+        if record:
+            self.inputs.append(code)
+        return ex
+
+
+class CopytreeBackend(_ReplayBackend):
+    name = "copytree"
+
+    def checkpoint(self, node: int) -> Optional[float]:
+        _check_cmd(self.sandbox.commands.run("mkdir -p /snap && cp -a /work /snap/%d" % node), "cp -a")
+        self.saved[node] = list(self.inputs)
+        return None
+
+    def rollback(self, node: int) -> Tuple[Optional[float], bool]:
+        _check_cmd(self.sandbox.commands.run("rm -rf /work && cp -a /snap/%d /work" % node), "copy back")
+        self.sess.kill()
+        self._new_session(self.saved[node])
+        self.inputs = list(self.saved[node])
+        return None, True
+
+    def prune(self, keep: Set[int]) -> None:
+        dead = sorted(k for k in self.saved if k not in keep)
+        if dead:
+            _check_cmd(self.sandbox.commands.run("rm -rf " + " ".join("/snap/%d" % k for k in dead)), "prune")
+        for k in dead:
+            del self.saved[k]
+
+
+class CommitBackend(_ReplayBackend):
+    name = "commit"
+
+    def __init__(self, cfg: "CrConfig") -> None:
+        super().__init__(cfg)
+        self.store = tempfile.mkdtemp(prefix="branchbox-bench-commit-")
+
+    def _archive(self, node: int) -> str:
+        return os.path.join(self.store, "%d.tar" % node)
+
+    def checkpoint(self, node: int) -> Optional[float]:
+        sbx = self.sandbox
+        _check_cmd(sbx.commands.run("tar -C / -cf /tmp/.commit.tar work"), "tar (commit)")
+        with sbx.files.read("/tmp/.commit.tar", format="stream") as stream, open(self._archive(node), "wb") as f:
+            for chunk in stream:
+                f.write(chunk)
+        sbx.files.remove("/tmp/.commit.tar")
+        self.saved[node] = list(self.inputs)
+        return None
+
+    def rollback(self, node: int) -> Tuple[Optional[float], bool]:
+        old = self.sandbox
+        old.kill()
+        old.close()
+        self.sbx = None
+        self.sbx = self._create()
+        with open(self._archive(node), "rb") as f:
+            self.sbx.files.write("/tmp/.commit.tar", f)
+        _check_cmd(
+            self.sbx.commands.run("tar -C / -xf /tmp/.commit.tar && rm /tmp/.commit.tar"), "untar (restart)"
+        )
+        self._new_session(self.saved[node])
+        self.inputs = list(self.saved[node])
+        return None, True
+
+    def prune(self, keep: Set[int]) -> None:
+        for k in [k for k in self.saved if k not in keep]:
+            del self.saved[k]
+            try:
+                os.unlink(self._archive(k))
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        super().close()
+        shutil.rmtree(self.store, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- fork helpers
+
+
+def fork_and_run(
+    sbx: Sandbox,
+    snapshot: Optional[str],
+    n: int,
+    cmd: str,
+    pool: ThreadPoolExecutor,
+    *,
+    cwd: Optional[str] = None,
+    expect_ok: bool = True,
+) -> Tuple[List[Sandbox], List[Any], Dict[str, Any]]:
+    """Fork ``n`` children and run ``cmd`` in each, concurrently.
+
+    Returns the children (the caller kills them), the command results and timings:
+    ``wall_ms`` (fork request until every child's command returned), ``fork_ms`` (the fork
+    request alone), ``server_ms`` (its ``took_ms``), ``sessions_restarted``.
+    """
+    t0 = time.perf_counter()
+    res = sbx._http.call(_core.fork(sbx.id, n, snapshot, FORK_TTL))
+    t_fork = time.perf_counter()
+    kids = [Sandbox(info.id, _http=_HTTP(sbx._http.config), info=info) for info in res.sandboxes]
+    try:
+        results = list(pool.map(lambda k: k.commands.run(cmd, cwd=cwd, timeout=120), kids))
+        t_done = time.perf_counter()
+        if len(kids) != n:
+            raise BenchError("bench: fork(%d) returned %d sandboxes" % (n, len(kids)))
+        for k, r in zip(kids, results):
+            if (r.exit_code == 0) != expect_ok:
+                raise BenchError(
+                    "bench: `%s` in fork child %s exited %r (expected %s): %s"
+                    % (cmd, k.id, r.exit_code, "success" if expect_ok else "failure", (r.stderr or "")[-300:])
+                )
+    except BaseException:
+        kill_all(kids, pool)
+        raise
+    timing = {
+        "wall_ms": (t_done - t0) * 1000.0,
+        "fork_ms": (t_fork - t0) * 1000.0,
+        "server_ms": res.took_ms,
+        "sessions_restarted": res.sessions_restarted,
+    }
+    return kids, results, timing
+
+
+def kill_all(kids: Sequence[Sandbox], pool: ThreadPoolExecutor) -> None:
+    def one(k: Sandbox) -> None:
+        try:
+            k.kill()
+        except SandboxError:
+            pass
+        finally:
+            k.close()
+
+    list(pool.map(one, kids))
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+class Replay:
+    """Replays a :class:`Script` on a backend, timing checkpoints and rollbacks and checking
+    every ``verify`` and ``test`` op."""
+
+    def __init__(
+        self,
+        backend: _Backend,
+        script: Script,
+        originals: Dict[str, str],
+        chunks: int,
+        pool: ThreadPoolExecutor,
+        say: Callable[[str], None],
+    ) -> None:
+        self.b = backend
+        self.script = script
+        self.originals = originals
+        self.chunks = chunks
+        self.pool = pool
+        self.say = say
+        self.phase = Phase(backend.name)
+        self.cur: Dict[str, str] = dict(originals)  # current text of EDIT_FILES
+        self.node = 0
+
+    def run(self, max_ckpt: Optional[int] = None, max_rollback: Optional[int] = None) -> Phase:
+        ph = self.phase
+        t_start = time.perf_counter()
+        b = self.b
+        tree = self.script.tree
+        for op in self.script.ops:
+            if (
+                max_ckpt is not None
+                and max_rollback is not None
+                and len(ph.ckpt_ms) >= max_ckpt
+                and len(ph.rollback_ms) >= max_rollback
+            ):
+                break
+            if op.kind == "edit":
+                self.cur[op.path] = self.cur[op.path] + op.text
+                b.sandbox.files.write(PROJECT_DIR + "/" + op.path, self.cur[op.path])
+                ph.edits += 1
+            elif op.kind == "new_file":
+                b.sandbox.files.write(PROJECT_DIR + "/" + op.path, op.text)
+            elif op.kind == "session":
+                _check_exec(b.session(op.text), "a search step")
+            elif op.kind == "test":
+                r = b.sandbox.commands.run(op.text, cwd=PROJECT_DIR, timeout=120)
+                ph.test_runs += 1
+                ph.failing_test_runs += r.exit_code != 0
+                if (r.exit_code == 0) != op.expect_ok:
+                    raise BenchError(
+                        "bench[%s]: `%s` exited %r, expected %s: %s"
+                        % (b.name, op.text, r.exit_code, "success" if op.expect_ok else "failure", (r.stderr or "")[-500:])
+                    )
+            elif op.kind == "checkpoint":
+                if max_ckpt is not None and len(ph.ckpt_ms) >= max_ckpt and op.node != 0:
+                    # Enough checkpoint samples: still take it (rollbacks need it), untimed.
+                    b.checkpoint(op.node)
+                else:
+                    t0 = time.perf_counter()
+                    server = b.checkpoint(op.node)
+                    ph.ckpt_ms.append((time.perf_counter() - t0) * 1000.0)
+                    if server is not None:
+                        ph.ckpt_server_ms.append(server)
+                self.node = op.node
+            elif op.kind == "rollback":
+                t0 = time.perf_counter()
+                server, restarted = b.rollback(op.node)
+                ph.rollback_ms.append((time.perf_counter() - t0) * 1000.0)
+                if server is not None:
+                    ph.rollback_server_ms.append(server)
+                if restarted and b.name == "branchbox":
+                    ph.sessions_restarted += 1
+                    # The template was gone: rebuild the session the node recorded.
+                    self._rebuild_session(op.node)
+                self.node = op.node
+                st = tree.states[op.node]
+                self.cur = {rel: st.file_text(rel, self.originals[rel]) for rel in EDIT_FILES}
+                if len(ph.rollback_ms) % 10 == 0:
+                    self.say("%s: %d checkpoints, %d rollbacks" % (b.name, len(ph.ckpt_ms), len(ph.rollback_ms)))
+            elif op.kind == "verify":
+                self.verify(op.node)
+                ph.verifications += 1
+            elif op.kind == "prune":
+                keep = set(tree.path(op.node))
+                b.prune(keep)
+            elif op.kind == "fork":
+                t0 = time.perf_counter()
+                results = b.fork_run(op.node, op.n, op.text, bool(op.expect_ok), self.pool)
+                if results is not None:
+                    ph.search_fork_ms.append((time.perf_counter() - t0) * 1000.0)
+            else:  # pragma: no cover - the generator only emits the kinds above
+                raise ValueError("unknown op %r" % op.kind)
+        ph.seconds = time.perf_counter() - t_start
+        return ph
+
+    def _rebuild_session(self, node: int) -> None:
+        st = self.script.tree.states[node]
+        code = session_setup_code(self.chunks)
+        for step in st.path:
+            code += session_step_code(step, heap_index(step, self.chunks))
+        _check_exec(self.b.session(code), "rebuilding a restarted session")
+
+    def verify(self, node: int) -> None:
+        st = self.script.tree.states[node]
+        sbx = self.b.sandbox
+        name = self.b.name
+        for rel in EDIT_FILES:
+            got = sbx.files.read(PROJECT_DIR + "/" + rel)
+            want = st.file_text(rel, self.originals[rel])
+            if got != want:
+                raise BenchError(
+                    "bench[%s]: %s differs from node %d's (%d bytes, expected %d)" % (name, rel, node, len(got), len(want))
+                )
+        names = {e.name for e in sbx.files.list(PROJECT_DIR + "/tests")}
+        got_tests = sorted(n for n in names if n.startswith("test_bench_"))
+        want_tests = sorted(os.path.basename(p) for p, _ in st.new_files)
+        if got_tests != want_tests:
+            raise BenchError("bench[%s]: tests/ holds %s, node %d expects %s" % (name, got_tests, node, want_tests))
+        idx = verify_indices(st, self.chunks)
+        ex = _check_exec(self.b.session("_bench_check(%r)" % (idx,), record=False), "the verification")
+        try:
+            got_check = ast.literal_eval(ex.result or "")
+        except (ValueError, SyntaxError):
+            raise BenchError("bench[%s]: verification returned %r" % (name, ex.result)) from None
+        want_check = expected_check(st, self.chunks)
+        if tuple(got_check) != want_check:
+            raise BenchError(
+                "bench[%s]: session state at node %d is %r, expected %r (step, len(path), sum(path), len(heap), crc)"
+                % (name, node, got_check, want_check)
+            )
+
+
+# ----------------------------------------------------------------------------- write amplification
+
+
+def measure_write_amp(
+    sbx: Sandbox,
+    snaps: Snapshots,
+    fs_path: str,
+    *,
+    file_mb: int = 64,
+    reps: int = 3,
+) -> Dict[str, Any]:
+    """Bytes the filesystem holding ``fs_path`` gains per edit of 10 bytes in a ``file_mb`` MiB
+    file between two checkpoints (median of ``reps``), and the snapshot layer's allocation."""
+    _check_cmd(
+        sbx.commands.run("mkdir -p /work && head -c %dM /dev/urandom > /work/big.bin" % file_mb, timeout=120),
+        "writing the big file",
+    )
+    sbx.checkpoint("bench: big file")
+    deltas: List[int] = []
+    sids: List[str] = []
+    for i in range(reps):
+        syncfs(fs_path)
+        used0 = fs_used_bytes(fs_path)
+        offset = file_mb * MIB // 2 + i * 65536
+        data = "e%09d" % i  # 10 bytes
+        _check_cmd(
+            sbx.commands.run(
+                "printf %s | dd of=/work/big.bin bs=1 seek=%d conv=notrunc status=none" % (shlex.quote(data), offset)
+            ),
+            "the 10-byte edit",
+        )
+        sids.append(sbx.checkpoint("bench: edit %d" % i))
+        syncfs(fs_path)
+        deltas.append(fs_used_bytes(fs_path) - used0)
+    layer: List[int] = []
+    deadline = time.monotonic() + 5.0
+    for sid in sids:
+        size = 0
+        while True:
+            size = snaps.get(sid).size_bytes or 0
+            if size or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        layer.append(size)
+    return {
+        "bytes_per_edit": int(percentile(deltas, 50)),
+        "samples": deltas,
+        "layer_bytes_per_edit": int(percentile(layer, 50)) if layer else None,
+    }
+
+
+class XfsDaemon:
+    """A second branchboxd whose state dir is on a fresh reflink-enabled XFS loop device.
+
+    Everything it sets up is undone by :meth:`close`, whatever failed."""
+
+    def __init__(self, daemon_bin: str, init_bin: Optional[str], size_gib: int = 2) -> None:
+        self.daemon_bin = daemon_bin
+        self.init_bin = init_bin
+        self.size_gib = size_gib
+        self.tmp: Optional[str] = None
+        self.loop: Optional[str] = None
+        self.mnt: Optional[str] = None
+        self.mounted = False
+        self.proc: Optional[subprocess.Popen] = None
+        self.cgroup_parent = "bb-bench-xfs-%d" % os.getpid()
+        self.url = ""
+        self.warnings: List[str] = []
+
+    def start(self, wait: float = 30.0) -> None:
+        self.tmp = tempfile.mkdtemp(dir="/var/tmp", prefix="branchbox-bench-xfs-")
+        # Sandbox processes (mapped uids) must traverse down to the state dir.
+        os.chmod(self.tmp, 0o755)
+        img = os.path.join(self.tmp, "xfs.img")
+        with open(img, "wb") as f:
+            f.truncate(self.size_gib << 30)
+        _run(["mkfs.xfs", "-q", "-f", "-m", "reflink=1", img])
+        self.loop = _run(["losetup", "--find", "--show", img]).strip()
+        self.mnt = os.path.join(self.tmp, "mnt")
+        os.mkdir(self.mnt)
+        _run(["mount", "-t", "xfs", self.loop, self.mnt])
+        self.mounted = True
+        os.chmod(self.mnt, 0o755)
+        state = os.path.join(self.mnt, "state")
+        sock = os.path.join(self.tmp, "d.sock")
+        self.url = "unix://" + sock
+        argv = [
+            self.daemon_bin, "--state-dir", state, "--socket", sock, "--cgroup-parent", self.cgroup_parent,
+            "--kill-on-exit",
+        ]
+        if self.init_bin:
+            argv += ["--init-bin", self.init_bin]
+        log = open(os.path.join(self.tmp, "branchboxd.log"), "ab")
+        try:
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd="/"
+            )
+        finally:
+            log.close()
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                health(daemon=self.url, request_timeout=1.0)
+                return
+            except SandboxError:
+                time.sleep(0.1)
+        raise BenchError("bench: the XFS daemon did not start: %s" % self.log_tail())
+
+    def log_tail(self) -> str:
+        try:
+            with open(os.path.join(self.tmp or "", "branchboxd.log"), "rb") as f:
+                return f.read()[-600:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    @property
+    def state_dir(self) -> str:
+        assert self.mnt is not None
+        return os.path.join(self.mnt, "state")
+
+    def close(self) -> None:
+        def step(what: str, fn: Callable[[], Any]) -> None:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - clean-up reports and goes on
+                self.warnings.append("xfs clean-up: %s: %s" % (what, e))
+
+        if self.proc is not None and self.proc.poll() is None:
+            proc = self.proc
+
+            def stop() -> None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+
+            step("stop daemon", stop)
+        if self.mounted and self.mnt:
+            mnt = self.mnt
+
+            def umount() -> None:
+                try:
+                    _run(["umount", "-R", mnt])
+                except BenchError:
+                    _run(["umount", "-R", "-l", mnt])
+
+            step("umount", umount)
+        if self.loop:
+            loop = self.loop
+            step("losetup -d", lambda: _run(["losetup", "-d", loop]))
+        if self.tmp:
+            tmp = self.tmp
+            step("rm", lambda: shutil.rmtree(tmp))
+        step("cgroups", lambda: _rmdir_cgroups(self.cgroup_parent))
+
+
+def _rmdir_cgroups(parent: str, root: str = "/sys/fs/cgroup") -> None:
+    for depth in range(0, 3):
+        for d in glob.glob(os.path.join(root, *(["*"] * depth), parent)):
+            for child in glob.glob(os.path.join(d, "*", "")):
+                try:
+                    os.rmdir(child)
+                except OSError:
+                    pass
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+
+
+def _run(argv: List[str]) -> str:
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise BenchError("bench: `%s` failed: %s" % (" ".join(argv), proc.stderr.strip()[-300:]))
+    return proc.stdout
+
+
+def export_image(sbx: Sandbox, out_dir: str) -> str:
+    """Write a ``docker save`` layout of ``sbx``'s root filesystem into ``out_dir`` (one layer)."""
+    os.makedirs(out_dir, exist_ok=True)
+    _check_cmd(
+        sbx.commands.run(
+            "tar --one-file-system -C / -cf /tmp/.bench-root.tar --exclude=./tmp/.bench-root.tar "
+            "--exclude=./proc --exclude=./sys --exclude=./dev .",
+            timeout=300,
+        ),
+        "exporting the image",
+    )
+    h = hashlib.sha256()
+    with sbx.files.read("/tmp/.bench-root.tar", format="stream") as stream, open(
+        os.path.join(out_dir, "layer.tar"), "wb"
+    ) as f:
+        for chunk in stream:
+            h.update(chunk)
+            f.write(chunk)
+    sbx.files.remove("/tmp/.bench-root.tar")
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(docker_save_config("sha256:" + h.hexdigest()), f)
+    with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+        json.dump([{"Config": "config.json", "RepoTags": ["base:latest"], "Layers": ["layer.tar"]}], f)
+    return out_dir
+
+
+def locate_daemon_binaries(state_dir: Optional[str], explicit: Optional[str]) -> Optional[Tuple[str, Optional[str]]]:
+    if explicit:
+        return explicit, None
+    env = os.environ.get("BRANCHBOX_DAEMON_BIN")
+    if env:
+        return env, None
+    if state_dir:
+        found = find_daemon_process(state_dir)
+        if found:
+            return found
+    which = shutil.which("branchboxd")
+    return (which, None) if which else None
+
+
+def run_write_amp(cfg: "CrConfig", say: Callable[[str], None], notes: List[str]) -> Dict[str, Any]:
+    """Write amplification on the daemon's state-dir filesystem and on XFS with reflink."""
+    out: Dict[str, Any] = {}
+    with Snapshots(daemon=cfg.daemon, token=cfg.token) as snaps:
+        sbx = Sandbox.create(cfg.image, timeout=cfg.sandbox_ttl, daemon=cfg.daemon, token=cfg.token,
+                             metadata={"branchbox-bench": "cr-write-amp"})
+        state_dir = None
+        try:
+            try:
+                state_dir = state_dir_of(sbx.id, _read("/proc/self/mountinfo"))
+            except OSError:
+                state_dir = None
+            if state_dir is None:
+                notes.append("write amplification skipped: the daemon's state dir is not visible here (remote daemon?)")
+                return out
+            mountinfo = _read("/proc/self/mountinfo")
+            out["default_fs_type"] = fs_type_of(state_dir, mountinfo)
+            probe_dir = os.path.join(state_dir, "tmp")
+            out["default_fs_reflink_supported"] = probe_reflink(probe_dir if os.path.isdir(probe_dir) else state_dir)
+            say("write amplification on the state dir (%s)" % out["default_fs_type"])
+            wa = measure_write_amp(sbx, snaps, state_dir, reps=cfg.write_amp_reps)
+            out["default_fs_bytes_per_edit"] = wa["bytes_per_edit"]
+            out["default_fs_bytes_per_edit_samples"] = wa["samples"]
+            out["default_fs_layer_bytes_per_edit"] = wa["layer_bytes_per_edit"]
+        finally:
+            sid = sbx.id
+            sbx.kill()
+            sbx.close()
+            try:
+                snaps.gc([], sandbox=sid)
+            except SandboxError:
+                pass
+    if not cfg.xfs:
+        return out
+    why = _xfs_unavailable()
+    bins = locate_daemon_binaries(state_dir, cfg.daemon_bin)
+    if why is None and bins is None:
+        why = "no branchboxd binary found (pass --daemon-bin)"
+    if why is not None:
+        notes.append("xfs write amplification skipped: " + why)
+        return out
+    assert bins is not None
+    try:
+        out.update(_xfs_write_amp(cfg, bins, say, notes))
+    except (SandboxError, OSError) as e:
+        # The environment, not the product: report it and keep the other numbers.
+        notes.append("xfs write amplification failed: %s" % e)
+    return out
+
+
+def _xfs_write_amp(
+    cfg: "CrConfig", bins: Tuple[str, Optional[str]], say: Callable[[str], None], notes: List[str]
+) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    xfs = XfsDaemon(bins[0], bins[1])
+    try:
+        say("xfs: loop device + second daemon")
+        xfs.start()
+        out["xfs_fs_type"] = fs_type_of(xfs.state_dir, _read("/proc/self/mountinfo"))
+        out["xfs_reflink_supported"] = probe_reflink(xfs.mnt or "")
+        assert xfs.tmp is not None
+        export_dir = os.path.join(xfs.tmp, "image")  # /var/tmp, not on the XFS
+        say("xfs: exporting image %r from the main daemon" % cfg.image)
+        src = Sandbox.create(cfg.image, timeout=cfg.sandbox_ttl, daemon=cfg.daemon, token=cfg.token,
+                             metadata={"branchbox-bench": "cr-export"})
+        try:
+            export_image(src, export_dir)
+        finally:
+            src.kill()
+            src.close()
+        say("xfs: importing it")
+        with Images(daemon=xfs.url, request_timeout=600) as images:
+            images.import_(cfg.image, export_dir)
+        shutil.rmtree(export_dir, ignore_errors=True)
+        with Snapshots(daemon=xfs.url) as xsnaps:
+            xsbx = Sandbox.create(cfg.image, timeout=cfg.sandbox_ttl, daemon=xfs.url)
+            try:
+                say("write amplification on XFS (reflink)")
+                wa = measure_write_amp(xsbx, xsnaps, xfs.state_dir, reps=cfg.write_amp_reps)
+            finally:
+                xsbx.kill()
+                xsbx.close()
+        out["xfs_bytes_per_edit"] = wa["bytes_per_edit"]
+        out["xfs_bytes_per_edit_samples"] = wa["samples"]
+        out["xfs_layer_bytes_per_edit"] = wa["layer_bytes_per_edit"]
+    finally:
+        xfs.close()
+        notes.extend(xfs.warnings)
+    return out
+
+
+def _xfs_unavailable() -> Optional[str]:
+    if os.geteuid() != 0:
+        return "needs root (loop device, mount)"
+    for tool in ("mkfs.xfs", "losetup", "mount", "umount"):
+        if shutil.which(tool) is None:
+            return "%s not found" % tool
+    return None
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+@dataclass
+class CrConfig:
+    daemon: Optional[str] = None
+    token: Optional[str] = None
+    image: str = "base"
+    quick: bool = False
+    seed: int = 1
+    checkpoints: int = 80
+    baseline_ckpt: int = 10
+    baseline_rollback: int = 10
+    heap_mb: int = 50
+    fork_n16_reps: int = 3
+    xfs: bool = True
+    write_amp_reps: int = 3
+    daemon_bin: Optional[str] = None
+    memory_mb: int = 2048
+    sandbox_ttl: float = 1800
+    cache_dir: Optional[str] = None
+
+    @classmethod
+    def make(cls, quick: bool = False, **kw: Any) -> "CrConfig":
+        if quick:
+            base = dict(checkpoints=16, baseline_ckpt=3, baseline_rollback=3, fork_n16_reps=1, xfs=False, write_amp_reps=1)
+            base.update({k: v for k, v in kw.items() if v is not None})
+            return cls(quick=True, **base)
+        return cls(**{k: v for k, v in kw.items() if v is not None})
+
+
+def run_cr_bench(cfg: CrConfig, progress: Optional[Callable[[str], None]] = None) -> CrResult:
+    """Run the whole benchmark against the daemon; everything it creates is removed."""
+    say = progress or (lambda _m: None)
+    t_start = time.perf_counter()
+    res = CrResult(seed=cfg.seed, quick=cfg.quick)
+    sdist_path = workload_sdist(cfg.cache_dir, say)
+    with open(sdist_path, "rb") as f:
+        sdist = f.read()
+    originals, n_files, n_bytes = sdist_sources(sdist_path)
+    res.project_files, res.project_kib = n_files, n_bytes / KIB
+    chunks = cfg.heap_mb * MIB // HEAP_CHUNK
+    res.heap_mb = chunks * HEAP_CHUNK / MIB
+    script = generate_script(cfg.seed, cfg.checkpoints, chunks)
+    setup_code = session_setup_code(chunks)
+
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        # 1. branchbox: the full search, then forks from where it ended.
+        bb = BranchboxBackend(cfg)
+        try:
+            say("branchbox: set-up (%s, %d MiB session heap)" % (res.workload, cfg.heap_mb))
+            bb.setup(sdist, setup_code)
+            rss = bb.session("[l.split()[1] for l in open('/proc/self/status') if l.startswith(('VmRSS', 'RssAnon'))]")
+            try:
+                vals = ast.literal_eval(rss.result or "[]")
+                res.heap_rss_mb = int(vals[-1]) / KIB if vals else None
+            except (ValueError, SyntaxError, IndexError):
+                res.heap_rss_mb = None
+            say("branchbox: tree search (%d checkpoints)" % cfg.checkpoints)
+            replay = Replay(bb, script, originals, chunks, pool, say)
+            res.branchbox = replay.run()
+            res.fork = measure_forks(bb, replay.node, cfg, pool, say)
+        finally:
+            bb.close()
+
+        # 2. the baselines: same workload, same script, fewer iterations.
+        for cls in (CopytreeBackend, CommitBackend):
+            backend = cls(cfg)
+            try:
+                say("%s: set-up" % backend.name)
+                backend.setup(sdist, setup_code)
+                say("%s: replay (%d checkpoints, %d rollbacks)" % (backend.name, cfg.baseline_ckpt, cfg.baseline_rollback))
+                phase = Replay(backend, script, originals, chunks, pool, say).run(cfg.baseline_ckpt, cfg.baseline_rollback)
+            finally:
+                backend.close()
+            setattr(res, backend.name, phase)
+
+    # 3. write amplification (state-dir filesystem, then XFS with reflink).
+    res.write_amp = run_write_amp(cfg, say, res.notes)
+    res.seconds = time.perf_counter() - t_start
+    return res
+
+
+def measure_forks(
+    bb: BranchboxBackend, node: int, cfg: CrConfig, pool: ThreadPoolExecutor, say: Callable[[str], None]
+) -> Dict[str, Any]:
+    sbx = bb.sandbox
+    sid = bb.sids[node]
+    out: Dict[str, Any] = {}
+    n16: List[float] = []
+    n16_server: List[float] = []
+    for rep in range(cfg.fork_n16_reps):
+        say("fork n=16 (%d/%d)" % (rep + 1, cfg.fork_n16_reps))
+        kids, _, t = fork_and_run(sbx, sid, 16, "true", pool)
+        try:
+            n16.append(t["wall_ms"])
+            if t["server_ms"] is not None:
+                n16_server.append(t["server_ms"])
+            out["children_sessions_restarted"] = t["sessions_restarted"]
+            if rep == 0:
+                time.sleep(0.3)  # idle
+                out["child_private_mb"] = sandbox_private_mb(kids[0].id)
+        finally:
+            kill_all(kids, pool)
+    out["n16_ms"] = percentile(n16, 50)
+    out["n16_samples_ms"] = n16
+    out["n16_server_ms"] = percentile(n16_server, 50) if n16_server else None
+    say("fork n=64")
+    kids, _, t = fork_and_run(sbx, sid, 64, "true", pool)
+    kill_all(kids, pool)
+    out["n64_ms"] = t["wall_ms"]
+    out["n64_server_ms"] = t["server_ms"]
+    if bb.files_only_sid is not None:
+        say("fork n=16 of a snapshot without sessions")
+        kids, _, t = fork_and_run(sbx, bb.files_only_sid, 16, "true", pool)
+        kill_all(kids, pool)
+        out["n16_files_only_ms"] = t["wall_ms"]
+    return out
