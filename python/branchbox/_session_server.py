@@ -694,8 +694,8 @@ def _record_fds(skip):
 
 
 def _reopen_fds(saved):
-    """Reopen each recorded fd by path over its old number; returns how many were."""
-    count = 0
+    """Reopen each recorded fd by path over its old number; returns the fd numbers that were."""
+    done = set()
     for fd, path, flags, offset, cloexec in saved:
         want = flags & ~_REOPEN_DROP
         try:
@@ -711,12 +711,42 @@ def _reopen_fds(saved):
             if offset is not None:
                 os.lseek(new, offset, os.SEEK_SET)
             os.dup2(new, fd, inheritable=not cloexec)
-            count += 1
+            done.add(fd)
         except OSError:
             pass
         finally:
             os.close(new)
-    return count
+    return done
+
+
+def _close_all_but(keep):
+    """Close every open fd not in ``keep``."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        try:
+            fd = int(name)
+        except ValueError:
+            continue
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _after_fork_child():
+    """What os.fork() runs in a child (CPython's PyOS_AfterFork_Child: thread and lock state,
+    os.register_at_fork hooks such as random's reseed), for a copy the daemon forked from
+    outside the interpreter."""
+    try:
+        import ctypes
+
+        ctypes.pythonapi.PyOS_AfterFork_Child()
+    except Exception:
+        pass
 
 
 # --------------------------------------------------------------------------- server
@@ -743,6 +773,7 @@ class Server(object):
         self.saved_fds = []  # template: [(fd, path, flags, offset|None, cloexec)]
         self.rebase_cwd = None  # live session: chdir() here before the next request
         self.pending_restore = None  # restored session: (cwd, fds) to re-resolve before the next request
+        self.strict_restore = False  # also close what could not be re-resolved (copy in another sandbox)
 
     def serve(self):
         while True:
@@ -773,7 +804,9 @@ class Server(object):
             return _protocol_error("request must be a JSON object")
         op = req.get("op")
         reopened = None
-        if op == "fork":
+        if op == "restored":
+            resp = self.op_restored(fds, bool(req.get("strict")))
+        elif op == "fork":
             self._finish_restore()  # a copy of a restored session gets the restored files
             resp = self.op_fork(fds, req.get("role"))
         else:
@@ -853,6 +886,35 @@ class Server(object):
             self.reaping = True
         return {"ok": True, "child": pid}
 
+    def op_restored(self, fds, strict):
+        """This process is a copy of a template that the daemon forked from outside (into
+        another sandbox): become a live session in place, like a "restore" fork child.  An fd
+        sent along becomes stdout and stderr.  With ``strict``, open objects that could not be
+        reopened by path in this root (sockets, pipes, files elsewhere: shared with the
+        template's sandbox) are closed before the next request."""
+        if not self.template:
+            _close_fds(fds)
+            return _protocol_error('"restored" is only for a copy of a template')
+        _after_fork_child()
+        if fds:
+            for target in (1, 2):
+                os.dup2(fds[0], target, inheritable=True)
+            _close_fds(fds)
+        try:
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, 0)
+            if null != 0:
+                os.close(null)
+        except OSError:
+            pass
+        self.children = set()
+        if self.reaping:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            self.reaping = False
+        resp = self._become_restored()
+        self.strict_restore = strict
+        return resp
+
     def _become_template(self, cwd):
         """Fork child of role "template": freeze as the snapshot's template."""
         _setsid()
@@ -893,7 +955,11 @@ class Server(object):
                 os.chdir("/")
             except OSError:
                 pass
-        return _reopen_fds(fds)
+        done = _reopen_fds(fds)
+        if self.strict_restore:
+            self.strict_restore = False
+            _close_all_but(done | {0, 1, 2, CHANNEL_FD})
+        return len(done)
 
     def _rebase(self):
         """After a checkpoint, re-resolve the cwd by path in the new root filesystem."""

@@ -1,16 +1,20 @@
 """``branchbox bench cr``: checkpoint, rollback and fork on a real workload, against two baselines.
 
-The workload: the sdist of a real Python project (:data:`WORKLOAD_NAME` ==
-:data:`WORKLOAD_VERSION`, fetched once on the host with ``pip download`` into a cache, then
-uploaded into the sandbox; sandboxes have no network) unpacked in :data:`PROJECT_DIR`, and a
-Python session holding ``heap_mb`` of live, touched heap (distinct 4 KiB ``bytes`` objects).
+The workload (:data:`WORKLOADS`, ``--workload``): the sdist of a real Python project with its
+test suite, fetched once on the host with ``pip download`` into a cache (sha256 pinned, with the
+pure-Python wheels its tests need), uploaded into the sandbox (sandboxes have no network) and
+unpacked in :data:`PROJECT_DIR` (the wheels in :data:`SITE_DIR`); and a Python session that
+imports the project and holds ``heap_mb`` of live, touched heap (distinct 4 KiB ``bytes``
+objects). The default is Django (:data:`DEFAULT_WORKLOAD`: about 6,900 files, 43 MiB, the
+size of the repositories agents work on); ``more-itertools`` (38 files) is the old, small one.
 
-A seeded script of a tree search (:func:`generate_script`) is replayed: edits of the project's
-sources, new test files, session updates (a state dict and one heap object per step), test runs
-(``python3 -m unittest`` on a few test classes; an injected bug must make them fail),
-checkpoints, rollbacks to random ancestors, forks, pruning of abandoned branches. After every
-rollback the sandbox is checked against what the script recorded for that node (files, the
-session's state and a checksum of heap objects); any mismatch aborts the benchmark.
+A seeded script of a tree search (:func:`generate_script`) is replayed: small edits of the
+project's real sources (a helper function or method inserted, a comment in a function body),
+new test modules, session updates (a state dict and one heap object per step), test runs (the
+project's own runner on a few test modules; an injected bug must make them fail), checkpoints,
+rollbacks to random ancestors, forks, pruning of abandoned branches. After every rollback the
+sandbox is checked against what the script recorded for that node (files, the session's state
+and a checksum of heap objects); any mismatch aborts the benchmark.
 
 The same script is replayed on two baselines (fewer iterations: they are slow):
 
@@ -63,56 +67,26 @@ __all__ = [
     "BenchError",
     "CrConfig",
     "CrResult",
+    "DEFAULT_WORKLOAD",
     "NodeState",
     "Op",
     "Script",
     "SearchTree",
     "SUMMARY_KEYS",
+    "WORKLOADS",
+    "Workload",
     "generate_script",
     "heap_checksum",
     "run_cr_bench",
 ]
 
-WORKLOAD_NAME = "more-itertools"
-WORKLOAD_VERSION = "10.5.0"
-WORKLOAD_SDIST = "more-itertools-10.5.0.tar.gz"
-WORKLOAD_SHA256 = "5482bfef7849c25dc3c6dd53a6173ae4795da2a41a80faea6700d9f5846c5da6"
+#: Where the project is unpacked; the baselines copy (``copytree``) or archive (``commit``)
+#: everything under ``/work``: the project and :data:`SITE_DIR`.
 PROJECT_DIR = "/work/proj"
-#: Source files the tree search edits (relative to :data:`PROJECT_DIR`).
-EDIT_FILES = ("more_itertools/recipes.py", "more_itertools/more.py")
-BUG_FILE = "more_itertools/recipes.py"
-#: Appended to ``recipes.py`` it shadows ``take``: every test target below then fails.
-BUG_TEXT = "\n\ndef take(n, iterable):  # bench: injected bug (step %d)\n    return []\n"
-EDIT_TEXT = "\n_BENCH_STEP_%d = %d  # bench: tree-search edit\n"
-NEW_TEST_TEXT = (
-    "import unittest\n\nimport more_itertools as mi\n\n\n"
-    "class BenchStep%dTests(unittest.TestCase):\n"
-    "    def test_take(self):\n"
-    "        self.assertEqual(mi.take(%d, range(100)), list(range(%d)))\n"
-)
-#: Test runs: a few classes each (all include ``TakeTests``, which the injected bug breaks).
-TEST_TARGETS = (
-    (
-        "tests.test_recipes.TakeTests",
-        "tests.test_recipes.TailTests",
-        "tests.test_recipes.PairwiseTests",
-        "tests.test_recipes.GrouperTests",
-        "tests.test_recipes.UniqueEverseenTests",
-    ),
-    (
-        "tests.test_recipes.TakeTests",
-        "tests.test_more.ChunkedTests",
-        "tests.test_more.WindowedTests",
-        "tests.test_more.SpyTests",
-        "tests.test_more.SplitAtTests",
-    ),
-    (
-        "tests.test_recipes.TakeTests",
-        "tests.test_recipes.PowersetTests",
-        "tests.test_more.PeekableTests",
-        "tests.test_more.IlenTests",
-    ),
-)
+#: Where the wheels the project's tests need are unpacked (on ``PYTHONPATH``).
+SITE_DIR = "/work/site"
+#: Marks an injected bug in a source file (the unit tests' fake sandbox looks for it).
+BUG_MARK = "bench: injected bug"
 HEAP_CHUNK = 4096
 #: Heap objects checksummed by every verification (besides those the path wrote).
 HEAP_SAMPLE = 48
@@ -143,6 +117,305 @@ class BenchError(SandboxError):
     """The benchmark found the sandbox in a state the script did not predict (or could not run)."""
 
 
+# ----------------------------------------------------------------------------- workloads
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A file fetched from PyPI with ``pip download`` (sha256 pinned)."""
+
+    requirement: str  # "Django==5.2.8"
+    filename: str
+    sha256: str
+    #: A wheel (``--only-binary :all:``, unpacked in :data:`SITE_DIR`) or the project's sdist.
+    wheel: bool = False
+
+
+@dataclass(frozen=True)
+class EditSpec:
+    """A small edit of a real source file: ``template % {"step": step}`` inserted just before
+    the first occurrence of ``anchor`` (appended when ``anchor`` is empty). Insertions keep
+    every anchor in place and make the file grow along a branch of the search."""
+
+    path: str
+    anchor: str
+    template: str
+
+    def render(self, step: int) -> Tuple[str, str]:
+        """``(old, new)`` of the edit (see :func:`apply_edit`)."""
+        snippet = self.template % {"step": step}
+        return self.anchor, snippet + self.anchor
+
+
+@dataclass(frozen=True)
+class BugSpec:
+    """An injected bug: the first ``old`` of ``path`` becomes ``new % {"step": step}`` (which
+    carries :data:`BUG_MARK`); every test target must then fail."""
+
+    path: str
+    old: str
+    new: str
+
+    def render(self, step: int) -> Tuple[str, str]:
+        return self.old, self.new % {"step": step}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A real project, how its tests run, and the edits the tree search makes to it."""
+
+    key: str
+    sdist: Artifact
+    deps: Tuple[Artifact, ...]
+    #: Python run once in the session after ``sys.path`` is set (imports the project).
+    session_import: str
+    #: An expression the session evaluates at every step (``%d``: an int).
+    session_probe: str
+    edits: Tuple[EditSpec, ...]
+    bugs: Tuple[BugSpec, ...]
+    #: Test runs: each target is a few test labels; every target catches every bug.
+    test_targets: Tuple[Tuple[str, ...], ...]
+    #: A smaller selection for ``--quick``.
+    quick_test_targets: Tuple[Tuple[str, ...], ...]
+    #: Command line the labels are appended to (run with ``cwd`` = :data:`PROJECT_DIR`).
+    test_prefix: str
+    #: Directory (relative to the project) of the test modules the search adds.
+    new_test_dir: str
+    #: Their text (``%(step)d``, ``%(k)d`` = ``step % 7``): they pass unless a bug is in.
+    new_test_template: str
+    #: Prefix of a module's dotted path the runner's labels leave out (Django: ``tests.``).
+    label_strip: str = ""
+    notes: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.sdist.requirement
+
+    @property
+    def edit_files(self) -> Tuple[str, ...]:
+        """Every file an edit or a bug touches (relative to :data:`PROJECT_DIR`), in order."""
+        seen: Dict[str, None] = {}
+        for spec in list(self.edits) + list(self.bugs):
+            seen.setdefault(spec.path, None)
+        return tuple(seen)
+
+    @property
+    def artifacts(self) -> Tuple[Artifact, ...]:
+        return (self.sdist,) + self.deps
+
+    def test_label(self, module: str) -> str:
+        if self.label_strip and module.startswith(self.label_strip):
+            return module[len(self.label_strip) :]
+        return module
+
+    def test_command(self, target: Sequence[str], state: "NodeState") -> str:
+        labels = list(target) + [self.test_label(m) for m in state.bench_modules()]
+        return self.test_prefix + " ".join(labels)
+
+    def new_test(self, step: int) -> Tuple[str, str]:
+        path = "%s/test_bench_%d.py" % (self.new_test_dir, step)
+        return path, self.new_test_template % {"step": step, "k": step % 7}
+
+    def check_sources(self, originals: Dict[str, str]) -> None:
+        """Every anchor and bug text is in the original sources, and none overlaps another
+        (an insertion never touches what a bug replaces)."""
+        problems = []
+        for spec in self.edits:
+            if spec.anchor and spec.anchor not in originals.get(spec.path, ""):
+                problems.append("anchor %r not in %s" % (spec.anchor[:40], spec.path))
+        for bug in self.bugs:
+            if bug.old not in originals.get(bug.path, ""):
+                problems.append("bug text %r not in %s" % (bug.old[:40], bug.path))
+            for spec in self.edits:
+                if spec.path == bug.path and spec.anchor and (spec.anchor in bug.old or bug.old in spec.anchor):
+                    problems.append("anchor %r overlaps a bug" % spec.anchor[:40])
+        if problems:
+            raise BenchError("bench: workload %s does not fit its sources: %s" % (self.key, "; ".join(problems)))
+
+
+def apply_edit(text: str, old: str, new: str) -> str:
+    """``text`` with the first ``old`` replaced by ``new`` (``new`` appended if ``old`` is
+    empty); ``ValueError`` if ``old`` is not there."""
+    if not old:
+        return text + new
+    i = text.find(old)
+    if i < 0:
+        raise ValueError("edit anchor %r not found" % old[:60])
+    return text[:i] + new + text[i + len(old) :]
+
+
+_DJ_HELPER = (
+    "def _search_step_%(step)d(value):\n"
+    '    """Helper added by the tree search at step %(step)d."""\n'
+    "    return str(value).strip()\n\n\n"
+)
+_DJ_METHOD = (
+    "    def _search_step_%(step)d(self):\n"
+    '        """Added by the tree search at step %(step)d."""\n'
+    "        return self.all()\n\n"
+)
+_DJ_TEST = (
+    "from django.test import SimpleTestCase\n"
+    "from django.utils.text import slugify\n\n\n"
+    "class BenchStep%(step)dTests(SimpleTestCase):\n"
+    '    """Added by the tree search at step %(step)d."""\n\n'
+    "    def test_slugify(self):\n"
+    '        self.assertEqual(slugify("Tree Search, step %(step)d!"), "tree-search-step-%(step)d")\n\n'
+    "    def test_slugify_%(k)d(self):\n"
+    '        self.assertEqual(slugify(" %(k)d  Spaces "), "%(k)d-spaces")\n'
+)
+
+DJANGO = Workload(
+    key="django",
+    sdist=Artifact(
+        "Django==5.2.8", "django-5.2.8.tar.gz", "23254866a5bb9a2cfa6004e8b809ec6246eba4b58a7589bc2772f1bcc8456c7f"
+    ),
+    deps=(
+        Artifact(
+            "asgiref==3.8.1",
+            "asgiref-3.8.1-py3-none-any.whl",
+            "3e1e3ecc849832fe52ccf2cb6686b7a55f82bb1d6aee72a58826471390335e47",
+            wheel=True,
+        ),
+        Artifact(
+            "sqlparse==0.5.3",
+            "sqlparse-0.5.3-py3-none-any.whl",
+            "cf2196ed3418f3ba5de6af7e82c694a9fbdbfecccdfc72e281548517081f16ca",
+            wheel=True,
+        ),
+    ),
+    session_import="import django\nfrom django.utils.text import slugify\n",
+    session_probe="len(slugify('Tree search step %d'))",
+    edits=(
+        EditSpec("django/utils/text.py", "@keep_lazy_text\ndef wrap(text, width):", _DJ_HELPER),
+        EditSpec(
+            "django/utils/text.py",
+            "    value = str(value)\n    if allow_unicode:",
+            "    # tree-search step %(step)d: normalisation happens below\n",
+        ),
+        EditSpec("django/utils/html.py", "@keep_lazy(SafeString)\ndef escape(text):", _DJ_HELPER),
+        EditSpec("django/utils/functional.py", "def lazystr(text):", _DJ_HELPER),
+        EditSpec(
+            "django/utils/datastructures.py",
+            "        try:\n            list_ = super().__getitem__(key)\n",
+            "        # tree-search step %(step)d: the last value wins\n",
+        ),
+        EditSpec(
+            "django/template/defaultfilters.py",
+            "@register.filter(is_safe=True)\n@stringfilter\ndef slugify(value):",
+            _DJ_HELPER,
+        ),
+        EditSpec("django/db/models/query.py", "    def filter(self, *args, **kwargs):", _DJ_METHOD),
+        EditSpec("django/forms/fields.py", "class IntegerField(Field):", _DJ_HELPER),
+        EditSpec("django/template/base.py", "class Lexer:", _DJ_HELPER),
+    ),
+    bugs=(
+        BugSpec(
+            "django/utils/text.py",
+            r'    value = re.sub(r"[^\w\s-]", "", value.lower())' + "\n",
+            r'    value = re.sub(r"[^\w\s-]", "", value)  # ' + BUG_MARK + " (step %(step)d)\n",
+        ),
+        BugSpec(
+            "django/utils/text.py",
+            "        str(last_word),\n",
+            "        str(last_word).upper(),  # " + BUG_MARK + " (step %(step)d)\n",
+        ),
+        BugSpec(
+            "django/utils/text.py",
+            '    if s in {"", ".", ".."}:\n',
+            '    if s in {"", "."}:  # ' + BUG_MARK + " (step %(step)d)\n",
+        ),
+    ),
+    test_targets=(
+        ("utils_tests.test_text", "template_tests.filter_tests"),
+        (
+            "utils_tests.test_text",
+            "utils_tests.test_datastructures",
+            "utils_tests.test_functional",
+            "utils_tests.test_dateparse",
+            "utils_tests.test_http",
+        ),
+        ("utils_tests.test_text", "basic", "lookup", "forms_tests.field_tests.test_charfield"),
+    ),
+    quick_test_targets=(
+        ("utils_tests.test_text",),
+        ("utils_tests.test_text", "template_tests.filter_tests.test_slugify"),
+    ),
+    test_prefix="PYTHONPATH=%s:%s python3 tests/runtests.py --parallel 1 -v 0 " % (PROJECT_DIR, SITE_DIR),
+    new_test_dir="tests/utils_tests",
+    new_test_template=_DJ_TEST,
+    label_strip="tests.",
+    notes="Django's own runner (tests/runtests.py, settings test_sqlite: in-memory SQLite)",
+)
+
+_MI_TEST = (
+    "import unittest\n\nimport more_itertools as mi\n\n\n"
+    "class BenchStep%(step)dTests(unittest.TestCase):\n"
+    "    def test_take(self):\n"
+    "        self.assertEqual(mi.take(%(k)d, range(100)), list(range(%(k)d)))\n"
+)
+_MI_TARGETS = (
+    (
+        "tests.test_recipes.TakeTests",
+        "tests.test_recipes.TailTests",
+        "tests.test_recipes.PairwiseTests",
+        "tests.test_recipes.GrouperTests",
+        "tests.test_recipes.UniqueEverseenTests",
+    ),
+    (
+        "tests.test_recipes.TakeTests",
+        "tests.test_more.ChunkedTests",
+        "tests.test_more.WindowedTests",
+        "tests.test_more.SpyTests",
+        "tests.test_more.SplitAtTests",
+    ),
+    (
+        "tests.test_recipes.TakeTests",
+        "tests.test_recipes.PowersetTests",
+        "tests.test_more.PeekableTests",
+        "tests.test_more.IlenTests",
+    ),
+)
+
+MORE_ITERTOOLS = Workload(
+    key="more-itertools",
+    sdist=Artifact(
+        "more-itertools==10.5.0",
+        "more-itertools-10.5.0.tar.gz",
+        "5482bfef7849c25dc3c6dd53a6173ae4795da2a41a80faea6700d9f5846c5da6",
+    ),
+    deps=(),
+    session_import="import more_itertools\n",
+    session_probe="len(more_itertools.take(3, range(%d)))",
+    edits=(
+        EditSpec("more_itertools/recipes.py", "", "\n_BENCH_STEP_%(step)d = %(step)d  # bench: tree-search edit\n"),
+        EditSpec("more_itertools/more.py", "", "\n_BENCH_STEP_%(step)d = %(step)d  # bench: tree-search edit\n"),
+    ),
+    # Appended to recipes.py it shadows ``take``: every test target (TakeTests) then fails.
+    bugs=(
+        BugSpec(
+            "more_itertools/recipes.py", "", "\n\ndef take(n, iterable):  # " + BUG_MARK + " (step %(step)d)\n    return []\n"
+        ),
+    ),
+    test_targets=_MI_TARGETS,
+    quick_test_targets=_MI_TARGETS,
+    test_prefix="python3 -m unittest -q ",
+    new_test_dir="tests",
+    new_test_template=_MI_TEST,
+    notes="plain unittest",
+)
+
+WORKLOADS: Dict[str, Workload] = {w.key: w for w in (DJANGO, MORE_ITERTOOLS)}
+DEFAULT_WORKLOAD = DJANGO.key
+
+
+def get_workload(key: str) -> Workload:
+    try:
+        return WORKLOADS[key]
+    except KeyError:
+        raise BenchError("bench: unknown workload %r (one of: %s)" % (key, ", ".join(WORKLOADS))) from None
+
+
 # ----------------------------------------------------------------------------- the script
 
 
@@ -151,8 +424,8 @@ class NodeState:
     """What the sandbox holds at a point of the search (a node after its checkpoint)."""
 
     step: int = 0
-    #: ``(file, text)`` appended to project files, in order.
-    appends: Tuple[Tuple[str, str], ...] = ()
+    #: ``(file, old, new)`` edits of project files, in order (see :func:`apply_edit`).
+    edits: Tuple[Tuple[str, str, str], ...] = ()
     #: ``(path, content)`` of files the search created (relative to the project).
     new_files: Tuple[Tuple[str, str], ...] = ()
     bug: bool = False
@@ -162,10 +435,14 @@ class NodeState:
     path: Tuple[int, ...] = ()
 
     def file_text(self, rel: str, original: str) -> str:
-        return original + "".join(text for f, text in self.appends if f == rel)
+        text = original
+        for f, old, new in self.edits:
+            if f == rel:
+                text = apply_edit(text, old, new)
+        return text
 
     def bench_modules(self) -> List[str]:
-        """Dotted names of the test modules the search created."""
+        """Dotted names (from the project's root) of the test modules the search created."""
         return [p[: -len(".py")].replace("/", ".") for p, _ in self.new_files]
 
     def heap_overrides(self) -> Dict[int, int]:
@@ -176,11 +453,12 @@ class NodeState:
 class Op:
     """One step of the script.
 
-    ``kind``: ``edit`` (append ``text`` to ``path``), ``new_file``, ``session`` (run ``text``),
-    ``test`` (run the unittest command ``text``; it must pass iff ``expect_ok``),
-    ``checkpoint`` (``node`` is the new node), ``rollback`` (to ``node``), ``verify`` (the
-    sandbox must match ``node``), ``prune`` (keep only ``node`` and its ancestors), ``fork``
-    (``n`` children of ``node`` each run the test command ``text``).
+    ``kind``: ``edit`` (replace the first ``old`` of ``path`` by ``text``, or append ``text``
+    if ``old`` is empty), ``new_file``, ``session`` (run ``text``), ``test`` (run the test
+    command ``text``; it must pass iff ``expect_ok``), ``checkpoint`` (``node`` is the new
+    node), ``rollback`` (to ``node``), ``verify`` (the sandbox must match ``node``), ``prune``
+    (keep only ``node`` and its ancestors), ``fork`` (``n`` children of ``node`` each run the
+    test command ``text``).
     """
 
     kind: str
@@ -189,6 +467,7 @@ class Op:
     text: str = ""
     expect_ok: Optional[bool] = None
     n: int = 0
+    old: str = ""
 
 
 class SearchTree:
@@ -231,6 +510,7 @@ class Script:
     ops: List[Op]
     tree: SearchTree
     seed: int
+    workload: Workload = DJANGO
 
     def count(self, kind: str) -> int:
         return sum(1 for op in self.ops if op.kind == kind)
@@ -240,12 +520,12 @@ def heap_index(step: int, chunks: int) -> int:
     return (step * 7919) % chunks
 
 
-def session_setup_code(chunks: int) -> str:
+def session_setup_code(chunks: int, workload: Workload = DJANGO) -> str:
     """Run once in the session: the project imported, ``chunks`` distinct 4 KiB objects."""
     return (
         "import os, sys, zlib\n"
-        "sys.path.insert(0, %r)\n"
-        "import more_itertools\n"
+        "sys.path[:0] = [%r, %r]\n"
+        "%s"
         "heap = [(b'%%08d' %% _i) * 512 for _i in range(%d)]\n"
         "state = {'step': 0, 'path': []}\n"
         "def _bench_check(idx):\n"
@@ -254,16 +534,16 @@ def session_setup_code(chunks: int) -> str:
         "        c = zlib.crc32(heap[i], c)\n"
         "    return (state['step'], len(state['path']), sum(state['path']), len(heap), c)\n"
         "len(heap)\n"
-    ) % (PROJECT_DIR, chunks)
+    ) % (PROJECT_DIR, SITE_DIR, workload.session_import, chunks)
 
 
-def session_step_code(step: int, idx: int) -> str:
+def session_step_code(step: int, idx: int, workload: Workload = DJANGO) -> str:
     return (
         "state['step'] = %d\n"
         "state['path'].append(%d)\n"
         "heap[%d] = (b'S%%07d' %% %d) * 512\n"
-        "len(more_itertools.take(3, range(%d)))\n"
-    ) % (step, step, idx, step, step + 3)
+        "%s\n"
+    ) % (step, step, idx, step, workload.session_probe % (step + 3))
 
 
 def heap_chunk(i: int, overrides: Dict[int, int]) -> bytes:
@@ -290,15 +570,13 @@ def expected_check(state: NodeState, chunks: int) -> Tuple[int, int, int, int, i
     return (state.step, len(state.path), sum(state.path), chunks, heap_checksum(idx, state.heap_overrides()))
 
 
-def test_command(target: Sequence[str], state: NodeState) -> str:
-    return "python3 -m unittest -q " + " ".join(list(target) + state.bench_modules())
-
-
 def generate_script(
     seed: int,
     checkpoints: int,
     chunks: int,
     *,
+    workload: Workload = DJANGO,
+    test_targets: Optional[Sequence[Sequence[str]]] = None,
     p_rollback: float = 0.55,
     p_test: float = 0.35,
     p_new_file: float = 0.2,
@@ -311,17 +589,22 @@ def generate_script(
 ) -> Script:
     """A deterministic tree search of ``checkpoints`` checkpoints (node 0 is the set-up state).
 
-    Each step edits a source file (sometimes injecting a bug, sometimes adding a test module),
-    updates the session, sometimes runs tests, checkpoints; then, with probability
-    ``p_rollback`` (always after a bug, or at ``max_depth``), rolls back to a uniformly random
-    ancestor (a bug-free one after a bug) and verifies it. Every ``prune_every`` rollbacks the
-    branches left behind are pruned (only ancestors are ever rolled back to, so nothing else is
-    needed again); every ``fork_every`` checkpoints ``fork_n`` children run the tests.
+    Each step makes a small edit of one of the workload's source files (sometimes injecting
+    one of its bugs instead, sometimes adding a test module), updates the session, sometimes
+    runs tests (one of ``test_targets``, default the workload's, plus the added test modules),
+    checkpoints; then, with probability ``p_rollback`` (always after a bug, or at
+    ``max_depth``), rolls back to a uniformly random ancestor (a bug-free one after a bug) and
+    verifies it. Every ``prune_every`` rollbacks the branches left behind are pruned (only
+    ancestors are ever rolled back to, so nothing else is needed again); every ``fork_every``
+    checkpoints ``fork_n`` children run the tests.
     """
     if checkpoints < 2:
         raise ValueError("checkpoints must be at least 2")
     if chunks < 1:
         raise ValueError("chunks must be at least 1")
+    targets = [tuple(t) for t in (test_targets or workload.test_targets)]
+    if not targets:
+        raise ValueError("no test targets")
     rng = random.Random(seed)
     tree = SearchTree()
     state = NodeState()
@@ -333,31 +616,33 @@ def generate_script(
         step += 1
         injected = not state.bug and rng.random() < p_bug
         if injected:
-            rel, text = BUG_FILE, BUG_TEXT % step
+            spec: Any = workload.bugs[rng.randrange(len(workload.bugs))] if len(workload.bugs) > 1 else workload.bugs[0]
         else:
-            rel, text = rng.choice(EDIT_FILES), EDIT_TEXT % (step, step)
-        ops.append(Op("edit", path=rel, text=text))
-        state = replace(state, appends=state.appends + ((rel, text),), bug=state.bug or injected)
+            spec = rng.choice(workload.edits)
+        old, new = spec.render(step)
+        ops.append(Op("edit", path=spec.path, old=old, text=new))
+        state = replace(state, edits=state.edits + ((spec.path, old, new),), bug=state.bug or injected)
         if rng.random() < p_new_file:
-            path = "tests/test_bench_%d.py" % step
-            content = NEW_TEST_TEXT % (step, step % 7, step % 7)
+            path, content = workload.new_test(step)
             ops.append(Op("new_file", path=path, text=content))
             state = replace(state, new_files=state.new_files + ((path, content),))
         idx = heap_index(step, chunks)
-        ops.append(Op("session", text=session_step_code(step, idx)))
+        ops.append(Op("session", text=session_step_code(step, idx, workload)))
         state = replace(
             state, step=step, path=state.path + (step,), heap_writes=state.heap_writes + ((idx, step),)
         )
         if injected or rng.random() < p_test:
-            target = TEST_TARGETS[rng.randrange(len(TEST_TARGETS))]
-            ops.append(Op("test", text=test_command(target, state), expect_ok=not state.bug))
+            target = targets[rng.randrange(len(targets))]
+            ops.append(Op("test", text=workload.test_command(target, state), expect_ok=not state.bug))
         cur = tree.add(cur, state)
         ops.append(Op("checkpoint", node=cur))
         if len(tree) % verify_every == 0:
             ops.append(Op("verify", node=cur))
         if fork_every and len(tree) % fork_every == 0:
-            target = TEST_TARGETS[rng.randrange(len(TEST_TARGETS))]
-            ops.append(Op("fork", node=cur, n=fork_n, text=test_command(target, state), expect_ok=not state.bug))
+            target = targets[rng.randrange(len(targets))]
+            ops.append(
+                Op("fork", node=cur, n=fork_n, text=workload.test_command(target, state), expect_ok=not state.bug)
+            )
         ancestors = tree.ancestors(cur)
         if ancestors and (state.bug or len(ancestors) >= max_depth or rng.random() < p_rollback):
             candidates = [a for a in ancestors if not tree.states[a].bug]
@@ -369,7 +654,25 @@ def generate_script(
             rollbacks += 1
             if prune_every and rollbacks % prune_every == 0:
                 ops.append(Op("prune", node=cur))
-    return Script(ops=ops, tree=tree, seed=seed)
+    return Script(ops=ops, tree=tree, seed=seed, workload=workload)
+
+
+def rollback_targets(script: Script, max_ckpt: Optional[int], max_rollback: Optional[int]) -> Optional[Set[int]]:
+    """Nodes a replay limited to ``max_ckpt`` checkpoints and ``max_rollback`` rollbacks (see
+    :meth:`Replay.run`) rolls back to; ``None`` without limits (every node may be needed)."""
+    if max_ckpt is None or max_rollback is None:
+        return None
+    out: Set[int] = set()
+    ckpts = rollbacks = 0
+    for op in script.ops:
+        if ckpts >= max_ckpt and rollbacks >= max_rollback:
+            break
+        if op.kind == "checkpoint":
+            ckpts += 1
+        elif op.kind == "rollback":
+            rollbacks += 1
+            out.add(op.node)
+    return out
 
 
 # ----------------------------------------------------------------------------- results
@@ -385,6 +688,7 @@ class Phase:
     rollback_ms: List[float] = field(default_factory=list)
     rollback_server_ms: List[float] = field(default_factory=list)
     search_fork_ms: List[float] = field(default_factory=list)
+    test_ms: List[float] = field(default_factory=list)
     sessions_restarted: int = 0
     verifications: int = 0
     test_runs: int = 0
@@ -399,13 +703,18 @@ class Phase:
 
 @dataclass
 class CrResult:
-    workload: str = "%s==%s" % (WORKLOAD_NAME, WORKLOAD_VERSION)
+    workload: str = DJANGO.name
+    workload_deps: List[str] = field(default_factory=lambda: [d.requirement for d in DJANGO.deps])
     seed: int = 0
     quick: bool = False
     heap_mb: float = 0.0
     heap_rss_mb: Optional[float] = None
     project_files: Optional[int] = None
     project_kib: Optional[float] = None
+    #: What ``/work`` holds when the search starts (project, wheels, the session's ``__pycache__``):
+    #: what the baselines copy at node 0 (test runs add ``__pycache__`` later).
+    workdir_files: Optional[int] = None
+    workdir_kib: Optional[float] = None
     branchbox: Phase = field(default_factory=lambda: Phase("branchbox"))
     copytree: Phase = field(default_factory=lambda: Phase("copytree"))
     commit: Phase = field(default_factory=lambda: Phase("commit"))
@@ -453,6 +762,8 @@ class CrResult:
                 "verifications": b.verifications + c.verifications + m.verifications,
                 "test_runs": b.test_runs,
                 "failing_test_runs": b.failing_test_runs,
+                "test_run_ms_p50": b.p("test_ms", 50),
+                "test_run_ms_max": max(b.test_ms) if b.test_ms else None,
             }
         )
         for k in (
@@ -472,8 +783,11 @@ class CrResult:
                 "heap_mb": self.heap_mb,
                 "heap_rss_mb": self.heap_rss_mb,
                 "workload": self.workload,
+                "workload_deps": list(self.workload_deps),
                 "project_files": self.project_files,
                 "project_kib": self.project_kib,
+                "workdir_files": self.workdir_files,
+                "workdir_kib": self.workdir_kib,
                 "seed": self.seed,
                 "quick": self.quick,
                 "targets_met": targets_met(out),
@@ -494,6 +808,7 @@ class CrResult:
                 ("rollback", "rollback_ms"),
                 ("rollback (server)", "rollback_server_ms"),
                 ("fork n=4 + tests", "search_fork_ms"),
+                ("test run", "test_ms"),
             ):
                 xs = getattr(phase, attr)
                 if not xs:
@@ -745,37 +1060,64 @@ def docker_save_config(diff_id: str, arch: Optional[str] = None) -> Dict[str, An
 # ----------------------------------------------------------------------------- workload
 
 
-def workload_sdist(cache_dir: Optional[str] = None, say: Callable[[str], None] = lambda _m: None) -> str:
-    """Path of the workload sdist, downloaded once (``pip download``) into the cache."""
+def cache_dirs(cache_dir: Optional[str] = None) -> List[str]:
+    """Where the workload's files are looked for, the first one being where they are fetched to."""
     candidates = [cache_dir] if cache_dir else []
     candidates += [
         os.environ.get("BRANCHBOX_BENCH_CACHE", ""),
         os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "branchbox-bench"),
         "/var/cache/branchbox-bench",
     ]
-    candidates = [c for c in candidates if c]
+    return [c for c in candidates if c]
+
+
+def fetch_artifact(art: Artifact, cache_dir: Optional[str] = None, say: Callable[[str], None] = lambda _m: None) -> str:
+    """Path of ``art`` in the cache, downloaded once with ``pip download`` (sha256 checked)."""
+    candidates = cache_dirs(cache_dir)
     for d in candidates:
-        p = os.path.join(d, WORKLOAD_SDIST)
-        if os.path.isfile(p) and _sha256_file(p) == WORKLOAD_SHA256:
+        p = os.path.join(d, art.filename)
+        if os.path.isfile(p) and _sha256_file(p) == art.sha256:
             return p
     target = candidates[0]
     os.makedirs(target, exist_ok=True)
-    say("downloading %s==%s (sdist) into %s" % (WORKLOAD_NAME, WORKLOAD_VERSION, target))
+    say("downloading %s (%s) into %s" % (art.requirement, "wheel" if art.wheel else "sdist", target))
     cmd = [
-        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-        "--dest", target, "%s==%s" % (WORKLOAD_NAME, WORKLOAD_VERSION),
+        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+        "--only-binary" if art.wheel else "--no-binary", ":all:",
+        "--dest", target, art.requirement,
     ]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    p = os.path.join(target, WORKLOAD_SDIST)
+    p = os.path.join(target, art.filename)
     if proc.returncode != 0 or not os.path.isfile(p):
         raise BenchError(
             "bench: could not download the workload (%s): %s; put %s in %s"
-            % (" ".join(cmd), proc.stdout.strip()[-300:], WORKLOAD_SDIST, target)
+            % (" ".join(cmd), proc.stdout.strip()[-300:], art.filename, target)
         )
     got = _sha256_file(p)
-    if got != WORKLOAD_SHA256:
-        raise BenchError("bench: %s has sha256 %s, expected %s" % (p, got, WORKLOAD_SHA256))
+    if got != art.sha256:
+        raise BenchError("bench: %s has sha256 %s, expected %s" % (p, got, art.sha256))
     return p
+
+
+@dataclass
+class WorkloadFiles:
+    """The workload's files as uploaded: the project's sdist and the wheels."""
+
+    sdist: bytes
+    wheels: List[Tuple[str, bytes]] = field(default_factory=list)
+
+
+def load_workload(
+    workload: Workload, cache_dir: Optional[str] = None, say: Callable[[str], None] = lambda _m: None
+) -> Tuple[WorkloadFiles, str]:
+    """The workload's files (fetched if needed) and the path of its sdist."""
+    sdist_path = fetch_artifact(workload.sdist, cache_dir, say)
+    with open(sdist_path, "rb") as f:
+        files = WorkloadFiles(f.read())
+    for dep in workload.deps:
+        with open(fetch_artifact(dep, cache_dir, say), "rb") as f:
+            files.wheels.append((dep.filename, f.read()))
+    return files, sdist_path
 
 
 def _sha256_file(path: str) -> str:
@@ -786,9 +1128,10 @@ def _sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def sdist_sources(sdist: str) -> Tuple[Dict[str, str], int, int]:
-    """The original text of :data:`EDIT_FILES`, and the number of files / bytes in the sdist."""
+def sdist_sources(sdist: str, edit_files: Sequence[str]) -> Tuple[Dict[str, str], int, int]:
+    """The original text of ``edit_files``, and the number of files / bytes in the sdist."""
     out: Dict[str, str] = {}
+    wanted = set(edit_files)
     files = size = 0
     with tarfile.open(sdist, "r:gz") as tar:
         for m in tar.getmembers():
@@ -797,11 +1140,11 @@ def sdist_sources(sdist: str) -> Tuple[Dict[str, str], int, int]:
             files += 1
             size += m.size
             rel = m.name.split("/", 1)[1] if "/" in m.name else m.name
-            if rel in EDIT_FILES:
+            if rel in wanted:
                 f = tar.extractfile(m)
                 assert f is not None
                 out[rel] = f.read().decode("utf-8")
-    missing = set(EDIT_FILES) - set(out)
+    missing = wanted - set(out)
     if missing:
         raise BenchError("bench: %s lacks %s" % (sdist, ", ".join(sorted(missing))))
     return out, files, size
@@ -844,18 +1187,21 @@ class _Backend:
             token=self.cfg.token,
         )
 
-    def _unpack(self, sbx: Sandbox, sdist: bytes) -> None:
-        sbx.files.write("/tmp/workload.tar.gz", sdist)
-        _check_cmd(
-            sbx.commands.run(
-                "mkdir -p %s && tar -xzf /tmp/workload.tar.gz -C %s --strip-components=1 && rm /tmp/workload.tar.gz"
-                % (PROJECT_DIR, PROJECT_DIR),
-                timeout=120,
-            ),
-            "unpacking the workload",
-        )
+    def _unpack(self, sbx: Sandbox, files: WorkloadFiles) -> None:
+        """The sdist unpacked in :data:`PROJECT_DIR`, the wheels in :data:`SITE_DIR`."""
+        sbx.files.write("/tmp/workload.tar.gz", files.sdist)
+        cmd = [
+            "mkdir -p %s %s" % (PROJECT_DIR, SITE_DIR),
+            "tar -xzf /tmp/workload.tar.gz -C %s --strip-components=1" % PROJECT_DIR,
+            "rm /tmp/workload.tar.gz",
+        ]
+        for name, data in files.wheels:
+            tmp = "/tmp/" + os.path.basename(name)
+            sbx.files.write(tmp, data)
+            cmd.append("python3 -m zipfile -e %s %s && rm %s" % (shlex.quote(tmp), SITE_DIR, shlex.quote(tmp)))
+        _check_cmd(sbx.commands.run(" && ".join(cmd), timeout=300), "unpacking the workload")
 
-    def setup(self, sdist: bytes, setup_code: str) -> None:
+    def setup(self, files: WorkloadFiles, setup_code: str) -> None:
         raise NotImplementedError
 
     @property
@@ -903,9 +1249,9 @@ class BranchboxBackend(_Backend):
         self.files_only_sid: Optional[str] = None
         self.snaps = Snapshots(daemon=cfg.daemon, token=cfg.token)
 
-    def setup(self, sdist: bytes, setup_code: str) -> None:
+    def setup(self, files: WorkloadFiles, setup_code: str) -> None:
         self.sbx = self._create()
-        self._unpack(self.sbx, sdist)
+        self._unpack(self.sbx, files)
         # Files only (no session yet): the fork diagnostic forks it.
         self.files_only_sid = self.sbx.checkpoint("bench: files only")
         _check_exec(self.sbx.run_code(setup_code, timeout=120), "the session set-up")
@@ -962,9 +1308,9 @@ class _ReplayBackend(_Backend):
         for code in inputs:
             _check_exec(self.sess.run(code, timeout=120), "replaying the session")
 
-    def setup(self, sdist: bytes, setup_code: str) -> None:
+    def setup(self, files: WorkloadFiles, setup_code: str) -> None:
         self.sbx = self._create()
-        self._unpack(self.sbx, sdist)
+        self._unpack(self.sbx, files)
         self._new_session([setup_code])
         self.inputs = [setup_code]
 
@@ -979,12 +1325,12 @@ class CopytreeBackend(_ReplayBackend):
     name = "copytree"
 
     def checkpoint(self, node: int) -> Optional[float]:
-        _check_cmd(self.sandbox.commands.run("mkdir -p /snap && cp -a /work /snap/%d" % node), "cp -a")
+        _check_cmd(self.sandbox.commands.run("mkdir -p /snap && cp -a /work /snap/%d" % node, timeout=600), "cp -a")
         self.saved[node] = list(self.inputs)
         return None
 
     def rollback(self, node: int) -> Tuple[Optional[float], bool]:
-        _check_cmd(self.sandbox.commands.run("rm -rf /work && cp -a /snap/%d /work" % node), "copy back")
+        _check_cmd(self.sandbox.commands.run("rm -rf /work && cp -a /snap/%d /work" % node, timeout=600), "copy back")
         self.sess.kill()
         self._new_session(self.saved[node])
         self.inputs = list(self.saved[node])
@@ -993,7 +1339,7 @@ class CopytreeBackend(_ReplayBackend):
     def prune(self, keep: Set[int]) -> None:
         dead = sorted(k for k in self.saved if k not in keep)
         if dead:
-            _check_cmd(self.sandbox.commands.run("rm -rf " + " ".join("/snap/%d" % k for k in dead)), "prune")
+            _check_cmd(self.sandbox.commands.run("rm -rf " + " ".join("/snap/%d" % k for k in dead), timeout=600), "prune")
         for k in dead:
             del self.saved[k]
 
@@ -1010,7 +1356,7 @@ class CommitBackend(_ReplayBackend):
 
     def checkpoint(self, node: int) -> Optional[float]:
         sbx = self.sandbox
-        _check_cmd(sbx.commands.run("tar -C / -cf /tmp/.commit.tar work"), "tar (commit)")
+        _check_cmd(sbx.commands.run("tar -C / -cf /tmp/.commit.tar work", timeout=600), "tar (commit)")
         with sbx.files.read("/tmp/.commit.tar", format="stream") as stream, open(self._archive(node), "wb") as f:
             for chunk in stream:
                 f.write(chunk)
@@ -1027,7 +1373,7 @@ class CommitBackend(_ReplayBackend):
         with open(self._archive(node), "rb") as f:
             self.sbx.files.write("/tmp/.commit.tar", f)
         _check_cmd(
-            self.sbx.commands.run("tar -C / -xf /tmp/.commit.tar && rm /tmp/.commit.tar"), "untar (restart)"
+            self.sbx.commands.run("tar -C / -xf /tmp/.commit.tar && rm /tmp/.commit.tar", timeout=600), "untar (restart)"
         )
         self._new_session(self.saved[node])
         self.inputs = list(self.saved[node])
@@ -1127,7 +1473,8 @@ class Replay:
         self.pool = pool
         self.say = say
         self.phase = Phase(backend.name)
-        self.cur: Dict[str, str] = dict(originals)  # current text of EDIT_FILES
+        self.workload = script.workload
+        self.cur: Dict[str, str] = dict(originals)  # current text of the workload's edit files
         self.node = 0
 
     def run(self, max_ckpt: Optional[int] = None, max_rollback: Optional[int] = None) -> Phase:
@@ -1135,6 +1482,8 @@ class Replay:
         t_start = time.perf_counter()
         b = self.b
         tree = self.script.tree
+        # Past the timed checkpoints, a limited replay only takes those it will roll back to.
+        needed = rollback_targets(self.script, max_ckpt, max_rollback)
         for op in self.script.ops:
             if (
                 max_ckpt is not None
@@ -1144,7 +1493,7 @@ class Replay:
             ):
                 break
             if op.kind == "edit":
-                self.cur[op.path] = self.cur[op.path] + op.text
+                self.cur[op.path] = apply_edit(self.cur[op.path], op.old, op.text)
                 b.sandbox.files.write(PROJECT_DIR + "/" + op.path, self.cur[op.path])
                 ph.edits += 1
             elif op.kind == "new_file":
@@ -1152,7 +1501,9 @@ class Replay:
             elif op.kind == "session":
                 _check_exec(b.session(op.text), "a search step")
             elif op.kind == "test":
+                t0 = time.perf_counter()
                 r = b.sandbox.commands.run(op.text, cwd=PROJECT_DIR, timeout=120)
+                ph.test_ms.append((time.perf_counter() - t0) * 1000.0)
                 ph.test_runs += 1
                 ph.failing_test_runs += r.exit_code != 0
                 if (r.exit_code == 0) != op.expect_ok:
@@ -1162,8 +1513,9 @@ class Replay:
                     )
             elif op.kind == "checkpoint":
                 if max_ckpt is not None and len(ph.ckpt_ms) >= max_ckpt and op.node != 0:
-                    # Enough checkpoint samples: still take it (rollbacks need it), untimed.
-                    b.checkpoint(op.node)
+                    # Enough checkpoint samples: still take it if a rollback needs it, untimed.
+                    if needed is None or op.node in needed:
+                        b.checkpoint(op.node)
                 else:
                     t0 = time.perf_counter()
                     server = b.checkpoint(op.node)
@@ -1183,7 +1535,7 @@ class Replay:
                     self._rebuild_session(op.node)
                 self.node = op.node
                 st = tree.states[op.node]
-                self.cur = {rel: st.file_text(rel, self.originals[rel]) for rel in EDIT_FILES}
+                self.cur = {rel: st.file_text(rel, self.originals[rel]) for rel in self.workload.edit_files}
                 if len(ph.rollback_ms) % 10 == 0:
                     self.say("%s: %d checkpoints, %d rollbacks" % (b.name, len(ph.ckpt_ms), len(ph.rollback_ms)))
             elif op.kind == "verify":
@@ -1204,27 +1556,32 @@ class Replay:
 
     def _rebuild_session(self, node: int) -> None:
         st = self.script.tree.states[node]
-        code = session_setup_code(self.chunks)
+        code = session_setup_code(self.chunks, self.workload)
         for step in st.path:
-            code += session_step_code(step, heap_index(step, self.chunks))
+            code += session_step_code(step, heap_index(step, self.chunks), self.workload)
         _check_exec(self.b.session(code), "rebuilding a restarted session")
 
     def verify(self, node: int) -> None:
         st = self.script.tree.states[node]
         sbx = self.b.sandbox
         name = self.b.name
-        for rel in EDIT_FILES:
+        for rel in self.workload.edit_files:
             got = sbx.files.read(PROJECT_DIR + "/" + rel)
             want = st.file_text(rel, self.originals[rel])
             if got != want:
                 raise BenchError(
                     "bench[%s]: %s differs from node %d's (%d bytes, expected %d)" % (name, rel, node, len(got), len(want))
                 )
-        names = {e.name for e in sbx.files.list(PROJECT_DIR + "/tests")}
+        test_dir = self.workload.new_test_dir
+        names = {e.name for e in sbx.files.list(PROJECT_DIR + "/" + test_dir)}
         got_tests = sorted(n for n in names if n.startswith("test_bench_"))
         want_tests = sorted(os.path.basename(p) for p, _ in st.new_files)
         if got_tests != want_tests:
-            raise BenchError("bench[%s]: tests/ holds %s, node %d expects %s" % (name, got_tests, node, want_tests))
+            raise BenchError("bench[%s]: %s/ holds %s, node %d expects %s" % (name, test_dir, got_tests, node, want_tests))
+        for p, content in st.new_files:
+            got = sbx.files.read(PROJECT_DIR + "/" + p)
+            if got != content:
+                raise BenchError("bench[%s]: %s differs from node %d's" % (name, p, node))
         idx = verify_indices(st, self.chunks)
         ex = _check_exec(self.b.session("_bench_check(%r)" % (idx,), record=False), "the verification")
         try:
@@ -1581,37 +1938,47 @@ class CrConfig:
     memory_mb: int = 2048
     sandbox_ttl: float = 1800
     cache_dir: Optional[str] = None
+    #: A key of :data:`WORKLOADS`.
+    workload: str = DEFAULT_WORKLOAD
 
     @classmethod
     def make(cls, quick: bool = False, **kw: Any) -> "CrConfig":
         if quick:
-            base = dict(checkpoints=16, baseline_ckpt=3, baseline_rollback=3, fork_n16_reps=1, xfs=False, write_amp_reps=1)
+            base = dict(checkpoints=16, baseline_ckpt=1, baseline_rollback=1, fork_n16_reps=1, xfs=False, write_amp_reps=1)
             base.update({k: v for k, v in kw.items() if v is not None})
             return cls(quick=True, **base)
         return cls(**{k: v for k, v in kw.items() if v is not None})
+
+    @property
+    def test_targets(self) -> Tuple[Tuple[str, ...], ...]:
+        w = get_workload(self.workload)
+        return w.quick_test_targets if self.quick else w.test_targets
 
 
 def run_cr_bench(cfg: CrConfig, progress: Optional[Callable[[str], None]] = None) -> CrResult:
     """Run the whole benchmark against the daemon; everything it creates is removed."""
     say = progress or (lambda _m: None)
     t_start = time.perf_counter()
-    res = CrResult(seed=cfg.seed, quick=cfg.quick)
-    sdist_path = workload_sdist(cfg.cache_dir, say)
-    with open(sdist_path, "rb") as f:
-        sdist = f.read()
-    originals, n_files, n_bytes = sdist_sources(sdist_path)
+    workload = get_workload(cfg.workload)
+    res = CrResult(
+        seed=cfg.seed, quick=cfg.quick, workload=workload.name, workload_deps=[d.requirement for d in workload.deps]
+    )
+    files, sdist_path = load_workload(workload, cfg.cache_dir, say)
+    originals, n_files, n_bytes = sdist_sources(sdist_path, workload.edit_files)
+    workload.check_sources(originals)
     res.project_files, res.project_kib = n_files, n_bytes / KIB
     chunks = cfg.heap_mb * MIB // HEAP_CHUNK
     res.heap_mb = chunks * HEAP_CHUNK / MIB
-    script = generate_script(cfg.seed, cfg.checkpoints, chunks)
-    setup_code = session_setup_code(chunks)
+    script = generate_script(cfg.seed, cfg.checkpoints, chunks, workload=workload, test_targets=cfg.test_targets)
+    setup_code = session_setup_code(chunks, workload)
 
     with ThreadPoolExecutor(max_workers=64) as pool:
         # 1. branchbox: the full search, then forks from where it ended.
         bb = BranchboxBackend(cfg)
         try:
             say("branchbox: set-up (%s, %d MiB session heap)" % (res.workload, cfg.heap_mb))
-            bb.setup(sdist, setup_code)
+            bb.setup(files, setup_code)
+            res.workdir_files, res.workdir_kib = workdir_size(bb.sandbox)
             rss = bb.session("[l.split()[1] for l in open('/proc/self/status') if l.startswith(('VmRSS', 'RssAnon'))]")
             try:
                 vals = ast.literal_eval(rss.result or "[]")
@@ -1630,7 +1997,7 @@ def run_cr_bench(cfg: CrConfig, progress: Optional[Callable[[str], None]] = None
             backend = cls(cfg)
             try:
                 say("%s: set-up" % backend.name)
-                backend.setup(sdist, setup_code)
+                backend.setup(files, setup_code)
                 say("%s: replay (%d checkpoints, %d rollbacks)" % (backend.name, cfg.baseline_ckpt, cfg.baseline_rollback))
                 phase = Replay(backend, script, originals, chunks, pool, say).run(cfg.baseline_ckpt, cfg.baseline_rollback)
             finally:
@@ -1641,6 +2008,16 @@ def run_cr_bench(cfg: CrConfig, progress: Optional[Callable[[str], None]] = None
     res.write_amp = run_write_amp(cfg, say, res.notes)
     res.seconds = time.perf_counter() - t_start
     return res
+
+
+def workdir_size(sbx: Sandbox) -> Tuple[Optional[int], Optional[float]]:
+    """Regular files and their apparent size (KiB) under ``/work``: what the baselines copy."""
+    r = sbx.commands.run("find /work -type f | wc -l; du -s --apparent-size --block-size=1024 /work", timeout=120)
+    try:
+        lines = (r.stdout or "").split()
+        return int(lines[0]), float(lines[1])
+    except (IndexError, ValueError):
+        return None, None
 
 
 def measure_forks(

@@ -933,6 +933,9 @@ def bench_cr(
     xfs: Optional[bool] = typer.Option(None, "--xfs/--no-xfs", help="Measure write amplification on an XFS loop device (default: on unless --quick)."),
     daemon_bin: Optional[str] = typer.Option(None, "--daemon-bin", help="branchboxd for the XFS daemon (default: the running daemon's binary)."),
     cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="Where the workload sdist is cached."),
+    workload: str = typer.Option(
+        "django", "--workload", help="Project the search edits and tests: django (6,900 files) or more-itertools (38)."
+    ),
 ) -> None:
     """Checkpoint / rollback / fork on a real workload, against copytree and commit baselines.
 
@@ -940,6 +943,8 @@ def bench_cr(
     """
     from . import bench_cr as cr
 
+    if workload not in cr.WORKLOADS:
+        raise typer.BadParameter("one of: %s" % ", ".join(cr.WORKLOADS), param_hint="--workload")
     c = _ctx(ctx)
     cfg = cr.CrConfig.make(
         quick,
@@ -951,6 +956,7 @@ def bench_cr(
         xfs=xfs,
         daemon_bin=daemon_bin,
         cache_dir=cache_dir,
+        workload=workload,
     )
     with err.status("benchmarking") as status:
         result = cr.run_cr_bench(cfg, progress=lambda m: status.update("bench cr: " + m))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import itertools
 import json
+import os
 import sys
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +19,20 @@ from typer.testing import CliRunner
 
 from branchbox import CommandResult, Execution, bench_cr as cr, cli
 
-ORIGINALS = {rel: "# original %s\n" % rel for rel in cr.EDIT_FILES}
 CHUNKS = 64
+WORKLOADS = sorted(cr.WORKLOADS.values(), key=lambda w: w.key)
+
+
+def originals_of(w: cr.Workload) -> Dict[str, str]:
+    """Stand-ins for the workload's sources: every anchor and bug text, between other lines."""
+    out = {rel: "# original %s\n" % rel for rel in w.edit_files}
+    for spec in w.edits:
+        if spec.anchor and spec.anchor not in out[spec.path]:
+            out[spec.path] += "\n\n%s\n    pass\n" % spec.anchor
+    for bug in w.bugs:
+        if bug.old and bug.old not in out[bug.path]:
+            out[bug.path] += "\n" + bug.old
+    return out
 
 
 def _runner() -> CliRunner:
@@ -46,31 +59,97 @@ def test_search_tree_bookkeeping() -> None:
         t.add(99, cr.NodeState())
 
 
+def test_apply_edit() -> None:
+    assert cr.apply_edit("ab", "", "c") == "abc"
+    assert cr.apply_edit("x = 1\ny = 2\ny = 2\n", "y = 2\n", "# n\ny = 2\n") == "x = 1\n# n\ny = 2\ny = 2\n"
+    with pytest.raises(ValueError):
+        cr.apply_edit("abc", "z", "q")
+
+
 def test_node_state_model() -> None:
     st = cr.NodeState(
-        appends=(("a.py", "x\n"), ("b.py", "y\n"), ("a.py", "z\n")),
-        new_files=(("tests/test_bench_3.py", "..."),),
+        edits=(("a.py", "", "x\n"), ("b.py", "", "y\n"), ("a.py", "B\n", "z\nB\n"), ("a.py", "B\n", "B!\n")),
+        new_files=(("tests/test_bench_3.py", "..."), ("tests/utils_tests/test_bench_4.py", "...")),
         heap_writes=((5, 1), (7, 2), (5, 3)),
     )
-    assert st.file_text("a.py", "A\n") == "A\nx\nz\n"
+    assert st.file_text("a.py", "A\nB\n") == "A\nz\nB!\nx\n"
     assert st.file_text("c.py", "C\n") == "C\n"
-    assert st.bench_modules() == ["tests.test_bench_3"]
+    assert st.bench_modules() == ["tests.test_bench_3", "tests.utils_tests.test_bench_4"]
     assert st.heap_overrides() == {5: 3, 7: 2}
-    assert cr.test_command(("t.A", "t.B"), st) == "python3 -m unittest -q t.A t.B tests.test_bench_3"
+    mi, dj = cr.WORKLOADS["more-itertools"], cr.WORKLOADS["django"]
+    assert mi.test_command(("t.A", "t.B"), st) == "python3 -m unittest -q t.A t.B tests.test_bench_3 tests.utils_tests.test_bench_4"
+    assert dj.test_command(("utils_tests.test_text",), st).endswith(
+        "tests/runtests.py --parallel 1 -v 0 utils_tests.test_text test_bench_3 utils_tests.test_bench_4"
+    )
 
 
-def test_generate_script_is_deterministic_and_consistent() -> None:
-    s1 = cr.generate_script(7, 60, CHUNKS)
-    s2 = cr.generate_script(7, 60, CHUNKS)
-    assert s1.ops == s2.ops
-    assert cr.generate_script(8, 60, CHUNKS).ops != s1.ops
+@pytest.mark.parametrize("w", WORKLOADS, ids=lambda w: w.key)
+def test_workload_definitions(w: cr.Workload) -> None:
+    assert cr.get_workload(w.key) is w and w.name == w.sdist.requirement
+    assert not w.sdist.wheel and all(d.wheel for d in w.deps)
+    assert all(len(a.sha256) == 64 for a in w.artifacts)
+    assert w.edits and w.bugs and w.test_targets and w.quick_test_targets
+    # Every test run must catch every bug: the targets share the module the bugs break.
+    for targets in (w.test_targets, w.quick_test_targets):
+        assert set.intersection(*(set(t) for t in targets))
+    for spec in w.edits:
+        old, new = spec.render(7)
+        assert old == spec.anchor and new.endswith(spec.anchor) and len(new) > len(old)
+        assert spec.anchor not in new[: -len(spec.anchor) or None] or not spec.anchor
+    for bug in w.bugs:
+        old, new = bug.render(7)
+        assert cr.BUG_MARK in new and "step 7" in new and old == bug.old
+    path, content = w.new_test(12)
+    assert path == "%s/test_bench_12.py" % w.new_test_dir and "BenchStep12Tests" in content
+    compile(content, path, "exec")
+    w.check_sources(originals_of(w))
+    if any(spec.anchor for spec in w.edits) or any(bug.old for bug in w.bugs):
+        with pytest.raises(cr.BenchError, match="does not fit"):
+            w.check_sources({rel: "" for rel in w.edit_files})
+    with pytest.raises(cr.BenchError, match="unknown workload"):
+        cr.get_workload("nope")
+
+
+@pytest.mark.parametrize("w", WORKLOADS, ids=lambda w: w.key)
+def test_edits_on_the_real_sources(w: cr.Workload) -> None:
+    """With the sdist in the cache (no download here): the anchors and bug texts are in the
+    real sources, and every edit, repeated, and every bug leave them valid Python."""
+    for d in cr.cache_dirs():
+        path = os.path.join(d, w.sdist.filename)
+        if os.path.isfile(path):
+            break
+    else:
+        pytest.skip("%s is not in the bench cache" % w.sdist.filename)
+    originals, n_files, n_bytes = cr.sdist_sources(path, w.edit_files)
+    assert n_files > 10 and n_bytes > 100 * 1024
+    w.check_sources(originals)
+    texts = dict(originals)
+    for step, spec in enumerate(w.edits * 3, 1):
+        old, new = spec.render(step)
+        texts[spec.path] = cr.apply_edit(texts[spec.path], old, new)
+    for rel, text in texts.items():
+        compile(text, rel, "exec")
+    for bug in w.bugs:
+        old, new = bug.render(99)
+        compile(cr.apply_edit(texts[bug.path], old, new), bug.path, "exec")
+
+
+@pytest.mark.parametrize("w", WORKLOADS, ids=lambda w: w.key)
+def test_generate_script_is_deterministic_and_consistent(w: cr.Workload) -> None:
+    s1 = cr.generate_script(7, 60, CHUNKS, workload=w)
+    s2 = cr.generate_script(7, 60, CHUNKS, workload=w)
+    assert s1.ops == s2.ops and s1.workload is w
+    assert cr.generate_script(8, 60, CHUNKS, workload=w).ops != s1.ops
     tree = s1.tree
     assert len(tree) == 60 and s1.count("checkpoint") == 60
     assert s1.count("rollback") >= 20 and s1.count("prune") >= 1 and s1.count("fork") >= 1
+    common = set.intersection(*(set(t) for t in w.test_targets))
 
     checkpointed: Set[int] = set()
     cur = None
     bugged = False
+    texts = originals_of(w)
+    edited: Set[str] = set()
     for i, op in enumerate(s1.ops):
         if op.kind == "checkpoint":
             assert op.node not in checkpointed
@@ -80,25 +159,41 @@ def test_generate_script_is_deterministic_and_consistent() -> None:
             cur = op.node
             assert tree.depth(cur) <= 20
             bugged = tree.states[cur].bug
+            assert {rel: tree.states[cur].file_text(rel, originals_of(w)[rel]) for rel in texts} == texts
         elif op.kind == "rollback":
             assert op.node in tree.ancestors(cur)  # only ever to an ancestor
             assert not tree.states[op.node].bug
             assert s1.ops[i + 1] == cr.Op("verify", node=op.node)  # every rollback is checked
             cur = op.node
             bugged = False
+            texts = {rel: tree.states[cur].file_text(rel, originals_of(w)[rel]) for rel in texts}
         elif op.kind == "edit":
-            assert op.path in cr.EDIT_FILES
-            bugged = bugged or op.text.startswith("\n\ndef take")
-        elif op.kind == "test":
+            assert op.path in w.edit_files
+            bugged = bugged or cr.BUG_MARK in op.text
+            texts[op.path] = cr.apply_edit(texts[op.path], op.old, op.text)
+            edited.add(op.path)
+        elif op.kind in ("test", "fork"):
             assert op.expect_ok is (not bugged)
-            assert op.text.startswith("python3 -m unittest -q tests.test_recipes.TakeTests")
-        elif op.kind in ("verify", "prune", "fork"):
+            assert op.text.startswith(w.test_prefix)
+            assert common & set(op.text[len(w.test_prefix) :].split())
+        if op.kind in ("verify", "prune", "fork"):
             assert op.node == cur
         if op.kind == "checkpoint" and tree.states[op.node].bug:
             # A bug is always rolled back right after its checkpoint (and the tests failed).
             rest = [o.kind for o in s1.ops[i + 1 :] if o.kind not in ("verify", "fork")]
             assert rest[0] == "rollback"
     assert any(tree.states[n].bug for n in tree.states)  # the seed exercises a bug
+    assert len(edited) >= min(3, len(w.edit_files))  # edits spread over the sources
+    assert s1.count("new_file") >= 1
+
+
+def test_generate_script_uses_the_given_targets() -> None:
+    w = cr.WORKLOADS["django"]
+    s = cr.generate_script(3, 30, CHUNKS, workload=w, test_targets=w.quick_test_targets)
+    labels = {lab for op in s.ops if op.kind == "test" for lab in op.text[len(w.test_prefix) :].split()}
+    assert labels and labels <= {lab for t in w.quick_test_targets for lab in t} | {
+        w.test_label(m) for n in s.tree.states for m in s.tree.states[n].bench_modules()
+    }
 
 
 def test_generate_script_rejects_tiny_runs() -> None:
@@ -108,10 +203,19 @@ def test_generate_script_rejects_tiny_runs() -> None:
         cr.generate_script(1, 10, 0)
 
 
-class FakeMoreItertools(types.ModuleType):
-    @staticmethod
-    def take(n: int, iterable: Any) -> list:
-        return list(itertools.islice(iterable, n))
+def test_rollback_targets_of_a_limited_replay() -> None:
+    s = cr.generate_script(3, 40, CHUNKS)
+    assert cr.rollback_targets(s, None, None) is None
+    first = [op.node for op in s.ops if op.kind == "rollback"]
+    got = cr.rollback_targets(s, 1, 2)
+    assert got == set(first[:2])
+    assert cr.rollback_targets(s, 10**6, 10**6) == set(first)
+
+
+def _fake_module(name: str, **attrs: Any) -> types.ModuleType:
+    m = types.ModuleType(name)
+    m.__dict__.update(attrs)
+    return m
 
 
 def _run_python(ns: Dict[str, Any], code: str) -> Any:
@@ -125,20 +229,30 @@ def _run_python(ns: Dict[str, Any], code: str) -> Any:
 
 
 @pytest.fixture
-def fake_more_itertools(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "more_itertools", FakeMoreItertools("more_itertools"))
+def fake_projects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The modules the workloads' session code imports."""
+    take = lambda n, iterable: list(itertools.islice(iterable, n))  # noqa: E731
+    slugify = lambda v: "-".join(str(v).lower().split())  # noqa: E731
+    monkeypatch.setitem(sys.modules, "more_itertools", _fake_module("more_itertools", take=take))
+    text = _fake_module("django.utils.text", slugify=slugify)
+    utils = _fake_module("django.utils", text=text)
+    monkeypatch.setitem(sys.modules, "django", _fake_module("django", utils=utils))
+    monkeypatch.setitem(sys.modules, "django.utils", utils)
+    monkeypatch.setitem(sys.modules, "django.utils.text", text)
     monkeypatch.setattr(sys, "path", list(sys.path))  # the set-up code inserts into it
 
 
-def test_session_code_matches_the_host_model(fake_more_itertools: None) -> None:
+@pytest.mark.parametrize("w", WORKLOADS, ids=lambda w: w.key)
+def test_session_code_matches_the_host_model(fake_projects: None, w: cr.Workload) -> None:
     """The checksum the session computes equals the one predicted on the host."""
     ns: Dict[str, Any] = {}
-    assert _run_python(ns, cr.session_setup_code(CHUNKS)) == str(CHUNKS)
+    assert _run_python(ns, cr.session_setup_code(CHUNKS, w)) == str(CHUNKS)
+    assert sys.path[:2] == [cr.PROJECT_DIR, cr.SITE_DIR]
     st = cr.NodeState()
     assert ast.literal_eval(_run_python(ns, "_bench_check(%r)" % cr.verify_indices(st, CHUNKS))) == cr.expected_check(st, CHUNKS)
     for step in (1, 2, 3, 9, 64, 65):
         idx = cr.heap_index(step, CHUNKS)
-        _run_python(ns, cr.session_step_code(step, idx))
+        assert int(_run_python(ns, cr.session_step_code(step, idx, w))) > 0
         st = cr.NodeState(step=step, path=st.path + (step,), heap_writes=st.heap_writes + ((idx, step),))
     got = ast.literal_eval(_run_python(ns, "_bench_check(%r)" % cr.verify_indices(st, CHUNKS)))
     assert got == cr.expected_check(st, CHUNKS)
@@ -150,11 +264,12 @@ def test_session_code_matches_the_host_model(fake_more_itertools: None) -> None:
 
 
 class FakeSandbox:
-    """Files in a dict; ``commands.run`` understands the bench's unittest command."""
+    """Files in a dict; ``commands.run`` understands the workload's test command."""
 
-    def __init__(self, files: Dict[str, str]) -> None:
+    def __init__(self, files: Dict[str, str], workload: cr.Workload) -> None:
         self.id = "sb-fake"
         self.fs = dict(files)
+        self.workload = workload
         self.commands = SimpleNamespace(run=self._run)
         self.files = SimpleNamespace(write=self._write, read=self._read, list=self._list)
 
@@ -170,13 +285,15 @@ class FakeSandbox:
         return [SimpleNamespace(name=n) for n in sorted(names)]
 
     def _run(self, cmd: str, cwd: Optional[str] = None, timeout: Any = None) -> CommandResult:
-        assert cmd.startswith("python3 -m unittest") and cwd == cr.PROJECT_DIR
-        for mod in cmd.split()[4:]:
-            if mod.startswith("tests.test_bench_"):
-                if "%s/%s.py" % (cr.PROJECT_DIR, mod.replace(".", "/")) not in self.fs:
-                    return CommandResult(exit_code=1, stderr="ModuleNotFoundError: %s" % mod)
-        if "injected bug" in self.fs["%s/%s" % (cr.PROJECT_DIR, cr.BUG_FILE)]:
-            return CommandResult(exit_code=1, stderr="FAIL: test_simple_take")
+        w = self.workload
+        assert cmd.startswith(w.test_prefix) and cwd == cr.PROJECT_DIR
+        for label in cmd[len(w.test_prefix) :].split():
+            if "test_bench_" in label:
+                module = w.label_strip + label
+                if "%s/%s.py" % (cr.PROJECT_DIR, module.replace(".", "/")) not in self.fs:
+                    return CommandResult(exit_code=1, stderr="ModuleNotFoundError: %s" % label)
+        if any(cr.BUG_MARK in self.fs["%s/%s" % (cr.PROJECT_DIR, rel)] for rel in w.edit_files):
+            return CommandResult(exit_code=1, stderr="FAIL: test_slugify")
         return CommandResult(exit_code=0)
 
 
@@ -186,15 +303,20 @@ class FakeBackend(cr._Backend):
 
     name = "fake"
 
-    def __init__(self, lose_file_on: Optional[int] = None) -> None:
+    def __init__(self, workload: cr.Workload, lose_file_on: Optional[int] = None) -> None:
+        self.workload = workload
         self.lose_file_on = lose_file_on
         self.rollbacks = 0
         self.saved: Dict[int, Tuple[Dict[str, str], List[str]]] = {}
+        self.checkpoints: List[int] = []
         self.pruned: List[Set[int]] = []
         self.forks: List[Tuple[int, int, bool]] = []
 
-    def setup(self, sdist: bytes, setup_code: str) -> None:
-        self.sbx = FakeSandbox({"%s/%s" % (cr.PROJECT_DIR, rel): text for rel, text in ORIGINALS.items()})  # type: ignore[assignment]
+    def setup(self, files: Any, setup_code: str) -> None:
+        originals = originals_of(self.workload)
+        fs = {"%s/%s" % (cr.PROJECT_DIR, rel): text for rel, text in originals.items()}
+        fs["%s/%s/__init__.py" % (cr.PROJECT_DIR, self.workload.new_test_dir)] = ""
+        self.sbx = FakeSandbox(fs, self.workload)  # type: ignore[assignment]
         self.ns: Dict[str, Any] = {}
         self.inputs: List[str] = []
         self.session(setup_code)
@@ -206,6 +328,7 @@ class FakeBackend(cr._Backend):
         return Execution(result=result)
 
     def checkpoint(self, node: int) -> Optional[float]:
+        self.checkpoints.append(node)
         self.saved[node] = (dict(self.sandbox.fs), list(self.inputs))  # type: ignore[attr-defined]
         return 0.5
 
@@ -233,35 +356,41 @@ class FakeBackend(cr._Backend):
 
 
 def _replay(backend: FakeBackend, script: cr.Script, **kw: Any) -> cr.Phase:
-    backend.setup(b"", cr.session_setup_code(CHUNKS))
+    backend.setup(b"", cr.session_setup_code(CHUNKS, script.workload))
     with ThreadPoolExecutor(2) as pool:
-        return cr.Replay(backend, script, ORIGINALS, CHUNKS, pool, lambda _m: None).run(**kw)
+        return cr.Replay(backend, script, originals_of(script.workload), CHUNKS, pool, lambda _m: None).run(**kw)
 
 
-def test_replay_on_a_faithful_fake_passes_every_check(fake_more_itertools: None) -> None:
-    script = cr.generate_script(3, 40, CHUNKS)
-    b = FakeBackend()
+@pytest.mark.parametrize("w", WORKLOADS, ids=lambda w: w.key)
+def test_replay_on_a_faithful_fake_passes_every_check(fake_projects: None, w: cr.Workload) -> None:
+    script = cr.generate_script(3, 40, CHUNKS, workload=w)
+    b = FakeBackend(w)
     ph = _replay(b, script)
     assert len(ph.ckpt_ms) == 40 and ph.ckpt_server_ms == [0.5] * 40
     assert len(ph.rollback_ms) == script.count("rollback") == b.rollbacks
     assert ph.rollback_server_ms == [0.25] * b.rollbacks
     assert ph.verifications == script.count("verify") and ph.test_runs == script.count("test")
+    assert len(ph.test_ms) == ph.test_runs
     assert ph.failing_test_runs >= 1 and ph.sessions_restarted == 0
     assert len(b.pruned) == script.count("prune") and len(b.forks) == script.count("fork")
     assert len(ph.search_fork_ms) == script.count("fork")
 
 
-def test_replay_detects_a_rollback_that_lost_files(fake_more_itertools: None) -> None:
-    script = cr.generate_script(3, 40, CHUNKS)
-    with pytest.raises(cr.BenchError, match="differs from node|tests/ holds|expected"):
-        _replay(FakeBackend(lose_file_on=2), script)
+@pytest.mark.parametrize("w", WORKLOADS, ids=lambda w: w.key)
+def test_replay_detects_a_rollback_that_lost_files(fake_projects: None, w: cr.Workload) -> None:
+    script = cr.generate_script(3, 40, CHUNKS, workload=w)
+    with pytest.raises(cr.BenchError, match="differs from node|holds|expected"):
+        _replay(FakeBackend(w, lose_file_on=2), script)
 
 
-def test_replay_stops_at_the_baseline_limits(fake_more_itertools: None) -> None:
+def test_replay_stops_at_the_baseline_limits(fake_projects: None) -> None:
     script = cr.generate_script(3, 40, CHUNKS)
-    b = FakeBackend()
+    b = FakeBackend(script.workload)
     ph = _replay(b, script, max_ckpt=4, max_rollback=3)
     assert len(ph.ckpt_ms) == 4 and len(ph.rollback_ms) == 3
+    # Untimed checkpoints are only taken for the nodes the replay rolls back to.
+    needed = cr.rollback_targets(script, 4, 3)
+    assert needed is not None and set(b.checkpoints[4:]) <= needed
 
 
 # ----------------------------------------------------------------------------- host parsers
@@ -315,8 +444,11 @@ def test_probe_reflink_runs_anywhere(tmp_path) -> None:
 
 
 def _fake_result() -> cr.CrResult:
-    res = cr.CrResult(seed=4, heap_mb=50.0, heap_rss_mb=60.0)
-    res.branchbox = cr.Phase("branchbox", ckpt_ms=[2.0, 4.0, 6.0], ckpt_server_ms=[1.0, 2.0], rollback_ms=[3.0, 5.0])
+    res = cr.CrResult(seed=4, heap_mb=50.0, heap_rss_mb=60.0, project_files=6890, project_kib=44104.0)
+    res.workdir_files, res.workdir_kib = 7500, 52000.0
+    res.branchbox = cr.Phase(
+        "branchbox", ckpt_ms=[2.0, 4.0, 6.0], ckpt_server_ms=[1.0, 2.0], rollback_ms=[3.0, 5.0], test_ms=[500.0]
+    )
     res.copytree = cr.Phase("copytree", ckpt_ms=[120.0, 120.0], rollback_ms=[400.0])
     res.commit = cr.Phase("commit", ckpt_ms=[60.0], rollback_ms=[800.0])
     res.fork = {"n16_ms": 40.0, "n64_ms": 150.0, "child_private_mb": 1.5, "n16_samples_ms": [40.0]}
@@ -327,6 +459,8 @@ def _fake_result() -> cr.CrResult:
 def test_summary_shape_and_ratios() -> None:
     s = _fake_result().summary()
     assert tuple(s)[: len(cr.SUMMARY_KEYS)] == cr.SUMMARY_KEYS
+    assert s["workload"] == "Django==5.2.8" and s["workload_deps"] == ["asgiref==3.8.1", "sqlparse==0.5.3"]
+    assert s["project_files"] == 6890 and s["workdir_files"] == 7500 and s["test_run_ms_p50"] == 500.0
     assert s["ckpt_ms_p50"] == 4.0 and s["rollback_ms_p50"] == 4.0
     assert s["ckpt_speedup_vs_copytree"] == 30.0 and s["rollback_speedup_vs_copytree"] == 100.0
     assert s["ckpt_speedup_vs_commit"] == 15.0 and s["rollback_speedup_vs_commit"] == 200.0
@@ -351,9 +485,15 @@ def test_summary_with_missing_measurements() -> None:
 
 def test_quick_config() -> None:
     q = cr.CrConfig.make(True, seed=3, xfs=None)
-    assert q.quick and not q.xfs and q.checkpoints < cr.CrConfig().checkpoints and q.seed == 3
+    full = cr.CrConfig()
+    assert q.quick and not q.xfs and q.checkpoints < full.checkpoints and q.seed == 3
+    assert q.baseline_ckpt < full.baseline_ckpt and q.baseline_rollback < full.baseline_rollback
     assert cr.CrConfig.make(True, xfs=True).xfs
     assert cr.CrConfig.make(False, checkpoints=None).checkpoints == 80
+    assert full.workload == cr.DEFAULT_WORKLOAD == "django"
+    dj = cr.WORKLOADS["django"]
+    assert full.test_targets == dj.test_targets and q.test_targets == dj.quick_test_targets
+    assert cr.CrConfig.make(True, workload="more-itertools").test_targets == cr.WORKLOADS["more-itertools"].quick_test_targets
 
 
 def test_cli_prints_the_json_last(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -374,9 +514,14 @@ def test_cli_prints_the_json_last(monkeypatch: pytest.MonkeyPatch) -> None:
     assert any("speedup vs copytree" in line for line in lines[:-1])
     cfg = seen["cfg"]
     assert cfg.quick and cfg.seed == 9 and cfg.daemon == "unix:///x.sock" and not cfg.xfs
+    assert cfg.workload == "django"
 
-    r = runner.invoke(cli.app, ["bench", "cr", "--json"])
+    r = runner.invoke(cli.app, ["bench", "cr", "--json", "--workload", "more-itertools"])
     assert r.exit_code == 0 and len(r.stdout.strip().splitlines()) == 1
+    assert seen["cfg"].workload == "more-itertools" and not seen["cfg"].quick
+
+    r = runner.invoke(cli.app, ["bench", "cr", "--workload", "sympy"])
+    assert r.exit_code == 2 and "more-itertools" in r.stderr
 
 
 def test_cli_reports_bench_errors(monkeypatch: pytest.MonkeyPatch) -> None:

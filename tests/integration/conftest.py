@@ -3,6 +3,10 @@
 The state dir persists between runs (BRANCHBOX_TEST_STATE, default /var/lib/branchbox-test) so the
 debootstrap base image is built once per machine. These tests need root; with MUST_WORK=1 (CI)
 a missing prerequisite fails instead of skipping.
+
+Overrides, to run beside another test run: BRANCHBOX_DAEMON_BIN (default: branchboxd on PATH),
+BRANCHBOX_INIT_BIN (default: branchbox-init next to the daemon binary), BRANCHBOX_TEST_STATE,
+BRANCHBOX_TEST_RUN (socket dir, default /run/branchbox-test), BRANCHBOX_TEST_CGROUP (cgroup parent).
 """
 import json
 import os
@@ -35,7 +39,10 @@ class Daemon:
     def start(self, extra=()) -> None:
         os.makedirs(RUN, exist_ok=True)
         os.makedirs(STATE, exist_ok=True)
-        argv = [daemon_bin(), "--state-dir", STATE, "--socket", SOCKET, "--cgroup-parent", CGROUP_PARENT, *extra]
+        argv = [daemon_bin(), "--state-dir", STATE, "--socket", SOCKET, "--cgroup-parent", CGROUP_PARENT]
+        if os.environ.get("BRANCHBOX_INIT_BIN"):  # default: branchbox-init next to the daemon binary
+            argv += ["--init-bin", os.environ["BRANCHBOX_INIT_BIN"]]
+        argv += extra
         self.proc = subprocess.Popen(argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 30
         while time.time() < deadline:

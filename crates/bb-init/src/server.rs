@@ -235,6 +235,17 @@ impl Server {
                 };
                 self.reply(fd, &resp);
             }
+            Request::Nest { config } => match crate::nest::spawn_nested(&config, fds) {
+                Ok(pid) => match bb_sys::process::pidfd_open(pid) {
+                    Ok(pidfd) => {
+                        if bb_proto::send(fd, &Response::Nested { pid }, &[pidfd.as_raw_fd()]).is_err() {
+                            self.drop_conn(fd);
+                        }
+                    }
+                    Err(e) => self.reply(fd, &Response::Error { errno: e.errno(), message: format!("nested init: {e}") }),
+                },
+                Err(message) => self.reply(fd, &Response::Error { errno: libc::EIO, message }),
+            },
             Request::List => {
                 let procs = self
                     .procs

@@ -57,9 +57,9 @@ const MASKED: &[&str] = &[
 ];
 const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
 
-pub fn setup(config: &InitConfig) -> Result<(), SetupError> {
-    // SAFETY: prctl with integer arguments only.
-    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+/// `proc_mnt`: a procfs mount to use as /proc (a nested sandbox's, made by its parent init)
+/// instead of mounting one.
+pub fn setup(config: &InitConfig, proc_mnt: Option<std::os::fd::OwnedFd>) -> Result<(), SetupError> {
     let root = PathBuf::from(&config.rootfs);
     // Nothing we mount may propagate back to the host.
     m("make / private", None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
@@ -68,7 +68,16 @@ pub fn setup(config: &InitConfig) -> Result<(), SetupError> {
 
     let proc_dir = root.join("proc");
     io("mkdir /proc", fs::create_dir_all(&proc_dir))?;
-    m("mount /proc", Some(Path::new("proc")), &proc_dir, Some("proc"), NOSUID_NODEV_NOEXEC, None)?;
+    match proc_mnt {
+        None => m("mount /proc", Some(Path::new("proc")), &proc_dir, Some("proc"), NOSUID_NODEV_NOEXEC, None)?,
+        Some(fd) => bb_sys::ns::move_mount(
+            Some(std::os::fd::AsFd::as_fd(&fd)),
+            Path::new(""),
+            None,
+            &proc_dir,
+            bb_sys::ns::MOVE_MOUNT_F_EMPTY_PATH,
+        )?,
+    }
     for p in PROC_READONLY {
         let path = proc_dir.join(p);
         if path.exists() {

@@ -56,7 +56,7 @@ pub struct SpawnFailure {
     pub message: String,
 }
 
-const STAGES: &[&str] = &["dup2", "chdir", "setsid", "seccomp", "execve"];
+const STAGES: &[&str] = &["dup2", "chdir", "setsid", "seccomp", "execve", "capabilities"];
 
 /// Stack of the vforked child until it execs.
 const CHILD_STACK: usize = 64 * 1024;
@@ -124,7 +124,11 @@ fn child(p: &Prepared, stdio: [Option<RawFd>; 4], policy: &bb_isolation::Seccomp
         libc::sigemptyset(&mut empty);
         libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
     }
-    // Capabilities and no_new_privs were reduced once in init and are inherited.
+    // Init keeps its capabilities (it starts nested sandboxes); its children get Docker's set.
+    // Neither call allocates. `apply` sets no_new_privs first.
+    if bb_isolation::drop_capabilities().is_err() {
+        return (5, errno());
+    }
     if policy.apply().is_err() {
         return (3, errno());
     }

@@ -48,7 +48,7 @@ pub use cgroup::{
     MIN_MEMORY_BYTES,
 };
 pub use error::IsolationError;
-pub use seccomp::{SeccompFilter, DEFAULT_POLICY_JSON};
+pub use seccomp::{SeccompFilter, SetnsKey, DEFAULT_POLICY_JSON};
 
 #[cfg(test)]
 mod tests {

@@ -31,12 +31,21 @@ pub struct InitConfig {
     pub network: String,
     /// Size limit of /dev/shm in bytes.
     pub shm_bytes: u64,
+    /// `setns` passes the seccomp filter of this sandbox's processes only with these values in
+    /// its third and fourth arguments (`bb_isolation::SetnsKey`). Never shown to the sandbox.
+    #[serde(default)]
+    pub setns_key: [u64; 2],
+    /// This init was started by another sandbox's init ([`Request::Nest`]): it makes its own
+    /// user namespace (nested in the parent's) and the other namespaces, and its root is the
+    /// mount handed over with the request (`rootfs` is ignored).
+    #[serde(default)]
+    pub nested: bool,
 }
 
 /// Largest message either side will send or accept.
 pub const MAX_MESSAGE: usize = 256 * 1024;
 /// Largest number of fds attached to one message.
-pub const MAX_FDS: usize = 4;
+pub const MAX_FDS: usize = 8;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProtoError {
@@ -106,6 +115,15 @@ pub enum Request {
     /// exit is noticed (through a pidfd; its exit status is unknown unless init reaps it itself).
     /// `Error{ESRCH}` if there is no such process, `EINVAL` for pid <= 1.
     Adopt { pid: i32, tag: String },
+    /// Start the init of a new sandbox nested in this one's user and pid namespaces (a fork child
+    /// that session templates can be forked into): this init starts a copy of itself with
+    /// `config` (whose `nested` is true), which makes new user (identity-mapped onto ours), mount,
+    /// pid, net, uts, ipc and cgroup namespaces. Fds: the new init's listening socket and status
+    /// pipe (as at launch), the detached mount of its root, its log file (stdout and stderr), then
+    /// one open `cgroup.procs` file per cgroup hierarchy of the new sandbox, into which it is
+    /// moved before it makes its namespaces.
+    /// Answer: [`Response::Nested`] with a pidfd of the new init attached.
+    Nest { config: InitConfig },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -143,6 +161,8 @@ pub enum Response {
     Procs { procs: Vec<ProcEntry> },
     Ok,
     Error { errno: i32, message: String },
+    /// The new init of a [`Request::Nest`]: its pid in this sandbox's pid namespace.
+    Nested { pid: i32 },
 }
 
 /// Send one JSON message with optional fds on a SEQPACKET socket.

@@ -18,6 +18,7 @@ use crate::model::*;
 use crate::rootswap;
 use crate::sandbox::Sandbox;
 use crate::session::{self, Session};
+use crate::sessionfork;
 use crate::snapstore::{self, Generation, SnapSession, SnapshotRow};
 use crate::{blocking_err, now, Runtime};
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -33,6 +34,9 @@ pub const TEMPLATE_TAG: &str = "branchbox-template:";
 pub const MAX_CHAIN: usize = 24;
 /// Most children one fork request may ask for.
 pub const MAX_FORK: u32 = 64;
+/// Deepest chain of nested forks (the kernel allows 32 levels of user and of pid namespaces).
+/// Beyond it, children are independent sandboxes whose sessions start fresh.
+pub const MAX_NEST_DEPTH: usize = 24;
 
 /// The next root of a sandbox, built before the frozen window.
 struct Prepared {
@@ -624,8 +628,7 @@ impl Runtime {
                 self.checkpoint_locked(&sb, Some("fork".into()), true).await?.0
             }
         };
-        let children = self.fork_snapshot(&snap, n, timeout).await?;
-        let sessions_restarted = !snap.sessions.is_empty();
+        let (children, sessions_restarted) = self.fork_snapshot(&snap, n, timeout).await?;
         Ok(ForkResult {
             snapshot: snap.id,
             sandboxes: children.iter().map(|c| c.info()).collect(),
@@ -634,13 +637,188 @@ impl Runtime {
         })
     }
 
-    /// Start `n` sandboxes on `snap`'s layers with its sessions (fresh), all or none.
-    async fn fork_snapshot(self: &Arc<Self>, snap: &SnapshotRow, n: u32, timeout: Option<f64>) -> Result<Vec<Arc<Sandbox>>> {
+    /// Start `n` sandboxes on `snap`'s layers with its sessions, all or none. Returns them and
+    /// whether their sessions were started fresh (`sessions_restarted`).
+    ///
+    /// When every session of the snapshot has a live template, the children are nested in the
+    /// templates' sandbox and get live copies of the sessions ([`Runtime::fork_nested`]);
+    /// otherwise (or if that fails) they are independent sandboxes with fresh sessions.
+    async fn fork_snapshot(self: &Arc<Self>, snap: &SnapshotRow, n: u32, timeout: Option<f64>) -> Result<(Vec<Arc<Sandbox>>, bool)> {
+        if let Some((parent, templates)) = self.live_templates(snap) {
+            match self.fork_nested(&parent, snap, n, timeout, templates).await {
+                Ok(children) => return Ok((children, false)),
+                Err(e) => tracing::warn!(snapshot = %snap.id, "live fork failed, forking with fresh sessions: {e}"),
+            }
+        }
+        let children = self.fork_cold(snap, n, timeout).await?;
+        Ok((children, !snap.sessions.is_empty()))
+    }
+
+    /// The snapshot's sandbox and a live template for each of its sessions, if it has sessions,
+    /// all templates are alive, and nesting is possible (architecture, depth).
+    fn live_templates(&self, snap: &SnapshotRow) -> Option<(Arc<Sandbox>, Vec<(SnapSession, Arc<Session>)>)> {
+        if snap.sessions.is_empty() || !bb_sys::ptrace::SUPPORTED {
+            return None;
+        }
+        let parent = self.get(&snap.sandbox_id).ok().filter(|p| !p.is_dead())?;
+        if self.nest_depth(&parent) + 1 > MAX_NEST_DEPTH {
+            tracing::info!(sandbox = %parent.id, "fork chain is {MAX_NEST_DEPTH} deep: children start fresh sessions");
+            return None;
+        }
+        let mut pool = self.templates.lock().expect("lock");
+        let templates = snap
+            .sessions
+            .iter()
+            .map(|ss| Some((ss.clone(), pool.get(ss.template.as_deref()?, &parent.id)?)))
+            .collect::<Option<Vec<_>>>()?;
+        Some((parent, templates))
+    }
+
+    /// How many sandboxes `sb` is nested in (0 for a sandbox the daemon started itself).
+    fn nest_depth(&self, sb: &Sandbox) -> usize {
+        let mut depth = 0;
+        let mut cur = sb.nest_parent.clone();
+        while let Some(id) = cur {
+            depth += 1;
+            cur = match self.get(&id) {
+                Ok(p) => p.nest_parent.clone(),
+                Err(_) => self.husks.lock().expect("lock").get(&id).and_then(|h| h.nest_parent.clone()),
+            };
+        }
+        depth
+    }
+
+    /// Fork with live sessions: `n` sandboxes nested in `parent` (its init starts theirs), then
+    /// each template forked into all of them from outside ([`crate::sessionfork`]), then each
+    /// copy registered with its child's init and finished as a live session.
+    async fn fork_nested(
+        self: &Arc<Self>,
+        parent: &Arc<Sandbox>,
+        snap: &SnapshotRow,
+        n: u32,
+        timeout: Option<f64>,
+        templates: Vec<(SnapSession, Arc<Session>)>,
+    ) -> Result<Vec<Arc<Sandbox>>> {
+        let t0 = Instant::now();
+        let jobs = (0..n).map(|_| self.create_from(snap.spec.clone(), snap.layers.clone(), Some(snap.id.clone()), timeout, Some(parent.clone())));
+        let children = self.all_or_none(futures::future::join_all(jobs).await).await?;
+        let t_shells = t0.elapsed();
+        let res: Result<()> = async {
+            // Host pids of the templates (they live in the parent's cgroup).
+            let hosts: HashMap<i32, i32> = parent
+                .cgroup
+                .pids()?
+                .into_iter()
+                .filter_map(|h| Some((*bb_sys::process::ns_pids(h)?.last()?, h)))
+                .collect();
+            let forks = templates.iter().map(|(ss, t)| {
+                let (rt, t, children) = (self.clone(), t.clone(), children.clone());
+                let host = hosts.get(&t.pid).copied();
+                async move {
+                    let host = host.ok_or_else(|| RuntimeError::Conflict(format!("template of session {} is gone", ss.id)))?;
+                    // No request may reach the template while it is driven from outside.
+                    let _exclusive = t.exclusive().await;
+                    let key = rt.cfg.setns_key;
+                    tokio::task::spawn_blocking(move || {
+                        let targets: Vec<sessionfork::Target> =
+                            children.iter().map(|c| sessionfork::Target { init_pid: c.init_pid, cgroup: &c.cgroup }).collect();
+                        sessionfork::fork_into(host, &targets, key)
+                    })
+                    .await
+                    .map_err(blocking_err)?
+                }
+            });
+            let copies = futures::future::join_all(forks).await;
+            let t_forked = t0.elapsed();
+            let mut attach = Vec::new();
+            for ((ss, _), per_template) in templates.iter().zip(copies) {
+                for (child, copy) in children.iter().zip(per_template?) {
+                    attach.push(self.attach_copy(child, ss, copy?));
+                }
+            }
+            for r in futures::future::join_all(attach).await {
+                r?;
+            }
+            tracing::debug!(children = n, ?t_shells, ?t_forked, total = ?t0.elapsed(), "live fork");
+            Ok(())
+        }
+        .await;
+        for c in &children {
+            c.dirty.store(false, Ordering::SeqCst);
+        }
+        match res {
+            Ok(()) => Ok(children),
+            Err(e) => {
+                for c in children {
+                    let _ = self.kill(&c.id).await;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Make a session copy forked into `child` one of its live sessions: registered with the
+    /// child's init (listed, channel stashed), finished in place (`{"op":"restored"}`), and
+    /// added under the snapshot session's id.
+    async fn attach_copy(&self, child: &Arc<Sandbox>, ss: &SnapSession, copy: sessionfork::SessionCopy) -> Result<()> {
+        let kill_copy = || {
+            // SAFETY: kill(2) of the copy we just made (it is in the child's cgroup).
+            unsafe { libc::kill(copy.host_pid, libc::SIGKILL) };
+        };
+        let Some(ns_pid) = bb_sys::process::ns_pids(copy.host_pid).and_then(|v| v.last().copied()) else {
+            return Err(RuntimeError::Internal(format!("copy of session {} exited right away", ss.id)));
+        };
+        let keep = copy.chan.try_clone().map_err(|e| RuntimeError::internal("socket", e))?;
+        if let Err(e) = session::adopt(child, ns_pid, session::session_tag(&ss.id, &ss.kind, ss.default), ss.id.clone(), &keep).await {
+            kill_copy();
+            return Err(e);
+        }
+        let s = Session::attach(ss.id.clone(), ss.kind.clone(), ns_pid, now(), copy.chan)?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(child.dirs.logs().join(format!("{}.log", ss.id)))
+            .map_err(|e| RuntimeError::internal("session log", e))?;
+        if let Err(e) = s.finish_copy(&log).await {
+            kill_copy();
+            return Err(e);
+        }
+        child.sessions.lock().await.insert(ss.id.clone(), Arc::new(s));
+        if ss.default {
+            *child.default_session.lock().await = Some(ss.id.clone());
+        }
+        Ok(())
+    }
+
+    /// Keep all sandboxes if every launch succeeded; otherwise kill those that did and return
+    /// the first error.
+    async fn all_or_none(self: &Arc<Self>, results: Vec<Result<Arc<Sandbox>>>) -> Result<Vec<Arc<Sandbox>>> {
+        let mut ok = Vec::new();
+        let mut first_err = None;
+        for r in results {
+            match r {
+                Ok(c) => ok.push(c),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            for c in ok {
+                let _ = self.kill(&c.id).await;
+            }
+            return Err(e);
+        }
+        Ok(ok)
+    }
+
+    /// Start `n` independent sandboxes on `snap`'s layers with its sessions started fresh.
+    async fn fork_cold(self: &Arc<Self>, snap: &SnapshotRow, n: u32, timeout: Option<f64>) -> Result<Vec<Arc<Sandbox>>> {
         let jobs = (0..n).map(|_| {
             let rt = self.clone();
             let snap = snap.clone();
             async move {
-                let child = rt.create_from(snap.spec.clone(), snap.layers.clone(), Some(snap.id.clone()), timeout).await?;
+                let child = rt.create_from(snap.spec.clone(), snap.layers.clone(), Some(snap.id.clone()), timeout, None).await?;
                 let res: Result<()> = async {
                     let mut map = child.sessions.lock().await;
                     for ss in &snap.sessions {
@@ -663,24 +841,7 @@ impl Runtime {
                 }
             }
         });
-        let results = futures::future::join_all(jobs).await;
-        let mut ok = Vec::new();
-        let mut first_err = None;
-        for r in results {
-            match r {
-                Ok(c) => ok.push(c),
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        if let Some(e) = first_err {
-            for c in ok {
-                let _ = self.kill(&c.id).await;
-            }
-            return Err(e);
-        }
-        Ok(ok)
+        self.all_or_none(futures::future::join_all(jobs).await).await
     }
 
     /// Run a command against the sandbox's current state in a throw-away fork: the sandbox
@@ -696,7 +857,7 @@ impl Runtime {
             let _ops = sb.ops.lock().await;
             self.checkpoint_locked(&sb, Some("evaluate".into()), false).await?
         };
-        let child = self.create_from(snap.spec.clone(), snap.layers.clone(), None, Some(600.0)).await;
+        let child = self.create_from(snap.spec.clone(), snap.layers.clone(), None, Some(600.0), None).await;
         if created {
             let _ = self.snaps.lock().expect("lock").delete(&BTreeSet::from([snap.id.clone()]));
         }

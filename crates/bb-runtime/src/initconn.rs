@@ -69,6 +69,27 @@ impl InitConn {
     }
 }
 
+/// Blocking one-shot exchange with an init (for callers on blocking threads): connect, send
+/// `req` with `fds`, read one answer and the fds attached to it, within `timeout`.
+pub fn call_blocking(sock: &Path, req: &Request, fds: &[RawFd], timeout: std::time::Duration) -> Result<(Response, Vec<OwnedFd>)> {
+    let fd = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None)
+        .map_err(|e| RuntimeError::internal("socket", e))?;
+    let addr = UnixAddr::new(sock).map_err(|e| RuntimeError::internal("socket path", e))?;
+    connect(fd.as_raw_fd(), &addr).map_err(|e| {
+        RuntimeError::Unavailable(format!("cannot reach the sandbox's init ({e}): the sandbox has probably died"))
+    })?;
+    let tv = nix::sys::time::TimeVal::new(timeout.as_secs() as i64, timeout.subsec_micros() as i64);
+    let _ = nix::sys::socket::setsockopt(&fd, nix::sys::socket::sockopt::ReceiveTimeout, &tv);
+    bb_proto::send(fd.as_raw_fd(), req, fds)?;
+    match bb_proto::recv::<Response>(fd.as_raw_fd()) {
+        Ok(x) => Ok(x),
+        Err(ProtoError::Io(nix::Error::EAGAIN)) => {
+            Err(RuntimeError::Unavailable(format!("the sandbox's init did not answer within {timeout:?}")))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// An init answer that does not fit the request (a protocol bug, never user error).
 pub fn unexpected(resp: Response) -> RuntimeError {
     RuntimeError::Internal(format!("unexpected init answer {resp:?}"))

@@ -8,7 +8,7 @@ use bb_proto::InitConfig;
 use bb_sys::process::{spawn_paused, NsSpawn};
 use nix::sys::socket::{bind, listen, socket, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -150,6 +150,61 @@ fn io(what: &str, e: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::internal(what, e)
 }
 
+/// The sandbox's state dir: logs dir, owned by the sandbox's host uid, mode 0700.
+fn prepare_dir(cfg: &RuntimeConfig, dirs: &SandboxDirs) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dirs.logs()).map_err(|e| io("create sandbox dir", e))?;
+    let uid = cfg.idmap.host_base;
+    std::os::unix::fs::chown(&dirs.dir, Some(uid), Some(uid)).map_err(|e| io("chown sandbox dir", e))?;
+    std::fs::set_permissions(&dirs.dir, std::fs::Permissions::from_mode(0o700)).map_err(|e| io("chmod sandbox dir", e))
+}
+
+/// Init's listening control socket, bound at `<dir>/control.sock`.
+fn control_socket(dirs: &SandboxDirs) -> Result<OwnedFd> {
+    let listener = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None)
+        .map_err(|e| io("control socket", e))?;
+    let addr = UnixAddr::new(&dirs.sock()).map_err(|e| io("control socket path", e))?;
+    bind(listener.as_raw_fd(), &addr).map_err(|e| io("bind control socket", e))?;
+    listen(&listener, Backlog::new(256).expect("valid backlog")).map_err(|e| io("listen", e))?;
+    Ok(listener)
+}
+
+fn init_log(dirs: &SandboxDirs) -> Result<std::fs::File> {
+    std::fs::OpenOptions::new().create(true).append(true).open(dirs.init_log()).map_err(|e| io("init log", e))
+}
+
+fn init_config(cfg: &RuntimeConfig, id: &str, spec: &SandboxSpec, rootfs: &Path, nested: bool) -> InitConfig {
+    InitConfig {
+        rootfs: rootfs.to_string_lossy().into_owned(),
+        hostname: id.to_string(),
+        network: spec.network.clone(),
+        shm_bytes: (spec.memory_mb * 1024 * 1024 / 2).max(1 << 20),
+        setns_key: cfg.setns_key,
+        nested,
+    }
+}
+
+/// The working directory exists from the start (created like Docker's WORKDIR when missing).
+fn make_cwd(cfg: &RuntimeConfig, spec: &SandboxSpec, rootfs: &Path) -> Result<()> {
+    let cwd = crate::files::SbPath::parse(&spec.cwd)?;
+    crate::files::SandboxFs::open(rootfs, cfg.idmap.host_base)?.mkdir(&cwd, true).map(drop)
+}
+
+/// Wait for init's `ok` on its status pipe; on anything else, the error with the log's tail.
+fn wait_ready(status_r: OwnedFd, dirs: &SandboxDirs) -> Result<()> {
+    let status = read_status(status_r, Duration::from_secs(20))?;
+    if status.trim() == "ok" {
+        return Ok(());
+    }
+    let log = std::fs::read_to_string(dirs.init_log()).unwrap_or_default();
+    let tail: String = log.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
+    Err(RuntimeError::Internal(format!(
+        "sandbox init failed: {} {}",
+        status.trim(),
+        if tail.is_empty() { String::new() } else { format!("(init log: {tail})") }
+    )))
+}
+
 pub fn launch(
     cfg: &RuntimeConfig,
     layout: &CgroupLayout,
@@ -160,14 +215,7 @@ pub fn launch(
     let t0 = std::time::Instant::now();
     let dirs = SandboxDirs::new(&cfg.state_dir, id);
     let mut rb = Rollback { dirs: &dirs, mounted: false, cgroup: None, pid: None, upper: None, armed: true };
-    std::fs::create_dir_all(dirs.logs()).map_err(|e| io("create sandbox dir", e))?;
-    {
-        use std::os::unix::fs::PermissionsExt;
-        let uid = cfg.idmap.host_base;
-        std::os::unix::fs::chown(&dirs.dir, Some(uid), Some(uid)).map_err(|e| io("chown sandbox dir", e))?;
-        std::fs::set_permissions(&dirs.dir, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| io("chmod sandbox dir", e))?;
-    }
+    prepare_dir(cfg, &dirs)?;
     let (upper_id, upper, work) = new_upper(cfg, &dirs, 0)?;
     rb.upper = Some(upper.clone());
     let rootfs = dirs.rootfs();
@@ -177,9 +225,7 @@ pub fn launch(
     bb_layers::mount_overlay(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &rootfs)
         .map_err(|e| io("mount root filesystem", e))?;
     rb.mounted = true;
-    // The working directory exists from the start (created like Docker's WORKDIR when missing).
-    let cwd = crate::files::SbPath::parse(&spec.cwd)?;
-    crate::files::SandboxFs::open(&rootfs, cfg.idmap.host_base)?.mkdir(&cwd, true)?;
+    make_cwd(cfg, spec, &rootfs)?;
     let t_mount = t0.elapsed();
 
     let cgroup = Cgroup::create(layout, id, &limits(spec))?;
@@ -187,26 +233,11 @@ pub fn launch(
     rb.cgroup = Some(cgroup);
     let t_cgroup = t0.elapsed();
 
-    let listener = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None)
-        .map_err(|e| io("control socket", e))?;
-    let addr = UnixAddr::new(&dirs.sock()).map_err(|e| io("control socket path", e))?;
-    bind(listener.as_raw_fd(), &addr).map_err(|e| io("bind control socket", e))?;
-    listen(&listener, Backlog::new(256).expect("valid backlog")).map_err(|e| io("listen", e))?;
-
+    let listener = control_socket(&dirs)?;
     let (status_r, status_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| io("pipe", e))?;
     let devnull = std::fs::File::open("/dev/null").map_err(|e| io("/dev/null", e))?;
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(dirs.init_log())
-        .map_err(|e| io("init log", e))?;
-
-    let config = InitConfig {
-        rootfs: rootfs.to_string_lossy().into_owned(),
-        hostname: id.to_string(),
-        network: spec.network.clone(),
-        shm_bytes: (spec.memory_mb * 1024 * 1024 / 2).max(1 << 20),
-    };
+    let log = init_log(&dirs)?;
+    let config = init_config(cfg, id, spec, &rootfs, false);
     let program = CString::new(cfg.init_bin.as_os_str().as_encoded_bytes())
         .map_err(|_| RuntimeError::Internal("init binary path contains NUL".into()))?;
     let argv = [CString::new("branchbox-init").expect("no NUL")];
@@ -247,20 +278,75 @@ pub fn launch(
     child.release()?;
     let t_clone = t0.elapsed();
 
-    let status = read_status(status_r, Duration::from_secs(20))?;
-    if status.trim() != "ok" {
-        let log = std::fs::read_to_string(dirs.init_log()).unwrap_or_default();
-        let tail: String = log.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
-        return Err(RuntimeError::Internal(format!(
-            "sandbox init failed: {} {}",
-            status.trim(),
-            if tail.is_empty() { String::new() } else { format!("(init log: {tail})") }
-        )));
-    }
+    wait_ready(status_r, &dirs)?;
     let init_start = bb_sys::process::process_start_time(pid)
         .ok_or_else(|| RuntimeError::Internal("sandbox init exited right after start".into()))?;
     rb.armed = false;
     tracing::debug!(%id, ?t_mount, ?t_cgroup, ?t_clone, ready = ?t0.elapsed(), "sandbox launched");
+    let cgroup = rb.cgroup.take().expect("set above");
+    Ok(Launched { init_pid: pid, init_start, cgroup, upper: upper_id })
+}
+
+/// Start a sandbox *nested* in the user and pid namespaces of the sandbox whose init listens on
+/// `parent_sock`: a fork child, into which the parent's session templates can then be forked
+/// (see `crate::sessionfork`). The parent's init starts the new init (`Request::Nest`), which
+/// makes its own namespaces below the parent's; the root (`layer_paths` + a fresh writable layer)
+/// is handed to it as a detached mount, and a second mount of the same overlay is attached at the
+/// usual host path for the file API.
+pub fn launch_nested(
+    cfg: &RuntimeConfig,
+    layout: &CgroupLayout,
+    id: &str,
+    spec: &SandboxSpec,
+    layer_paths: &[PathBuf],
+    parent_sock: &Path,
+) -> Result<Launched> {
+    let t0 = std::time::Instant::now();
+    let dirs = SandboxDirs::new(&cfg.state_dir, id);
+    let mut rb = Rollback { dirs: &dirs, mounted: false, cgroup: None, pid: None, upper: None, armed: true };
+    prepare_dir(cfg, &dirs)?;
+    let (upper_id, upper, work) = new_upper(cfg, &dirs, 0)?;
+    rb.upper = Some(upper.clone());
+    let rootfs = dirs.rootfs();
+    std::fs::create_dir_all(&rootfs).map_err(|e| io("create rootfs dir", e))?;
+    let lower: Vec<PathBuf> = layer_paths.iter().rev().cloned().collect();
+    let mnt = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &rootfs)
+        .map_err(crate::layers_error)?;
+    let host_view = bb_sys::ns::open_tree(mnt.as_fd(), Path::new(""), bb_sys::ns::OPEN_TREE_CLONE | bb_sys::ns::OPEN_TREE_CLOEXEC)
+        .map_err(|e| io("clone root mount", e))?;
+    crate::rootswap::attach_host_root(&rootfs, host_view)?;
+    rb.mounted = true;
+    make_cwd(cfg, spec, &rootfs)?;
+
+    let cgroup = Cgroup::create(layout, id, &limits(spec))?;
+    let procs = cgroup.procs_files()?;
+    rb.cgroup = Some(cgroup);
+
+    let listener = control_socket(&dirs)?;
+    let (status_r, status_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| io("pipe", e))?;
+    let log = init_log(&dirs)?;
+    let config = init_config(cfg, id, spec, Path::new(""), true);
+    let mut fds = vec![listener.as_raw_fd(), status_w.as_raw_fd(), mnt.as_raw_fd(), log.as_raw_fd()];
+    fds.extend(procs.iter().map(|f| f.as_raw_fd()));
+    let t_prepared = t0.elapsed();
+    let (resp, mut got) = crate::initconn::call_blocking(parent_sock, &bb_proto::Request::Nest { config }, &fds, Duration::from_secs(20))?;
+    drop((status_w, listener, mnt, procs));
+    match resp {
+        bb_proto::Response::Nested { .. } => {}
+        bb_proto::Response::Error { message, .. } => {
+            return Err(RuntimeError::Internal(format!("the parent sandbox's init could not start the fork: {message}")))
+        }
+        other => return Err(crate::initconn::unexpected(other)),
+    }
+    let pidfd = got.pop().ok_or_else(|| RuntimeError::Internal("nested init: no pidfd in the answer".into()))?;
+    let pid = bb_sys::process::pidfd_pid(&pidfd).map_err(|e| io("pid of nested init", e))?;
+    rb.pid = Some(pid);
+    let t_nested = t0.elapsed();
+    wait_ready(status_r, &dirs)?;
+    let init_start = bb_sys::process::process_start_time(pid)
+        .ok_or_else(|| RuntimeError::Internal("nested init exited right after start".into()))?;
+    rb.armed = false;
+    tracing::debug!(%id, ?t_prepared, ?t_nested, ready = ?t0.elapsed(), "nested sandbox launched");
     let cgroup = rb.cgroup.take().expect("set above");
     Ok(Launched { init_pid: pid, init_start, cgroup, upper: upper_id })
 }
@@ -323,6 +409,12 @@ pub fn teardown(cfg: &RuntimeConfig, layout: &CgroupLayout, id: &str, init: Opti
         // SAFETY: non-blocking waitpid on a specific pid.
         unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
     }
+    remove_host_side(cfg, id)
+}
+
+/// Unmount a sandbox's host-side roots and delete its state directory (not its processes or
+/// cgroup).
+pub fn remove_host_side(cfg: &RuntimeConfig, id: &str) -> Result<()> {
     let dirs = SandboxDirs::new(&cfg.state_dir, id);
     for r in dirs.rootfs_all() {
         bb_layers::unmount(&r).map_err(|e| io("unmount root filesystem", e))?;

@@ -22,6 +22,7 @@ pub mod sandbox;
 pub mod checkpoint;
 pub mod rootswap;
 pub mod session;
+pub mod sessionfork;
 pub mod snapstore;
 pub mod store;
 
@@ -63,6 +64,9 @@ pub struct RuntimeConfig {
     pub max_file_bytes: u64,
     /// Live session templates kept for snapshots (LRU beyond this).
     pub max_templates: usize,
+    /// Lets the daemon's injected `setns` through the sandboxes' seccomp filters (see
+    /// `bb_isolation::SetnsKey`). Loaded from `<state>/setns.key` by [`Runtime::open`].
+    pub setns_key: [u64; 2],
 }
 
 impl RuntimeConfig {
@@ -78,6 +82,7 @@ impl RuntimeConfig {
             max_pids: 65536,
             max_file_bytes: 4 << 30,
             max_templates: 64,
+            setns_key: [0, 0],
         }
     }
 }
@@ -90,6 +95,8 @@ pub struct Runtime {
     pub(crate) snaps: Mutex<snapstore::SnapStore>,
     pub(crate) templates: Mutex<checkpoint::TemplatePool>,
     sandboxes: RwLock<HashMap<String, Arc<Sandbox>>>,
+    /// Inits of killed sandboxes that nested sandboxes still need (see `store::HuskRow`).
+    husks: Mutex<HashMap<String, store::HuskRow>>,
 }
 
 fn blocking_err(e: tokio::task::JoinError) -> RuntimeError {
@@ -125,7 +132,7 @@ fn image_info(i: &bb_layers::Image) -> ImageInfo {
 
 impl Runtime {
     /// Open the state directory, then re-attach to or reap every sandbox a previous daemon left.
-    pub fn open(cfg: RuntimeConfig) -> Result<Arc<Runtime>> {
+    pub fn open(mut cfg: RuntimeConfig) -> Result<Arc<Runtime>> {
         // `sandboxes/` is traverse-only; each sandbox's own directory is 0700 and owned by the
         // sandbox's host uid (its init must traverse it): host users cannot reach sandbox roots.
         for (sub, mode) in [("sandboxes", 0o711), ("trash", 0o700), ("tmp", 0o700)] {
@@ -141,6 +148,7 @@ impl Runtime {
                 cfg.init_bin.display()
             )));
         }
+        cfg.setns_key = load_setns_key(&cfg.state_dir)?;
         let cgroups = CgroupLayout::detect(&cfg.cgroup_parent)?;
         let mut images = ImageStore::open(&cfg.state_dir, cfg.idmap).map_err(layers_error)?;
         let store = store::Store::open(&cfg.state_dir.join("branchbox.db"))?;
@@ -170,6 +178,7 @@ impl Runtime {
             snaps: Mutex::new(snaps),
             templates: Mutex::new(checkpoint::TemplatePool::new(cfg_templates)),
             sandboxes: RwLock::new(HashMap::new()),
+            husks: Mutex::new(HashMap::new()),
         });
         rt.recover()?;
         Ok(rt)
@@ -189,7 +198,7 @@ impl Runtime {
                 Some(cgroup) => {
                     tracing::info!(id = %row.id, "re-attached to sandbox");
                     let gen = self.snaps.lock().expect("lock").generation(&row.id)?;
-                    let sb = Arc::new(Sandbox::new(
+                    let mut sb = Sandbox::new(
                         row.id.clone(),
                         row.spec,
                         dirs,
@@ -199,7 +208,9 @@ impl Runtime {
                         row.expires_at,
                         cgroup,
                         gen,
-                    ));
+                    );
+                    sb.nest_parent = row.nest_parent;
+                    let sb = Arc::new(sb);
                     if tokio::runtime::Handle::try_current().is_ok() {
                         self.watch_init(&sb);
                         for (key, t) in reattach_sessions(&sb) {
@@ -215,6 +226,19 @@ impl Runtime {
                     self.store.lock().expect("lock").delete(&row.id)?;
                 }
             }
+        }
+        // Husks: kept while a live sandbox is nested in them (directly or through other husks).
+        let husk_rows = self.store.lock().expect("lock").husks()?;
+        for h in husk_rows {
+            if bb_sys::process::process_start_time(h.init_pid) == Some(h.init_start) {
+                kept.insert(h.id.clone());
+                self.husks.lock().expect("lock").insert(h.id.clone(), h);
+            } else {
+                self.store.lock().expect("lock").delete_husk(&h.id)?;
+            }
+        }
+        for gone in self.collect_husks() {
+            kept.remove(&gone);
         }
         // Strays: directories, mounts and cgroups with no record (a crash mid-create or mid-kill).
         if let Ok(rd) = std::fs::read_dir(self.cfg.state_dir.join("sandboxes")) {
@@ -329,7 +353,7 @@ impl Runtime {
         self.check_capacity(1)?;
         let (spec, timeout, _) = self.validate(req)?;
         let chain = spec.layers.clone();
-        Ok(self.create_from(spec, chain, None, timeout).await?.info())
+        Ok(self.create_from(spec, chain, None, timeout, None).await?.info())
     }
 
     fn check_capacity(&self, n: usize) -> Result<()> {
@@ -344,19 +368,26 @@ impl Runtime {
     }
 
     /// Launch a sandbox standing on `chain` (layer ids, bottom first; image and snapshot layers).
+    /// With `nest_in`, the sandbox is nested in that sandbox's namespaces
+    /// ([`launch::launch_nested`]): a fork child its session templates can be forked into.
     pub(crate) async fn create_from(
         self: &Arc<Self>,
         spec: SandboxSpec,
         chain: Vec<String>,
         base: Option<String>,
         timeout: Option<f64>,
+        nest_in: Option<Arc<Sandbox>>,
     ) -> Result<Arc<Sandbox>> {
         let t0 = std::time::Instant::now();
         let id = format!("sb-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
         let rt = self.clone();
         let sb = tokio::task::spawn_blocking(move || -> Result<Arc<Sandbox>> {
             let layer_paths: Vec<PathBuf> = chain.iter().map(|l| launch::layer_dir(&rt.cfg, &rt.images, l)).collect();
-            let launched = launch::launch(&rt.cfg, &rt.cgroups, &id, &spec, &layer_paths)?;
+            let launched = match &nest_in {
+                Some(p) => launch::launch_nested(&rt.cfg, &rt.cgroups, &id, &spec, &layer_paths, &p.dirs.sock())?,
+                None => launch::launch(&rt.cfg, &rt.cgroups, &id, &spec, &layer_paths)?,
+            };
+            let nest_parent = nest_in.map(|p| p.id.clone());
             let t_launched = t0.elapsed();
             let created_at = now();
             let expires_at = timeout.map(|t| created_at + t);
@@ -367,6 +398,7 @@ impl Runtime {
                 init_start: launched.init_start,
                 created_at,
                 expires_at,
+                nest_parent: nest_parent.clone(),
             };
             let gen = snapstore::Generation { upper: launched.upper.clone(), mounted: chain.clone(), chain, base, n: 0 };
             let recorded = rt
@@ -381,7 +413,7 @@ impl Runtime {
                 let _ = rt.snaps.lock().expect("lock").delete_generation(&id);
                 return Err(e);
             }
-            let sb = Arc::new(Sandbox::new(
+            let mut sb = Sandbox::new(
                 id.clone(),
                 spec,
                 SandboxDirs::new(&rt.cfg.state_dir, &id),
@@ -391,7 +423,9 @@ impl Runtime {
                 expires_at,
                 launched.cgroup,
                 Some(gen),
-            ));
+            );
+            sb.nest_parent = nest_parent;
+            let sb = Arc::new(sb);
             rt.sandboxes.write().expect("lock").insert(id.clone(), sb.clone());
             tracing::debug!(%id, ?t_launched, recorded = ?t0.elapsed(), "sandbox created");
             Ok(sb)
@@ -455,7 +489,11 @@ impl Runtime {
         let id = id.to_string();
         let gone_templates = self.templates.lock().expect("lock").remove_sandbox(&id);
         tokio::task::spawn_blocking(move || {
-            launch::teardown(&rt.cfg, &rt.cgroups, &id, Some((sb.init_pid, sb.init_start)))?;
+            if rt.has_nested(&id) {
+                rt.make_husk(&sb)?;
+            } else {
+                launch::teardown(&rt.cfg, &rt.cgroups, &id, Some((sb.init_pid, sb.init_start)))?;
+            }
             for key in gone_templates {
                 let _ = rt.snaps.lock().expect("lock").drop_template(&key);
             }
@@ -464,10 +502,65 @@ impl Runtime {
             if let Some(u) = upper {
                 rt.remove_layer_dir(&u);
             }
-            rt.store.lock().expect("lock").delete(&id)
+            rt.store.lock().expect("lock").delete(&id)?;
+            rt.collect_husks();
+            Ok(())
         })
         .await
         .map_err(blocking_err)?
+    }
+
+    /// Whether a live sandbox or a husk is nested directly in `id`.
+    fn has_nested(&self, id: &str) -> bool {
+        self.sandboxes.read().expect("lock").values().any(|s| s.nest_parent.as_deref() == Some(id))
+            || self.husks.lock().expect("lock").values().any(|h| h.nest_parent.as_deref() == Some(id))
+    }
+
+    /// Turn a killed sandbox that has nested sandboxes into a husk: every process but its init is
+    /// killed (with the cgroup frozen, so nothing forks meanwhile), the host side of its root and
+    /// its state dir go; init stays, in its cgroup, until its last nested sandbox is gone.
+    fn make_husk(&self, sb: &Sandbox) -> Result<()> {
+        sb.cgroup.freeze()?;
+        let killed = sb.cgroup.pids().map(|pids| {
+            for pid in pids.into_iter().filter(|p| *p != sb.init_pid) {
+                // SAFETY: kill(2) on a member of the (frozen) sandbox cgroup; it dies on thaw.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        });
+        sb.cgroup.thaw()?;
+        killed?;
+        let row = store::HuskRow {
+            id: sb.id.clone(),
+            init_pid: sb.init_pid,
+            init_start: sb.init_start,
+            nest_parent: sb.nest_parent.clone(),
+        };
+        self.store.lock().expect("lock").insert_husk(&row)?;
+        self.husks.lock().expect("lock").insert(row.id.clone(), row);
+        launch::remove_host_side(&self.cfg, &sb.id)?;
+        tracing::info!(id = %sb.id, "sandbox killed; its init stays for the sandboxes nested in it");
+        Ok(())
+    }
+
+    /// Tear down every husk nothing is nested in any more (repeatedly: a husk's parent may be a
+    /// husk that only it kept). Returns their ids.
+    fn collect_husks(&self) -> Vec<String> {
+        let mut gone = Vec::new();
+        loop {
+            let husks: Vec<store::HuskRow> = self.husks.lock().expect("lock").values().cloned().collect();
+            let idle: Vec<store::HuskRow> = husks.into_iter().filter(|h| !self.has_nested(&h.id)).collect();
+            if idle.is_empty() {
+                return gone;
+            }
+            for h in idle {
+                if let Err(e) = launch::teardown(&self.cfg, &self.cgroups, &h.id, Some((h.init_pid, h.init_start))) {
+                    tracing::warn!(id = %h.id, "tearing down husk failed: {e}");
+                }
+                let _ = self.store.lock().expect("lock").delete_husk(&h.id);
+                self.husks.lock().expect("lock").remove(&h.id);
+                gone.push(h.id);
+            }
+        }
     }
 
     /// Kill every sandbox whose TTL has passed. Returns their ids.
@@ -699,15 +792,36 @@ fn timeout_of(t: Option<f64>) -> Result<Option<Duration>> {
 
 /// One blocking request to an init control socket, answered within 2 s (used during recovery,
 /// before the runtime serves).
+/// The daemon's setns key: 16 random bytes in `<state>/setns.key` (0600), made on first start.
+/// It must outlive restarts: sandboxes started earlier have it compiled into their filters.
+fn load_setns_key(state_dir: &Path) -> Result<[u64; 2]> {
+    use std::io::{Read, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = state_dir.join("setns.key");
+    let mut buf = [0u8; 16];
+    match std::fs::File::open(&path) {
+        Ok(mut f) => f.read_exact(&mut buf).map_err(|e| RuntimeError::internal("read setns.key (delete it if corrupt)", e))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::File::open("/dev/urandom")
+                .and_then(|mut r| r.read_exact(&mut buf))
+                .map_err(|e| RuntimeError::internal("random key", e))?;
+            let tmp = state_dir.join("setns.key.tmp");
+            let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)
+                .map_err(|e| RuntimeError::internal("write setns.key", e))?;
+            f.write_all(&buf).and_then(|()| f.sync_all()).map_err(|e| RuntimeError::internal("write setns.key", e))?;
+            std::fs::rename(&tmp, &path).map_err(|e| RuntimeError::internal("write setns.key", e))?;
+        }
+        Err(e) => return Err(RuntimeError::internal("open setns.key", e)),
+    }
+    let key = [u64::from_ne_bytes(buf[..8].try_into().expect("8 bytes")), u64::from_ne_bytes(buf[8..].try_into().expect("8 bytes"))];
+    if key == [0, 0] {
+        return Err(RuntimeError::Internal(format!("{} is all zeros: delete it and restart", path.display())));
+    }
+    Ok(key)
+}
+
 fn call_blocking(sock: &Path, req: &bb_proto::Request) -> Option<(bb_proto::Response, Vec<std::os::fd::OwnedFd>)> {
-    use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
-    use std::os::fd::AsRawFd;
-    let fd = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None).ok()?;
-    connect(fd.as_raw_fd(), &UnixAddr::new(sock).ok()?).ok()?;
-    let tv = nix::sys::time::TimeVal::new(2, 0);
-    let _ = nix::sys::socket::setsockopt(&fd, nix::sys::socket::sockopt::ReceiveTimeout, &tv);
-    bb_proto::send(fd.as_raw_fd(), req, &[]).ok()?;
-    bb_proto::recv::<bb_proto::Response>(fd.as_raw_fd()).ok()
+    initconn::call_blocking(sock, req, &[], Duration::from_secs(2)).ok()
 }
 
 fn ping_blocking(sock: &Path) -> bool {

@@ -58,6 +58,11 @@ pub struct SandboxInfo {
     pub oom_killed: bool,
     pub memory_bytes: u64,
     pub pids_current: u64,
+    /// Set on a fork child whose sessions are live copies: the sandbox whose namespaces it is
+    /// nested in. It keeps running when that sandbox is killed, and that sandbox's processes can
+    /// see its processes (as a parent process can see its children); see docs/ARCHITECTURE.md.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nested_in: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

@@ -30,6 +30,8 @@ pub struct Sandbox {
     pub fs_gate: Arc<tokio::sync::RwLock<()>>,
     /// A session ran, was created or was killed since the last checkpoint or rollback.
     pub dirty: AtomicBool,
+    /// The sandbox whose user and pid namespaces this one is nested in (see `store::SandboxRow`).
+    pub nest_parent: Option<String>,
 }
 
 /// Environment every command starts with, before the image's and the caller's.
@@ -71,6 +73,7 @@ impl Sandbox {
             ops: Default::default(),
             fs_gate: Default::default(),
             dirty: AtomicBool::new(true),
+            nest_parent: None,
         }
     }
 
@@ -145,6 +148,7 @@ impl Sandbox {
             oom_killed: stats.as_ref().is_some_and(|s| s.oom_kills > 0),
             memory_bytes: stats.as_ref().map(|s| s.memory_bytes).unwrap_or(0),
             pids_current: stats.as_ref().map(|s| s.pids_current).unwrap_or(0),
+            nested_in: self.nest_parent.clone(),
         }
     }
 }

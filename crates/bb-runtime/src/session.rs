@@ -121,6 +121,27 @@ impl Session {
         Ok((child as i32, std))
     }
 
+    /// Hold the channel: no request reaches the session until the guard is dropped (the daemon
+    /// drives the process from outside meanwhile, e.g. to fork a template).
+    pub(crate) async fn exclusive(&self) -> tokio::sync::MutexGuard<'_, Option<BufReader<UnixStream>>> {
+        self.chan.lock().await
+    }
+
+    /// Finish a copy of a template forked into another sandbox from outside
+    /// (`crate::sessionfork`): it becomes a live session there, with `log` as stdout/stderr and
+    /// whatever it shared with the template's sandbox (open sockets, pipes, files elsewhere)
+    /// closed.
+    pub(crate) async fn finish_copy(&self, log: &std::fs::File) -> Result<()> {
+        let resp = self
+            .request_fd(&serde_json::json!({"op": "restored", "strict": true}), Some(log.as_raw_fd()), Some(FORK_TIMEOUT))
+            .await?
+            .ok_or_else(|| RuntimeError::Internal(format!("copy of session {} did not answer", self.id)))?;
+        if resp.get("ok").and_then(|o| o.as_bool()) != Some(true) {
+            return Err(RuntimeError::Internal(format!("copy of session {} failed to start: {resp}", self.id)));
+        }
+        Ok(())
+    }
+
     /// Send one request line and read one response line.
     async fn request(&self, req: &serde_json::Value, timeout: Option<Duration>) -> Result<Option<serde_json::Value>> {
         self.request_fd(req, None, timeout).await

@@ -1,7 +1,11 @@
-//! Sandbox records in SQLite (`<state>/branchbox.db`, table `sandboxes`).
+//! Sandbox records in SQLite (`<state>/branchbox.db`, tables `sandboxes` and `husks`).
 //!
 //! A row is written once the sandbox's init reported ready and deleted once it is fully torn down,
 //! so after a crash every row names a sandbox to re-attach to or to reap.
+//!
+//! A *husk* is what is left of a killed sandbox whose init must live on because sandboxes forked
+//! from it are nested in its pid namespace (killing that init would kill them): only the init, in
+//! its cgroup; everything else is gone. It is torn down with its last nested sandbox.
 
 use crate::error::Result;
 use crate::model::SandboxSpec;
@@ -16,6 +20,18 @@ pub struct SandboxRow {
     pub init_start: u64,
     pub created_at: f64,
     pub expires_at: Option<f64>,
+    /// The sandbox whose user and pid namespaces this one is nested in (a fork child with live
+    /// sessions), if any.
+    pub nest_parent: Option<String>,
+}
+
+/// A killed sandbox's init kept alive for the sandboxes nested in it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HuskRow {
+    pub id: String,
+    pub init_pid: i32,
+    pub init_start: u64,
+    pub nest_parent: Option<String>,
 }
 
 pub struct Store {
@@ -36,16 +52,50 @@ impl Store {
                 init_start INTEGER NOT NULL,
                 created_at REAL NOT NULL,
                 expires_at REAL
+            );
+            CREATE TABLE IF NOT EXISTS husks (
+                id TEXT PRIMARY KEY,
+                init_pid INTEGER NOT NULL,
+                init_start INTEGER NOT NULL,
+                nest_parent TEXT
             );",
         )?;
+        // Added with nested forks; older databases get the column (NULL: not nested).
+        let has_nest: bool = conn
+            .prepare("SELECT 1 FROM pragma_table_info('sandboxes') WHERE name = 'nest_parent'")?
+            .exists([])?;
+        if !has_nest {
+            conn.execute_batch("ALTER TABLE sandboxes ADD COLUMN nest_parent TEXT;")?;
+        }
         Ok(Store { conn })
+    }
+
+    pub fn insert_husk(&self, row: &HuskRow) -> Result<()> {
+        self.conn.execute(
+            "INSERT OR REPLACE INTO husks (id, init_pid, init_start, nest_parent) VALUES (?1, ?2, ?3, ?4)",
+            params![row.id, row.init_pid, row.init_start as i64, row.nest_parent],
+        )?;
+        Ok(())
+    }
+
+    pub fn delete_husk(&self, id: &str) -> Result<()> {
+        self.conn.execute("DELETE FROM husks WHERE id = ?1", params![id])?;
+        Ok(())
+    }
+
+    pub fn husks(&self) -> Result<Vec<HuskRow>> {
+        let mut stmt = self.conn.prepare("SELECT id, init_pid, init_start, nest_parent FROM husks")?;
+        let rows = stmt.query_map([], |r| {
+            Ok(HuskRow { id: r.get(0)?, init_pid: r.get(1)?, init_start: r.get::<_, i64>(2)? as u64, nest_parent: r.get(3)? })
+        })?;
+        Ok(rows.collect::<std::result::Result<_, _>>()?)
     }
 
     pub fn insert(&self, row: &SandboxRow) -> Result<()> {
         let spec = serde_json::to_string(&row.spec).expect("spec serializes");
         self.conn.execute(
-            "INSERT INTO sandboxes (id, spec, init_pid, init_start, created_at, expires_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            params![row.id, spec, row.init_pid, row.init_start as i64, row.created_at, row.expires_at],
+            "INSERT INTO sandboxes (id, spec, init_pid, init_start, created_at, expires_at, nest_parent) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            params![row.id, spec, row.init_pid, row.init_start as i64, row.created_at, row.expires_at, row.nest_parent],
         )?;
         Ok(())
     }
@@ -63,16 +113,16 @@ impl Store {
     pub fn all(&self) -> Result<Vec<SandboxRow>> {
         let mut stmt = self
             .conn
-            .prepare("SELECT id, spec, init_pid, init_start, created_at, expires_at FROM sandboxes ORDER BY created_at")?;
+            .prepare("SELECT id, spec, init_pid, init_start, created_at, expires_at, nest_parent FROM sandboxes ORDER BY created_at")?;
         let rows = stmt.query_map([], |r| {
             let spec: String = r.get(1)?;
-            Ok((r.get::<_, String>(0)?, spec, r.get(2)?, r.get::<_, i64>(3)?, r.get(4)?, r.get(5)?))
+            Ok((r.get::<_, String>(0)?, spec, r.get(2)?, r.get::<_, i64>(3)?, r.get(4)?, r.get(5)?, r.get(6)?))
         })?;
         let mut out = Vec::new();
         for row in rows {
-            let (id, spec, init_pid, init_start, created_at, expires_at) = row?;
+            let (id, spec, init_pid, init_start, created_at, expires_at, nest_parent) = row?;
             match serde_json::from_str(&spec) {
-                Ok(spec) => out.push(SandboxRow { id, spec, init_pid, init_start: init_start as u64, created_at, expires_at }),
+                Ok(spec) => out.push(SandboxRow { id, spec, init_pid, init_start: init_start as u64, created_at, expires_at, nest_parent }),
                 Err(e) => tracing::warn!(%id, "unreadable sandbox record ({e}); it will be reaped"),
             }
         }
@@ -110,6 +160,7 @@ mod tests {
             init_start: 7,
             created_at: 1.5,
             expires_at: Some(9.0),
+            nest_parent: Some("sb-0".into()),
         };
         Store::open(&db).unwrap().insert(&row).unwrap();
         let store = Store::open(&db).unwrap();
@@ -119,5 +170,27 @@ mod tests {
         assert!(store.insert(&row).is_err(), "duplicate ids must be refused");
         store.delete("sb-1").unwrap();
         assert!(store.all().unwrap().is_empty());
+        let husk = HuskRow { id: "sb-0".into(), init_pid: 9, init_start: 3, nest_parent: None };
+        store.insert_husk(&husk).unwrap();
+        assert_eq!(Store::open(&db).unwrap().husks().unwrap(), vec![husk]);
+        store.delete_husk("sb-0").unwrap();
+        assert!(store.husks().unwrap().is_empty());
+    }
+
+    #[test]
+    fn old_databases_get_the_nest_column() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("b.db");
+        Connection::open(&db)
+            .unwrap()
+            .execute_batch(
+                "CREATE TABLE sandboxes (id TEXT PRIMARY KEY, spec TEXT NOT NULL, init_pid INTEGER NOT NULL,
+                 init_start INTEGER NOT NULL, created_at REAL NOT NULL, expires_at REAL);",
+            )
+            .unwrap();
+        let row = SandboxRow { id: "sb-2".into(), spec: spec(), init_pid: 1, init_start: 1, created_at: 1.0, expires_at: None, nest_parent: None };
+        let store = Store::open(&db).unwrap();
+        store.insert(&row).unwrap();
+        assert_eq!(store.all().unwrap(), vec![row]);
     }
 }

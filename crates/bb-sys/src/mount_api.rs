@@ -10,6 +10,7 @@
 
 use crate::{check, SysError, SysResult};
 use std::ffi::{CString, OsStr};
+use std::os::fd::AsFd;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -31,6 +32,7 @@ pub const MOUNT_ATTR_NOSYMFOLLOW: u32 = 0x0020_0000;
 /// `fsconfig` commands (`enum fsconfig_command`).
 const FSCONFIG_SET_FLAG: libc::c_uint = 0;
 const FSCONFIG_SET_STRING: libc::c_uint = 1;
+const FSCONFIG_SET_FD: libc::c_uint = 5;
 const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
 
 /// `move_mount` flag: the source is the fd itself (empty path).
@@ -109,6 +111,36 @@ pub fn fsconfig_set_flag(fd: BorrowedFd<'_>, key: &str) -> SysResult<()> {
         )
     };
     check("fsconfig(FSCONFIG_SET_FLAG)", ret).map(drop)
+}
+
+/// `fsconfig(fd, FSCONFIG_SET_FD, key, NULL, value)`.
+pub fn fsconfig_set_fd(fd: BorrowedFd<'_>, key: &str, value: BorrowedFd<'_>) -> SysResult<()> {
+    let key = cstring("fsconfig", OsStr::new(key))?;
+    // SAFETY: key is a valid NUL-terminated string that outlives the call; value must be NULL for
+    // FSCONFIG_SET_FD; both fds are borrowed for the call.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_fsconfig,
+            fd.as_raw_fd(),
+            FSCONFIG_SET_FD,
+            key.as_ptr(),
+            std::ptr::null::<libc::c_char>(),
+            value.as_raw_fd(),
+        )
+    };
+    check("fsconfig(FSCONFIG_SET_FD)", ret).map(drop)
+}
+
+/// A detached procfs mount (`nosuid,nodev,noexec`) showing pid namespace `pidns` (an fd of
+/// `/proc/<pid>/ns/pid`), via procfs's `pidns=` option (Linux 6.15). The caller needs
+/// CAP_SYS_ADMIN over that namespace, which must descend from its own. Mounting a procfs is
+/// only allowed where an unmasked one is already visible to the caller, so a process can make
+/// one for a sandbox nested below it whose own mount namespace would be refused.
+pub fn procfs_for_pidns(pidns: BorrowedFd<'_>) -> SysResult<OwnedFd> {
+    let fs = fsopen("proc", FSOPEN_CLOEXEC)?;
+    fsconfig_set_fd(fs.as_fd(), "pidns", pidns)?;
+    fsconfig_create(fs.as_fd())?;
+    fsmount(fs.as_fd(), FSMOUNT_CLOEXEC, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC)
 }
 
 /// `fsconfig(fd, FSCONFIG_CMD_CREATE, NULL, NULL, 0)`: create the superblock.

@@ -238,6 +238,39 @@ pub fn pidfd_open(pid: i32) -> SysResult<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// The pid (in our pid namespace) of the process a pidfd refers to, from `/proc/self/fdinfo`.
+/// `ESRCH` if it has exited (fdinfo then says -1).
+pub fn pidfd_pid(pidfd: &OwnedFd) -> SysResult<i32> {
+    let path = format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd());
+    let text = std::fs::read_to_string(&path).map_err(|source| SysError { call: "read fdinfo", source })?;
+    let pid = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Pid:"))
+        .and_then(|v| v.trim().parse::<i32>().ok())
+        .ok_or_else(|| SysError { call: "pidfd fdinfo", source: std::io::Error::from_raw_os_error(libc::EINVAL) })?;
+    if pid <= 0 {
+        return Err(SysError { call: "pidfd fdinfo", source: std::io::Error::from_raw_os_error(libc::ESRCH) });
+    }
+    Ok(pid)
+}
+
+/// `pidfd_getfd(pidfd, fd)`: a duplicate of another process's fd (needs ptrace access to it).
+pub fn pidfd_getfd(pidfd: &OwnedFd, fd: RawFd) -> SysResult<OwnedFd> {
+    // SAFETY: plain integer arguments.
+    let ret = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    let fd = check("pidfd_getfd", ret)?;
+    // SAFETY: the kernel returned a fresh fd that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// A process's pid in each pid namespace it is visible in, outermost (ours) first: the `NSpid`
+/// line of `/proc/<pid>/status`.
+pub fn ns_pids(pid: i32) -> Option<Vec<i32>> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?;
+    line.split_whitespace().map(|p| p.parse().ok()).collect()
+}
+
 /// close_range(first, ~0, 0): close every fd >= first.
 pub fn close_fds_from(first: u32) -> SysResult<()> {
     // SAFETY: close_range only affects this process's fd table.

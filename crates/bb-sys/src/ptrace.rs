@@ -259,6 +259,38 @@ mod imp {
             Ok(())
         }
 
+        /// Receive up to `max` fds sent with SCM_RIGHTS on socket `sock` (an fd of the tracee):
+        /// an injected `recvmsg` into scratch memory. Returns their numbers in the tracee
+        /// (close-on-exec).
+        pub fn recv_fds(&mut self, sock: i32, max: usize) -> SysResult<Vec<i32>> {
+            const CMSG_HDR: usize = 16; // struct cmsghdr on 64-bit: len (8), level (4), type (4)
+            let cmsg_space = CMSG_HDR + (max * 4).div_ceil(8) * 8;
+            // Layout: msghdr (56) | iovec (16) | 8 data bytes | control buffer.
+            let base = self.scratch(96 + cmsg_space);
+            let (iov, data, control) = (base + 56, base + 72, base + 80);
+            let mut msg = [0u8; 56];
+            msg[16..24].copy_from_slice(&iov.to_ne_bytes()); // msg_iov
+            msg[24..32].copy_from_slice(&1u64.to_ne_bytes()); // msg_iovlen
+            msg[32..40].copy_from_slice(&control.to_ne_bytes()); // msg_control
+            msg[40..48].copy_from_slice(&(cmsg_space as u64).to_ne_bytes()); // msg_controllen
+            let mut vec = [0u8; 16];
+            vec[..8].copy_from_slice(&data.to_ne_bytes());
+            vec[8..].copy_from_slice(&8u64.to_ne_bytes());
+            self.write_mem(base, &msg)?;
+            self.write_mem(iov, &vec)?;
+            self.write_mem(control, &vec![0u8; cmsg_space])?;
+            self.syscall(libc::SYS_recvmsg, [sock as u64, base, libc::MSG_CMSG_CLOEXEC as u64, 0, 0, 0])?
+                .ok("recvmsg")?;
+            let mut ctl = vec![0u8; cmsg_space];
+            self.read_mem(control, &mut ctl)?;
+            let len = u64::from_ne_bytes(ctl[..8].try_into().expect("8 bytes")) as usize;
+            let (level, kind) = (i32::from_ne_bytes(ctl[8..12].try_into().expect("4")), i32::from_ne_bytes(ctl[12..16].try_into().expect("4")));
+            if len < CMSG_HDR || len > cmsg_space || level != libc::SOL_SOCKET || kind != libc::SCM_RIGHTS {
+                return Err(SysError { call: "recvmsg (no fds arrived)", source: io::Error::from_raw_os_error(libc::EPROTO) });
+            }
+            Ok(ctl[CMSG_HDR..len].chunks_exact(4).map(|c| i32::from_ne_bytes(c.try_into().expect("4"))).collect())
+        }
+
         fn peek_u16(&self, addr: u64) -> SysResult<u16> {
             // PEEKTEXT also works on execute-only pages, which process_vm_readv may not read.
             // SAFETY: clearing errno before PEEKTEXT, whose -1 result is ambiguous.
@@ -414,6 +446,30 @@ mod imp {
             assert!(mine >= 0, "pidfd_getfd: {}", io::Error::last_os_error());
             // SAFETY: mine is a fresh fd owned by nobody else.
             let mut copy_chan: UnixStream = unsafe { std::os::fd::FromRawFd::from_raw_fd(mine as i32) };
+            // fds sent on our end arrive in the copy through an injected recvmsg.
+            let (p_r, p_w) = nix::unistd::pipe().unwrap();
+            let theirs_end = crate::process::pidfd_getfd(&pidfd, b).unwrap();
+            nix::sys::socket::sendmsg::<()>(
+                std::os::fd::AsRawFd::as_raw_fd(&theirs_end),
+                &[std::io::IoSlice::new(b"x")],
+                &[nix::sys::socket::ControlMessage::ScmRights(&[std::os::fd::AsRawFd::as_raw_fd(&p_r), std::os::fd::AsRawFd::as_raw_fd(&p_w)])],
+                nix::sys::socket::MsgFlags::empty(),
+                None,
+            )
+            .unwrap();
+            let got = c.recv_fds(a, 4).unwrap();
+            assert_eq!(got.len(), 2, "two fds arrive");
+            let pipe_w = got[1];
+            let msg = c.scratch(8);
+            c.write_mem(msg, b"hey!").unwrap();
+            assert_eq!(c.syscall(libc::SYS_write, [pipe_w as u64, msg, 4, 0, 0, 0]).unwrap().ret, 4);
+            let mut four = [0u8; 4];
+            nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&p_r), &mut four).unwrap();
+            assert_eq!(&four, b"hey!", "the copy wrote into the pipe it received");
+            for fd in got {
+                c.syscall(libc::SYS_close, [fd as u64, 0, 0, 0, 0, 0]).unwrap();
+            }
+            drop((p_r, p_w, theirs_end));
             c.syscall(libc::SYS_close, [a as u64, 0, 0, 0, 0, 0]).unwrap();
             c.syscall(libc::SYS_close, [b as u64, 0, 0, 0, 0, 0]).unwrap();
             c.resume().unwrap();

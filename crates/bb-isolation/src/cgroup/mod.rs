@@ -454,6 +454,19 @@ impl Cgroup {
         Ok(())
     }
 
+    /// The group's `cgroup.procs` file in each hierarchy, open for writing: whoever holds them
+    /// can move processes in (the kernel checks the opener's credentials, so they can be handed
+    /// to a less privileged process, e.g. a sandbox's init starting a nested sandbox).
+    pub fn procs_files(&self) -> Result<Vec<fs::File>> {
+        self.dirs()
+            .into_iter()
+            .map(|dir| {
+                let path = dir.join("cgroup.procs");
+                fs::OpenOptions::new().write(true).custom_flags(libc::O_CLOEXEC).open(&path).map_err(|e| cgfs::fs_err("open", &path, e))
+            })
+            .collect()
+    }
+
     /// v2 only: an `O_DIRECTORY` fd of the group for `clone3(CLONE_INTO_CGROUP)`. `None` on v1,
     /// where the child must be moved with [`Cgroup::add_pid`] instead.
     pub fn dir_fd(&self) -> Result<Option<OwnedFd>> {

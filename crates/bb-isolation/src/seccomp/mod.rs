@@ -79,6 +79,14 @@ impl SeccompFilter {
         })
     }
 
+    /// The default policy, except that `setns` passes when its (otherwise unused) third and
+    /// fourth arguments equal `key` (see [`SetnsKey`]).
+    pub fn default_policy_with_setns_key(key: SetnsKey) -> Result<SeccompFilter> {
+        Ok(SeccompFilter {
+            program: compile_keyed(DEFAULT_POLICY_JSON, native_arch()?, Some(key))?,
+        })
+    }
+
     /// Install the filter on the calling thread (only; apply it in the single-threaded child
     /// right before `execve`, it is inherited across fork/clone/execve). Also sets
     /// `no_new_privs`, which seccomp requires of callers without CAP_SYS_ADMIN. Does not
@@ -172,16 +180,69 @@ impl<'de> Deserialize<'de> for Policy {
     }
 }
 
+/// A secret that lets `setns(fd, nstype, key[0], key[1])` through a filter that otherwise
+/// denies `setns`.
+///
+/// setns(2) takes two arguments; the kernel ignores the registers of the third and fourth, but
+/// seccomp sees them. The daemon forks session templates into other sandboxes' namespaces by
+/// injecting that one `setns` into a stopped helper process (see `bb_sys::ptrace`): with the key
+/// in those registers it passes; any other caller, which does not know the key, gets EPERM. The
+/// key lives only in the daemon, in the kernel's copy of each filter, and in sandbox inits, whose
+/// memory sandbox processes cannot read (they are non-dumpable and the sandboxes lack
+/// CAP_SYS_PTRACE). 128 random bits: guessing is hopeless.
+pub type SetnsKey = [u64; 2];
+
 /// Compile a JSON policy for `arch` into one linked program.
 pub(crate) fn compile(json: &str, arch: TargetArch) -> Result<BpfProgram> {
-    let programs = compile_filters(json, arch)?;
+    compile_keyed(json, arch, None)
+}
+
+pub(crate) fn compile_keyed(json: &str, arch: TargetArch, key: Option<SetnsKey>) -> Result<BpfProgram> {
+    let programs = compile_filters_keyed(json, arch, key)?;
     link(arch, programs.into_iter().map(|(_, p)| p).collect())
 }
 
 /// Compile each filter of the policy separately (seccompiler's output, before linking).
+#[cfg(test)]
 pub(crate) fn compile_filters(json: &str, arch: TargetArch) -> Result<Vec<(String, BpfProgram)>> {
-    let policy: Policy = serde_json::from_str(json)
+    compile_filters_keyed(json, arch, None)
+}
+
+/// Replace each unconditional `setns` rule of a denying filter by "setns whose third argument is
+/// not key[0]" and "... fourth argument is not key[1]": the filter's verdict then applies unless
+/// both match.
+fn gate_setns(policy: &mut Policy, key: SetnsKey) {
+    for filter in policy.0.values_mut() {
+        if matches!(filter.match_action, SeccompAction::Allow) {
+            continue;
+        }
+        let before = filter.rules.len();
+        filter.rules.retain(|r| !(r.syscall == "setns" && r.args.is_none()));
+        if filter.rules.len() == before {
+            continue;
+        }
+        for (index, val) in [(2u8, key[0]), (3u8, key[1])] {
+            filter.rules.push(JsonRule {
+                syscall: "setns".into(),
+                args: Some(vec![JsonCondition {
+                    index,
+                    arg_len: SeccompCmpArgLen::Qword,
+                    op: SeccompCmpOp::Ne,
+                    val,
+                    _comment: None,
+                }]),
+                _comment: None,
+            });
+        }
+    }
+}
+
+fn compile_filters_keyed(json: &str, arch: TargetArch, key: Option<SetnsKey>) -> Result<Vec<(String, BpfProgram)>> {
+    let mut policy: Policy = serde_json::from_str(json)
         .map_err(|e| IsolationError::SeccompPolicy(format!("invalid JSON: {e}")))?;
+    if let Some(key) = key {
+        gate_setns(&mut policy, key);
+    }
     if policy.0.is_empty() {
         return Err(IsolationError::SeccompPolicy(
             "the policy has no filters".to_owned(),

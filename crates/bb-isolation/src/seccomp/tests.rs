@@ -452,3 +452,25 @@ fn policy_errors_are_explicit() {
     assert!(e.contains("cannot compile filter \"f\""), "{e}");
     assert!(err("{}").contains("no filters"));
 }
+
+#[test]
+fn setns_passes_only_with_the_key() {
+    let key = [0x0123_4567_89ab_cdef, 0xfedc_ba98_7654_3210];
+    for arch in [TargetArch::x86_64, TargetArch::aarch64] {
+        let t = Target::new(arch);
+        let keyed = compile_keyed(DEFAULT_POLICY_JSON, arch, Some(key)).unwrap();
+        let nr = t.nr("setns");
+        let call = |a2, a3| eval(&keyed, t.audit, nr, [3, 0, a2, a3, 0, 0]);
+        assert_eq!(call(key[0], key[1]), ALLOW, "{arch:?}");
+        assert_eq!(call(0, 0), EPERM);
+        assert_eq!(call(key[0], 0), EPERM, "half the key is not enough");
+        assert_eq!(call(0, key[1]), EPERM);
+        assert_eq!(call(key[0], key[1] ^ (1 << 63)), EPERM, "all 64 bits count");
+        assert_eq!(call(key[0] ^ 1, key[1]), EPERM);
+        // Without a key setns stays denied whatever the arguments, and the rest is unchanged.
+        assert_eq!(eval(&t.prog, t.audit, nr, [3, 0, key[0], key[1], 0, 0]), EPERM);
+        for name in DENIED.iter().filter(|n| **n != "setns") {
+            assert_eq!(eval(&keyed, t.audit, t.nr(name), [0; 6]), EPERM, "{name}");
+        }
+    }
+}
