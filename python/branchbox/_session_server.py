@@ -737,6 +737,16 @@ def _close_all_but(keep):
                 pass
 
 
+def _munmap(addr, length):
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(length))
+    except Exception:
+        pass
+
+
 def _after_fork_child():
     """What os.fork() runs in a child (CPython's PyOS_AfterFork_Child: thread and lock state,
     os.register_at_fork hooks such as random's reseed), for a copy the daemon forked from
@@ -805,7 +815,7 @@ class Server(object):
         op = req.get("op")
         reopened = None
         if op == "restored":
-            resp = self.op_restored(fds, bool(req.get("strict")))
+            resp = self.op_restored(fds, bool(req.get("strict")), req.get("unmap"))
         elif op == "fork":
             self._finish_restore()  # a copy of a restored session gets the restored files
             resp = self.op_fork(fds, req.get("role"))
@@ -886,15 +896,18 @@ class Server(object):
             self.reaping = True
         return {"ok": True, "child": pid}
 
-    def op_restored(self, fds, strict):
+    def op_restored(self, fds, strict, unmap=None):
         """This process is a copy of a template that the daemon forked from outside (into
         another sandbox): become a live session in place, like a "restore" fork child.  An fd
         sent along becomes stdout and stderr.  With ``strict``, open objects that could not be
         reopened by path in this root (sockets, pipes, files elsewhere: shared with the
-        template's sandbox) are closed before the next request."""
+        template's sandbox) are closed before the next request.  ``unmap`` = [address, length]
+        of a mapping the daemon used while forking the template, removed here."""
         if not self.template:
             _close_fds(fds)
             return _protocol_error('"restored" is only for a copy of a template')
+        if isinstance(unmap, list) and len(unmap) == 2 and all(isinstance(v, int) for v in unmap):
+            _munmap(unmap[0], unmap[1])
         _after_fork_child()
         if fds:
             for target in (1, 2):

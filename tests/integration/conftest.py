@@ -76,6 +76,11 @@ class Daemon:
     def ensure_running(self) -> None:
         """Restart the daemon if a test left it stopped (or it died)."""
         if not self.running():
+            if self.proc is not None:
+                # Say how it died (a negative status is the signal that killed it) in its log.
+                with open(self.log, "a") as f:
+                    f.write("test harness: branchboxd (pid %d) was found dead, exit status %r; restarting\n"
+                            % (self.proc.pid, self.proc.returncode))
             self.proc = None
             self.start()
 

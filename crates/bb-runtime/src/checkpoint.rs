@@ -773,13 +773,14 @@ impl Runtime {
             kill_copy();
             return Err(e);
         }
+        let runner = copy.runner;
         let s = Session::attach(ss.id.clone(), ss.kind.clone(), ns_pid, now(), copy.chan)?;
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(child.dirs.logs().join(format!("{}.log", ss.id)))
             .map_err(|e| RuntimeError::internal("session log", e))?;
-        if let Err(e) = s.finish_copy(&log).await {
+        if let Err(e) = s.finish_copy(&log, runner).await {
             kill_copy();
             return Err(e);
         }

@@ -131,9 +131,12 @@ impl Session {
     /// (`crate::sessionfork`): it becomes a live session there, with `log` as stdout/stderr and
     /// whatever it shared with the template's sandbox (open sockets, pipes, files elsewhere)
     /// closed.
-    pub(crate) async fn finish_copy(&self, log: &std::fs::File) -> Result<()> {
+    /// `unmap`: a mapping the copy inherited from the daemon's work in the template (address,
+    /// length), which it removes.
+    pub(crate) async fn finish_copy(&self, log: &std::fs::File, unmap: (u64, u64)) -> Result<()> {
+        let req = serde_json::json!({"op": "restored", "strict": true, "unmap": [unmap.0, unmap.1]});
         let resp = self
-            .request_fd(&serde_json::json!({"op": "restored", "strict": true}), Some(log.as_raw_fd()), Some(FORK_TIMEOUT))
+            .request_fd(&req, Some(log.as_raw_fd()), Some(FORK_TIMEOUT))
             .await?
             .ok_or_else(|| RuntimeError::Internal(format!("copy of session {} did not answer", self.id)))?;
         if resp.get("ok").and_then(|o| o.as_bool()) != Some(true) {

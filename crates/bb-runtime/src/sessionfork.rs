@@ -24,7 +24,7 @@
 
 use crate::error::{Result, RuntimeError};
 use bb_isolation::Cgroup;
-use bb_sys::ptrace::Tracee;
+use bb_sys::ptrace::{Tracee, RUNNER_BYTES, RUNNER_DATA};
 use std::os::unix::net::UnixStream;
 
 /// fd of a session server's channel (see `_session_server.py`).
@@ -40,10 +40,12 @@ pub struct Target<'a> {
     pub cgroup: &'a Cgroup,
 }
 
-/// A session copy running in a child: its host pid and the daemon's end of its channel.
+/// A session copy running in a child: its host pid, the daemon's end of its channel, and the
+/// batch runner's mapping it inherited (address, length), which it should unmap.
 pub struct SessionCopy {
     pub host_pid: i32,
     pub chan: UnixStream,
+    pub runner: (u64, u64),
 }
 
 fn fail(what: &str, e: impl std::fmt::Display) -> RuntimeError {
@@ -82,59 +84,219 @@ pub fn fork_into(template: i32, targets: &[Target<'_>], key: [u64; 2]) -> Result
             fail("seize template", e)
         }
     })?;
-    let act = t.scratch(64);
-    t.write_mem(act, &sigaction_bytes(1 /* SIG_IGN */)).map_err(|e| fail("write sigaction", e))?;
-    t.syscall(libc::SYS_rt_sigaction, [libc::SIGCHLD as u64, act, act + 32, 8, 0, 0])
-        .and_then(|r| r.ok("rt_sigaction"))
-        .map_err(|e| fail("ignore SIGCHLD", e))?;
-    let out = match socketpair_in(&mut t) {
-        Ok((fd, ns_sock)) => {
-            let out = targets.iter().map(|tg| copy_into(&mut t, fd, &ns_sock, tg, key)).collect();
-            let _ = t.syscall(libc::SYS_close, [fd as u64, 0, 0, 0, 0, 0]);
+    let runner = t.install_runner().map_err(|e| fail("map the batch runner", e))?;
+    let out = match Prepared::new(&mut t, runner) {
+        Ok(prep) => {
+            let out = targets.iter().map(|tg| prep.copy_into(&mut t, tg, key)).collect();
+            prep.finish(&mut t);
             out
         }
-        Err(e) => targets.iter().map(|_| Err(fail("socketpair", &e))).collect(),
+        Err(e) => targets.iter().map(|_| Err(fail("prepare template", &e))).collect(),
     };
-    // Back to the template's own SIGCHLD disposition (saved at act + 32).
-    let restored = t
-        .syscall(libc::SYS_rt_sigaction, [libc::SIGCHLD as u64, act + 32, 0, 8, 0, 0])
-        .and_then(|r| r.ok("rt_sigaction"));
+    let unmapped = t.syscall(libc::SYS_munmap, [runner, RUNNER_BYTES, 0, 0, 0, 0]).and_then(|r| r.ok("munmap"));
     t.resume().map_err(|e| fail("resume template", e))?;
-    restored.map_err(|e| fail("restore SIGCHLD", e))?;
+    unmapped.map_err(|e| fail("unmap the batch runner", e))?;
     Ok(out)
 }
 
-/// A socketpair made in the tracee: its end's fd number there, and the other end (taken with
-/// `pidfd_getfd`, then closed in the tracee).
-fn socketpair_in(t: &mut Tracee) -> Result<(i32, UnixStream)> {
-    let sv = t.scratch(8);
-    t.syscall(libc::SYS_socketpair, [libc::AF_UNIX as u64, (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64, 0, sv, 0, 0])
-        .and_then(|r| r.ok("socketpair"))
-        .map_err(|e| fail("socketpair", e))?;
-    let mut b = [0u8; 8];
-    t.read_mem(sv, &mut b).map_err(|e| fail("read socketpair", e))?;
-    let (a, theirs) = (i32::from_ne_bytes(b[..4].try_into().expect("4")), i32::from_ne_bytes(b[4..].try_into().expect("4")));
-    let taken = bb_sys::process::pidfd_open(t.pid())
-        .and_then(|pidfd| bb_sys::process::pidfd_getfd(&pidfd, theirs))
-        .map_err(|e| fail("take socket end", e));
-    let _ = t.syscall(libc::SYS_close, [theirs as u64, 0, 0, 0, 0, 0]);
-    match taken {
-        Ok(fd) => Ok((a, UnixStream::from(fd))),
-        Err(e) => {
-            let _ = t.syscall(libc::SYS_close, [a as u64, 0, 0, 0, 0, 0]);
-            Err(e)
+// Layout of the data area of the runner's mapping (see bb_sys::ptrace::RUNNER_DATA).
+const D_ACT: u64 = RUNNER_DATA; // new SIGCHLD sigaction (32 bytes)
+const D_OLD_ACT: u64 = RUNNER_DATA + 32; // the template's own (32 bytes)
+const D_SV: u64 = RUNNER_DATA + 64; // socketpair result (8 bytes)
+const D_CAPS: u64 = RUNNER_DATA + 128; // capset header (8) at +0, data (24) at +16
+const D_MSG: u64 = RUNNER_DATA + 256; // msghdr (56), iovec at +64, byte at +80, control at +96
+/// fds sent to each helper: its 7 namespaces and the copy's channel.
+const SENT_FDS: usize = NAMESPACES.len() + 1;
+
+/// The template, taken over: SIGCHLD ignored (helpers are reaped at once), a socketpair whose
+/// one end (`ns_fd`) helpers inherit and whose other end we hold, and the fds it has open (so
+/// the numbers fds received by a helper get are known: the lowest free ones).
+struct Prepared {
+    runner: u64,
+    ns_fd: i32,
+    ns_sock: UnixStream,
+    open_fds: Vec<i32>,
+}
+
+impl Prepared {
+    fn new(t: &mut Tracee, runner: u64) -> Result<Prepared> {
+        let w = |t: &Tracee, at: u64, b: &[u8]| t.write_mem(runner + at, b).map_err(|e| fail("write template memory", e));
+        w(t, D_ACT, &sigaction_bytes(1 /* SIG_IGN */))?;
+        let (hdr, data) = capset_bytes();
+        w(t, D_CAPS, &hdr)?;
+        w(t, D_CAPS + 16, &data)?;
+        let b = t
+            .run_batch(
+                runner,
+                &[
+                    (libc::SYS_rt_sigaction, [libc::SIGCHLD as u64, runner + D_ACT, runner + D_OLD_ACT, 8, 0, 0]),
+                    (libc::SYS_socketpair, [libc::AF_UNIX as u64, (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64, 0, runner + D_SV, 0, 0]),
+                ],
+            )
+            .map_err(|e| fail("template set-up", e))?;
+        if b.results.len() != 2 || b.results.iter().any(|r| *r < 0) {
+            if b.results.first().is_some_and(|r| *r >= 0) {
+                restore_sigchld(t, runner);
+            }
+            return Err(fail("template set-up", format!("results {:?}", b.results)));
         }
+        let mut sv = [0u8; 8];
+        t.read_mem(runner + D_SV, &mut sv).map_err(|e| fail("read socketpair", e))?;
+        let (ns_fd, theirs) = (i32::from_ne_bytes(sv[..4].try_into().expect("4")), i32::from_ne_bytes(sv[4..].try_into().expect("4")));
+        let taken = bb_sys::process::pidfd_open(t.pid()).and_then(|pidfd| bb_sys::process::pidfd_getfd(&pidfd, theirs));
+        let _ = t.run_batch(runner, &[(libc::SYS_close, [theirs as u64, 0, 0, 0, 0, 0])]);
+        let prep = |ns_sock| -> Result<Prepared> {
+            let open_fds = std::fs::read_dir(format!("/proc/{}/fd", t.pid()))
+                .map_err(|e| fail("list template fds", e))?
+                .flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect();
+            Ok(Prepared { runner, ns_fd, ns_sock, open_fds })
+        };
+        match taken.map_err(|e| fail("take socket end", e)).and_then(|fd| prep(UnixStream::from(fd))) {
+            Ok(p) => Ok(p),
+            Err(e) => {
+                let _ = t.run_batch(runner, &[(libc::SYS_close, [ns_fd as u64, 0, 0, 0, 0, 0])]);
+                restore_sigchld(t, runner);
+                Err(e)
+            }
+        }
+    }
+
+    /// Undo what `new` did in the template.
+    fn finish(self, t: &mut Tracee) {
+        let _ = t.run_batch(self.runner, &[(libc::SYS_close, [self.ns_fd as u64, 0, 0, 0, 0, 0])]);
+        restore_sigchld(t, self.runner);
+    }
+
+    /// The fd numbers the next `SENT_FDS` fds a helper receives will get.
+    fn predicted_fds(&self) -> Vec<i32> {
+        (0..).filter(|fd| !self.open_fds.contains(fd)).take(SENT_FDS).collect()
+    }
+
+    fn copy_into(&self, t: &mut Tracee, target: &Target<'_>, key: [u64; 2]) -> Result<SessionCopy> {
+        let t0 = std::time::Instant::now();
+        let runner = self.runner;
+        let helper = t
+            .syscall(libc::SYS_clone, [(libc::CLONE_VM | libc::SIGCHLD) as u64, 0, 0, 0, 0, 0])
+            .map_err(|e| fail("clone helper", e))?;
+        helper.ok("clone").map_err(|e| fail("clone helper", e))?;
+        let hpid = helper.child.ok_or_else(|| fail("clone helper", "no child reported"))?;
+        let mut h = t.child(hpid).map_err(|e| fail("helper", e))?;
+        let t_clone = t0.elapsed();
+        let (ours, theirs) = match UnixStream::pair() {
+            Ok(p) => p,
+            Err(e) => {
+                h.kill();
+                return Err(fail("socketpair", e));
+            }
+        };
+        let sent = target.cgroup.add_pid(h.pid()).map_err(RuntimeError::from).and_then(|()| send_fds(&self.ns_sock, target.init_pid, &theirs));
+        drop(theirs);
+        if let Err(e) = sent {
+            h.kill();
+            return Err(e);
+        }
+        let fds = self.predicted_fds();
+        let msg = runner + D_MSG;
+        if let Err(e) = write_msghdr(t, msg) {
+            h.kill();
+            return Err(e);
+        }
+        let mut calls = vec![(libc::SYS_recvmsg, [self.ns_fd as u64, msg, libc::MSG_CMSG_CLOEXEC as u64, 0, 0, 0])];
+        calls.extend(fds[..NAMESPACES.len()].iter().map(|fd| (libc::SYS_setns, [*fd as u64, 0, key[0], key[1], 0, 0])));
+        calls.extend(fds[..NAMESPACES.len()].iter().map(|fd| (libc::SYS_close, [*fd as u64, 0, 0, 0, 0, 0])));
+        let chan = fds[NAMESPACES.len()] as u64;
+        calls.extend([
+            (libc::SYS_dup3, [chan, CHANNEL_FD, libc::O_CLOEXEC as u64, 0, 0, 0]),
+            (libc::SYS_close, [chan, 0, 0, 0, 0, 0]),
+            (libc::SYS_close, [self.ns_fd as u64, 0, 0, 0, 0, 0]),
+            (libc::SYS_capset, [runner + D_CAPS, runner + D_CAPS + 16, 0, 0, 0, 0]),
+            (libc::SYS_fork, [0; 6]),
+            (libc::SYS_exit, [0; 6]),
+        ]);
+        let b = match h.run_batch(runner, &calls) {
+            Ok(b) => b,
+            Err(e) => {
+                h.kill();
+                return Err(fail("helper batch", e));
+            }
+        };
+        if !b.exited {
+            // It stopped at an error: name the call.
+            let i = b.results.len().saturating_sub(1);
+            let what = batch_step(i);
+            let errno = b.results.last().copied().unwrap_or(0);
+            h.kill();
+            for c in b.children {
+                let _ = t.child(c).map(|c| c.kill());
+            }
+            return Err(fail(&format!("helper: {what}"), std::io::Error::from_raw_os_error(-errno as i32)));
+        }
+        let copy_pid = b.children.first().copied().ok_or_else(|| fail("helper", "fork made no child"))?;
+        let copy = t.child(copy_pid).map_err(|e| fail("copy", e))?;
+        // The fds really received must be the ones the batch used.
+        if let Err(e) = check_received(t, msg, &fds) {
+            copy.kill();
+            return Err(e);
+        }
+        copy.resume().map_err(|e| fail("resume copy", e))?;
+        tracing::debug!(?t_clone, total = ?t0.elapsed(), "session copy");
+        Ok(SessionCopy { host_pid: copy_pid, chan: ours, runner: (runner, RUNNER_BYTES) })
     }
 }
 
-/// Send the namespaces of process `pid` (opened from the host side) on `sock`.
-fn send_namespaces(sock: &UnixStream, pid: i32) -> Result<()> {
+/// What the helper batch's call `i` does (for errors).
+fn batch_step(i: usize) -> String {
+    let n = NAMESPACES.len();
+    match i {
+        0 => "receive namespaces".into(),
+        i if i <= n => format!("join the child's {} namespace", NAMESPACES[i - 1]),
+        i if i <= 2 * n => "close namespace fds".into(),
+        i if i == 2 * n + 1 || i == 2 * n + 2 => "install channel".into(),
+        i if i == 2 * n + 3 => "close socket".into(),
+        i if i == 2 * n + 4 => "drop capabilities".into(),
+        _ => "fork".into(),
+    }
+}
+
+fn restore_sigchld(t: &mut Tracee, runner: u64) {
+    let _ = t.run_batch(runner, &[(libc::SYS_rt_sigaction, [libc::SIGCHLD as u64, runner + D_OLD_ACT, 0, 8, 0, 0])]);
+}
+
+/// recvmsg arguments in the runner's data area: one byte of data, room for `SENT_FDS` fds.
+fn write_msghdr(t: &Tracee, at: u64) -> Result<()> {
+    let control_len = 16 + (SENT_FDS * 4).div_ceil(8) * 8;
+    let mut b = vec![0u8; 96 + control_len];
+    b[16..24].copy_from_slice(&(at + 64).to_ne_bytes()); // msg_iov
+    b[24..32].copy_from_slice(&1u64.to_ne_bytes()); // msg_iovlen
+    b[32..40].copy_from_slice(&(at + 96).to_ne_bytes()); // msg_control
+    b[40..48].copy_from_slice(&(control_len as u64).to_ne_bytes()); // msg_controllen
+    b[64..72].copy_from_slice(&(at + 80).to_ne_bytes()); // iov_base
+    b[72..80].copy_from_slice(&1u64.to_ne_bytes()); // iov_len
+    t.write_mem(at, &b).map_err(|e| fail("write msghdr", e))
+}
+
+/// Compare the fds in the received control message with `expected`.
+fn check_received(t: &Tracee, msg: u64, expected: &[i32]) -> Result<()> {
+    let mut ctl = vec![0u8; 16 + expected.len() * 4];
+    t.read_mem(msg + 96, &mut ctl).map_err(|e| fail("read control message", e))?;
+    let got: Vec<i32> = ctl[16..].chunks_exact(4).map(|c| i32::from_ne_bytes(c.try_into().expect("4"))).collect();
+    if got != expected {
+        return Err(fail("receive namespaces", format!("fds {got:?}, expected {expected:?}")));
+    }
+    Ok(())
+}
+
+/// Send the namespaces of process `pid` (opened from the host side) and `chan` on `sock`.
+fn send_fds(sock: &UnixStream, pid: i32, chan: &UnixStream) -> Result<()> {
     use std::os::fd::AsRawFd;
     let files = NAMESPACES
         .iter()
         .map(|ns| std::fs::File::open(format!("/proc/{pid}/ns/{ns}")).map_err(|e| fail("child init's namespaces", e)))
         .collect::<Result<Vec<_>>>()?;
-    let fds: Vec<i32> = files.iter().map(|f| f.as_raw_fd()).collect();
+    let mut fds: Vec<i32> = files.iter().map(|f| f.as_raw_fd()).collect();
+    fds.push(chan.as_raw_fd());
     nix::sys::socket::sendmsg::<()>(
         sock.as_raw_fd(),
         &[std::io::IoSlice::new(b"n")],
@@ -144,89 +306,6 @@ fn send_namespaces(sock: &UnixStream, pid: i32) -> Result<()> {
     )
     .map_err(|e| fail("send namespaces", e))?;
     Ok(())
-}
-
-fn copy_into(t: &mut Tracee, ns_fd: i32, ns_sock: &UnixStream, target: &Target<'_>, key: [u64; 2]) -> Result<SessionCopy> {
-    let helper = t
-        .syscall(libc::SYS_clone, [(libc::CLONE_VM | libc::SIGCHLD) as u64, 0, 0, 0, 0, 0])
-        .map_err(|e| fail("clone helper", e))?;
-    helper.ok("clone").map_err(|e| fail("clone helper", e))?;
-    let hpid = helper.child.ok_or_else(|| fail("clone helper", "no child reported"))?;
-    let mut h = t.child(hpid).map_err(|e| fail("helper", e))?;
-    match helper_steps(&mut h, ns_fd, ns_sock, target, key) {
-        Ok(copy_pid) => {
-            let _ = h.exit(0);
-            let mut c = t.child(copy_pid).map_err(|e| fail("copy", e))?;
-            match give_channel(&mut c) {
-                Ok(chan) => {
-                    let host_pid = c.pid();
-                    c.resume().map_err(|e| fail("resume copy", e))?;
-                    Ok(SessionCopy { host_pid, chan })
-                }
-                Err(e) => {
-                    c.kill();
-                    Err(e)
-                }
-            }
-        }
-        Err(e) => {
-            h.kill();
-            Err(e)
-        }
-    }
-}
-
-/// In the helper: join the child's namespaces, drop capabilities, move to its cgroup, fork.
-/// Returns the copy's host pid.
-fn helper_steps(h: &mut Tracee, ns_fd: i32, ns_sock: &UnixStream, target: &Target<'_>, key: [u64; 2]) -> Result<i32> {
-    let call = |h: &mut Tracee, what: &'static str, nr: i64, args: [u64; 6]| -> Result<i64> {
-        h.syscall(nr, args).and_then(|r| r.ok(what)).map_err(|e| fail(what, e))
-    };
-    send_namespaces(ns_sock, target.init_pid)?;
-    let fds = h.recv_fds(ns_fd, NAMESPACES.len()).map_err(|e| fail("receive namespaces", e))?;
-    let mut joined = Ok(0);
-    for (fd, name) in fds.iter().zip(NAMESPACES) {
-        joined = joined.and_then(|_| {
-            h.syscall(libc::SYS_setns, [*fd as u64, 0, key[0], key[1], 0, 0])
-                .and_then(|r| r.ok("setns"))
-                .map_err(|e| fail(&format!("join the child's {name} namespace"), e))
-        });
-    }
-    for fd in &fds {
-        let _ = h.syscall(libc::SYS_close, [*fd as u64, 0, 0, 0, 0, 0]);
-    }
-    if fds.len() != NAMESPACES.len() {
-        return Err(fail("receive namespaces", format!("{} of {} arrived", fds.len(), NAMESPACES.len())));
-    }
-    joined?;
-    let (hdr, data) = capset_bytes();
-    let at = h.scratch(64);
-    h.write_mem(at, &hdr).and_then(|()| h.write_mem(at + 16, &data)).map_err(|e| fail("write caps", e))?;
-    call(h, "capset", libc::SYS_capset, [at, at + 16, 0, 0, 0, 0])?;
-    target.cgroup.add_pid(h.pid())?;
-    let forked = h.syscall(libc::SYS_fork, [0; 6]).map_err(|e| fail("fork", e))?;
-    forked.ok("fork").map_err(|e| fail("fork", e))?;
-    forked.child.ok_or_else(|| fail("fork", "no child reported"))
-}
-
-/// In the copy: a new socketpair, one end over fd 3, the other end taken by us.
-fn give_channel(c: &mut Tracee) -> Result<UnixStream> {
-    let sv = c.scratch(8);
-    c.syscall(libc::SYS_socketpair, [libc::AF_UNIX as u64, (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64, 0, sv, 0, 0])
-        .and_then(|r| r.ok("socketpair"))
-        .map_err(|e| fail("socketpair", e))?;
-    let mut b = [0u8; 8];
-    c.read_mem(sv, &mut b).map_err(|e| fail("read socketpair", e))?;
-    let (a, theirs) = (i32::from_ne_bytes(b[..4].try_into().expect("4")), i32::from_ne_bytes(b[4..].try_into().expect("4")));
-    let pidfd = bb_sys::process::pidfd_open(c.pid()).map_err(|e| fail("pidfd of copy", e))?;
-    let ours = bb_sys::process::pidfd_getfd(&pidfd, theirs).map_err(|e| fail("take channel end", e))?;
-    c.syscall(libc::SYS_dup3, [a as u64, CHANNEL_FD, libc::O_CLOEXEC as u64, 0, 0, 0])
-        .and_then(|r| r.ok("dup3"))
-        .map_err(|e| fail("dup3 channel", e))?;
-    for fd in [a, theirs] {
-        let _ = c.syscall(libc::SYS_close, [fd as u64, 0, 0, 0, 0, 0]);
-    }
-    Ok(UnixStream::from(ours))
 }
 
 #[cfg(test)]

@@ -23,6 +23,18 @@
 use crate::{SysError, SysResult};
 use std::io;
 
+/// What [`Tracee::run_batch`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Batch {
+    /// Raw results of the calls that ran, in order; a negative one (`-errno`) stopped the batch.
+    /// Empty if the tracee exited (see `Tracee::batch_results`).
+    pub results: Vec<i64>,
+    /// Children made by fork/clone calls of the batch (traced and stopped; see [`Tracee::child`]).
+    pub children: Vec<i32>,
+    /// The tracee exited (the batch ended with `exit`); it is no longer traced.
+    pub exited: bool,
+}
+
 /// Result of one injected syscall.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Injected {
@@ -45,7 +57,7 @@ impl Injected {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub use imp::Tracee;
+pub use imp::{Tracee, RUNNER_BYTES, RUNNER_DATA};
 
 /// Whether syscall injection is implemented on this architecture.
 pub const SUPPORTED: bool = cfg!(target_arch = "x86_64");
@@ -71,6 +83,29 @@ mod imp {
     /// Bytes below the stack pointer that the ABI lets leaf functions use (the red zone), plus
     /// headroom: scratch memory starts below this.
     const SCRATCH_BELOW_SP: u64 = 4096;
+
+    /// Machine code of the batch runner: with `rbx` pointing at a table of 64-byte entries
+    /// (nr, six arguments, result), make each syscall and store its result, until an entry whose
+    /// nr is -1 or a negative result; then `int3`. Source:
+    /// ```text
+    /// loop: mov rax,[rbx]; cmp rax,-1; je done
+    ///       mov rdi,[rbx+8]; mov rsi,[rbx+16]; mov rdx,[rbx+24]
+    ///       mov r10,[rbx+32]; mov r8,[rbx+40]; mov r9,[rbx+48]
+    ///       syscall; mov [rbx+56],rax; test rax,rax; js done
+    ///       add rbx,64; jmp loop
+    /// done: int3
+    /// ```
+    const BATCH_CODE: [u8; 51] = [
+        0x48, 0x8b, 0x03, 0x48, 0x83, 0xf8, 0xff, 0x74, 0x29, 0x48, 0x8b, 0x7b, 0x08, 0x48, 0x8b, 0x73, 0x10, 0x48,
+        0x8b, 0x53, 0x18, 0x4c, 0x8b, 0x53, 0x20, 0x4c, 0x8b, 0x43, 0x28, 0x4c, 0x8b, 0x4b, 0x30, 0x0f, 0x05, 0x48,
+        0x89, 0x43, 0x38, 0x48, 0x85, 0xc0, 0x78, 0x06, 0x48, 0x83, 0xc3, 0x40, 0xeb, 0xce, 0xcc,
+    ];
+    /// Size of the runner's mapping: code, then data the caller may use, then the table.
+    pub const RUNNER_BYTES: u64 = 16384;
+    /// Where callers may put their own data in the runner's mapping (e.g. a msghdr).
+    pub const RUNNER_DATA: u64 = 256;
+    /// Where the call table starts.
+    const RUNNER_TABLE: u64 = 4096;
 
     /// A process stopped under our ptrace, with the registers it had when we took it over.
     pub struct Tracee {
@@ -291,6 +326,93 @@ mod imp {
             Ok(ctl[CMSG_HDR..len].chunks_exact(4).map(|c| i32::from_ne_bytes(c.try_into().expect("4"))).collect())
         }
 
+        /// Map the batch runner ([`Tracee::run_batch`]) into the tracee: one injected `mmap` of
+        /// [`RUNNER_BYTES`] read-write-execute anonymous memory, with the code written at its
+        /// start. Returns its address; unmap it with an injected `munmap` when done (processes
+        /// forked meanwhile inherit it).
+        pub fn install_runner(&mut self) -> SysResult<u64> {
+            let prot = (libc::PROT_READ | libc::PROT_WRITE | libc::PROT_EXEC) as u64;
+            let flags = (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS) as u64;
+            let addr = self.syscall(libc::SYS_mmap, [0, RUNNER_BYTES, prot, flags, u64::MAX, 0])?.ok("mmap")? as u64;
+            self.write_mem(addr, &BATCH_CODE)?;
+            Ok(addr)
+        }
+
+        /// Run `calls` natively in the tracee with the runner mapped at `runner`: one continue,
+        /// instead of two ptrace stops per syscall. Stops after the first negative result. If the
+        /// batch forks, the children are reported (traced, stopped at their first instruction,
+        /// which is the runner's: give them registers before resuming them). If it ends in
+        /// `exit`, [`Batch::exited`] is set and this tracee is gone.
+        pub fn run_batch(&mut self, runner: u64, calls: &[(i64, [u64; 6])]) -> SysResult<Batch> {
+            let table = runner + RUNNER_TABLE;
+            if (calls.len() as u64 + 1) * 64 > RUNNER_BYTES - RUNNER_TABLE {
+                return Err(SysError { call: "run_batch", source: io::Error::from_raw_os_error(libc::E2BIG) });
+            }
+            let mut bytes = Vec::with_capacity((calls.len() + 1) * 64);
+            for (nr, args) in calls {
+                bytes.extend_from_slice(&nr.to_ne_bytes());
+                for a in args {
+                    bytes.extend_from_slice(&a.to_ne_bytes());
+                }
+                bytes.extend_from_slice(&i64::MIN.to_ne_bytes()); // "did not run"
+            }
+            bytes.extend_from_slice(&(-1i64).to_ne_bytes());
+            bytes.resize((calls.len() + 1) * 64, 0);
+            self.write_mem(table, &bytes)?;
+            let mut regs = get_regs(self.pid)?;
+            regs.rip = runner;
+            regs.rbx = table;
+            regs.orig_rax = u64::MAX;
+            set_regs(self.pid, &regs)?;
+            let mut out = Batch::default();
+            let mut sig = 0u64;
+            loop {
+                ptrace(libc::PTRACE_CONT, self.pid, 0, sig)?;
+                sig = 0;
+                let mut status = 0;
+                // SAFETY: waitpid on our tracee with a valid status pointer.
+                let r = unsafe { libc::waitpid(self.pid, &mut status, libc::__WALL) };
+                if r < 0 {
+                    if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                        continue;
+                    }
+                    return Err(err("waitpid(tracee)"));
+                }
+                if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
+                    self.attached = false;
+                    out.exited = true;
+                    break;
+                }
+                match event(status) {
+                    libc::PTRACE_EVENT_FORK | libc::PTRACE_EVENT_VFORK | libc::PTRACE_EVENT_CLONE => {
+                        let mut msg: libc::c_ulong = 0;
+                        ptrace(libc::PTRACE_GETEVENTMSG, self.pid, 0, &mut msg as *mut _ as u64)?;
+                        out.children.push(msg as i32);
+                    }
+                    0 if libc::WSTOPSIG(status) == libc::SIGTRAP => break, // the runner's int3
+                    0 => sig = libc::WSTOPSIG(status) as u64,             // deliver other signals
+                    _ => {}
+                }
+            }
+            if !out.exited {
+                out.results = self.batch_results(runner, calls.len())?;
+            }
+            Ok(out)
+        }
+
+        /// Results of the last batch run with the runner at `runner` (`count` calls), read through
+        /// this tracee: after a batch that ended in `exit`, read them through a process that
+        /// shares the runner's memory (the one the exited helper was cloned from).
+        pub fn batch_results(&self, runner: u64, count: usize) -> SysResult<Vec<i64>> {
+            let mut table = vec![0u8; count * 64];
+            self.read_mem(runner + RUNNER_TABLE, &mut table)?;
+            Ok(table
+                .chunks_exact(64)
+                .map(|e| i64::from_ne_bytes(e[56..64].try_into().expect("8 bytes")))
+                .take_while(|r| *r != i64::MIN)
+                .collect())
+        }
+
         fn peek_u16(&self, addr: u64) -> SysResult<u16> {
             // PEEKTEXT also works on execute-only pages, which process_vm_readv may not read.
             // SAFETY: clearing errno before PEEKTEXT, whose -1 result is ambiguous.
@@ -488,6 +610,40 @@ mod imp {
             unsafe {
                 libc::waitpid(pid, std::ptr::null_mut(), 0);
                 libc::waitpid(cpid, std::ptr::null_mut(), 0);
+            }
+        }
+
+        #[test]
+        fn a_batch_runs_natively_forks_and_stops_at_the_first_error() {
+            let (pid, chan, _) = idle_child();
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let mut t = Tracee::seize(pid).unwrap();
+            let runner = t.install_runner().unwrap();
+            let b = t.run_batch(runner, &[(libc::SYS_getpid, [0; 6]), (libc::SYS_getppid, [0; 6])]).unwrap();
+            // SAFETY: getpid has no failure mode.
+            assert_eq!(b.results, vec![pid as i64, unsafe { libc::getpid() } as i64]);
+            assert!(b.children.is_empty() && !b.exited);
+            // An error stops the batch: the third call does not run.
+            let b = t.run_batch(runner, &[(libc::SYS_getpid, [0; 6]), (libc::SYS_close, [9999, 0, 0, 0, 0, 0]), (libc::SYS_getpid, [0; 6])]).unwrap();
+            assert_eq!(b.results, vec![pid as i64, -(libc::EBADF as i64)]);
+            // A clone sharing memory, then a batch in the clone that forks and exits.
+            let c = t.syscall(libc::SYS_clone, [(libc::CLONE_VM | libc::SIGCHLD) as u64, 0, 0, 0, 0, 0]).unwrap();
+            let mut helper = t.child(c.child.unwrap()).unwrap();
+            let b = helper.run_batch(runner, &[(libc::SYS_fork, [0; 6]), (libc::SYS_exit, [0; 6])]).unwrap();
+            assert!(b.exited, "the helper exited at the end of its batch");
+            assert_eq!(b.children.len(), 1);
+            let results = t.batch_results(runner, 2).unwrap();
+            assert_eq!(results, vec![b.children[0] as i64], "fork's result is the child; exit never returns");
+            let copy = t.child(b.children[0]).unwrap();
+            let copy_pid = copy.pid();
+            copy.resume().unwrap();
+            t.syscall(libc::SYS_munmap, [runner, RUNNER_BYTES, 0, 0, 0, 0]).unwrap().ok("munmap").unwrap();
+            t.resume().unwrap();
+            drop(chan);
+            // SAFETY: reaping our children (the helper was the original child's child).
+            unsafe {
+                libc::waitpid(pid, std::ptr::null_mut(), 0);
+                libc::kill(copy_pid, libc::SIGKILL);
             }
         }
 
