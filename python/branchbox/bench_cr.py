@@ -185,6 +185,8 @@ class Workload:
     new_test_template: str
     #: Prefix of a module's dotted path the runner's labels leave out (Django: ``tests.``).
     label_strip: str = ""
+    #: Checkpoints and rollbacks each baseline replays (a full run; ``--quick``: 1).
+    baseline_iters: int = 10
     notes: str = ""
 
     @property
@@ -345,6 +347,8 @@ DJANGO = Workload(
     new_test_dir="tests/utils_tests",
     new_test_template=_DJ_TEST,
     label_strip="tests.",
+    # A copytree rollback copies ~7,000 files back (several seconds): fewer iterations.
+    baseline_iters=5,
     notes="Django's own runner (tests/runtests.py, settings test_sqlite: in-memory SQLite)",
 )
 
@@ -1928,8 +1932,9 @@ class CrConfig:
     quick: bool = False
     seed: int = 1
     checkpoints: int = 80
-    baseline_ckpt: int = 10
-    baseline_rollback: int = 10
+    #: ``None``: the workload's :attr:`Workload.baseline_iters`.
+    baseline_ckpt: Optional[int] = None
+    baseline_rollback: Optional[int] = None
     heap_mb: int = 50
     fork_n16_reps: int = 3
     xfs: bool = True
@@ -1953,6 +1958,15 @@ class CrConfig:
     def test_targets(self) -> Tuple[Tuple[str, ...], ...]:
         w = get_workload(self.workload)
         return w.quick_test_targets if self.quick else w.test_targets
+
+    @property
+    def baseline_limits(self) -> Tuple[int, int]:
+        """Checkpoints and rollbacks each baseline replays."""
+        n = get_workload(self.workload).baseline_iters
+        return (
+            n if self.baseline_ckpt is None else self.baseline_ckpt,
+            n if self.baseline_rollback is None else self.baseline_rollback,
+        )
 
 
 def run_cr_bench(cfg: CrConfig, progress: Optional[Callable[[str], None]] = None) -> CrResult:
@@ -1998,8 +2012,9 @@ def run_cr_bench(cfg: CrConfig, progress: Optional[Callable[[str], None]] = None
             try:
                 say("%s: set-up" % backend.name)
                 backend.setup(files, setup_code)
-                say("%s: replay (%d checkpoints, %d rollbacks)" % (backend.name, cfg.baseline_ckpt, cfg.baseline_rollback))
-                phase = Replay(backend, script, originals, chunks, pool, say).run(cfg.baseline_ckpt, cfg.baseline_rollback)
+                max_ckpt, max_rollback = cfg.baseline_limits
+                say("%s: replay (%d checkpoints, %d rollbacks)" % (backend.name, max_ckpt, max_rollback))
+                phase = Replay(backend, script, originals, chunks, pool, say).run(max_ckpt, max_rollback)
             finally:
                 backend.close()
             setattr(res, backend.name, phase)

@@ -66,6 +66,8 @@ class SandboxInfo(_Model):
     oom_killed: bool = False
     memory_bytes: Optional[int] = None
     pids_current: Optional[int] = None
+    #: A fork child whose sessions are live copies: the sandbox it is nested in.
+    nested_in: Optional[str] = None
     raw: Dict[str, Any] = _raw()
 
     @property

@@ -487,7 +487,9 @@ def test_quick_config() -> None:
     q = cr.CrConfig.make(True, seed=3, xfs=None)
     full = cr.CrConfig()
     assert q.quick and not q.xfs and q.checkpoints < full.checkpoints and q.seed == 3
-    assert q.baseline_ckpt < full.baseline_ckpt and q.baseline_rollback < full.baseline_rollback
+    assert q.baseline_limits == (1, 1) and full.baseline_limits == (5, 5)
+    assert cr.CrConfig(workload="more-itertools").baseline_limits == (10, 10)
+    assert cr.CrConfig.make(False, baseline_ckpt=3).baseline_limits == (3, 5)
     assert cr.CrConfig.make(True, xfs=True).xfs
     assert cr.CrConfig.make(False, checkpoints=None).checkpoints == 80
     assert full.workload == cr.DEFAULT_WORKLOAD == "django"

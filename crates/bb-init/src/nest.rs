@@ -20,7 +20,6 @@
 use bb_proto::InitConfig;
 use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 /// In the nested init (a fork of its parent init, no exec), the new sandbox's root: a detached
@@ -45,11 +44,11 @@ fn errno_msg(what: &str) -> String {
     format!("{what}: {}", std::io::Error::last_os_error())
 }
 
-/// Read one line (without the newline) from `fd` within [`STEP_TIMEOUT`].
-fn read_line(fd: &impl AsFd) -> Result<String, String> {
+/// Receive one message (a JSON string) and its fds from the sync socket within
+/// [`STEP_TIMEOUT`]. A message starting with "error: " is the other side's failure.
+fn recv_msg(fd: &impl AsFd) -> Result<(String, Vec<OwnedFd>), String> {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     let deadline = std::time::Instant::now() + STEP_TIMEOUT;
-    let mut out = Vec::new();
     loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         if left.is_zero() {
@@ -58,21 +57,15 @@ fn read_line(fd: &impl AsFd) -> Result<String, String> {
         let mut pfd = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
         match poll(&mut pfd, PollTimeout::try_from(left.as_millis() as i32).unwrap_or(PollTimeout::MAX)) {
             Ok(0) | Err(nix::Error::EINTR) => continue,
-            Ok(_) => {}
+            Ok(_) => break,
             Err(e) => return Err(format!("poll: {e}")),
         }
-        let mut b = [0u8; 64];
-        match nix::unistd::read(fd.as_fd().as_raw_fd(), &mut b) {
-            Ok(0) => return Err(format!("nested init exited early (after {:?})", String::from_utf8_lossy(&out))),
-            Ok(n) => {
-                out.extend_from_slice(&b[..n]);
-                if let Some(i) = out.iter().position(|c| *c == b'\n') {
-                    return Ok(String::from_utf8_lossy(&out[..i]).into_owned());
-                }
-            }
-            Err(nix::Error::EINTR) => continue,
-            Err(e) => return Err(format!("read: {e}")),
-        }
+    }
+    match bb_proto::recv::<String>(fd.as_fd().as_raw_fd()) {
+        Ok((m, _)) if m.starts_with("error: ") => Err(format!("nested init: {}", &m[7..])),
+        Ok(x) => Ok(x),
+        Err(bb_proto::ProtoError::Closed) => Err("nested init exited early".into()),
+        Err(e) => Err(format!("nested init: {e}")),
     }
 }
 
@@ -103,7 +96,7 @@ pub fn spawn_nested(config: &InitConfig, fds: Vec<OwnedFd>) -> Result<i32, Strin
     let mut fds = fds.into_iter();
     let (listener, status, root, log) = (fds.next().unwrap(), fds.next().unwrap(), fds.next().unwrap(), fds.next().unwrap());
     let cgroup_procs: Vec<OwnedFd> = fds.collect();
-    let (mut sync, theirs) = UnixStream::pair().map_err(|e| format!("socketpair: {e}"))?;
+    let (sync, theirs) = bb_proto::seqpacket_pair().map_err(|e| format!("socketpair: {e}"))?;
     // (source, target) in the child.
     let plan: [(RawFd, RawFd); 6] = [
         (log.as_raw_fd(), 1),
@@ -140,9 +133,9 @@ pub fn spawn_nested(config: &InitConfig, fds: Vec<OwnedFd>) -> Result<i32, Strin
             return Err(kill(format!("move nested init into its cgroup: {e}")));
         }
     }
-    match read_line(&sync) {
-        Ok(l) if l == "u" => {}
-        Ok(l) => return Err(kill(format!("nested init: {l}"))),
+    match recv_msg(&sync) {
+        Ok((m, _)) if m == "u" => {}
+        Ok((m, _)) => return Err(kill(format!("nested init said {m:?}"))),
         Err(e) => return Err(kill(e)),
     }
     let maps = (|| -> Result<(), String> {
@@ -155,13 +148,15 @@ pub fn spawn_nested(config: &InitConfig, fds: Vec<OwnedFd>) -> Result<i32, Strin
     if let Err(e) = maps {
         return Err(kill(e));
     }
-    if let Err(e) = sync.write_all(b"g") {
+    if let Err(e) = bb_proto::send(sync.as_raw_fd(), &"g", &[]) {
         return Err(kill(format!("release nested init: {e}")));
     }
-    let inner = match read_line(&sync) {
-        Ok(l) => match l.strip_prefix("p ").and_then(|p| p.parse::<i32>().ok()) {
-            Some(p) => p,
-            None => return Err(kill(format!("nested init: {l}"))),
+    // "p <pid>", with an fd of the new pid namespace: opening /proc/<pid>/ns/pid ourselves needs
+    // ptrace access to the (non-dumpable) new init, which a nested init does not have.
+    let (inner, pidns) = match recv_msg(&sync) {
+        Ok((m, mut fds)) => match (m.strip_prefix("p ").and_then(|p| p.parse::<i32>().ok()), fds.pop()) {
+            (Some(p), Some(ns)) => (p, ns),
+            _ => return Err(kill(format!("nested init said {m:?}"))),
         },
         Err(e) => return Err(kill(e)),
     };
@@ -171,12 +166,9 @@ pub fn spawn_nested(config: &InitConfig, fds: Vec<OwnedFd>) -> Result<i32, Strin
     unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
     // Its /proc: the kernel refuses it a procfs of its own (our masks are locked in its copy of
     // our mounts), but we may make one for its pid namespace.
-    let proc_mnt = std::fs::File::open(format!("/proc/{inner}/ns/pid"))
-        .map_err(|e| format!("pid namespace of nested init: {e}"))
-        .and_then(|ns| bb_sys::mount_api::procfs_for_pidns(ns.as_fd()).map_err(|e| format!("procfs for nested init: {e}")));
-    let sent = proc_mnt.and_then(|m| {
-        bb_proto::send(sync.as_raw_fd(), &"proc", &[m.as_raw_fd()]).map_err(|e| format!("hand /proc to nested init: {e}"))
-    });
+    let sent = bb_sys::mount_api::procfs_for_pidns(pidns.as_fd())
+        .map_err(|e| format!("procfs for nested init: {e}"))
+        .and_then(|m| bb_proto::send(sync.as_raw_fd(), &"proc", &[m.as_raw_fd()]).map_err(|e| format!("hand /proc to nested init: {e}")));
     if let Err(e) = sent {
         // SAFETY: killing the nested init we started (it waits for its /proc).
         unsafe { libc::kill(inner, libc::SIGKILL) };
@@ -222,36 +214,40 @@ fn receive_proc() -> Result<OwnedFd, String> {
 }
 
 /// Report a failure to the parent init (best effort) and exit.
-fn fail(out: &mut UnixStream, msg: String) -> ! {
-    let _ = writeln!(out, "error: {msg}");
+fn fail(msg: String) -> ! {
+    let _ = bb_proto::send(NEST_SYNC_FD, &format!("error: {msg}"), &[]);
     std::process::exit(1)
 }
 
 /// Child side: make a user namespace, let the parent init map it, make the other namespaces,
 /// and fork the real init (pid 1 of the new pid namespace). Returns in that process only.
 fn enter_namespaces() {
-    // SAFETY: fd 6 is the socket to the parent init; borrowed (it stays open for receive_proc).
-    let mut out = std::mem::ManuallyDrop::new(unsafe { UnixStream::from_raw_fd(NEST_SYNC_FD) });
     if let Err(e) = bb_sys::ns::unshare(libc::CLONE_NEWUSER) {
-        fail(&mut out, e.to_string());
+        fail(e.to_string());
     }
-    if out.write_all(b"u\n").is_err() {
+    if bb_proto::send(NEST_SYNC_FD, &"u", &[]).is_err() {
         std::process::exit(1);
     }
-    let mut go = [0u8; 1];
-    if std::io::Read::read_exact(&mut *out, &mut go).is_err() {
-        std::process::exit(1);
+    // SAFETY: fd 6 is the socket to the parent init; borrowed.
+    match recv_msg(&unsafe { std::os::fd::BorrowedFd::borrow_raw(NEST_SYNC_FD) }) {
+        Ok((m, _)) if m == "g" => {}
+        _ => std::process::exit(1),
     }
     if let Err(e) = bb_sys::ns::unshare(NESTED_NAMESPACES) {
-        fail(&mut out, e.to_string());
+        fail(e.to_string());
     }
     // SAFETY: single-threaded; the child goes on as init, the parent reports and exits.
     let child = unsafe { libc::fork() };
     if child < 0 {
-        fail(&mut out, errno_msg("fork"));
+        fail(errno_msg("fork"));
     }
     if child > 0 {
-        let _ = writeln!(out, "p {child}");
+        match std::fs::File::open("/proc/self/ns/pid_for_children") {
+            Ok(ns) => {
+                let _ = bb_proto::send(NEST_SYNC_FD, &format!("p {child}"), &[ns.as_raw_fd()]);
+            }
+            Err(e) => fail(format!("own pid namespace: {e}")),
+        }
         // SAFETY: leaving without running destructors (the child owns the fds now).
         unsafe { libc::_exit(0) };
     }

@@ -700,8 +700,20 @@ impl Runtime {
         templates: Vec<(SnapSession, Arc<Session>)>,
     ) -> Result<Vec<Arc<Sandbox>>> {
         let t0 = Instant::now();
-        let jobs = (0..n).map(|_| self.create_from(snap.spec.clone(), snap.layers.clone(), Some(snap.id.clone()), timeout, Some(parent.clone())));
-        let children = self.all_or_none(futures::future::join_all(jobs).await).await?;
+        let shells = self.nest_pool.lock().expect("lock").take(&parent.id, n as usize);
+        let claimed = shells.len();
+        let claims = shells.into_iter().map(|shell| {
+            let (rt, parent, snap) = (self.clone(), parent.clone(), snap.clone());
+            async move {
+                let sb = tokio::task::spawn_blocking(move || rt.claim_shell(shell, &parent, &snap, timeout)).await.map_err(blocking_err)??;
+                self.watch_init(&sb);
+                Ok(sb)
+            }
+        });
+        let fresh = (claimed..n as usize)
+            .map(|_| self.create_from(snap.spec.clone(), snap.layers.clone(), Some(snap.id.clone()), timeout, Some(parent.clone())));
+        let (a, b) = futures::future::join(futures::future::join_all(claims), futures::future::join_all(fresh)).await;
+        let children = self.all_or_none(a.into_iter().chain(b).collect()).await?;
         let t_shells = t0.elapsed();
         let res: Result<()> = async {
             // Host pids of the templates (they live in the parent's cgroup).
@@ -739,7 +751,7 @@ impl Runtime {
             for r in futures::future::join_all(attach).await {
                 r?;
             }
-            tracing::debug!(children = n, ?t_shells, ?t_forked, total = ?t0.elapsed(), "live fork");
+            tracing::debug!(children = n, claimed, ?t_shells, ?t_forked, total = ?t0.elapsed(), "live fork");
             Ok(())
         }
         .await;
@@ -747,7 +759,11 @@ impl Runtime {
             c.dirty.store(false, Ordering::SeqCst);
         }
         match res {
-            Ok(()) => Ok(children),
+            Ok(()) => {
+                // The next fork from this parent finds its shells ready.
+                self.refill_shells(parent.clone(), n as usize);
+                Ok(children)
+            }
             Err(e) => {
                 for c in children {
                     let _ = self.kill(&c.id).await;

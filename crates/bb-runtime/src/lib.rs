@@ -18,6 +18,7 @@ pub mod files;
 pub mod initconn;
 pub mod launch;
 pub mod model;
+pub mod nestpool;
 pub mod sandbox;
 pub mod checkpoint;
 pub mod rootswap;
@@ -97,6 +98,8 @@ pub struct Runtime {
     sandboxes: RwLock<HashMap<String, Arc<Sandbox>>>,
     /// Inits of killed sandboxes that nested sandboxes still need (see `store::HuskRow`).
     husks: Mutex<HashMap<String, store::HuskRow>>,
+    /// Pre-built nested shells for live forks, by parent.
+    pub(crate) nest_pool: Mutex<nestpool::NestPool>,
 }
 
 fn blocking_err(e: tokio::task::JoinError) -> RuntimeError {
@@ -179,6 +182,7 @@ impl Runtime {
             templates: Mutex::new(checkpoint::TemplatePool::new(cfg_templates)),
             sandboxes: RwLock::new(HashMap::new()),
             husks: Mutex::new(HashMap::new()),
+            nest_pool: Mutex::new(Default::default()),
         });
         rt.recover()?;
         Ok(rt)
@@ -387,52 +391,66 @@ impl Runtime {
                 Some(p) => launch::launch_nested(&rt.cfg, &rt.cgroups, &id, &spec, &layer_paths, &p.dirs.sock())?,
                 None => launch::launch(&rt.cfg, &rt.cgroups, &id, &spec, &layer_paths)?,
             };
-            let nest_parent = nest_in.map(|p| p.id.clone());
             let t_launched = t0.elapsed();
-            let created_at = now();
-            let expires_at = timeout.map(|t| created_at + t);
-            let row = store::SandboxRow {
-                id: id.clone(),
-                spec: spec.clone(),
-                init_pid: launched.init_pid,
-                init_start: launched.init_start,
-                created_at,
-                expires_at,
-                nest_parent: nest_parent.clone(),
-            };
             let gen = snapstore::Generation { upper: launched.upper.clone(), mounted: chain.clone(), chain, base, n: 0 };
-            let recorded = rt
-                .snaps
-                .lock()
-                .expect("lock")
-                .set_generation(&id, &gen)
-                .and_then(|()| rt.store.lock().expect("lock").insert(&row));
-            if let Err(e) = recorded {
-                let _ = launch::teardown(&rt.cfg, &rt.cgroups, &id, Some((launched.init_pid, launched.init_start)));
-                rt.remove_layer_dir(&launched.upper);
-                let _ = rt.snaps.lock().expect("lock").delete_generation(&id);
-                return Err(e);
-            }
-            let mut sb = Sandbox::new(
-                id.clone(),
-                spec,
-                SandboxDirs::new(&rt.cfg.state_dir, &id),
-                launched.init_pid,
-                launched.init_start,
-                created_at,
-                expires_at,
-                launched.cgroup,
-                Some(gen),
-            );
-            sb.nest_parent = nest_parent;
-            let sb = Arc::new(sb);
-            rt.sandboxes.write().expect("lock").insert(id.clone(), sb.clone());
+            let sb = rt.register(id.clone(), spec, launched, gen, nest_in.map(|p| p.id.clone()), timeout)?;
             tracing::debug!(%id, ?t_launched, recorded = ?t0.elapsed(), "sandbox created");
             Ok(sb)
         })
         .await
         .map_err(blocking_err)??;
         self.watch_init(&sb);
+        Ok(sb)
+    }
+
+    /// Record a launched sandbox (SQLite row and layer generation) and make it visible; on
+    /// failure it is torn down. Blocking.
+    pub(crate) fn register(
+        &self,
+        id: String,
+        spec: SandboxSpec,
+        launched: launch::Launched,
+        gen: snapstore::Generation,
+        nest_parent: Option<String>,
+        timeout: Option<f64>,
+    ) -> Result<Arc<Sandbox>> {
+        let created_at = now();
+        let expires_at = timeout.map(|t| created_at + t);
+        let row = store::SandboxRow {
+            id: id.clone(),
+            spec: spec.clone(),
+            init_pid: launched.init_pid,
+            init_start: launched.init_start,
+            created_at,
+            expires_at,
+            nest_parent: nest_parent.clone(),
+        };
+        let recorded = self
+            .snaps
+            .lock()
+            .expect("lock")
+            .set_generation(&id, &gen)
+            .and_then(|()| self.store.lock().expect("lock").insert(&row));
+        if let Err(e) = recorded {
+            let _ = launch::teardown(&self.cfg, &self.cgroups, &id, Some((launched.init_pid, launched.init_start)));
+            self.remove_layer_dir(&gen.upper);
+            let _ = self.snaps.lock().expect("lock").delete_generation(&id);
+            return Err(e);
+        }
+        let mut sb = Sandbox::new(
+            id.clone(),
+            spec,
+            SandboxDirs::new(&self.cfg.state_dir, &id),
+            launched.init_pid,
+            launched.init_start,
+            created_at,
+            expires_at,
+            launched.cgroup,
+            Some(gen),
+        );
+        sb.nest_parent = nest_parent;
+        let sb = Arc::new(sb);
+        self.sandboxes.write().expect("lock").insert(id, sb.clone());
         Ok(sb)
     }
 
@@ -489,6 +507,7 @@ impl Runtime {
         let id = id.to_string();
         let gone_templates = self.templates.lock().expect("lock").remove_sandbox(&id);
         tokio::task::spawn_blocking(move || {
+            rt.drop_shells(&id);
             if rt.has_nested(&id) {
                 rt.make_husk(&sb)?;
             } else {

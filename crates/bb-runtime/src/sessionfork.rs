@@ -87,7 +87,21 @@ pub fn fork_into(template: i32, targets: &[Target<'_>], key: [u64; 2]) -> Result
     let runner = t.install_runner().map_err(|e| fail("map the batch runner", e))?;
     let out = match Prepared::new(&mut t, runner) {
         Ok(prep) => {
-            let out = targets.iter().map(|tg| prep.copy_into(&mut t, tg, key)).collect();
+            // Two threads for many children: the second drives a fork of the template (its own
+            // memory map, so the page-table copies of both run in parallel).
+            let split = if targets.len() >= PARALLEL_MIN && parallel() { targets.len() / 2 } else { 0 };
+            let (theirs, mine) = targets.split_at(split);
+            let second = if split > 0 { prep.second_template(&mut t).ok() } else { None };
+            let (mine, theirs) = if second.is_none() { (targets, &targets[..0]) } else { (mine, theirs) };
+            let out = std::thread::scope(|scope| {
+                let helper = second.map(|pid| scope.spawn(move || fork_second(pid, theirs, key)));
+                let mut out: Vec<Result<SessionCopy>> = mine.iter().map(|tg| prep.copy_into(&mut t, tg, key)).collect();
+                if let Some(h) = helper {
+                    let first: Vec<Result<SessionCopy>> = h.join().unwrap_or_else(|_| theirs.iter().map(|_| Err(fail("second template", "thread panicked"))).collect());
+                    out = first.into_iter().chain(out).collect();
+                }
+                out
+            });
             prep.finish(&mut t);
             out
         }
@@ -97,6 +111,34 @@ pub fn fork_into(template: i32, targets: &[Target<'_>], key: [u64; 2]) -> Result
     t.resume().map_err(|e| fail("resume template", e))?;
     unmapped.map_err(|e| fail("unmap the batch runner", e))?;
     Ok(out)
+}
+
+/// Children from which a fork is split between two threads.
+const PARALLEL_MIN: usize = 6;
+
+fn parallel() -> bool {
+    std::thread::available_parallelism().map(|n| n.get() > 1).unwrap_or(false)
+}
+
+/// In another thread: fork `targets` from the second template `pid` (a fork of the first, idle
+/// in its syscall), then kill it (its parent, the first template, ignores SIGCHLD meanwhile, so
+/// it is reaped at once).
+fn fork_second(pid: i32, targets: &[Target<'_>], key: [u64; 2]) -> Vec<Result<SessionCopy>> {
+    // It was resumed by the other thread: wait until it is back in its syscall.
+    let mut tries = 0;
+    let out = loop {
+        match fork_into(pid, targets, key) {
+            Err(crate::RuntimeError::Conflict(_)) if tries < 200 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+            Ok(v) => break v,
+            Err(e) => break targets.iter().map(|_| Err(fail("second template", &e))).collect(),
+        }
+    };
+    // SAFETY: kill(2) of the copy of the template we made for this fork.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    out
 }
 
 // Layout of the data area of the runner's mapping (see bb_sys::ptrace::RUNNER_DATA).
@@ -167,6 +209,25 @@ impl Prepared {
     fn finish(self, t: &mut Tracee) {
         let _ = t.run_batch(self.runner, &[(libc::SYS_close, [self.ns_fd as u64, 0, 0, 0, 0, 0])]);
         restore_sigchld(t, self.runner);
+    }
+
+    /// Fork the template once more (a second template, for a second thread): it gets neither
+    /// our runner mapping nor our socket end, and is left idle in the template's syscall.
+    fn second_template(&self, t: &mut Tracee) -> Result<i32> {
+        let f = t.syscall(libc::SYS_fork, [0; 6]).map_err(|e| fail("fork second template", e))?;
+        f.ok("fork").map_err(|e| fail("fork second template", e))?;
+        let mut c = t.child(f.child.ok_or_else(|| fail("fork second template", "no child"))?).map_err(|e| fail("second template", e))?;
+        let cleaned = c
+            .run_batch(self.runner, &[(libc::SYS_close, [self.ns_fd as u64, 0, 0, 0, 0, 0])])
+            .and_then(|_| c.syscall(libc::SYS_munmap, [self.runner, RUNNER_BYTES, 0, 0, 0, 0]))
+            .and_then(|r| r.ok("munmap"));
+        if let Err(e) = cleaned {
+            c.kill();
+            return Err(fail("second template", e));
+        }
+        let pid = c.pid();
+        c.resume().map_err(|e| fail("resume second template", e))?;
+        Ok(pid)
     }
 
     /// The fd numbers the next `SENT_FDS` fds a helper receives will get.

@@ -1,0 +1,207 @@
+//! Pre-built nested shells for live forks.
+//!
+//! A live fork's children are sandboxes nested in the parent's namespaces
+//! ([`crate::launch::launch_nested`]); making one costs a few milliseconds of the parent init's
+//! and the host's time (namespaces, cgroup, mounts), queued behind each other on a small host.
+//! After a fork of `n` children, the daemon builds up to `n` more shells for that parent in the
+//! background (one at a time, at low priority), so the next fork from it only has to *claim*
+//! them: its root is swapped onto the snapshot's layers (the same pivot as a rollback), its
+//! limits set, and it is registered as a sandbox.
+//!
+//! A shell is an idle nested init with a root of the parent's image layers and an empty
+//! writable layer. Shells are not recorded in SQLite: after a daemon restart they are strays and
+//! are reaped. They die with their parent (its pid namespace) and are torn down when it is
+//! killed.
+
+use crate::error::Result;
+use crate::launch::{self, layer_dir, new_upper, SandboxDirs};
+use crate::sandbox::Sandbox;
+use crate::snapstore::{Generation, SnapshotRow};
+use crate::{blocking_err, rootswap, Runtime};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Most shells kept for one parent, and for all parents together.
+pub const MAX_PER_PARENT: usize = 64;
+pub const MAX_TOTAL: usize = 128;
+
+/// An idle nested sandbox, not yet handed out.
+pub struct Shell {
+    pub id: String,
+    pub launched: launch::Launched,
+}
+
+#[derive(Default)]
+pub struct NestPool {
+    shells: HashMap<String, Vec<Shell>>,
+    /// Parents whose pool is being refilled (one refill task each).
+    refilling: std::collections::HashSet<String>,
+}
+
+impl NestPool {
+    pub fn total(&self) -> usize {
+        self.shells.values().map(Vec::len).sum()
+    }
+
+    /// Up to `n` shells of `parent`.
+    pub fn take(&mut self, parent: &str, n: usize) -> Vec<Shell> {
+        let Some(v) = self.shells.get_mut(parent) else { return Vec::new() };
+        let keep = v.len().saturating_sub(n);
+        v.split_off(keep)
+    }
+
+    /// All shells of `parent` (it is going away).
+    pub fn drain(&mut self, parent: &str) -> Vec<Shell> {
+        self.shells.remove(parent).unwrap_or_default()
+    }
+
+    pub fn len_of(&self, parent: &str) -> usize {
+        self.shells.get(parent).map_or(0, Vec::len)
+    }
+}
+
+impl Runtime {
+    /// Turn a shell of `parent` into a child standing on `snap`: its root swapped onto the
+    /// snapshot's layers plus a fresh writable layer, its limits set, recorded as a sandbox.
+    /// Blocking. On failure the shell is torn down.
+    pub(crate) fn claim_shell(&self, shell: Shell, parent: &Sandbox, snap: &SnapshotRow, timeout: Option<f64>) -> Result<Arc<Sandbox>> {
+        let Shell { id, launched } = shell;
+        let dirs = SandboxDirs::new(&self.cfg.state_dir, &id);
+        let res = (|| -> Result<Generation> {
+            let (lid, upper, work) = new_upper(&self.cfg, &dirs, 1)?;
+            let lower: Vec<PathBuf> = snap.layers.iter().rev().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
+            let swapped = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &dirs.rootfs_gen(1))
+                .map_err(crate::layers_error)
+                .and_then(|mnt| rootswap::swap_root(launched.init_pid, mnt))
+                .and_then(|host_view| {
+                    let target = dirs.rootfs_gen(1);
+                    std::fs::create_dir_all(&target).map_err(|e| crate::RuntimeError::internal("create root mount point", e))?;
+                    rootswap::attach_host_root(&target, host_view)
+                });
+            if let Err(e) = swapped {
+                self.remove_layer_dir(&lid);
+                return Err(e);
+            }
+            let _ = bb_layers::unmount(&dirs.rootfs());
+            let _ = std::fs::remove_dir_all(dirs.dir.join("work-0"));
+            self.remove_layer_dir(&launched.upper);
+            launched.cgroup.set_limits(&launch::limits(&snap.spec))?;
+            Ok(Generation { upper: lid, mounted: snap.layers.clone(), chain: snap.layers.clone(), base: Some(snap.id.clone()), n: 1 })
+        })();
+        match res {
+            Ok(gen) => {
+                let launched = launch::Launched { upper: gen.upper.clone(), ..launched };
+                self.register(id, snap.spec.clone(), launched, gen, Some(parent.id.clone()), timeout)
+            }
+            Err(e) => {
+                let _ = launch::teardown(&self.cfg, &self.cgroups, &id, Some((launched.init_pid, launched.init_start)));
+                self.remove_layer_dir(&launched.upper);
+                Err(e)
+            }
+        }
+    }
+
+    /// Tear down every pooled shell of `parent`. Blocking.
+    pub(crate) fn drop_shells(&self, parent: &str) {
+        let shells = self.nest_pool.lock().expect("lock").drain(parent);
+        for s in shells {
+            let _ = launch::teardown(&self.cfg, &self.cgroups, &s.id, Some((s.launched.init_pid, s.launched.init_start)));
+            self.remove_layer_dir(&s.launched.upper);
+        }
+    }
+
+    /// Build shells for `parent` in the background until it has `want` (within the caps).
+    pub(crate) fn refill_shells(self: &Arc<Self>, parent: Arc<Sandbox>, want: usize) {
+        let want = want.min(MAX_PER_PARENT);
+        {
+            let mut pool = self.nest_pool.lock().expect("lock");
+            if pool.len_of(&parent.id) >= want || !pool.refilling.insert(parent.id.clone()) {
+                return;
+            }
+        }
+        let rt = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let short = {
+                    let pool = rt.nest_pool.lock().expect("lock");
+                    pool.len_of(&parent.id) < want && pool.total() < MAX_TOTAL
+                };
+                if !short || parent.is_dead() || rt.get(&parent.id).is_err() {
+                    break;
+                }
+                let (rt2, p) = (rt.clone(), parent.clone());
+                let built = tokio::task::spawn_blocking(move || {
+                    // Background work: leave the CPU to foreground requests.
+                    // SAFETY: setpriority on this thread (tid) with plain integers.
+                    unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10) };
+                    let id = format!("sb-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+                    let layers: Vec<PathBuf> = p.spec.layers.iter().map(|l| layer_dir(&rt2.cfg, &rt2.images, l)).collect();
+                    let r = launch::launch_nested(&rt2.cfg, &rt2.cgroups, &id, &p.spec, &layers, &p.dirs.sock());
+                    // SAFETY: as above, back to normal priority for the pool's next user.
+                    unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 0) };
+                    r.map(|launched| Shell { id, launched })
+                })
+                .await
+                .map_err(blocking_err)
+                .and_then(|r| r);
+                match built {
+                    Ok(shell) => {
+                        let alive = !parent.is_dead() && rt.get(&parent.id).is_ok();
+                        if alive {
+                            rt.nest_pool.lock().expect("lock").shells.entry(parent.id.clone()).or_default().push(shell);
+                        } else {
+                            let _ = launch::teardown(&rt.cfg, &rt.cgroups, &shell.id, Some((shell.launched.init_pid, shell.launched.init_start)));
+                            rt.remove_layer_dir(&shell.launched.upper);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(parent = %parent.id, "building a fork shell failed: {e}");
+                        break;
+                    }
+                }
+            }
+            rt.nest_pool.lock().expect("lock").refilling.remove(&parent.id);
+            // The parent may have gone while we worked.
+            if parent.is_dead() || rt.get(&parent.id).is_err() {
+                let rt2 = rt.clone();
+                let _ = tokio::task::spawn_blocking(move || rt2.drop_shells(&parent.id)).await;
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shell(root: &std::path::Path, id: &str) -> Shell {
+        std::fs::create_dir_all(root.join("t").join(id)).unwrap();
+        let layout = bb_isolation::CgroupLayout::with_roots(bb_isolation::CgroupVersion::V2, vec![("unified".into(), root.into())], "t");
+        Shell {
+            id: id.into(),
+            launched: launch::Launched {
+                init_pid: 1,
+                init_start: 1,
+                cgroup: bb_isolation::Cgroup::open(&layout, id).unwrap(),
+                upper: format!("sl-{id}"),
+            },
+        }
+    }
+
+    #[test]
+    fn take_and_drain() {
+        let d = tempfile::tempdir().unwrap();
+        let shell = |id: &str| shell(d.path(), id);
+        let mut p = NestPool::default();
+        p.shells.insert("a".into(), vec![shell("1"), shell("2"), shell("3")]);
+        assert_eq!(p.total(), 3);
+        assert_eq!(p.take("a", 2).len(), 2);
+        assert_eq!(p.len_of("a"), 1);
+        assert_eq!(p.take("a", 5).len(), 1, "never more than there are");
+        assert!(p.take("b", 1).is_empty());
+        p.shells.insert("a".into(), vec![shell("4")]);
+        assert_eq!(p.drain("a").len(), 1);
+        assert_eq!(p.total(), 0);
+    }
+}
