@@ -26,7 +26,7 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         read_file, write_file, remove_file, list_files, stat_file, make_dir, rename_file,
         list_images, build_image, import_image, remove_image,
         checkpoint, rollback, fork, evaluate, sandbox_snapshots, list_snapshots, get_snapshot,
-        delete_snapshot, gc_snapshots
+        delete_snapshot, gc_snapshots, get_pool, set_pool
     ),
     components(schemas(
         CreateSandbox, SandboxInfo, SandboxList, SetTimeout, RunCommand, CommandResult, Started,
@@ -34,7 +34,7 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         RunCode, SessionResult, EntryInfo, EntryList, MakeDir, Rename, ImageInfo, ImageList,
         BuildImage, ImportImage, ProgressEvent, CommandEvent, ErrorBody, Health, ErrorResponse, Done,
         CheckpointRequest, RollbackRequest, ForkRequest, GcRequest, SnapshotInfo, SnapshotSessionInfo,
-        SnapshotList, RollbackResult, ForkResult, GcResult
+        SnapshotList, RollbackResult, ForkResult, GcResult, PoolStats, PoolImageStats, SetPool
     ))
 )]
 pub struct ApiDoc;
@@ -425,4 +425,16 @@ pub async fn delete_snapshot(State(rt): State<AppState>, P(sid): P<String>, Q(q)
 #[utoipa::path(post, path = "/v1/snapshots/gc", request_body = GcRequest, responses((status = 200, body = GcResult), (status = 404, body = ErrorResponse)))]
 pub async fn gc_snapshots(State(rt): State<AppState>, JsonBody(req): JsonBody<GcRequest>) -> ApiResult<Json<GcResult>> {
     Ok(Json(rt.gc(req).await?))
+}
+
+#[utoipa::path(get, path = "/v1/pool", responses((status = 200, body = PoolStats)))]
+pub async fn get_pool(State(rt): State<AppState>) -> Json<PoolStats> {
+    Json(rt.pool_stats())
+}
+
+#[utoipa::path(put, path = "/v1/pool/{image}", params(("image" = String, Path, description = "image name")), request_body = SetPool,
+    responses((status = 200, body = PoolStats), (status = 400, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
+pub async fn set_pool(State(rt): State<AppState>, P(image): P<String>, JsonBody(req): JsonBody<SetPool>) -> ApiResult<Json<PoolStats>> {
+    let target = bb_runtime::pool::Target { min: req.min, max: req.max.unwrap_or(req.min) };
+    Ok(Json(rt.set_pool(&image, target)?))
 }

@@ -58,6 +58,8 @@ pub fn router(rt: Arc<Runtime>, token: Option<String>) -> Router {
         .route("/v1/snapshots", get(list_snapshots))
         .route("/v1/snapshots/gc", post(gc_snapshots))
         .route("/v1/snapshots/:sid", get(get_snapshot).delete(delete_snapshot))
+        .route("/v1/pool", get(get_pool))
+        .route("/v1/pool/:image", axum::routing::put(set_pool))
         .route("/v1/images", get(list_images))
         .route("/v1/images/build", post(build_image))
         .route("/v1/images/import", post(import_image))

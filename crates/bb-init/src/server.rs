@@ -246,6 +246,24 @@ impl Server {
                 },
                 Err(message) => self.reply(fd, &Response::Error { errno: libc::EIO, message }),
             },
+            Request::Reset { hostname, shm_bytes } => {
+                // Every other process is dead (the daemon killed them with the cgroup frozen):
+                // reap them, forget them and their channels, drop other connections.
+                self.reap();
+                self.procs.clear();
+                self.exited_order.clear();
+                self.stash.clear();
+                self.adopted.clear();
+                let others: Vec<RawFd> = self.conns.keys().copied().filter(|c| *c != fd).collect();
+                for c in others {
+                    self.conns.remove(&c);
+                }
+                let resp = match crate::setup::reset(&hostname, shm_bytes) {
+                    Ok(()) => Response::Ok,
+                    Err(e) => Response::Error { errno: libc::EIO, message: format!("reset: {e}") },
+                };
+                self.reply(fd, &resp);
+            }
             Request::List => {
                 let procs = self
                     .procs

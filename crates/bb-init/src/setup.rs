@@ -171,3 +171,17 @@ fn setup_dev(root: &Path, config: &InitConfig) -> Result<(), SetupError> {
     }
     Ok(())
 }
+
+/// The namespace and mount part of a reset for reuse by another tenant (see
+/// `bb_proto::Request::Reset`): fresh network and IPC namespaces for every process started from
+/// now on (init's own move with it), loopback up, a fresh /dev/shm, the new hostname.
+pub fn reset(hostname: &str, shm_bytes: u64) -> Result<(), SetupError> {
+    bb_sys::ns::unshare(libc::CLONE_NEWNET | libc::CLONE_NEWIPC)?;
+    bb_sys::process::loopback_up()?;
+    let shm = Path::new("/dev/shm");
+    nix::mount::umount2(shm, nix::mount::MntFlags::MNT_DETACH)
+        .map_err(|source| SetupError::Mount { what: "unmount /dev/shm", path: "/dev/shm".into(), source })?;
+    let shm_opts = format!("mode=1777,size={shm_bytes}");
+    m("mount /dev/shm", Some(Path::new("tmpfs")), shm, Some("tmpfs"), NOSUID_NODEV_NOEXEC, Some(&shm_opts))?;
+    nix::unistd::sethostname(hostname).map_err(|source| SetupError::Mount { what: "sethostname", path: hostname.into(), source })
+}

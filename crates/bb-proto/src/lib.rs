@@ -124,6 +124,11 @@ pub enum Request {
     /// moved before it makes its namespaces.
     /// Answer: [`Response::Nested`] with a pidfd of the new init attached.
     Nest { config: InitConfig },
+    /// Make the sandbox reusable by another tenant (warm pool recycling). The daemon has killed
+    /// every other process. Init forgets every process, stash and connection, moves to fresh
+    /// network and IPC namespaces (no socket, SysV or POSIX IPC object survives), mounts a fresh
+    /// /dev/shm of `shm_bytes`, and takes `hostname`.
+    Reset { hostname: String, shm_bytes: u64 },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

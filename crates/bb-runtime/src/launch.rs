@@ -185,7 +185,7 @@ fn init_config(cfg: &RuntimeConfig, id: &str, spec: &SandboxSpec, rootfs: &Path,
 }
 
 /// The working directory exists from the start (created like Docker's WORKDIR when missing).
-fn make_cwd(cfg: &RuntimeConfig, spec: &SandboxSpec, rootfs: &Path) -> Result<()> {
+pub(crate) fn make_cwd(cfg: &RuntimeConfig, spec: &SandboxSpec, rootfs: &Path) -> Result<()> {
     let cwd = crate::files::SbPath::parse(&spec.cwd)?;
     crate::files::SandboxFs::open(rootfs, cfg.idmap.host_base)?.mkdir(&cwd, true).map(drop)
 }

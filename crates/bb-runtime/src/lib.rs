@@ -19,6 +19,7 @@ pub mod initconn;
 pub mod launch;
 pub mod model;
 pub mod nestpool;
+pub mod pool;
 pub mod sandbox;
 pub mod checkpoint;
 pub mod rootswap;
@@ -100,6 +101,14 @@ pub struct Runtime {
     husks: Mutex<HashMap<String, store::HuskRow>>,
     /// Pre-built nested shells for live forks, by parent.
     pub(crate) nest_pool: Mutex<nestpool::NestPool>,
+    /// Ready sandboxes per image ([`pool`]), and the wake-up of its refill task.
+    pub(crate) pool: Mutex<pool::WarmPool>,
+    pub(crate) pool_wake: Arc<tokio::sync::Notify>,
+}
+
+/// A new sandbox id.
+pub(crate) fn new_sandbox_id() -> String {
+    format!("sb-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
 }
 
 fn blocking_err(e: tokio::task::JoinError) -> RuntimeError {
@@ -183,6 +192,8 @@ impl Runtime {
             sandboxes: RwLock::new(HashMap::new()),
             husks: Mutex::new(HashMap::new()),
             nest_pool: Mutex::new(Default::default()),
+            pool: Mutex::new(Default::default()),
+            pool_wake: Arc::new(tokio::sync::Notify::new()),
         });
         rt.recover()?;
         Ok(rt)
@@ -356,6 +367,19 @@ impl Runtime {
     pub async fn create(self: &Arc<Self>, req: CreateSandbox) -> Result<SandboxInfo> {
         self.check_capacity(1)?;
         let (spec, timeout, _) = self.validate(req)?;
+        // A ready sandbox from the warm pool if there is one; otherwise a cold start.
+        let rt = self.clone();
+        let s2 = spec.clone();
+        let pooled = tokio::task::spawn_blocking(move || rt.claim_pooled(&s2, timeout)).await.map_err(blocking_err)?;
+        self.pool_wake.notify_one();
+        match pooled {
+            Some(Ok(sb)) => {
+                self.watch_init(&sb);
+                return Ok(sb.info());
+            }
+            Some(Err(e)) => tracing::warn!("a pooled sandbox could not be claimed ({e}); starting one cold"),
+            None => {}
+        }
         let chain = spec.layers.clone();
         Ok(self.create_from(spec, chain, None, timeout, None).await?.info())
     }
@@ -383,7 +407,7 @@ impl Runtime {
         nest_in: Option<Arc<Sandbox>>,
     ) -> Result<Arc<Sandbox>> {
         let t0 = std::time::Instant::now();
-        let id = format!("sb-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+        let id = new_sandbox_id();
         let rt = self.clone();
         let sb = tokio::task::spawn_blocking(move || -> Result<Arc<Sandbox>> {
             let layer_paths: Vec<PathBuf> = chain.iter().map(|l| launch::layer_dir(&rt.cfg, &rt.images, l)).collect();
@@ -463,8 +487,13 @@ impl Runtime {
                 unsafe { tokio::io::unix::AsyncFd::register(pidfd) }.ok()
             });
             // A pidfd is readable once the process has exited; without one, init is already gone.
+            // The watch ends early when the daemon lets go of the sandbox (its init may be
+            // recycled into the warm pool).
             if let Some(afd) = afd {
-                let _ = afd.readable().await;
+                tokio::select! {
+                    _ = afd.readable() => {}
+                    _ = sb.released.notified() => return,
+                }
             }
             sb.dead.store(true, Ordering::SeqCst);
             // SAFETY: non-blocking reap of a specific pid; ECHILD if it is not our child.
@@ -502,14 +531,21 @@ impl Runtime {
 
     pub async fn kill(self: &Arc<Self>, id: &str) -> Result<()> {
         let sb = self.sandboxes.write().expect("lock").remove(id).ok_or_else(|| RuntimeError::sandbox(id))?;
+        let was_alive = !sb.is_dead();
         sb.dead.store(true, Ordering::SeqCst);
         let rt = self.clone();
         let id = id.to_string();
         let gone_templates = self.templates.lock().expect("lock").remove_sandbox(&id);
+        sb.released.notify_one();
         tokio::task::spawn_blocking(move || {
             rt.drop_shells(&id);
             if rt.has_nested(&id) {
                 rt.make_husk(&sb)?;
+            } else if was_alive && rt.wants_recycle(&sb) {
+                if let Err(e) = rt.recycle(&sb) {
+                    tracing::warn!(%id, "recycling into the warm pool failed ({e}); tearing down");
+                    launch::teardown(&rt.cfg, &rt.cgroups, &id, Some((sb.init_pid, sb.init_start)))?;
+                }
             } else {
                 launch::teardown(&rt.cfg, &rt.cgroups, &id, Some((sb.init_pid, sb.init_start)))?;
             }

@@ -394,3 +394,44 @@ pub struct GcResult {
     pub deleted: Vec<String>,
     pub freed_bytes: u64,
 }
+
+/// One image's pool.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct PoolImageStats {
+    /// Ready sandboxes kept by the background refill.
+    pub min: usize,
+    /// Killed sandboxes are recycled while fewer than this are ready.
+    pub max: usize,
+    /// Ready now.
+    pub ready: usize,
+}
+
+/// `GET /v1/pool`: the warm pool's configuration and counters since the daemon started.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct PoolStats {
+    pub images: std::collections::BTreeMap<String, PoolImageStats>,
+    /// Creates served from the pool.
+    pub hits: u64,
+    /// Creates that started cold (nothing ready).
+    pub misses: u64,
+    /// Killed sandboxes cleaned and returned to the pool.
+    pub recycled: u64,
+    /// Sandboxes built by the background refill.
+    pub created: u64,
+    /// Refill attempts that failed (see `last_error`); creates then start cold.
+    pub failures: u64,
+    pub last_error: Option<String>,
+    /// Time to build one pooled sandbox (recent builds).
+    pub refill_ms_p50: Option<f64>,
+    pub refill_ms_p99: Option<f64>,
+}
+
+/// `PUT /v1/pool/{image}`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SetPool {
+    /// Ready sandboxes to keep (0 = none built in the background).
+    pub min: usize,
+    /// Recycle killed sandboxes while fewer are ready (default: `min`; 0 with min 0 = no pool).
+    pub max: Option<usize>,
+}

@@ -32,6 +32,9 @@ pub struct Sandbox {
     pub dirty: AtomicBool,
     /// The sandbox whose user and pid namespaces this one is nested in (see `store::SandboxRow`).
     pub nest_parent: Option<String>,
+    /// Notified when the daemon lets go of the sandbox (killed or recycled): stops the watcher
+    /// of its init, which may live on in the warm pool.
+    pub released: tokio::sync::Notify,
 }
 
 /// Environment every command starts with, before the image's and the caller's.
@@ -74,6 +77,7 @@ impl Sandbox {
             fs_gate: Default::default(),
             dirty: AtomicBool::new(true),
             nest_parent: None,
+            released: tokio::sync::Notify::new(),
         }
     }
 

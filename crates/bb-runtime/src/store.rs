@@ -53,6 +53,11 @@ impl Store {
                 created_at REAL NOT NULL,
                 expires_at REAL
             );
+            CREATE TABLE IF NOT EXISTS pool_targets (
+                image TEXT PRIMARY KEY,
+                min INTEGER NOT NULL,
+                max INTEGER NOT NULL
+            );
             CREATE TABLE IF NOT EXISTS husks (
                 id TEXT PRIMARY KEY,
                 init_pid INTEGER NOT NULL,
@@ -68,6 +73,25 @@ impl Store {
             conn.execute_batch("ALTER TABLE sandboxes ADD COLUMN nest_parent TEXT;")?;
         }
         Ok(Store { conn })
+    }
+
+    /// Warm pool size for an image (max 0: none).
+    pub fn set_pool_target(&self, image: &str, min: usize, max: usize) -> Result<()> {
+        if max == 0 {
+            self.conn.execute("DELETE FROM pool_targets WHERE image = ?1", params![image])?;
+        } else {
+            self.conn.execute(
+                "INSERT INTO pool_targets (image, min, max) VALUES (?1, ?2, ?3) ON CONFLICT(image) DO UPDATE SET min = ?2, max = ?3",
+                params![image, min as i64, max as i64],
+            )?;
+        }
+        Ok(())
+    }
+
+    pub fn pool_targets(&self) -> Result<Vec<(String, usize, usize)>> {
+        let mut stmt = self.conn.prepare("SELECT image, min, max FROM pool_targets ORDER BY image")?;
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? as usize, r.get::<_, i64>(2)? as usize)))?;
+        Ok(rows.collect::<std::result::Result<_, _>>()?)
     }
 
     pub fn insert_husk(&self, row: &HuskRow) -> Result<()> {
@@ -175,6 +199,12 @@ mod tests {
         assert_eq!(Store::open(&db).unwrap().husks().unwrap(), vec![husk]);
         store.delete_husk("sb-0").unwrap();
         assert!(store.husks().unwrap().is_empty());
+        store.set_pool_target("base", 2, 8).unwrap();
+        store.set_pool_target("py", 0, 4).unwrap();
+        store.set_pool_target("base", 3, 8).unwrap();
+        assert_eq!(Store::open(&db).unwrap().pool_targets().unwrap(), vec![("base".into(), 3, 8), ("py".into(), 0, 4)]);
+        store.set_pool_target("py", 0, 0).unwrap();
+        assert_eq!(store.pool_targets().unwrap().len(), 1);
     }
 
     #[test]

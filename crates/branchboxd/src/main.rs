@@ -46,6 +46,11 @@ struct Args {
     /// First host uid/gid of the sandboxes' user namespace range (65536 ids).
     #[arg(long, default_value_t = 1_000_000)]
     uid_base: u32,
+    /// Warm pool: sandboxes of the default image ("base") kept ready, so creates claim one
+    /// instead of starting cold; killed sandboxes are recycled into it up to twice this. 0 = no
+    /// pool. A size set through the API (`PUT /v1/pool/{image}`) takes precedence.
+    #[arg(long, default_value_t = 2)]
+    pool_size: usize,
     /// Kill every sandbox when the daemon exits (default: they survive and are re-attached).
     #[arg(long)]
     kill_on_exit: bool,
@@ -88,6 +93,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     cfg.idmap.host_base = args.uid_base;
     let rt = tokio::task::spawn_blocking(move || Runtime::open(cfg)).await?.context("opening the runtime")?;
     tracing::info!(state_dir = %args.state_dir.display(), sandboxes = rt.count(), "runtime ready");
+    let default_pool = (args.pool_size > 0)
+        .then(|| ("base".to_string(), bb_runtime::pool::Target { min: args.pool_size, max: 2 * args.pool_size }));
+    rt.start_pool(default_pool).context("starting the warm pool")?;
 
     // TTL reaper.
     let reaper_rt = rt.clone();

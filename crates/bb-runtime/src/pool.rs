@@ -1,0 +1,430 @@
+//! The warm pool: sandboxes ready before anyone asks, and safely recycled.
+//!
+//! A *shell* is a started sandbox nobody owns yet: init running in its namespaces (user, mount,
+//! pid, net, uts, ipc, cgroup), its cgroup, the overlay root of its image with an empty writable
+//! layer, the host-side mounts and the control socket. [`Runtime::create`] claims one for the
+//! requested image when there is one (set the limits, record it: no namespace, mount or process
+//! is made on the request's path) and falls back to a cold start otherwise. A background task
+//! keeps each configured image at its `min` ready shells, one shell at a time at low CPU
+//! priority; a failure is recorded (`last_error`), logged, and retried after a pause: creates
+//! never wait for the pool.
+//!
+//! A killed sandbox is *recycled* into the pool when its image's pool is below `max`:
+//! 1. its cgroup is frozen and every process but init killed;
+//! 2. init forgets every process and channel, moves to fresh network and IPC namespaces (no
+//!    socket, SysV or POSIX IPC object survives), remounts /dev/shm and takes a new hostname
+//!    (`bb_proto::Request::Reset`);
+//! 3. init moves to a brand-new cgroup (counters and limits start from zero), the old one goes;
+//! 4. its root is swapped onto the image with a new empty writable layer (the rollback pivot),
+//!    the old writable layer, logs and host-side mounts are deleted, and it gets a new id.
+//!
+//! Only then does the shell enter the pool, so a claim can never see a half-cleaned one. Shells
+//! are not recorded in SQLite: after a daemon restart they are strays (reaped), and the pool is
+//! rebuilt from its configuration, which is.
+
+use crate::error::{Result, RuntimeError};
+use crate::launch::{self, layer_dir, new_upper, Launched, SandboxDirs};
+use crate::model::{PoolImageStats, PoolStats, SandboxSpec};
+use crate::sandbox::Sandbox;
+use crate::snapstore::Generation;
+use crate::{blocking_err, rootswap, Runtime};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Limits a shell is started with (a claim sets the request's).
+fn shell_spec(image: &bb_layers::Image) -> SandboxSpec {
+    SandboxSpec {
+        image: image.name.clone(),
+        image_env: image.env.clone(),
+        layers: image.layers.clone(),
+        cpu: 1.0,
+        memory_mb: 512,
+        pids: 512,
+        env: Default::default(),
+        cwd: "/".into(),
+        network: "none".into(),
+        metadata: Default::default(),
+    }
+}
+
+/// How many ready shells to keep for an image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Target {
+    /// Kept ready by the background refill.
+    pub min: usize,
+    /// Killed sandboxes are recycled while fewer are ready.
+    pub max: usize,
+}
+
+pub struct Shell {
+    pub id: String,
+    /// The image's id when the shell was made: an image rebuilt under the same name since does
+    /// not get it.
+    pub image_id: String,
+    pub launched: Launched,
+}
+
+#[derive(Default)]
+pub struct WarmPool {
+    ready: HashMap<String, VecDeque<Shell>>,
+    targets: BTreeMap<String, Target>,
+    hits: u64,
+    misses: u64,
+    recycled: u64,
+    created: u64,
+    failures: u64,
+    last_error: Option<String>,
+    /// Recent shell build times (ms), newest last.
+    build_ms: VecDeque<f64>,
+}
+
+const KEEP_TIMES: usize = 64;
+/// Most shells a pool may hold, over all images.
+pub const MAX_SHELLS: usize = 512;
+
+impl WarmPool {
+    fn total(&self) -> usize {
+        self.ready.values().map(VecDeque::len).sum()
+    }
+
+    /// A ready shell of `image` (made from image id `image_id`), if any. Counts a hit or miss.
+    fn take(&mut self, image: &str, image_id: &str) -> Option<Shell> {
+        let q = self.ready.get_mut(image);
+        let shell = q.and_then(|q| {
+            // Shells of a replaced image are useless; they are torn down by the refill task.
+            let i = q.iter().position(|s| s.image_id == image_id)?;
+            q.remove(i)
+        });
+        if shell.is_some() {
+            self.hits += 1;
+        } else {
+            self.misses += 1;
+        }
+        shell
+    }
+
+    fn wants(&self, image: &str, for_recycling: bool) -> bool {
+        let have = self.ready.get(image).map_or(0, VecDeque::len);
+        let Some(t) = self.targets.get(image) else { return false };
+        self.total() < MAX_SHELLS && if for_recycling { have < t.max } else { have < t.min }
+    }
+
+    fn push(&mut self, image: &str, shell: Shell) {
+        self.ready.entry(image.to_string()).or_default().push_back(shell);
+    }
+
+    fn stats(&self) -> PoolStats {
+        let mut times: Vec<f64> = self.build_ms.iter().copied().collect();
+        times.sort_by(f64::total_cmp);
+        let pct = |p: f64| (!times.is_empty()).then(|| times[((times.len() - 1) as f64 * p).round() as usize]);
+        let mut images: BTreeMap<String, PoolImageStats> = BTreeMap::new();
+        for (name, t) in &self.targets {
+            images.insert(name.clone(), PoolImageStats { min: t.min, max: t.max, ready: 0 });
+        }
+        for (name, q) in &self.ready {
+            images.entry(name.clone()).or_insert(PoolImageStats { min: 0, max: 0, ready: 0 }).ready = q.len();
+        }
+        PoolStats {
+            images,
+            hits: self.hits,
+            misses: self.misses,
+            recycled: self.recycled,
+            created: self.created,
+            failures: self.failures,
+            last_error: self.last_error.clone(),
+            refill_ms_p50: pct(0.5),
+            refill_ms_p99: pct(0.99),
+        }
+    }
+}
+
+impl Runtime {
+    pub fn pool_stats(&self) -> PoolStats {
+        self.pool.lock().expect("lock").stats()
+    }
+
+    /// Keep `target.min` (up to `target.max`) ready shells of `image`; `min = max = 0` drains it.
+    /// Persisted: the pool is rebuilt after a restart.
+    pub fn set_pool(self: &Arc<Self>, image: &str, target: Target) -> Result<PoolStats> {
+        if target.min > target.max {
+            return Err(RuntimeError::BadRequest(format!("min ({}) must not exceed max ({})", target.min, target.max)));
+        }
+        if target.max > MAX_SHELLS {
+            return Err(RuntimeError::BadRequest(format!("max must be at most {MAX_SHELLS}")));
+        }
+        self.images.get(image).map_err(crate::layers_error)?;
+        self.store.lock().expect("lock").set_pool_target(image, target.min, target.max)?;
+        let extra: Vec<Shell> = {
+            let mut pool = self.pool.lock().expect("lock");
+            if target.max == 0 {
+                pool.targets.remove(image);
+            } else {
+                pool.targets.insert(image.to_string(), target);
+            }
+            let q = pool.ready.entry(image.to_string()).or_default();
+            let n = q.len().saturating_sub(target.max);
+            q.drain(..n).collect()
+        };
+        self.discard_shells(extra);
+        self.pool_wake.notify_one();
+        Ok(self.pool_stats())
+    }
+
+    /// Load the persisted targets and start the refill task (call once, in a tokio runtime).
+    pub fn start_pool(self: &Arc<Self>, default: Option<(String, Target)>) -> Result<()> {
+        let mut targets: BTreeMap<String, Target> =
+            self.store.lock().expect("lock").pool_targets()?.into_iter().map(|(i, min, max)| (i, Target { min, max })).collect();
+        if let Some((image, t)) = default {
+            targets.entry(image).or_insert(t);
+        }
+        self.pool.lock().expect("lock").targets = targets;
+        let rt = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut pause = Duration::ZERO;
+            loop {
+                let Some(rt) = rt.upgrade() else { return };
+                if !pause.is_zero() {
+                    tokio::time::sleep(pause).await;
+                }
+                pause = match rt.refill_once().await {
+                    Ok(true) => Duration::ZERO,
+                    Ok(false) => {
+                        let wake = rt.pool_wake.clone();
+                        drop(rt);
+                        let _ = tokio::time::timeout(Duration::from_secs(2), wake.notified()).await;
+                        Duration::ZERO
+                    }
+                    Err(e) => {
+                        let mut pool = rt.pool.lock().expect("lock");
+                        pool.failures += 1;
+                        pool.last_error = Some(e.to_string());
+                        tracing::warn!("warm pool could not make a sandbox ({e}); creates start cold until it can");
+                        Duration::from_secs(5)
+                    }
+                };
+            }
+        });
+        Ok(())
+    }
+
+    /// Build one shell for the first image short of its `min`. Ok(false): nothing to do.
+    async fn refill_once(self: &Arc<Self>) -> Result<bool> {
+        let (image, stale) = {
+            let mut pool = self.pool.lock().expect("lock");
+            // Drop shells of images that were replaced or removed.
+            let mut stale = Vec::new();
+            for (name, q) in pool.ready.iter_mut() {
+                let current = self.images.get(name).ok().map(|i| i.id);
+                let (keep, gone): (VecDeque<Shell>, VecDeque<Shell>) = q.drain(..).partition(|s| Some(&s.image_id) == current.as_ref());
+                *q = keep;
+                stale.extend(gone);
+            }
+            let image = pool.targets.keys().find(|name| pool.wants(name, false)).cloned();
+            (image, stale)
+        };
+        self.discard_shells(stale);
+        let Some(image) = image else { return Ok(false) };
+        if self.count() + self.pool.lock().expect("lock").total() >= self.cfg.max_sandboxes {
+            return Ok(false);
+        }
+        let rt = self.clone();
+        let t0 = Instant::now();
+        let shell = tokio::task::spawn_blocking(move || {
+            // Background work: leave the CPU to requests.
+            // SAFETY: setpriority on this thread (tid) with plain integers.
+            unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10) };
+            let r = rt.build_shell(&image);
+            // SAFETY: as above; the blocking pool reuses threads.
+            unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 0) };
+            r.map(|s| (image, s))
+        })
+        .await
+        .map_err(blocking_err)??;
+        let mut pool = self.pool.lock().expect("lock");
+        pool.created += 1;
+        pool.last_error = None;
+        pool.build_ms.push_back(t0.elapsed().as_secs_f64() * 1000.0);
+        if pool.build_ms.len() > KEEP_TIMES {
+            pool.build_ms.pop_front();
+        }
+        if !pool.targets.contains_key(&shell.0) {
+            // The pool was drained while this one was built.
+            drop(pool);
+            self.discard_shells(vec![shell.1]);
+            return Ok(true);
+        }
+        pool.push(&shell.0, shell.1);
+        Ok(true)
+    }
+
+    fn build_shell(&self, image_name: &str) -> Result<Shell> {
+        let image = self.images.get(image_name).map_err(crate::layers_error)?;
+        let spec = shell_spec(&image);
+        let id = crate::new_sandbox_id();
+        let layers: Vec<PathBuf> = image.layers.iter().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
+        let launched = launch::launch(&self.cfg, &self.cgroups, &id, &spec, &layers)?;
+        Ok(Shell { id, image_id: image.id, launched })
+    }
+
+    fn discard_shells(&self, shells: Vec<Shell>) {
+        for s in shells {
+            let _ = launch::teardown(&self.cfg, &self.cgroups, &s.id, Some((s.launched.init_pid, s.launched.init_start)));
+            self.remove_layer_dir(&s.launched.upper);
+        }
+    }
+
+    /// A ready shell for `spec`'s image made into the sandbox `spec` asks for, or None (then
+    /// the caller starts one cold). Blocking.
+    pub(crate) fn claim_pooled(&self, spec: &SandboxSpec, timeout: Option<f64>) -> Option<Result<Arc<Sandbox>>> {
+        let image = self.images.get(&spec.image).ok()?;
+        let shell = self.pool.lock().expect("lock").take(&spec.image, &image.id)?;
+        let res = (|| -> Result<()> {
+            shell.launched.cgroup.set_limits(&launch::limits(spec))?;
+            launch::make_cwd(&self.cfg, spec, &SandboxDirs::new(&self.cfg.state_dir, &shell.id).rootfs())
+        })();
+        if let Err(e) = res {
+            self.discard_shells(vec![shell]);
+            return Some(Err(e));
+        }
+        let gen = Generation { upper: shell.launched.upper.clone(), mounted: spec.layers.clone(), chain: spec.layers.clone(), base: None, n: 0 };
+        Some(self.register(shell.id, spec.clone(), shell.launched, gen, None, timeout))
+    }
+
+    /// Whether a killed sandbox (that was alive) should be recycled into the pool rather than
+    /// torn down.
+    pub(crate) fn wants_recycle(&self, sb: &Sandbox) -> bool {
+        sb.nest_parent.is_none()
+            && bb_sys::process::process_start_time(sb.init_pid) == Some(sb.init_start)
+            && sb.gen.lock().expect("lock").is_some()
+            && self.pool.lock().expect("lock").wants(&sb.spec.image, true)
+    }
+
+    /// Clean a killed sandbox for the next tenant and put it in the pool (see the module
+    /// documentation). Blocking. On failure the caller tears it down.
+    pub(crate) fn recycle(&self, sb: &Sandbox) -> Result<()> {
+        let image = self.images.get(&sb.spec.image).map_err(crate::layers_error)?;
+        let spec = shell_spec(&image);
+        // 1. Nothing but init survives.
+        for _ in 0..50 {
+            sb.cgroup.freeze()?;
+            let pids = sb.cgroup.pids();
+            if let Ok(pids) = &pids {
+                for pid in pids.iter().filter(|p| **p != sb.init_pid) {
+                    // SAFETY: kill(2) on a member of the frozen cgroup; it dies on thaw.
+                    unsafe { libc::kill(*pid, libc::SIGKILL) };
+                }
+            }
+            sb.cgroup.thaw()?;
+            if pids?.iter().all(|p| *p == sb.init_pid) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let mut left = sb.cgroup.pids()?;
+        for _ in 0..500 {
+            if left.iter().all(|p| *p == sb.init_pid) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+            left = sb.cgroup.pids()?;
+        }
+        if left.iter().any(|p| *p != sb.init_pid) {
+            return Err(RuntimeError::Internal("processes survived the clean-up".into()));
+        }
+        // 2. Init: fresh net and IPC namespaces, /dev/shm, hostname; it forgets everything.
+        let new_id = crate::new_sandbox_id();
+        let shm = (spec.memory_mb * 1024 * 1024 / 2).max(1 << 20);
+        match crate::initconn::call_blocking(&sb.dirs.sock(), &bb_proto::Request::Reset { hostname: new_id.clone(), shm_bytes: shm }, &[], Duration::from_secs(10))? {
+            (bb_proto::Response::Ok, _) => {}
+            (bb_proto::Response::Error { message, .. }, _) => return Err(RuntimeError::Internal(message)),
+            (other, _) => return Err(crate::initconn::unexpected(other)),
+        }
+        // 3. A new cgroup.
+        let cgroup = bb_isolation::Cgroup::create(&self.cgroups, &new_id, &launch::limits(&spec))?;
+        let moved = cgroup.add_pid(sb.init_pid).and_then(|()| sb.cgroup.destroy());
+        if let Err(e) = moved {
+            let _ = cgroup.destroy();
+            return Err(e.into());
+        }
+        // 4. A fresh root under the new id's directory.
+        let old = SandboxDirs::new(&self.cfg.state_dir, &sb.id);
+        let dirs = SandboxDirs::new(&self.cfg.state_dir, &new_id);
+        for r in old.rootfs_all() {
+            bb_layers::unmount(&r).map_err(|e| RuntimeError::internal("unmount old root", e))?;
+        }
+        std::fs::rename(&old.dir, &dirs.dir).map_err(|e| RuntimeError::internal("rename sandbox dir", e))?;
+        for e in std::fs::read_dir(&dirs.dir).map_err(|e| RuntimeError::internal("sandbox dir", e))?.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("work-") || name.starts_with("rootfs") || name == "logs" {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+        std::fs::create_dir_all(dirs.logs()).map_err(|e| RuntimeError::internal("logs dir", e))?;
+        let (lid, upper, work) = new_upper(&self.cfg, &dirs, 0)?;
+        let lower: Vec<PathBuf> = image.layers.iter().rev().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
+        let swapped = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &dirs.rootfs())
+            .map_err(crate::layers_error)
+            .and_then(|mnt| rootswap::swap_root(sb.init_pid, mnt))
+            .and_then(|view| {
+                std::fs::create_dir_all(dirs.rootfs()).map_err(|e| RuntimeError::internal("create root mount point", e))?;
+                rootswap::attach_host_root(&dirs.rootfs(), view)
+            });
+        if let Err(e) = swapped {
+            self.remove_layer_dir(&lid);
+            let _ = launch::teardown(&self.cfg, &self.cgroups, &new_id, Some((sb.init_pid, sb.init_start)));
+            return Err(e);
+        }
+        let launched = Launched { init_pid: sb.init_pid, init_start: sb.init_start, cgroup, upper: lid };
+        let mut pool = self.pool.lock().expect("lock");
+        pool.recycled += 1;
+        pool.push(&image.name, Shell { id: new_id, image_id: image.id, launched });
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shell(root: &std::path::Path, id: &str, image_id: &str) -> Shell {
+        std::fs::create_dir_all(root.join("t").join(id)).unwrap();
+        let layout = bb_isolation::CgroupLayout::with_roots(bb_isolation::CgroupVersion::V2, vec![("unified".into(), root.into())], "t");
+        Shell {
+            id: id.into(),
+            image_id: image_id.into(),
+            launched: Launched { init_pid: 1, init_start: 1, cgroup: bb_isolation::Cgroup::open(&layout, id).unwrap(), upper: format!("sl-{id}") },
+        }
+    }
+
+    #[test]
+    fn take_counts_hits_and_misses_and_skips_replaced_images() {
+        let d = tempfile::tempdir().unwrap();
+        let mut p = WarmPool::default();
+        p.targets.insert("base".into(), Target { min: 2, max: 4 });
+        assert!(p.wants("base", false) && p.wants("base", true));
+        assert!(!p.wants("other", true), "no target, no pooling");
+        p.push("base", shell(d.path(), "a", "img-old"));
+        p.push("base", shell(d.path(), "b", "img-new"));
+        assert!(!p.wants("base", false), "min reached");
+        assert!(p.wants("base", true), "below max: recycle");
+        assert_eq!(p.take("base", "img-new").map(|s| s.id), Some("b".into()));
+        assert!(p.take("base", "img-new").is_none(), "a shell of the old image is not handed out");
+        assert!(p.take("nope", "x").is_none());
+        let s = p.stats();
+        assert_eq!((s.hits, s.misses), (1, 2));
+        assert_eq!(s.images["base"].ready, 1);
+        assert_eq!((s.images["base"].min, s.images["base"].max), (2, 4));
+    }
+
+    #[test]
+    fn refill_times_are_summarised() {
+        let mut p = WarmPool::default();
+        assert_eq!(p.stats().refill_ms_p50, None);
+        p.build_ms.extend([5.0, 1.0, 3.0]);
+        let s = p.stats();
+        assert_eq!(s.refill_ms_p50, Some(3.0));
+        assert_eq!(s.refill_ms_p99, Some(5.0));
+    }
+}
