@@ -398,7 +398,9 @@ MORE_ITERTOOLS = Workload(
     # Appended to recipes.py it shadows ``take``: every test target (TakeTests) then fails.
     bugs=(
         BugSpec(
-            "more_itertools/recipes.py", "", "\n\ndef take(n, iterable):  # " + BUG_MARK + " (step %(step)d)\n    return []\n"
+            "more_itertools/recipes.py",
+            "",
+            "\n\ndef take(n, iterable):  # " + BUG_MARK + " (step %(step)d)\n    return []\n",
         ),
     ),
     test_targets=_MI_TARGETS,

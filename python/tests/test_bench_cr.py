@@ -77,7 +77,9 @@ def test_node_state_model() -> None:
     assert st.bench_modules() == ["tests.test_bench_3", "tests.utils_tests.test_bench_4"]
     assert st.heap_overrides() == {5: 3, 7: 2}
     mi, dj = cr.WORKLOADS["more-itertools"], cr.WORKLOADS["django"]
-    assert mi.test_command(("t.A", "t.B"), st) == "python3 -m unittest -q t.A t.B tests.test_bench_3 tests.utils_tests.test_bench_4"
+    assert mi.test_command(("t.A", "t.B"), st) == (
+        "python3 -m unittest -q t.A t.B tests.test_bench_3 tests.utils_tests.test_bench_4"
+    )
     assert dj.test_command(("utils_tests.test_text",), st).endswith(
         "tests/runtests.py --parallel 1 -v 0 utils_tests.test_text test_bench_3 utils_tests.test_bench_4"
     )

@@ -39,7 +39,9 @@ class Daemon:
     def start(self, extra=()) -> None:
         os.makedirs(RUN, exist_ok=True)
         os.makedirs(STATE, exist_ok=True)
-        argv = [daemon_bin(), "--state-dir", STATE, "--socket", SOCKET, "--cgroup-parent", CGROUP_PARENT]
+        # No warm pool unless a test sets one (PUT /v1/pool/...): pooled sandboxes would show in
+        # the suite's counts of processes, cgroups and mounts.
+        argv = [daemon_bin(), "--state-dir", STATE, "--socket", SOCKET, "--cgroup-parent", CGROUP_PARENT, "--pool-size", "0"]
         if os.environ.get("BRANCHBOX_INIT_BIN"):  # default: branchbox-init next to the daemon binary
             argv += ["--init-bin", os.environ["BRANCHBOX_INIT_BIN"]]
         argv += extra

@@ -124,13 +124,15 @@ def test_lightweight_checkpoint_when_nothing_changed(sbx, raw):
     assert py(raw, sid, "a").get("result") == "1"
 
 
-def test_fork_children_are_isolated(sbx, raw):
+@pytest.mark.parametrize("isolated", [False, True], ids=["live", "isolated"])
+def test_fork_children_are_isolated(sbx, raw, isolated):
     sid = sbx.sandbox_id
     sh(raw, sid, "echo parent > /root/f")
     py(raw, sid, "n = 41")
-    r = raw.post("/v1/sandboxes/%s/fork" % sid, json={"count": 3})
+    r = raw.post("/v1/sandboxes/%s/fork" % sid, json={"count": 3, "isolated": isolated})
     assert r.status_code == 201, r.text
     body = r.json()
+    assert body["sessions_restarted"] is isolated
     kids = [c["id"] for c in body["sandboxes"]]
     assert len(set(kids)) == 3 and sid not in kids
     try:
@@ -142,11 +144,21 @@ def test_fork_children_are_isolated(sbx, raw):
             # Own pid namespace: no sibling's or parent's sleep is visible.
             assert sh(raw, k, "ps -eo comm= | grep -c '^sleep$'", code=None).strip() == "1"
         assert sh(raw, sid, "cat /root/f") == "parent\n"
-        # Nor do the children's processes show in the parent: a fork child is another sandbox (if
-        # they showed, the parent could signal them and read the child's files via /proc/PID/root).
+        for k in kids:
+            r = raw.post("/v1/sandboxes/%s/code" % k, json={"code": "n"}).json()
+            if isolated:
+                assert r["error"]["name"] == "NameError", r  # fresh sessions
+            else:
+                assert r["result"] == "41", r  # live copies
         parent_ps = sh(raw, sid, "ps -eo pid=,comm=", code=None)
-        assert [l for l in parent_ps.splitlines() if l.split()[1:] == ["sleep"]] == [], (
-            "the parent sandbox sees its fork children's processes:\n" + parent_ps)
+        parent_sleeps = [l for l in parent_ps.splitlines() if l.split()[1:] == ["sleep"]]
+        if isolated:
+            # Independent sandboxes: the children's processes do not show in the parent.
+            assert parent_sleeps == [], "the parent sandbox sees isolated children's processes:\n" + parent_ps
+        else:
+            # Live children are nested in the parent's pid namespace: documented, the parent sees
+            # them (as a parent process sees its children); they never see the parent.
+            assert len(parent_sleeps) == 3, parent_ps
         # A child can itself be checkpointed, rolled back and forked.
         c = kids[0]
         s = ckpt(raw, c)

@@ -26,7 +26,8 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         read_file, write_file, remove_file, list_files, stat_file, make_dir, rename_file,
         list_images, build_image, import_image, remove_image,
         checkpoint, rollback, fork, evaluate, sandbox_snapshots, list_snapshots, get_snapshot,
-        delete_snapshot, gc_snapshots, get_pool, set_pool
+        delete_snapshot, gc_snapshots, get_pool, set_pool,
+        build_template, list_templates, get_template, remove_template
     ),
     components(schemas(
         CreateSandbox, SandboxInfo, SandboxList, SetTimeout, RunCommand, CommandResult, Started,
@@ -34,7 +35,8 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         RunCode, SessionResult, EntryInfo, EntryList, MakeDir, Rename, ImageInfo, ImageList,
         BuildImage, ImportImage, ProgressEvent, CommandEvent, ErrorBody, Health, ErrorResponse, Done,
         CheckpointRequest, RollbackRequest, ForkRequest, GcRequest, SnapshotInfo, SnapshotSessionInfo,
-        SnapshotList, RollbackResult, ForkResult, GcResult, PoolStats, PoolImageStats, SetPool
+        SnapshotList, RollbackResult, ForkResult, GcResult, PoolStats, PoolImageStats, SetPool,
+        BuildTemplate, TemplateInfo, TemplateList, TemplateEvent
     ))
 )]
 pub struct ApiDoc;
@@ -437,4 +439,28 @@ pub async fn get_pool(State(rt): State<AppState>) -> Json<PoolStats> {
 pub async fn set_pool(State(rt): State<AppState>, P(image): P<String>, JsonBody(req): JsonBody<SetPool>) -> ApiResult<Json<PoolStats>> {
     let target = bb_runtime::pool::Target { min: req.min, max: req.max.unwrap_or(req.min) };
     Ok(Json(rt.set_pool(&image, target)?))
+}
+
+#[utoipa::path(post, path = "/v1/templates", request_body = BuildTemplate,
+    responses((status = 200, description = "NDJSON stream of TemplateEvent", body = TemplateEvent, content_type = "application/x-ndjson")))]
+pub async fn build_template(State(rt): State<AppState>, JsonBody(req): JsonBody<BuildTemplate>) -> ApiResult<Response> {
+    Ok(ndjson(rt.build_template(req)))
+}
+
+#[utoipa::path(get, path = "/v1/templates", responses((status = 200, body = TemplateList)))]
+pub async fn list_templates(State(rt): State<AppState>) -> ApiResult<Json<TemplateList>> {
+    Ok(Json(rt.list_templates()?))
+}
+
+#[utoipa::path(get, path = "/v1/templates/{name}", params(("name" = String, Path, description = "template name")),
+    responses((status = 200, body = TemplateInfo), (status = 404, body = ErrorResponse)))]
+pub async fn get_template(State(rt): State<AppState>, P(name): P<String>) -> ApiResult<Json<TemplateInfo>> {
+    Ok(Json(rt.template(&name)?))
+}
+
+#[utoipa::path(delete, path = "/v1/templates/{name}", params(("name" = String, Path, description = "template name")),
+    responses((status = 200, body = Done), (status = 404, body = ErrorResponse)))]
+pub async fn remove_template(State(rt): State<AppState>, P(name): P<String>) -> ApiResult<Json<Done>> {
+    rt.remove_template(&name).await?;
+    Ok(removed())
 }

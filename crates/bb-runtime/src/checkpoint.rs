@@ -54,26 +54,45 @@ pub struct Template {
     last_used: Instant,
 }
 
-/// Live template processes by key, least recently used evicted beyond `cap`.
+/// Live template processes by key, least recently used evicted beyond `cap`. Templates of
+/// pinned sandboxes (those backing a named template) are never evicted.
 pub struct TemplatePool {
     cap: usize,
     map: HashMap<String, Template>,
+    pinned: HashSet<String>,
 }
 
 impl TemplatePool {
     pub fn new(cap: usize) -> Self {
-        TemplatePool { cap, map: HashMap::new() }
+        TemplatePool { cap, map: HashMap::new(), pinned: HashSet::new() }
     }
 
     /// Add a template; returns the ones evicted to stay within the cap.
     pub fn insert(&mut self, key: String, sandbox_id: String, session: Arc<Session>) -> Vec<Template> {
         self.map.insert(key.clone(), Template { key, sandbox_id, session, last_used: Instant::now() });
         let mut evicted = Vec::new();
-        while self.map.len() > self.cap {
-            let Some(oldest) = self.map.values().min_by_key(|t| t.last_used).map(|t| t.key.clone()) else { break };
+        while self.map.values().filter(|t| !self.pinned.contains(&t.sandbox_id)).count() > self.cap {
+            let Some(oldest) = self
+                .map
+                .values()
+                .filter(|t| !self.pinned.contains(&t.sandbox_id))
+                .min_by_key(|t| t.last_used)
+                .map(|t| t.key.clone())
+            else {
+                break;
+            };
             evicted.extend(self.map.remove(&oldest));
         }
         evicted
+    }
+
+    /// Never evict the templates of `sandbox_id` (it backs a named template).
+    pub fn pin_sandbox(&mut self, sandbox_id: &str) {
+        self.pinned.insert(sandbox_id.to_string());
+    }
+
+    pub fn unpin_sandbox(&mut self, sandbox_id: &str) {
+        self.pinned.remove(sandbox_id);
     }
 
     /// The template's session if it is alive (marks it used).
@@ -190,7 +209,7 @@ impl Runtime {
         }
     }
 
-    fn snapshot_row(&self, sid: &str) -> Result<SnapshotRow> {
+    pub(crate) fn snapshot_row(&self, sid: &str) -> Result<SnapshotRow> {
         self.snaps.lock().expect("lock").get(sid)?.ok_or_else(|| RuntimeError::NotFound {
             kind: "snapshot",
             id: sid.into(),
@@ -596,8 +615,8 @@ impl Runtime {
         }
         drop(sessions_map);
         drop(default);
-
-        sb.dirty.store(false, Ordering::SeqCst);
+        // Sessions started fresh are not the snapshot's: the next checkpoint must not reuse it.
+        sb.dirty.store(restarted, Ordering::SeqCst);
         self.after_swap(&sb, gen.n, None, Some(gen.upper.clone()));
         let mut killed: Vec<i32> = killed.into_iter().filter(|p| !old_pids.contains(p)).collect();
         killed.sort_unstable();
@@ -628,7 +647,11 @@ impl Runtime {
                 self.checkpoint_locked(&sb, Some("fork".into()), true).await?.0
             }
         };
-        let (children, sessions_restarted) = self.fork_snapshot(&snap, n, timeout).await?;
+        let (children, sessions_restarted) = if req.isolated {
+            (self.fork_cold(&snap, &snap.spec, n, timeout).await?, !snap.sessions.is_empty())
+        } else {
+            self.fork_snapshot(&snap, &snap.spec, n, timeout).await?
+        };
         Ok(ForkResult {
             snapshot: snap.id,
             sandboxes: children.iter().map(|c| c.info()).collect(),
@@ -643,14 +666,21 @@ impl Runtime {
     /// When every session of the snapshot has a live template, the children are nested in the
     /// templates' sandbox and get live copies of the sessions ([`Runtime::fork_nested`]);
     /// otherwise (or if that fails) they are independent sandboxes with fresh sessions.
-    async fn fork_snapshot(self: &Arc<Self>, snap: &SnapshotRow, n: u32, timeout: Option<f64>) -> Result<(Vec<Arc<Sandbox>>, bool)> {
+    /// `spec`: what the children are created with (usually the snapshot's).
+    pub(crate) async fn fork_snapshot(
+        self: &Arc<Self>,
+        snap: &SnapshotRow,
+        spec: &SandboxSpec,
+        n: u32,
+        timeout: Option<f64>,
+    ) -> Result<(Vec<Arc<Sandbox>>, bool)> {
         if let Some((parent, templates)) = self.live_templates(snap) {
-            match self.fork_nested(&parent, snap, n, timeout, templates).await {
+            match self.fork_nested(&parent, snap, spec, n, timeout, templates).await {
                 Ok(children) => return Ok((children, false)),
                 Err(e) => tracing::warn!(snapshot = %snap.id, "live fork failed, forking with fresh sessions: {e}"),
             }
         }
-        let children = self.fork_cold(snap, n, timeout).await?;
+        let children = self.fork_cold(snap, spec, n, timeout).await?;
         Ok((children, !snap.sessions.is_empty()))
     }
 
@@ -695,6 +725,7 @@ impl Runtime {
         self: &Arc<Self>,
         parent: &Arc<Sandbox>,
         snap: &SnapshotRow,
+        spec: &SandboxSpec,
         n: u32,
         timeout: Option<f64>,
         templates: Vec<(SnapSession, Arc<Session>)>,
@@ -703,15 +734,15 @@ impl Runtime {
         let shells = self.nest_pool.lock().expect("lock").take(&parent.id, n as usize);
         let claimed = shells.len();
         let claims = shells.into_iter().map(|shell| {
-            let (rt, parent, snap) = (self.clone(), parent.clone(), snap.clone());
+            let (rt, parent, snap, spec) = (self.clone(), parent.clone(), snap.clone(), spec.clone());
             async move {
-                let sb = tokio::task::spawn_blocking(move || rt.claim_shell(shell, &parent, &snap, timeout)).await.map_err(blocking_err)??;
+                let sb = tokio::task::spawn_blocking(move || rt.claim_shell(shell, &parent, &snap, &spec, timeout)).await.map_err(blocking_err)??;
                 self.watch_init(&sb);
                 Ok(sb)
             }
         });
         let fresh = (claimed..n as usize)
-            .map(|_| self.create_from(snap.spec.clone(), snap.layers.clone(), Some(snap.id.clone()), timeout, Some(parent.clone())));
+            .map(|_| self.create_from(spec.clone(), snap.layers.clone(), Some(snap.id.clone()), timeout, Some(parent.clone())));
         let (a, b) = futures::future::join(futures::future::join_all(claims), futures::future::join_all(fresh)).await;
         let children = self.all_or_none(a.into_iter().chain(b).collect()).await?;
         let t_shells = t0.elapsed();
@@ -761,7 +792,8 @@ impl Runtime {
         match res {
             Ok(()) => {
                 // The next fork from this parent finds its shells ready.
-                self.refill_shells(parent.clone(), n as usize);
+                let want = self.nest_targets.lock().expect("lock").get(&parent.id).copied().unwrap_or(0).max(n as usize);
+                self.refill_shells(parent.clone(), want);
                 Ok(children)
             }
             Err(e) => {
@@ -830,12 +862,12 @@ impl Runtime {
     }
 
     /// Start `n` independent sandboxes on `snap`'s layers with its sessions started fresh.
-    async fn fork_cold(self: &Arc<Self>, snap: &SnapshotRow, n: u32, timeout: Option<f64>) -> Result<Vec<Arc<Sandbox>>> {
+    async fn fork_cold(self: &Arc<Self>, snap: &SnapshotRow, spec: &SandboxSpec, n: u32, timeout: Option<f64>) -> Result<Vec<Arc<Sandbox>>> {
         let jobs = (0..n).map(|_| {
             let rt = self.clone();
-            let snap = snap.clone();
+            let (snap, spec) = (snap.clone(), spec.clone());
             async move {
-                let child = rt.create_from(snap.spec.clone(), snap.layers.clone(), Some(snap.id.clone()), timeout, None).await?;
+                let child = rt.create_from(spec, snap.layers.clone(), Some(snap.id.clone()), timeout, None).await?;
                 let res: Result<()> = async {
                     let mut map = child.sessions.lock().await;
                     for ss in &snap.sessions {
@@ -848,7 +880,8 @@ impl Runtime {
                     Ok(())
                 }
                 .await;
-                child.dirty.store(false, Ordering::SeqCst);
+                // Fresh sessions are not the snapshot's: a checkpoint of the child must not reuse it.
+                child.dirty.store(!snap.sessions.is_empty(), Ordering::SeqCst);
                 match res {
                     Ok(()) => Ok(child),
                     Err(e) => {
@@ -990,6 +1023,8 @@ impl Runtime {
             used.insert(g.upper);
         }
         drop(snaps);
+        // Writable layers of ready sandboxes in the warm pools (not recorded anywhere).
+        used.extend(self.pooled_uppers());
         let mut freed = 0;
         let Ok(rd) = std::fs::read_dir(crate::launch::snaplayers_dir(&self.cfg.state_dir)) else { return Ok(0) };
         for e in rd.flatten() {

@@ -27,6 +27,7 @@ pub mod session;
 pub mod sessionfork;
 pub mod snapstore;
 pub mod store;
+pub mod templates;
 
 pub use error::{Result, RuntimeError};
 
@@ -104,6 +105,29 @@ pub struct Runtime {
     /// Ready sandboxes per image ([`pool`]), and the wake-up of its refill task.
     pub(crate) pool: Mutex<pool::WarmPool>,
     pub(crate) pool_wake: Arc<tokio::sync::Notify>,
+    /// Nested shells to keep ready per parent beyond the last fork's size (templates).
+    pub(crate) nest_targets: Mutex<HashMap<String, usize>>,
+}
+
+/// With `sb`'s cgroup frozen (so nothing forks meanwhile), SIGKILL every member `spare` says
+/// no to; repeat until none is left (up to ~1 s). Blocking.
+pub(crate) fn kill_members(sb: &Sandbox, spare: impl Fn(i32) -> bool) -> Result<()> {
+    for _ in 0..500 {
+        sb.cgroup.freeze()?;
+        let pids = sb.cgroup.pids();
+        if let Ok(pids) = &pids {
+            for pid in pids.iter().filter(|p| !spare(**p)) {
+                // SAFETY: kill(2) on a member of the frozen cgroup; it dies on thaw.
+                unsafe { libc::kill(*pid, libc::SIGKILL) };
+            }
+        }
+        sb.cgroup.thaw()?;
+        if pids?.iter().all(|p| spare(*p)) {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Err(RuntimeError::Internal(format!("processes of sandbox {} survived SIGKILL", sb.id)))
 }
 
 /// A new sandbox id.
@@ -194,6 +218,7 @@ impl Runtime {
             nest_pool: Mutex::new(Default::default()),
             pool: Mutex::new(Default::default()),
             pool_wake: Arc::new(tokio::sync::Notify::new()),
+            nest_targets: Mutex::new(HashMap::new()),
         });
         rt.recover()?;
         Ok(rt)
@@ -366,6 +391,9 @@ impl Runtime {
 
     pub async fn create(self: &Arc<Self>, req: CreateSandbox) -> Result<SandboxInfo> {
         self.check_capacity(1)?;
+        if let Some(name) = req.template.clone() {
+            return self.create_from_template(&name, req).await;
+        }
         let (spec, timeout, _) = self.validate(req)?;
         // A ready sandbox from the warm pool if there is one; otherwise a cold start.
         let rt = self.clone();
@@ -508,6 +536,7 @@ impl Runtime {
             .expect("lock")
             .values()
             .filter(|s| filter.iter().all(|(k, v)| s.spec.metadata.get(k) == Some(v)))
+            .filter(|s| !s.spec.metadata.contains_key(templates::TEMPLATE_KEY) || filter.iter().any(|(k, _)| k == templates::TEMPLATE_KEY))
             .map(|s| s.info())
             .collect();
         v.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
@@ -530,6 +559,16 @@ impl Runtime {
     }
 
     pub async fn kill(self: &Arc<Self>, id: &str) -> Result<()> {
+        if let Some(t) = self.template_of(id) {
+            return Err(RuntimeError::Conflict(format!(
+                "sandbox {id} holds template {t:?}: remove the template instead (`branchbox template rm {t}`)"
+            )));
+        }
+        self.kill_unchecked(id).await
+    }
+
+    /// [`kill`](Self::kill) without the template check (for the template's own removal).
+    pub(crate) async fn kill_unchecked(self: &Arc<Self>, id: &str) -> Result<()> {
         let sb = self.sandboxes.write().expect("lock").remove(id).ok_or_else(|| RuntimeError::sandbox(id))?;
         let was_alive = !sb.is_dead();
         sb.dead.store(true, Ordering::SeqCst);
@@ -575,15 +614,7 @@ impl Runtime {
     /// killed (with the cgroup frozen, so nothing forks meanwhile), the host side of its root and
     /// its state dir go; init stays, in its cgroup, until its last nested sandbox is gone.
     fn make_husk(&self, sb: &Sandbox) -> Result<()> {
-        sb.cgroup.freeze()?;
-        let killed = sb.cgroup.pids().map(|pids| {
-            for pid in pids.into_iter().filter(|p| *p != sb.init_pid) {
-                // SAFETY: kill(2) on a member of the (frozen) sandbox cgroup; it dies on thaw.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-            }
-        });
-        sb.cgroup.thaw()?;
-        killed?;
+        kill_members(sb, |p| p == sb.init_pid)?;
         let row = store::HuskRow {
             id: sb.id.clone(),
             init_pid: sb.init_pid,
@@ -642,7 +673,7 @@ impl Runtime {
     pub async fn kill_all(self: &Arc<Self>) {
         let ids: Vec<String> = self.sandboxes.read().expect("lock").keys().cloned().collect();
         for id in ids {
-            let _ = self.kill(&id).await;
+            let _ = self.kill_unchecked(&id).await;
         }
     }
 

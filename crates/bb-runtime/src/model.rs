@@ -9,6 +9,10 @@ use utoipa::ToSchema;
 pub struct CreateSandbox {
     /// Image name (default `base`).
     pub image: Option<String>,
+    /// Start from this template (`branchbox template ls`): a live copy of its sessions, nested
+    /// in the template's sandbox. Limits, env, cwd, metadata and timeout still apply.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
     /// CPUs (1.0 = one core).
     pub cpu: Option<f64>,
     pub memory_mb: Option<u64>,
@@ -323,6 +327,13 @@ pub struct ForkRequest {
     pub snapshot: Option<String>,
     /// TTL of the children in seconds (default: the daemon's default; 0 = none).
     pub timeout: Option<f64>,
+    /// Independent children: their own top-level namespaces, so neither they nor the parent can
+    /// see or signal each other's processes; their sessions start fresh. By default children
+    /// get live copies of the sessions and are nested in the parent's namespaces: isolated from
+    /// each other and unable to reach the parent, but visible to it (like a parent process's
+    /// children). See docs/ARCHITECTURE.md.
+    #[serde(default)]
+    pub isolated: bool,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
@@ -434,4 +445,62 @@ pub struct SetPool {
     pub min: usize,
     /// Recycle killed sandboxes while fewer are ready (default: `min`; 0 with min 0 = no pool).
     pub max: Option<usize>,
+}
+
+/// `POST /v1/templates`: a recipe.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BuildTemplate {
+    pub name: String,
+    /// Image (default `base`).
+    pub image: Option<String>,
+    /// Shell commands run in order (`/bin/sh -c`); any non-zero exit fails the build.
+    #[serde(default)]
+    pub run: Vec<String>,
+    /// Python code run in the default session, whose state the template keeps (e.g. imports).
+    pub code: Option<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    pub cwd: Option<String>,
+    pub cpu: Option<f64>,
+    pub memory_mb: Option<u64>,
+    pub pids: Option<u64>,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// Seconds each command and the code may take (default 600).
+    pub timeout: Option<f64>,
+    /// Sandboxes kept ready to hand out (default 4).
+    pub shells: Option<usize>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TemplateInfo {
+    pub name: String,
+    pub image: String,
+    /// The snapshot sandboxes are created from.
+    pub snapshot: String,
+    /// The template's own (hidden) sandbox.
+    pub sandbox_id: String,
+    pub created_at: f64,
+    /// Sandboxes kept ready to hand out, and how many are ready now.
+    pub shells: usize,
+    pub ready_shells: usize,
+    /// The frozen sessions are alive (otherwise sandboxes start with fresh sessions).
+    pub alive: bool,
+    /// Memory charged to the template's sandbox (the frozen sessions), bytes.
+    pub memory_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TemplateList {
+    pub templates: Vec<TemplateInfo>,
+}
+
+/// One line of a template build's NDJSON stream.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum TemplateEvent {
+    Progress { stage: String, message: String, done: Option<u64>, total: Option<u64> },
+    Done { template: TemplateInfo },
+    Error { error: ErrorBody },
 }

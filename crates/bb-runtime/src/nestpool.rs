@@ -15,6 +15,7 @@
 
 use crate::error::Result;
 use crate::launch::{self, layer_dir, new_upper, SandboxDirs};
+use crate::model::SandboxSpec;
 use crate::sandbox::Sandbox;
 use crate::snapstore::{Generation, SnapshotRow};
 use crate::{blocking_err, rootswap, Runtime};
@@ -56,6 +57,11 @@ impl NestPool {
         self.shells.remove(parent).unwrap_or_default()
     }
 
+    /// Writable layers of every shell in the pool.
+    pub fn uppers(&self) -> Vec<String> {
+        self.shells.values().flatten().map(|s| s.launched.upper.clone()).collect()
+    }
+
     pub fn len_of(&self, parent: &str) -> usize {
         self.shells.get(parent).map_or(0, Vec::len)
     }
@@ -65,7 +71,7 @@ impl Runtime {
     /// Turn a shell of `parent` into a child standing on `snap`: its root swapped onto the
     /// snapshot's layers plus a fresh writable layer, its limits set, recorded as a sandbox.
     /// Blocking. On failure the shell is torn down.
-    pub(crate) fn claim_shell(&self, shell: Shell, parent: &Sandbox, snap: &SnapshotRow, timeout: Option<f64>) -> Result<Arc<Sandbox>> {
+    pub(crate) fn claim_shell(&self, shell: Shell, parent: &Sandbox, snap: &SnapshotRow, spec: &SandboxSpec, timeout: Option<f64>) -> Result<Arc<Sandbox>> {
         let Shell { id, launched } = shell;
         let dirs = SandboxDirs::new(&self.cfg.state_dir, &id);
         let res = (|| -> Result<Generation> {
@@ -86,13 +92,13 @@ impl Runtime {
             let _ = bb_layers::unmount(&dirs.rootfs());
             let _ = std::fs::remove_dir_all(dirs.dir.join("work-0"));
             self.remove_layer_dir(&launched.upper);
-            launched.cgroup.set_limits(&launch::limits(&snap.spec))?;
+            launched.cgroup.set_limits(&launch::limits(spec))?;
             Ok(Generation { upper: lid, mounted: snap.layers.clone(), chain: snap.layers.clone(), base: Some(snap.id.clone()), n: 1 })
         })();
         match res {
             Ok(gen) => {
                 let launched = launch::Launched { upper: gen.upper.clone(), ..launched };
-                self.register(id, snap.spec.clone(), launched, gen, Some(parent.id.clone()), timeout)
+                self.register(id, spec.clone(), launched, gen, Some(parent.id.clone()), timeout)
             }
             Err(e) => {
                 let _ = launch::teardown(&self.cfg, &self.cgroups, &id, Some((launched.init_pid, launched.init_start)));

@@ -141,6 +141,13 @@ impl WarmPool {
 }
 
 impl Runtime {
+    /// Writable layers of the shells waiting in both pools (layer GC must keep them).
+    pub(crate) fn pooled_uppers(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.pool.lock().expect("lock").ready.values().flatten().map(|s| s.launched.upper.clone()).collect();
+        v.extend(self.nest_pool.lock().expect("lock").uppers());
+        v
+    }
+
     pub fn pool_stats(&self) -> PoolStats {
         self.pool.lock().expect("lock").stats()
     }
@@ -307,32 +314,7 @@ impl Runtime {
         let image = self.images.get(&sb.spec.image).map_err(crate::layers_error)?;
         let spec = shell_spec(&image);
         // 1. Nothing but init survives.
-        for _ in 0..50 {
-            sb.cgroup.freeze()?;
-            let pids = sb.cgroup.pids();
-            if let Ok(pids) = &pids {
-                for pid in pids.iter().filter(|p| **p != sb.init_pid) {
-                    // SAFETY: kill(2) on a member of the frozen cgroup; it dies on thaw.
-                    unsafe { libc::kill(*pid, libc::SIGKILL) };
-                }
-            }
-            sb.cgroup.thaw()?;
-            if pids?.iter().all(|p| *p == sb.init_pid) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        let mut left = sb.cgroup.pids()?;
-        for _ in 0..500 {
-            if left.iter().all(|p| *p == sb.init_pid) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-            left = sb.cgroup.pids()?;
-        }
-        if left.iter().any(|p| *p != sb.init_pid) {
-            return Err(RuntimeError::Internal("processes survived the clean-up".into()));
-        }
+        crate::kill_members(sb, |p| p == sb.init_pid)?;
         // 2. Init: fresh net and IPC namespaces, /dev/shm, hostname; it forgets everything.
         let new_id = crate::new_sandbox_id();
         let shm = (spec.memory_mb * 1024 * 1024 / 2).max(1 << 20);

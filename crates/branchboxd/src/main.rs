@@ -91,8 +91,25 @@ async fn run(args: Args) -> anyhow::Result<()> {
     cfg.max_file_bytes = args.max_file_bytes;
     cfg.max_templates = args.max_templates.max(1);
     cfg.idmap.host_base = args.uid_base;
+    // One daemon per state dir: a second one would re-run recovery over the first one's live
+    // sandboxes. The lock is held (by this open fd) for the daemon's lifetime.
+    std::fs::create_dir_all(&args.state_dir).with_context(|| format!("creating {}", args.state_dir.display()))?;
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(args.state_dir.join("daemon.lock"))
+        .context("opening the state dir's lock file")?;
+    // SAFETY: flock on an fd we own, with integer flags.
+    if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        bail!(
+            "another branchboxd uses state dir {}: stop it first (`branchbox daemon stop`) or pick another --state-dir",
+            args.state_dir.display()
+        );
+    }
     let rt = tokio::task::spawn_blocking(move || Runtime::open(cfg)).await?.context("opening the runtime")?;
     tracing::info!(state_dir = %args.state_dir.display(), sandboxes = rt.count(), "runtime ready");
+    let _lock = lock;
     let default_pool = (args.pool_size > 0)
         .then(|| ("base".to_string(), bb_runtime::pool::Target { min: args.pool_size, max: 2 * args.pool_size }));
     rt.start_pool(default_pool).context("starting the warm pool")?;

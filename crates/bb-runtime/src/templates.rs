@@ -1,0 +1,331 @@
+//! Warm templates: sandboxes created from a snapshot with live sessions.
+//!
+//! A template is built from a recipe: an image, commands run in a sandbox of it, and python
+//! code run in its default session (typically heavy imports: numpy, pandas, a framework's
+//! start-up). The sandbox is then checkpointed, and everything in it but its init and the
+//! session templates is killed: what remains is inert and owned by the daemon (hidden from
+//! `sandbox ls`, no time-out, refused by `kill`). `create(template=name)` is a live fork of that
+//! snapshot ([`Runtime::fork_snapshot`]): the new sandbox is nested in the template sandbox and
+//! its session is a copy-on-write copy of the frozen one, so the imports cost nothing and their
+//! pages are shared by every sandbox of the template. Nested shells are kept ready for each
+//! template (`shells`), so a create only claims one.
+//!
+//! Records live in SQLite (table `templates`); the template sandbox and its session templates
+//! survive daemon restarts like any sandbox. Removing a template kills its sandbox (a husk stays
+//! while sandboxes created from it run).
+
+use crate::error::{Result, RuntimeError};
+use crate::model::*;
+use crate::{now, Runtime};
+use rusqlite::{params, Connection};
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// Metadata key marking a template's own sandbox.
+pub const TEMPLATE_KEY: &str = "branchbox.template";
+/// Nested shells kept ready per template unless the recipe says otherwise.
+pub const DEFAULT_SHELLS: usize = 4;
+
+/// A template record.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TemplateRow {
+    pub name: String,
+    pub sandbox_id: String,
+    pub snapshot: String,
+    pub image: String,
+    pub shells: usize,
+    pub created_at: f64,
+}
+
+pub struct TemplateStore {
+    conn: Connection,
+}
+
+impl TemplateStore {
+    pub fn open(path: &std::path::Path) -> Result<TemplateStore> {
+        let conn = Connection::open(path)?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS templates (
+                name TEXT PRIMARY KEY,
+                sandbox_id TEXT NOT NULL,
+                snapshot TEXT NOT NULL,
+                image TEXT NOT NULL,
+                shells INTEGER NOT NULL,
+                created_at REAL NOT NULL
+            );",
+        )?;
+        Ok(TemplateStore { conn })
+    }
+
+    /// Insert or replace; returns the record it replaced.
+    pub fn put(&self, row: &TemplateRow) -> Result<Option<TemplateRow>> {
+        let old = self.get(&row.name)?;
+        self.conn.execute(
+            "INSERT OR REPLACE INTO templates (name, sandbox_id, snapshot, image, shells, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![row.name, row.sandbox_id, row.snapshot, row.image, row.shells as i64, row.created_at],
+        )?;
+        Ok(old)
+    }
+
+    pub fn get(&self, name: &str) -> Result<Option<TemplateRow>> {
+        Ok(self.all()?.into_iter().find(|t| t.name == name))
+    }
+
+    pub fn delete(&self, name: &str) -> Result<()> {
+        self.conn.execute("DELETE FROM templates WHERE name = ?1", params![name])?;
+        Ok(())
+    }
+
+    pub fn all(&self) -> Result<Vec<TemplateRow>> {
+        let mut stmt = self.conn.prepare("SELECT name, sandbox_id, snapshot, image, shells, created_at FROM templates ORDER BY name")?;
+        let rows = stmt.query_map([], |r| {
+            Ok(TemplateRow {
+                name: r.get(0)?,
+                sandbox_id: r.get(1)?,
+                snapshot: r.get(2)?,
+                image: r.get(3)?,
+                shells: r.get::<_, i64>(4)? as usize,
+                created_at: r.get(5)?,
+            })
+        })?;
+        Ok(rows.collect::<std::result::Result<_, _>>()?)
+    }
+}
+
+/// Template names: like image names (letters, digits, `._-`, 1-64 bytes, not starting with `.`).
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with('.')
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+fn progress(tx: &mpsc::Sender<TemplateEvent>, stage: &str, message: String, done: Option<u64>, total: Option<u64>) {
+    let _ = tx.try_send(TemplateEvent::Progress { stage: stage.into(), message, done, total });
+}
+
+impl Runtime {
+    fn template_store(&self) -> Result<TemplateStore> {
+        TemplateStore::open(&self.cfg.state_dir.join("branchbox.db"))
+    }
+
+    fn template_info(&self, t: &TemplateRow) -> TemplateInfo {
+        let sb = self.get(&t.sandbox_id).ok();
+        let snap = self.snapshot(&t.snapshot).ok();
+        TemplateInfo {
+            name: t.name.clone(),
+            image: t.image.clone(),
+            snapshot: t.snapshot.clone(),
+            sandbox_id: t.sandbox_id.clone(),
+            created_at: t.created_at,
+            shells: t.shells,
+            ready_shells: self.nest_pool.lock().expect("lock").len_of(&t.sandbox_id),
+            alive: sb.as_ref().is_some_and(|s| !s.is_dead()) && snap.as_ref().is_some_and(|s| s.sessions.iter().all(|x| x.template)),
+            memory_bytes: sb.map(|s| s.info().memory_bytes).unwrap_or(0),
+        }
+    }
+
+    pub fn list_templates(&self) -> Result<TemplateList> {
+        Ok(TemplateList { templates: self.template_store()?.all()?.iter().map(|t| self.template_info(t)).collect() })
+    }
+
+    pub fn template(&self, name: &str) -> Result<TemplateInfo> {
+        let row = self.template_row(name)?;
+        Ok(self.template_info(&row))
+    }
+
+    fn template_row(&self, name: &str) -> Result<TemplateRow> {
+        self.template_store()?.get(name)?.ok_or_else(|| RuntimeError::NotFound {
+            kind: "template",
+            id: name.into(),
+            hint: ": list templates with `branchbox template ls`, build one with `branchbox template build`",
+        })
+    }
+
+    /// The template a sandbox backs, if any.
+    pub(crate) fn template_of(&self, sandbox_id: &str) -> Option<String> {
+        self.get(sandbox_id).ok()?.spec.metadata.get(TEMPLATE_KEY).cloned()
+    }
+
+    pub async fn remove_template(self: &Arc<Self>, name: &str) -> Result<()> {
+        let row = self.template_row(name)?;
+        self.template_store()?.delete(name)?;
+        self.release_template_sandbox(&row).await;
+        Ok(())
+    }
+
+    async fn release_template_sandbox(self: &Arc<Self>, row: &TemplateRow) {
+        self.nest_targets.lock().expect("lock").remove(&row.sandbox_id);
+        self.templates.lock().expect("lock").unpin_sandbox(&row.sandbox_id);
+        if let Err(e) = self.kill_unchecked(&row.sandbox_id).await {
+            tracing::warn!(template = %row.name, "killing the template's sandbox: {e}");
+        }
+    }
+
+    /// Build a template in the background; progress, then `Done` or `Error`, on the channel.
+    pub fn build_template(self: &Arc<Self>, req: BuildTemplate) -> mpsc::Receiver<TemplateEvent> {
+        let (tx, rx) = mpsc::channel(256);
+        let rt = self.clone();
+        tokio::spawn(async move {
+            let ev = match rt.build_template_inner(req, &tx).await {
+                Ok(info) => TemplateEvent::Done { template: info },
+                Err(e) => TemplateEvent::Error { error: ErrorBody { code: e.code().into(), message: e.to_string() } },
+            };
+            let _ = tx.send(ev).await;
+        });
+        rx
+    }
+
+    async fn build_template_inner(self: &Arc<Self>, req: BuildTemplate, tx: &mpsc::Sender<TemplateEvent>) -> Result<TemplateInfo> {
+        if !valid_name(&req.name) {
+            return Err(RuntimeError::BadRequest(format!(
+                "template name {:?} is invalid: use 1-64 letters, digits, '.', '_' or '-', not starting with '.'",
+                req.name
+            )));
+        }
+        let shells = req.shells.unwrap_or(DEFAULT_SHELLS);
+        if shells > crate::nestpool::MAX_PER_PARENT {
+            return Err(RuntimeError::BadRequest(format!("shells must be at most {}", crate::nestpool::MAX_PER_PARENT)));
+        }
+        let steps = req.run.len() as u64 + 3;
+        let mut step = 0;
+        let mut next = |tx: &mpsc::Sender<TemplateEvent>, stage: &str, msg: String| {
+            step += 1;
+            progress(tx, stage, msg, Some(step), Some(steps));
+        };
+        next(tx, "create", format!("starting a sandbox of image {}", req.image.as_deref().unwrap_or("base")));
+        let mut metadata = req.metadata.clone();
+        metadata.insert(TEMPLATE_KEY.into(), req.name.clone());
+        let info = self
+            .create(CreateSandbox {
+                image: req.image.clone(),
+                cpu: req.cpu,
+                memory_mb: req.memory_mb,
+                pids: req.pids,
+                env: req.env.clone(),
+                cwd: req.cwd.clone(),
+                timeout: Some(0.0),
+                network: None,
+                metadata,
+                template: None,
+            })
+            .await?;
+        let sid = info.id.clone();
+        let built: Result<TemplateRow> = async {
+            for cmd in &req.run {
+                next(tx, "run", cmd.clone());
+                let r = self
+                    .run_command(&sid, RunCommand { cmd: Some(cmd.clone()), timeout: Some(req.timeout.unwrap_or(600.0)), ..Default::default() })
+                    .await?;
+                if r.exit_code != Some(0) {
+                    let tail: String = format!("{}{}", r.stdout, r.stderr).lines().rev().take(8).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+                    return Err(RuntimeError::BadRequest(format!(
+                        "recipe command {cmd:?} failed (exit {:?}); fix the recipe. Last output:\n{tail}",
+                        r.exit_code
+                    )));
+                }
+            }
+            next(tx, "code", "running the session code".into());
+            let code = req.code.clone().unwrap_or_default();
+            let r = self.run_code(&sid, RunCode { code, timeout: Some(req.timeout.unwrap_or(600.0)), language: None }).await?;
+            if let Some(err) = r.error {
+                return Err(RuntimeError::BadRequest(format!("the template's session code failed: {err}; fix the recipe")));
+            }
+            next(tx, "snapshot", "checkpointing the live session".into());
+            let snap = self.checkpoint(&sid, CheckpointRequest { label: Some(format!("template {}", req.name)) }).await?;
+            // Nothing but the frozen templates (and init) stays in the template's sandbox.
+            let sb = self.get(&sid)?;
+            let keep = {
+                let mut pool = self.templates.lock().expect("lock");
+                pool.pin_sandbox(&sid);
+                pool.pids_of(&sid)
+            };
+            for (_, s) in sb.sessions.lock().await.drain() {
+                let _ = crate::session::kill(&sb, &s).await;
+            }
+            *sb.default_session.lock().await = None;
+            let sbc = sb.clone();
+            tokio::task::spawn_blocking(move || crate::kill_members(&sbc, |host| {
+                host == sbc.init_pid || bb_sys::process::ns_pids(host).and_then(|v| v.last().copied()).is_some_and(|p| keep.contains(&p))
+            }))
+            .await
+            .map_err(crate::blocking_err)??;
+            Ok(TemplateRow { name: req.name.clone(), sandbox_id: sid.clone(), snapshot: snap.id, image: info.image.clone(), shells, created_at: now() })
+        }
+        .await;
+        let row = match built {
+            Ok(row) => row,
+            Err(e) => {
+                self.templates.lock().expect("lock").unpin_sandbox(&sid);
+                let _ = self.kill_unchecked(&sid).await;
+                return Err(e);
+            }
+        };
+        if let Some(old) = self.template_store()?.put(&row)? {
+            self.release_template_sandbox(&old).await;
+        }
+        self.nest_targets.lock().expect("lock").insert(sid.clone(), shells);
+        if shells > 0 {
+            progress(tx, "shells", format!("preparing {shells} sandboxes to hand out"), None, None);
+            if let Ok(sb) = self.get(&sid) {
+                self.refill_shells(sb, shells);
+            }
+        }
+        Ok(self.template_info(&row))
+    }
+
+    /// `create(template=name)`: a live fork of the template's snapshot, with the request's
+    /// limits, environment, working directory, metadata and time-out.
+    pub(crate) async fn create_from_template(self: &Arc<Self>, name: &str, req: CreateSandbox) -> Result<SandboxInfo> {
+        let row = self.template_row(name)?;
+        let snap = self.snapshot_row(&row.snapshot)?;
+        if let Some(image) = req.image.as_deref() {
+            if image != row.image {
+                return Err(RuntimeError::BadRequest(format!(
+                    "template {name:?} is built on image {:?}, not {image:?}: leave image out",
+                    row.image
+                )));
+            }
+        }
+        let (mut spec, timeout, _) = self.validate(CreateSandbox { image: Some(row.image.clone()), ..req.clone() })?;
+        // The template's own settings, unless the request sets them.
+        spec.layers = snap.spec.layers.clone();
+        spec.image_env = snap.spec.image_env.clone();
+        if req.env.is_empty() {
+            spec.env = snap.spec.env.clone();
+        }
+        if req.cwd.is_none() {
+            spec.cwd = snap.spec.cwd.clone();
+        }
+        spec.metadata.remove(TEMPLATE_KEY);
+        spec.metadata.insert("branchbox.from_template".into(), name.into());
+        let (children, _) = self.fork_snapshot(&snap, &spec, 1, timeout).await?;
+        Ok(children[0].info())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert!(valid_name("py-numpy") && valid_name("a.b_c") && valid_name("x"));
+        assert!(!valid_name("") && !valid_name(".hidden") && !valid_name("a/b") && !valid_name(&"a".repeat(65)));
+    }
+
+    #[test]
+    fn records_round_trip_and_replace() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("b.db");
+        let st = TemplateStore::open(&db).unwrap();
+        let row = TemplateRow { name: "t".into(), sandbox_id: "sb-1".into(), snapshot: "sn-1".into(), image: "base".into(), shells: 4, created_at: 1.0 };
+        assert_eq!(st.put(&row).unwrap(), None);
+        let newer = TemplateRow { sandbox_id: "sb-2".into(), ..row.clone() };
+        assert_eq!(st.put(&newer).unwrap(), Some(row));
+        assert_eq!(TemplateStore::open(&db).unwrap().all().unwrap(), vec![newer]);
+        st.delete("t").unwrap();
+        assert_eq!(st.get("t").unwrap(), None);
+    }
+}
