@@ -219,7 +219,7 @@ impl Server {
             Request::Adopt { pid, .. } if pid <= 1 => {
                 self.reply(fd, &Response::Error { errno: libc::EINVAL, message: format!("process {pid} cannot be adopted") })
             }
-            Request::Adopt { pid, tag } => {
+            Request::Adopt { pid, tag, stash } => {
                 let resp = match bb_sys::process::pidfd_open(pid) {
                     Ok(pidfd) => {
                         match self.procs.get_mut(&pid).filter(|p| p.exit.is_none()) {
@@ -229,7 +229,14 @@ impl Server {
                             }
                         }
                         self.adopted.insert(pid, pidfd);
-                        Response::Ok
+                        match (stash, fds.into_iter().next()) {
+                            (Some(key), Some(f)) => {
+                                self.stash.insert(key, (pid, f));
+                                Response::Ok
+                            }
+                            (Some(_), None) => Response::Error { errno: libc::EINVAL, message: "adopt with stash needs one fd".into() },
+                            (None, _) => Response::Ok,
+                        }
                     }
                     Err(e) => Response::Error { errno: e.errno(), message: format!("adopt {pid}: {e}") },
                 };

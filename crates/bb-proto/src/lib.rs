@@ -113,8 +113,14 @@ pub enum Request {
     /// Track `pid`, a live process of the sandbox that init did not spawn (a session copy made by
     /// fork), as a background process with this tag: it is listed, may own stashed fds, and its
     /// exit is noticed (through a pidfd; its exit status is unknown unless init reaps it itself).
-    /// `Error{ESRCH}` if there is no such process, `EINVAL` for pid <= 1.
-    Adopt { pid: i32, tag: String },
+    /// `Error{ESRCH}` if there is no such process, `EINVAL` for pid <= 1. With `stash`, the fd
+    /// attached is also stashed under that key, as by `Stash`, in the same round trip.
+    Adopt {
+        pid: i32,
+        tag: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stash: Option<String>,
+    },
     /// Start the init of a new sandbox nested in this one's user and pid namespaces (a fork child
     /// that session templates can be forked into): this init starts a copy of itself with
     /// `config` (whose `nested` is true), which makes new user (identity-mapped onto ours), mount,

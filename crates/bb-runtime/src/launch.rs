@@ -64,6 +64,9 @@ impl SandboxDirs {
 }
 
 pub struct Launched {
+    /// How init was placed in its cgroup (`clone_into_cgroup` on v2, `migrate` on v1) and how
+    /// long that took (ms; for clone_into_cgroup, the whole clone).
+    pub placement: (&'static str, f64),
     pub init_pid: i32,
     pub init_start: u64,
     pub cgroup: Cgroup,
@@ -254,6 +257,7 @@ pub fn launch(
         (listener.as_raw_fd(), bb_proto::INIT_LISTEN_FD),
         (status_w.as_raw_fd(), bb_proto::INIT_STATUS_FD),
     ];
+    let t_spawn = std::time::Instant::now();
     let child = spawn_paused(&NsSpawn {
         program: &program,
         argv: &argv,
@@ -272,9 +276,13 @@ pub fn launch(
     std::fs::write(format!("/proc/{pid}/uid_map"), &map).map_err(|e| io("write uid_map", e))?;
     std::fs::write(format!("/proc/{pid}/gid_map"), &map).map_err(|e| io("write gid_map", e))?;
     let cgroup = rb.cgroup.as_ref().expect("set above");
-    if layout.version() == CgroupVersion::V1 {
+    let placement = if layout.version() == CgroupVersion::V1 {
+        let t = std::time::Instant::now();
         cgroup.add_pid(pid)?;
-    }
+        ("migrate", t.elapsed().as_secs_f64() * 1000.0)
+    } else {
+        ("clone_into_cgroup", t_spawn.elapsed().as_secs_f64() * 1000.0)
+    };
     child.release()?;
     let t_clone = t0.elapsed();
 
@@ -284,7 +292,7 @@ pub fn launch(
     rb.armed = false;
     tracing::debug!(%id, ?t_mount, ?t_cgroup, ?t_clone, ready = ?t0.elapsed(), "sandbox launched");
     let cgroup = rb.cgroup.take().expect("set above");
-    Ok(Launched { init_pid: pid, init_start, cgroup, upper: upper_id })
+    Ok(Launched { placement, init_pid: pid, init_start, cgroup, upper: upper_id })
 }
 
 /// Start a sandbox *nested* in the user and pid namespaces of the sandbox whose init listens on
@@ -348,7 +356,7 @@ pub fn launch_nested(
     rb.armed = false;
     tracing::debug!(%id, ?t_prepared, ?t_nested, ready = ?t0.elapsed(), "nested sandbox launched");
     let cgroup = rb.cgroup.take().expect("set above");
-    Ok(Launched { init_pid: pid, init_start, cgroup, upper: upper_id })
+    Ok(Launched { placement: ("migrate_by_parent_init", 0.0), init_pid: pid, init_start, cgroup, upper: upper_id })
 }
 
 fn read_status(fd: OwnedFd, timeout: Duration) -> Result<String> {

@@ -107,6 +107,8 @@ pub struct Runtime {
     pub(crate) pool_wake: Arc<tokio::sync::Notify>,
     /// Nested shells to keep ready per parent beyond the last fork's size (templates).
     pub(crate) nest_targets: Mutex<HashMap<String, usize>>,
+    /// Templates already collapsed into huge pages (see `collapse_template`).
+    pub(crate) collapsed: Mutex<std::collections::HashSet<String>>,
 }
 
 /// With `sb`'s cgroup frozen (so nothing forks meanwhile), SIGKILL every member `spare` says
@@ -219,6 +221,7 @@ impl Runtime {
             pool: Mutex::new(Default::default()),
             pool_wake: Arc::new(tokio::sync::Notify::new()),
             nest_targets: Mutex::new(HashMap::new()),
+            collapsed: Mutex::new(Default::default()),
         });
         rt.recover()?;
         Ok(rt)
@@ -441,7 +444,11 @@ impl Runtime {
             let layer_paths: Vec<PathBuf> = chain.iter().map(|l| launch::layer_dir(&rt.cfg, &rt.images, l)).collect();
             let launched = match &nest_in {
                 Some(p) => launch::launch_nested(&rt.cfg, &rt.cgroups, &id, &spec, &layer_paths, &p.dirs.sock())?,
-                None => launch::launch(&rt.cfg, &rt.cgroups, &id, &spec, &layer_paths)?,
+                None => {
+                    let l = launch::launch(&rt.cfg, &rt.cgroups, &id, &spec, &layer_paths)?;
+                    rt.note_placement(l.placement);
+                    l
+                }
             };
             let t_launched = t0.elapsed();
             let gen = snapstore::Generation { upper: launched.upper.clone(), mounted: chain.clone(), chain, base, n: 0 };
@@ -507,7 +514,7 @@ impl Runtime {
     }
 
     /// Reap init as soon as it exits (it is our child) so it never lingers as a zombie.
-    fn watch_init(&self, sb: &Arc<Sandbox>) {
+    pub(crate) fn watch_init(&self, sb: &Arc<Sandbox>) {
         let sb = sb.clone();
         tokio::spawn(async move {
             let afd = bb_sys::process::pidfd_open(sb.init_pid).ok().and_then(|pidfd| {

@@ -435,6 +435,11 @@ pub struct PoolStats {
     /// Time to build one pooled sandbox (recent builds).
     pub refill_ms_p50: Option<f64>,
     pub refill_ms_p99: Option<f64>,
+    /// How sandbox inits are put in their cgroups: `clone_into_cgroup` (cgroup v2: cloned
+    /// straight into it) or `migrate` (cgroup v1: moved after clone), and the median time (ms)
+    /// of recent placements (for clone_into_cgroup, of the whole clone).
+    pub cgroup_placement: Option<String>,
+    pub cgroup_placement_ms_p50: Option<f64>,
 }
 
 /// `PUT /v1/pool/{image}`.

@@ -74,13 +74,18 @@ impl Runtime {
     pub(crate) fn claim_shell(&self, shell: Shell, parent: &Sandbox, snap: &SnapshotRow, spec: &SandboxSpec, timeout: Option<f64>) -> Result<Arc<Sandbox>> {
         let Shell { id, launched } = shell;
         let dirs = SandboxDirs::new(&self.cfg.state_dir, &id);
+        let t0 = std::time::Instant::now();
         let res = (|| -> Result<Generation> {
             let (lid, upper, work) = new_upper(&self.cfg, &dirs, 1)?;
+            let t_upper = t0.elapsed();
             let lower: Vec<PathBuf> = snap.layers.iter().rev().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
-            let swapped = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &dirs.rootfs_gen(1))
-                .map_err(crate::layers_error)
+            let mnt = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &dirs.rootfs_gen(1))
+                .map_err(crate::layers_error);
+            let t_mnt = t0.elapsed();
+            let swapped = mnt
                 .and_then(|mnt| rootswap::swap_root(launched.init_pid, mnt))
                 .and_then(|host_view| {
+                    tracing::debug!(?t_upper, ?t_mnt, swapped = ?t0.elapsed(), "claim");
                     let target = dirs.rootfs_gen(1);
                     std::fs::create_dir_all(&target).map_err(|e| crate::RuntimeError::internal("create root mount point", e))?;
                     rootswap::attach_host_root(&target, host_view)
@@ -89,10 +94,20 @@ impl Runtime {
                 self.remove_layer_dir(&lid);
                 return Err(e);
             }
-            let _ = bb_layers::unmount(&dirs.rootfs());
-            let _ = std::fs::remove_dir_all(dirs.dir.join("work-0"));
-            self.remove_layer_dir(&launched.upper);
+            // The shell's first root goes off the request's path (unmounting waits for RCU).
+            let (old_root, old_work, old_upper) = (dirs.rootfs(), dirs.dir.join("work-0"), launched.upper.clone());
+            let snaplayers = crate::launch::snaplayers_dir(&self.cfg.state_dir);
+            let trash = self.cfg.state_dir.join("trash");
+            let _ = std::thread::Builder::new().name("bb-cleanup".into()).spawn(move || {
+                let _ = bb_layers::unmount(&old_root);
+                let _ = std::fs::remove_dir_all(&old_work);
+                let dead = trash.join(format!("{old_upper}-{}", uuid::Uuid::new_v4().simple()));
+                if std::fs::rename(snaplayers.join(&old_upper), &dead).is_ok() {
+                    let _ = std::fs::remove_dir_all(&dead);
+                }
+            });
             launched.cgroup.set_limits(&launch::limits(spec))?;
+            tracing::debug!(done = ?t0.elapsed(), "claim");
             Ok(Generation { upper: lid, mounted: snap.layers.clone(), chain: snap.layers.clone(), base: Some(snap.id.clone()), n: 1 })
         })();
         match res {
@@ -187,6 +202,7 @@ mod tests {
         Shell {
             id: id.into(),
             launched: launch::Launched {
+                placement: ("test", 0.0),
                 init_pid: 1,
                 init_start: 1,
                 cgroup: bb_isolation::Cgroup::open(&layout, id).unwrap(),

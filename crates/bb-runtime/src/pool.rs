@@ -78,6 +78,9 @@ pub struct WarmPool {
     last_error: Option<String>,
     /// Recent shell build times (ms), newest last.
     build_ms: VecDeque<f64>,
+    /// How inits are placed in their cgroups, and recent times (ms).
+    placement_mode: Option<&'static str>,
+    placement_ms: VecDeque<f64>,
 }
 
 const KEEP_TIMES: usize = 64;
@@ -116,9 +119,12 @@ impl WarmPool {
     }
 
     fn stats(&self) -> PoolStats {
-        let mut times: Vec<f64> = self.build_ms.iter().copied().collect();
-        times.sort_by(f64::total_cmp);
-        let pct = |p: f64| (!times.is_empty()).then(|| times[((times.len() - 1) as f64 * p).round() as usize]);
+        let pct_of = |v: &VecDeque<f64>, p: f64| {
+            let mut t: Vec<f64> = v.iter().copied().collect();
+            t.sort_by(f64::total_cmp);
+            (!t.is_empty()).then(|| t[((t.len() - 1) as f64 * p).round() as usize])
+        };
+        let pct = |p: f64| pct_of(&self.build_ms, p);
         let mut images: BTreeMap<String, PoolImageStats> = BTreeMap::new();
         for (name, t) in &self.targets {
             images.insert(name.clone(), PoolImageStats { min: t.min, max: t.max, ready: 0 });
@@ -136,11 +142,23 @@ impl WarmPool {
             last_error: self.last_error.clone(),
             refill_ms_p50: pct(0.5),
             refill_ms_p99: pct(0.99),
+            cgroup_placement: self.placement_mode.map(String::from),
+            cgroup_placement_ms_p50: pct_of(&self.placement_ms, 0.5),
         }
     }
 }
 
 impl Runtime {
+    /// Record how a sandbox's init was placed in its cgroup (every top-level launch).
+    pub(crate) fn note_placement(&self, placement: (&'static str, f64)) {
+        let mut pool = self.pool.lock().expect("lock");
+        pool.placement_mode = Some(placement.0);
+        pool.placement_ms.push_back(placement.1);
+        if pool.placement_ms.len() > KEEP_TIMES {
+            pool.placement_ms.pop_front();
+        }
+    }
+
     /// Writable layers of the shells waiting in both pools (layer GC must keep them).
     pub(crate) fn pooled_uppers(&self) -> Vec<String> {
         let mut v: Vec<String> = self.pool.lock().expect("lock").ready.values().flatten().map(|s| s.launched.upper.clone()).collect();
@@ -272,6 +290,7 @@ impl Runtime {
         let id = crate::new_sandbox_id();
         let layers: Vec<PathBuf> = image.layers.iter().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
         let launched = launch::launch(&self.cfg, &self.cgroups, &id, &spec, &layers)?;
+        self.note_placement(launched.placement);
         Ok(Shell { id, image_id: image.id, launched })
     }
 
@@ -358,7 +377,7 @@ impl Runtime {
             let _ = launch::teardown(&self.cfg, &self.cgroups, &new_id, Some((sb.init_pid, sb.init_start)));
             return Err(e);
         }
-        let launched = Launched { init_pid: sb.init_pid, init_start: sb.init_start, cgroup, upper: lid };
+        let launched = Launched { placement: ("recycled", 0.0), init_pid: sb.init_pid, init_start: sb.init_start, cgroup, upper: lid };
         let mut pool = self.pool.lock().expect("lock");
         pool.recycled += 1;
         pool.push(&image.name, Shell { id: new_id, image_id: image.id, launched });
@@ -376,7 +395,7 @@ mod tests {
         Shell {
             id: id.into(),
             image_id: image_id.into(),
-            launched: Launched { init_pid: 1, init_start: 1, cgroup: bb_isolation::Cgroup::open(&layout, id).unwrap(), upper: format!("sl-{id}") },
+            launched: Launched { placement: ("test", 0.0), init_pid: 1, init_start: 1, cgroup: bb_isolation::Cgroup::open(&layout, id).unwrap(), upper: format!("sl-{id}") },
         }
     }
 

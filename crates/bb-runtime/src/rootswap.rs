@@ -57,16 +57,25 @@ pub fn attach_host_root(host_rootfs: &Path, host_clone: OwnedFd) -> Result<()> {
 
 type NsJob = Box<dyn FnOnce() -> Result<()> + Send>;
 
-/// One long-lived thread that enters sandbox mount namespaces on request. `setns(CLONE_NEWNS)`
-/// needs a thread with its own fs context (`unshare(CLONE_FS)`); keeping that thread saves
-/// spawning one per swap. After each job it returns to the host's mount namespace.
+/// Long-lived threads that enter sandbox mount namespaces on request. `setns(CLONE_NEWNS)`
+/// needs a thread with its own fs context (`unshare(CLONE_FS)`); keeping such threads saves
+/// spawning one per swap. After each job a thread returns to the host's mount namespace.
+/// A few of them, so that swaps of different sandboxes (a fork's children) do not queue.
 struct NsWorker {
     tx: std::sync::Mutex<std::sync::mpsc::Sender<(OwnedFd, NsJob, std::sync::mpsc::Sender<Result<()>>)>>,
 }
 
+const NS_WORKERS: usize = 4;
+
 fn ns_worker() -> &'static NsWorker {
-    static WORKER: std::sync::OnceLock<NsWorker> = std::sync::OnceLock::new();
-    WORKER.get_or_init(|| {
+    static WORKERS: std::sync::OnceLock<Vec<NsWorker>> = std::sync::OnceLock::new();
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let workers = WORKERS.get_or_init(|| (0..NS_WORKERS).map(|_| spawn_ns_worker()).collect());
+    &workers[NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % workers.len()]
+}
+
+fn spawn_ns_worker() -> NsWorker {
+    {
         let (tx, rx) = std::sync::mpsc::channel::<(OwnedFd, NsJob, std::sync::mpsc::Sender<Result<()>>)>();
         std::thread::Builder::new()
             .name("bb-mntns".into())
@@ -91,7 +100,7 @@ fn ns_worker() -> &'static NsWorker {
             })
             .expect("spawn mount namespace worker");
         NsWorker { tx: std::sync::Mutex::new(tx) }
-    })
+    }
 }
 
 impl NsWorker {
@@ -108,17 +117,21 @@ impl NsWorker {
 
 /// Runs on a thread inside the sandbox's mount namespace, whose root and cwd are the sandbox's `/`.
 fn pivot_inside(new_mnt: &OwnedFd, submounts: &[PathBuf]) -> Result<()> {
+    let t0 = std::time::Instant::now();
     // Stack the new root on `/`: processes keep resolving from the old root until the pivot.
     ns::move_mount(Some(new_mnt.as_fd()), Path::new(""), None, Path::new("/"), ns::MOVE_MOUNT_F_EMPTY_PATH)
         .map_err(|e| err("attach new root in sandbox", e))?;
+    let t_attach = t0.elapsed();
     // /proc, /dev, /sys (with everything mounted below them) move onto the new root.
     for m in submounts {
         let rel = m.strip_prefix("/").unwrap_or(m);
         ns::move_mount(None, m, Some(new_mnt.as_fd()), rel, 0)
             .map_err(|e| err(&format!("move {} to the new root", m.display()), e))?;
     }
+    let t_moved = t0.elapsed();
     ns::fchdir(new_mnt.as_fd()).map_err(|e| err("enter new root", e))?;
     ns::pivot_root_to_cwd().map_err(|e| err("pivot to new root", e))?;
+    tracing::debug!(?t_attach, ?t_moved, total = ?t0.elapsed(), "pivot_inside");
     Ok(())
 }
 

@@ -233,16 +233,11 @@ const FORK_TIMEOUT: Duration = Duration::from_secs(20);
 /// Record a process made by fork (not spawned by init) with init, and stash its channel there,
 /// so a restarted daemon finds it like any session (`tag`) and takes its channel back (`key`).
 pub async fn adopt(sb: &Sandbox, pid: i32, tag: String, key: String, chan: &std::os::unix::net::UnixStream) -> Result<()> {
-    match InitConn::call(&sb.dirs.sock(), &Request::Adopt { pid, tag }).await? {
-        Response::Ok => {}
-        Response::Error { errno, message } => return Err(init_error(errno, message)),
-        other => return Err(unexpected(other)),
-    }
     let keep = chan.try_clone().map_err(|e| RuntimeError::internal("socket", e))?;
-    let stash = InitConn::connect(&sb.dirs.sock()).await?;
-    stash.send(&Request::Stash { key, pid }, &[keep.as_raw_fd()])?;
+    let conn = InitConn::connect(&sb.dirs.sock()).await?;
+    conn.send(&Request::Adopt { pid, tag, stash: Some(key) }, &[keep.as_raw_fd()])?;
     drop(keep);
-    match stash.recv().await? {
+    match conn.recv().await? {
         Response::Ok => Ok(()),
         Response::Error { errno, message } => Err(init_error(errno, message)),
         other => Err(unexpected(other)),

@@ -24,6 +24,7 @@
 
 use crate::error::{Result, RuntimeError};
 use bb_isolation::Cgroup;
+
 use bb_sys::ptrace::{Tracee, RUNNER_BYTES, RUNNER_DATA};
 use std::os::unix::net::UnixStream;
 
@@ -34,10 +35,12 @@ pub const CHANNEL_FD: u64 = 3;
 /// what grants the rights to join the others).
 const NAMESPACES: [&str; 7] = ["user", "mnt", "pid", "net", "uts", "ipc", "cgroup"];
 
-/// Where a copy goes: the host pid of the child sandbox's init and the child's cgroup.
-pub struct Target<'a> {
+/// Where a copy goes: the host pid of the child sandbox's init and the child's cgroup; `index`
+/// is the caller's number for the child (results are reported with it).
+pub struct Target {
+    pub index: usize,
     pub init_pid: i32,
-    pub cgroup: &'a Cgroup,
+    pub cgroup: Cgroup,
 }
 
 /// A session copy running in a child: its host pid, the daemon's end of its channel, and the
@@ -74,9 +77,31 @@ fn capset_bytes() -> ([u8; 8], [u8; 24]) {
     (hdr, data)
 }
 
-/// Fork template `template` (host pid) once into each of `targets`. The outer error means the
-/// template could not be taken over at all (busy or gone); per-target errors are in the list.
-pub fn fork_into(template: i32, targets: &[Target<'_>], key: [u64; 2]) -> Result<Vec<Result<SessionCopy>>> {
+/// Fork template `template` (host pid) once into every target received on `targets`, until the
+/// channel closes, reporting each copy to `out` as soon as it runs. `expected` (how many targets
+/// will come) decides whether a second thread, driving a fork of the template, shares the work.
+/// Err: the template could not be taken over at all (busy or gone); no target was used.
+pub fn fork_stream(
+    template: i32,
+    expected: usize,
+    targets: std::sync::mpsc::Receiver<Target>,
+    key: [u64; 2],
+    out: &(dyn Fn(usize, Result<SessionCopy>) + Sync),
+) -> Result<()> {
+    let targets = std::sync::Mutex::new(targets);
+    let next = || targets.lock().ok().and_then(|rx| rx.recv().ok());
+    drive(template, expected, &next, key, out, true)
+}
+
+/// Take `template` over and copy it into targets from `next` (see [`fork_stream`]).
+fn drive(
+    template: i32,
+    expected: usize,
+    next: &(dyn Fn() -> Option<Target> + Sync),
+    key: [u64; 2],
+    out: &(dyn Fn(usize, Result<SessionCopy>) + Sync),
+    may_split: bool,
+) -> Result<()> {
     let mut t = Tracee::seize(template).map_err(|e| {
         if e.errno() == libc::EBUSY {
             RuntimeError::Conflict("the session template is busy".into())
@@ -85,32 +110,36 @@ pub fn fork_into(template: i32, targets: &[Target<'_>], key: [u64; 2]) -> Result
         }
     })?;
     let runner = t.install_runner().map_err(|e| fail("map the batch runner", e))?;
-    let out = match Prepared::new(&mut t, runner) {
-        Ok(prep) => {
-            // Two threads for many children: the second drives a fork of the template (its own
-            // memory map, so the page-table copies of both run in parallel).
-            let split = if targets.len() >= PARALLEL_MIN && parallel() { targets.len() / 2 } else { 0 };
-            let (theirs, mine) = targets.split_at(split);
-            let second = if split > 0 { prep.second_template(&mut t).ok() } else { None };
-            let (mine, theirs) = if second.is_none() { (targets, &targets[..0]) } else { (mine, theirs) };
-            let out = std::thread::scope(|scope| {
-                let helper = second.map(|pid| scope.spawn(move || fork_second(pid, theirs, key)));
-                let mut out: Vec<Result<SessionCopy>> = mine.iter().map(|tg| prep.copy_into(&mut t, tg, key)).collect();
-                if let Some(h) = helper {
-                    let first: Vec<Result<SessionCopy>> = h.join().unwrap_or_else(|_| theirs.iter().map(|_| Err(fail("second template", "thread panicked"))).collect());
-                    out = first.into_iter().chain(out).collect();
-                }
-                out
-            });
-            prep.finish(&mut t);
-            out
-        }
-        Err(e) => targets.iter().map(|_| Err(fail("prepare template", &e))).collect(),
-    };
+    let prep = Prepared::new(&mut t, runner);
+    if let Ok(prep) = &prep {
+        // Two threads for many children: the second drives a fork of the template (its own
+        // memory map, so the page-table copies of both run in parallel).
+        let second = if may_split && expected >= PARALLEL_MIN && parallel() { prep.second_template(&mut t).ok() } else { None };
+        std::thread::scope(|scope| {
+            if let Some(pid) = second {
+                scope.spawn(move || drive_second(pid, expected, next, key, out));
+            }
+            while let Some(tg) = next() {
+                out(tg.index, prep.copy_into(&mut t, &tg, key));
+            }
+        });
+    }
+    if let Ok(prep) = prep.as_ref().map_err(|e| e.to_string()) {
+        prep.finish(&mut t);
+    }
     let unmapped = t.syscall(libc::SYS_munmap, [runner, RUNNER_BYTES, 0, 0, 0, 0]).and_then(|r| r.ok("munmap"));
     t.resume().map_err(|e| fail("resume template", e))?;
     unmapped.map_err(|e| fail("unmap the batch runner", e))?;
-    Ok(out)
+    match prep {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            // Nothing was copied: report every target as failed so the caller does not wait.
+            while let Some(tg) = next() {
+                out(tg.index, Err(fail("prepare template", &e)));
+            }
+            Ok(())
+        }
+    }
 }
 
 /// Children from which a fork is split between two threads.
@@ -120,25 +149,20 @@ fn parallel() -> bool {
     std::thread::available_parallelism().map(|n| n.get() > 1).unwrap_or(false)
 }
 
-/// In another thread: fork `targets` from the second template `pid` (a fork of the first, idle
-/// in its syscall), then kill it (its parent, the first template, ignores SIGCHLD meanwhile, so
-/// it is reaped at once).
-fn fork_second(pid: i32, targets: &[Target<'_>], key: [u64; 2]) -> Vec<Result<SessionCopy>> {
+/// In another thread: copy the second template `pid` (a fork of the first, idle in its syscall)
+/// into targets from the shared queue, then kill it (its parent, the first template, ignores
+/// SIGCHLD meanwhile, so it is reaped at once). If it cannot be taken over, the first thread
+/// does all the work.
+fn drive_second(pid: i32, expected: usize, next: &(dyn Fn() -> Option<Target> + Sync), key: [u64; 2], out: &(dyn Fn(usize, Result<SessionCopy>) + Sync)) {
     // It was resumed by the other thread: wait until it is back in its syscall.
-    let mut tries = 0;
-    let out = loop {
-        match fork_into(pid, targets, key) {
-            Err(crate::RuntimeError::Conflict(_)) if tries < 200 => {
-                tries += 1;
-                std::thread::sleep(std::time::Duration::from_micros(100));
-            }
-            Ok(v) => break v,
-            Err(e) => break targets.iter().map(|_| Err(fail("second template", &e))).collect(),
+    for _ in 0..200 {
+        match drive(pid, expected, next, key, out, false) {
+            Err(crate::RuntimeError::Conflict(_)) => std::thread::sleep(std::time::Duration::from_micros(100)),
+            _ => break,
         }
-    };
+    }
     // SAFETY: kill(2) of the copy of the template we made for this fork.
     unsafe { libc::kill(pid, libc::SIGKILL) };
-    out
 }
 
 // Layout of the data area of the runner's mapping (see bb_sys::ptrace::RUNNER_DATA).
@@ -206,7 +230,7 @@ impl Prepared {
     }
 
     /// Undo what `new` did in the template.
-    fn finish(self, t: &mut Tracee) {
+    fn finish(&self, t: &mut Tracee) {
         let _ = t.run_batch(self.runner, &[(libc::SYS_close, [self.ns_fd as u64, 0, 0, 0, 0, 0])]);
         restore_sigchld(t, self.runner);
     }
@@ -235,7 +259,7 @@ impl Prepared {
         (0..).filter(|fd| !self.open_fds.contains(fd)).take(SENT_FDS).collect()
     }
 
-    fn copy_into(&self, t: &mut Tracee, target: &Target<'_>, key: [u64; 2]) -> Result<SessionCopy> {
+    fn copy_into(&self, t: &mut Tracee, target: &Target, key: [u64; 2]) -> Result<SessionCopy> {
         let t0 = std::time::Instant::now();
         let runner = self.runner;
         let helper = t

@@ -266,6 +266,19 @@ impl Runtime {
             self.release_template_sandbox(&old).await;
         }
         self.nest_targets.lock().expect("lock").insert(sid.clone(), shells);
+        // Sandboxes of a template are forks of its sessions: make those forks cheap.
+        if let Ok(sb) = self.get(&sid) {
+            let pool = self.templates.lock().expect("lock");
+            let keys: Vec<(String, i32)> = pool.sessions_of(&sid).into_iter().map(|s| (s.id.clone(), s.pid)).collect();
+            drop(pool);
+            for (key, ns_pid) in keys {
+                if let Some(host) = sb.cgroup.pids().ok().and_then(|pids| {
+                    pids.into_iter().find(|h| bb_sys::process::ns_pids(*h).and_then(|v| v.last().copied()) == Some(ns_pid))
+                }) {
+                    self.collapse_template(&key, host);
+                }
+            }
+        }
         if shells > 0 {
             progress(tx, "shells", format!("preparing {shells} sandboxes to hand out"), None, None);
             if let Ok(sb) = self.get(&sid) {

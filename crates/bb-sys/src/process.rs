@@ -263,6 +263,42 @@ pub fn pidfd_getfd(pidfd: &OwnedFd, fd: RawFd) -> SysResult<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// `MADV_COLLAPSE` (Linux 6.1): back a range with transparent huge pages now.
+pub const MADV_COLLAPSE: i32 = 25;
+
+/// `process_madvise(pidfd, ranges, advice)` on another process's memory. Returns the bytes
+/// advised (the kernel stops at the first failing range).
+pub fn process_madvise(pidfd: &OwnedFd, ranges: &[(u64, u64)], advice: i32) -> SysResult<usize> {
+    let iov: Vec<libc::iovec> = ranges.iter().map(|(a, l)| libc::iovec { iov_base: *a as *mut _, iov_len: *l as usize }).collect();
+    // SAFETY: iov is a valid array of iovecs for the duration of the call; the kernel reads the
+    // ranges of the target process, not ours.
+    let ret = unsafe { libc::syscall(libc::SYS_process_madvise, pidfd.as_raw_fd(), iov.as_ptr(), iov.len(), advice, 0) };
+    check("process_madvise", ret).map(|n| n as usize)
+}
+
+/// Anonymous private writable mappings of `pid` of at least `min` bytes, as (start, length),
+/// from `/proc/<pid>/maps` (heap and anonymous mmaps; not stacks or files).
+pub fn anon_rw_regions(pid: i32, min: u64) -> std::io::Result<Vec<(u64, u64)>> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+    let mut out = Vec::new();
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(perms), Some(_), Some(_), Some(inode)) = (f.next(), f.next(), f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        let name = f.next().unwrap_or("");
+        if !perms.starts_with("rw") || !perms.ends_with('p') || inode != "0" || !(name.is_empty() || name == "[heap]") {
+            continue;
+        }
+        let Some((a, b)) = range.split_once('-') else { continue };
+        let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else { continue };
+        if b - a >= min {
+            out.push((a, b - a));
+        }
+    }
+    Ok(out)
+}
+
 /// A process's pid in each pid namespace it is visible in, outermost (ours) first: the `NSpid`
 /// line of `/proc/<pid>/status`.
 pub fn ns_pids(pid: i32) -> Option<Vec<i32>> {
