@@ -40,6 +40,38 @@ pub const COLLAPSE_MIN_FORK: usize = 8;
 /// Beyond it, children are independent sandboxes whose sessions start fresh.
 pub const MAX_NEST_DEPTH: usize = 24;
 
+/// What the frozen window of a checkpoint looks at: the writable layer being frozen, and which
+/// processes (pids in the sandbox's namespace) to spare.
+struct Scan<'a> {
+    old_upper: &'a Path,
+    /// Session templates: frozen copies that never write.
+    templates: &'a HashSet<i32>,
+    /// Live session servers: they move their working directory themselves.
+    sessions: &'a HashSet<i32>,
+}
+
+/// Move a process stopped at the thaw (see `stale_cwds`) to the same working directory in the
+/// new root: an injected `chdir(path)` (or `/` if the path is gone). Best effort.
+fn rebase_cwd(pending: bb_sys::ptrace::PendingStop, path: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let pid = pending.pid();
+    let res = pending.wait().and_then(|mut t| {
+        let mut bytes = path.as_os_str().as_bytes().to_vec();
+        bytes.push(0);
+        let at = t.scratch(bytes.len() + 8);
+        t.write_mem(at, &bytes)?;
+        let r = t.syscall(libc::SYS_chdir, [at, 0, 0, 0, 0, 0])?;
+        if r.ret < 0 {
+            t.write_mem(at, b"/\0")?;
+            t.syscall(libc::SYS_chdir, [at, 0, 0, 0, 0, 0])?;
+        }
+        t.resume()
+    });
+    if let Err(e) = res {
+        tracing::warn!(pid, "moving a working directory to the new root failed: {e}");
+    }
+}
+
 /// The next root of a sandbox, built before the frozen window.
 struct Prepared {
     lid: String,
@@ -334,13 +366,23 @@ impl Runtime {
             }
         }
         let t_forked = t0.elapsed();
+        // Templates (never write) and live sessions (they re-resolve their own working
+        // directory) are spared by the frozen scan; the new templates are not registered yet.
+        let spare = {
+            let mut templates = self.templates.lock().expect("lock").pids_of(&sb.id);
+            templates.extend(new_templates.iter().map(|(_, t, _)| t.pid));
+            (templates, sessions.iter().map(|s| s.pid).collect::<HashSet<i32>>())
+        };
         // Files: freeze, pin open files, swap the root onto the fresh writable layer.
         // File operations wait until the new root is recorded (they open `sb.rootfs()`).
         let gate = sb.fs_gate.write().await;
         let swapped = match prep.await.map_err(blocking_err).and_then(|p| p) {
             Ok(prep) => {
                 let (rt, sbc, old) = (self.clone(), sb.clone(), upper_dir.clone());
-                tokio::task::spawn_blocking(move || rt.swap_prepared(&sbc, prep, Some(&old), None))
+                tokio::task::spawn_blocking(move || {
+                    let scan = Scan { old_upper: &old, templates: &spare.0, sessions: &spare.1 };
+                    rt.swap_prepared(&sbc, prep, Some(&scan), None)
+                })
                     .await
                     .map_err(blocking_err)
                     .and_then(|r| r)
@@ -448,15 +490,20 @@ impl Runtime {
         &self,
         sb: &Sandbox,
         prep: Prepared,
-        pin_from: Option<&Path>,
+        pin_from: Option<&Scan<'_>>,
         kill: Option<(&HashSet<i32>, &mut Vec<i32>)>,
     ) -> Result<(Generation, rootswap::PinStats)> {
         let t0 = Instant::now();
         sb.cgroup.freeze()?;
         let t_frozen = t0.elapsed();
-        let res = self.swap_frozen(sb, prep, pin_from, kill);
+        let mut stale = Vec::new();
+        let res = self.swap_frozen(sb, prep, pin_from, kill, &mut stale);
         let thawed = sb.cgroup.thaw();
         let t_thawed = t0.elapsed();
+        // Processes that kept a working directory in the old root stopped at the thaw: move them.
+        for (pending, path) in stale {
+            rebase_cwd(pending, &path);
+        }
         // The host-side mount (file API) is swapped after the thaw; the caller holds the file gate.
         let (gen, pinned, host_clone) = res?;
         let target = sb.dirs.rootfs_gen(gen.n);
@@ -471,8 +518,9 @@ impl Runtime {
         &self,
         sb: &Sandbox,
         prep: Prepared,
-        pin_from: Option<&Path>,
+        pin_from: Option<&Scan<'_>>,
         kill: Option<(&HashSet<i32>, &mut Vec<i32>)>,
+        stale: &mut Vec<(bb_sys::ptrace::PendingStop, PathBuf)>,
     ) -> Result<(Generation, rootswap::PinStats, std::os::fd::OwnedFd)> {
         let rootfs = sb.rootfs();
         let pids = sb.cgroup.pids()?;
@@ -493,9 +541,29 @@ impl Runtime {
         }
         let mut pinned = rootswap::PinStats::default();
         let mut pinned_files = Vec::new();
-        if let Some(old_upper) = pin_from {
+        let pin_from_upper = pin_from.map(|s| s.old_upper);
+        if let Some(scan) = pin_from {
+            let old_upper = scan.old_upper;
             let dev = std::fs::metadata(&rootfs).map_err(|e| RuntimeError::internal("stat sandbox root", e))?.dev();
-            let files = rootswap::written_files(&pids, dev);
+            // Through the sandbox's own procfs: its pids are what the spare sets hold, and
+            // templates (frozen copies, they never write) need no look.
+            let proc = PathBuf::from(format!("/proc/{}/root/proc", sb.init_pid));
+            let nspids: Vec<i32> = std::fs::read_dir(&proc)
+                .map(|rd| rd.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).filter(|p| *p != 1 && !scan.templates.contains(p)).collect())
+                .unwrap_or_default();
+            let files = rootswap::written_files(&proc, &nspids, dev);
+            let others: Vec<i32> = nspids.iter().copied().filter(|p| !scan.sessions.contains(p)).collect();
+            let cwds = rootswap::stale_cwds(&proc, &others, dev);
+            if !cwds.is_empty() {
+                let host: HashMap<i32, i32> = pids.iter().filter_map(|h| Some((ns_pid(*h)?, *h))).collect();
+                for (ns, path) in cwds {
+                    match host.get(&ns).map(|h| bb_sys::ptrace::PendingStop::request(*h)) {
+                        Some(Ok(p)) => stale.push((p, path)),
+                        Some(Err(e)) => tracing::warn!(sandbox = %sb.id, pid = ns, "cannot move its working directory to the new root: {e}"),
+                        None => {}
+                    }
+                }
+            }
             match rootswap::pin_open_files(&files, old_upper, &prep.upper) {
                 Ok(p) => {
                     pinned = p;
@@ -512,7 +580,7 @@ impl Runtime {
         match rootswap::swap_root(sb.init_pid, mnt) {
             Ok(host_clone) => Ok((Generation { upper: lid, mounted: chain.clone(), chain, base: None, n }, pinned, host_clone)),
             Err(e) => {
-                if let Some(old_upper) = pin_from {
+                if let Some(old_upper) = pin_from_upper {
                     rootswap::unpin(&pinned_files, old_upper, &upper);
                 }
                 self.remove_layer_dir(&lid);

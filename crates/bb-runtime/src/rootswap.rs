@@ -187,15 +187,16 @@ pub struct WrittenFile {
     pub ino: u64,
 }
 
-/// Files that processes `pids` (host pids, all in one sandbox) hold open for writing or map
-/// shared-writable, on the overlay whose device is `ovl_dev`.
-pub fn written_files(pids: &[i32], ovl_dev: u64) -> Vec<WrittenFile> {
+/// Files that processes `pids` hold open for writing or map shared-writable, on the overlay
+/// whose device is `ovl_dev`. `proc` is a procfs showing them (the host's `/proc` with host
+/// pids, or a sandbox's own with its pids).
+pub fn written_files(proc: &Path, pids: &[i32], ovl_dev: u64) -> Vec<WrittenFile> {
     let mut out = HashSet::new();
     for pid in pids {
-        let Ok(rd) = fs::read_dir(format!("/proc/{pid}/fd")) else { continue };
+        let Ok(rd) = fs::read_dir(proc.join(pid.to_string()).join("fd")) else { continue };
         for e in rd.flatten() {
             let name = e.file_name();
-            let Some(flags) = fdinfo_flags(*pid, &name) else { continue };
+            let Some(flags) = fdinfo_flags(proc, *pid, &name) else { continue };
             if flags & libc::O_ACCMODE == libc::O_RDONLY {
                 continue;
             }
@@ -209,7 +210,7 @@ pub fn written_files(pids: &[i32], ovl_dev: u64) -> Vec<WrittenFile> {
             }
         }
         // Shared writable mappings: "addr perms offset dev inode path".
-        let Ok(maps) = fs::read_to_string(format!("/proc/{pid}/maps")) else { continue };
+        let Ok(maps) = fs::read_to_string(proc.join(pid.to_string()).join("maps")) else { continue };
         for line in maps.lines() {
             let mut f = line.splitn(6, ' ');
             let (Some(_), Some(perms), Some(_), Some(_), Some(ino)) = (f.next(), f.next(), f.next(), f.next(), f.next()) else {
@@ -231,8 +232,26 @@ pub fn written_files(pids: &[i32], ovl_dev: u64) -> Vec<WrittenFile> {
     v
 }
 
-fn fdinfo_flags(pid: i32, fd: &OsStr) -> Option<i32> {
-    let mut p = PathBuf::from(format!("/proc/{pid}/fdinfo"));
+/// Processes among `pids` (in procfs `proc`) whose working directory is on the overlay whose
+/// device is `ovl_dev` (the root being frozen), with that directory's sandbox path. After a root
+/// swap such a directory still belongs to the old root: files created or opened through it
+/// would land in the frozen layer, so the caller moves these processes to the same path in the
+/// new root.
+pub fn stale_cwds(proc: &Path, pids: &[i32], ovl_dev: u64) -> Vec<(i32, PathBuf)> {
+    pids.iter()
+        .filter_map(|pid| {
+            let cwd = proc.join(pid.to_string()).join("cwd");
+            let dev = fs::metadata(&cwd).ok()?.dev();
+            (dev == ovl_dev).then_some(())?;
+            let target = fs::read_link(&cwd).ok()?;
+            let path = if target == Path::new("/") { PathBuf::from("/") } else { PathBuf::from("/").join(sandbox_path(&target)?) };
+            Some((*pid, path))
+        })
+        .collect()
+}
+
+fn fdinfo_flags(proc: &Path, pid: i32, fd: &OsStr) -> Option<i32> {
+    let mut p = proc.join(pid.to_string()).join("fdinfo");
     p.push(fd);
     let text = fs::read_to_string(p).ok()?;
     let line = text.lines().find(|l| l.starts_with("flags:"))?;

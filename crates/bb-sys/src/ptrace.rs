@@ -57,7 +57,7 @@ impl Injected {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub use imp::{Tracee, RUNNER_BYTES, RUNNER_DATA};
+pub use imp::{PendingStop, Tracee, RUNNER_BYTES, RUNNER_DATA};
 
 /// Whether syscall injection is implemented on this architecture.
 pub const SUPPORTED: bool = cfg!(target_arch = "x86_64");
@@ -116,6 +116,62 @@ mod imp {
         attached: bool,
         /// Signals that arrived while we were injecting, delivered again on resume.
         pending_signal: i32,
+        /// Resume with exactly the saved registers (a process stopped anywhere, see
+        /// [`PendingStop`]) rather than by re-issuing its interrupted syscall.
+        exact: bool,
+    }
+
+    /// A seized process asked to stop (e.g. while its cgroup is frozen: it stops as soon as it
+    /// is thawed, before running any instruction of its own). [`PendingStop::wait`] takes it.
+    pub struct PendingStop {
+        pid: i32,
+    }
+
+    impl PendingStop {
+        /// Seize `pid` and ask it to stop, without waiting.
+        pub fn request(pid: i32) -> SysResult<PendingStop> {
+            let opts = libc::PTRACE_O_TRACESYSGOOD | libc::PTRACE_O_EXITKILL;
+            ptrace(libc::PTRACE_SEIZE, pid, 0, opts as u64)?;
+            if let Err(e) = ptrace(libc::PTRACE_INTERRUPT, pid, 0, 0) {
+                let _ = ptrace(libc::PTRACE_DETACH, pid, 0, 0);
+                return Err(e);
+            }
+            Ok(PendingStop { pid })
+        }
+
+        pub fn pid(&self) -> i32 {
+            self.pid
+        }
+
+        /// Wait for the stop. Syscalls can then be injected through the instruction the
+        /// process entered its current syscall with, or else one of its vDSO's; `resume` puts
+        /// every register back as it was.
+        pub fn wait(self) -> SysResult<Tracee> {
+            let pid = self.pid;
+            // The stop is taken here: no detach on drop.
+            std::mem::forget(self);
+            let mut t = Tracee { pid, saved: unsafe_zeroed_regs(), syscall_ip: 0, attached: true, pending_signal: 0, exact: true };
+            t.wait_quiet()?;
+            t.saved = get_regs(t.pid)?;
+            let ip = t.saved.rip.wrapping_sub(2);
+            t.syscall_ip = if (t.saved.orig_rax as i64) >= 0 && t.peek_u16(ip).ok() == Some(0x050f) { ip } else { t.vdso_syscall()? };
+            Ok(t)
+        }
+    }
+
+    /// A stop never taken: wait for it and let the process go on untouched. Blocks until the
+    /// process stops, so drop only after its cgroup is thawed.
+    impl Drop for PendingStop {
+        fn drop(&mut self) {
+            let mut status = 0;
+            // SAFETY: waitpid writes only `status`, a valid local.
+            let r = unsafe { libc::waitpid(self.pid, &mut status, libc::__WALL) };
+            if r == self.pid && libc::WIFSTOPPED(status) {
+                // A signal-delivery stop (not our interrupt) hands the signal back.
+                let sig = if status >> 16 == PTRACE_EVENT_STOP { 0 } else { libc::WSTOPSIG(status) };
+                let _ = ptrace(libc::PTRACE_DETACH, self.pid, 0, sig as u64);
+            }
+        }
     }
 
     fn err(call: &'static str) -> SysError {
@@ -180,7 +236,7 @@ mod imp {
                 | libc::PTRACE_O_TRACEVFORK
                 | libc::PTRACE_O_EXITKILL;
             ptrace(libc::PTRACE_SEIZE, pid, 0, opts as u64)?;
-            let mut t = Tracee { pid, saved: unsafe_zeroed_regs(), syscall_ip: 0, attached: true, pending_signal: 0 };
+            let mut t = Tracee { pid, saved: unsafe_zeroed_regs(), syscall_ip: 0, attached: true, pending_signal: 0, exact: false };
             ptrace(libc::PTRACE_INTERRUPT, pid, 0, 0)?;
             t.wait_quiet()?;
             let regs = get_regs(pid)?;
@@ -204,7 +260,7 @@ mod imp {
         /// A child made by an injected clone/fork (traced automatically): wait for its first
         /// stop. It resumes, like us, into the interrupted syscall.
         pub fn child(&self, pid: i32) -> SysResult<Tracee> {
-            let mut t = Tracee { pid, saved: self.saved, syscall_ip: self.syscall_ip, attached: true, pending_signal: 0 };
+            let mut t = Tracee { pid, saved: self.saved, syscall_ip: self.syscall_ip, attached: true, pending_signal: 0, exact: self.exact };
             t.wait_quiet()?;
             Ok(t)
         }
@@ -421,12 +477,31 @@ mod imp {
             Ok(word as u16)
         }
 
-        /// Put the saved registers back (the interrupted syscall is issued again) and detach.
+        /// Address of a `syscall` instruction in the tracee's vDSO.
+        fn vdso_syscall(&self) -> SysResult<u64> {
+            let maps = std::fs::read_to_string(format!("/proc/{}/maps", self.pid)).map_err(|source| SysError { call: "read maps", source })?;
+            let range = maps
+                .lines()
+                .find(|l| l.ends_with("[vdso]"))
+                .and_then(|l| l.split_whitespace().next())
+                .and_then(|r| r.split_once('-'))
+                .and_then(|(a, b)| Some((u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?)));
+            let no = || SysError { call: "find a syscall instruction", source: io::Error::from_raw_os_error(libc::ENOEXEC) };
+            let (a, b) = range.ok_or_else(no)?;
+            let mut code = vec![0u8; (b - a) as usize];
+            self.read_mem(a, &mut code)?;
+            code.windows(2).position(|w| w == [0x0f, 0x05]).map(|i| a + i as u64).ok_or_else(no)
+        }
+
+        /// Put the saved registers back and detach: the interrupted syscall is issued again
+        /// (or, for a process taken with [`PendingStop`], everything is exactly as it was).
         pub fn resume(mut self) -> SysResult<()> {
             let mut regs = self.saved;
-            regs.rip = self.syscall_ip;
-            regs.rax = self.saved.orig_rax;
-            regs.orig_rax = u64::MAX;
+            if !self.exact {
+                regs.rip = self.syscall_ip;
+                regs.rax = self.saved.orig_rax;
+                regs.orig_rax = u64::MAX;
+            }
             set_regs(self.pid, &regs)?;
             self.attached = false;
             ptrace(libc::PTRACE_DETACH, self.pid, 0, self.pending_signal as u64).map(drop)
@@ -466,9 +541,11 @@ mod imp {
         fn drop(&mut self) {
             if self.attached {
                 let mut regs = self.saved;
-                regs.rip = self.syscall_ip;
-                regs.rax = self.saved.orig_rax;
-                regs.orig_rax = u64::MAX;
+                if !self.exact {
+                    regs.rip = self.syscall_ip;
+                    regs.rax = self.saved.orig_rax;
+                    regs.orig_rax = u64::MAX;
+                }
                 let _ = set_regs(self.pid, &regs);
                 let _ = ptrace(libc::PTRACE_DETACH, self.pid, 0, self.pending_signal as u64);
             }
@@ -644,6 +721,42 @@ mod imp {
             unsafe {
                 libc::waitpid(pid, std::ptr::null_mut(), 0);
                 libc::kill(copy_pid, libc::SIGKILL);
+            }
+        }
+
+        #[test]
+        fn a_running_process_is_stopped_anywhere_and_resumed_exactly() {
+            // A child spinning in user code (no syscall to borrow): the vDSO's is used.
+            let (p_r, p_w) = nix::unistd::pipe().unwrap();
+            let wfd = std::os::fd::AsRawFd::as_raw_fd(&p_w);
+            // SAFETY: the child spins and writes a byte when told, without allocating.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                let mut x: u64 = 0;
+                loop {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                    if x % (1 << 26) == 0 {
+                        // SAFETY: write(2) of one stack byte to our pipe.
+                        unsafe { libc::write(wfd, b"x".as_ptr().cast(), 1) };
+                    }
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let mut t = PendingStop::request(pid).unwrap().wait().unwrap();
+            // Inject getpid and chdir("/tmp") (string in scratch memory below its stack).
+            assert_eq!(t.syscall(libc::SYS_getpid, [0; 6]).unwrap().ret, pid as i64);
+            let at = t.scratch(16);
+            t.write_mem(at, b"/tmp\0").unwrap();
+            assert_eq!(t.syscall(libc::SYS_chdir, [at, 0, 0, 0, 0, 0]).unwrap().ret, 0);
+            t.resume().unwrap();
+            assert_eq!(std::fs::read_link(format!("/proc/{pid}/cwd")).unwrap(), std::path::Path::new("/tmp"));
+            // It goes on computing where it was: it still writes bytes.
+            let mut b = [0u8; 1];
+            assert_eq!(nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&p_r), &mut b).unwrap(), 1);
+            // SAFETY: killing and reaping our child.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, std::ptr::null_mut(), 0);
             }
         }
 
