@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from . import images
+from . import images, pool, templates
 from ._version import __version__
 from .exceptions import (
     AuthenticationError,
@@ -32,6 +32,8 @@ from .models import (
     GcResult,
     ImageInfo,
     ImageProgress,
+    PoolImageStats,
+    PoolStats,
     ProcessInfo,
     RollbackResult,
     SandboxInfo,
@@ -39,16 +41,20 @@ from .models import (
     ShellResult,
     SnapshotInfo,
     SnapshotSession,
+    TemplateInfo,
+    TemplateProgress,
 )
 from .sandbox_async import (
     AsyncByteStream,
     AsyncCommandHandle,
     AsyncImages,
+    AsyncPool,
     AsyncSandbox,
     AsyncSession,
     AsyncSnapshots,
+    AsyncTemplates,
 )
-from .sandbox_sync import ByteStream, CommandHandle, Images, Sandbox, Session, Snapshots
+from .sandbox_sync import ByteStream, CommandHandle, Images, Pool, Sandbox, Session, Snapshots, Templates
 
 __all__ = [
     # sandboxes
@@ -67,6 +73,13 @@ __all__ = [
     # snapshots
     "Snapshots",
     "AsyncSnapshots",
+    # templates and the warm pool
+    "templates",
+    "Templates",
+    "AsyncTemplates",
+    "pool",
+    "Pool",
+    "AsyncPool",
     # models
     "SandboxInfo",
     "CommandResult",
@@ -83,6 +96,10 @@ __all__ = [
     "RollbackResult",
     "ForkResult",
     "GcResult",
+    "PoolStats",
+    "PoolImageStats",
+    "TemplateInfo",
+    "TemplateProgress",
     # exceptions
     "SandboxError",
     "NotFoundError",

@@ -28,12 +28,15 @@ from .models import (
     GcResult,
     ImageInfo,
     ImageProgress,
+    PoolStats,
     ProcessInfo,
     RollbackResult,
     SandboxInfo,
     SessionInfo,
     ShellResult,
     SnapshotInfo,
+    TemplateInfo,
+    TemplateProgress,
 )
 
 # Extra seconds the HTTP read timeout allows beyond an operation's own timeout, so the
@@ -44,6 +47,9 @@ IMAGE_STREAM_TIMEOUT = 900.0
 CHUNK_SIZE = 1 << 20
 # Most children one fork may create (the daemon answers 400 above).
 MAX_FORK = 64
+# Seconds a template recipe's commands and code may each take unless the recipe says
+# otherwise (the daemon's default); the build stream may be silent that long.
+TEMPLATE_STEP_TIMEOUT = 600.0
 
 StdinT = Union[str, bytes, None]
 CmdT = Union[str, Sequence[str]]
@@ -232,6 +238,30 @@ class ImageStream:
         return self.image
 
 
+class TemplateStream:
+    """Folds a template build's progress stream into the final :class:`TemplateInfo`."""
+
+    def __init__(self) -> None:
+        self.template: Optional[TemplateInfo] = None
+
+    def handle(self, event: Any) -> Optional[TemplateProgress]:
+        if not isinstance(event, dict):
+            return None
+        kind = event.get("type")
+        if kind == "progress":
+            return TemplateProgress.from_dict(event)
+        if kind == "done":
+            self.template = TemplateInfo.from_dict(event.get("template"))
+        elif kind == "error":
+            raise _stream_error(event)
+        return None
+
+    def finish(self) -> TemplateInfo:
+        if self.template is None:
+            raise exc.SandboxError("template build stream ended without a done event", code="connection_lost")
+        return self.template
+
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -307,7 +337,7 @@ def health() -> Call:
 
 
 def create_sandbox(
-    image: str = "base",
+    image: Optional[str] = "base",
     cpu: Optional[float] = None,
     memory_mb: Optional[int] = None,
     pids: Optional[int] = None,
@@ -316,10 +346,17 @@ def create_sandbox(
     timeout: Optional[float] = 300,
     network: Optional[str] = "none",
     metadata: Optional[Mapping[str, Any]] = None,
+    template: Any = None,
 ) -> Call:
+    """``image=None`` means ``"base"``, or the template's image when ``template`` is given
+    (the daemon refuses an image other than the template's)."""
+    name = template_name(template) if template is not None else None
+    if image is None and name is None:
+        image = "base"
     body = _compact(
         {
             "image": image,
+            "template": name,
             "cpu": cpu,
             "memory_mb": memory_mb,
             "pids": pids,
@@ -682,18 +719,24 @@ def rollback(sandbox_id: str, snapshot: Any) -> Call:
     return Call("POST", _sbx(sandbox_id) + "/rollback", json=body, parse=RollbackResult.from_dict)
 
 
-def fork(sandbox_id: str, count: int = 1, snapshot: Any = None, timeout: Optional[float] = None) -> Call:
+def fork(
+    sandbox_id: str, count: int = 1, snapshot: Any = None, timeout: Optional[float] = None, isolated: bool = False
+) -> Call:
     if isinstance(count, bool) or not isinstance(count, int):
         raise exc.InvalidArgumentError("n (the number of children) must be an int, not %r" % (count,))
     if not 1 <= count <= MAX_FORK:
         raise exc.InvalidArgumentError("n (the number of children) must be in 1..%d, got %d" % (MAX_FORK, count))
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
         raise exc.InvalidArgumentError("timeout (the children's TTL) must be a number >= 0 (0 = none), got %r" % (timeout,))
+    if not isinstance(isolated, bool):
+        raise exc.InvalidArgumentError("isolated must be True or False, not %r" % (isolated,))
     body = _compact(
         {
             "count": count,
             "snapshot": snapshot_id(snapshot) if snapshot is not None else None,
             "timeout": timeout,
+            # Sent only when set: the default (live copies of the sessions) is the daemon's.
+            "isolated": True if isolated else None,
         }
     )
     return Call("POST", _sbx(sandbox_id) + "/fork", json=body, parse=ForkResult.from_dict)
@@ -752,3 +795,126 @@ def gc_snapshots(keep: Any, sandbox: Any = None) -> Call:
         }
     )
     return Call("POST", "/v1/snapshots/gc", json=body, parse=GcResult.from_dict)
+
+
+# ----------------------------------------------------------------------------- warm pool
+
+
+def _count(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise exc.InvalidArgumentError("%s must be an int >= 0, not %r" % (what, value))
+    return value
+
+
+def pool_stats() -> Call:
+    return Call("GET", "/v1/pool", parse=PoolStats.from_dict)
+
+
+def set_pool(image: str, min: int, max: Optional[int] = None) -> Call:  # noqa: A002 - the API's names
+    """Keep ``min`` ready sandboxes of ``image``; recycle killed ones while fewer than ``max``
+    (default: the daemon's, ``min``) are ready. ``min = max = 0`` drains the pool."""
+    if not isinstance(image, str) or not image.strip():
+        raise exc.InvalidArgumentError("image must be a non-empty image name, not %r" % (image,))
+    lo = _count(min, "min")
+    hi = _count(max, "max") if max is not None else None
+    if hi is not None and lo > hi:
+        raise exc.InvalidArgumentError("min (%d) must not exceed max (%d)" % (lo, hi))
+    return Call("PUT", "/v1/pool/" + _seg(image), json=_compact({"min": lo, "max": hi}), parse=PoolStats.from_dict)
+
+
+# ----------------------------------------------------------------------------- templates
+
+#: Keys of a template recipe (the body of ``POST /v1/templates``).
+RECIPE_KEYS = ("name", "image", "run", "code", "env", "cwd", "cpu", "memory_mb", "pids", "metadata", "timeout", "shells")
+
+
+def template_name(template: Any, what: str = "template") -> str:
+    """The name of ``template`` (a name or a :class:`TemplateInfo`)."""
+    if isinstance(template, TemplateInfo):
+        template = template.name
+    if not isinstance(template, str):
+        raise exc.InvalidArgumentError(
+            "%s must be a template name (str) or a TemplateInfo, not %s" % (what, type(template).__name__)
+        )
+    if not template.strip():
+        raise exc.InvalidArgumentError("%s name must not be empty" % what)
+    return template
+
+
+def template_recipe(
+    name: str,
+    image: Optional[str] = None,
+    run: Union[str, Sequence[str], None] = None,
+    code: Optional[str] = None,
+    env: Optional[Mapping[str, Any]] = None,
+    cwd: Optional[str] = None,
+    cpu: Optional[float] = None,
+    memory_mb: Optional[int] = None,
+    pids: Optional[int] = None,
+    metadata: Optional[Mapping[str, Any]] = None,
+    timeout: Optional[float] = None,
+    shells: Optional[int] = None,
+) -> Dict[str, Any]:
+    """The JSON body of a template build (unset fields are left to the daemon's defaults).
+
+    ``run`` is a list of shell commands (a single string is one command).
+    """
+    name = template_name(name)
+    if isinstance(run, str):
+        run = [run]
+    if run is not None:
+        try:
+            cmds = list(run)
+        except TypeError:
+            raise exc.InvalidArgumentError("run must be a list of shell commands, not %s" % type(run).__name__) from None
+        for c in cmds:
+            if not isinstance(c, str) or not c.strip():
+                raise exc.InvalidArgumentError("every run entry must be a non-empty shell command string, got %r" % (c,))
+        run = cmds
+    if code is not None and not isinstance(code, str):
+        raise exc.InvalidArgumentError("code must be a string of python code, not %s" % type(code).__name__)
+    if shells is not None:
+        _count(shells, "shells")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise exc.InvalidArgumentError("timeout (seconds per recipe step) must be a number > 0, got %r" % (timeout,))
+    return _compact(
+        {
+            "name": name,
+            "image": image,
+            "run": run,
+            "code": code,
+            "env": _env(env),
+            "cwd": cwd,
+            "cpu": cpu,
+            "memory_mb": memory_mb,
+            "pids": pids,
+            "metadata": _env(metadata),
+            "timeout": timeout,
+            "shells": shells,
+        }
+    )
+
+
+def build_template(recipe: Mapping[str, Any]) -> Call:
+    """``recipe`` is a :func:`template_recipe` body."""
+    step = float(recipe.get("timeout") or TEMPLATE_STEP_TIMEOUT)
+    return Call(
+        "POST",
+        "/v1/templates",
+        json=dict(recipe),
+        # Between two events the daemon may run one recipe step (up to its timeout).
+        op_timeout=max(IMAGE_STREAM_TIMEOUT, step),
+        headers={"Accept": "application/x-ndjson"},
+    )
+
+
+def list_templates() -> Call:
+    return Call("GET", "/v1/templates", parse=_list_of("templates", TemplateInfo))
+
+
+def get_template(template: Any) -> Call:
+    return Call("GET", "/v1/templates/" + _seg(template_name(template)), parse=TemplateInfo.from_dict)
+
+
+def remove_template(template: Any) -> Call:
+    return Call("DELETE", "/v1/templates/" + _seg(template_name(template)), parse=_flag("removed"))

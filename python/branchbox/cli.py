@@ -23,11 +23,12 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
+from . import _core
 from . import bench as bench_mod
 from ._transport import DEFAULT_SOCKET
 from .exceptions import SandboxError
-from .models import ImageProgress, RollbackResult, SnapshotInfo
-from .sandbox_sync import Images, Sandbox, Snapshots, health
+from .models import ImageProgress, PoolStats, RollbackResult, SnapshotInfo
+from .sandbox_sync import Images, Pool, Sandbox, Snapshots, Templates, health
 
 DEFAULT_STATE_DIR = "/var/lib/branchbox"
 DEFAULT_PIDFILE = "/run/branchbox/branchboxd.pid"
@@ -48,11 +49,15 @@ daemon_app = typer.Typer(help="Run the local branchboxd daemon.", no_args_is_hel
 sandbox_app = typer.Typer(help="Create, inspect and use sandboxes.", no_args_is_help=True)
 image_app = typer.Typer(help="Manage root filesystem images.", no_args_is_help=True)
 snapshot_app = typer.Typer(help="Inspect and clean up sandbox snapshots.", no_args_is_help=True)
+template_app = typer.Typer(help="Build and manage warm templates (sandboxes pre-built from a recipe).", no_args_is_help=True)
+pool_app = typer.Typer(help="The warm pool: sandboxes kept ready per image.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 app.add_typer(daemon_app, name="daemon")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(image_app, name="image")
 app.add_typer(snapshot_app, name="snapshot")
+app.add_typer(template_app, name="template")
+app.add_typer(pool_app, name="pool")
 app.add_typer(bench_app, name="bench")
 
 
@@ -376,7 +381,8 @@ def daemon_status(ctx: typer.Context) -> None:
 @cli_errors
 def sandbox_create(
     ctx: typer.Context,
-    image: str = typer.Option("base", "--image", help="Image name."),
+    image: Optional[str] = typer.Option(None, "--image", help="Image name (default base, or the template's)."),
+    template: Optional[str] = typer.Option(None, "--template", "-t", help="Start as a live fork of this template (`template ls`)."),
     memory_mb: Optional[int] = typer.Option(None, "--memory-mb", help="Memory limit (MiB)."),
     cpu: Optional[float] = typer.Option(None, "--cpu", help="CPU limit (cores)."),
     pids: Optional[int] = typer.Option(None, "--pids", help="Max number of processes."),
@@ -397,6 +403,7 @@ def sandbox_create(
         cwd=cwd,
         timeout=timeout,
         metadata=parse_env(metadata, "--metadata") or None,
+        template=template,
         **c.sdk(),
     )
     sbx.close()
@@ -596,12 +603,13 @@ def sandbox_fork(
     sandbox_id: str = typer.Argument(..., metavar="ID"),
     n: int = typer.Option(1, "-n", "--count", min=1, max=64, help="Number of children (1..64)."),
     snapshot: Optional[str] = typer.Option(None, "--snapshot", "-s", help="Fork from this snapshot (default: checkpoint now)."),
+    isolated: bool = typer.Option(False, "--isolated", help="Independent children: own namespaces, fresh sessions."),
 ) -> None:
     """Start new sandboxes from a snapshot of ID; prints the child ids, one per line."""
     c = _ctx(ctx)
     sbx = Sandbox.connect(sandbox_id, **c.sdk())
     try:
-        children = sbx.fork(n, snapshot=snapshot)
+        children = sbx.fork(n, snapshot=snapshot, isolated=isolated)
     finally:
         sbx.close()
     for child in children:
@@ -836,6 +844,303 @@ def image_rm(ctx: typer.Context, name: str = typer.Argument(..., help="Image nam
     out.print("removed image %s" % name)
 
 
+# ----------------------------------------------------------------------------- templates
+
+
+def _toml_loads(text: str) -> Dict[str, Any]:
+    try:
+        import tomllib  # Python 3.11+
+    except ModuleNotFoundError:  # pragma: no cover - Python < 3.11
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ModuleNotFoundError:
+            raise SandboxError("reading a TOML recipe needs Python 3.11+ (tomllib) or the tomli package") from None
+    return tomllib.loads(text)
+
+
+def load_recipe(path: str) -> Dict[str, Any]:
+    """A template recipe from a TOML file: the keys of the API body (``name``, ``image``,
+    ``run``, ``code``, ``env``, ``cwd``, ``cpu``, ``memory_mb``, ``pids``, ``metadata``,
+    ``timeout``, ``shells``). Unknown keys and wrongly typed values are errors naming the file."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SandboxError("cannot read recipe %s: %s" % (path, e)) from None
+    try:
+        data = _toml_loads(text)
+    except ValueError as e:  # tomllib.TOMLDecodeError is a ValueError
+        raise SandboxError("recipe %s is not valid TOML: %s" % (path, e)) from None
+    unknown = sorted(set(data) - set(_core.RECIPE_KEYS))
+    if unknown:
+        raise SandboxError(
+            "recipe %s: unknown key%s %s (allowed: %s)"
+            % (path, "s" if len(unknown) > 1 else "", ", ".join(unknown), ", ".join(_core.RECIPE_KEYS))
+        )
+    kinds: Dict[str, Any] = {
+        "name": str, "image": str, "code": str, "cwd": str, "run": (list, str), "env": dict, "metadata": dict,
+        "cpu": (int, float), "timeout": (int, float), "memory_mb": int, "pids": int, "shells": int,
+    }
+    for key, value in data.items():
+        if isinstance(value, bool) or not isinstance(value, kinds[key]):
+            raise SandboxError("recipe %s: %s has the wrong type (%s)" % (path, key, type(value).__name__))
+    for key in ("env", "metadata"):
+        for k, v in (data.get(key) or {}).items():
+            if isinstance(v, (dict, list)):
+                raise SandboxError("recipe %s: %s.%s must be a string, not a %s" % (path, key, k, type(v).__name__))
+    return data
+
+
+def merge_recipe(recipe: Dict[str, Any], flags: Dict[str, Any]) -> Dict[str, Any]:
+    """Command-line values over the recipe file's: scalars and ``run`` replace the file's,
+    ``env``/``metadata`` entries are merged over the file's (the flag wins per key)."""
+    out = dict(recipe)
+    for key, value in flags.items():
+        if value is None:
+            continue
+        if key in ("env", "metadata"):
+            if value:
+                merged = {str(k): str(v) for k, v in (out.get(key) or {}).items()}
+                merged.update(value)
+                out[key] = merged
+        elif key == "run":
+            if value:
+                out["run"] = list(value)
+        else:
+            out[key] = value
+    return out
+
+
+class TemplateProgressView:
+    """One rich progress bar for a template build: ``stage: message``, step done/total."""
+
+    def __init__(self, progress: Progress, name: str) -> None:
+        self.progress = progress
+        self.task = progress.add_task("template %s" % name, total=None)
+        self.total: Optional[float] = None
+
+    def __call__(self, ev: Any) -> None:
+        desc = (ev.stage or "working") + (": " + " ".join(ev.message.split()) if ev.message else "")
+        if ev.total:
+            self.total = float(ev.total)
+        kw: Dict[str, Any] = {"description": desc, "total": self.total}
+        if ev.done is not None:
+            kw["completed"] = ev.done
+        self.progress.update(self.task, **kw)
+
+    def finish(self) -> None:
+        total = self.total or 1
+        self.progress.update(self.task, total=total, completed=total)
+
+
+@template_app.command("build")
+@cli_errors
+def template_build(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Template name (letters, digits, '.', '_', '-')."),
+    recipe_file: Optional[str] = typer.Option(None, "--file", "-f", help="TOML recipe with the API body's keys; flags override it."),
+    image: Optional[str] = typer.Option(None, "--image", help="Image (default base)."),
+    run: Optional[List[str]] = typer.Option(None, "--run", "-r", help="Shell command run in order (repeatable; replaces the recipe's)."),
+    code: Optional[str] = typer.Option(None, "--code", help="Python code whose session state the template keeps (e.g. imports)."),
+    code_file: Optional[str] = typer.Option(None, "--code-file", help="Read --code from this file ('-' = stdin)."),
+    shells: Optional[int] = typer.Option(None, "--shells", min=0, help="Sandboxes kept ready to hand out (daemon default 4)."),
+    memory_mb: Optional[int] = typer.Option(None, "--memory-mb", min=1, help="Memory limit (MiB) of the build sandbox."),
+    cpu: Optional[float] = typer.Option(None, "--cpu", help="CPU limit (cores)."),
+    pids: Optional[int] = typer.Option(None, "--pids", min=1, help="Max number of processes."),
+    env: Optional[List[str]] = typer.Option(None, "--env", "-e", help="KEY=VALUE (repeatable)."),
+    cwd: Optional[str] = typer.Option(None, "--cwd", help="Working directory."),
+    metadata: Optional[List[str]] = typer.Option(None, "--metadata", "-m", help="KEY=VALUE (repeatable)."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds each command and the code may take (daemon default 600)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the TemplateInfo JSON."),
+) -> None:
+    """Build a warm template from a recipe, showing progress.
+
+    Sandboxes created with `sandbox create --template NAME` start as copy-on-write forks of it: the recipe's files and its python session's state (imports) are there at once.
+    """
+    c = _ctx(ctx)
+    if code is not None and code_file is not None:
+        raise typer.BadParameter("give --code or --code-file, not both", param_hint="--code-file")
+    if code_file is not None:
+        if code_file == "-":
+            code = sys.stdin.read()
+        else:
+            try:
+                with open(code_file, encoding="utf-8") as f:
+                    code = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise fail("cannot read --code-file %s: %s" % (code_file, e)) from None
+    recipe = load_recipe(recipe_file) if recipe_file else {}
+    recipe = merge_recipe(
+        recipe,
+        {
+            "name": name,
+            "image": image,
+            "run": run,
+            "code": code,
+            "shells": shells,
+            "memory_mb": memory_mb,
+            "cpu": cpu,
+            "pids": pids,
+            "env": parse_env(env),
+            "cwd": cwd,
+            "metadata": parse_env(metadata, "--metadata"),
+            "timeout": timeout,
+        },
+    )
+    name = recipe.pop("name")
+    _core.template_recipe(name, **recipe)  # bad values fail here, before the progress bar shows
+    with Templates(**c.sdk()) as templates, _progress() as progress:
+        view = TemplateProgressView(progress, name)
+        info = templates.build(name, on_progress=view, **recipe)
+        view.finish()
+    if as_json:
+        _print_json(info.raw or {"name": info.name})
+        return
+    out.print(
+        "built template %s (image %s, snapshot %s, %d shell%s, %s)"
+        % (info.name, info.image, info.snapshot, info.shells, "" if info.shells == 1 else "s", _fmt_bytes(info.memory_bytes))
+    )
+
+
+@template_app.command("ls")
+@cli_errors
+def template_ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """List templates."""
+    c = _ctx(ctx)
+    with Templates(**c.sdk()) as templates:
+        infos = templates.list()
+    if as_json:
+        _print_json([i.raw for i in infos])
+        return
+    if not infos:
+        out.print("no templates (build one with `branchbox template build NAME`)")
+        return
+    now = time.time()
+    table = Table(box=None, header_style="bold")
+    for col in ("NAME", "IMAGE", "SHELLS", "ALIVE", "MEMORY", "AGE", "SNAPSHOT", "SANDBOX"):
+        table.add_column(col, no_wrap=True)
+    for i in infos:
+        table.add_row(
+            i.name,
+            i.image or "-",
+            "%d/%d" % (i.ready_shells, i.shells),
+            Text("yes", style="green") if i.alive else Text("no", style="red"),
+            _fmt_bytes(i.memory_bytes),
+            fmt_duration(now - i.created_at) if i.created_at else "-",
+            i.snapshot or "-",
+            i.sandbox_id or "-",
+        )
+    out.print(table)
+
+
+@template_app.command("info")
+@cli_errors
+def template_info(ctx: typer.Context, name: str = typer.Argument(..., help="Template name.")) -> None:
+    """Print a template's TemplateInfo JSON."""
+    c = _ctx(ctx)
+    with Templates(**c.sdk()) as templates:
+        info = templates.get(name)
+    _print_json(info.raw or {"name": info.name})
+
+
+@template_app.command("rm")
+@cli_errors
+def template_rm(ctx: typer.Context, name: str = typer.Argument(..., help="Template name.")) -> None:
+    """Remove a template (sandboxes created from it keep running)."""
+    c = _ctx(ctx)
+    with Templates(**c.sdk()) as templates:
+        templates.remove(name)
+    out.print("removed template %s" % name)
+
+
+# ----------------------------------------------------------------------------- warm pool
+
+
+def pool_counter_lines(s: PoolStats) -> List[str]:
+    """Human-readable counters of a PoolStats (under the `pool ls` table)."""
+    lines = [
+        "hits %d, misses %d, recycled %d, created %d, failures %d" % (s.hits, s.misses, s.recycled, s.created, s.failures),
+        "refill p50 %s, p99 %s; cgroup placement %s (p50 %s)"
+        % (
+            _fmt_num(s.refill_ms_p50, " ms", "%.1f"),
+            _fmt_num(s.refill_ms_p99, " ms", "%.1f"),
+            s.cgroup_placement or "-",
+            _fmt_num(s.cgroup_placement_ms_p50, " ms", "%.1f"),
+        ),
+    ]
+    if s.last_error:
+        lines.append("last error: " + " ".join(s.last_error.split()))
+    return lines
+
+
+def _pool_line(s: PoolStats, image: str) -> str:
+    p = s.images.get(image)
+    if p is None or (p.min == 0 and p.max == 0):
+        return "pool %s: drained (ready %d)" % (image, p.ready if p is not None else 0)
+    return "pool %s: min %d, max %d, ready %d" % (image, p.min, p.max, p.ready)
+
+
+@pool_app.command("ls")
+@cli_errors
+def pool_ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print the PoolStats JSON.")) -> None:
+    """Show the warm pool: per image min/max/ready, then the counters."""
+    c = _ctx(ctx)
+    with Pool(**c.sdk()) as pool:
+        stats = pool.stats()
+    if as_json:
+        _print_json(stats.raw)
+        return
+    if stats.images:
+        table = Table(box=None, header_style="bold")
+        for col in ("IMAGE", "MIN", "MAX", "READY"):
+            table.add_column(col, no_wrap=True, justify="left" if col == "IMAGE" else "right")
+        for name, p in sorted(stats.images.items()):
+            table.add_row(name, str(p.min), str(p.max), str(p.ready))
+        out.print(table)
+    else:
+        out.print("no pools (set one with `branchbox pool set IMAGE --min N`)")
+    for i, line in enumerate(pool_counter_lines(stats)):
+        out.print(Text(line, style="yellow" if line.startswith("last error") else ""))
+
+
+@pool_app.command("set")
+@cli_errors
+def pool_set(
+    ctx: typer.Context,
+    image: str = typer.Argument(..., help="Image name."),
+    min_: int = typer.Option(..., "--min", min=0, help="Ready sandboxes to keep (built in the background)."),
+    max_: Optional[int] = typer.Option(None, "--max", min=0, help="Recycle killed sandboxes while fewer are ready (default: --min)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the PoolStats JSON."),
+) -> None:
+    """Keep --min sandboxes of IMAGE ready; persisted by the daemon."""
+    c = _ctx(ctx)
+    if max_ is not None and min_ > max_:
+        raise typer.BadParameter("--min (%d) must not exceed --max (%d)" % (min_, max_), param_hint="--min")
+    with Pool(**c.sdk()) as pool:
+        stats = pool.set(image, min_, max_)
+    if as_json:
+        _print_json(stats.raw)
+        return
+    out.print(_pool_line(stats, image))
+
+
+@pool_app.command("drain")
+@cli_errors
+def pool_drain(
+    ctx: typer.Context,
+    image: str = typer.Argument(..., help="Image name."),
+    as_json: bool = typer.Option(False, "--json", help="Print the PoolStats JSON."),
+) -> None:
+    """Remove IMAGE's pool (min 0, max 0): its ready sandboxes are torn down."""
+    c = _ctx(ctx)
+    with Pool(**c.sdk()) as pool:
+        stats = pool.drain(image)
+    if as_json:
+        _print_json(stats.raw)
+        return
+    out.print(_pool_line(stats, image))
+
+
 # ----------------------------------------------------------------------------- bench
 
 
@@ -936,6 +1241,10 @@ def bench_cr(
     workload: str = typer.Option(
         "django", "--workload", help="Project the search edits and tests: django (6,900 files) or more-itertools (38)."
     ),
+    warm_children: Optional[int] = typer.Option(
+        None, "--warm-children", min=0, max=32,
+        help="Async-warm experiment: fork children pre-faulted, and as many not (default 4, quick 2; 0 = skip).",
+    ),
 ) -> None:
     """Checkpoint / rollback / fork on a real workload, against copytree and commit baselines.
 
@@ -957,6 +1266,7 @@ def bench_cr(
         daemon_bin=daemon_bin,
         cache_dir=cache_dir,
         workload=workload,
+        warm_children=warm_children,
     )
     with err.status("benchmarking") as status:
         result = cr.run_cr_bench(cfg, progress=lambda m: status.update("bench cr: " + m))
@@ -969,6 +1279,47 @@ def bench_cr(
             table.add_row(*row)
         out.print(table)
         for line in cr_report_lines(summary):
+            out.print(Text(line))
+    sys.stdout.flush()
+    # Plain print: the summary must be exactly one line, the last one on stdout.
+    print(json.dumps(summary, separators=(", ", ": ")))
+
+
+@bench_app.command("start")
+@cli_errors
+def bench_start(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Only print the JSON summary line."),
+    quick: bool = typer.Option(False, "--quick", help="Few samples, 20 sandboxes instead of 200 (CI smoke test)."),
+    image: str = typer.Option("base", "--image", help="Image for the pool, cold and many-sandbox parts."),
+    numpy_image: str = typer.Option("py-numpy", "--numpy-image", help="Image with python3-numpy (built when missing)."),
+    template: str = typer.Option("bench-start-numpy", "--template", help="Template name (built when missing, then removed)."),
+    n: Optional[int] = typer.Option(None, "--n", min=1, help="Sequential pool samples (default 40, quick 10)."),
+    sandboxes: Optional[int] = typer.Option(None, "--sandboxes", min=0, help="Idle sandboxes to start at once (default 200, quick 20; 0 = skip)."),
+) -> None:
+    """Start latency from the warm pool, cold and from a warm numpy template; idle memory; 200 sandboxes.
+
+    The pool settings it changes are restored at the end. The last line of stdout is always
+    the JSON summary.
+    """
+    from . import bench_start as bs
+
+    c = _ctx(ctx)
+    cfg = bs.StartConfig.make(
+        quick, daemon=c.daemon, token=c.token, image=image, numpy_image=numpy_image, template=template,
+        n_pool=n, sandboxes=sandboxes,
+    )
+    with err.status("benchmarking") as status:
+        result = bs.run_start_bench(cfg, progress=lambda m: status.update("bench start: " + m))
+    summary = result.summary()
+    if not as_json:
+        table = Table(title="branchbox bench start (ms)", header_style="bold")
+        for col in ("metric", "samples", "p50", "p99", "min", "max"):
+            table.add_column(col, justify="left" if col == "metric" else "right")
+        for row in result.rows():
+            table.add_row(*row)
+        out.print(table)
+        for line in bs.report_lines(summary):
             out.print(Text(line))
     sys.stdout.flush()
     # Plain print: the summary must be exactly one line, the last one on stdout.

@@ -27,6 +27,10 @@ __all__ = [
     "RollbackResult",
     "ForkResult",
     "GcResult",
+    "PoolImageStats",
+    "PoolStats",
+    "TemplateInfo",
+    "TemplateProgress",
 ]
 
 T = TypeVar("T", bound="_Model")
@@ -317,3 +321,81 @@ class GcResult(_Model):
     deleted: List[str] = field(default_factory=list)
     freed_bytes: int = 0
     raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class PoolImageStats(_Model):
+    """One image's warm pool: ``min`` ready sandboxes are kept by the background refill,
+    killed sandboxes are recycled while fewer than ``max`` are ready; ``ready`` now."""
+
+    min: int = 0
+    max: int = 0
+    ready: int = 0
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class PoolStats(_Model):
+    """``GET /v1/pool``: the warm pool's configuration and counters since the daemon started.
+
+    ``hits`` are creates served from the pool, ``misses`` creates that started cold,
+    ``recycled`` killed sandboxes cleaned and returned to the pool, ``created`` sandboxes built
+    by the background refill, ``failures`` refills that failed (``last_error`` says why;
+    creates then start cold). ``cgroup_placement`` is ``"migrate"`` (cgroup v1) or
+    ``"clone_into_cgroup"`` (v2).
+    """
+
+    images: Dict[str, PoolImageStats] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+    recycled: int = 0
+    created: int = 0
+    failures: int = 0
+    last_error: Optional[str] = None
+    refill_ms_p50: Optional[float] = None
+    refill_ms_p99: Optional[float] = None
+    cgroup_placement: Optional[str] = None
+    cgroup_placement_ms_p50: Optional[float] = None
+    raw: Dict[str, Any] = _raw()
+
+    @classmethod
+    def from_dict(cls, data: Optional[Dict[str, Any]]) -> "PoolStats":
+        obj = super().from_dict(data)
+        images = obj.images if isinstance(obj.images, dict) else {}
+        obj.images = {
+            str(k): v if isinstance(v, PoolImageStats) else PoolImageStats.from_dict(v) for k, v in images.items()
+        }
+        return obj
+
+    def ready(self, image: str) -> int:
+        """Sandboxes of ``image`` ready now (0 for an image without a pool)."""
+        s = self.images.get(image)
+        return s.ready if s is not None else 0
+
+
+@dataclass
+class TemplateInfo(_Model):
+    """A warm template (``branchbox template ls``): sandboxes created with ``template=name``
+    are live forks of ``snapshot``, nested in the template's hidden sandbox ``sandbox_id``.
+
+    ``shells`` sandboxes are kept ready to hand out (``ready_shells`` now); ``alive`` is False
+    when the frozen sessions died (sandboxes then start with fresh sessions);
+    ``memory_bytes`` is the memory charged to the template's sandbox.
+    """
+
+    name: str = ""
+    image: str = ""
+    snapshot: str = ""
+    sandbox_id: str = ""
+    created_at: Optional[float] = None
+    shells: int = 0
+    ready_shells: int = 0
+    alive: bool = False
+    memory_bytes: int = 0
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class TemplateProgress(ImageProgress):
+    """One progress event of a template build (``stage``: create, run, code, snapshot,
+    shells; ``message`` names the recipe command being run)."""

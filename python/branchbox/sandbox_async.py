@@ -23,12 +23,15 @@ from .models import (
     GcResult,
     ImageInfo,
     ImageProgress,
+    PoolStats,
     ProcessInfo,
     RollbackResult,
     SandboxInfo,
     SessionInfo,
     ShellResult,
     SnapshotInfo,
+    TemplateInfo,
+    TemplateProgress,
 )
 
 __all__ = [
@@ -41,6 +44,8 @@ __all__ = [
     "AsyncSession",
     "AsyncImages",
     "AsyncSnapshots",
+    "AsyncTemplates",
+    "AsyncPool",
     "health",
 ]
 
@@ -156,7 +161,7 @@ class AsyncSandbox:
     @classmethod
     async def create(
         cls,
-        image: str = "base",
+        image: Optional[str] = None,
         *,
         cpu: Optional[float] = None,
         memory_mb: Optional[int] = None,
@@ -166,6 +171,7 @@ class AsyncSandbox:
         timeout: Optional[float] = 300,
         network: str = "none",
         metadata: Optional[Mapping[str, str]] = None,
+        template: Union[str, TemplateInfo, None] = None,
         daemon: Optional[str] = None,
         token: Optional[str] = None,
         request_timeout: Optional[float] = 120,
@@ -175,7 +181,7 @@ class AsyncSandbox:
         http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
         try:
             info = await http.call(
-                _core.create_sandbox(image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata)
+                _core.create_sandbox(image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template)
             )
         except BaseException:
             await http.close()
@@ -258,13 +264,14 @@ class AsyncSandbox:
         n: int = 1,
         snapshot: Union[str, SnapshotInfo, None] = None,
         timeout: Optional[float] = None,
+        isolated: bool = False,
     ) -> List["AsyncSandbox"]:
         """Start ``n`` (1..64) new sandboxes from ``snapshot`` (see :meth:`branchbox.Sandbox.fork`).
 
         Each child has its own connection with this sandbox's settings: close (or kill)
         them when done.
         """
-        result = await self._http.call(_core.fork(self.id, n, snapshot, timeout))
+        result = await self._http.call(_core.fork(self.id, n, snapshot, timeout, isolated))
         return [AsyncSandbox(info.id, _http=_AsyncHTTP(self._http.config), info=info) for info in result.sandboxes]
 
     async def snapshots(self) -> List[SnapshotInfo]:
@@ -646,6 +653,105 @@ class AsyncSnapshots:
         await self._http.close()
 
     async def __aenter__(self) -> "AsyncSnapshots":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+
+# ----------------------------------------------------------------------------- templates
+
+
+class AsyncTemplates:
+    """Warm templates (the async mirror of :class:`branchbox.Templates`)."""
+
+    def __init__(
+        self,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.AsyncBaseTransport] = None,
+    ) -> None:
+        self._http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+
+    async def build(
+        self,
+        name: str,
+        *,
+        image: Optional[str] = None,
+        run: Union[str, Sequence[str], None] = None,
+        code: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        cpu: Optional[float] = None,
+        memory_mb: Optional[int] = None,
+        pids: Optional[int] = None,
+        metadata: Optional[Mapping[str, str]] = None,
+        timeout: Optional[float] = None,
+        shells: Optional[int] = None,
+        on_progress: Optional[Callable[[TemplateProgress], Any]] = None,
+    ) -> TemplateInfo:
+        """Build (or replace) template ``name`` (see :meth:`branchbox.Templates.build`)."""
+        recipe = _core.template_recipe(
+            name, image, run, code, env, cwd, cpu, memory_mb, pids, metadata, timeout, shells
+        )
+        stream = _core.TemplateStream()
+        async with self._http.events(_core.build_template(recipe)) as events:
+            async for event in events:
+                progress = stream.handle(event)
+                if progress is not None and on_progress is not None:
+                    await _maybe_await(on_progress(progress))
+        return stream.finish()
+
+    async def list(self) -> List[TemplateInfo]:
+        return await self._http.call(_core.list_templates())
+
+    async def get(self, name: Union[str, TemplateInfo]) -> TemplateInfo:
+        return await self._http.call(_core.get_template(name))
+
+    async def remove(self, name: Union[str, TemplateInfo]) -> bool:
+        return await self._http.call(_core.remove_template(name))
+
+    async def close(self) -> None:
+        await self._http.close()
+
+    async def __aenter__(self) -> "AsyncTemplates":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+
+# ----------------------------------------------------------------------------- warm pool
+
+
+class AsyncPool:
+    """The daemon's warm pool (the async mirror of :class:`branchbox.Pool`)."""
+
+    def __init__(
+        self,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.AsyncBaseTransport] = None,
+    ) -> None:
+        self._http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+
+    async def stats(self) -> PoolStats:
+        return await self._http.call(_core.pool_stats())
+
+    async def set(self, image: str, min: int, max: Optional[int] = None) -> PoolStats:  # noqa: A002
+        return await self._http.call(_core.set_pool(image, min, max))
+
+    async def drain(self, image: str) -> PoolStats:
+        return await self.set(image, 0, 0)
+
+    async def close(self) -> None:
+        await self._http.close()
+
+    async def __aenter__(self) -> "AsyncPool":
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:

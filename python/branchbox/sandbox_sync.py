@@ -22,12 +22,15 @@ from .models import (
     GcResult,
     ImageInfo,
     ImageProgress,
+    PoolStats,
     ProcessInfo,
     RollbackResult,
     SandboxInfo,
     SessionInfo,
     ShellResult,
     SnapshotInfo,
+    TemplateInfo,
+    TemplateProgress,
 )
 
 __all__ = [
@@ -40,6 +43,8 @@ __all__ = [
     "Session",
     "Images",
     "Snapshots",
+    "Templates",
+    "Pool",
     "health",
 ]
 
@@ -149,7 +154,7 @@ class Sandbox:
     @classmethod
     def create(
         cls,
-        image: str = "base",
+        image: Optional[str] = None,
         *,
         cpu: Optional[float] = None,
         memory_mb: Optional[int] = None,
@@ -159,12 +164,19 @@ class Sandbox:
         timeout: Optional[float] = 300,
         network: str = "none",
         metadata: Optional[Mapping[str, str]] = None,
+        template: Union[str, TemplateInfo, None] = None,
         daemon: Optional[str] = None,
         token: Optional[str] = None,
         request_timeout: Optional[float] = 120,
         transport: Optional[httpx.BaseTransport] = None,
     ) -> "Sandbox":
         """Start a sandbox. ``timeout`` is its time to live in seconds (0 = none).
+
+        ``image`` defaults to ``"base"``. With ``template=name`` (see :class:`Templates`) the
+        sandbox is a live fork of the template: its files and its python session's state
+        (e.g. imported modules) are there from the start; limits, ``env``, ``cwd``,
+        ``metadata`` and ``timeout`` still apply, and ``image`` may only repeat the
+        template's. A warm pool (:class:`Pool`) makes plain creates claim a ready sandbox.
 
         ``daemon``/``token`` default to ``$BRANCHBOX_URL``/``$BRANCHBOX_TOKEN``;
         ``request_timeout`` bounds each HTTP request; ``transport`` replaces the
@@ -173,7 +185,7 @@ class Sandbox:
         http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
         try:
             info = http.call(
-                _core.create_sandbox(image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata)
+                _core.create_sandbox(image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template)
             )
         except BaseException:
             http.close()
@@ -256,14 +268,19 @@ class Sandbox:
         n: int = 1,
         snapshot: Union[str, SnapshotInfo, None] = None,
         timeout: Optional[float] = None,
+        isolated: bool = False,
     ) -> List["Sandbox"]:
         """Start ``n`` (1..64) new sandboxes from ``snapshot`` (default: a checkpoint taken
         now). ``timeout`` is the children's time to live in seconds (0 = none).
 
+        By default children get live copies of the sessions and are nested in this sandbox's
+        namespaces (``info().nested_in``); ``isolated=True`` makes independent children with
+        their own top-level namespaces and fresh sessions.
+
         Each child has its own connection with this sandbox's settings: close (or kill)
         them when done, e.g. ``with child: ...``.
         """
-        result = self._http.call(_core.fork(self.id, n, snapshot, timeout))
+        result = self._http.call(_core.fork(self.id, n, snapshot, timeout, isolated))
         return [Sandbox(info.id, _http=_HTTP(self._http.config), info=info) for info in result.sandboxes]
 
     def snapshots(self) -> List[SnapshotInfo]:
@@ -642,6 +659,122 @@ class Snapshots:
         self._http.close()
 
     def __enter__(self) -> "Snapshots":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- templates
+
+
+class Templates:
+    """Warm templates: a recipe (image, shell commands, python code) run once and frozen with
+    its live python session; ``Sandbox.create(template=name)`` then starts a copy-on-write
+    fork of it, imports included.
+
+    ``on_progress`` receives a :class:`TemplateProgress` per progress event.
+    """
+
+    def __init__(
+        self,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.BaseTransport] = None,
+    ) -> None:
+        self._http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+
+    def build(
+        self,
+        name: str,
+        *,
+        image: Optional[str] = None,
+        run: Union[str, Sequence[str], None] = None,
+        code: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        cpu: Optional[float] = None,
+        memory_mb: Optional[int] = None,
+        pids: Optional[int] = None,
+        metadata: Optional[Mapping[str, str]] = None,
+        timeout: Optional[float] = None,
+        shells: Optional[int] = None,
+        on_progress: Optional[Callable[[TemplateProgress], Any]] = None,
+    ) -> TemplateInfo:
+        """Build (or replace) template ``name``: start a sandbox of ``image`` (default
+        ``base``), run each ``run`` command (``/bin/sh -c``; a non-zero exit fails the build),
+        run ``code`` in its python session, and freeze it. ``timeout`` bounds each step
+        (seconds, daemon default 600); ``shells`` sandboxes are kept ready to hand out
+        (daemon default 4). Returns when the template is usable."""
+        recipe = _core.template_recipe(
+            name, image, run, code, env, cwd, cpu, memory_mb, pids, metadata, timeout, shells
+        )
+        stream = _core.TemplateStream()
+        with self._http.events(_core.build_template(recipe)) as events:
+            for event in events:
+                progress = stream.handle(event)
+                if progress is not None and on_progress is not None:
+                    on_progress(progress)
+        return stream.finish()
+
+    def list(self) -> List[TemplateInfo]:
+        return self._http.call(_core.list_templates())
+
+    def get(self, name: Union[str, TemplateInfo]) -> TemplateInfo:
+        """The template (:class:`NotFoundError` if unknown)."""
+        return self._http.call(_core.get_template(name))
+
+    def remove(self, name: Union[str, TemplateInfo]) -> bool:
+        """Remove a template (sandboxes created from it keep running)."""
+        return self._http.call(_core.remove_template(name))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Templates":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- warm pool
+
+
+class Pool:
+    """The daemon's warm pool: sandboxes started ahead of time per image, claimed by
+    ``Sandbox.create`` in milliseconds; killed sandboxes are cleaned and recycled into it."""
+
+    def __init__(
+        self,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.BaseTransport] = None,
+    ) -> None:
+        self._http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+
+    def stats(self) -> PoolStats:
+        """Configuration, ready counts and counters (hits, misses, recycled, ...)."""
+        return self._http.call(_core.pool_stats())
+
+    def set(self, image: str, min: int, max: Optional[int] = None) -> PoolStats:  # noqa: A002
+        """Keep ``min`` sandboxes of ``image`` ready (built in the background) and recycle
+        killed ones while fewer than ``max`` (default ``min``) are ready. Persisted by the
+        daemon. ``set(image, 0, 0)`` (or :meth:`drain`) removes the pool."""
+        return self._http.call(_core.set_pool(image, min, max))
+
+    def drain(self, image: str) -> PoolStats:
+        """Remove ``image``'s pool (``min = max = 0``); its ready sandboxes are torn down."""
+        return self.set(image, 0, 0)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Pool":
         return self
 
     def __exit__(self, *exc_info: Any) -> None:

@@ -8,6 +8,8 @@ import ast
 import itertools
 import json
 import os
+import re
+import subprocess
 import sys
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -417,7 +419,7 @@ def test_mountinfo_helpers() -> None:
 
 def test_private_kib_and_cgroup_lookup(tmp_path) -> None:
     rollup = "Rss:  1000 kB\nPss:  500 kB\nPrivate_Clean:  12 kB\nPrivate_Dirty:  30 kB\nShared_Clean: 900 kB\n"
-    assert cr.private_kib(rollup) == 42
+    assert cr.private_kib(rollup) == 42 and cr.pss_kib(rollup) == 500 and cr.pss_kib("Rss: 1 kB\n") == 0
     (tmp_path / "pids" / "bb" / "sb-1").mkdir(parents=True)  # v1: one dir per controller
     (tmp_path / "pids" / "bb" / "sb-1" / "cgroup.procs").write_text("1\n2\n")
     (tmp_path / "memory" / "bb" / "sb-1").mkdir(parents=True)
@@ -427,6 +429,13 @@ def test_private_kib_and_cgroup_lookup(tmp_path) -> None:
     assert len(cr.cgroup_procs_files("sb-1", str(tmp_path))) == 2
     assert cr.cgroup_procs_files("sb-2", str(tmp_path)) == [str(tmp_path / "bb2" / "sb-2" / "cgroup.procs")]
     assert cr.sandbox_private_mb("sb-9", str(tmp_path)) is None
+    assert cr.sandbox_memory_mb("sb-9", str(tmp_path)) is None
+    me = os.getpid()
+    (tmp_path / "bb2" / "sb-3").mkdir(parents=True)
+    (tmp_path / "bb2" / "sb-3" / "cgroup.procs").write_text("%d\n" % me)
+    mem = cr.sandbox_memory_mb("sb-3", str(tmp_path))
+    assert mem is not None and mem[0] > 0 and mem[1] > 0  # this process, read like a sandbox's
+    assert cr.sandbox_private_mb("sb-3", str(tmp_path)) == pytest.approx(mem[0], rel=0.5)
 
 
 def test_daemon_args_and_image_config() -> None:
@@ -453,8 +462,43 @@ def _fake_result() -> cr.CrResult:
     )
     res.copytree = cr.Phase("copytree", ckpt_ms=[120.0, 120.0], rollback_ms=[400.0])
     res.commit = cr.Phase("commit", ckpt_ms=[60.0], rollback_ms=[800.0])
-    res.fork = {"n16_ms": 40.0, "n64_ms": 150.0, "child_private_mb": 1.5, "n16_samples_ms": [40.0]}
-    res.write_amp = {"xfs_bytes_per_edit": 8192, "default_fs_bytes_per_edit": 67108864, "xfs_reflink_supported": True}
+    res.fork = {
+        "n16_ms": 40.0,
+        "n64_ms": 150.0,
+        "child_private_mb": 1.5,
+        "child_pss_mb": 4.5,
+        "n16_samples_ms": [40.0],
+        "n16_server_ms": 30.0,
+        "n64_server_ms": 120.0,
+        "n16_isolated_ms": 300.0,
+        "n16_isolated_server_ms": 280.0,
+        "n16_files_only_ms": 80.0,
+        "children_sessions_restarted": False,
+        "children_verified": 9,
+    }
+    res.warm = {k: 1.0 for k in cr.WARM_KEYS}
+    res.warm.update(
+        cold_first_touch_ms=16.0,
+        warm_first_touch_ms=1.5,
+        cold_first_touch_samples_ms=[16.0, 17.0],
+        warm_first_touch_samples_ms=[1.5, 1.4],
+        warm_children=2,
+        warm_touch_fraction=0.25,
+    )
+    res.write_amp = {
+        "xfs_bytes_per_edit": 8192,
+        "default_fs_bytes_per_edit": 67108864,
+        "xfs_reflink_supported": True,
+        "xfs_fs_type": "xfs",
+        "xfs_bytes_per_edit_samples": [8192],
+        "xfs_layer_bytes_per_edit": 67108864,
+        "default_fs_type": "ext4",
+        "default_fs_reflink_supported": False,
+        "default_fs_bytes_per_edit_samples": [67108864],
+        "default_fs_layer_bytes_per_edit": 67108864,
+    }
+    res.branchbox.search_fork_ms = [900.0]
+    res.notes = ["a note"]
     return res
 
 
@@ -474,7 +518,22 @@ def test_summary_shape_and_ratios() -> None:
         "ckpt_speedup_ge_30x": True,
         "rollback_speedup_ge_30x": True,
     }
+    assert s["child_pss_mb"] == 4.5 and s["fork_n16_isolated_ms"] == 300.0 and s["fork_n16_files_only_ms"] == 80.0
+    assert s["fork_children_sessions_restarted"] is False and s["fork_children_verified"] == 9
+    assert s["cold_first_touch_ms"] == 16.0 and s["warm_first_touch_ms"] == 1.5
     json.dumps(s)
+    labels = [row[0] for row in _fake_result().rows()]
+    assert "fork n=16 isolated (fresh sessions)" in labels and "fork child: first heap writes (cold)" in labels
+
+
+def test_restarted_fork_sessions_fail_the_fork_target() -> None:
+    res = _fake_result()
+    res.fork["children_sessions_restarted"] = True
+    s = res.summary()
+    assert s["fork_n16_ms"] == 40.0 and s["fork_children_sessions_restarted"] is True
+    assert s["targets_met"]["fork_n16_le_50ms"] is False
+    res.fork["n16_ms"] = None
+    assert res.summary()["targets_met"]["fork_n16_le_50ms"] is False
 
 
 def test_summary_with_missing_measurements() -> None:
@@ -482,6 +541,9 @@ def test_summary_with_missing_measurements() -> None:
     s = res.summary()
     assert all(s[k] is None for k in cr.SUMMARY_KEYS)
     assert set(s["targets_met"].values()) == {None}
+    # Fork and async-warm details are always there too (null when not measured).
+    assert all(s[k] is None for k in cr.WARM_KEYS) and s["child_pss_mb"] is None
+    assert all(s["fork_" + k] is None for k in cr.FORK_DETAIL_KEYS if k != "child_pss_mb")
     assert cr.ratio(10.0, 0.0) is None and cr.ratio(None, 1.0) is None
 
 
@@ -498,6 +560,8 @@ def test_quick_config() -> None:
     dj = cr.WORKLOADS["django"]
     assert full.test_targets == dj.test_targets and q.test_targets == dj.quick_test_targets
     assert cr.CrConfig.make(True, workload="more-itertools").test_targets == cr.WORKLOADS["more-itertools"].quick_test_targets
+    assert q.warm_children == 2 and full.warm_children == 4 and q.fork_n16_reps == 1 and full.fork_n16_reps == 3
+    assert cr.CrConfig.make(True, warm_children=0).warm_children == 0
 
 
 def test_cli_prints_the_json_last(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -522,7 +586,10 @@ def test_cli_prints_the_json_last(monkeypatch: pytest.MonkeyPatch) -> None:
 
     r = runner.invoke(cli.app, ["bench", "cr", "--json", "--workload", "more-itertools"])
     assert r.exit_code == 0 and len(r.stdout.strip().splitlines()) == 1
-    assert seen["cfg"].workload == "more-itertools" and not seen["cfg"].quick
+    assert seen["cfg"].workload == "more-itertools" and not seen["cfg"].quick and seen["cfg"].warm_children == 4
+
+    r = runner.invoke(cli.app, ["bench", "cr", "--json", "--quick", "--warm-children", "0"])
+    assert r.exit_code == 0 and seen["cfg"].warm_children == 0
 
     r = runner.invoke(cli.app, ["bench", "cr", "--workload", "sympy"])
     assert r.exit_code == 2 and "more-itertools" in r.stderr
@@ -535,3 +602,249 @@ def test_cli_reports_bench_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cr, "run_cr_bench", broken)
     r = _runner().invoke(cli.app, ["bench", "cr", "--quick"])
     assert r.exit_code == 1 and "differs from node 3" in r.stderr
+
+
+# ----------------------------------------------------------------------------- fork and async warm
+
+
+def test_fork_call_body() -> None:
+    live = cr.fork_call("sb-1", 16, "sn-2", 120.0)
+    assert live.method == "POST" and live.path == "/v1/sandboxes/sb-1/fork"
+    assert live.json == {"count": 16, "snapshot": "sn-2", "timeout": 120.0}
+    iso = cr.fork_call("sb-1", 16, "sn-2", 120.0, isolated=True)
+    assert iso.json == {"count": 16, "snapshot": "sn-2", "timeout": 120.0, "isolated": True}
+
+
+class FakeKid:
+    """A forked child whose default session is a namespace (a copy of the parent's, or a fresh
+    one); it records the code it ran. The pre-fault is simulated (it would madvise this test
+    process)."""
+
+    pf_result: Dict[str, Any] = {"ms": 30.0, "cpu_ms": 25.0, "bytes": 60 << 20, "failed_bytes": 0, "errno": 0}
+
+    def __init__(self, i: int, ns: Optional[Dict[str, Any]]) -> None:
+        self.id = "sb-kid%d" % i
+        self.ns: Dict[str, Any] = {} if ns is None else dict(ns, heap=list(ns["heap"]), state=dict(ns["state"]))
+        self.ran: List[str] = []
+        self.killed = False
+
+    def run_code(self, code: str, timeout: Any = None) -> Execution:
+        self.ran.append(code)
+        if code == cr.PREFAULT_CODE:
+            self.ns["_bench_pf"] = dict(self.pf_result)
+            self.ns["_bench_time"] = __import__("time")
+            return Execution(result=str(60 << 20))
+        try:
+            return Execution(result=_run_python(self.ns, code))
+        except Exception as e:  # noqa: BLE001 - like the session server
+            return Execution(error=SimpleNamespace(name=type(e).__name__, value=str(e)))
+
+    def kill(self) -> None:
+        self.killed = True
+
+    def close(self) -> None:
+        pass
+
+
+def _parent_ns(step: int = 3) -> Tuple[Dict[str, Any], cr.NodeState]:
+    ns: Dict[str, Any] = {}
+    _run_python(ns, cr.session_setup_code(CHUNKS, cr.WORKLOADS["more-itertools"]))
+    st = cr.NodeState()
+    for s in range(1, step + 1):
+        idx = cr.heap_index(s, CHUNKS)
+        _run_python(ns, cr.session_step_code(s, idx, cr.WORKLOADS["more-itertools"]))
+        st = cr.NodeState(step=s, path=st.path + (s,), heap_writes=st.heap_writes + ((idx, s),))
+    return ns, st
+
+
+@pytest.fixture
+def fake_fork(monkeypatch: pytest.MonkeyPatch, fake_projects: None) -> Dict[str, Any]:
+    """``fork_and_run`` and the host's memory readings replaced: children are :class:`FakeKid`s
+    with copies of a parent namespace (``fresh``: empty sessions; ``restarted``: what the API
+    says)."""
+    ns, st = _parent_ns()
+    ctl: Dict[str, Any] = {"ns": ns, "state": st, "forks": [], "kids": [], "fresh": False, "restarted": False}
+
+    def fork_and_run(sbx: Any, snapshot: Any, n: int, cmd: str, pool: Any, **kw: Any) -> Any:
+        ctl["forks"].append((snapshot, n, kw.get("isolated", False)))
+        fresh = ctl["fresh"] or kw.get("isolated", False)
+        kids = [FakeKid(len(ctl["kids"]) + i, None if fresh else ctl["ns"]) for i in range(n)]
+        ctl["kids"].extend(kids)
+        timing = {
+            "wall_ms": 10.0 * n,
+            "fork_ms": 5.0 * n,
+            "server_ms": 4.0 * n,
+            "sessions_restarted": ctl["restarted"] or kw.get("isolated", False),
+        }
+        return kids, [], timing
+
+    def memory(sid: str, root: str = "") -> Tuple[float, float]:
+        kid = next(k for k in ctl["kids"] if k.id == sid)
+        prefaulted = cr.PREFAULT_CODE in kid.ran
+        touched = any("_bench_t0" in c for c in kid.ran)
+        private = 60.0 if prefaulted else (25.0 if touched else 1.5)
+        return private, private + 3.0
+
+    monkeypatch.setattr(cr, "fork_and_run", fork_and_run)
+    monkeypatch.setattr(cr, "sandbox_memory_mb", memory)
+    ctl["sleeps"] = []
+    monkeypatch.setattr(cr.time, "sleep", ctl["sleeps"].append)
+    return ctl
+
+
+def _bb() -> Any:
+    return SimpleNamespace(sandbox=SimpleNamespace(id="sb-parent"), sids={7: "sn-7"}, files_only_sid="sn-0")
+
+
+def _check_of(st: cr.NodeState) -> Tuple[str, Tuple[int, ...]]:
+    return "_bench_check(%r)" % (cr.verify_indices(st, CHUNKS),), cr.expected_check(st, CHUNKS)
+
+
+def test_measure_forks_checks_the_children_sessions(fake_fork: Dict[str, Any]) -> None:
+    cfg = cr.CrConfig(fork_n16_reps=3)
+    notes: List[str] = []
+    with ThreadPoolExecutor(4) as pool:
+        out = cr.measure_forks(_bb(), 7, _check_of(fake_fork["state"]), cfg, pool, lambda _m: None, notes)
+    # Three live fork(16), one live fork(64), then isolated and files-only fork(16).
+    assert fake_fork["forks"] == [("sn-7", 16, False)] * 3 + [("sn-7", 64, False), ("sn-7", 16, True), ("sn-0", 16, False)]
+    assert out["n16_ms"] == 160.0 and out["n16_samples_ms"] == [160.0] * 3 and out["n64_ms"] == 640.0
+    assert out["n16_isolated_ms"] == 160.0 and out["n16_files_only_ms"] == 160.0
+    assert out["child_private_mb"] == 1.5 and out["child_pss_mb"] == 4.5
+    assert out["children_sessions_restarted"] is False and out["children_verified"] == 4 * 3 and not notes
+    # 0.3 s idle before the memory reading; a pause before every fork but the first.
+    assert fake_fork["sleeps"] == [0.3] + [cfg.fork_pause_s] * 5
+    kids = fake_fork["kids"]
+    checked = [i for i, k in enumerate(kids[:16]) if any(c.startswith("_bench_check") for c in k.ran)]
+    assert checked == [0, 8, 15]  # the first, the middle and the last child
+    assert all(k.killed for k in kids)
+
+
+def test_measure_forks_fails_on_a_silent_restart(fake_fork: Dict[str, Any]) -> None:
+    fake_fork["fresh"] = True  # fresh sessions, but the API says sessions_restarted: false
+    with ThreadPoolExecutor(4) as pool, pytest.raises(cr.BenchError, match="no copy of the parent's session"):
+        cr.measure_forks(_bb(), 7, _check_of(fake_fork["state"]), cr.CrConfig(), pool, lambda _m: None, [])
+    assert all(k.killed for k in fake_fork["kids"])
+
+
+def test_measure_forks_fails_on_another_state(fake_fork: Dict[str, Any]) -> None:
+    _, older = _parent_ns(step=2)  # the parent is at step 3
+    with ThreadPoolExecutor(4) as pool, pytest.raises(cr.BenchError, match="has session state"):
+        cr.measure_forks(_bb(), 7, _check_of(older), cr.CrConfig(), pool, lambda _m: None, [])
+
+
+def test_measure_forks_reports_an_announced_restart(fake_fork: Dict[str, Any]) -> None:
+    fake_fork["fresh"] = fake_fork["restarted"] = True
+    notes: List[str] = []
+    with ThreadPoolExecutor(4) as pool:
+        out = cr.measure_forks(_bb(), 7, _check_of(fake_fork["state"]), cr.CrConfig(), pool, lambda _m: None, notes)
+    assert out["children_sessions_restarted"] is True and out["children_verified"] == 0
+    assert notes and "sessions_restarted: true" in notes[0]
+    res = _fake_result()
+    res.fork = out
+    assert res.summary()["targets_met"]["fork_n16_le_50ms"] is False
+
+
+def test_measure_warm_with_fake_children(fake_fork: Dict[str, Any]) -> None:
+    cfg = cr.CrConfig(warm_children=3, warm_touch_stride=4)
+    notes: List[str] = []
+    with ThreadPoolExecutor(4) as pool:
+        out = cr.measure_warm(_bb(), 7, cfg, pool, lambda _m: None, notes)
+    assert set(out) == set(cr.WARM_KEYS) and not notes
+    assert fake_fork["forks"] == [("sn-7", 6, False)]
+    kids = fake_fork["kids"]
+    warm, cold = kids[0::2], kids[1::2]
+    assert all(cr.PREFAULT_CODE in k.ran for k in warm) and not any(cr.PREFAULT_CODE in k.ran for k in cold)
+    assert all(k.ran[0] == cr.COLD_START_CODE for k in cold)
+    # Each child wrote once; the cold ones a second time.
+    assert [sum("_bench_t0" in c for c in k.ran) for k in kids] == [1, 2] * 3
+    heap = cold[0].ns["heap"]
+    assert [i for i, b in enumerate(heap) if b.startswith(b"X")] == list(range(0, CHUNKS, 4))
+    assert all(len(b) == cr.HEAP_CHUNK for b in heap)
+    assert len(out["cold_first_touch_samples_ms"]) == len(out["warm_first_touch_samples_ms"]) == 3
+    assert out["warm_prefault_ms"] == 30.0 and out["warm_prefault_cpu_ms"] == 25.0 and out["warm_prefault_mb"] == 60.0
+    assert out["warm_child_private_mb"] == 60.0 and out["cold_child_private_mb"] == 1.5
+    assert out["cold_touched_child_private_mb"] == 25.0 and out["warm_touched_child_private_mb"] == 60.0
+    assert out["warm_children"] == 3 and out["warm_touch_fraction"] == 0.25 and out["warm_wait_ms"] >= 0
+    assert all(k.killed for k in kids)
+    assert cr.measure_warm(_bb(), 7, cr.CrConfig(warm_children=0), None, lambda _m: None, []) == {}  # type: ignore[arg-type]
+
+
+def test_measure_warm_reports_a_failed_prefault(fake_fork: Dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(FakeKid, "pf_result", {"ms": 2.0, "cpu_ms": 1.0, "bytes": 0, "failed_bytes": 8 << 20, "errno": 22})
+    notes: List[str] = []
+    with ThreadPoolExecutor(4) as pool:
+        out = cr.measure_warm(_bb(), 7, cr.CrConfig(warm_children=2), pool, lambda _m: None, notes)
+    assert out["warm_prefault_mb"] == 0.0 and "8192 KiB (errno 22) in 2 of 2" in notes[0]
+    monkeypatch.setattr(FakeKid, "pf_result", {"ms": None, "error": "OSError('x')"})
+    notes = []
+    with ThreadPoolExecutor(4) as pool:
+        out = cr.measure_warm(_bb(), 7, cr.CrConfig(warm_children=1), pool, lambda _m: None, notes)
+    assert out["warm_prefault_ms"] is None and "thread failed in 1 of 1 children: OSError('x')" in notes[0]
+
+
+def test_measure_warm_skips_fresh_sessions(fake_fork: Dict[str, Any]) -> None:
+    fake_fork["fresh"] = fake_fork["restarted"] = True
+    notes: List[str] = []
+    with ThreadPoolExecutor(4) as pool:
+        assert cr.measure_warm(_bb(), 7, cr.CrConfig(warm_children=1), pool, lambda _m: None, notes) == {}
+    assert "fresh sessions" in notes[0] and all(k.killed for k in fake_fork["kids"])
+
+
+def test_prefault_and_touch_code_run_in_a_real_python(tmp_path) -> None:
+    """The session code of the experiment, in a python of its own (the pre-fault really
+    madvises that process: on kernels before 5.14 it reports the failure instead)."""
+    prog = (
+        "heap = [(b'%%08d' %% _i) * 512 for _i in range(2048)]\n"
+        "%s\n"
+        "import time\n"
+        "deadline = time.time() + 30\n"
+        "while 'ms' not in _bench_pf and time.time() < deadline:\n"
+        "    time.sleep(0.01)\n"
+        "%s\n"
+        "t = (_bench_time.perf_counter() - _bench_t0) * 1000.0\n"
+        "print(repr((_bench_pf, t, sum(b.startswith(b'W') for b in heap), {len(b) for b in heap})))\n"
+    ) % (cr.PREFAULT_CODE, cr.touch_code(4))
+    proc = subprocess.run([sys.executable, "-c", prog], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    pf, t, written, sizes = ast.literal_eval(proc.stdout.strip())
+    assert set(pf) == {"ms", "cpu_ms", "bytes", "failed_bytes", "errno"} and pf["ms"] >= 0 and t >= 0
+    assert pf["bytes"] > 4 << 20 or pf["failed_bytes"] > 0  # the heap (8 MiB here) was covered
+    assert written == 512 and sizes == {cr.HEAP_CHUNK}
+
+
+# ----------------------------------------------------------------------------- docs and CI smoke
+
+DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "docs", "BENCHMARKS.md")
+
+
+def test_every_summary_key_is_documented() -> None:
+    if not os.path.isfile(DOCS):
+        pytest.skip("docs/BENCHMARKS.md is not next to the package")
+    with open(DOCS) as f:
+        text = f.read()
+    start = text.index("## `bench cr`")
+    section = text[start : text.find("\n## ", start + 1) if "\n## " in text[start + 1 :] else len(text)]
+    documented = set(re.findall(r"`([a-z0-9_]+)`", section))
+    res = _fake_result()
+    keys = set(res.summary())
+    keys |= set(res.summary()["targets_met"])
+    missing = sorted(k for k in keys if k not in documented)
+    assert not missing, "keys of the bench cr JSON missing from docs/BENCHMARKS.md: %s" % missing
+
+
+@pytest.mark.skipif(not os.environ.get("BRANCHBOX_BENCH_CR_DAEMON"), reason="set BRANCHBOX_BENCH_CR_DAEMON=unix:///... to run")
+def test_quick_bench_against_a_live_daemon() -> None:
+    """CI smoke test (opt-in): ``bench cr --quick --workload more-itertools --no-xfs``."""
+    import time
+
+    t0 = time.monotonic()
+    r = _runner().invoke(
+        cli.app,
+        ["--daemon", os.environ["BRANCHBOX_BENCH_CR_DAEMON"], "bench", "cr", "--json", "--quick", "--workload",
+         "more-itertools", "--no-xfs"],
+    )
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout.strip().splitlines()[-1])
+    assert tuple(s)[: len(cr.SUMMARY_KEYS)] == cr.SUMMARY_KEYS and s["quick"] is True
+    assert s["fork_n16_ms"] is not None and s["fork_children_verified"] >= 2
+    assert time.monotonic() - t0 < 60
