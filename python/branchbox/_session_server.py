@@ -44,19 +44,20 @@ recvmsg() on its own channel and the daemon forks it with role "restore" only (i
 would serve ping/run like any session, but code run in it changes what later restores
 get).
 
-* role "template", child: setsid() (killing the live session's process group never
-  kills the template), then it records its cwd and every open fd except 0-3 that is a
-  regular file of the root filesystem (same st_dev as "/", path not deleted): path, open
-  flags (/proc/self/fdinfo), offset, close-on-exec; then prctl(PR_SET_DUMPABLE, 0) so
-  sandbox code without CAP_SYS_PTRACE cannot read or alter its memory.  A template
-  forked with role "template" gives a copy of itself (same record).
-* role "template", parent: answers at once; the daemon swaps the root filesystem only
-  after the template's own answer (its record is taken by then).  The parent's cwd, now a directory of the old mount, is
-  re-resolved by path - chdir() to the cwd recorded before the fork, "/" if that fails -
+* role "template", parent: before forking it records its cwd and every open fd except
+  0-3 (and the new channel) that is a regular file of the root filesystem (same st_dev
+  as "/", path not deleted): path, open flags (/proc/self/fdinfo), offset,
+  close-on-exec.  It answers right after the fork: the daemon may swap the root
+  filesystem before the child ran at all.  The parent's cwd, then a directory of the old
+  mount, is re-resolved by path - chdir() to the recorded cwd, "/" if that fails -
   before the next request that is not a fork.  (The shell kind also passes its own cwd
   string to every bash it starts.)
+* role "template", child: keeps that record, setsid() (killing the live session's
+  process group never kills the template), prctl(PR_SET_DUMPABLE, 0) so sandbox code
+  without CAP_SYS_PTRACE cannot read or alter its memory, then answers.  A template
+  forked with role "template" gives a copy of itself (same record).
 * role "restore", child: setsid(), prctl(PR_SET_DUMPABLE, 1), and answers at once (the
-  daemon forks before it swaps the root filesystem).  Before its next request it does the
+  daemon may swap the root filesystem before or after that).  Before its next request it does the
   rest: chdir() to the recorded cwd by path ("/" if that fails); every recorded fd is
   reopened by path with its flags
   (minus O_CREAT/O_TRUNC/O_EXCL/O_NOCTTY), seeked to its offset and dup2()ed over its
@@ -852,17 +853,17 @@ class Server(object):
                 f.flush()
             except Exception:
                 pass
-        cwd = None
+        cwd = record = None
         if role == "template" and not self.template:
-            # Recorded before the fork: the root filesystem is swapped right after it.
+            # Recorded before the fork: the daemon swaps the root filesystem as soon as this
+            # process answered, maybe before the child ran at all.
             cwd = self.rebase_cwd
             if cwd is None:
                 try:
                     cwd = os.getcwd()
                 except OSError:
                     cwd = "/"
-        # The daemon swaps the root filesystem only once the template answered on its own
-        # channel (record taken, setsid, non-dumpable): the parent answers right away.
+            record = _record_fds(frozenset((0, 1, 2, CHANNEL_FD, new_fd)))
         # gc.freeze(): a collection would write every tracked object's header and so copy
         # the whole heap page by page in whichever process runs it.
         gc.freeze()
@@ -881,7 +882,7 @@ class Server(object):
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 self.reaping = False
             if role == "template":
-                return self._become_template(cwd)
+                return self._become_template(cwd, record)
             if role == "restore":
                 return self._become_restored()
             return {"ok": True, "pid": os.getpid()}
@@ -928,12 +929,12 @@ class Server(object):
         self.strict_restore = strict
         return resp
 
-    def _become_template(self, cwd):
+    def _become_template(self, cwd, record):
         """Fork child of role "template": freeze as the snapshot's template."""
         _setsid()
         if not self.template:  # a template of a template copies its record
             self.saved_cwd = cwd
-            self.saved_fds = _record_fds(frozenset((0, 1, 2, CHANNEL_FD)))
+            self.saved_fds = record or []
             self.template = True
         self.rebase_cwd = None
         _set_dumpable(0)

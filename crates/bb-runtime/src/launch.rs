@@ -401,10 +401,12 @@ fn read_status(fd: OwnedFd, timeout: Duration) -> Result<String> {
 /// Tear down every host-side trace of a sandbox: processes (via its cgroup), the root mount, the
 /// state directory. Safe to call on a half-built or already-removed sandbox.
 pub fn teardown(cfg: &RuntimeConfig, layout: &CgroupLayout, id: &str, init: Option<(i32, u64)>) -> Result<()> {
+    let mut killed = false;
     if let Some((pid, start)) = init {
         if bb_sys::process::process_start_time(pid) == Some(start) {
             // SAFETY: the start time matches, so this is still our sandbox's init.
             unsafe { libc::kill(pid, libc::SIGKILL) };
+            killed = true;
         }
     }
     match Cgroup::open(layout, id) {
@@ -413,9 +415,11 @@ pub fn teardown(cfg: &RuntimeConfig, layout: &CgroupLayout, id: &str, init: Opti
         Err(e) => return Err(e.into()),
     }
     if let Some((pid, _)) = init {
-        // Reap init if it is our child (after a daemon restart it is not: ECHILD).
-        // SAFETY: non-blocking waitpid on a specific pid.
-        unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+        // Reap init if it is our child (after a daemon restart it is not: ECHILD). It leaves
+        // its cgroup before it becomes a zombie, so an emptied cgroup does not mean it can be
+        // reaped yet: wait for the one we killed, do not block on a pid we did not.
+        let wait = if killed { std::time::Duration::from_secs(5) } else { std::time::Duration::ZERO };
+        bb_sys::process::reap_child(pid, wait);
     }
     remove_host_side(cfg, id)
 }

@@ -107,8 +107,9 @@ pub struct Runtime {
     pub(crate) pool_wake: Arc<tokio::sync::Notify>,
     /// Nested shells to keep ready per parent beyond the last fork's size (templates).
     pub(crate) nest_targets: Mutex<HashMap<String, usize>>,
-    /// Templates already collapsed into huge pages (see `collapse_template`).
-    pub(crate) collapsed: Mutex<std::collections::HashSet<String>>,
+    /// Processes collapsed into huge pages (`collapse_template`, `maybe_collapse_session`):
+    /// key -> bytes still in small pages after it (`u64::MAX` while in progress).
+    pub(crate) collapsed: Mutex<HashMap<String, u64>>,
 }
 
 /// With `sb`'s cgroup frozen (so nothing forks meanwhile), SIGKILL every member `spare` says
@@ -814,6 +815,8 @@ impl Runtime {
         Ok(ImageList { images: images.iter().map(image_info).collect() })
     }
 
+    /// Remove an image no sandbox uses. Its warm pool goes with it: the ready shells are torn
+    /// down first (their roots stand on the image's layers) and its pool target is forgotten.
     pub fn remove_image(&self, name: &str) -> Result<()> {
         let in_use: Vec<String> = self
             .sandboxes
@@ -829,6 +832,7 @@ impl Runtime {
                 in_use.join(", ")
             )));
         }
+        self.forget_pool(name)?;
         self.images.remove(name).map_err(layers_error)
     }
 

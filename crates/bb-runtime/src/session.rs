@@ -94,6 +94,16 @@ impl Session {
     /// on. `role = "restore"` (sent to a template): the child is a new live session. Returns the
     /// child's pid and the daemon's end of the child's channel, after the child has answered on it.
     pub async fn fork(&self, role: &str) -> Result<(i32, std::os::unix::net::UnixStream)> {
+        let pending = self.fork_begin(role).await?;
+        let pid = pending.pid;
+        Ok((pid, pending.ready().await?))
+    }
+
+    /// The first half of [`fork`](Self::fork): returns once this process answered (the child
+    /// exists), without waiting for the child. The server takes everything a template needs
+    /// (cwd, open files) before it forks, so the caller may move the sandbox's root before
+    /// [`PendingFork::ready`].
+    pub async fn fork_begin(&self, role: &str) -> Result<PendingFork> {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| RuntimeError::internal("socketpair", e))?;
         let resp = self
             .request_fd(&serde_json::json!({"op": "fork", "role": role}), Some(theirs.as_raw_fd()), Some(FORK_TIMEOUT))
@@ -103,22 +113,7 @@ impl Session {
         let Some(child) = resp.get("child").and_then(|c| c.as_i64()) else {
             return Err(RuntimeError::Internal(format!("session {} refused to fork: {resp}", self.id)));
         };
-        // The child's first line on its channel says it is ready.
-        ours.set_nonblocking(true).map_err(|e| RuntimeError::internal("socket", e))?;
-        let stream = UnixStream::from_std(ours).map_err(|e| RuntimeError::internal("socket", e))?;
-        let mut reader = BufReader::new(stream);
-        let mut hello = Vec::new();
-        let read = tokio::time::timeout(FORK_TIMEOUT, reader.read_until(b'\n', &mut hello)).await;
-        if !matches!(read, Ok(Ok(n)) if n > 0) {
-            return Err(RuntimeError::Internal(format!("forked copy of session {} did not report", self.id)));
-        }
-        let v: serde_json::Value = serde_json::from_slice(&hello).unwrap_or_default();
-        if v.get("ok").and_then(|o| o.as_bool()) != Some(true) {
-            return Err(RuntimeError::Internal(format!("forked copy of session {} failed: {v}", self.id)));
-        }
-        let std = reader.into_inner().into_std().map_err(|e| RuntimeError::internal("socket", e))?;
-        std.set_nonblocking(false).map_err(|e| RuntimeError::internal("socket", e))?;
-        Ok((child as i32, std))
+        Ok(PendingFork { pid: child as i32, chan: ours, session: self.id.clone() })
     }
 
     /// Hold the channel: no request reaches the session until the guard is dropped (the daemon
@@ -208,6 +203,36 @@ impl Session {
             "session {} has exited (killed, timed out or out of memory): create a new session",
             self.id
         ))
+    }
+}
+
+/// A forked session server whose child has not said it is ready (see [`Session::fork_begin`]).
+pub struct PendingFork {
+    /// The child's pid in the sandbox.
+    pub pid: i32,
+    chan: std::os::unix::net::UnixStream,
+    session: String,
+}
+
+impl PendingFork {
+    /// Wait for the child's first line on its channel; returns the daemon's end of it.
+    pub async fn ready(self) -> Result<std::os::unix::net::UnixStream> {
+        let id = self.session;
+        self.chan.set_nonblocking(true).map_err(|e| RuntimeError::internal("socket", e))?;
+        let stream = UnixStream::from_std(self.chan).map_err(|e| RuntimeError::internal("socket", e))?;
+        let mut reader = BufReader::new(stream);
+        let mut hello = Vec::new();
+        let read = tokio::time::timeout(FORK_TIMEOUT, reader.read_until(b'\n', &mut hello)).await;
+        if !matches!(read, Ok(Ok(n)) if n > 0) {
+            return Err(RuntimeError::Internal(format!("forked copy of session {id} did not report")));
+        }
+        let v: serde_json::Value = serde_json::from_slice(&hello).unwrap_or_default();
+        if v.get("ok").and_then(|o| o.as_bool()) != Some(true) {
+            return Err(RuntimeError::Internal(format!("forked copy of session {id} failed: {v}")));
+        }
+        let std = reader.into_inner().into_std().map_err(|e| RuntimeError::internal("socket", e))?;
+        std.set_nonblocking(false).map_err(|e| RuntimeError::internal("socket", e))?;
+        Ok(std)
     }
 }
 

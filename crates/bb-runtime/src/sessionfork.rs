@@ -28,6 +28,10 @@ use bb_isolation::Cgroup;
 use bb_sys::ptrace::{Tracee, RUNNER_BYTES, RUNNER_DATA};
 use std::os::unix::net::UnixStream;
 
+/// How long a template that is not idle yet (just forked, still on its way back to `recvmsg`)
+/// is waited for.
+const SEIZE_PATIENCE: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// fd of a session server's channel (see `_session_server.py`).
 pub const CHANNEL_FD: u64 = 3;
 
@@ -102,13 +106,18 @@ fn drive(
     out: &(dyn Fn(usize, Result<SessionCopy>) + Sync),
     may_split: bool,
 ) -> Result<()> {
-    let mut t = Tracee::seize(template).map_err(|e| {
-        if e.errno() == libc::EBUSY {
-            RuntimeError::Conflict("the session template is busy".into())
-        } else {
-            fail("seize template", e)
+    // A template answers its fork before it is back in `recvmsg`: give it a moment.
+    let deadline = std::time::Instant::now() + SEIZE_PATIENCE;
+    let mut t = loop {
+        match Tracee::seize(template) {
+            Ok(t) => break t,
+            Err(e) if e.errno() == libc::EBUSY && std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_micros(500));
+            }
+            Err(e) if e.errno() == libc::EBUSY => return Err(RuntimeError::Conflict("the session template is busy".into())),
+            Err(e) => return Err(fail("seize template", e)),
         }
-    })?;
+    };
     let runner = t.install_runner().map_err(|e| fail("map the batch runner", e))?;
     let prep = Prepared::new(&mut t, runner);
     if let Ok(prep) = &prep {
@@ -154,13 +163,8 @@ fn parallel() -> bool {
 /// SIGCHLD meanwhile, so it is reaped at once). If it cannot be taken over, the first thread
 /// does all the work.
 fn drive_second(pid: i32, expected: usize, next: &(dyn Fn() -> Option<Target> + Sync), key: [u64; 2], out: &(dyn Fn(usize, Result<SessionCopy>) + Sync)) {
-    // It was resumed by the other thread: wait until it is back in its syscall.
-    for _ in 0..200 {
-        match drive(pid, expected, next, key, out, false) {
-            Err(crate::RuntimeError::Conflict(_)) => std::thread::sleep(std::time::Duration::from_micros(100)),
-            _ => break,
-        }
-    }
+    // It was resumed by the other thread: `drive` waits until it is back in its syscall.
+    let _ = drive(pid, expected, next, key, out, false);
     // SAFETY: kill(2) of the copy of the template we made for this fork.
     unsafe { libc::kill(pid, libc::SIGKILL) };
 }

@@ -238,6 +238,20 @@ pub fn pidfd_open(pid: i32) -> SysResult<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// Reap child `pid` once it has exited, waiting at most `timeout` for it to (a killed process
+/// may still be on its way out). Returns whether it was reaped; false also when it is not our
+/// child (ECHILD).
+pub fn reap_child(pid: i32, timeout: std::time::Duration) -> bool {
+    if let Ok(fd) = pidfd_open(pid) {
+        let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd for the duration of the call.
+        unsafe { libc::poll(&mut pfd, 1, ms) };
+    }
+    // SAFETY: non-blocking waitpid on a specific pid, no status wanted.
+    unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) == pid }
+}
+
 /// The pid (in our pid namespace) of the process a pidfd refers to, from `/proc/self/fdinfo`.
 /// `ESRCH` if it has exited (fdinfo then says -1).
 pub fn pidfd_pid(pidfd: &OwnedFd) -> SysResult<i32> {
@@ -297,6 +311,17 @@ pub fn anon_rw_regions(pid: i32, min: u64) -> std::io::Result<Vec<(u64, u64)>> {
         }
     }
     Ok(out)
+}
+
+/// Anonymous memory of `pid` resident in 4 KiB pages (`Anonymous` minus `AnonHugePages` of
+/// `/proc/<pid>/smaps_rollup`), in bytes.
+pub fn small_anon_bytes(pid: i32) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = text.lines().find_map(|l| l.strip_prefix(name))?;
+        line.trim().strip_suffix("kB")?.trim().parse::<u64>().ok().map(|k| k * 1024)
+    };
+    Some(field("Anonymous:")?.saturating_sub(field("AnonHugePages:").unwrap_or(0)))
 }
 
 /// A process's pid in each pid namespace it is visible in, outermost (ours) first: the `NSpid`
