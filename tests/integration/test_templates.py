@@ -200,15 +200,24 @@ def build_events(raw, body):
 def test_bad_template_name_is_refused(templates, raw, bad):
     with pytest.raises(InvalidArgumentError):
         templates.api.build(bad)
-    status, body = build_events(raw, {"name": bad})
-    # The daemon validates the name inside the build stream: HTTP 200 and an error event
-    # with code bad_request (a 400 before the stream would do too).
-    if status == 200:
-        assert body[-1]["type"] == "error" and body[-1]["error"]["code"] == "bad_request", body
-        assert not [e for e in body if e["type"] == "progress"], "nothing is started for a bad name: %r" % body
-    else:
-        assert status == 400 and body["error"]["code"] == "bad_request"
+    # Refused before the build stream starts: an HTTP error, not 200 and an error event.
+    err = api_error(raw.post("/v1/templates", json={"name": bad}), 400, "bad_request")
+    assert "template name" in err["message"], err
     assert bad not in [t.name for t in templates.api.list()]
+
+
+def test_recipe_errors_are_refused_before_anything_starts(templates, raw):
+    listed = {i.id for i in Sandbox.list(daemon=URL)}
+    name = tname("bad")
+    err = api_error(raw.post("/v1/templates", json={"name": name, "image": "no-such-image"}), 404, "not_found")
+    assert "no-such-image" in err["message"], err
+    with pytest.raises(NotFoundError, match="no-such-image"):
+        templates.build(name, image="no-such-image")
+    for bad in ({"memory_mb": 1}, {"cpu": 0}, {"pids": 1}, {"shells": 100000}, {"timeout": -1}, {"cwd": "relative"}, {"env": {"A=B": "x"}}):
+        api_error(raw.post("/v1/templates", json=dict(bad, name=name)), 400, "bad_request")
+    assert {i.id for i in Sandbox.list(daemon=URL)} == listed
+    with pytest.raises(NotFoundError):
+        templates.api.get(name)
 
 
 def test_unknown_template_is_404(daemon, raw):
@@ -230,10 +239,14 @@ def test_failing_recipe_command_names_it_and_leaves_nothing(templates, raw):
         templates.build(name, run=["echo ok", cmd, "echo never"])
     msg = str(ei.value)
     assert cmd in msg and "partial-output" in msg, msg
+    assert "exited with status 3" in msg and "Some(" not in msg, msg
     with pytest.raises(NotFoundError):
         templates.api.get(name)
     status, events = build_events(raw, {"name": name, "run": ["false"]})
     assert status == 200 and events[-1]["type"] == "error" and '"false"' in events[-1]["error"]["message"], events
+    assert "exited with status 1" in events[-1]["error"]["message"], events
+    with pytest.raises(InvalidArgumentError, match="was killed by signal 9"):
+        templates.build(name, run=["kill -9 $$"])
     assert [e["message"] for e in events if e.get("stage") == "run"] == ["false"]
     # The build sandbox is gone: nothing listed, no cgroup left.
     assert {i.id for i in Sandbox.list(daemon=URL)} == listed

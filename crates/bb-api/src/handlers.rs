@@ -442,9 +442,11 @@ pub async fn set_pool(State(rt): State<AppState>, P(image): P<String>, JsonBody(
 }
 
 #[utoipa::path(post, path = "/v1/templates", request_body = BuildTemplate,
-    responses((status = 200, description = "NDJSON stream of TemplateEvent", body = TemplateEvent, content_type = "application/x-ndjson")))]
+    responses((status = 200, description = "NDJSON stream of TemplateEvent", body = TemplateEvent, content_type = "application/x-ndjson"),
+        (status = 400, description = "invalid recipe (name, settings)", body = ErrorResponse), (status = 404, description = "unknown image", body = ErrorResponse),
+        (status = 503, description = "the daemon's sandbox limit is reached", body = ErrorResponse)))]
 pub async fn build_template(State(rt): State<AppState>, JsonBody(req): JsonBody<BuildTemplate>) -> ApiResult<Response> {
-    Ok(ndjson(rt.build_template(req)))
+    Ok(ndjson(rt.build_template(req)?))
 }
 
 #[utoipa::path(get, path = "/v1/templates", responses((status = 200, body = TemplateList)))]

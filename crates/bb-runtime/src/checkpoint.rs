@@ -188,8 +188,7 @@ fn ns_pid(host_pid: i32) -> Option<i32> {
 /// it, or `None` to stop. Returns the bytes collapsed.
 fn collapse_memory<G>(host_pid: i32, mut gate: impl FnMut() -> Option<G>) -> std::result::Result<usize, String> {
     const HUGE: u64 = 2 << 20;
-    // SAFETY: setpriority on this thread (tid) with plain integers.
-    unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 15) };
+    bb_sys::process::set_thread_nice(15);
     let regions = bb_sys::process::anon_rw_regions(host_pid, HUGE).map_err(|e| e.to_string())?;
     let pidfd = bb_sys::process::pidfd_open(host_pid).map_err(|e| e.to_string())?;
     let mut done = 0usize;

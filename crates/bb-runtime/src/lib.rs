@@ -189,6 +189,9 @@ impl Runtime {
         }
         cfg.setns_key = load_setns_key(&cfg.state_dir)?;
         let cgroups = CgroupLayout::detect(&cfg.cgroup_parent)?;
+        if let Err(e) = cgroups.pin_freezer() {
+            tracing::warn!("could not pin the cgroup v1 freezer (every freeze will cost more): {e}");
+        }
         let mut images = ImageStore::open(&cfg.state_dir, cfg.idmap).map_err(layers_error)?;
         let store = store::Store::open(&cfg.state_dir.join("branchbox.db"))?;
         let snaps = snapstore::SnapStore::open(&cfg.state_dir.join("branchbox.db"))?;

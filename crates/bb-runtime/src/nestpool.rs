@@ -99,6 +99,7 @@ impl Runtime {
             let snaplayers = crate::launch::snaplayers_dir(&self.cfg.state_dir);
             let trash = self.cfg.state_dir.join("trash");
             let _ = std::thread::Builder::new().name("bb-cleanup".into()).spawn(move || {
+                bb_sys::process::set_thread_nice(19);
                 let _ = bb_layers::unmount(&old_root);
                 let _ = std::fs::remove_dir_all(&old_work);
                 let dead = trash.join(format!("{old_upper}-{}", uuid::Uuid::new_v4().simple()));
@@ -154,13 +155,12 @@ impl Runtime {
                 let (rt2, p) = (rt.clone(), parent.clone());
                 let built = tokio::task::spawn_blocking(move || {
                     // Background work: leave the CPU to foreground requests.
-                    // SAFETY: setpriority on this thread (tid) with plain integers.
-                    unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10) };
+                    bb_sys::process::set_thread_nice(10);
                     let id = format!("sb-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
                     let layers: Vec<PathBuf> = p.spec.layers.iter().map(|l| layer_dir(&rt2.cfg, &rt2.images, l)).collect();
                     let r = launch::launch_nested(&rt2.cfg, &rt2.cgroups, &id, &p.spec, &layers, &p.dirs.sock());
-                    // SAFETY: as above, back to normal priority for the pool's next user.
-                    unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 0) };
+                    // Back to normal priority for the worker pool's next user.
+                    bb_sys::process::set_thread_nice(0);
                     r.map(|launched| Shell { id, launched })
                 })
                 .await

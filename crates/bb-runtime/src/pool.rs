@@ -6,8 +6,11 @@
 //! requested image when there is one (set the limits, record it: no namespace, mount or process
 //! is made on the request's path) and falls back to a cold start otherwise. A background task
 //! keeps each configured image at its `min` ready shells, one shell at a time at low CPU
-//! priority; a failure is recorded (`last_error`), logged, and retried after a pause: creates
-//! never wait for the pool.
+//! priority, taking the images short of their `min` in turn; a failure is recorded
+//! (`last_error`), logged, and that image is retried after a growing pause while the others are
+//! served: creates never wait for the pool, and one broken image does not starve the others.
+//! Removing an image tears its ready shells down (their roots stand on its layers) and forgets
+//! its pool; a pool can always be drained (`min = max = 0`), even when its image is gone.
 //!
 //! A killed sandbox is *recycled* into the pool when its image's pool is below `max`:
 //! 1. its cgroup is frozen and every process but init killed;
@@ -66,6 +69,15 @@ pub struct Shell {
     pub launched: Launched,
 }
 
+/// An image whose last refill failed: not tried again before `retry_at`.
+struct Failing {
+    error: String,
+    at: Instant,
+    retry_at: Instant,
+    /// The pause after the next failure (doubles up to [`BACKOFF_MAX`]).
+    next_pause: Duration,
+}
+
 #[derive(Default)]
 pub struct WarmPool {
     ready: HashMap<String, VecDeque<Shell>>,
@@ -75,7 +87,10 @@ pub struct WarmPool {
     recycled: u64,
     created: u64,
     failures: u64,
-    last_error: Option<String>,
+    /// Images whose refill is failing (`last_error` is the newest of their errors).
+    failing: HashMap<String, Failing>,
+    /// The image refilled last: the next refill starts after it (round-robin).
+    last_refilled: Option<String>,
     /// Recent shell build times (ms), newest last.
     build_ms: VecDeque<f64>,
     /// How inits are placed in their cgroups, and recent times (ms).
@@ -86,6 +101,11 @@ pub struct WarmPool {
 const KEEP_TIMES: usize = 64;
 /// Most shells a pool may hold, over all images.
 pub const MAX_SHELLS: usize = 512;
+/// Pause before retrying an image whose refill failed; it doubles with each failure in a row.
+const BACKOFF_FIRST: Duration = Duration::from_secs(1);
+const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// Longest wait of the refill task between two looks at the pool.
+const IDLE_WAIT: Duration = Duration::from_secs(2);
 
 impl WarmPool {
     fn total(&self) -> usize {
@@ -118,6 +138,52 @@ impl WarmPool {
         self.ready.entry(image.to_string()).or_default().push_back(shell);
     }
 
+    /// The image to build a shell for next: among those short of their `min` and not waiting
+    /// out a failure, the first after the one refilled last (in name order, wrapping around),
+    /// so every image gets its turn whatever the others do.
+    fn next_to_refill(&mut self, now: Instant) -> Option<String> {
+        let due = |name: &String| self.wants(name, false) && !matches!(self.failing.get(name), Some(f) if f.retry_at > now);
+        let after = self.last_refilled.as_ref().and_then(|last| {
+            self.targets.range::<String, _>((std::ops::Bound::Excluded(last), std::ops::Bound::Unbounded)).map(|(n, _)| n).find(|n| due(n))
+        });
+        let pick = after.or_else(|| self.targets.keys().find(|n| due(n))).cloned()?;
+        self.last_refilled = Some(pick.clone());
+        Some(pick)
+    }
+
+    /// How long until an image waiting out a failure may be tried again (None: none waits).
+    fn next_retry(&self, now: Instant) -> Option<Duration> {
+        self.failing
+            .iter()
+            .filter(|(name, _)| self.wants(name, false))
+            .map(|(_, f)| f.retry_at.saturating_duration_since(now))
+            .min()
+    }
+
+    /// A refill of `image` failed: count it and pause that image (not the others).
+    fn failed(&mut self, image: &str, error: String, now: Instant) {
+        if !self.targets.contains_key(image) {
+            return; // drained (or its image removed) meanwhile: nothing to retry
+        }
+        self.failures += 1;
+        let pause = self.failing.get(image).map_or(BACKOFF_FIRST, |f| f.next_pause);
+        let f = Failing { error, at: now, retry_at: now + pause, next_pause: (pause * 2).min(BACKOFF_MAX) };
+        self.failing.insert(image.to_string(), f);
+    }
+
+    /// The newest error among the images whose refill is failing.
+    fn last_error(&self) -> Option<String> {
+        self.failing.values().max_by_key(|f| f.at).map(|f| f.error.clone())
+    }
+
+    /// Drop `image`'s pool: its target, its failure record, and its ready shells (returned:
+    /// the caller tears them down, outside the lock).
+    fn forget(&mut self, image: &str) -> Vec<Shell> {
+        self.targets.remove(image);
+        self.failing.remove(image);
+        self.ready.remove(image).map(Vec::from).unwrap_or_default()
+    }
+
     fn stats(&self) -> PoolStats {
         let pct_of = |v: &VecDeque<f64>, p: f64| {
             let mut t: Vec<f64> = v.iter().copied().collect();
@@ -129,7 +195,8 @@ impl WarmPool {
         for (name, t) in &self.targets {
             images.insert(name.clone(), PoolImageStats { min: t.min, max: t.max, ready: 0 });
         }
-        for (name, q) in &self.ready {
+        // Shells of an image with no target are only listed while some are still there.
+        for (name, q) in self.ready.iter().filter(|(_, q)| !q.is_empty()) {
             images.entry(name.clone()).or_insert(PoolImageStats { min: 0, max: 0, ready: 0 }).ready = q.len();
         }
         PoolStats {
@@ -139,7 +206,7 @@ impl WarmPool {
             recycled: self.recycled,
             created: self.created,
             failures: self.failures,
-            last_error: self.last_error.clone(),
+            last_error: self.last_error(),
             refill_ms_p50: pct(0.5),
             refill_ms_p99: pct(0.99),
             cgroup_placement: self.placement_mode.map(String::from),
@@ -170,7 +237,8 @@ impl Runtime {
         self.pool.lock().expect("lock").stats()
     }
 
-    /// Keep `target.min` (up to `target.max`) ready shells of `image`; `min = max = 0` drains it.
+    /// Keep `target.min` (up to `target.max`) ready shells of `image`; `min = max = 0` drains it
+    /// and forgets it (it works for any name, so the pool of a removed image can be cleared).
     /// Persisted: the pool is rebuilt after a restart.
     pub fn set_pool(self: &Arc<Self>, image: &str, target: Target) -> Result<PoolStats> {
         if target.min > target.max {
@@ -179,63 +247,74 @@ impl Runtime {
         if target.max > MAX_SHELLS {
             return Err(RuntimeError::BadRequest(format!("max must be at most {MAX_SHELLS}")));
         }
+        if target.max == 0 {
+            self.forget_pool(image)?;
+            return Ok(self.pool_stats());
+        }
         self.images.get(image).map_err(crate::layers_error)?;
         self.store.lock().expect("lock").set_pool_target(image, target.min, target.max)?;
         let extra: Vec<Shell> = {
             let mut pool = self.pool.lock().expect("lock");
-            if target.max == 0 {
-                pool.targets.remove(image);
-            } else {
-                pool.targets.insert(image.to_string(), target);
+            pool.targets.insert(image.to_string(), target);
+            // A new setting is a new chance: retry a failing image now.
+            pool.failing.remove(image);
+            match pool.ready.get_mut(image) {
+                Some(q) => {
+                    let n = q.len().saturating_sub(target.max);
+                    q.drain(..n).collect()
+                }
+                None => Vec::new(),
             }
-            let q = pool.ready.entry(image.to_string()).or_default();
-            let n = q.len().saturating_sub(target.max);
-            q.drain(..n).collect()
         };
         self.discard_shells(extra);
         self.pool_wake.notify_one();
         Ok(self.pool_stats())
     }
 
+    /// Drain `image`'s pool and forget its target (also persisted). Blocking: its ready shells
+    /// are torn down before this returns, so the image's layers can go next.
+    pub(crate) fn forget_pool(&self, image: &str) -> Result<()> {
+        self.store.lock().expect("lock").set_pool_target(image, 0, 0)?;
+        let shells = self.pool.lock().expect("lock").forget(image);
+        self.discard_shells(shells);
+        Ok(())
+    }
+
     /// Load the persisted targets and start the refill task (call once, in a tokio runtime).
     pub fn start_pool(self: &Arc<Self>, default: Option<(String, Target)>) -> Result<()> {
-        let mut targets: BTreeMap<String, Target> =
-            self.store.lock().expect("lock").pool_targets()?.into_iter().map(|(i, min, max)| (i, Target { min, max })).collect();
+        let mut targets: BTreeMap<String, Target> = BTreeMap::new();
+        let persisted = self.store.lock().expect("lock").pool_targets()?;
+        for (image, min, max) in persisted {
+            // Left by a daemon that kept the pools of removed images.
+            if matches!(self.images.get(&image), Err(bb_layers::LayersError::NotFound { .. })) {
+                tracing::warn!(%image, "forgetting the warm pool of an image that no longer exists");
+                self.store.lock().expect("lock").set_pool_target(&image, 0, 0)?;
+                continue;
+            }
+            targets.insert(image, Target { min, max });
+        }
         if let Some((image, t)) = default {
             targets.entry(image).or_insert(t);
         }
         self.pool.lock().expect("lock").targets = targets;
         let rt = Arc::downgrade(self);
         tokio::spawn(async move {
-            let mut pause = Duration::ZERO;
             loop {
                 let Some(rt) = rt.upgrade() else { return };
-                if !pause.is_zero() {
-                    tokio::time::sleep(pause).await;
+                if let Some(wait) = rt.refill_once().await {
+                    let wake = rt.pool_wake.clone();
+                    drop(rt);
+                    let _ = tokio::time::timeout(wait, wake.notified()).await;
                 }
-                pause = match rt.refill_once().await {
-                    Ok(true) => Duration::ZERO,
-                    Ok(false) => {
-                        let wake = rt.pool_wake.clone();
-                        drop(rt);
-                        let _ = tokio::time::timeout(Duration::from_secs(2), wake.notified()).await;
-                        Duration::ZERO
-                    }
-                    Err(e) => {
-                        let mut pool = rt.pool.lock().expect("lock");
-                        pool.failures += 1;
-                        pool.last_error = Some(e.to_string());
-                        tracing::warn!("warm pool could not make a sandbox ({e}); creates start cold until it can");
-                        Duration::from_secs(5)
-                    }
-                };
             }
         });
         Ok(())
     }
 
-    /// Build one shell for the first image short of its `min`. Ok(false): nothing to do.
-    async fn refill_once(self: &Arc<Self>) -> Result<bool> {
+    /// Build one shell for the next image short of its `min` ([`WarmPool::next_to_refill`]); a
+    /// failure is recorded against that image. None: go on at once; Some(wait): nothing to do
+    /// now, look again after `wait` or a wake-up.
+    async fn refill_once(self: &Arc<Self>) -> Option<Duration> {
         let (image, stale) = {
             let mut pool = self.pool.lock().expect("lock");
             // Drop shells of images that were replaced or removed.
@@ -246,14 +325,36 @@ impl Runtime {
                 *q = keep;
                 stale.extend(gone);
             }
-            let image = pool.targets.keys().find(|name| pool.wants(name, false)).cloned();
+            pool.ready.retain(|_, q| !q.is_empty());
+            let image = pool.next_to_refill(Instant::now());
             (image, stale)
         };
         self.discard_shells(stale);
-        let Some(image) = image else { return Ok(false) };
+        let idle = || {
+            let pool = self.pool.lock().expect("lock");
+            Some(pool.next_retry(Instant::now()).map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT)))
+        };
+        let Some(image) = image else { return idle() };
         if self.count() + self.pool.lock().expect("lock").total() >= self.cfg.max_sandboxes {
-            return Ok(false);
+            return idle();
         }
+        match self.refill_image(&image).await {
+            Ok(()) => {
+                self.pool.lock().expect("lock").failing.remove(&image);
+            }
+            Err(e) => {
+                tracing::warn!(%image, "warm pool could not make a sandbox ({e}); creates of it start cold until it can");
+                let msg = format!("refilling the pool of image {image:?}: {e}");
+                self.pool.lock().expect("lock").failed(&image, msg, Instant::now());
+            }
+        }
+        None
+    }
+
+    /// Build one shell of `image` at low CPU priority and pool it (unless its pool was drained
+    /// meanwhile).
+    async fn refill_image(self: &Arc<Self>, image: &str) -> Result<()> {
+        let image = image.to_string();
         let rt = self.clone();
         let t0 = Instant::now();
         let shell = tokio::task::spawn_blocking(move || {
@@ -269,19 +370,18 @@ impl Runtime {
         .map_err(blocking_err)??;
         let mut pool = self.pool.lock().expect("lock");
         pool.created += 1;
-        pool.last_error = None;
         pool.build_ms.push_back(t0.elapsed().as_secs_f64() * 1000.0);
         if pool.build_ms.len() > KEEP_TIMES {
             pool.build_ms.pop_front();
         }
         if !pool.targets.contains_key(&shell.0) {
-            // The pool was drained while this one was built.
+            // The pool was drained (or its image removed) while this one was built.
             drop(pool);
             self.discard_shells(vec![shell.1]);
-            return Ok(true);
+            return Ok(());
         }
         pool.push(&shell.0, shell.1);
-        Ok(true)
+        Ok(())
     }
 
     fn build_shell(&self, image_name: &str) -> Result<Shell> {
@@ -378,9 +478,16 @@ impl Runtime {
             return Err(e);
         }
         let launched = Launched { placement: ("recycled", 0.0), init_pid: sb.init_pid, init_start: sb.init_start, cgroup, upper: lid };
+        let shell = Shell { id: new_id, image_id: image.id, launched };
         let mut pool = self.pool.lock().expect("lock");
+        if !pool.targets.contains_key(&image.name) {
+            // Drained (or its image removed) while this one was cleaned.
+            drop(pool);
+            self.discard_shells(vec![shell]);
+            return Ok(());
+        }
         pool.recycled += 1;
-        pool.push(&image.name, Shell { id: new_id, image_id: image.id, launched });
+        pool.push(&image.name, shell);
         Ok(())
     }
 }
@@ -417,6 +524,68 @@ mod tests {
         assert_eq!((s.hits, s.misses), (1, 2));
         assert_eq!(s.images["base"].ready, 1);
         assert_eq!((s.images["base"].min, s.images["base"].max), (2, 4));
+    }
+
+    #[test]
+    fn refill_takes_images_in_turn_and_skips_a_failing_one() {
+        let mut p = WarmPool::default();
+        for name in ["aaa-broken", "base", "py"] {
+            p.targets.insert(name.into(), Target { min: 3, max: 3 });
+        }
+        let t0 = Instant::now();
+        // Every image short of its min gets its turn, whatever the order of names.
+        let order: Vec<String> = (0..4).map(|_| p.next_to_refill(t0).unwrap()).collect();
+        assert_eq!(order, ["aaa-broken", "base", "py", "aaa-broken"]);
+        // A failing image waits out its pause; the others are served meanwhile.
+        p.failed("aaa-broken", "refilling the pool of image \"aaa-broken\": gone".into(), t0);
+        assert_eq!((p.failures, p.last_error().as_deref()), (1, Some("refilling the pool of image \"aaa-broken\": gone")));
+        let order: Vec<String> = (0..4).map(|_| p.next_to_refill(t0).unwrap()).collect();
+        assert_eq!(order, ["base", "py", "base", "py"]);
+        assert_eq!(p.next_retry(t0), Some(BACKOFF_FIRST));
+        // After the pause it is tried again; failing again doubles the pause.
+        let later = t0 + BACKOFF_FIRST;
+        p.last_refilled = Some("py".into());
+        assert_eq!(p.next_to_refill(later).as_deref(), Some("aaa-broken"));
+        p.failed("aaa-broken", "still gone".into(), later);
+        assert_eq!(p.next_retry(later), Some(BACKOFF_FIRST * 2));
+        // Only failing images left short of min: nothing to do until the pause ends.
+        p.targets.remove("base");
+        p.targets.remove("py");
+        assert_eq!(p.next_to_refill(later), None);
+        // An image with no target (drained meanwhile) is neither counted nor retried.
+        p.failed("py", "x".into(), later);
+        assert_eq!(p.failures, 2);
+    }
+
+    #[test]
+    fn forgetting_an_image_drops_its_shells_target_and_error() {
+        let d = tempfile::tempdir().unwrap();
+        let mut p = WarmPool::default();
+        p.targets.insert("gone".into(), Target { min: 1, max: 2 });
+        p.targets.insert("base".into(), Target { min: 1, max: 1 });
+        p.push("gone", shell(d.path(), "a", "img"));
+        p.push("gone", shell(d.path(), "b", "img"));
+        p.failed("gone", "image \"gone\" not found".into(), Instant::now());
+        let shells = p.forget("gone");
+        assert_eq!(shells.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["a", "b"]);
+        let s = p.stats();
+        assert!(!s.images.contains_key("gone"), "{:?}", s.images);
+        assert_eq!(s.last_error, None, "a forgotten pool's error is not the pool's error any more");
+        assert!(p.forget("never-set").is_empty(), "forgetting is idempotent");
+    }
+
+    #[test]
+    fn a_drained_image_is_not_listed() {
+        let d = tempfile::tempdir().unwrap();
+        let mut p = WarmPool::default();
+        p.targets.insert("base".into(), Target { min: 0, max: 1 });
+        p.push("base", shell(d.path(), "a", "img"));
+        assert!(p.take("base", "img").is_some());
+        p.targets.remove("base");
+        assert!(p.stats().images.is_empty(), "no target, nothing ready: not listed ({:?})", p.stats().images);
+        // Shells still there (being torn down) keep it listed until they are gone.
+        p.push("py", shell(d.path(), "b", "img"));
+        assert_eq!(p.stats().images["py"], PoolImageStats { min: 0, max: 0, ready: 1 });
     }
 
     #[test]

@@ -101,6 +101,22 @@ fn valid_name(name: &str) -> bool {
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }
 
+/// How a recipe command (run with `timeout` seconds) ended, in words: "exited with status 1",
+/// "was killed by signal 9", ...
+fn how_it_ended(r: &CommandResult, timeout: f64) -> String {
+    if r.timed_out {
+        format!("did not finish within {timeout} s (raise the recipe's timeout if it needs longer)")
+    } else if r.oom_killed {
+        "ran out of memory (raise memory_mb)".to_string()
+    } else if let Some(sig) = r.signal {
+        format!("was killed by signal {sig}")
+    } else if let Some(code) = r.exit_code {
+        format!("exited with status {code}")
+    } else {
+        "ended without an exit status".to_string()
+    }
+}
+
 fn progress(tx: &mpsc::Sender<TemplateEvent>, stage: &str, message: String, done: Option<u64>, total: Option<u64>) {
     let _ = tx.try_send(TemplateEvent::Progress { stage: stage.into(), message, done, total });
 }
@@ -163,21 +179,9 @@ impl Runtime {
         }
     }
 
-    /// Build a template in the background; progress, then `Done` or `Error`, on the channel.
-    pub fn build_template(self: &Arc<Self>, req: BuildTemplate) -> mpsc::Receiver<TemplateEvent> {
-        let (tx, rx) = mpsc::channel(256);
-        let rt = self.clone();
-        tokio::spawn(async move {
-            let ev = match rt.build_template_inner(req, &tx).await {
-                Ok(info) => TemplateEvent::Done { template: info },
-                Err(e) => TemplateEvent::Error { error: ErrorBody { code: e.code().into(), message: e.to_string() } },
-            };
-            let _ = tx.send(ev).await;
-        });
-        rx
-    }
-
-    async fn build_template_inner(self: &Arc<Self>, req: BuildTemplate, tx: &mpsc::Sender<TemplateEvent>) -> Result<TemplateInfo> {
+    /// Check a recipe before anything is started (so a bad one is an error answer, not a
+    /// stream that fails): its name, its shell count, its image and the sandbox settings.
+    fn check_recipe(&self, req: &BuildTemplate) -> Result<()> {
         if !valid_name(&req.name) {
             return Err(RuntimeError::BadRequest(format!(
                 "template name {:?} is invalid: use 1-64 letters, digits, '.', '_' or '-', not starting with '.'",
@@ -188,6 +192,47 @@ impl Runtime {
         if shells > crate::nestpool::MAX_PER_PARENT {
             return Err(RuntimeError::BadRequest(format!("shells must be at most {}", crate::nestpool::MAX_PER_PARENT)));
         }
+        crate::timeout_of(req.timeout)?;
+        self.validate(self.recipe_sandbox(req))?;
+        self.check_capacity(1)
+    }
+
+    /// The sandbox a recipe runs in.
+    fn recipe_sandbox(&self, req: &BuildTemplate) -> CreateSandbox {
+        let mut metadata = req.metadata.clone();
+        metadata.insert(TEMPLATE_KEY.into(), req.name.clone());
+        CreateSandbox {
+            image: req.image.clone(),
+            cpu: req.cpu,
+            memory_mb: req.memory_mb,
+            pids: req.pids,
+            env: req.env.clone(),
+            cwd: req.cwd.clone(),
+            timeout: Some(0.0),
+            network: None,
+            metadata,
+            template: None,
+        }
+    }
+
+    /// Build a template in the background; progress, then `Done` or `Error`, on the channel.
+    /// A recipe that cannot work (bad name, unknown image, bad settings) is refused here.
+    pub fn build_template(self: &Arc<Self>, req: BuildTemplate) -> Result<mpsc::Receiver<TemplateEvent>> {
+        self.check_recipe(&req)?;
+        let (tx, rx) = mpsc::channel(256);
+        let rt = self.clone();
+        tokio::spawn(async move {
+            let ev = match rt.build_template_inner(req, &tx).await {
+                Ok(info) => TemplateEvent::Done { template: info },
+                Err(e) => TemplateEvent::Error { error: ErrorBody { code: e.code().into(), message: e.to_string() } },
+            };
+            let _ = tx.send(ev).await;
+        });
+        Ok(rx)
+    }
+
+    async fn build_template_inner(self: &Arc<Self>, req: BuildTemplate, tx: &mpsc::Sender<TemplateEvent>) -> Result<TemplateInfo> {
+        let shells = req.shells.unwrap_or(DEFAULT_SHELLS);
         let steps = req.run.len() as u64 + 3;
         let mut step = 0;
         let mut next = |tx: &mpsc::Sender<TemplateEvent>, stage: &str, msg: String| {
@@ -195,35 +240,17 @@ impl Runtime {
             progress(tx, stage, msg, Some(step), Some(steps));
         };
         next(tx, "create", format!("starting a sandbox of image {}", req.image.as_deref().unwrap_or("base")));
-        let mut metadata = req.metadata.clone();
-        metadata.insert(TEMPLATE_KEY.into(), req.name.clone());
-        let info = self
-            .create(CreateSandbox {
-                image: req.image.clone(),
-                cpu: req.cpu,
-                memory_mb: req.memory_mb,
-                pids: req.pids,
-                env: req.env.clone(),
-                cwd: req.cwd.clone(),
-                timeout: Some(0.0),
-                network: None,
-                metadata,
-                template: None,
-            })
-            .await?;
+        let info = self.create(self.recipe_sandbox(&req)).await?;
         let sid = info.id.clone();
         let built: Result<TemplateRow> = async {
             for cmd in &req.run {
                 next(tx, "run", cmd.clone());
-                let r = self
-                    .run_command(&sid, RunCommand { cmd: Some(cmd.clone()), timeout: Some(req.timeout.unwrap_or(600.0)), ..Default::default() })
-                    .await?;
+                let timeout = req.timeout.unwrap_or(600.0);
+                let r = self.run_command(&sid, RunCommand { cmd: Some(cmd.clone()), timeout: Some(timeout), ..Default::default() }).await?;
                 if r.exit_code != Some(0) {
                     let tail: String = format!("{}{}", r.stdout, r.stderr).lines().rev().take(8).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
-                    return Err(RuntimeError::BadRequest(format!(
-                        "recipe command {cmd:?} failed (exit {:?}); fix the recipe. Last output:\n{tail}",
-                        r.exit_code
-                    )));
+                    let output = if tail.trim().is_empty() { " It printed nothing.".to_string() } else { format!(" Last output:\n{tail}") };
+                    return Err(RuntimeError::BadRequest(format!("recipe command {cmd:?} {}; fix the recipe.{output}", how_it_ended(&r, timeout))));
                 }
             }
             next(tx, "code", "running the session code".into());
@@ -326,6 +353,27 @@ mod tests {
     fn names() {
         assert!(valid_name("py-numpy") && valid_name("a.b_c") && valid_name("x"));
         assert!(!valid_name("") && !valid_name(".hidden") && !valid_name("a/b") && !valid_name(&"a".repeat(65)));
+    }
+
+    #[test]
+    fn recipe_failures_are_described_in_words() {
+        let r = |exit_code, signal, timed_out, oom_killed| CommandResult {
+            pid: 2,
+            exit_code,
+            signal,
+            stdout: String::new(),
+            stderr: String::new(),
+            timed_out,
+            oom_killed,
+            duration: 600.0,
+            stdout_truncated: false,
+            stderr_truncated: false,
+        };
+        assert_eq!(how_it_ended(&r(Some(1), None, false, false), 600.0), "exited with status 1");
+        assert_eq!(how_it_ended(&r(None, Some(9), false, false), 600.0), "was killed by signal 9");
+        assert!(how_it_ended(&r(None, Some(9), true, false), 2.5).starts_with("did not finish within 2.5 s"));
+        assert!(how_it_ended(&r(Some(137), None, false, true), 600.0).contains("memory_mb"));
+        assert_eq!(how_it_ended(&r(None, None, false, false), 600.0), "ended without an exit status");
     }
 
     #[test]

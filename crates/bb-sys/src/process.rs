@@ -229,6 +229,14 @@ pub fn loopback_up() -> SysResult<()> {
     Ok(())
 }
 
+/// Set the calling thread's nice value (Linux: priorities are per thread). Background work
+/// runs at 10-19 so requests come first; a worker thread taken from a shared pool must be put
+/// back to 0. Best effort.
+pub fn set_thread_nice(nice: i32) {
+    // SAFETY: setpriority on this thread (its tid) with plain integers.
+    unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, nice) };
+}
+
 /// pidfd_open(2): an fd that becomes readable when `pid` exits.
 pub fn pidfd_open(pid: i32) -> SysResult<OwnedFd> {
     // SAFETY: pidfd_open takes plain integers.

@@ -182,6 +182,23 @@ impl CgroupLayout {
         Ok(names.into_iter().collect())
     }
 
+    /// cgroup v1 only: keep one empty group (`<parent>.freezer-pin`, next to the parent so it is
+    /// never taken for a sandbox's) frozen for as long as the host runs. The v1 freezer turns a
+    /// kernel static key on when the first group freezes and off when the last one thaws, and
+    /// each flip patches kernel text on every CPU (IPIs: ~0.2 ms here, much more in nested
+    /// VMs). With the pin, freezing and thawing a sandbox costs tens of microseconds. Idempotent;
+    /// `Ok(false)` on v2 (no static key there).
+    pub fn pin_freezer(&self) -> Result<bool> {
+        if self.version != CgroupVersion::V1 {
+            return Ok(false);
+        }
+        validate_name(&self.parent)?;
+        let dir = self.root_of("freezer", "pin freezer")?.join(format!("{}.freezer-pin", self.parent));
+        self.make_dir(&dir)?;
+        cgfs::write(&dir.join("freezer.state"), "FROZEN")?;
+        Ok(true)
+    }
+
     /// Remove the (empty) parent group from every hierarchy, e.g. on daemon shutdown or at the
     /// end of a test. A parent that is already gone is fine; one that still has child groups is
     /// an error.

@@ -464,3 +464,21 @@ fn v2_kill_all_uses_cgroup_kill_and_stats() {
     assert!(!g.exists());
     layout.remove_parent().unwrap();
 }
+
+#[test]
+fn v1_freezer_pin_is_a_frozen_sibling_of_the_parent_and_not_listed() {
+    let (tmp, layout) = v1_fixture("bb");
+    assert!(layout.pin_freezer().unwrap());
+    assert!(layout.pin_freezer().unwrap(), "pinning twice is fine");
+    assert_eq!(read(&tmp.path().join("freezer/bb.freezer-pin/freezer.state")), "FROZEN");
+    Cgroup::create(&layout, "sb1", &limits()).unwrap();
+    assert_eq!(layout.list().unwrap(), vec!["sb1".to_string()]);
+    assert!(!tmp.path().join("memory/bb.freezer-pin").exists(), "only the freezer hierarchy has it");
+}
+
+#[test]
+fn v2_has_no_freezer_pin() {
+    let (tmp, layout) = v2_fixture("bb", "");
+    assert!(!layout.pin_freezer().unwrap());
+    assert!(!tmp.path().join("bb.freezer-pin").exists());
+}
