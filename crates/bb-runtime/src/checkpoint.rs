@@ -323,10 +323,13 @@ impl Runtime {
         }
         let sb = self.live(id)?;
         let _ops = sb.ops.lock().await;
+        let t_locked = t0.elapsed();
         let (row, _) = self.checkpoint_locked(&sb, req.label, true).await?;
-        let all = self.snaps.lock().expect("lock").all()?;
-        let mut info = self.snapshot_info(&row, &all);
+        let t_done = t0.elapsed();
+        // A new snapshot has no children yet: no need to read the others.
+        let mut info = self.snapshot_info(&row, &[]);
         info.took_ms = Some(ms(t0));
+        tracing::debug!(sandbox = %sb.id, ?t_locked, ?t_done, took = ?t0.elapsed(), "checkpoint request");
         Ok(info)
     }
 
@@ -339,10 +342,12 @@ impl Runtime {
         let default_id = sb.default_session.lock().await.clone();
         let mut sessions: Vec<Arc<Session>> = sessions_map.values().filter(|s| s.is_alive()).cloned().collect();
         sessions.sort_by(|a, b| a.id.cmp(&b.id));
+        let t_enter = Instant::now();
         let mut guards = Vec::with_capacity(sessions.len());
         for s in &sessions {
             guards.push(s.op_lock.lock().await);
         }
+        let t_sessions_idle = t_enter.elapsed();
         let upper_dir = layer_dir(&self.cfg, &self.images, &gen.upper);
 
         // Nothing changed since the last checkpoint or rollback: share that snapshot.
@@ -395,6 +400,7 @@ impl Runtime {
             }
         }
         let t_forked = t0.elapsed();
+        tracing::debug!(sandbox = %sb.id, ?t_sessions_idle, ?t_forked, "checkpoint sessions forked");
         // Templates (never write) and live sessions (they re-resolve their own working
         // directory) are spared by the frozen scan; the new templates are not registered yet.
         let spare = {
@@ -682,6 +688,7 @@ impl Runtime {
                 }
             });
         }
+        let t_forked = t0.elapsed();
         let mut keep = self.templates.lock().expect("lock").pids_of(&sb.id);
         keep.extend(restored.iter().flatten().map(|p| p.pid));
         let gate = sb.fs_gate.write().await;
@@ -707,6 +714,7 @@ impl Runtime {
                 return Err(e);
             }
         };
+        let t_swapped = t0.elapsed();
         // The copies said they are ready while the root moved.
         let mut ready: Vec<Option<(Session, std::os::unix::net::UnixStream)>> = Vec::new();
         for (ss, p) in snap.sessions.iter().zip(restored) {
@@ -765,6 +773,7 @@ impl Runtime {
         self.after_swap(&sb, gen.n, None, Some(gen.upper.clone()));
         let mut killed: Vec<i32> = killed.into_iter().filter(|p| !old_pids.contains(p)).collect();
         killed.sort_unstable();
+        tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, total = ?t0.elapsed(), "rollback");
         Ok(RollbackResult { snapshot: snap.id, sessions_restarted: restarted, killed, took_ms: ms(t0) })
     }
 

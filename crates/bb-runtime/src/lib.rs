@@ -105,6 +105,8 @@ pub struct Runtime {
     /// Ready sandboxes per image ([`pool`]), and the wake-up of its refill task.
     pub(crate) pool: Mutex<pool::WarmPool>,
     pub(crate) pool_wake: Arc<tokio::sync::Notify>,
+    /// Image layers pool shells stand on (they are not in SQLite); the layer in-use check asks.
+    pub(crate) layer_pins: pool::LayerPins,
     /// Nested shells to keep ready per parent beyond the last fork's size (templates).
     pub(crate) nest_targets: Mutex<HashMap<String, usize>>,
     /// Processes collapsed into huge pages (`collapse_template`, `maybe_collapse_session`):
@@ -194,23 +196,12 @@ impl Runtime {
         }
         let mut images = ImageStore::open(&cfg.state_dir, cfg.idmap).map_err(layers_error)?;
         let store = store::Store::open(&cfg.state_dir.join("branchbox.db"))?;
+        check_idmap(&cfg.state_dir, &store, cfg.idmap)?;
         let snaps = snapstore::SnapStore::open(&cfg.state_dir.join("branchbox.db"))?;
-        // An image's layers may not be deleted while a sandbox stands on them.
-        let rows_for_check = cfg.state_dir.join("branchbox.db");
-        images.set_layer_in_use_check(move |layer| {
-            let in_rows = store::Store::open(&rows_for_check)
-                .and_then(|s| s.all())
-                .map(|rows| rows.iter().any(|r| r.spec.layers.iter().any(|l| l == layer)))
-                .unwrap_or(true);
-            let in_snaps = snapstore::SnapStore::open(&rows_for_check)
-                .and_then(|s| Ok((s.all()?, s.generations()?)))
-                .map(|(snaps, gens)| {
-                    snaps.iter().any(|s| s.layers.iter().any(|l| l == layer))
-                        || gens.iter().any(|(_, g)| g.chain.iter().chain(&g.mounted).any(|l| l == layer))
-                })
-                .unwrap_or(true);
-            in_rows || in_snaps
-        });
+        // An image's layers may not be deleted while a sandbox or a pool shell stands on them.
+        let layer_pins = pool::LayerPins::default();
+        let (db, pins) = (cfg.state_dir.join("branchbox.db"), layer_pins.clone());
+        images.set_layer_in_use_check(move |layer| layer_in_use(&db, &pins, layer));
         let cfg_templates = cfg.max_templates;
         let rt = Arc::new(Runtime {
             cfg,
@@ -224,6 +215,7 @@ impl Runtime {
             nest_pool: Mutex::new(Default::default()),
             pool: Mutex::new(Default::default()),
             pool_wake: Arc::new(tokio::sync::Notify::new()),
+            layer_pins,
             nest_targets: Mutex::new(HashMap::new()),
             collapsed: Mutex::new(Default::default()),
         });
@@ -591,8 +583,8 @@ impl Runtime {
             rt.drop_shells(&id);
             if rt.has_nested(&id) {
                 rt.make_husk(&sb)?;
-            } else if was_alive && rt.wants_recycle(&sb) {
-                if let Err(e) = rt.recycle(&sb) {
+            } else if let Some(slot) = was_alive.then(|| rt.reserve_recycle(&sb)).flatten() {
+                if let Err(e) = rt.recycle(&sb, slot) {
                     tracing::warn!(%id, "recycling into the warm pool failed ({e}); tearing down");
                     launch::teardown(&rt.cfg, &rt.cgroups, &id, Some((sb.init_pid, sb.init_start)))?;
                 }
@@ -890,8 +882,87 @@ fn timeout_of(t: Option<f64>) -> Result<Option<Duration>> {
     }
 }
 
-/// One blocking request to an init control socket, answered within 2 s (used during recovery,
-/// before the runtime serves).
+/// Whether a sandbox (recorded in SQLite: its rows, snapshots and layer generations) or a pool
+/// shell ([`pool::LayerPins`]) stands on image layer `layer`. In doubt (database unreadable), yes.
+fn layer_in_use(db: &Path, pins: &pool::LayerPins, layer: &str) -> bool {
+    if pins.holds(layer) {
+        return true;
+    }
+    let in_rows = store::Store::open(db)
+        .and_then(|s| s.all())
+        .map(|rows| {
+            rows.iter()
+                .any(|r| r.spec.layers.iter().any(|l| l == layer))
+        })
+        .unwrap_or(true);
+    let in_snaps = snapstore::SnapStore::open(db)
+        .and_then(|s| Ok((s.all()?, s.generations()?)))
+        .map(|(snaps, gens)| {
+            snaps.iter().any(|s| s.layers.iter().any(|l| l == layer))
+                || gens
+                    .iter()
+                    .any(|(_, g)| g.chain.iter().chain(&g.mounted).any(|l| l == layer))
+        })
+        .unwrap_or(true);
+    in_rows || in_snaps
+}
+
+/// Images (every file of every layer) and sandbox directories are owned by the host ids of the
+/// id mapping the state dir was set up with: a daemon with another `--uid-base` would start
+/// sandboxes that cannot use any of them. The mapping is recorded on first start and every later
+/// start must match it. A state dir from before the record is judged by its layers' owners.
+fn check_idmap(state_dir: &Path, store: &store::Store, idmap: IdMap) -> Result<()> {
+    let want = format!("{}:{}", idmap.host_base, idmap.size);
+    let recorded = match store.setting("idmap")? {
+        Some(v) => {
+            let parsed = v.split_once(':').and_then(|(b, n)| {
+                Some(IdMap {
+                    host_base: b.parse().ok()?,
+                    size: n.parse().ok()?,
+                })
+            });
+            Some(parsed.ok_or_else(|| {
+                RuntimeError::Internal(format!(
+                    "state dir {}: unreadable id mapping {v:?} in table settings",
+                    state_dir.display()
+                ))
+            })?)
+        }
+        None => None,
+    };
+    let mismatch = |base: u32, what: &str| {
+        RuntimeError::Conflict(format!(
+            "state dir {} was set up with --uid-base {base} ({what}), but this daemon was started with --uid-base {}: \
+             start it with --uid-base {base}, or use another --state-dir",
+            state_dir.display(),
+            idmap.host_base
+        ))
+    };
+    match recorded {
+        Some(r) if r == idmap => Ok(()),
+        Some(r) if r.size != idmap.size => Err(RuntimeError::Conflict(format!(
+            "state dir {} was set up for {} sandbox ids per user namespace, this daemon maps {}: use the branchboxd it was \
+             set up with, or another --state-dir",
+            state_dir.display(),
+            r.size,
+            idmap.size
+        ))),
+        Some(r) => Err(mismatch(r.host_base, "recorded in its database")),
+        None => {
+            // Layer roots belong to the image's root user: host_base (or an id above it). Those
+            // owned by host root say nothing.
+            let owners = std::fs::read_dir(state_dir.join("layers")).into_iter().flatten().flatten().filter_map(|e| {
+                use std::os::unix::fs::MetadataExt;
+                e.metadata().ok().map(|m| m.uid()).filter(|&u| u != 0)
+            });
+            if let Some(base) = owners.filter(|&u| u < idmap.host_base || u >= idmap.host_base.saturating_add(idmap.size)).min() {
+                return Err(mismatch(base, &format!("its image layers are owned by host uid {base}")));
+            }
+            store.set_setting("idmap", &want)
+        }
+    }
+}
+
 /// The daemon's setns key: 16 random bytes in `<state>/setns.key` (0600), made on first start.
 /// It must outlive restarts: sandboxes started earlier have it compiled into their filters.
 fn load_setns_key(state_dir: &Path) -> Result<[u64; 2]> {
@@ -920,6 +991,8 @@ fn load_setns_key(state_dir: &Path) -> Result<[u64; 2]> {
     Ok(key)
 }
 
+/// One blocking request to an init control socket, answered within 2 s (used during recovery,
+/// before the runtime serves).
 fn call_blocking(sock: &Path, req: &bb_proto::Request) -> Option<(bb_proto::Response, Vec<std::os::fd::OwnedFd>)> {
     initconn::call_blocking(sock, req, &[], Duration::from_secs(2)).ok()
 }
@@ -960,4 +1033,91 @@ fn reattach_sessions(sb: &Sandbox) -> Vec<(String, session::Session)> {
         }
     }
     templates
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_state_dir_keeps_the_uid_base_it_was_set_up_with() {
+        let d = tempfile::tempdir().unwrap();
+        let store = store::Store::open(&d.path().join("branchbox.db")).unwrap();
+        let default = IdMap::default();
+        check_idmap(d.path(), &store, default).unwrap();
+        check_idmap(d.path(), &store, default).unwrap();
+        let other = IdMap {
+            host_base: 3_000_000,
+            ..default
+        };
+        let e = check_idmap(d.path(), &store, other).unwrap_err();
+        assert!(matches!(e, RuntimeError::Conflict(_)), "{e:?}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("set up with --uid-base 1000000")
+                && msg.contains("start it with --uid-base 1000000"),
+            "{msg}"
+        );
+        assert!(msg.contains("started with --uid-base 3000000"), "{msg}");
+        // The record is kept: the right base still works afterwards.
+        check_idmap(d.path(), &store, default).unwrap();
+    }
+
+    #[test]
+    fn a_state_dir_from_before_the_record_is_judged_by_its_layers() {
+        let d = tempfile::tempdir().unwrap();
+        let layer = d
+            .path()
+            .join("layers")
+            .join(format!("local:{}", "0".repeat(32)));
+        std::fs::create_dir_all(&layer).unwrap();
+        if nix::unistd::chown(&layer, Some(nix::unistd::Uid::from_raw(1_000_000)), None).is_err() {
+            eprintln!("skipped: chown needs root");
+            return;
+        }
+        let store = store::Store::open(&d.path().join("branchbox.db")).unwrap();
+        let e = check_idmap(
+            d.path(),
+            &store,
+            IdMap {
+                host_base: 3_000_000,
+                ..IdMap::default()
+            },
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("start it with --uid-base 1000000"),
+            "{e}"
+        );
+        assert_eq!(
+            store.setting("idmap").unwrap(),
+            None,
+            "nothing recorded from a refused start"
+        );
+        check_idmap(d.path(), &store, IdMap::default()).unwrap();
+        assert_eq!(
+            store.setting("idmap").unwrap().as_deref(),
+            Some("1000000:65536")
+        );
+    }
+
+    #[test]
+    fn layers_of_pool_shells_are_in_use() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("branchbox.db");
+        let (_s, _n) = (
+            store::Store::open(&db).unwrap(),
+            snapstore::SnapStore::open(&db).unwrap(),
+        );
+        let pins = pool::LayerPins::default();
+        let layer = format!("local:{}", "1".repeat(32));
+        assert!(!layer_in_use(&db, &pins, &layer), "no sandbox, no shell");
+        let pin = pins.pin(std::slice::from_ref(&layer));
+        assert!(
+            layer_in_use(&db, &pins, &layer),
+            "a shell being built or ready stands on it"
+        );
+        drop(pin);
+        assert!(!layer_in_use(&db, &pins, &layer));
+    }
 }

@@ -9,9 +9,9 @@
 //! limits set, and it is registered as a sandbox.
 //!
 //! A shell is an idle nested init with a root of the parent's image layers and an empty
-//! writable layer. Shells are not recorded in SQLite: after a daemon restart they are strays and
-//! are reaped. They die with their parent (its pid namespace) and are torn down when it is
-//! killed.
+//! writable layer. Shells are not recorded in SQLite: a clean daemon shutdown tears them down
+//! ([`Runtime::shutdown_pools`]), after a crash they are strays reaped at the next start. They die
+//! with their parent (its pid namespace) and are torn down when it is killed.
 
 use crate::error::Result;
 use crate::launch::{self, layer_dir, new_upper, SandboxDirs};
@@ -38,6 +38,8 @@ pub struct NestPool {
     shells: HashMap<String, Vec<Shell>>,
     /// Parents whose pool is being refilled (one refill task each).
     refilling: std::collections::HashSet<String>,
+    /// Set at daemon shutdown: no shell is built or kept any more.
+    closed: bool,
 }
 
 impl NestPool {
@@ -64,6 +66,17 @@ impl NestPool {
 
     pub fn len_of(&self, parent: &str) -> usize {
         self.shells.get(parent).map_or(0, Vec::len)
+    }
+
+    /// Refill tasks still running.
+    pub fn refills(&self) -> usize {
+        self.refilling.len()
+    }
+
+    /// Daemon shutdown: no shell is kept from now on; returns every shell, to tear down.
+    pub fn close(&mut self) -> Vec<Shell> {
+        self.closed = true;
+        self.shells.drain().flat_map(|(_, v)| v).collect()
     }
 }
 
@@ -127,6 +140,11 @@ impl Runtime {
     /// Tear down every pooled shell of `parent`. Blocking.
     pub(crate) fn drop_shells(&self, parent: &str) {
         let shells = self.nest_pool.lock().expect("lock").drain(parent);
+        self.discard_nested_shells(shells);
+    }
+
+    /// Tear down shells taken out of the pool. Blocking.
+    pub(crate) fn discard_nested_shells(&self, shells: Vec<Shell>) {
         for s in shells {
             let _ = launch::teardown(&self.cfg, &self.cgroups, &s.id, Some((s.launched.init_pid, s.launched.init_start)));
             self.remove_layer_dir(&s.launched.upper);
@@ -138,7 +156,7 @@ impl Runtime {
         let want = want.min(MAX_PER_PARENT);
         {
             let mut pool = self.nest_pool.lock().expect("lock");
-            if pool.len_of(&parent.id) >= want || !pool.refilling.insert(parent.id.clone()) {
+            if pool.closed || pool.len_of(&parent.id) >= want || !pool.refilling.insert(parent.id.clone()) {
                 return;
             }
         }
@@ -147,7 +165,7 @@ impl Runtime {
             loop {
                 let short = {
                     let pool = rt.nest_pool.lock().expect("lock");
-                    pool.len_of(&parent.id) < want && pool.total() < MAX_TOTAL
+                    !pool.closed && pool.len_of(&parent.id) < want && pool.total() < MAX_TOTAL
                 };
                 if !short || parent.is_dead() || rt.get(&parent.id).is_err() {
                     break;
@@ -169,11 +187,18 @@ impl Runtime {
                 match built {
                     Ok(shell) => {
                         let alive = !parent.is_dead() && rt.get(&parent.id).is_ok();
-                        if alive {
-                            rt.nest_pool.lock().expect("lock").shells.entry(parent.id.clone()).or_default().push(shell);
-                        } else {
-                            let _ = launch::teardown(&rt.cfg, &rt.cgroups, &shell.id, Some((shell.launched.init_pid, shell.launched.init_start)));
-                            rt.remove_layer_dir(&shell.launched.upper);
+                        // Kept under the lock that shutdown closes the pool with.
+                        let unwanted = {
+                            let mut pool = rt.nest_pool.lock().expect("lock");
+                            if alive && !pool.closed {
+                                pool.shells.entry(parent.id.clone()).or_default().push(shell);
+                                None
+                            } else {
+                                Some(shell)
+                            }
+                        };
+                        if let Some(shell) = unwanted {
+                            rt.discard_nested_shells(vec![shell]);
                         }
                     }
                     Err(e) => {

@@ -21,9 +21,23 @@
 //! 4. its root is swapped onto the image with a new empty writable layer (the rollback pivot),
 //!    the old writable layer, logs and host-side mounts are deleted, and it gets a new id.
 //!
-//! Only then does the shell enter the pool, so a claim can never see a half-cleaned one. Shells
-//! are not recorded in SQLite: after a daemon restart they are strays (reaped), and the pool is
-//! rebuilt from its configuration, which is.
+//! Only then does the shell enter the pool, so a claim can never see a half-cleaned one.
+//!
+//! **Limits.** A shell being built or recycled holds a [`Slot`] in its image's pool, reserved
+//! under the pool lock when the work is decided: slots count like ready shells against `min`
+//! (refill) and `max` (recycling), so concurrent kills cannot all pass the check, and a slot
+//! whose shell comes back when the pool no longer wants it (its `max` lowered, its image removed,
+//! the daemon shutting down) has the shell torn down instead of pooled. Lowering `max` tears
+//! the ready shells beyond it down at once.
+//!
+//! **Layers.** Shells stand on their image's layers but are not in SQLite: while one is built,
+//! ready, recycled or claimed it holds a [`LayerPin`], which the image store's in-use check
+//! consults, so removing or replacing the image never deletes a layer under it (such layers are
+//! collected when the last pin goes).
+//!
+//! **Lifetime.** Shells are nobody's: a clean shutdown tears them down ([`Runtime::shutdown_pools`],
+//! nested fork shells too); after a crash they are strays, reaped at the next start. The pool is
+//! rebuilt from its configuration, which is persisted.
 
 use crate::error::{Result, RuntimeError};
 use crate::launch::{self, layer_dir, new_upper, Launched, SandboxDirs};
@@ -31,9 +45,9 @@ use crate::model::{PoolImageStats, PoolStats, SandboxSpec};
 use crate::sandbox::Sandbox;
 use crate::snapstore::Generation;
 use crate::{blocking_err, rootswap, Runtime};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Limits a shell is started with (a claim sets the request's).
@@ -67,6 +81,72 @@ pub struct Shell {
     /// not get it.
     pub image_id: String,
     pub launched: Launched,
+    /// Keeps the image's layers on disk until the shell is torn down or recorded as a sandbox.
+    pub pin: LayerPin,
+}
+
+/// Image layers that unrecorded sandboxes (pool shells being built, ready, recycled or claimed)
+/// stand on. The layer in-use check of the image store ([`crate::Runtime::open`]) asks it besides
+/// SQLite. Cheap to clone (shared).
+#[derive(Clone, Default)]
+pub struct LayerPins(Arc<Mutex<PinState>>);
+
+#[derive(Default)]
+struct PinState {
+    count: HashMap<String, usize>,
+    /// Pinned layers whose deletion the image store put off: collect them once unpinned.
+    kept: HashSet<String>,
+    /// A kept layer lost its last pin since [`LayerPins::take_collect`] was last asked.
+    collect: bool,
+}
+
+/// Pins on a set of layers, released on drop.
+pub struct LayerPin {
+    pins: LayerPins,
+    layers: Vec<String>,
+}
+
+impl LayerPins {
+    pub fn pin(&self, layers: &[String]) -> LayerPin {
+        let mut st = self.0.lock().expect("lock");
+        for l in layers {
+            *st.count.entry(l.clone()).or_default() += 1;
+        }
+        LayerPin { pins: self.clone(), layers: layers.to_vec() }
+    }
+
+    /// For the image store's in-use check: whether `layer` is pinned (then the store keeps it,
+    /// and it is collected once unpinned).
+    pub fn holds(&self, layer: &str) -> bool {
+        let mut st = self.0.lock().expect("lock");
+        let held = st.count.contains_key(layer);
+        if held {
+            st.kept.insert(layer.to_string());
+        }
+        held
+    }
+
+    /// Whether a layer the image store kept for a pin has been unpinned since the last call:
+    /// then run the store's garbage collection.
+    pub fn take_collect(&self) -> bool {
+        std::mem::take(&mut self.0.lock().expect("lock").collect)
+    }
+}
+
+impl Drop for LayerPin {
+    fn drop(&mut self) {
+        let mut st = self.pins.0.lock().expect("lock");
+        for l in &self.layers {
+            let Some(n) = st.count.get_mut(l) else { continue };
+            *n -= 1;
+            if *n == 0 {
+                st.count.remove(l);
+                if st.kept.remove(l) {
+                    st.collect = true;
+                }
+            }
+        }
+    }
 }
 
 /// An image whose last refill failed: not tried again before `retry_at`.
@@ -81,6 +161,10 @@ struct Failing {
 #[derive(Default)]
 pub struct WarmPool {
     ready: HashMap<String, VecDeque<Shell>>,
+    /// Shells being built or recycled, per image (their [`Slot`]s): they count like ready ones.
+    in_flight: HashMap<String, usize>,
+    /// Set by [`Runtime::shutdown_pools`]: nothing is reserved or pooled any more.
+    closed: bool,
     targets: BTreeMap<String, Target>,
     hits: u64,
     misses: u64,
@@ -108,8 +192,9 @@ const BACKOFF_MAX: Duration = Duration::from_secs(30);
 const IDLE_WAIT: Duration = Duration::from_secs(2);
 
 impl WarmPool {
+    /// Shells ready or on their way, over all images.
     fn total(&self) -> usize {
-        self.ready.values().map(VecDeque::len).sum()
+        self.ready.values().map(VecDeque::len).sum::<usize>() + self.in_flight.values().sum::<usize>()
     }
 
     /// A ready shell of `image` (made from image id `image_id`), if any. Counts a hit or miss.
@@ -128,10 +213,67 @@ impl WarmPool {
         shell
     }
 
+    /// Whether `image` needs another shell: fewer than `min` (refill) or `max` (recycling) ready
+    /// or on their way.
     fn wants(&self, image: &str, for_recycling: bool) -> bool {
-        let have = self.ready.get(image).map_or(0, VecDeque::len);
+        let have = self.ready.get(image).map_or(0, VecDeque::len) + self.in_flight.get(image).copied().unwrap_or(0);
         let Some(t) = self.targets.get(image) else { return false };
-        self.total() < MAX_SHELLS && if for_recycling { have < t.max } else { have < t.min }
+        !self.closed && self.total() < MAX_SHELLS && if for_recycling { have < t.max } else { have < t.min }
+    }
+
+    /// Take a slot for a shell of `image` if it [`wants`](Self::wants) one. The check and the
+    /// reservation are one step under the pool lock: racing callers cannot all pass.
+    fn reserve(&mut self, image: &str, for_recycling: bool) -> bool {
+        let ok = self.wants(image, for_recycling);
+        if ok {
+            *self.in_flight.entry(image.to_string()).or_default() += 1;
+        }
+        ok
+    }
+
+    fn release(&mut self, image: &str) {
+        if let Some(n) = self.in_flight.get_mut(image) {
+            *n -= 1;
+            if *n == 0 {
+                self.in_flight.remove(image);
+            }
+        }
+    }
+
+    /// Pool the shell a slot of `image` was reserved for, if the pool still has room for it (its
+    /// `max` may have been lowered, its pool drained or the daemon be shutting down meanwhile);
+    /// otherwise it is handed back (Some) to be torn down. The slot itself stays reserved.
+    fn admit(&mut self, image: &str, shell: Shell) -> Option<Shell> {
+        let have = self.ready.get(image).map_or(0, VecDeque::len);
+        match self.targets.get(image) {
+            Some(t) if !self.closed && have < t.max => {
+                self.push(image, shell);
+                None
+            }
+            _ => Some(shell),
+        }
+    }
+
+    /// Set `image`'s target; returns the ready shells beyond its `max` (oldest first), for the
+    /// caller to tear down outside the lock.
+    fn set_target(&mut self, image: &str, target: Target) -> Vec<Shell> {
+        self.targets.insert(image.to_string(), target);
+        // A new setting is a new chance: retry a failing image now.
+        self.failing.remove(image);
+        match self.ready.get_mut(image) {
+            Some(q) => {
+                let n = q.len().saturating_sub(target.max);
+                q.drain(..n).collect()
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// Daemon shutdown: refuse every reservation and admission from now on; returns every ready
+    /// shell, to tear down.
+    fn close(&mut self) -> Vec<Shell> {
+        self.closed = true;
+        self.ready.drain().flat_map(|(_, q)| q).collect()
     }
 
     fn push(&mut self, image: &str, shell: Shell) {
@@ -215,7 +357,87 @@ impl WarmPool {
     }
 }
 
+/// A place reserved in an image's pool for a shell being built or recycled
+/// ([`Runtime::reserve_slot`]). Dropping it (the work failed) gives the place back.
+pub(crate) struct Slot<'a> {
+    rt: &'a Runtime,
+    image: String,
+}
+
+impl Slot<'_> {
+    /// Pool `shell`, or tear it down when the pool no longer has room for it. Blocking. Returns
+    /// whether it was pooled; the slot is given back either way.
+    fn fill(self, shell: Shell) -> bool {
+        let refused = self.rt.pool.lock().expect("lock").admit(&self.image, shell);
+        match refused {
+            None => true,
+            Some(shell) => {
+                self.rt.discard_shells(vec![shell]);
+                false
+            }
+        }
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.rt.pool.lock().expect("lock").release(&self.image);
+    }
+}
+
 impl Runtime {
+    /// Reserve a slot for one more shell of `image` if its pool wants one (below `min`, or below
+    /// `max` when recycling; shells on their way count).
+    pub(crate) fn reserve_slot(&self, image: &str, for_recycling: bool) -> Option<Slot<'_>> {
+        let reserved = self.pool.lock().expect("lock").reserve(image, for_recycling);
+        reserved.then(|| Slot { rt: self, image: image.to_string() })
+    }
+
+    /// Pin `image`'s layers for a shell, then check it is still the image of that name: a
+    /// removal or replacement that came first may be deleting its layers.
+    fn pin_image(&self, image: &bb_layers::Image) -> Result<LayerPin> {
+        let pin = self.layer_pins.pin(&image.layers);
+        match self.images.get(&image.name) {
+            Ok(now) if now.id == image.id => Ok(pin),
+            Ok(_) | Err(bb_layers::LayersError::NotFound { .. }) => {
+                Err(RuntimeError::Conflict(format!("image {:?} was removed or replaced meanwhile", image.name)))
+            }
+            Err(e) => Err(crate::layers_error(e)),
+        }
+    }
+
+    /// Daemon shutdown: tear down every shell that belongs to nobody (not in SQLite, so a restart
+    /// would only find strays): the ready shells of the warm pool and the nested fork shells.
+    /// Nothing is pooled afterwards; shells still being built or recycled are torn down when they
+    /// are done, waited for up to `wait`. User sandboxes are left alone.
+    pub async fn shutdown_pools(self: &Arc<Self>, wait: Duration) {
+        let ready = self.pool.lock().expect("lock").close();
+        let nested = self.nest_pool.lock().expect("lock").close();
+        let n = ready.len() + nested.len();
+        let rt = self.clone();
+        let torn = tokio::task::spawn_blocking(move || {
+            rt.discard_shells(ready);
+            rt.discard_nested_shells(nested);
+        })
+        .await;
+        if let Err(e) = torn {
+            tracing::warn!("tearing down pooled sandboxes failed: {e}");
+        }
+        let deadline = Instant::now() + wait;
+        loop {
+            let busy = self.pool.lock().expect("lock").in_flight.values().sum::<usize>() + self.nest_pool.lock().expect("lock").refills();
+            if busy == 0 {
+                break;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(busy, "pooled sandboxes still being built at shutdown; the next start reaps them");
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tracing::info!(shells = n, "pooled sandboxes torn down");
+    }
+
     /// Record how a sandbox's init was placed in its cgroup (every top-level launch).
     pub(crate) fn note_placement(&self, placement: (&'static str, f64)) {
         let mut pool = self.pool.lock().expect("lock");
@@ -253,19 +475,7 @@ impl Runtime {
         }
         self.images.get(image).map_err(crate::layers_error)?;
         self.store.lock().expect("lock").set_pool_target(image, target.min, target.max)?;
-        let extra: Vec<Shell> = {
-            let mut pool = self.pool.lock().expect("lock");
-            pool.targets.insert(image.to_string(), target);
-            // A new setting is a new chance: retry a failing image now.
-            pool.failing.remove(image);
-            match pool.ready.get_mut(image) {
-                Some(q) => {
-                    let n = q.len().saturating_sub(target.max);
-                    q.drain(..n).collect()
-                }
-                None => Vec::new(),
-            }
-        };
+        let extra = self.pool.lock().expect("lock").set_target(image, target);
         self.discard_shells(extra);
         self.pool_wake.notify_one();
         Ok(self.pool_stats())
@@ -334,6 +544,15 @@ impl Runtime {
             let pool = self.pool.lock().expect("lock");
             Some(pool.next_retry(Instant::now()).map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT)))
         };
+        if self.layer_pins.take_collect() {
+            // Layers of a removed or replaced image that pool shells held until now.
+            let images = self.images.clone();
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = images.gc() {
+                    tracing::warn!("deleting the layers of a removed image failed: {e}");
+                }
+            });
+        }
         let Some(image) = image else { return idle() };
         if self.count() + self.pool.lock().expect("lock").total() >= self.cfg.max_sandboxes {
             return idle();
@@ -351,47 +570,44 @@ impl Runtime {
         None
     }
 
-    /// Build one shell of `image` at low CPU priority and pool it (unless its pool was drained
-    /// meanwhile).
+    /// Build one shell of `image` at low CPU priority and pool it (unless its pool stopped
+    /// wanting it meanwhile: then it is torn down).
     async fn refill_image(self: &Arc<Self>, image: &str) -> Result<()> {
         let image = image.to_string();
         let rt = self.clone();
-        let t0 = Instant::now();
-        let shell = tokio::task::spawn_blocking(move || {
-            // Background work: leave the CPU to requests.
-            // SAFETY: setpriority on this thread (tid) with plain integers.
-            unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10) };
-            let r = rt.build_shell(&image);
-            // SAFETY: as above; the blocking pool reuses threads.
-            unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 0) };
-            r.map(|s| (image, s))
+        tokio::task::spawn_blocking(move || {
+            // Reserved here, not when the image was picked: a recycle may have filled it since.
+            let Some(slot) = rt.reserve_slot(&image, false) else { return Ok(()) };
+            let t0 = Instant::now();
+            // Background work: leave the CPU to requests (the blocking pool reuses threads).
+            bb_sys::process::set_thread_nice(10);
+            let built = rt.build_shell(&image);
+            bb_sys::process::set_thread_nice(0);
+            let shell = built?;
+            {
+                let mut pool = rt.pool.lock().expect("lock");
+                pool.created += 1;
+                pool.build_ms.push_back(t0.elapsed().as_secs_f64() * 1000.0);
+                if pool.build_ms.len() > KEEP_TIMES {
+                    pool.build_ms.pop_front();
+                }
+            }
+            slot.fill(shell);
+            Ok(())
         })
         .await
-        .map_err(blocking_err)??;
-        let mut pool = self.pool.lock().expect("lock");
-        pool.created += 1;
-        pool.build_ms.push_back(t0.elapsed().as_secs_f64() * 1000.0);
-        if pool.build_ms.len() > KEEP_TIMES {
-            pool.build_ms.pop_front();
-        }
-        if !pool.targets.contains_key(&shell.0) {
-            // The pool was drained (or its image removed) while this one was built.
-            drop(pool);
-            self.discard_shells(vec![shell.1]);
-            return Ok(());
-        }
-        pool.push(&shell.0, shell.1);
-        Ok(())
+        .map_err(blocking_err)?
     }
 
     fn build_shell(&self, image_name: &str) -> Result<Shell> {
         let image = self.images.get(image_name).map_err(crate::layers_error)?;
+        let pin = self.pin_image(&image)?;
         let spec = shell_spec(&image);
         let id = crate::new_sandbox_id();
         let layers: Vec<PathBuf> = image.layers.iter().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
         let launched = launch::launch(&self.cfg, &self.cgroups, &id, &spec, &layers)?;
         self.note_placement(launched.placement);
-        Ok(Shell { id, image_id: image.id, launched })
+        Ok(Shell { id, image_id: image.id, launched, pin })
     }
 
     fn discard_shells(&self, shells: Vec<Shell>) {
@@ -415,22 +631,31 @@ impl Runtime {
             return Some(Err(e));
         }
         let gen = Generation { upper: shell.launched.upper.clone(), mounted: spec.layers.clone(), chain: spec.layers.clone(), base: None, n: 0 };
-        Some(self.register(shell.id, spec.clone(), shell.launched, gen, None, timeout))
+        let Shell { id, launched, pin, .. } = shell;
+        let registered = self.register(id, spec.clone(), launched, gen, None, timeout);
+        drop(pin); // recorded now (or torn down): the in-use check sees its row
+        Some(registered)
     }
 
-    /// Whether a killed sandbox (that was alive) should be recycled into the pool rather than
-    /// torn down.
-    pub(crate) fn wants_recycle(&self, sb: &Sandbox) -> bool {
-        sb.nest_parent.is_none()
+    /// A slot in the pool for a killed sandbox (that was alive) if it should be recycled rather
+    /// than torn down: [`recycle`](Self::recycle) fills it.
+    pub(crate) fn reserve_recycle(&self, sb: &Sandbox) -> Option<Slot<'_>> {
+        let eligible = sb.nest_parent.is_none()
             && bb_sys::process::process_start_time(sb.init_pid) == Some(sb.init_start)
-            && sb.gen.lock().expect("lock").is_some()
-            && self.pool.lock().expect("lock").wants(&sb.spec.image, true)
+            && sb.gen.lock().expect("lock").is_some();
+        if eligible {
+            self.reserve_slot(&sb.spec.image, true)
+        } else {
+            None
+        }
     }
 
-    /// Clean a killed sandbox for the next tenant and put it in the pool (see the module
-    /// documentation). Blocking. On failure the caller tears it down.
-    pub(crate) fn recycle(&self, sb: &Sandbox) -> Result<()> {
+    /// Clean a killed sandbox for the next tenant and put it in `slot` (see the module
+    /// documentation). Blocking. On failure the slot is given back and the caller tears the
+    /// sandbox down.
+    pub(crate) fn recycle(&self, sb: &Sandbox, slot: Slot<'_>) -> Result<()> {
         let image = self.images.get(&sb.spec.image).map_err(crate::layers_error)?;
+        let pin = self.pin_image(&image)?;
         let spec = shell_spec(&image);
         // 1. Nothing but init survives.
         crate::kill_members(sb, |p| p == sb.init_pid)?;
@@ -478,16 +703,10 @@ impl Runtime {
             return Err(e);
         }
         let launched = Launched { placement: ("recycled", 0.0), init_pid: sb.init_pid, init_start: sb.init_start, cgroup, upper: lid };
-        let shell = Shell { id: new_id, image_id: image.id, launched };
-        let mut pool = self.pool.lock().expect("lock");
-        if !pool.targets.contains_key(&image.name) {
-            // Drained (or its image removed) while this one was cleaned.
-            drop(pool);
-            self.discard_shells(vec![shell]);
-            return Ok(());
+        let shell = Shell { id: new_id, image_id: image.id, launched, pin };
+        if slot.fill(shell) {
+            self.pool.lock().expect("lock").recycled += 1;
         }
-        pool.recycled += 1;
-        pool.push(&image.name, shell);
         Ok(())
     }
 }
@@ -503,6 +722,7 @@ mod tests {
             id: id.into(),
             image_id: image_id.into(),
             launched: Launched { placement: ("test", 0.0), init_pid: 1, init_start: 1, cgroup: bb_isolation::Cgroup::open(&layout, id).unwrap(), upper: format!("sl-{id}") },
+            pin: LayerPins::default().pin(&[]),
         }
     }
 
@@ -586,6 +806,86 @@ mod tests {
         // Shells still there (being torn down) keep it listed until they are gone.
         p.push("py", shell(d.path(), "b", "img"));
         assert_eq!(p.stats().images["py"], PoolImageStats { min: 0, max: 0, ready: 1 });
+    }
+
+    #[test]
+    fn racing_recycles_and_refills_never_exceed_max() {
+        let d = tempfile::tempdir().unwrap();
+        let mut p = WarmPool::default();
+        p.targets.insert("base".into(), Target { min: 2, max: 4 });
+        // 16 kills decide at once: 4 get a slot, the others are torn down.
+        let granted = (0..16).filter(|_| p.reserve("base", true)).count();
+        assert_eq!(granted, 4);
+        // Shells on their way count for the refill too: min is covered.
+        assert!(!p.wants("base", false) && !p.reserve("base", false));
+        // A failed recycle gives its slot back: another kill may take it.
+        p.release("base");
+        assert!(p.reserve("base", true));
+        for i in 0..4 {
+            assert!(p.admit("base", shell(d.path(), &format!("r{i}"), "img")).is_none());
+            p.release("base");
+        }
+        assert_eq!(p.stats().images["base"].ready, 4);
+        assert!(!p.reserve("base", true), "full");
+        assert_eq!(p.total(), 4);
+    }
+
+    #[test]
+    fn lowering_max_tears_down_ready_and_refuses_shells_on_their_way() {
+        let d = tempfile::tempdir().unwrap();
+        let mut p = WarmPool::default();
+        p.targets.insert("base".into(), Target { min: 0, max: 4 });
+        for i in 0..2 {
+            p.push("base", shell(d.path(), &format!("a{i}"), "img"));
+        }
+        assert!(p.reserve("base", true) && p.reserve("base", true));
+        let extra = p.set_target("base", Target { min: 0, max: 1 });
+        assert_eq!(extra.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["a0"], "the oldest goes");
+        // The two recycles in flight finish: the pool is full, they are handed back.
+        for i in 0..2 {
+            assert!(p.admit("base", shell(d.path(), &format!("b{i}"), "img")).is_some());
+            p.release("base");
+        }
+        assert_eq!(p.stats().images["base"].ready, 1);
+        // A pool drained meanwhile takes nothing either.
+        assert!(!p.reserve("py", true), "no target, no slot");
+        p.targets.insert("py".into(), Target { min: 1, max: 1 });
+        assert!(p.reserve("py", false));
+        p.forget("py");
+        assert!(p.admit("py", shell(d.path(), "c", "img")).is_some());
+    }
+
+    #[test]
+    fn a_closed_pool_hands_out_its_shells_and_takes_no_more() {
+        let d = tempfile::tempdir().unwrap();
+        let mut p = WarmPool::default();
+        p.targets.insert("base".into(), Target { min: 2, max: 4 });
+        p.push("base", shell(d.path(), "a", "img"));
+        assert!(p.reserve("base", false));
+        let ready = p.close();
+        assert_eq!(ready.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(), ["a"]);
+        assert!(!p.reserve("base", false) && !p.reserve("base", true), "no new work after shutdown");
+        assert!(p.admit("base", shell(d.path(), "b", "img")).is_some(), "work in flight is torn down, not pooled");
+        p.release("base");
+        assert_eq!((p.total(), p.stats().images["base"].ready), (0, 0));
+    }
+
+    #[test]
+    fn pinned_layers_are_kept_and_collected_once_unpinned() {
+        let pins = LayerPins::default();
+        let a = pins.pin(&["l1".into(), "l2".into()]);
+        let b = pins.pin(&["l2".into()]);
+        assert!(pins.holds("l1") && pins.holds("l2") && !pins.holds("l3"));
+        assert!(!pins.take_collect());
+        drop(a);
+        assert!(!pins.holds("l1"), "unpinned");
+        assert!(pins.take_collect(), "l1 was kept for a pin: collect it now");
+        assert!(!pins.take_collect(), "once");
+        drop(b);
+        assert!(pins.take_collect(), "l2 too");
+        // A layer nobody asked about needs no collection when unpinned.
+        drop(pins.pin(&["l4".into()]));
+        assert!(!pins.take_collect());
     }
 
     #[test]

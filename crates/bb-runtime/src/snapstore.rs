@@ -114,14 +114,19 @@ impl SnapStore {
     }
 
     pub fn get(&self, id: &str) -> Result<Option<SnapshotRow>> {
-        Ok(self.all()?.into_iter().find(|s| s.id == id))
+        Ok(self.select("WHERE id = ?1", params![id])?.pop())
     }
 
     pub fn all(&self) -> Result<Vec<SnapshotRow>> {
-        let mut stmt = self.conn.prepare(
-            "SELECT id, sandbox_id, parent, created_at, label, layers, own_layer, spec, sessions FROM snapshots ORDER BY created_at, rowid",
-        )?;
-        let rows = stmt.query_map([], |r| {
+        self.select("ORDER BY created_at, rowid", [])
+    }
+
+    /// Snapshot records matching `clause` (appended to the SELECT); unreadable ones are skipped.
+    fn select(&self, clause: &str, args: impl rusqlite::Params) -> Result<Vec<SnapshotRow>> {
+        let mut stmt = self.conn.prepare_cached(&format!(
+            "SELECT id, sandbox_id, parent, created_at, label, layers, own_layer, spec, sessions FROM snapshots {clause}"
+        ))?;
+        let rows = stmt.query_map(args, |r| {
             Ok((
                 r.get::<_, String>(0)?,
                 r.get::<_, String>(1)?,
@@ -181,7 +186,8 @@ impl SnapStore {
 
     /// Forget a template key everywhere (its process is gone).
     pub fn drop_template(&self, key: &str) -> Result<()> {
-        for mut s in self.all()? {
+        // A text match finds the few records that name it (then checked field by field).
+        for mut s in self.select("WHERE instr(sessions, ?1) > 0", params![json(&key)])? {
             let mut changed = false;
             for ss in &mut s.sessions {
                 if ss.template.as_deref() == Some(key) {
@@ -365,6 +371,8 @@ mod tests {
         assert_eq!(st.replace_prefix(&["1".into(), "2".into()], "m").unwrap(), 1);
         assert_eq!(st.get("c").unwrap().unwrap().layers, vec!["m".to_string(), "3".into()]);
         assert_eq!(st.get("a").unwrap().unwrap().layers, vec!["1".to_string()], "a chain that is only the prefix is unchanged");
+        st.drop_template("t").unwrap();
+        assert!(st.all().unwrap().iter().all(|s| s.sessions[0].template.as_deref() == Some("t1")), "a key that is a prefix of another drops nothing");
         st.drop_template("t1").unwrap();
         assert!(st.all().unwrap().iter().all(|s| s.sessions[0].template.is_none()));
         let g = Generation { upper: "u".into(), chain: vec!["1".into()], mounted: vec!["1".into()], base: Some("a".into()), n: 3 };

@@ -1,4 +1,6 @@
-//! Sandbox records in SQLite (`<state>/branchbox.db`, tables `sandboxes` and `husks`).
+//! Sandbox records in SQLite (`<state>/branchbox.db`, tables `sandboxes` and `husks`), warm pool
+//! targets (`pool_targets`) and facts about the state dir itself (`settings`, e.g. the id mapping
+//! its files are owned by).
 //!
 //! A row is written once the sandbox's init reported ready and deleted once it is fully torn down,
 //! so after a crash every row names a sandbox to re-attach to or to reap.
@@ -63,6 +65,10 @@ impl Store {
                 init_pid INTEGER NOT NULL,
                 init_start INTEGER NOT NULL,
                 nest_parent TEXT
+            );
+            CREATE TABLE IF NOT EXISTS settings (
+                key TEXT PRIMARY KEY,
+                value TEXT NOT NULL
             );",
         )?;
         // Added with nested forks; older databases get the column (NULL: not nested).
@@ -73,6 +79,19 @@ impl Store {
             conn.execute_batch("ALTER TABLE sandboxes ADD COLUMN nest_parent TEXT;")?;
         }
         Ok(Store { conn })
+    }
+
+    pub fn setting(&self, key: &str) -> Result<Option<String>> {
+        use rusqlite::OptionalExtension;
+        Ok(self.conn.query_row("SELECT value FROM settings WHERE key = ?1", params![key], |r| r.get(0)).optional()?)
+    }
+
+    pub fn set_setting(&self, key: &str, value: &str) -> Result<()> {
+        self.conn.execute(
+            "INSERT INTO settings (key, value) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET value = ?2",
+            params![key, value],
+        )?;
+        Ok(())
     }
 
     /// Warm pool size for an image (max 0: none).

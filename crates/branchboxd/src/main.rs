@@ -2,7 +2,8 @@
 //!
 //! Opens the runtime on its state directory (re-attaching to or reaping sandboxes a previous run
 //! left), serves the API on a unix socket (and on TCP with a bearer token when asked), and kills
-//! sandboxes whose timeout has passed. Sandboxes outlive a daemon restart unless `--kill-on-exit`.
+//! sandboxes whose timeout has passed. Sandboxes outlive a daemon restart unless `--kill-on-exit`;
+//! the warm pool's ready sandboxes, which belong to nobody, are torn down on a clean shutdown.
 
 use anyhow::{bail, Context};
 use bb_runtime::{Runtime, RuntimeConfig};
@@ -43,7 +44,9 @@ struct Args {
     /// (its snapshots still roll back, with sessions restarted fresh)
     #[arg(long, default_value_t = 64)]
     max_templates: usize,
-    /// First host uid/gid of the sandboxes' user namespace range (65536 ids).
+    /// First host uid/gid of the sandboxes' user namespace range (65536 ids). Images and sandbox
+    /// files are owned by these ids: the state dir records the value on first start, and later
+    /// starts with another value are refused.
     #[arg(long, default_value_t = 1_000_000)]
     uid_base: u32,
     /// Warm pool: sandboxes of the default image ("base") kept ready, so creates claim one
@@ -164,6 +167,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         _ = tokio::signal::ctrl_c() => {}
     }
     tracing::info!("shutting down");
+    // Pooled and nested fork shells belong to nobody (no record): tear them down, and let
+    // nothing be pooled from here on (kills below are torn down, not recycled).
+    rt.shutdown_pools(Duration::from_secs(10)).await;
     if args.kill_on_exit {
         rt.kill_all().await;
     }
