@@ -183,6 +183,7 @@ impl Runtime {
             std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))
                 .map_err(|e| RuntimeError::internal("state dir permissions", e))?;
         }
+        spread_directories(&cfg.state_dir);
         if !cfg.init_bin.is_file() {
             return Err(RuntimeError::Internal(format!(
                 "init binary {} not found: build it (`make build`) or pass --init-bin",
@@ -959,6 +960,25 @@ fn check_idmap(state_dir: &Path, store: &store::Store, idmap: IdMap) -> Result<(
                 return Err(mismatch(base, &format!("its image layers are owned by host uid {base}")));
             }
             store.set_setting("idmap", &want)
+        }
+    }
+}
+
+/// Writable layers (`snaplayers/`) and sandbox directories (`sandboxes/`) are made and deleted
+/// by the thousand. On ext4 without a journal, every new inode skips the group's inodes deleted
+/// in the last minutes (`recently_deleted`, one buffer lookup each): with all of them packed in
+/// the group of their parent, a mkdir there cost 0.17 ms instead of 0.03 and the overlay mounts
+/// of a fork of 16 spent ~50 ms of CPU in it. Marked as tops of hierarchies, their
+/// subdirectories are spread over the block groups. Elsewhere (XFS, btrfs, tmpfs) a no-op.
+fn spread_directories(state_dir: &Path) {
+    for sub in ["snaplayers", "sandboxes"] {
+        let dir = state_dir.join(sub);
+        let set = std::fs::create_dir_all(&dir)
+            .and_then(|()| std::fs::File::open(&dir))
+            .map_err(|e| e.to_string())
+            .and_then(|f| bb_sys::mount_api::set_topdir(std::os::fd::AsFd::as_fd(&f)).map_err(|e| e.to_string()));
+        if let Err(e) = set {
+            tracing::debug!(dir = %dir.display(), "cannot mark as top directory: {e}");
         }
     }
 }

@@ -27,10 +27,16 @@ use std::sync::Arc;
 pub const MAX_PER_PARENT: usize = 64;
 pub const MAX_TOTAL: usize = 128;
 
+/// How long the first root of a claimed shell is left mounted before it is removed.
+const CLEANUP_DELAY: std::time::Duration = std::time::Duration::from_millis(300);
+
 /// An idle nested sandbox, not yet handed out.
 pub struct Shell {
     pub id: String,
     pub launched: launch::Launched,
+    /// The writable layer and work dir its claim mounts (made with the shell, off the request's
+    /// path: on a busy filesystem each new directory costs), as [`new_upper`] returns them.
+    pub spare: Option<(String, PathBuf, PathBuf)>,
 }
 
 #[derive(Default)]
@@ -61,7 +67,8 @@ impl NestPool {
 
     /// Writable layers of every shell in the pool.
     pub fn uppers(&self) -> Vec<String> {
-        self.shells.values().flatten().map(|s| s.launched.upper.clone()).collect()
+        let spares = self.shells.values().flatten().filter_map(|s| s.spare.as_ref().map(|(lid, _, _)| lid.clone()));
+        self.shells.values().flatten().map(|s| s.launched.upper.clone()).chain(spares).collect()
     }
 
     pub fn len_of(&self, parent: &str) -> usize {
@@ -85,11 +92,14 @@ impl Runtime {
     /// snapshot's layers plus a fresh writable layer, its limits set, recorded as a sandbox.
     /// Blocking. On failure the shell is torn down.
     pub(crate) fn claim_shell(&self, shell: Shell, parent: &Sandbox, snap: &SnapshotRow, spec: &SandboxSpec, timeout: Option<f64>) -> Result<Arc<Sandbox>> {
-        let Shell { id, launched } = shell;
+        let Shell { id, launched, spare } = shell;
         let dirs = SandboxDirs::new(&self.cfg.state_dir, &id);
         let t0 = std::time::Instant::now();
         let res = (|| -> Result<Generation> {
-            let (lid, upper, work) = new_upper(&self.cfg, &dirs, 1)?;
+            let (lid, upper, work) = match spare {
+                Some(spare) => spare,
+                None => new_upper(&self.cfg, &dirs, 1)?,
+            };
             let t_upper = t0.elapsed();
             let lower: Vec<PathBuf> = snap.layers.iter().rev().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
             let mnt = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &dirs.rootfs_gen(1))
@@ -113,6 +123,9 @@ impl Runtime {
             let trash = self.cfg.state_dir.join("trash");
             let _ = std::thread::Builder::new().name("bb-cleanup".into()).spawn(move || {
                 bb_sys::process::set_thread_nice(19);
+                // After the burst a fork is (the children's first commands follow it): this
+                // work holds mount and inode locks those need.
+                std::thread::sleep(CLEANUP_DELAY);
                 let _ = bb_layers::unmount(&old_root);
                 let _ = std::fs::remove_dir_all(&old_work);
                 let dead = trash.join(format!("{old_upper}-{}", uuid::Uuid::new_v4().simple()));
@@ -148,6 +161,9 @@ impl Runtime {
         for s in shells {
             let _ = launch::teardown(&self.cfg, &self.cgroups, &s.id, Some((s.launched.init_pid, s.launched.init_start)));
             self.remove_layer_dir(&s.launched.upper);
+            if let Some((lid, _, _)) = &s.spare {
+                self.remove_layer_dir(lid);
+            }
         }
     }
 
@@ -176,10 +192,14 @@ impl Runtime {
                     bb_sys::process::set_thread_nice(10);
                     let id = format!("sb-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
                     let layers: Vec<PathBuf> = p.spec.layers.iter().map(|l| layer_dir(&rt2.cfg, &rt2.images, l)).collect();
-                    let r = launch::launch_nested(&rt2.cfg, &rt2.cgroups, &id, &p.spec, &layers, &p.dirs.sock());
+                    let r = launch::launch_nested(&rt2.cfg, &rt2.cgroups, &id, &p.spec, &layers, &p.dirs.sock()).map(|launched| {
+                        // Without a spare, the claim makes the layer itself.
+                        let spare = new_upper(&rt2.cfg, &SandboxDirs::new(&rt2.cfg.state_dir, &id), 1).ok();
+                        Shell { id, launched, spare }
+                    });
                     // Back to normal priority for the worker pool's next user.
                     bb_sys::process::set_thread_nice(0);
-                    r.map(|launched| Shell { id, launched })
+                    r
                 })
                 .await
                 .map_err(blocking_err)
@@ -233,6 +253,7 @@ mod tests {
                 cgroup: bb_isolation::Cgroup::open(&layout, id).unwrap(),
                 upper: format!("sl-{id}"),
             },
+            spare: None,
         }
     }
 
