@@ -571,3 +571,35 @@ def test_json_bodies_are_json(fake: FakeDaemon) -> None:
     fake.on("POST", BASE + "/commands", RESULT)
     sbx.commands.run("echo")
     assert json.loads(fake.last.content) == {"cmd": "echo", "timeout": 60}
+
+
+def test_sandboxes_share_one_http_client_per_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
+    from branchbox import sandbox_sync
+    from branchbox._transport import ConnectionConfig
+
+    shared = sandbox_sync._SharedClients()
+    monkeypatch.setattr(sandbox_sync, "_SHARED", shared)
+    a = sandbox_sync._HTTP(ConnectionConfig("unix:///tmp/bb-test-a.sock", None, 30))
+    b = sandbox_sync._HTTP(ConnectionConfig("unix:///tmp/bb-test-a.sock", None, 30))
+    other = sandbox_sync._HTTP(ConnectionConfig("unix:///tmp/bb-test-b.sock", None, 30))
+    assert a.client is b.client, "same daemon, token and timeout: one client"
+    assert other.client is not a.client
+    a.close()
+    assert not b.client.is_closed, "closing one sandbox leaves the shared client to the others"
+    shared.close_all()
+    assert b.client.is_closed and other.client.is_closed, "closed at exit"
+    d = sandbox_sync._HTTP(ConnectionConfig("unix:///tmp/bb-test-a.sock", None, 30))
+    assert not d.client.is_closed, "a new one after that"
+    # A forked child never uses its parent's connections.
+    monkeypatch.setattr(sandbox_sync.os, "getpid", lambda: shared.pid + 1)
+    c = sandbox_sync._HTTP(ConnectionConfig("unix:///tmp/bb-test-a.sock", None, 30))
+    assert c.client is not d.client
+
+
+def test_a_custom_transport_gets_its_own_client(fake: FakeDaemon) -> None:
+    s1 = Sandbox.create(transport=fake.transport())
+    s2 = Sandbox.create(transport=fake.transport())
+    assert s1._http.client is not s2._http.client
+    s1.close()
+    assert s1._http.client.is_closed and not s2._http.client.is_closed
+    s2.close()

@@ -180,6 +180,10 @@ pub struct WarmPool {
     /// How inits are placed in their cgroups, and recent times (ms).
     placement_mode: Option<&'static str>,
     placement_ms: VecDeque<f64>,
+    /// When a shell was last claimed, and since when the refill has been waiting for creates to
+    /// pause ([`WarmPool::quiet_wait`]).
+    last_take: Option<Instant>,
+    deferred_since: Option<Instant>,
 }
 
 const KEEP_TIMES: usize = 64;
@@ -190,6 +194,10 @@ const BACKOFF_FIRST: Duration = Duration::from_secs(1);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// Longest wait of the refill task between two looks at the pool.
 const IDLE_WAIT: Duration = Duration::from_secs(2);
+/// A refill waits until no shell was claimed for this long (a burst of creates keeps the CPU),
+/// while the image still has ready shells, and never longer than `REFILL_MAX_DEFER` in a row.
+const REFILL_QUIET: Duration = Duration::from_millis(30);
+const REFILL_MAX_DEFER: Duration = Duration::from_millis(250);
 
 impl WarmPool {
     /// Shells ready or on their way, over all images.
@@ -207,10 +215,25 @@ impl WarmPool {
         });
         if shell.is_some() {
             self.hits += 1;
+            self.last_take = Some(Instant::now());
         } else {
             self.misses += 1;
         }
         shell
+    }
+
+    /// How long the refill of `image` should still wait for claims to pause: None when the
+    /// last claim is `REFILL_QUIET` old, the image has no ready shell left (creates would start
+    /// cold) or the refill has been put off for `REFILL_MAX_DEFER` already.
+    fn quiet_wait(&mut self, image: &str, now: Instant) -> Option<Duration> {
+        let since = now.saturating_duration_since(self.last_take?);
+        let ready = self.ready.get(image).map_or(0, VecDeque::len);
+        let first = *self.deferred_since.get_or_insert(now);
+        if since >= REFILL_QUIET || ready == 0 || now.saturating_duration_since(first) >= REFILL_MAX_DEFER {
+            self.deferred_since = None;
+            return None;
+        }
+        Some(REFILL_QUIET - since)
     }
 
     /// Whether `image` needs another shell: fewer than `min` (refill) or `max` (recycling) ready
@@ -554,6 +577,9 @@ impl Runtime {
             });
         }
         let Some(image) = image else { return idle() };
+        if let Some(wait) = self.pool.lock().expect("lock").quiet_wait(&image, Instant::now()) {
+            return Some(wait);
+        }
         if self.count() + self.pool.lock().expect("lock").total() >= self.cfg.max_sandboxes {
             return idle();
         }
@@ -886,6 +912,32 @@ mod tests {
         // A layer nobody asked about needs no collection when unpinned.
         drop(pins.pin(&["l4".into()]));
         assert!(!pins.take_collect());
+    }
+
+    #[test]
+    fn refills_wait_for_a_burst_of_claims_to_pause() {
+        let d = tempfile::tempdir().unwrap();
+        let mut p = WarmPool::default();
+        let t0 = Instant::now();
+        assert_eq!(p.quiet_wait("base", t0), None, "nothing claimed yet");
+        p.targets.insert("base".into(), Target { min: 3, max: 3 });
+        for i in 0..3 {
+            p.push("base", shell(d.path(), &format!("s{i}"), "img"));
+        }
+        assert!(p.take("base", "img").is_some());
+        let now = Instant::now();
+        let w = p.quiet_wait("base", now).expect("a claim just now: wait");
+        assert!(w <= REFILL_QUIET);
+        assert_eq!(p.quiet_wait("base", now + REFILL_QUIET), None, "claims paused");
+        // Claims that keep coming put it off, but not for ever.
+        p.last_take = Some(now + REFILL_MAX_DEFER);
+        assert!(p.quiet_wait("base", now + REFILL_MAX_DEFER).is_some());
+        p.last_take = Some(now + 2 * REFILL_MAX_DEFER);
+        assert!(p.quiet_wait("base", now + 2 * REFILL_MAX_DEFER - Duration::from_millis(1)).is_some(), "a new claim: still waiting");
+        assert_eq!(p.quiet_wait("base", now + 2 * REFILL_MAX_DEFER), None, "deferred long enough");
+        // No ready shell left: creates would start cold, refill at once.
+        assert!(p.take("base", "img").is_some() && p.take("base", "img").is_some());
+        assert_eq!(p.quiet_wait("base", Instant::now()), None);
     }
 
     #[test]
