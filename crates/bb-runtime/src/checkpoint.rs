@@ -38,6 +38,65 @@ pub const MAX_FORK: u32 = 64;
 pub const COLLAPSE_MIN_FORK: usize = 8;
 /// Anonymous memory in 4 KiB pages from which a live session is collapsed into huge pages.
 pub const SESSION_COLLAPSE_MIN: u64 = 16 << 20;
+/// Session processes remembered by [`Runtime::maybe_collapse_session`] before the dead are
+/// forgotten.
+const SESSION_THP_KEEP: usize = 256;
+/// A collapse that lasted this long before the session split it back was worth it.
+const SESSION_THP_WORTH: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// What [`Runtime::maybe_collapse_session`] remembers of a live session process. A session that
+/// rewrites its whole heap between checkpoints (e.g. walks every object: reference counts are
+/// writes) splits every huge page back at once: collapsing it again each time costs ~3 ms of
+/// CPU per MiB and saves nothing, so each quick split doubles the checkpoints it waits (up to
+/// 15).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct SessionThp {
+    host: i32,
+    /// Bytes still in small pages after the last collapse, and when it ended.
+    last: Option<(u64, Instant)>,
+    /// Collapses split back soon after, in a row.
+    strikes: u32,
+    /// Checkpoints to let pass before the next try.
+    skip: u32,
+    busy: bool,
+}
+
+impl SessionThp {
+    fn new(host: i32) -> SessionThp {
+        SessionThp { host, last: None, strikes: 0, skip: 0, busy: false }
+    }
+
+    /// At a checkpoint, with `small` bytes of the session in small pages: collapse now?
+    fn due(&mut self, small: u64, now: Instant) -> bool {
+        if self.busy {
+            return false;
+        }
+        match self.last {
+            None if small < SESSION_COLLAPSE_MIN => return false,
+            None => {}
+            Some((left, _)) if small < 2 * left + SESSION_COLLAPSE_MIN => return false,
+            Some((_, at)) => {
+                if now.saturating_duration_since(at) >= SESSION_THP_WORTH {
+                    self.strikes = 0;
+                    self.skip = 0;
+                } else if self.skip > 0 {
+                    self.skip -= 1;
+                    return false;
+                } else {
+                    self.strikes = (self.strikes + 1).min(4);
+                    self.skip = (1 << self.strikes) - 1;
+                }
+            }
+        }
+        self.busy = true;
+        true
+    }
+
+    fn done(&mut self, left: u64, now: Instant) {
+        self.busy = false;
+        self.last = Some((left, now));
+    }
+}
 /// Deepest chain of nested forks (the kernel allows 32 levels of user and of pid namespaces).
 /// Beyond it, children are independent sandboxes whose sessions start fresh.
 pub const MAX_NEST_DEPTH: usize = 24;
@@ -183,12 +242,26 @@ fn ns_pid(host_pid: i32) -> Option<i32> {
     status.lines().find(|l| l.starts_with("NSpid:"))?.split_whitespace().last()?.parse().ok()
 }
 
+/// Resets the calling thread to normal priority when dropped (blocking-pool threads are reused).
+struct LowPriority;
+
+impl Drop for LowPriority {
+    fn drop(&mut self) {
+        bb_sys::process::set_thread_nice(0);
+    }
+}
+
 /// Collapse the private anonymous memory of `host_pid` into transparent huge pages, in aligned
 /// 2 MiB chunks at low priority. `gate` runs before each chunk and returns a guard held over
 /// it, or `None` to stop. Returns the bytes collapsed.
-fn collapse_memory<G>(host_pid: i32, mut gate: impl FnMut() -> Option<G>) -> std::result::Result<usize, String> {
-    const HUGE: u64 = 2 << 20;
+fn collapse_memory<G>(host_pid: i32, gate: impl FnMut() -> Option<G>) -> std::result::Result<usize, String> {
     bb_sys::process::set_thread_nice(15);
+    let _low = LowPriority;
+    collapse_chunks(host_pid, gate)
+}
+
+fn collapse_chunks<G>(host_pid: i32, mut gate: impl FnMut() -> Option<G>) -> std::result::Result<usize, String> {
+    const HUGE: u64 = 2 << 20;
     let regions = bb_sys::process::anon_rw_regions(host_pid, HUGE).map_err(|e| e.to_string())?;
     let pidfd = bb_sys::process::pidfd_open(host_pid).map_err(|e| e.to_string())?;
     let mut done = 0usize;
@@ -313,6 +386,7 @@ impl Runtime {
                 let _ = session::kill_process(&sb, t.session.pid).await;
             }
             let _ = self.snaps.lock().expect("lock").drop_template(&t.key);
+            self.collapsed.lock().expect("lock").remove(&t.key);
         }
     }
 
@@ -493,7 +567,12 @@ impl Runtime {
                 evicted.extend(pool.insert(key, sb.id.clone(), t));
             }
         }
-        self.drop_templates(evicted).await;
+        if !evicted.is_empty() {
+            // Out of the pool already (nothing forks them any more): their processes and records
+            // go after the answer.
+            let rt = self.clone();
+            tokio::spawn(async move { rt.drop_templates(evicted).await });
+        }
         self.after_swap(sb, gen.n, Some(gen.upper.clone()), None);
         tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, total = ?t0.elapsed(), "checkpoint");
         Ok((row, true))
@@ -513,6 +592,9 @@ impl Runtime {
         let dir = sb.dirs.dir.clone();
         let old_root = sb.dirs.rootfs_gen(old_n);
         tokio::task::spawn_blocking(move || {
+            // Behind the requests that follow.
+            bb_sys::process::set_thread_nice(10);
+            let _low = LowPriority;
             if bb_layers::unmount(&old_root).is_ok() {
                 let _ = std::fs::remove_dir(&old_root);
             }
@@ -1056,21 +1138,21 @@ impl Runtime {
     pub(crate) fn maybe_collapse_session(self: &Arc<Self>, sb: &Arc<Sandbox>, s: &Arc<Session>) {
         let (rt, sb, s) = (self.clone(), sb.clone(), s.clone());
         tokio::task::spawn_blocking(move || {
+            // Even the look (every process's status, the session's page map) stays behind the
+            // requests; collapse_memory resets the priority of this pooled thread.
+            bb_sys::process::set_thread_nice(15);
             let key = format!("session:{}:{}:{}", sb.id, s.id, s.pid);
+            let _low = LowPriority;
             let Some(host) = sb.cgroup.pids().ok().and_then(|p| p.into_iter().find(|h| ns_pid(*h) == Some(s.pid))) else { return };
             let Some(small) = bb_sys::process::small_anon_bytes(host) else { return };
             {
-                let mut done = rt.collapsed.lock().expect("lock");
-                let last = done.get(&key).copied();
-                let due = match last {
-                    None => small >= SESSION_COLLAPSE_MIN,
-                    Some(u64::MAX) => false, // in progress
-                    Some(left) => small >= 2 * left + SESSION_COLLAPSE_MIN,
-                };
-                if !due {
+                let mut all = rt.session_thp.lock().expect("lock");
+                if all.len() >= SESSION_THP_KEEP {
+                    all.retain(|_, st| std::path::Path::new(&format!("/proc/{}", st.host)).exists());
+                }
+                if !all.entry(key.clone()).or_insert_with(|| SessionThp::new(host)).due(small, Instant::now()) {
                     return;
                 }
-                done.insert(key.clone(), u64::MAX);
             }
             let t0 = Instant::now();
             let deadline = t0 + std::time::Duration::from_secs(60);
@@ -1084,7 +1166,9 @@ impl Runtime {
                 }
             });
             let left = bb_sys::process::small_anon_bytes(host).unwrap_or(small);
-            rt.collapsed.lock().expect("lock").insert(key, left);
+            if let Some(st) = rt.session_thp.lock().expect("lock").get_mut(&key) {
+                st.done(left, Instant::now());
+            }
             match res {
                 Ok(bytes) => tracing::debug!(sandbox = %sb.id, session = %s.id, mib = bytes >> 20, small_mib_left = left >> 20, took = ?t0.elapsed(), "session collapsed into huge pages"),
                 Err(e) => tracing::debug!(sandbox = %sb.id, session = %s.id, "session not collapsed: {e}"),
@@ -1331,6 +1415,33 @@ impl Runtime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sessions_that_split_their_huge_pages_at_once_are_collapsed_less_often() {
+        let mib = |n: u64| n << 20;
+        let t0 = Instant::now();
+        let mut st = SessionThp::new(1);
+        assert!(!st.due(mib(8), t0), "too little in small pages");
+        assert!(st.due(mib(60), t0));
+        assert!(!st.due(mib(60), t0), "in progress");
+        st.done(mib(4), t0);
+        // Split back at the next checkpoint, every time: collapsed at checkpoints 1, 3, 7, 15.
+        let mut collapsed = Vec::new();
+        for i in 1..=20 {
+            let now = t0 + std::time::Duration::from_millis(100 * i);
+            if st.due(mib(60), now) {
+                collapsed.push(i);
+                st.done(mib(4), now);
+            }
+        }
+        assert_eq!(collapsed, [1, 3, 7, 15]);
+        // A collapse that held for a while was worth it: tried again at once, strikes forgotten.
+        let later = t0 + SESSION_THP_WORTH + std::time::Duration::from_secs(5);
+        assert!(st.due(mib(60), later));
+        st.done(mib(4), later);
+        assert_eq!((st.strikes, st.skip), (0, 0));
+        assert!(!st.due(mib(20), later), "not grown enough since");
+    }
 
     #[test]
     fn ns_pid_of_self() {

@@ -109,9 +109,11 @@ pub struct Runtime {
     pub(crate) layer_pins: pool::LayerPins,
     /// Nested shells to keep ready per parent beyond the last fork's size (templates).
     pub(crate) nest_targets: Mutex<HashMap<String, usize>>,
-    /// Processes collapsed into huge pages (`collapse_template`, `maybe_collapse_session`):
-    /// key -> bytes still in small pages after it (`u64::MAX` while in progress).
+    /// Templates collapsed into huge pages (`collapse_template`).
     pub(crate) collapsed: Mutex<HashMap<String, u64>>,
+    /// Live session processes collapsed into huge pages, and how that went
+    /// (`maybe_collapse_session`).
+    pub(crate) session_thp: Mutex<HashMap<String, checkpoint::SessionThp>>,
 }
 
 /// With `sb`'s cgroup frozen (so nothing forks meanwhile), SIGKILL every member `spare` says
@@ -219,6 +221,7 @@ impl Runtime {
             layer_pins,
             nest_targets: Mutex::new(HashMap::new()),
             collapsed: Mutex::new(Default::default()),
+            session_thp: Mutex::new(Default::default()),
         });
         rt.recover()?;
         Ok(rt)
