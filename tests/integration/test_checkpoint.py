@@ -212,6 +212,28 @@ def test_snapshot_tree_delete_and_gc(sbx, raw):
     assert sh(raw, sid, "cat /root/v") == "0\n"
 
 
+def test_snapshot_gc_spares_a_writable_layer_being_set_up(sbx, raw):
+    # A layer dir nothing records yet, as a shell being built or a checkpoint's next root has
+    # for a moment: a gc running then (here: deleting a snapshot) must not take it.
+    young = os.path.join(STATE, "snaplayers", "sl-" + "e" * 32)
+    os.makedirs(young)
+    with open(os.path.join(young, "keep"), "w") as f:
+        f.write("in use")
+    try:
+        sid = sbx.sandbox_id
+        sh(raw, sid, "echo 1 > /root/v")
+        s = ckpt(raw, sid)["id"]
+        sh(raw, sid, "echo 2 > /root/v")
+        ckpt(raw, sid)
+        r = raw.post("/v1/snapshots/gc", json={"keep": [], "sandbox": sid})
+        assert r.status_code == 200 and s in r.json()["deleted"], r.text
+        assert os.path.exists(os.path.join(young, "keep"))
+    finally:
+        import shutil
+
+        shutil.rmtree(young, ignore_errors=True)
+
+
 def test_bad_input(sbx, raw):
     sid = sbx.sandbox_id
     r = raw.post("/v1/sandboxes/%s/rollback" % sid, json={"snapshot": "sn-nope"})

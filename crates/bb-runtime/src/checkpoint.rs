@@ -38,6 +38,8 @@ pub const MAX_FORK: u32 = 64;
 pub const COLLAPSE_MIN_FORK: usize = 8;
 /// Anonymous memory in 4 KiB pages from which a live session is collapsed into huge pages.
 pub const SESSION_COLLAPSE_MIN: u64 = 16 << 20;
+/// Unrecorded writable layers younger than this are left to the next collection.
+const LAYER_GC_MIN_AGE: std::time::Duration = std::time::Duration::from_secs(120);
 /// Session processes remembered by [`Runtime::maybe_collapse_session`] before the dead are
 /// forgotten.
 const SESSION_THP_KEEP: usize = 256;
@@ -1377,12 +1379,14 @@ impl Runtime {
         let gone = self.templates.lock().expect("lock").remove(&dead_templates);
         self.drop_templates(gone).await;
         let rt = self.clone();
-        tokio::task::spawn_blocking(move || rt.gc_layers()).await.map_err(blocking_err)?
+        tokio::task::spawn_blocking(move || rt.gc_layers(LAYER_GC_MIN_AGE)).await.map_err(blocking_err)?
     }
 
-    /// Delete every layer dir under `<state>/snaplayers` that no snapshot and no sandbox uses.
-    /// Returns the bytes freed.
-    pub(crate) fn gc_layers(&self) -> Result<u64> {
+    /// Delete every layer dir under `<state>/snaplayers` that no snapshot and no sandbox uses,
+    /// and that changed no later than `min_age` ago: writable layers being set up (a checkpoint's
+    /// next layer, a pool or fork shell being built or claimed) are not recorded yet. Returns
+    /// the bytes freed.
+    pub(crate) fn gc_layers(&self, min_age: std::time::Duration) -> Result<u64> {
         let snaps = self.snaps.lock().expect("lock");
         let mut used: HashSet<String> = HashSet::new();
         for s in snaps.all()? {
@@ -1403,7 +1407,16 @@ impl Runtime {
             if used.contains(&name) {
                 continue;
             }
-            let size = self.snaps.lock().expect("lock").layer_size(&name).ok().flatten().unwrap_or_else(|| du(&e.path()));
+            // A frozen snapshot layer has its size recorded; a writable layer never had.
+            let recorded = self.snaps.lock().expect("lock").layer_size(&name).ok().flatten();
+            let changed = e.metadata().ok().and_then(|m| {
+                use std::os::unix::fs::MetadataExt;
+                std::time::UNIX_EPOCH.checked_add(std::time::Duration::from_secs(m.ctime().max(0) as u64))
+            });
+            if recorded.is_none() && changed.is_some_and(|t| t.elapsed().map_or(true, |age| age < min_age)) {
+                continue;
+            }
+            let size = recorded.unwrap_or_else(|| du(&e.path()));
             self.remove_layer_dir(&name);
             let _ = self.snaps.lock().expect("lock").forget_layer(&name);
             freed += size;

@@ -309,7 +309,8 @@ impl Runtime {
                 self.remove_layer_dir(&g.upper);
             }
         }
-        if let Err(e) = self.gc_layers() {
+        // Nothing is being set up before the runtime serves: every unrecorded layer is garbage.
+        if let Err(e) = self.gc_layers(Duration::ZERO) {
             tracing::warn!("layer clean-up at start failed: {e}");
         }
         let _ = std::fs::remove_dir_all(self.cfg.state_dir.join("trash"));
