@@ -244,6 +244,33 @@ fn ns_pid(host_pid: i32) -> Option<i32> {
     status.lines().find(|l| l.starts_with("NSpid:"))?.split_whitespace().last()?.parse().ok()
 }
 
+/// Kill every process of `sb`'s pid namespace but its init and `keep` (pids in the sandbox),
+/// read from the sandbox's own procfs: the kept ones (templates: dozens) cost nothing, where
+/// the cgroup's host pids each needed a `status` read to learn their pid inside. Processes of
+/// nested sandboxes (deeper pid namespaces, visible there too) are left alone. Err: no
+/// procfs to read (the caller falls back to the cgroup).
+fn kill_in_sandbox_procfs(sb: &Sandbox, keep: &HashSet<i32>, killed: &mut Vec<i32>) -> std::io::Result<()> {
+    let proc = PathBuf::from(format!("/proc/{}/root/proc", sb.init_pid));
+    let own_ns = std::fs::read_link(format!("/proc/{}/ns/pid", sb.init_pid))?;
+    if std::fs::read_link(proc.join("1/ns/pid"))? != own_ns {
+        return Err(std::io::Error::other("the sandbox's /proc is not its own"));
+    }
+    for e in std::fs::read_dir(&proc)?.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        if pid == 1 || keep.contains(&pid) {
+            continue;
+        }
+        let dir = proc.join(pid.to_string());
+        if std::fs::read_link(dir.join("ns/pid")).ok().as_ref() != Some(&own_ns) {
+            continue; // a nested sandbox's, or gone
+        }
+        if bb_sys::process::signal_proc_dir(&dir, libc::SIGKILL).is_ok() {
+            killed.push(pid);
+        }
+    }
+    Ok(())
+}
+
 /// Resets the calling thread to normal priority when dropped (blocking-pool threads are reused).
 struct LowPriority;
 
@@ -667,17 +694,20 @@ impl Runtime {
         let rootfs = sb.rootfs();
         let pids = sb.cgroup.pids()?;
         if let Some((keep, killed)) = kill {
-            for hp in &pids {
-                if *hp == sb.init_pid {
-                    continue;
-                }
-                let ns = ns_pid(*hp);
-                if ns.is_some_and(|p| keep.contains(&p)) {
-                    continue;
-                }
-                // SAFETY: kill(2) on a member of the sandbox's cgroup (frozen: it dies on thaw).
-                if unsafe { libc::kill(*hp, libc::SIGKILL) } == 0 {
-                    killed.extend(ns);
+            if kill_in_sandbox_procfs(sb, keep, killed).is_err() {
+                // No procfs of its own to read: ask each member for its pid in the sandbox.
+                for hp in &pids {
+                    if *hp == sb.init_pid {
+                        continue;
+                    }
+                    let ns = ns_pid(*hp);
+                    if ns.is_some_and(|p| keep.contains(&p)) {
+                        continue;
+                    }
+                    // SAFETY: kill(2) on a member of the sandbox's cgroup (frozen: it dies on thaw).
+                    if unsafe { libc::kill(*hp, libc::SIGKILL) } == 0 {
+                        killed.extend(ns);
+                    }
                 }
             }
         }

@@ -246,6 +246,21 @@ pub fn pidfd_open(pid: i32) -> SysResult<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// Send `sig` to the process whose procfs directory is `proc_dir` (`/proc/<pid>` of any
+/// procfs instance, e.g. one mounted in a sandbox's pid namespace): pidfd_send_signal(2) takes
+/// such a directory fd, so no pid is translated between namespaces.
+pub fn signal_proc_dir(proc_dir: &std::path::Path, sig: i32) -> SysResult<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(proc_dir)
+        .map_err(|source| SysError { call: "open(/proc/<pid>)", source })?;
+    // SAFETY: pidfd_send_signal with a directory fd we hold for the call, no siginfo, no flags.
+    let ret = unsafe { libc::syscall(libc::SYS_pidfd_send_signal, dir.as_raw_fd(), sig, std::ptr::null::<libc::siginfo_t>(), 0) };
+    check("pidfd_send_signal", ret).map(drop)
+}
+
 /// Reap child `pid` once it has exited, waiting at most `timeout` for it to (a killed process
 /// may still be on its way out). Returns whether it was reaped; false also when it is not our
 /// child (ECHILD).
