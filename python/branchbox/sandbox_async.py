@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-from typing import Any, AsyncIterator, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar, Union
 
 import httpx
 
@@ -557,11 +557,14 @@ class AsyncSessions:
         return await self._sbx._http.call(_core.list_sessions(self._sbx.id))
 
 
-# ----------------------------------------------------------------------------- images
+# ----------------------------------------------------------------------------- daemon-wide clients
+
+_D = TypeVar("_D", bound="_AsyncDaemonClient")
 
 
-class AsyncImages:
-    """Root filesystem images (async mirror of :class:`branchbox.Images`)."""
+class _AsyncDaemonClient:
+    """What the async daemon-wide clients (images, snapshots, templates, pool) share: a
+    connection, released by :meth:`close` or at the end of an ``async with`` block."""
 
     def __init__(
         self,
@@ -572,6 +575,32 @@ class AsyncImages:
         transport: Optional[httpx.AsyncBaseTransport] = None,
     ) -> None:
         self._http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+
+    async def _follow(self, call: _core.Call, stream: Any, on_progress: Optional[Callable[[Any], Any]]) -> Any:
+        """Follow a build's progress events (``stream``: an image or template stream) to its
+        result, handing each progress to ``on_progress`` (awaited if it is a coroutine)."""
+        async with self._http.events(call) as events:
+            async for event in events:
+                progress = stream.handle(event)
+                if progress is not None and on_progress is not None:
+                    await _maybe_await(on_progress(progress))
+        return stream.finish()
+
+    async def close(self) -> None:
+        await self._http.close()
+
+    async def __aenter__(self: _D) -> _D:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+
+# ----------------------------------------------------------------------------- images
+
+
+class AsyncImages(_AsyncDaemonClient):
+    """Root filesystem images (async mirror of :class:`branchbox.Images`)."""
 
     async def list(self) -> List[ImageInfo]:
         return await self._http.call(_core.list_images())
@@ -584,50 +613,22 @@ class AsyncImages:
         packages: Optional[Sequence[str]] = None,
         on_progress: Optional[Callable[[ImageProgress], Any]] = None,
     ) -> ImageInfo:
-        return await self._consume(_core.build_image(name, suite, packages), on_progress)
+        return await self._follow(_core.build_image(name, suite, packages), _core.ImageStream(), on_progress)
 
     async def import_(
         self, name: str, path: str, *, on_progress: Optional[Callable[[ImageProgress], Any]] = None
     ) -> ImageInfo:
-        return await self._consume(_core.import_image(name, path), on_progress)
+        return await self._follow(_core.import_image(name, path), _core.ImageStream(), on_progress)
 
     async def remove(self, name: str) -> bool:
         return await self._http.call(_core.remove_image(name))
-
-    async def _consume(self, call: _core.Call, on_progress: Optional[Callable[[ImageProgress], Any]]) -> ImageInfo:
-        stream = _core.ImageStream()
-        async with self._http.events(call) as events:
-            async for event in events:
-                progress = stream.handle(event)
-                if progress is not None and on_progress is not None:
-                    await _maybe_await(on_progress(progress))
-        return stream.finish()
-
-    async def close(self) -> None:
-        await self._http.close()
-
-    async def __aenter__(self) -> "AsyncImages":
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        await self.close()
 
 
 # ----------------------------------------------------------------------------- snapshots
 
 
-class AsyncSnapshots:
+class AsyncSnapshots(_AsyncDaemonClient):
     """Snapshots known to the daemon (the mirror of :class:`branchbox.Snapshots`)."""
-
-    def __init__(
-        self,
-        *,
-        daemon: Optional[str] = None,
-        token: Optional[str] = None,
-        request_timeout: Optional[float] = 120,
-        transport: Optional[httpx.AsyncBaseTransport] = None,
-    ) -> None:
-        self._http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
 
     async def list(self, sandbox: Union[str, AsyncSandbox, None] = None) -> List[SnapshotInfo]:
         """All snapshots, or the tree ``sandbox`` belongs to; ordered by creation time."""
@@ -649,31 +650,12 @@ class AsyncSnapshots:
         nor an ancestor of a kept one."""
         return await self._http.call(_core.gc_snapshots(keep, sandbox))
 
-    async def close(self) -> None:
-        await self._http.close()
-
-    async def __aenter__(self) -> "AsyncSnapshots":
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        await self.close()
-
 
 # ----------------------------------------------------------------------------- templates
 
 
-class AsyncTemplates:
+class AsyncTemplates(_AsyncDaemonClient):
     """Warm templates (the async mirror of :class:`branchbox.Templates`)."""
-
-    def __init__(
-        self,
-        *,
-        daemon: Optional[str] = None,
-        token: Optional[str] = None,
-        request_timeout: Optional[float] = 120,
-        transport: Optional[httpx.AsyncBaseTransport] = None,
-    ) -> None:
-        self._http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
 
     async def build(
         self,
@@ -696,13 +678,7 @@ class AsyncTemplates:
         recipe = _core.template_recipe(
             name, image, run, code, env, cwd, cpu, memory_mb, pids, metadata, timeout, shells
         )
-        stream = _core.TemplateStream()
-        async with self._http.events(_core.build_template(recipe)) as events:
-            async for event in events:
-                progress = stream.handle(event)
-                if progress is not None and on_progress is not None:
-                    await _maybe_await(on_progress(progress))
-        return stream.finish()
+        return await self._follow(_core.build_template(recipe), _core.TemplateStream(), on_progress)
 
     async def list(self) -> List[TemplateInfo]:
         return await self._http.call(_core.list_templates())
@@ -713,31 +689,12 @@ class AsyncTemplates:
     async def remove(self, name: Union[str, TemplateInfo]) -> bool:
         return await self._http.call(_core.remove_template(name))
 
-    async def close(self) -> None:
-        await self._http.close()
-
-    async def __aenter__(self) -> "AsyncTemplates":
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        await self.close()
-
 
 # ----------------------------------------------------------------------------- warm pool
 
 
-class AsyncPool:
+class AsyncPool(_AsyncDaemonClient):
     """The daemon's warm pool (the async mirror of :class:`branchbox.Pool`)."""
-
-    def __init__(
-        self,
-        *,
-        daemon: Optional[str] = None,
-        token: Optional[str] = None,
-        request_timeout: Optional[float] = 120,
-        transport: Optional[httpx.AsyncBaseTransport] = None,
-    ) -> None:
-        self._http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
 
     async def stats(self) -> PoolStats:
         return await self._http.call(_core.pool_stats())
@@ -747,12 +704,3 @@ class AsyncPool:
 
     async def drain(self, image: str) -> PoolStats:
         return await self.set(image, 0, 0)
-
-    async def close(self) -> None:
-        await self._http.close()
-
-    async def __aenter__(self) -> "AsyncPool":
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        await self.close()

@@ -10,7 +10,7 @@ import atexit
 import contextlib
 import os
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, TypeVar, Union
 
 import httpx
 
@@ -598,14 +598,14 @@ class Sessions:
         return self._sbx._http.call(_core.list_sessions(self._sbx.id))
 
 
-# ----------------------------------------------------------------------------- images
+# ----------------------------------------------------------------------------- daemon-wide clients
+
+_D = TypeVar("_D", bound="_DaemonClient")
 
 
-class Images:
-    """Root filesystem images known to the daemon.
-
-    ``on_progress`` receives an :class:`ImageProgress` per progress event.
-    """
+class _DaemonClient:
+    """What the daemon-wide clients (images, snapshots, templates, pool) share: a connection,
+    released by :meth:`close` or at the end of a ``with`` block."""
 
     def __init__(
         self,
@@ -616,6 +616,35 @@ class Images:
         transport: Optional[httpx.BaseTransport] = None,
     ) -> None:
         self._http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+
+    def _follow(self, call: _core.Call, stream: Any, on_progress: Optional[Callable[[Any], Any]]) -> Any:
+        """Follow a build's progress events (``stream``: an image or template stream) to its
+        result, handing each progress to ``on_progress``."""
+        with self._http.events(call) as events:
+            for event in events:
+                progress = stream.handle(event)
+                if progress is not None and on_progress is not None:
+                    on_progress(progress)
+        return stream.finish()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self: _D) -> _D:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- images
+
+
+class Images(_DaemonClient):
+    """Root filesystem images known to the daemon.
+
+    ``on_progress`` receives an :class:`ImageProgress` per progress event.
+    """
 
     def list(self) -> List[ImageInfo]:
         return self._http.call(_core.list_images())
@@ -629,49 +658,21 @@ class Images:
         on_progress: Optional[Callable[[ImageProgress], Any]] = None,
     ) -> ImageInfo:
         """Build a Debian image (debootstrap) and return it when done."""
-        return self._consume(_core.build_image(name, suite, packages), on_progress)
+        return self._follow(_core.build_image(name, suite, packages), _core.ImageStream(), on_progress)
 
     def import_(self, name: str, path: str, *, on_progress: Optional[Callable[[ImageProgress], Any]] = None) -> ImageInfo:
         """Import an OCI/docker image tarball found at ``path`` on the daemon's host."""
-        return self._consume(_core.import_image(name, path), on_progress)
+        return self._follow(_core.import_image(name, path), _core.ImageStream(), on_progress)
 
     def remove(self, name: str) -> bool:
         return self._http.call(_core.remove_image(name))
-
-    def _consume(self, call: _core.Call, on_progress: Optional[Callable[[ImageProgress], Any]]) -> ImageInfo:
-        stream = _core.ImageStream()
-        with self._http.events(call) as events:
-            for event in events:
-                progress = stream.handle(event)
-                if progress is not None and on_progress is not None:
-                    on_progress(progress)
-        return stream.finish()
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> "Images":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
 
 
 # ----------------------------------------------------------------------------- snapshots
 
 
-class Snapshots:
+class Snapshots(_DaemonClient):
     """Snapshots known to the daemon (take them with :meth:`Sandbox.checkpoint`)."""
-
-    def __init__(
-        self,
-        *,
-        daemon: Optional[str] = None,
-        token: Optional[str] = None,
-        request_timeout: Optional[float] = 120,
-        transport: Optional[httpx.BaseTransport] = None,
-    ) -> None:
-        self._http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
 
     def list(self, sandbox: Union[str, Sandbox, None] = None) -> List[SnapshotInfo]:
         """All snapshots, or the tree ``sandbox`` belongs to; ordered by creation time."""
@@ -693,36 +694,17 @@ class Snapshots:
         nor an ancestor of a kept one. Layers a kept snapshot or a live sandbox needs stay."""
         return self._http.call(_core.gc_snapshots(keep, sandbox))
 
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> "Snapshots":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
 
 # ----------------------------------------------------------------------------- templates
 
 
-class Templates:
+class Templates(_DaemonClient):
     """Warm templates: a recipe (image, shell commands, python code) run once and frozen with
     its live python session; ``Sandbox.create(template=name)`` then starts a copy-on-write
     fork of it, imports included.
 
     ``on_progress`` receives a :class:`TemplateProgress` per progress event.
     """
-
-    def __init__(
-        self,
-        *,
-        daemon: Optional[str] = None,
-        token: Optional[str] = None,
-        request_timeout: Optional[float] = 120,
-        transport: Optional[httpx.BaseTransport] = None,
-    ) -> None:
-        self._http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
 
     def build(
         self,
@@ -749,13 +731,7 @@ class Templates:
         recipe = _core.template_recipe(
             name, image, run, code, env, cwd, cpu, memory_mb, pids, metadata, timeout, shells
         )
-        stream = _core.TemplateStream()
-        with self._http.events(_core.build_template(recipe)) as events:
-            for event in events:
-                progress = stream.handle(event)
-                if progress is not None and on_progress is not None:
-                    on_progress(progress)
-        return stream.finish()
+        return self._follow(_core.build_template(recipe), _core.TemplateStream(), on_progress)
 
     def list(self) -> List[TemplateInfo]:
         return self._http.call(_core.list_templates())
@@ -768,32 +744,13 @@ class Templates:
         """Remove a template (sandboxes created from it keep running)."""
         return self._http.call(_core.remove_template(name))
 
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> "Templates":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
 
 # ----------------------------------------------------------------------------- warm pool
 
 
-class Pool:
+class Pool(_DaemonClient):
     """The daemon's warm pool: sandboxes started ahead of time per image, claimed by
     ``Sandbox.create`` in milliseconds; killed sandboxes are cleaned and recycled into it."""
-
-    def __init__(
-        self,
-        *,
-        daemon: Optional[str] = None,
-        token: Optional[str] = None,
-        request_timeout: Optional[float] = 120,
-        transport: Optional[httpx.BaseTransport] = None,
-    ) -> None:
-        self._http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
 
     def stats(self) -> PoolStats:
         """Configuration, ready counts and counters (hits, misses, recycled, ...)."""
@@ -808,12 +765,3 @@ class Pool:
     def drain(self, image: str) -> PoolStats:
         """Remove ``image``'s pool (``min = max = 0``); its ready sandboxes are torn down."""
         return self.set(image, 0, 0)
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> "Pool":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
