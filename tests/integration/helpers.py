@@ -168,3 +168,38 @@ def api_error(response, status, code=None):
     if code is not None:
         assert err["code"] == code, "error code %r != %r: %r" % (err["code"], code, body)
     return err
+
+
+# ----------------------------------------------------------------------------- raw API calls
+# For tests that pin the mechanism through plain HTTP (``raw``: an httpx client on the socket).
+
+
+def ckpt(raw, sid, label=None):
+    r = raw.post("/v1/sandboxes/%s/checkpoint" % sid, json={"label": label} if label else {})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def rollback(raw, sid, snap):
+    r = raw.post("/v1/sandboxes/%s/rollback" % sid, json={"snapshot": snap})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sh(raw, sid, cmd, code=0):
+    """stdout of ``cmd``; its exit code must be ``code`` (None: any)."""
+    r = raw.post("/v1/sandboxes/%s/commands" % sid, json={"cmd": cmd, "timeout": 30})
+    assert r.status_code == 200, r.text
+    res = r.json()
+    if code is not None:
+        assert res["exit_code"] == code, res
+    return res["stdout"]
+
+
+def py(raw, sid, code):
+    """The result of ``code`` in the default python session (it must not raise)."""
+    r = raw.post("/v1/sandboxes/%s/code" % sid, json={"code": code})
+    assert r.status_code == 200, r.text
+    res = r.json()
+    assert res.get("error") is None, res
+    return res

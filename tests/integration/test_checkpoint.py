@@ -5,36 +5,7 @@ import time
 
 import pytest
 
-from helpers import STATE, state_mounts, wait_until
-
-
-def ckpt(raw, sid, label=None):
-    r = raw.post("/v1/sandboxes/%s/checkpoint" % sid, json={"label": label} if label else {})
-    assert r.status_code == 201, r.text
-    return r.json()
-
-
-def rollback(raw, sid, snap):
-    r = raw.post("/v1/sandboxes/%s/rollback" % sid, json={"snapshot": snap})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def sh(raw, sid, cmd, code=0):
-    r = raw.post("/v1/sandboxes/%s/commands" % sid, json={"cmd": cmd, "timeout": 30})
-    assert r.status_code == 200, r.text
-    res = r.json()
-    if code is not None:
-        assert res["exit_code"] == code, res
-    return res["stdout"]
-
-
-def py(raw, sid, code):
-    r = raw.post("/v1/sandboxes/%s/code" % sid, json={"code": code})
-    assert r.status_code == 200, r.text
-    res = r.json()
-    assert res.get("error") is None, res
-    return res
+from helpers import STATE, ckpt, py, rollback, sh, state_mounts, wait_until
 
 
 def test_files_and_session_roll_back_together(sbx, raw):

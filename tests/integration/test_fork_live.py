@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from helpers import cgroup_dirs_of, cgroup_hierarchies, state_mounts, wait_until
+import helpers
+from helpers import cgroup_dirs_of, cgroup_hierarchies, ckpt, sh, state_mounts, wait_until
 
 
 def fork(raw, sid, n=1, snapshot=None):
@@ -17,27 +18,8 @@ def fork(raw, sid, n=1, snapshot=None):
     return r.json()
 
 
-def ckpt(raw, sid):
-    r = raw.post("/v1/sandboxes/%s/checkpoint" % sid, json={})
-    assert r.status_code == 201, r.text
-    return r.json()
-
-
-def sh(raw, sid, cmd, code=0):
-    r = raw.post("/v1/sandboxes/%s/commands" % sid, json={"cmd": cmd, "timeout": 30})
-    assert r.status_code == 200, r.text
-    res = r.json()
-    if code is not None:
-        assert res["exit_code"] == code, res
-    return res["stdout"]
-
-
 def py(raw, sid, code):
-    r = raw.post("/v1/sandboxes/%s/code" % sid, json={"code": code})
-    assert r.status_code == 200, r.text
-    res = r.json()
-    assert res.get("error") is None, res
-    return res.get("result")
+    return helpers.py(raw, sid, code).get("result")
 
 
 def kill(raw, sid):
