@@ -6,10 +6,13 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import httpx
 import pytest
+
+if TYPE_CHECKING:
+    from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -141,3 +144,52 @@ def fake() -> FakeDaemon:
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("BRANCHBOX_URL", "BRANCHBOX_TOKEN", "BRANCHBOX_DEBUG", "BRANCHBOX_DAEMON_BIN"):
         monkeypatch.delenv(var, raising=False)
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def cli_runner() -> "CliRunner":
+    """A CliRunner that keeps stderr apart from stdout, on any click version."""
+    from typer.testing import CliRunner
+
+    try:
+        return CliRunner(mix_stderr=False)  # click < 8.2
+    except TypeError:
+        return CliRunner()
+
+
+@pytest.fixture
+def runner() -> "CliRunner":
+    return cli_runner()
+
+
+@pytest.fixture
+def daemon(fake: FakeDaemon, monkeypatch: pytest.MonkeyPatch) -> FakeDaemon:
+    """Route every SDK client the CLI builds to the fake daemon."""
+    import branchbox.sandbox_sync as sync_mod
+
+    real = sync_mod.ConnectionConfig
+
+    class Patched(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.transport = fake.transport()
+
+    monkeypatch.setattr(sync_mod, "ConnectionConfig", Patched)
+    return fake
+
+
+def invoke(runner: "CliRunner", *args: str, **kw):
+    from branchbox import cli
+
+    return runner.invoke(cli.app, list(args), **kw)
+
+
+def one_red_line(r) -> str:
+    """The CLI failed (exit 1) with a single ``error: ...`` line on stderr, no traceback."""
+    assert r.exit_code == 1, (r.exit_code, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    return lines[0]

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import pytest
-from typer.testing import CliRunner
 
 from branchbox import CommandResult, Execution, bench_cr as cr, cli
+from conftest import cli_runner
 
 CHUNKS = 64
 WORKLOADS = sorted(cr.WORKLOADS.values(), key=lambda w: w.key)
@@ -35,13 +35,6 @@ def originals_of(w: cr.Workload) -> Dict[str, str]:
         if bug.old and bug.old not in out[bug.path]:
             out[bug.path] += "\n" + bug.old
     return out
-
-
-def _runner() -> CliRunner:
-    try:
-        return CliRunner(mix_stderr=False)  # click < 8.2
-    except TypeError:
-        return CliRunner()
 
 
 # ----------------------------------------------------------------------------- the script
@@ -573,7 +566,7 @@ def test_cli_prints_the_json_last(monkeypatch: pytest.MonkeyPatch) -> None:
         return _fake_result()
 
     monkeypatch.setattr(cr, "run_cr_bench", fake_run)
-    runner = _runner()
+    runner = cli_runner()
     r = runner.invoke(cli.app, ["--daemon", "unix:///x.sock", "bench", "cr", "--quick", "--seed", "9"])
     assert r.exit_code == 0, r.output
     lines = r.stdout.strip().splitlines()
@@ -600,7 +593,7 @@ def test_cli_reports_bench_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         raise cr.BenchError("bench[branchbox]: more.py differs from node 3's")
 
     monkeypatch.setattr(cr, "run_cr_bench", broken)
-    r = _runner().invoke(cli.app, ["bench", "cr", "--quick"])
+    r = cli_runner().invoke(cli.app, ["bench", "cr", "--quick"])
     assert r.exit_code == 1 and "differs from node 3" in r.stderr
 
 
@@ -838,7 +831,7 @@ def test_quick_bench_against_a_live_daemon() -> None:
     import time
 
     t0 = time.monotonic()
-    r = _runner().invoke(
+    r = cli_runner().invoke(
         cli.app,
         ["--daemon", os.environ["BRANCHBOX_BENCH_CR_DAEMON"], "bench", "cr", "--json", "--quick", "--workload",
          "more-itertools", "--no-xfs"],

@@ -12,12 +12,11 @@ from urllib.parse import parse_qs
 
 import httpx
 import pytest
-from typer.testing import CliRunner
 
 import branchbox.sandbox_sync as sync_mod
 from branchbox import bench_start as bs
 from branchbox import cli
-from conftest import IMAGE, RESULT, SANDBOX
+from conftest import IMAGE, RESULT, SANDBOX, cli_runner
 
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "BENCHMARKS.md")
 
@@ -31,13 +30,6 @@ Private_Clean:       256 kB
 Private_Dirty:       768 kB
 Referenced:         3072 kB
 """
-
-
-def _runner() -> CliRunner:
-    try:
-        return CliRunner(mix_stderr=False)  # click < 8.2
-    except TypeError:
-        return CliRunner()
 
 
 # ----------------------------------------------------------------------------- memory helpers
@@ -163,7 +155,7 @@ def test_cli_prints_the_json_last(monkeypatch: pytest.MonkeyPatch) -> None:
         return _fake_result()
 
     monkeypatch.setattr(bs, "run_start_bench", fake_run)
-    r = _runner().invoke(cli.app, ["--daemon", "unix:///x.sock", "bench", "start", "--quick", "--sandboxes", "7"])
+    r = cli_runner().invoke(cli.app, ["--daemon", "unix:///x.sock", "bench", "start", "--quick", "--sandboxes", "7"])
     assert r.exit_code == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     s = json.loads(lines[-1])
@@ -171,7 +163,7 @@ def test_cli_prints_the_json_last(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "pool_start" in r.stdout and "targets:" in r.stdout
     cfg = seen["cfg"]
     assert cfg.quick and cfg.sandboxes == 7 and cfg.daemon == "unix:///x.sock" and cfg.n_pool == 10
-    r = _runner().invoke(cli.app, ["bench", "start", "--json", "--numpy-image", "np2", "--n", "3"])
+    r = cli_runner().invoke(cli.app, ["bench", "start", "--json", "--numpy-image", "np2", "--n", "3"])
     assert r.exit_code == 0 and len(r.stdout.strip().splitlines()) == 1
     assert seen["cfg"].numpy_image == "np2" and seen["cfg"].n_pool == 3 and not seen["cfg"].quick
 
@@ -181,7 +173,7 @@ def test_cli_reports_bench_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         raise bs.BenchError("bench: the pool of base has 0 ready sandboxes")
 
     monkeypatch.setattr(bs, "run_start_bench", broken)
-    r = _runner().invoke(cli.app, ["bench", "start", "--quick"])
+    r = cli_runner().invoke(cli.app, ["bench", "start", "--quick"])
     assert r.exit_code == 1 and "error: bench: the pool of base" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -386,7 +378,7 @@ def test_quick_bench_against_a_live_daemon() -> None:
     import time
 
     t0 = time.monotonic()
-    r = _runner().invoke(cli.app, ["--daemon", os.environ["BRANCHBOX_BENCH_START_DAEMON"], "bench", "start", "--json", "--quick"])
+    r = cli_runner().invoke(cli.app, ["--daemon", os.environ["BRANCHBOX_BENCH_START_DAEMON"], "bench", "start", "--json", "--quick"])
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout.strip().splitlines()[-1])
     assert tuple(s)[: len(bs.SUMMARY_KEYS)] == bs.SUMMARY_KEYS and s["quick"] is True

@@ -15,39 +15,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-import branchbox.sandbox_sync as sync_mod
 from branchbox import CommandResult, Execution, bench, cli
-from conftest import BASE, IMAGE, SANDBOX, SID, FakeDaemon, ndjson
-
-
-def _runner() -> CliRunner:
-    try:
-        return CliRunner(mix_stderr=False)  # click < 8.2
-    except TypeError:
-        return CliRunner()
-
-
-@pytest.fixture
-def runner() -> CliRunner:
-    return _runner()
-
-
-@pytest.fixture
-def daemon(fake: FakeDaemon, monkeypatch: pytest.MonkeyPatch) -> FakeDaemon:
-    """Route every SDK client the CLI builds to the fake daemon."""
-    real = sync_mod.ConnectionConfig
-
-    class Patched(real):  # type: ignore[misc, valid-type]
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self.transport = fake.transport()
-
-    monkeypatch.setattr(sync_mod, "ConnectionConfig", Patched)
-    return fake
-
-
-def invoke(runner: CliRunner, *args: str, **kw):
-    return runner.invoke(cli.app, list(args), catch_exceptions=kw.pop("catch_exceptions", True), **kw)
+from conftest import BASE, IMAGE, SANDBOX, SID, FakeDaemon, invoke, ndjson
 
 
 # ----------------------------------------------------------------------------- helpers

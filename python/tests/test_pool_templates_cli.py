@@ -10,48 +10,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-import branchbox.sandbox_sync as sync_mod
-from branchbox import cli
-from conftest import BASE, SANDBOX, FakeDaemon, ndjson
+from conftest import BASE, SANDBOX, FakeDaemon, invoke, ndjson, one_red_line
 from test_pool_templates_sdk import BUILD_EVENTS, FORK, NOT_FOUND, POOL, TEMPLATE
-
-
-def _runner() -> CliRunner:
-    try:
-        return CliRunner(mix_stderr=False)  # click < 8.2
-    except TypeError:
-        return CliRunner()
-
-
-@pytest.fixture
-def runner() -> CliRunner:
-    return _runner()
-
-
-@pytest.fixture
-def daemon(fake: FakeDaemon, monkeypatch: pytest.MonkeyPatch) -> FakeDaemon:
-    """Route every SDK client the CLI builds to the fake daemon."""
-    real = sync_mod.ConnectionConfig
-
-    class Patched(real):  # type: ignore[misc, valid-type]
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self.transport = fake.transport()
-
-    monkeypatch.setattr(sync_mod, "ConnectionConfig", Patched)
-    return fake
-
-
-def invoke(runner: CliRunner, *args: str, **kw):
-    return runner.invoke(cli.app, list(args), **kw)
-
-
-def one_red_line(r) -> str:
-    assert r.exit_code == 1, (r.exit_code, r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    assert "Traceback" not in r.stderr + r.stdout
-    return lines[0]
 
 
 def _stream(*events) -> httpx.Response:

@@ -9,48 +9,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-import branchbox.sandbox_sync as sync_mod
 from branchbox import RollbackResult, SnapshotInfo, cli
-from conftest import BASE, SANDBOX, SID, FakeDaemon
+from conftest import BASE, SANDBOX, SID, FakeDaemon, invoke, one_red_line
 from test_snapshots_sdk import CHECKPOINT, CHILD1, CHILD2, FORK, GC, ROLLBACK, SN1, SN2, SN3, SNAP, SNAP2
-
-
-def _runner() -> CliRunner:
-    try:
-        return CliRunner(mix_stderr=False)  # click < 8.2
-    except TypeError:
-        return CliRunner()
-
-
-@pytest.fixture
-def runner() -> CliRunner:
-    return _runner()
-
-
-@pytest.fixture
-def daemon(fake: FakeDaemon, monkeypatch: pytest.MonkeyPatch) -> FakeDaemon:
-    """Route every SDK client the CLI builds to the fake daemon."""
-    real = sync_mod.ConnectionConfig
-
-    class Patched(real):  # type: ignore[misc, valid-type]
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self.transport = fake.transport()
-
-    monkeypatch.setattr(sync_mod, "ConnectionConfig", Patched)
-    return fake
-
-
-def invoke(runner: CliRunner, *args: str):
-    return runner.invoke(cli.app, list(args))
-
-
-def one_red_line(r) -> str:
-    assert r.exit_code == 1
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    assert "Traceback" not in r.stderr + r.stdout
-    return lines[0]
 
 
 # ----------------------------------------------------------------------------- sandbox checkpoint/rollback/fork
