@@ -240,8 +240,17 @@ impl TemplatePool {
 
 /// Pid of host process `host_pid` in its innermost pid namespace.
 fn ns_pid(host_pid: i32) -> Option<i32> {
-    let status = std::fs::read_to_string(format!("/proc/{host_pid}/status")).ok()?;
-    status.lines().find(|l| l.starts_with("NSpid:"))?.split_whitespace().last()?.parse().ok()
+    bb_sys::process::ns_pids(host_pid)?.last().copied()
+}
+
+/// The sandbox's own procfs (mounted in its pid namespace), seen from the host.
+fn sandbox_proc(sb: &Sandbox) -> PathBuf {
+    PathBuf::from(format!("/proc/{}/root/proc", sb.init_pid))
+}
+
+/// The pids listed in procfs `proc` (in its pid namespace), but 1.
+fn proc_pids(proc: &Path) -> std::io::Result<Vec<i32>> {
+    Ok(std::fs::read_dir(proc)?.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).filter(|p| *p != 1).collect())
 }
 
 /// Kill every process of `sb`'s pid namespace but its init and `keep` (pids in the sandbox),
@@ -250,14 +259,13 @@ fn ns_pid(host_pid: i32) -> Option<i32> {
 /// nested sandboxes (deeper pid namespaces, visible there too) are left alone. Err: no
 /// procfs to read (the caller falls back to the cgroup).
 fn kill_in_sandbox_procfs(sb: &Sandbox, keep: &HashSet<i32>, killed: &mut Vec<i32>) -> std::io::Result<()> {
-    let proc = PathBuf::from(format!("/proc/{}/root/proc", sb.init_pid));
+    let proc = sandbox_proc(sb);
     let own_ns = std::fs::read_link(format!("/proc/{}/ns/pid", sb.init_pid))?;
     if std::fs::read_link(proc.join("1/ns/pid"))? != own_ns {
         return Err(std::io::Error::other("the sandbox's /proc is not its own"));
     }
-    for e in std::fs::read_dir(&proc)?.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
-        if pid == 1 || keep.contains(&pid) {
+    for pid in proc_pids(&proc)? {
+        if keep.contains(&pid) {
             continue;
         }
         let dir = proc.join(pid.to_string());
@@ -271,21 +279,11 @@ fn kill_in_sandbox_procfs(sb: &Sandbox, keep: &HashSet<i32>, killed: &mut Vec<i3
     Ok(())
 }
 
-/// Resets the calling thread to normal priority when dropped (blocking-pool threads are reused).
-struct LowPriority;
-
-impl Drop for LowPriority {
-    fn drop(&mut self) {
-        bb_sys::process::set_thread_nice(0);
-    }
-}
-
 /// Collapse the private anonymous memory of `host_pid` into transparent huge pages, in aligned
 /// 2 MiB chunks at low priority. `gate` runs before each chunk and returns a guard held over
 /// it, or `None` to stop. Returns the bytes collapsed.
 fn collapse_memory<G>(host_pid: i32, gate: impl FnMut() -> Option<G>) -> std::result::Result<usize, String> {
-    bb_sys::process::set_thread_nice(15);
-    let _low = LowPriority;
+    let _nice = bb_sys::process::niced_thread(15);
     collapse_chunks(host_pid, gate)
 }
 
@@ -622,8 +620,7 @@ impl Runtime {
         let old_root = sb.dirs.rootfs_gen(old_n);
         tokio::task::spawn_blocking(move || {
             // Behind the requests that follow.
-            bb_sys::process::set_thread_nice(10);
-            let _low = LowPriority;
+            let _nice = bb_sys::process::niced_thread(10);
             if bb_layers::unmount(&old_root).is_ok() {
                 let _ = std::fs::remove_dir(&old_root);
             }
@@ -719,10 +716,9 @@ impl Runtime {
             let dev = std::fs::metadata(&rootfs).map_err(|e| RuntimeError::internal("stat sandbox root", e))?.dev();
             // Through the sandbox's own procfs: its pids are what the spare sets hold, and
             // templates (frozen copies, they never write) need no look.
-            let proc = PathBuf::from(format!("/proc/{}/root/proc", sb.init_pid));
-            let nspids: Vec<i32> = std::fs::read_dir(&proc)
-                .map(|rd| rd.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).filter(|p| *p != 1 && !scan.templates.contains(p)).collect())
-                .unwrap_or_default();
+            let proc = sandbox_proc(sb);
+            let mut nspids = proc_pids(&proc).unwrap_or_default();
+            nspids.retain(|p| !scan.templates.contains(p));
             let files = rootswap::written_files(&proc, &nspids, dev);
             let others: Vec<i32> = nspids.iter().copied().filter(|p| !scan.sessions.contains(p)).collect();
             let cwds = rootswap::stale_cwds(&proc, &others, dev);
@@ -1171,10 +1167,9 @@ impl Runtime {
         let (rt, sb, s) = (self.clone(), sb.clone(), s.clone());
         tokio::task::spawn_blocking(move || {
             // Even the look (every process's status, the session's page map) stays behind the
-            // requests; collapse_memory resets the priority of this pooled thread.
-            bb_sys::process::set_thread_nice(15);
+            // requests.
+            let _nice = bb_sys::process::niced_thread(15);
             let key = format!("session:{}:{}:{}", sb.id, s.id, s.pid);
-            let _low = LowPriority;
             let Some(host) = sb.cgroup.pids().ok().and_then(|p| p.into_iter().find(|h| ns_pid(*h) == Some(s.pid))) else { return };
             let Some(small) = bb_sys::process::small_anon_bytes(host) else { return };
             {

@@ -189,17 +189,14 @@ impl Runtime {
                 let (rt2, p) = (rt.clone(), parent.clone());
                 let built = tokio::task::spawn_blocking(move || {
                     // Background work: leave the CPU to foreground requests.
-                    bb_sys::process::set_thread_nice(10);
+                    let _nice = bb_sys::process::niced_thread(10);
                     let id = format!("sb-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
                     let layers: Vec<PathBuf> = p.spec.layers.iter().map(|l| layer_dir(&rt2.cfg, &rt2.images, l)).collect();
-                    let r = launch::launch_nested(&rt2.cfg, &rt2.cgroups, &id, &p.spec, &layers, &p.dirs.sock()).map(|launched| {
+                    launch::launch_nested(&rt2.cfg, &rt2.cgroups, &id, &p.spec, &layers, &p.dirs.sock()).map(|launched| {
                         // Without a spare, the claim makes the layer itself.
                         let spare = new_upper(&rt2.cfg, &SandboxDirs::new(&rt2.cfg.state_dir, &id), 1).ok();
                         Shell { id, launched, spare }
-                    });
-                    // Back to normal priority for the worker pool's next user.
-                    bb_sys::process::set_thread_nice(0);
-                    r
+                    })
                 })
                 .await
                 .map_err(blocking_err)

@@ -605,11 +605,11 @@ impl Runtime {
             // Reserved here, not when the image was picked: a recycle may have filled it since.
             let Some(slot) = rt.reserve_slot(&image, false) else { return Ok(()) };
             let t0 = Instant::now();
-            // Background work: leave the CPU to requests (the blocking pool reuses threads).
-            bb_sys::process::set_thread_nice(10);
-            let built = rt.build_shell(&image);
-            bb_sys::process::set_thread_nice(0);
-            let shell = built?;
+            // Background work: leave the CPU to requests.
+            let shell = {
+                let _nice = bb_sys::process::niced_thread(10);
+                rt.build_shell(&image)?
+            };
             {
                 let mut pool = rt.pool.lock().expect("lock");
                 pool.created += 1;

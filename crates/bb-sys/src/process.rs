@@ -237,6 +237,23 @@ pub fn set_thread_nice(nice: i32) {
     unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, nice) };
 }
 
+/// This thread at niceness `nice` until the guard is dropped, then back to 0: background work
+/// on a pooled thread (tokio's blocking pool) must not leave it slow for the requests it runs
+/// next.
+pub fn niced_thread(nice: i32) -> NicedThread {
+    set_thread_nice(nice);
+    NicedThread(())
+}
+
+/// See [`niced_thread`].
+pub struct NicedThread(());
+
+impl Drop for NicedThread {
+    fn drop(&mut self) {
+        set_thread_nice(0);
+    }
+}
+
 /// pidfd_open(2): an fd that becomes readable when `pid` exits.
 pub fn pidfd_open(pid: i32) -> SysResult<OwnedFd> {
     // SAFETY: pidfd_open takes plain integers.
