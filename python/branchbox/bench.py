@@ -55,6 +55,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def stats_row(label: str, xs: Sequence[float], digits: int = 2) -> List[str]:
+    """A table row for the samples ``xs`` (not empty): label, samples, p50, p99, min, max."""
+    return [label, str(len(xs))] + ["%.*f" % (digits, v) for v in (percentile(xs, 50), percentile(xs, 99), min(xs), max(xs))]
+
+
 @dataclass
 class BenchResult:
     """Raw samples in milliseconds per metric."""
@@ -88,18 +93,8 @@ class BenchResult:
         rows = []
         for metric in METRICS:
             xs = self.samples.get(metric) or []
-            if not xs:
-                continue
-            rows.append(
-                [
-                    metric,
-                    str(len(xs)),
-                    "%.3f" % percentile(xs, 50),
-                    "%.3f" % percentile(xs, 99),
-                    "%.3f" % min(xs),
-                    "%.3f" % max(xs),
-                ]
-            )
+            if xs:
+                rows.append(stats_row(metric, xs, digits=3))
         return rows
 
 

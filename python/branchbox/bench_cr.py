@@ -63,7 +63,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from . import _core
-from .bench import percentile
+from .bench import percentile, stats_row
 from .exceptions import SandboxError
 from .sandbox_sync import Images, Sandbox, Snapshots, _HTTP, health
 
@@ -867,18 +867,8 @@ class CrResult:
 
 
 def _row(rows: List[List[str]], label: str, xs: Sequence[float]) -> None:
-    if not xs:
-        return
-    rows.append(
-        [
-            label,
-            str(len(xs)),
-            "%.2f" % percentile(xs, 50),
-            "%.2f" % percentile(xs, 99),
-            "%.2f" % min(xs),
-            "%.2f" % max(xs),
-        ]
-    )
+    if xs:
+        rows.append(stats_row(label, xs))
 
 
 def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from .bench import percentile
+from .bench import percentile, stats_row
 from .exceptions import NotFoundError, SandboxError
 from .sandbox_sync import Images, Pool, Sandbox, Templates
 
@@ -280,9 +280,7 @@ class StartResult:
         for metric in METRICS:
             xs = self.samples.get(metric) or []
             if xs:
-                rows.append(
-                    [metric, str(len(xs))] + ["%.2f" % v for v in (percentile(xs, 50), percentile(xs, 99), min(xs), max(xs))]
-                )
+                rows.append(stats_row(metric, xs))
         return rows
 
 
