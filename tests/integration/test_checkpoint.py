@@ -67,6 +67,27 @@ def test_open_file_cannot_change_the_snapshot(sbx, raw):
     assert sh(raw, sid, "cat /root/pyfile") == "before+again"
 
 
+def test_shared_mapping_cannot_change_the_snapshot(sbx, raw):
+    sid = sbx.sandbox_id
+    # The session maps a file shared and writable, then closes its fd: only the mapping holds
+    # the file (found through the kernel's map query, PROCMAP_QUERY, where the kernel has it).
+    # ctypes: Python's mmap module would keep a dup of the fd.
+    py(raw, sid, "import ctypes, os\n"
+                 "open('/root/mapped', 'wb').write(b'A' * 4096)\n"
+                 "libc = ctypes.CDLL(None, use_errno=True)\n"
+                 "libc.mmap.restype = ctypes.c_void_p\n"
+                 "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\n"
+                 "fd = os.open('/root/mapped', os.O_RDWR)\n"
+                 "m = (ctypes.c_char * 4096).from_address(libc.mmap(None, 4096, 3, 1, fd, 0))\n"
+                 "os.close(fd)")
+    assert sh(raw, sid, "ls /proc/*/fd -l 2>/dev/null | grep -c mapped", code=None).strip() == "0"
+    snap = ckpt(raw, sid)
+    py(raw, sid, "m[:5] = b'after'")
+    assert sh(raw, sid, "head -c 5 /root/mapped") == "after"
+    rollback(raw, sid, snap["id"])
+    assert sh(raw, sid, "head -c 5 /root/mapped") == "AAAAA"
+
+
 def test_rollback_kills_background_processes_and_reports_them(sbx, raw):
     sid = sbx.sandbox_id
     py(raw, sid, "v = 'kept'")

@@ -248,31 +248,33 @@ fn sandbox_proc(sb: &Sandbox) -> PathBuf {
     PathBuf::from(format!("/proc/{}/root/proc", sb.init_pid))
 }
 
-/// The pids listed in procfs `proc` (in its pid namespace), but 1.
-fn proc_pids(proc: &Path) -> std::io::Result<Vec<i32>> {
-    Ok(std::fs::read_dir(proc)?.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).filter(|p| *p != 1).collect())
-}
-
-/// Kill every process of `sb`'s pid namespace but its init and `keep` (pids in the sandbox),
-/// read from the sandbox's own procfs: the kept ones (templates: dozens) cost nothing, where
-/// the cgroup's host pids each needed a `status` read to learn their pid inside. Processes of
-/// nested sandboxes (deeper pid namespaces, visible there too) are left alone. Err: no
-/// procfs to read (the caller falls back to the cgroup).
-fn kill_in_sandbox_procfs(sb: &Sandbox, keep: &HashSet<i32>, killed: &mut Vec<i32>) -> std::io::Result<()> {
+/// The processes of `sb`'s own pid namespace but init and `skip` (pids in the sandbox), from
+/// the sandbox's own procfs (returned too): `skip`ped ones (templates: dozens) cost nothing,
+/// where the cgroup's host pids each needed a `status` read to learn their pid inside.
+/// Processes of nested sandboxes (deeper pid namespaces, visible there too: a fork's pre-built
+/// shells) are left out. Err: no procfs of its own to read.
+fn own_pids(sb: &Sandbox, skip: &HashSet<i32>) -> std::io::Result<(PathBuf, Vec<i32>)> {
     let proc = sandbox_proc(sb);
     let own_ns = std::fs::read_link(format!("/proc/{}/ns/pid", sb.init_pid))?;
     if std::fs::read_link(proc.join("1/ns/pid"))? != own_ns {
         return Err(std::io::Error::other("the sandbox's /proc is not its own"));
     }
-    for pid in proc_pids(&proc)? {
-        if keep.contains(&pid) {
-            continue;
-        }
-        let dir = proc.join(pid.to_string());
-        if std::fs::read_link(dir.join("ns/pid")).ok().as_ref() != Some(&own_ns) {
-            continue; // a nested sandbox's, or gone
-        }
-        if bb_sys::process::signal_proc_dir(&dir, libc::SIGKILL).is_ok() {
+    let pids = std::fs::read_dir(&proc)?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .filter(|p| *p != 1 && !skip.contains(p))
+        // A nested sandbox's, or gone.
+        .filter(|p| std::fs::read_link(proc.join(format!("{p}/ns/pid"))).ok().as_ref() == Some(&own_ns))
+        .collect();
+    Ok((proc, pids))
+}
+
+/// Kill every process of `sb`'s own pid namespace but its init and `keep` (see [`own_pids`]).
+/// Err: no procfs to read (the caller falls back to the cgroup).
+fn kill_in_sandbox_procfs(sb: &Sandbox, keep: &HashSet<i32>, killed: &mut Vec<i32>) -> std::io::Result<()> {
+    let (proc, pids) = own_pids(sb, keep)?;
+    for pid in pids {
+        if bb_sys::process::signal_proc_dir(&proc.join(pid.to_string()), libc::SIGKILL).is_ok() {
             killed.push(pid);
         }
     }
@@ -538,11 +540,12 @@ impl Runtime {
         let mut new_templates: Vec<(String, Arc<Session>, std::os::unix::net::UnixStream)> = Vec::new();
         for (i, p) in pending {
             let pid = p.pid;
-            let ready = p.ready().await.and_then(|chan| {
+            let ready = (|| {
+                let chan = p.channel();
                 let keep = chan.try_clone().map_err(|e| RuntimeError::internal("socket", e))?;
                 let key = format!("tp-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
-                Ok((key.clone(), Session::attach(key, snap_sessions[i].kind.clone(), pid, now(), chan)?, keep))
-            });
+                Ok::<_, RuntimeError>((key.clone(), Session::attach(key, snap_sessions[i].kind.clone(), pid, now(), chan)?, keep))
+            })();
             match ready {
                 Ok((key, t, keep)) => {
                     snap_sessions[i].template = Some(key.clone());
@@ -554,6 +557,7 @@ impl Runtime {
                 }
             }
         }
+        let t_ready = t0.elapsed();
         if pinned.files > 0 {
             tracing::debug!(sandbox = %sb.id, files = pinned.files, bytes = pinned.bytes_copied, "open files moved to the live layer");
         }
@@ -571,6 +575,7 @@ impl Runtime {
         self.snaps.lock().expect("lock").insert(&row)?;
         let base = with_sessions.then(|| row.id.clone());
         self.set_gen(sb, Generation { base, ..new_gen })?;
+        let t_db = t0.elapsed();
         drop(gate);
         sb.dirty.store(false, Ordering::SeqCst);
         drop(guards);
@@ -587,6 +592,7 @@ impl Runtime {
                 // Registered with init off the critical path (it only matters after a daemon restart).
                 let (sbc, tag, k, pid) = (sb.clone(), format!("{TEMPLATE_TAG}{key}:{}", t.kind), key.clone(), t.pid);
                 tokio::spawn(async move {
+                    tokio::time::sleep(crate::BEHIND_ANSWER).await;
                     if let Err(e) = session::adopt(&sbc, pid, tag, k, &keep).await {
                         tracing::warn!(sandbox = %sbc.id, "template not registered with init: {e}");
                     }
@@ -598,10 +604,13 @@ impl Runtime {
             // Out of the pool already (nothing forks them any more): their processes and records
             // go after the answer.
             let rt = self.clone();
-            tokio::spawn(async move { rt.drop_templates(evicted).await });
+            tokio::spawn(async move {
+                tokio::time::sleep(crate::BEHIND_ANSWER).await;
+                rt.drop_templates(evicted).await
+            });
         }
         self.after_swap(sb, gen.n, Some(gen.upper.clone()), None);
-        tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, total = ?t0.elapsed(), "checkpoint");
+        tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, ?t_ready, ?t_db, total = ?t0.elapsed(), "checkpoint");
         Ok((row, true))
     }
 
@@ -619,6 +628,7 @@ impl Runtime {
         let dir = sb.dirs.dir.clone();
         let old_root = sb.dirs.rootfs_gen(old_n);
         tokio::task::spawn_blocking(move || {
+            std::thread::sleep(crate::BEHIND_ANSWER);
             // Behind the requests that follow.
             let _nice = bb_sys::process::niced_thread(10);
             if bb_layers::unmount(&old_root).is_ok() {
@@ -688,12 +698,12 @@ impl Runtime {
         kill: Option<(&HashSet<i32>, &mut Vec<i32>)>,
         stale: &mut Vec<(bb_sys::ptrace::PendingStop, PathBuf)>,
     ) -> Result<(Generation, rootswap::PinStats, std::os::fd::OwnedFd)> {
+        let tq = Instant::now();
         let rootfs = sb.rootfs();
-        let pids = sb.cgroup.pids()?;
         if let Some((keep, killed)) = kill {
             if kill_in_sandbox_procfs(sb, keep, killed).is_err() {
                 // No procfs of its own to read: ask each member for its pid in the sandbox.
-                for hp in &pids {
+                for hp in &sb.cgroup.pids()? {
                     if *hp == sb.init_pid {
                         continue;
                     }
@@ -716,14 +726,16 @@ impl Runtime {
             let dev = std::fs::metadata(&rootfs).map_err(|e| RuntimeError::internal("stat sandbox root", e))?.dev();
             // Through the sandbox's own procfs: its pids are what the spare sets hold, and
             // templates (frozen copies, they never write) need no look.
-            let proc = sandbox_proc(sb);
-            let mut nspids = proc_pids(&proc).unwrap_or_default();
-            nspids.retain(|p| !scan.templates.contains(p));
+            let (proc, nspids) = own_pids(sb, scan.templates).unwrap_or_else(|e| {
+                // Sandbox code cannot unmount or cover its /proc (seccomp denies mounts).
+                tracing::warn!(sandbox = %sb.id, "no procfs of its own to look for files open for writing: {e}");
+                (sandbox_proc(sb), Vec::new())
+            });
             let files = rootswap::written_files(&proc, &nspids, dev);
             let others: Vec<i32> = nspids.iter().copied().filter(|p| !scan.sessions.contains(p)).collect();
             let cwds = rootswap::stale_cwds(&proc, &others, dev);
             if !cwds.is_empty() {
-                let host: HashMap<i32, i32> = pids.iter().filter_map(|h| Some((ns_pid(*h)?, *h))).collect();
+                let host: HashMap<i32, i32> = sb.cgroup.pids()?.into_iter().filter_map(|h| Some((ns_pid(h)?, h))).collect();
                 for (ns, path) in cwds {
                     match host.get(&ns).map(|h| bb_sys::ptrace::PendingStop::request(*h)) {
                         Some(Ok(p)) => stale.push((p, path)),
@@ -732,6 +744,7 @@ impl Runtime {
                     }
                 }
             }
+            tracing::debug!(sandbox = %sb.id, processes = nspids.len(), took = ?tq.elapsed(), "frozen scan");
             match rootswap::pin_open_files(&files, old_upper, &prep.upper) {
                 Ok(p) => {
                     pinned = p;
@@ -825,7 +838,7 @@ impl Runtime {
             }
         };
         let t_swapped = t0.elapsed();
-        // The copies said they are ready while the root moved.
+        // The copies exist (their own start-up overlaps the answer).
         let mut ready: Vec<Option<(Session, std::os::unix::net::UnixStream)>> = Vec::new();
         for (ss, p) in snap.sessions.iter().zip(restored) {
             let Some(p) = p else {
@@ -833,10 +846,11 @@ impl Runtime {
                 continue;
             };
             let pid = p.pid;
-            let r = p.ready().await.and_then(|chan| {
+            let r = (|| {
+                let chan = p.channel();
                 let keep = chan.try_clone().map_err(|e| RuntimeError::internal("socket", e))?;
-                Ok((Session::attach(ss.id.clone(), ss.kind.clone(), pid, now(), chan)?, keep))
-            });
+                Ok::<_, RuntimeError>((Session::attach(ss.id.clone(), ss.kind.clone(), pid, now(), chan)?, keep))
+            })();
             ready.push(match r {
                 Ok(x) => Some(x),
                 Err(e) => {
@@ -846,11 +860,14 @@ impl Runtime {
                 }
             });
         }
+        let t_ready = t0.elapsed();
         self.set_gen(&sb, Generation { base: Some(snap.id.clone()), ..new_gen })?;
         drop(gate);
+        let t_db = t0.elapsed();
         for s in &old {
             s.forget().await;
         }
+        let t_forget = t0.elapsed();
         drop(guards);
         sessions_map.clear();
         *default = None;
@@ -860,6 +877,7 @@ impl Runtime {
                 Some((s, keep)) => {
                     let (sbc, tag, key, pid) = (sb.clone(), session::session_tag(&ss.id, &ss.kind, ss.default), ss.id.clone(), s.pid);
                     tokio::spawn(async move {
+                        tokio::time::sleep(crate::BEHIND_ANSWER).await;
                         if let Err(e) = session::adopt(&sbc, pid, tag, key, &keep).await {
                             tracing::warn!(sandbox = %sbc.id, "restored session not registered with init: {e}");
                         }
@@ -883,7 +901,7 @@ impl Runtime {
         self.after_swap(&sb, gen.n, None, Some(gen.upper.clone()));
         let mut killed: Vec<i32> = killed.into_iter().filter(|p| !old_pids.contains(p)).collect();
         killed.sort_unstable();
-        tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, total = ?t0.elapsed(), "rollback");
+        tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, ?t_ready, ?t_db, ?t_forget, total = ?t0.elapsed(), "rollback");
         Ok(RollbackResult { snapshot: snap.id, sessions_restarted: restarted, killed, took_ms: ms(t0) })
     }
 
@@ -1166,6 +1184,7 @@ impl Runtime {
     pub(crate) fn maybe_collapse_session(self: &Arc<Self>, sb: &Arc<Sandbox>, s: &Arc<Session>) {
         let (rt, sb, s) = (self.clone(), sb.clone(), s.clone());
         tokio::task::spawn_blocking(move || {
+            std::thread::sleep(crate::BEHIND_ANSWER);
             // Even the look (every process's status, the session's page map) stays behind the
             // requests.
             let _nice = bb_sys::process::niced_thread(15);

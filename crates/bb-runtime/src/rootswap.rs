@@ -209,20 +209,10 @@ pub fn written_files(proc: &Path, pids: &[i32], ovl_dev: u64) -> Vec<WrittenFile
                 out.insert(WrittenFile { path, ino: meta.ino() });
             }
         }
-        // Shared writable mappings: "addr perms offset dev inode path".
-        let Ok(maps) = fs::read_to_string(proc.join(pid.to_string()).join("maps")) else { continue };
-        for line in maps.lines() {
-            let mut f = line.splitn(6, ' ');
-            let (Some(_), Some(perms), Some(_), Some(_), Some(ino)) = (f.next(), f.next(), f.next(), f.next(), f.next()) else {
-                continue;
-            };
-            let pb = perms.as_bytes();
-            if pb.len() < 4 || pb[1] != b'w' || pb[3] != b's' {
-                continue;
-            }
-            let path = f.next().unwrap_or("").trim_start();
-            let (Ok(ino), Some(p)) = (ino.parse::<u64>(), sandbox_path(Path::new(path))) else { continue };
-            if ino != 0 {
+        // Shared writable file mappings.
+        let Ok(maps) = fs::File::open(proc.join(pid.to_string()).join("maps")) else { continue };
+        for (ino, path) in bb_sys::process::shared_writable_file_maps(&maps).unwrap_or_default() {
+            if let Some(p) = sandbox_path(&path) {
                 out.insert(WrittenFile { path: p, ino });
             }
         }

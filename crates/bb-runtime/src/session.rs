@@ -31,9 +31,6 @@ pub struct Session {
     pub created_at: f64,
     alive: AtomicBool,
     chan: tokio::sync::Mutex<Option<BufReader<UnixStream>>>,
-    /// Request ids: every answer is matched to its request, so a restarted daemon that inherits
-    /// a channel with a stale answer in flight skips it.
-    next_id: std::sync::atomic::AtomicU64,
     /// Held for a whole user-visible operation (a run); a checkpoint holds every session's.
     pub op_lock: tokio::sync::Mutex<()>,
 }
@@ -63,7 +60,6 @@ impl Session {
             created_at,
             alive: AtomicBool::new(true),
             chan: tokio::sync::Mutex::new(Some(BufReader::new(stream))),
-            next_id: Default::default(),
             op_lock: Default::default(),
         })
     }
@@ -88,21 +84,13 @@ impl Session {
         self.alive.store(false, Ordering::SeqCst);
     }
 
-    /// Fork the session server (`{"op":"fork","role":role}` with a new channel).
+    /// Fork the session server (`{"op":"fork","role":role}` with a new channel) and return
+    /// once this process answered (the child exists), without waiting for the child.
     ///
     /// `role = "template"`: the child is a frozen copy (the snapshot's template), this process goes
-    /// on. `role = "restore"` (sent to a template): the child is a new live session. Returns the
-    /// child's pid and the daemon's end of the child's channel, after the child has answered on it.
-    pub async fn fork(&self, role: &str) -> Result<(i32, std::os::unix::net::UnixStream)> {
-        let pending = self.fork_begin(role).await?;
-        let pid = pending.pid;
-        Ok((pid, pending.ready().await?))
-    }
-
-    /// The first half of [`fork`](Self::fork): returns once this process answered (the child
-    /// exists), without waiting for the child. The server takes everything a template needs
-    /// (cwd, open files) before it forks, so the caller may move the sandbox's root before
-    /// [`PendingFork::ready`].
+    /// on. `role = "restore"` (sent to a template): the child is a new live session. The server
+    /// takes everything a template needs (cwd, open files) before it forks, so the caller may
+    /// move the sandbox's root right away.
     pub async fn fork_begin(&self, role: &str) -> Result<PendingFork> {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| RuntimeError::internal("socketpair", e))?;
         let resp = self
@@ -113,7 +101,7 @@ impl Session {
         let Some(child) = resp.get("child").and_then(|c| c.as_i64()) else {
             return Err(RuntimeError::Internal(format!("session {} refused to fork: {resp}", self.id)));
         };
-        Ok(PendingFork { pid: child as i32, chan: ours, session: self.id.clone() })
+        Ok(PendingFork { pid: child as i32, chan: ours })
     }
 
     /// Hold the channel: no request reaches the session until the guard is dropped (the daemon
@@ -154,7 +142,7 @@ impl Session {
     ) -> Result<Option<serde_json::Value>> {
         let mut guard = self.chan.lock().await;
         let chan = guard.as_mut().ok_or_else(|| self.dead_error())?;
-        let id = format!("r{}", self.next_id.fetch_add(1, Ordering::SeqCst));
+        let id = request_id();
         let mut req = req.clone();
         req["id"] = serde_json::Value::String(id.clone());
         let mut line = serde_json::to_vec(&req).expect("json");
@@ -206,34 +194,31 @@ impl Session {
     }
 }
 
-/// A forked session server whose child has not said it is ready (see [`Session::fork_begin`]).
+/// A forked session server's child (see [`Session::fork_begin`]).
 pub struct PendingFork {
     /// The child's pid in the sandbox.
     pub pid: i32,
     chan: std::os::unix::net::UnixStream,
-    session: String,
 }
 
 impl PendingFork {
-    /// Wait for the child's first line on its channel; returns the daemon's end of it.
-    pub async fn ready(self) -> Result<std::os::unix::net::UnixStream> {
-        let id = self.session;
-        self.chan.set_nonblocking(true).map_err(|e| RuntimeError::internal("socket", e))?;
-        let stream = UnixStream::from_std(self.chan).map_err(|e| RuntimeError::internal("socket", e))?;
-        let mut reader = BufReader::new(stream);
-        let mut hello = Vec::new();
-        let read = tokio::time::timeout(FORK_TIMEOUT, reader.read_until(b'\n', &mut hello)).await;
-        if !matches!(read, Ok(Ok(n)) if n > 0) {
-            return Err(RuntimeError::Internal(format!("forked copy of session {id} did not report")));
-        }
-        let v: serde_json::Value = serde_json::from_slice(&hello).unwrap_or_default();
-        if v.get("ok").and_then(|o| o.as_bool()) != Some(true) {
-            return Err(RuntimeError::Internal(format!("forked copy of session {id} failed: {v}")));
-        }
-        let std = reader.into_inner().into_std().map_err(|e| RuntimeError::internal("socket", e))?;
-        std.set_nonblocking(false).map_err(|e| RuntimeError::internal("socket", e))?;
-        Ok(std)
+    /// The daemon's end of the child's channel, at once. The child's first line (its "ready",
+    /// answered to the fork request's id) is skipped by its first request like any stale
+    /// answer: the child exists already, and a child that died shows as a dead session then.
+    pub fn channel(self) -> std::os::unix::net::UnixStream {
+        self.chan
     }
+}
+
+/// Request ids: every answer is matched to its request, so an answer nobody waits for (a fork
+/// child's "ready", or one in flight on a channel a restarted daemon took over) is skipped.
+/// Unique across sessions and daemon runs: a fork child's first line carries its parent's
+/// request id on what becomes another session's channel.
+fn request_id() -> String {
+    static RUN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let run = RUN.get_or_init(|| uuid::Uuid::new_v4().simple().to_string()[..8].to_string());
+    format!("{run}-{}", NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
 /// Send `line` with `fd` attached in one sendmsg; the rest (if the socket took only part) plainly.
