@@ -12,6 +12,7 @@ import base64
 import io
 import json
 import os
+import socket
 import stat as stat_mod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -108,15 +109,21 @@ def error_for_status(status_code: int, content: bytes) -> exc.SandboxError:
     return exc.error_from_response(status_code, body)
 
 
+class SocketConnectError(ConnectionError):
+    """The daemon's unix socket did not take a connection (the SDK's unix-socket fast path;
+    the cause is chained)."""
+
+
 def transport_error(err: Exception, url: str) -> exc.SandboxError:
-    """Map an httpx transport failure to a branchbox exception."""
-    if isinstance(err, httpx.TimeoutException):
+    """Map a transport failure (httpx's, or the standard library's on the unix-socket fast
+    path: a socket timeout, a refused connection, a closed one) to a branchbox exception."""
+    if isinstance(err, (httpx.TimeoutException, TimeoutError, socket.timeout)):
         return exc.TimeoutError(
             "request to branchboxd at %s timed out (%s); raise request_timeout if the "
             "operation is expected to take longer" % (url, type(err).__name__),
             code="timeout",
         )
-    if isinstance(err, httpx.ConnectError):
+    if isinstance(err, (httpx.ConnectError, SocketConnectError)):
         return exc.DaemonUnavailableError(
             "cannot reach branchboxd at %s (%s): run `branchbox daemon start` or set "
             "BRANCHBOX_URL to where the daemon listens" % (url, err),
