@@ -907,6 +907,7 @@ impl Runtime {
 
     pub async fn fork(self: &Arc<Self>, id: &str, req: ForkRequest) -> Result<ForkResult> {
         let t0 = Instant::now();
+        let _busy = self.activity.busy();
         let n = req.count.unwrap_or(1);
         if !(1..=MAX_FORK).contains(&n) {
             return Err(RuntimeError::BadRequest(format!("count must be in [1, {MAX_FORK}]; got {n}")));

@@ -114,6 +114,61 @@ pub struct Runtime {
     /// Live session processes collapsed into huge pages, and how that went
     /// (`maybe_collapse_session`).
     pub(crate) session_thp: Mutex<HashMap<String, checkpoint::SessionThp>>,
+    /// Requests that run code in sandboxes, for background work that waits for a pause.
+    pub(crate) activity: Activity,
+}
+
+/// Requests that run code in sandboxes (commands, session code, forks) in flight, and when the
+/// last one ended: background work that can wait (refilling a parent's fork shells) waits for
+/// a pause in them, so that on a small host it does not take the CPUs from the sandboxes'
+/// own work (a fork's children run their first commands right away).
+#[derive(Default)]
+pub(crate) struct Activity {
+    in_flight: std::sync::atomic::AtomicUsize,
+    last_end: Mutex<Option<std::time::Instant>>,
+}
+
+/// Marks a request in flight until dropped (see [`Activity`]).
+pub(crate) struct Busy<'a>(&'a Activity);
+
+impl Activity {
+    pub(crate) fn busy(&self) -> Busy<'_> {
+        self.in_flight.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Busy(self)
+    }
+
+    /// How long no request has been in flight at `now` (zero while one is; `None`: none ever).
+    pub(crate) fn quiet_for(&self, now: std::time::Instant) -> Option<std::time::Duration> {
+        if self.in_flight.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            return Some(std::time::Duration::ZERO);
+        }
+        self.last_end.lock().expect("lock").map(|t| now.saturating_duration_since(t))
+    }
+}
+
+impl Runtime {
+    /// Wait until no request ran code for `quiet` (see [`Activity`]), or for `max` at most.
+    pub(crate) async fn wait_for_quiet(&self, quiet: std::time::Duration, max: std::time::Duration) {
+        let t0 = std::time::Instant::now();
+        loop {
+            let now = std::time::Instant::now();
+            let waited = now.saturating_duration_since(t0);
+            let q = self.activity.quiet_for(now).unwrap_or(quiet);
+            if q >= quiet || waited >= max {
+                return;
+            }
+            tokio::time::sleep((quiet - q).min(max - waited)).await;
+        }
+    }
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        // The end is recorded before the count drops: a reader never sees "none in flight"
+        // with an older end.
+        *self.0.last_end.lock().expect("lock") = Some(std::time::Instant::now());
+        self.0.in_flight.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// With `sb`'s cgroup frozen (so nothing forks meanwhile), SIGKILL every member `spare` says
@@ -221,6 +276,7 @@ impl Runtime {
             layer_pins,
             nest_targets: Mutex::new(HashMap::new()),
             collapsed: Mutex::new(Default::default()),
+            activity: Activity::default(),
             session_thp: Mutex::new(Default::default()),
         });
         rt.recover()?;
@@ -689,6 +745,7 @@ impl Runtime {
 
     pub async fn run_command(&self, id: &str, req: RunCommand) -> Result<CommandResult> {
         let sb = self.live(id)?;
+        let _busy = self.activity.busy();
         exec::run(&sb, &req, None).await
     }
 
@@ -760,6 +817,7 @@ impl Runtime {
     pub async fn run_session(&self, id: &str, sid: &str, req: RunCode) -> Result<SessionResult> {
         let sb = self.live(id)?;
         let s = self.session(&sb, sid).await?;
+        let _busy = self.activity.busy();
         session::run(&sb, &s, &req.code, timeout_of(req.timeout)?).await
     }
 
@@ -781,6 +839,7 @@ impl Runtime {
             }
         }
         let sb = self.live(id)?;
+        let _busy = self.activity.busy();
         let s = {
             let mut default = sb.default_session.lock().await;
             let existing = match default.as_ref() {
@@ -1062,6 +1121,22 @@ fn reattach_sessions(sb: &Sandbox) -> Vec<(String, session::Session)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn activity_is_quiet_only_when_nothing_runs() {
+        let a = Activity::default();
+        let t0 = std::time::Instant::now();
+        assert_eq!(a.quiet_for(t0), None, "nothing ever ran");
+        let one = a.busy();
+        let two = a.busy();
+        assert_eq!(a.quiet_for(t0 + std::time::Duration::from_secs(1)), Some(std::time::Duration::ZERO));
+        drop(one);
+        assert_eq!(a.quiet_for(std::time::Instant::now() + std::time::Duration::from_secs(1)), Some(std::time::Duration::ZERO), "one still runs");
+        drop(two);
+        let ended = std::time::Instant::now();
+        let q = a.quiet_for(ended + std::time::Duration::from_millis(50)).unwrap();
+        assert!(q >= std::time::Duration::from_millis(50) && q < std::time::Duration::from_millis(60), "{q:?}");
+    }
 
     #[test]
     fn a_state_dir_keeps_the_uid_base_it_was_set_up_with() {

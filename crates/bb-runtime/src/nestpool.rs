@@ -27,6 +27,12 @@ use std::sync::Arc;
 pub const MAX_PER_PARENT: usize = 64;
 pub const MAX_TOTAL: usize = 128;
 
+/// A refill starts once no command or session code ran for `REFILL_QUIET` (a fork's children
+/// run theirs right away), or after `REFILL_MAX_DEFER` at most. Measured here (2 cores):
+/// fork(16) until every child ran `true`, 50-54 -> 46-48 ms.
+const REFILL_QUIET: std::time::Duration = std::time::Duration::from_millis(20);
+const REFILL_MAX_DEFER: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// How long the first root of a claimed shell is left mounted before it is removed.
 const CLEANUP_DELAY: std::time::Duration = std::time::Duration::from_millis(300);
 
@@ -178,6 +184,7 @@ impl Runtime {
         }
         let rt = self.clone();
         tokio::spawn(async move {
+            rt.wait_for_quiet(REFILL_QUIET, REFILL_MAX_DEFER).await;
             loop {
                 let short = {
                     let pool = rt.nest_pool.lock().expect("lock");

@@ -280,7 +280,10 @@ impl Prepared {
                 return Err(fail("socketpair", e));
             }
         };
-        let sent = target.cgroup.add_pid(h.pid()).map_err(RuntimeError::from).and_then(|()| send_fds(&self.ns_sock, target.init_pid, &theirs));
+        let added = target.cgroup.add_pid(h.pid()).map_err(RuntimeError::from);
+        let t_cg = t0.elapsed();
+        let sent = added.and_then(|()| send_fds(&self.ns_sock, target.init_pid, &theirs));
+        let t_sent = t0.elapsed();
         drop(theirs);
         if let Err(e) = sent {
             h.kill();
@@ -304,6 +307,7 @@ impl Prepared {
             (libc::SYS_fork, [0; 6]),
             (libc::SYS_exit, [0; 6]),
         ]);
+        let t_pre = t0.elapsed();
         let b = match h.run_batch(runner, &calls) {
             Ok(b) => b,
             Err(e) => {
@@ -322,6 +326,7 @@ impl Prepared {
             }
             return Err(fail(&format!("helper: {what}"), std::io::Error::from_raw_os_error(-errno as i32)));
         }
+        let t_batch = t0.elapsed();
         let copy_pid = b.children.first().copied().ok_or_else(|| fail("helper", "fork made no child"))?;
         let copy = t.child(copy_pid).map_err(|e| fail("copy", e))?;
         // The fds really received must be the ones the batch used.
@@ -330,7 +335,7 @@ impl Prepared {
             return Err(e);
         }
         copy.resume().map_err(|e| fail("resume copy", e))?;
-        tracing::debug!(?t_clone, total = ?t0.elapsed(), "session copy");
+        tracing::debug!(?t_clone, ?t_cg, ?t_sent, ?t_pre, ?t_batch, total = ?t0.elapsed(), "session copy");
         Ok(SessionCopy { host_pid: copy_pid, chan: ours, runner: (runner, RUNNER_BYTES) })
     }
 }
