@@ -1018,6 +1018,16 @@ impl Runtime {
         use futures::stream::{FuturesUnordered, StreamExt};
         let t0 = Instant::now();
         let n = n as usize;
+        // The session copies are moved into the children's cgroups: get the kernel's migration
+        // lock ready while the shells are claimed.
+        {
+            let (cg, init) = (parent.cgroup.clone(), parent.init_pid);
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = cg.warm_migrations(init) {
+                    tracing::debug!("cgroup migration warm-up: {e}");
+                }
+            });
+        }
         // Host pids of the templates (they live in the parent's cgroup).
         let hosts: HashMap<i32, i32> = parent
             .cgroup
@@ -1145,7 +1155,7 @@ impl Runtime {
             return Err(RuntimeError::Internal("live fork: some children were not made".into()));
         }
         // The next fork from this parent finds its shells ready.
-        let want = self.nest_targets.lock().expect("lock").get(&parent.id).copied().unwrap_or(0).max(n);
+        let want = self.nest_targets.lock().expect("lock").get(&parent.id).copied().unwrap_or(0).max(n).max(crate::nestpool::FORK_SHELLS_MIN);
         self.refill_shells(parent.clone(), want);
         if n >= COLLAPSE_MIN_FORK {
             for ((_, t), host) in templates.iter().zip(&hosts) {
