@@ -1155,7 +1155,7 @@ impl Runtime {
             return Err(RuntimeError::Internal("live fork: some children were not made".into()));
         }
         // The next fork from this parent finds its shells ready.
-        let want = self.nest_targets.lock().expect("lock").get(&parent.id).copied().unwrap_or(0).max(n).max(crate::nestpool::FORK_SHELLS_MIN);
+        let want = self.nest_targets.lock().expect("lock").get(&parent.id).copied().unwrap_or(0).max(n);
         self.refill_shells(parent.clone(), want);
         if n >= COLLAPSE_MIN_FORK {
             for ((_, t), host) in templates.iter().zip(&hosts) {

@@ -23,12 +23,6 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// Shells kept ready for a parent that forked (or its last fork's size, if larger): a tree
-/// search's fan-out changes from step to step (Best-of-4, then of 16), and a fork that finds
-/// too few builds the rest on its path (fork(16) after forks of 4: ~100 ms instead of ~50).
-/// An idle shell costs ~0.4 MiB.
-pub const FORK_SHELLS_MIN: usize = 16;
-
 /// Most shells kept for one parent, and for all parents together.
 pub const MAX_PER_PARENT: usize = 64;
 pub const MAX_TOTAL: usize = 128;
