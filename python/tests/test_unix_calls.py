@@ -25,6 +25,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
+    def setup(self):
+        super().setup()
+        # One handler per connection: number them (object ids can be reused once freed).
+        with self.server.lock:
+            self.server.conns += 1
+            self.conn_no = self.server.conns
+
     def do_GET(self):
         self._answer()
 
@@ -43,7 +50,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 "auth": self.headers.get("Authorization"),
                 "agent": self.headers.get("User-Agent"),
                 "type": self.headers.get("Content-Type"),
-                "conn": id(self.connection),
+                "conn": self.conn_no,
             }
         )
         if self.path.startswith("/slow"):
@@ -68,6 +75,8 @@ def server(tmp_path):
     path = str(tmp_path / "d.sock")
     srv = _Server(path, _Handler)
     srv.seen = []
+    srv.conns = 0
+    srv.lock = threading.Lock()
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     yield srv, path
