@@ -628,7 +628,8 @@ impl Runtime {
         let dir = sb.dirs.dir.clone();
         let old_root = sb.dirs.rootfs_gen(old_n);
         tokio::task::spawn_blocking(move || {
-            std::thread::sleep(crate::BEHIND_ANSWER);
+            // Not put off by BEHIND_ANSWER: until the old root is unmounted its layers count as
+            // in use, and a snapshot deleted meanwhile would leave its layer behind.
             // Behind the requests that follow.
             let _nice = bb_sys::process::niced_thread(10);
             if bb_layers::unmount(&old_root).is_ok() {

@@ -1221,8 +1221,8 @@ mod tests {
     }
 }
 
-/// How long background work a request leaves behind (unmounting the old root, registering a
-/// template with init, a huge-page look at a session) waits before it starts: on a small
+/// How long background work a request leaves behind (registering a template with init, a
+/// huge-page look at a session, dropping evicted templates) waits before it starts: on a small
 /// host it otherwise competes for the CPUs with the answer on its way to the client and
 /// with the thawed sandbox (measured here, 2 cores: 0.2-0.3 ms off each checkpoint and
 /// rollback as the client sees it).
