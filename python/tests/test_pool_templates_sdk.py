@@ -181,10 +181,10 @@ def test_pool_validation_and_errors(fake: FakeDaemon) -> None:
             pool.set("nope", 1)
 
 
-def test_pool_module_functions(fake: FakeDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pool_module_functions(daemon: FakeDaemon) -> None:
+    fake = daemon
     fake.on("GET", "/v1/pool", POOL)
     fake.on("PUT", "/v1/pool/base", POOL)
-    _route_all(fake, monkeypatch)
     assert branchbox.pool.stats().recycled == 3
     branchbox.pool.set("base", 1, 2)
     assert fake.body() == {"min": 1, "max": 2}
@@ -315,29 +315,18 @@ def test_template_list_get_remove(fake: FakeDaemon) -> None:
             templates.get("")
 
 
-def test_templates_module_functions(fake: FakeDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_templates_module_functions(daemon: FakeDaemon) -> None:
+    fake = daemon
     fake.on("GET", "/v1/templates", {"templates": [TEMPLATE]})
     fake.on("GET", "/v1/templates/py", TEMPLATE)
     fake.on("DELETE", "/v1/templates/py", {"removed": True})
     fake.on("POST", "/v1/templates", _stream(*BUILD_EVENTS))
-    _route_all(fake, monkeypatch)
     assert [t.name for t in branchbox.templates.list()] == ["py"]
     assert branchbox.templates.get("py").shells == 4
     assert branchbox.templates.build("py", run=["true"], code="x = 1").name == "py"
     assert fake.body() == {"name": "py", "run": ["true"], "code": "x = 1"}
     assert branchbox.templates.remove("py") is True
     assert branchbox.templates.__all__ == ["list", "get", "build", "remove"]
-
-
-def _route_all(fake: FakeDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = sandbox_sync.ConnectionConfig
-
-    class Patched(real):  # type: ignore[misc, valid-type]
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self.transport = fake.transport()
-
-    monkeypatch.setattr(sandbox_sync, "ConnectionConfig", Patched)
 
 
 # ----------------------------------------------------------------------------- async mirror

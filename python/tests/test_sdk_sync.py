@@ -492,19 +492,10 @@ def test_image_errors(fake: FakeDaemon) -> None:
             images.import_("a", "/x.tar")
 
 
-def test_images_module_functions(fake: FakeDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_images_module_functions(daemon: FakeDaemon) -> None:
     import branchbox.images as images_mod
-    import branchbox.sandbox_sync as sync_mod
 
-    fake.on("GET", "/v1/images", {"images": [IMAGE]})
-    real = sync_mod.ConnectionConfig
-
-    class Patched(real):  # type: ignore[misc, valid-type]
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self.transport = fake.transport()
-
-    monkeypatch.setattr(sync_mod, "ConnectionConfig", Patched)
+    daemon.on("GET", "/v1/images", {"images": [IMAGE]})
     assert [i.name for i in branchbox.images.list()] == ["base"]
     assert images_mod.__all__ == ["list", "build", "import_", "remove"]
 

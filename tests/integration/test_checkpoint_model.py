@@ -44,6 +44,8 @@ import time
 
 import pytest
 
+from helpers import ckpt, rollback
+
 DEFAULT_SEED = 20241122
 TREE_OPS = int(os.environ.get("BRANCHBOX_MODEL_TREE_OPS", "200"))
 # Op kinds to leave out (comma separated), to narrow a failure down: e.g. "hardlink".
@@ -918,18 +920,6 @@ def _py(raw, sid, code):
     return r.json().get("result")
 
 
-def _ckpt(raw, sid):
-    r = raw.post("/v1/sandboxes/%s/checkpoint" % sid, json={})
-    assert r.status_code == 201, r.text
-    return r.json()
-
-
-def _rollback(raw, sid, snap):
-    r = raw.post("/v1/sandboxes/%s/rollback" % sid, json={"snapshot": snap})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_hard_links_across_a_checkpoint_follow_overlayfs(sbx, raw):
     """The walk's first find, which is the kernel's semantics, not a bug: after a checkpoint a
     hard-link pair is in a read-only lower layer, and overlayfs (index=off, like Docker's overlay2)
@@ -938,7 +928,7 @@ def test_hard_links_across_a_checkpoint_follow_overlayfs(sbx, raw):
     sid = sbx.sandbox_id
     _sh(raw, sid, "mkdir /work && cd /work && echo one > a && ln a b && echo m > c && ln c d && echo e > e && ln e f"
                   " && ln e f2 && echo g > g && ln g h && echo i > i && ln i j && echo k > k && ln k l")
-    snap = _ckpt(raw, sid)["id"]
+    snap = ckpt(raw, sid)["id"]
     try:
         same = "cd /work && set -- %s && for p in %s; do [ $1 -ef $p ] && printf 1 || printf 0; shift; done; echo"
         # A copy-up of one name detaches it; the other name keeps the old inode, content and mode.
@@ -954,7 +944,7 @@ def test_hard_links_across_a_checkpoint_follow_overlayfs(sbx, raw):
         _sh(raw, sid, "cd /work && echo more >> k2 && echo m > m && ln m n && chmod 700 n")
         assert _sh(raw, sid, "cd /work && cat k l; stat -c %a m") == "k\nmore\nk\n700\n"
         # The next checkpoint freezes them in turn.
-        snap2 = _ckpt(raw, sid)["id"]
+        snap2 = ckpt(raw, sid)["id"]
         try:
             _sh(raw, sid, "cd /work && echo x >> m")
             assert _sh(raw, sid, "cd /work && cat m n; [ m -ef n ] || echo split") == "m\nx\nm\nsplit\n"
@@ -971,14 +961,14 @@ def test_lightweight_snapshot_after_foreign_rollback_keeps_fresh_sessions(make_s
     a = make_sandbox().sandbox_id
     b = make_sandbox().sandbox_id
     _py(raw, a, "x = 1")
-    x = _ckpt(raw, a)["id"]
+    x = ckpt(raw, a)["id"]
     snaps = [x]
     try:
-        _rollback(raw, b, x)  # x's templates live in a: b's session starts fresh (sessions_restarted)
-        y = _ckpt(raw, b)
+        rollback(raw, b, x)  # x's templates live in a: b's session starts fresh (sessions_restarted)
+        y = ckpt(raw, b)
         assert not y["lightweight"], "b's sessions are not x's: y must have its own templates"
         snaps.append(y["id"])
-        _rollback(raw, a, y["id"])
+        rollback(raw, a, y["id"])
         # b's session had no `x` when y was taken.
         assert _py(raw, a, "'x' in globals()") == "False"
     finally:

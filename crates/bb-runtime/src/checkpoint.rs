@@ -557,7 +557,6 @@ impl Runtime {
                 }
             }
         }
-        let t_ready = t0.elapsed();
         if pinned.files > 0 {
             tracing::debug!(sandbox = %sb.id, files = pinned.files, bytes = pinned.bytes_copied, "open files moved to the live layer");
         }
@@ -610,7 +609,7 @@ impl Runtime {
             });
         }
         self.after_swap(sb, gen.n, Some(gen.upper.clone()), None);
-        tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, ?t_ready, ?t_db, total = ?t0.elapsed(), "checkpoint");
+        tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, ?t_db, total = ?t0.elapsed(), "checkpoint");
         Ok((row, true))
     }
 
@@ -861,14 +860,11 @@ impl Runtime {
                 }
             });
         }
-        let t_ready = t0.elapsed();
         self.set_gen(&sb, Generation { base: Some(snap.id.clone()), ..new_gen })?;
         drop(gate);
-        let t_db = t0.elapsed();
         for s in &old {
             s.forget().await;
         }
-        let t_forget = t0.elapsed();
         drop(guards);
         sessions_map.clear();
         *default = None;
@@ -902,7 +898,7 @@ impl Runtime {
         self.after_swap(&sb, gen.n, None, Some(gen.upper.clone()));
         let mut killed: Vec<i32> = killed.into_iter().filter(|p| !old_pids.contains(p)).collect();
         killed.sort_unstable();
-        tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, ?t_ready, ?t_db, ?t_forget, total = ?t0.elapsed(), "rollback");
+        tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, total = ?t0.elapsed(), "rollback");
         Ok(RollbackResult { snapshot: snap.id, sessions_restarted: restarted, killed, took_ms: ms(t0) })
     }
 

@@ -283,7 +283,6 @@ impl Prepared {
         let added = target.cgroup.add_pid(h.pid()).map_err(RuntimeError::from);
         let t_cg = t0.elapsed();
         let sent = added.and_then(|()| send_fds(&self.ns_sock, target.init_pid, &theirs));
-        let t_sent = t0.elapsed();
         drop(theirs);
         if let Err(e) = sent {
             h.kill();
@@ -307,7 +306,7 @@ impl Prepared {
             (libc::SYS_fork, [0; 6]),
             (libc::SYS_exit, [0; 6]),
         ]);
-        let t_pre = t0.elapsed();
+        let t_batch_start = t0.elapsed();
         let b = match h.run_batch(runner, &calls) {
             Ok(b) => b,
             Err(e) => {
@@ -335,7 +334,7 @@ impl Prepared {
             return Err(e);
         }
         copy.resume().map_err(|e| fail("resume copy", e))?;
-        tracing::debug!(?t_clone, ?t_cg, ?t_sent, ?t_pre, ?t_batch, total = ?t0.elapsed(), "session copy");
+        tracing::debug!(?t_clone, ?t_cg, ?t_batch_start, ?t_batch, total = ?t0.elapsed(), "session copy");
         Ok(SessionCopy { host_pid: copy_pid, chan: ours, runner: (runner, RUNNER_BYTES) })
     }
 }
