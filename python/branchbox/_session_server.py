@@ -780,6 +780,7 @@ class Server(object):
         self.children = set()
         self.reaping = False
         self.template = False  # a snapshot's frozen template (see the module docstring)
+        self.template_pid = None  # the template's own pid (a copy forked from outside differs)
         self.saved_cwd = None  # template: cwd at the checkpoint
         self.saved_fds = []  # template: [(fd, path, flags, offset|None, cloexec)]
         self.rebase_cwd = None  # live session: chdir() here before the next request
@@ -815,6 +816,11 @@ class Server(object):
             return _protocol_error("request must be a JSON object")
         op = req.get("op")
         reopened = None
+        if op != "restored" and self.template and os.getpid() != self.template_pid:
+            # A copy forked from outside that was never finished (the daemon sends "restored"
+            # before its first request, but a daemon restarted in between does not know):
+            # finish it now, closing what it shared with the template's sandbox.
+            self.op_restored([], True)
         if op == "restored":
             resp = self.op_restored(fds, bool(req.get("strict")), req.get("unmap"))
         elif op == "fork":
@@ -936,6 +942,7 @@ class Server(object):
             self.saved_cwd = cwd
             self.saved_fds = record or []
             self.template = True
+        self.template_pid = os.getpid()
         self.rebase_cwd = None
         _set_dumpable(0)
         return {"ok": True, "pid": os.getpid(), "role": "template"}

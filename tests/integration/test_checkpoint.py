@@ -116,6 +116,39 @@ def test_lightweight_checkpoint_when_nothing_changed(sbx, raw):
     assert py(raw, sid, "a").get("result") == "1"
 
 
+def _pythons(raw, sid):
+    """Pids of the python3 processes in the sandbox (sessions, templates, spare copies)."""
+    out = sh(raw, sid, "for d in /proc/[0-9]*; do [ \"$(cat $d/comm 2>/dev/null)\" = python3 ] && echo ${d#/proc/}; done; true")
+    return {int(p) for p in out.split()}
+
+
+def test_rollback_takes_a_spare_copy_made_ahead(sbx, raw):
+    # After a checkpoint the daemon forks a spare copy of the new template in a pause; a
+    # rollback takes it instead of forking the template on its path, and the next spare is
+    # made again. Spares go with their snapshot.
+    sid = sbx.sandbox_id
+    py(raw, sid, "import os, random; x = 1")
+    s1 = ckpt(raw, sid)
+    live = int(py(raw, sid, "x = 2; os.getpid()")["result"])
+    template = (_pythons(raw, sid) - {live}).pop()
+    wait_until(lambda: len(_pythons(raw, sid)) == 3, what="a spare copy of the template")
+    spare = (_pythons(raw, sid) - {live, template}).pop()
+    r = rollback(raw, sid, s1["id"])
+    assert r["sessions_restarted"] is False and live not in _pythons(raw, sid)
+    assert py(raw, sid, "(x, os.getpid())")["result"] == "(1, %d)" % spare
+    draws = {py(raw, sid, "random.random()")["result"]}
+    # The spare is made again; each copy ran the at-fork hooks of its own fork.
+    wait_until(lambda: len(_pythons(raw, sid)) == 3, what="the next spare copy")
+    rollback(raw, sid, s1["id"])
+    assert py(raw, sid, "x")["result"] == "1"
+    draws.add(py(raw, sid, "random.random()")["result"])
+    assert len(draws) == 2
+    # Deleting the snapshot takes its template and spare along.
+    wait_until(lambda: len(_pythons(raw, sid)) == 3, what="the next spare copy")
+    assert raw.delete("/v1/snapshots/%s" % s1["id"]).status_code == 200
+    wait_until(lambda: len(_pythons(raw, sid)) == 1, what="template and spare gone with the snapshot")
+
+
 @pytest.mark.parametrize("isolated", [False, True], ids=["live", "isolated"])
 def test_fork_children_are_isolated(sbx, raw, isolated):
     sid = sbx.sandbox_id

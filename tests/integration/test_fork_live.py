@@ -156,6 +156,10 @@ def test_fork_of_an_older_snapshot_and_fallback_without_templates(parent, raw):
         kill(raw, c)
 
 
+#: "True" while the session's socket ``s`` is open.
+SOCKET_PROBE = "import os, stat\ntry:\n    ok = stat.S_ISSOCK(os.fstat(s.fileno()).st_mode)\nexcept OSError:\n    ok = False\nok"
+
+
 def test_open_files_and_sockets_of_a_copy(parent, raw):
     # A file open for appending is reopened by path in the child's own root; a socket (an
     # object shared with the parent's sandbox) is closed.
@@ -166,23 +170,25 @@ def test_open_files_and_sockets_of_a_copy(parent, raw):
         py(raw, parent, "f.write('p2\\n'); f.flush()")
         assert sh(raw, c, "cat /root/log") == "p1\nchild\n"
         assert sh(raw, parent, "cat /root/log") == "p1\np2\n"
-        probe = "import os, stat\ntry:\n    ok = stat.S_ISSOCK(os.fstat(s.fileno()).st_mode)\nexcept OSError:\n    ok = False\nok"
-        assert py(raw, c, probe) == "False", "the socket shared with the parent was closed in the copy"
-        assert py(raw, parent, probe) == "True"
+        assert py(raw, c, SOCKET_PROBE) == "False", "the socket shared with the parent was closed in the copy"
+        assert py(raw, parent, SOCKET_PROBE) == "True"
     finally:
         kill(raw, c)
 
 
 def test_daemon_restart_keeps_nested_children_and_husks(daemon, raw):
     p = raw.post("/v1/sandboxes", json={"timeout": 600}).json()["id"]
-    py(raw, p, "z = 9")
+    py(raw, p, "import socket; s = socket.socket(); z = 9")
     kids = [c["id"] for c in fork(raw, p, 2)["sandboxes"]]
     kill(raw, kids[1])
     kill(raw, p)  # -> husk, kept for kids[0]
     daemon.stop()
     daemon.start()
     assert raw.get("/v1/sandboxes/%s" % kids[0]).json()["nested_in"] == p
+    # The copy was never used before the restart, so the daemon that forked it never finished
+    # it: it finishes itself on its first request (the socket shared with the parent closed).
     assert py(raw, kids[0], "z") == "9"
+    assert py(raw, kids[0], SOCKET_PROBE) == "False"
     assert cgroup_dirs_of(p), "the husk survived the restart"
     kill(raw, kids[0])
     wait_until(lambda: not cgroup_dirs_of(p), what="husk torn down after its last child")

@@ -144,21 +144,26 @@ impl Activity {
         }
         self.last_end.lock().expect("lock").map(|t| now.saturating_duration_since(t))
     }
-}
 
-impl Runtime {
-    /// Wait until no request ran code for `quiet` (see [`Activity`]), or for `max` at most.
+    /// Wait until nothing was in flight for `quiet`, or for `max` at most.
     pub(crate) async fn wait_for_quiet(&self, quiet: std::time::Duration, max: std::time::Duration) {
         let t0 = std::time::Instant::now();
         loop {
             let now = std::time::Instant::now();
             let waited = now.saturating_duration_since(t0);
-            let q = self.activity.quiet_for(now).unwrap_or(quiet);
+            let q = self.quiet_for(now).unwrap_or(quiet);
             if q >= quiet || waited >= max {
                 return;
             }
             tokio::time::sleep((quiet - q).min(max - waited)).await;
         }
+    }
+}
+
+impl Runtime {
+    /// Wait until no request ran code for `quiet` (see [`Activity`]), or for `max` at most.
+    pub(crate) async fn wait_for_quiet(&self, quiet: std::time::Duration, max: std::time::Duration) {
+        self.activity.wait_for_quiet(quiet, max).await
     }
 }
 

@@ -26,6 +26,9 @@ pub struct Sandbox {
     pub gen: Mutex<Option<crate::snapstore::Generation>>,
     /// Serialises checkpoint / rollback / fork / evaluate of this sandbox.
     pub ops: tokio::sync::Mutex<()>,
+    /// Those operations in flight and when the last one ended (spare copies of templates are
+    /// made in a pause between them: [`crate::Runtime::make_spares`]).
+    pub(crate) ops_activity: crate::Activity,
     /// File operations hold it shared; a root swap holds it exclusively.
     pub fs_gate: Arc<tokio::sync::RwLock<()>>,
     /// A session ran, was created or was killed since the last checkpoint or rollback.
@@ -74,6 +77,7 @@ impl Sandbox {
             default_session: Default::default(),
             gen: Mutex::new(gen),
             ops: Default::default(),
+            ops_activity: Default::default(),
             fs_gate: Default::default(),
             dirty: AtomicBool::new(true),
             nest_parent: None,

@@ -33,6 +33,15 @@ pub struct Session {
     chan: tokio::sync::Mutex<Option<BufReader<UnixStream>>>,
     /// Held for a whole user-visible operation (a run); a checkpoint holds every session's.
     pub op_lock: tokio::sync::Mutex<()>,
+    /// A copy forked from outside that is still to be finished (see [`Session::finish_later`]).
+    unfinished: std::sync::Mutex<Option<Unfinished>>,
+}
+
+/// What a session copy's `{"op":"restored"}` carries: its stdout/stderr and a mapping it
+/// inherited from the daemon's work in the template (address, length), which it removes.
+struct Unfinished {
+    log: std::fs::File,
+    unmap: (u64, u64),
 }
 
 /// Process tag of a session: `branchbox-session:<id>:<kind>[:default]`.
@@ -61,6 +70,7 @@ impl Session {
             alive: AtomicBool::new(true),
             chan: tokio::sync::Mutex::new(Some(BufReader::new(stream))),
             op_lock: Default::default(),
+            unfinished: Default::default(),
         })
     }
 
@@ -110,22 +120,16 @@ impl Session {
         self.chan.lock().await
     }
 
-    /// Finish a copy of a template forked into another sandbox from outside
-    /// (`crate::sessionfork`): it becomes a live session there, with `log` as stdout/stderr and
+    /// Mark this session as a copy of a template forked into another sandbox from outside
+    /// (`crate::sessionfork`) that is still to be finished: before its first request it gets
+    /// `{"op":"restored"}` and becomes a live session there, with `log` as stdout/stderr and
     /// whatever it shared with the template's sandbox (open sockets, pipes, files elsewhere)
-    /// closed.
-    /// `unmap`: a mapping the copy inherited from the daemon's work in the template (address,
-    /// length), which it removes.
-    pub(crate) async fn finish_copy(&self, log: &std::fs::File, unmap: (u64, u64)) -> Result<()> {
-        let req = serde_json::json!({"op": "restored", "strict": true, "unmap": [unmap.0, unmap.1]});
-        let resp = self
-            .request_fd(&req, Some(log.as_raw_fd()), Some(FORK_TIMEOUT))
-            .await?
-            .ok_or_else(|| RuntimeError::Internal(format!("copy of session {} did not answer", self.id)))?;
-        if resp.get("ok").and_then(|o| o.as_bool()) != Some(true) {
-            return Err(RuntimeError::Internal(format!("copy of session {} failed to start: {resp}", self.id)));
-        }
-        Ok(())
+    /// closed; `unmap` is a mapping it inherited from the daemon's work in the template
+    /// (address, length), which it removes. Until then it idles in `recvmsg` and runs no code,
+    /// so a fork answers without the copies' post-fork Python work (~0.5 ms of CPU each, most
+    /// of it copy-on-write faults), which each copy does on its first use instead.
+    pub(crate) fn finish_later(&self, log: std::fs::File, unmap: (u64, u64)) {
+        *self.unfinished.lock().expect("lock") = Some(Unfinished { log, unmap });
     }
 
     /// Send one request line and read one response line.
@@ -141,6 +145,32 @@ impl Session {
         timeout: Option<Duration>,
     ) -> Result<Option<serde_json::Value>> {
         let mut guard = self.chan.lock().await;
+        let unfinished = self.unfinished.lock().expect("lock").take();
+        if let Some(Unfinished { log, unmap }) = unfinished {
+            let finish = serde_json::json!({"op": "restored", "strict": true, "unmap": [unmap.0, unmap.1]});
+            let resp = self.exchange(&mut guard, &finish, Some(log.as_raw_fd()), Some(FORK_TIMEOUT)).await?;
+            if resp.as_ref().and_then(|r| r.get("ok")).and_then(|o| o.as_bool()) != Some(true) {
+                // Closing the channel ends the copy (its server exits at end of file).
+                *guard = None;
+                self.alive.store(false, Ordering::SeqCst);
+                return Err(RuntimeError::Internal(format!(
+                    "session {} of this fork child did not start ({}): create a new session",
+                    self.id,
+                    resp.map_or_else(|| "no answer".to_string(), |r| r.to_string())
+                )));
+            }
+        }
+        self.exchange(&mut guard, req, fd, timeout).await
+    }
+
+    /// One request line out, its answer in, on the channel `guard` holds.
+    async fn exchange(
+        &self,
+        guard: &mut tokio::sync::MutexGuard<'_, Option<BufReader<UnixStream>>>,
+        req: &serde_json::Value,
+        fd: Option<std::os::fd::RawFd>,
+        timeout: Option<Duration>,
+    ) -> Result<Option<serde_json::Value>> {
         let chan = guard.as_mut().ok_or_else(|| self.dead_error())?;
         let id = request_id();
         let mut req = req.clone();
@@ -171,7 +201,7 @@ impl Session {
         match res {
             None => {
                 // Timed out: the session's state is unknown, so it is killed.
-                *guard = None;
+                **guard = None;
                 self.alive.store(false, Ordering::SeqCst);
                 Ok(None)
             }
@@ -179,7 +209,7 @@ impl Session {
                 .map(Some)
                 .map_err(|e| RuntimeError::Internal(format!("session sent malformed JSON: {e}"))),
             Some(_) => {
-                *guard = None;
+                **guard = None;
                 self.alive.store(false, Ordering::SeqCst);
                 Err(self.dead_error())
             }
@@ -202,6 +232,25 @@ pub struct PendingFork {
 }
 
 impl PendingFork {
+    #[cfg(test)]
+    pub(crate) fn for_test(pid: i32, chan: std::os::unix::net::UnixStream) -> PendingFork {
+        PendingFork { pid, chan }
+    }
+
+    /// Whether the child is gone: its end of the channel is closed (it died, or exited at end
+    /// of file). A child that answered and idles is not.
+    pub fn is_gone(&self) -> bool {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        use std::os::fd::AsFd;
+        // POLLHUP and POLLERR are reported whatever is asked for.
+        let mut fds = [PollFd::new(self.chan.as_fd(), PollFlags::empty())];
+        match poll(&mut fds, PollTimeout::ZERO) {
+            Ok(0) => false,
+            Ok(_) => fds[0].revents().is_some_and(|r| r.intersects(PollFlags::POLLHUP | PollFlags::POLLERR)),
+            Err(_) => true,
+        }
+    }
+
     /// The daemon's end of the child's channel, at once. The child's first line (its "ready",
     /// answered to the fork request's id) is skipped by its first request like any stale
     /// answer: the child exists already, and a child that died shows as a dead session then.
@@ -374,5 +423,84 @@ pub async fn kill(sb: &Sandbox, session: &Session) -> Result<()> {
     match kill_process(sb, session.pid).await {
         Ok(()) | Err(RuntimeError::NotFound { .. }) => Ok(()),
         Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{BufRead, Write};
+    use std::os::unix::net::UnixStream as StdStream;
+
+    /// A fake session server on the other end of `chan`: answers each request line with
+    /// `answer(op)` (plus the request's id), reporting each op and whether an fd came with it.
+    fn fake_server(chan: StdStream, answer: fn(&str) -> serde_json::Value) -> std::thread::JoinHandle<Vec<(String, bool)>> {
+        std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            let mut out = chan.try_clone().unwrap();
+            let mut reader = std::io::BufReader::new(chan);
+            loop {
+                // The fd (if any) comes with the first bytes of the line: peek for it first.
+                let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+                let mut byte = [0u8; 1];
+                let mut iov = [std::io::IoSliceMut::new(&mut byte)];
+                let msg = nix::sys::socket::recvmsg::<()>(reader.get_ref().as_raw_fd(), &mut iov, Some(&mut space), nix::sys::socket::MsgFlags::MSG_PEEK).unwrap();
+                if msg.bytes == 0 {
+                    return seen;
+                }
+                let with_fd = msg.cmsgs().unwrap().any(|c| matches!(c, nix::sys::socket::ControlMessageOwned::ScmRights(_)));
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap() == 0 {
+                    return seen;
+                }
+                let req: serde_json::Value = serde_json::from_str(&line).unwrap();
+                let op = req["op"].as_str().unwrap().to_string();
+                let mut resp = answer(&op);
+                resp["id"] = req["id"].clone();
+                seen.push((op, with_fd));
+                writeln!(out, "{resp}").unwrap();
+            }
+        })
+    }
+
+    fn log_file() -> std::fs::File {
+        tempfile::tempfile().unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_unfinished_copy_is_finished_before_its_first_request_only() {
+        let (ours, theirs) = StdStream::pair().unwrap();
+        let server = fake_server(theirs, |op| match op {
+            "restored" => serde_json::json!({"ok": true, "role": "restore"}),
+            _ => serde_json::json!({"ok": true, "pid": 7}),
+        });
+        let s = Session::attach("ss-1".into(), "python".into(), 7, 0.0, ours).unwrap();
+        s.finish_later(log_file(), (0x1000, 0x2000));
+        let r = s.request(&serde_json::json!({"op": "ping"}), Some(Duration::from_secs(5))).await.unwrap().unwrap();
+        assert_eq!(r["pid"], 7);
+        s.request(&serde_json::json!({"op": "ping"}), Some(Duration::from_secs(5))).await.unwrap().unwrap();
+        s.forget().await;
+        let seen = server.join().unwrap();
+        let expect: Vec<(String, bool)> = vec![("restored".into(), true), ("ping".into(), false), ("ping".into(), false)];
+        assert_eq!(seen, expect);
+        assert!(!s.is_alive());
+    }
+
+    #[tokio::test]
+    async fn a_copy_that_fails_to_finish_is_dead_and_says_so() {
+        let (ours, theirs) = StdStream::pair().unwrap();
+        let server = fake_server(theirs, |op| match op {
+            "restored" => serde_json::json!({"error": {"name": "ProtocolError", "value": "not a template"}}),
+            _ => serde_json::json!({"ok": true}),
+        });
+        let s = Session::attach("ss-2".into(), "python".into(), 7, 0.0, ours).unwrap();
+        s.finish_later(log_file(), (0, 0));
+        let err = s.request(&serde_json::json!({"op": "run", "code": "1"}), None).await.unwrap_err().to_string();
+        assert!(err.contains("ss-2") && err.contains("not a template") && err.contains("create a new session"), "{err}");
+        assert!(!s.is_alive());
+        // The channel was closed: the copy's server sees the end of file and exits.
+        assert_eq!(server.join().unwrap(), vec![("restored".to_string(), true)]);
+        let again = s.request(&serde_json::json!({"op": "ping"}), None).await.unwrap_err().to_string();
+        assert!(again.contains("has exited"), "{again}");
     }
 }
