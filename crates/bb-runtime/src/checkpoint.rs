@@ -217,8 +217,11 @@ impl TemplatePool {
     }
 
     /// The template's session and its spare slot, without marking it used (for background
-    /// work on it).
+    /// work on it). None for a named template's sandbox: it is forked, never rolled back.
     pub(crate) fn for_spare(&self, key: &str, sandbox_id: &str) -> Option<(Arc<Session>, SpareSlot)> {
+        if self.pinned.contains(sandbox_id) {
+            return None;
+        }
         let t = self.map.get(key).filter(|t| t.sandbox_id == sandbox_id && t.session.is_alive())?;
         Some((t.session.clone(), t.spare.clone()))
     }
@@ -1646,8 +1649,12 @@ mod tests {
         assert_eq!(pool.spares("c").0, 3);
         assert_eq!(pool.pids_of("sb-1"), HashSet::from([10, 11, 20, 21, 30]));
         drop(making);
-        // Another sandbox's template is no spare source; a taken spare is gone from the set.
+        // Another sandbox's template is no spare source, nor a named template's (pinned); a
+        // taken spare is gone from the set.
         assert!(pool.for_spare("a", "sb-2").is_none());
+        pool.pin_sandbox("sb-1");
+        assert!(pool.for_spare("a", "sb-1").is_none());
+        pool.unpin_sandbox("sb-1");
         let taken = pool.spare_slot("a").unwrap().try_lock().unwrap().take().unwrap();
         assert_eq!(taken.pid, 11);
         assert!(!taken.is_gone());
