@@ -470,8 +470,11 @@ impl Runtime {
             // template's page tables) would otherwise slow the session's fork of the next
             // checkpoint (measured here: 23% of a tree search's checkpoints overlapped one,
             // p50 2.8 -> 3.0 ms, p90 3.7 -> 5.1 ms for that fork).
-            sb.ops_activity.wait_for_quiet(SPARE_QUIET, SPARE_MAX_DEFER).await;
             for key in keys {
+                sb.ops_activity.wait_for_quiet(SPARE_QUIET, SPARE_MAX_DEFER).await;
+                // Made as an operation of the sandbox: a rollback's sweep must not kill a spare
+                // whose pid is not known yet (and report it as a background process).
+                let Ok(_ops) = sb.ops.try_lock() else { continue };
                 let Some((t, slot)) = rt.templates.lock().expect("lock").for_spare(&key, &sb.id) else { continue };
                 let mut g = slot.lock().await;
                 if g.is_some() || sb.is_dead() || !t.is_alive() {
