@@ -589,8 +589,7 @@ impl Runtime {
                         spec: sb.spec.clone(),
                         sessions: base.sessions.clone(),
                     };
-                    self.snaps.lock().expect("lock").insert(&row)?;
-                    self.set_gen(sb, Generation { base: Some(row.id.clone()), ..gen })?;
+                    self.record_snapshot(sb, &row, Generation { base: Some(row.id.clone()), ..gen })?;
                     return Ok((row, true));
                 }
             }
@@ -687,9 +686,8 @@ impl Runtime {
             spec: sb.spec.clone(),
             sessions: snap_sessions,
         };
-        self.snaps.lock().expect("lock").insert(&row)?;
         let base = with_sessions.then(|| row.id.clone());
-        self.set_gen(sb, Generation { base, ..new_gen })?;
+        self.record_snapshot(sb, &row, Generation { base, ..new_gen })?;
         let t_db = t0.elapsed();
         drop(gate);
         sb.dirty.store(false, Ordering::SeqCst);
@@ -730,6 +728,13 @@ impl Runtime {
         self.make_spares(sb, spares);
         tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, ?t_db, total = ?t0.elapsed(), "checkpoint");
         Ok((row, true))
+    }
+
+    /// Record a new snapshot of `sb` and the generation it goes on with, together.
+    fn record_snapshot(&self, sb: &Sandbox, row: &SnapshotRow, g: Generation) -> Result<()> {
+        self.snaps.lock().expect("lock").insert_with_generation(row, &sb.id, &g)?;
+        *sb.gen.lock().expect("lock") = Some(g);
+        Ok(())
     }
 
     fn set_gen(&self, sb: &Sandbox, g: Generation) -> Result<()> {
