@@ -452,7 +452,6 @@ impl Runtime {
         }
     }
 
-    /// Kill template processes and forget their keys in snapshot records.
     /// Fork a spare copy of each of these templates of `sb` (that has none) in the background,
     /// behind the answer: the next rollback to one of them takes its spare instead of forking
     /// the template on its path (~2.5 ms for a 50 MiB session here, most of a rollback). A spare
@@ -500,7 +499,8 @@ impl Runtime {
         });
     }
 
-    /// Kill templates that left the pool (and their spares) and forget them. Returns once
+    /// Kill templates that left the pool (and their spares) and forget their keys in snapshot
+    /// records. Returns once
     /// their processes are gone (up to ~0.5 s): a layer deleted while a dying process still
     /// holds the overlay over it is freed by that process's exit, in the sandbox's cgroup
     /// (on a filesystem mounted with `discard`, tens of milliseconds a checkpoint's freeze
@@ -523,10 +523,7 @@ impl Runtime {
         let deadline = Instant::now() + std::time::Duration::from_millis(500);
         while Instant::now() < deadline {
             // A zombie let go of everything already.
-            dying.retain(|(sb, pid)| {
-                std::fs::read_to_string(sandbox_proc(sb).join(format!("{pid}/stat")))
-                    .is_ok_and(|st| !matches!(st.rsplit(')').next().and_then(|r| r.split_whitespace().next()), Some("Z" | "X")))
-            });
+            dying.retain(|(sb, pid)| bb_sys::process::proc_dir_holds_resources(&sandbox_proc(sb).join(pid.to_string())));
             if dying.is_empty() {
                 break;
             }
@@ -540,8 +537,7 @@ impl Runtime {
             return Err(RuntimeError::BadRequest("label is longer than 256 bytes: shorten it".into()));
         }
         let sb = self.live(id)?;
-        let _ops = sb.ops.lock().await;
-        let _op = sb.ops_activity.busy();
+        let _op = sb.begin_op().await;
         let t_locked = t0.elapsed();
         let (row, _) = self.checkpoint_locked(&sb, req.label, true).await?;
         let t_done = t0.elapsed();
@@ -908,8 +904,7 @@ impl Runtime {
                 snap.id, snap.spec.image, sb.spec.image
             )));
         }
-        let _ops = sb.ops.lock().await;
-        let _op = sb.ops_activity.busy();
+        let _op = sb.begin_op().await;
         let gen = sb.gen.lock().expect("lock").clone().ok_or_else(|| legacy(&sb.id))?;
         let mut sessions_map = sb.sessions.lock().await;
         let mut default = sb.default_session.lock().await;
@@ -1066,8 +1061,7 @@ impl Runtime {
             }
             None => {
                 let sb = self.live(id)?;
-                let _ops = sb.ops.lock().await;
-                let _op = sb.ops_activity.busy();
+                let _op = sb.begin_op().await;
                 self.checkpoint_locked(&sb, Some("fork".into()), true).await?.0
             }
         };
@@ -1471,8 +1465,7 @@ impl Runtime {
         crate::exec::resolve(&sb, &req)?;
         self.check_capacity(1)?;
         let (snap, created) = {
-            let _ops = sb.ops.lock().await;
-            let _op = sb.ops_activity.busy();
+            let _op = sb.begin_op().await;
             self.checkpoint_locked(&sb, Some("evaluate".into()), false).await?
         };
         let child = self.create_from(snap.spec.clone(), snap.layers.clone(), None, Some(600.0), None).await;

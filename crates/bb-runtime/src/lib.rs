@@ -118,10 +118,12 @@ pub struct Runtime {
     pub(crate) activity: Activity,
 }
 
-/// Requests that run code in sandboxes (commands, session code, forks) in flight, and when the
-/// last one ended: background work that can wait (refilling a parent's fork shells) waits for
-/// a pause in them, so that on a small host it does not take the CPUs from the sandboxes'
-/// own work (a fork's children run their first commands right away).
+/// Operations in flight, and when the last one ended: background work that can wait waits
+/// for a pause in them, so that on a small host it does not take the CPUs from the sandboxes'
+/// own work. [`Runtime::activity`] counts the requests that run code in sandboxes (commands,
+/// session code, forks: a parent's fork-shell refill waits for them, as a fork's children run
+/// their first commands right away); each sandbox's `ops_activity` counts its checkpoints,
+/// rollbacks, forks and evaluates (spare template copies wait for them).
 #[derive(Default)]
 pub(crate) struct Activity {
     in_flight: std::sync::atomic::AtomicUsize,

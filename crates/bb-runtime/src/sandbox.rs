@@ -27,7 +27,7 @@ pub struct Sandbox {
     /// Serialises checkpoint / rollback / fork / evaluate of this sandbox.
     pub ops: tokio::sync::Mutex<()>,
     /// Those operations in flight and when the last one ended (spare copies of templates are
-    /// made in a pause between them: [`crate::Runtime::make_spares`]).
+    /// made in a pause between them: [`crate::Runtime::make_spares`]). See [`Sandbox::begin_op`].
     pub(crate) ops_activity: crate::Activity,
     /// File operations hold it shared; a root swap holds it exclusively.
     pub fs_gate: Arc<tokio::sync::RwLock<()>>,
@@ -48,7 +48,22 @@ const BASE_ENV: &[(&str, &str)] = &[
     ("TERM", "xterm"),
 ];
 
+/// One checkpoint, rollback, fork or evaluate of a sandbox in progress (see
+/// [`Sandbox::begin_op`]): holds its operation lock and counts in its `ops_activity`.
+pub(crate) struct OpGuard<'a> {
+    // Fields drop in order: the end is recorded before the lock is let go.
+    _busy: crate::Busy<'a>,
+    _ops: tokio::sync::MutexGuard<'a, ()>,
+}
+
 impl Sandbox {
+    /// Start a checkpoint, rollback, fork or evaluate: wait for the sandbox's operation lock
+    /// and count the operation as in flight until the guard is dropped.
+    pub(crate) async fn begin_op(&self) -> OpGuard<'_> {
+        let ops = self.ops.lock().await;
+        OpGuard { _busy: self.ops_activity.busy(), _ops: ops }
+    }
+
     /// A sandbox record as the runtime keeps it in memory.
     #[allow(clippy::too_many_arguments)]
     pub fn new(

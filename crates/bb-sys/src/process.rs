@@ -185,13 +185,23 @@ unsafe fn child_after_clone(
     libc::_exit(127);
 }
 
+/// The fields of `<proc_dir>/stat` after the command name, from field 3 (state) on: comm may
+/// contain spaces and parens, so they start after the last ')'.
+fn stat_fields(proc_dir: &std::path::Path) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(proc_dir.join("stat")).ok()?;
+    Some(stat[stat.rfind(')')? + 1..].split_whitespace().map(String::from).collect())
+}
+
 /// Field 22 of /proc/<pid>/stat: start time in clock ticks since boot. With the pid it identifies a
 /// process across pid reuse.
 pub fn process_start_time(pid: i32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // comm may contain spaces and parens: split after the last ')'.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    rest.split_whitespace().nth(19)?.parse().ok()
+    stat_fields(std::path::Path::new(&format!("/proc/{pid}")))?.get(19)?.parse().ok()
+}
+
+/// Whether the process whose procfs directory is `proc_dir` still holds what it owns (memory,
+/// files, mounts): it exists and is not a zombie (or dead) waiting to be reaped.
+pub fn proc_dir_holds_resources(proc_dir: &std::path::Path) -> bool {
+    stat_fields(proc_dir).is_some_and(|f| !matches!(f.first().map(String::as_str), Some("Z" | "X") | None))
 }
 
 /// pivot_root(2) onto the current directory and detach the old root (the `pivot_root(".", ".")` idiom).
