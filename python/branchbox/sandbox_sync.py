@@ -84,7 +84,8 @@ class _UnixCalls:
     Thread-safe: a connection serves one call at a time; idle ones are kept for reuse (at
     most :attr:`KEEP`). A connection the daemon closed while idle is noticed before reuse
     (readable with nothing to read), so a request is never written to a dead connection and
-    retried. In a forked child, the parent's connections are left alone.
+    retried. An answer the daemon sent before reading the whole body is read, not lost to
+    the broken pipe. In a forked child, the parent's connections are left alone.
     """
 
     KEEP = 32
@@ -127,8 +128,19 @@ class _UnixCalls:
     ) -> Tuple[int, bytes]:
         conn = self._take(timeout)
         try:
-            conn.request(method, target, body=body, headers={**self.headers, **headers})
-            resp = conn.getresponse()
+            try:
+                conn.request(method, target, body=body, headers={**self.headers, **headers})
+            except (BrokenPipeError, ConnectionResetError) as err:
+                # The daemon may answer a request before reading its body (a refused path, a
+                # body over a limit) and close the connection: http.client sends the body
+                # after the headers, and that send then fails. The answer is already
+                # waiting on the socket; without one, the send's error is the one to report.
+                try:
+                    resp = conn.getresponse()
+                except (OSError, http.client.HTTPException):
+                    raise err from None
+            else:
+                resp = conn.getresponse()
             content = resp.read()
         except BaseException:
             conn.close()

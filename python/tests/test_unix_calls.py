@@ -38,6 +38,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         self._answer()
 
+    def do_PUT(self):
+        if self.path.startswith("/refuse"):
+            # Answer without reading the body, then close (as the daemon does for a refused path).
+            self.server.seen.append({"method": "PUT", "path": self.path, "conn": self.conn_no})
+            data = json.dumps({"error": {"code": "path_escape", "message": "refused " + self.path}}).encode()
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Connection", "close")
+            self.close_connection = True
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        self._answer()
+
     def _answer(self):
         srv = self.server
         n = int(self.headers.get("Content-Length") or 0)
@@ -117,6 +132,18 @@ def test_a_connection_the_daemon_closed_is_not_reused(server):
     # The next call must not be written to the closed connection.
     assert h.call(_call("GET", "/after"))["path"] == "/after"
     assert srv.seen[0]["conn"] != srv.seen[1]["conn"]
+
+
+def test_an_answer_sent_before_the_body_was_read_is_not_lost_to_the_broken_pipe(server):
+    srv, path = server
+    h = _http(path)
+    # Larger than the socket's buffers: the server closes while the body is still being sent.
+    big = b"x" * (8 << 20)
+    for _ in range(3):
+        with pytest.raises(exc.PathEscapeError) as e:
+            h.call(_call("PUT", "/refuse", content=big))
+        assert "refused /refuse" in str(e.value)
+    assert h.call(_call("GET", "/after"))["path"] == "/after"
 
 
 def test_error_answers_raise_the_sdk_exceptions(server):

@@ -8,6 +8,7 @@
 pub mod error;
 mod extract;
 mod handlers;
+mod keepalive;
 
 use axum::extract::DefaultBodyLimit;
 use axum::http::{HeaderMap, StatusCode};
@@ -71,13 +72,14 @@ pub fn router(rt: Arc<Runtime>, token: Option<String>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(rt);
-    match token {
+    let r = match token {
         Some(t) => r.layer(axum::middleware::from_fn(move |h: HeaderMap, req, next: Next| {
             let t = t.clone();
             async move { check_token(&t, &h, req, next).await }
         })),
         None => r,
-    }
+    };
+    r.layer(axum::middleware::from_fn(keepalive::close_if_body_unread))
 }
 
 async fn check_token(token: &str, headers: &HeaderMap, req: axum::extract::Request, next: Next) -> Response {
