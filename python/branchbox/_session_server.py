@@ -52,11 +52,13 @@ get).
   mount, is re-resolved by path - chdir() to the recorded cwd, "/" if that fails -
   before the next request that is not a fork.  (The shell kind also passes its own cwd
   string to every bash it starts.)
-* role "template", child: keeps that record, setsid() (killing the live session's
-  process group never kills the template), prctl(PR_SET_DUMPABLE, 0) so sandbox code
+* role "template" or "restore": the child gets a process group of its own, set by the
+  parent before it answers and by the child (killing the live session's process group,
+  or the template's, never kills a copy, even one that has not run yet).
+* role "template", child: keeps that record, prctl(PR_SET_DUMPABLE, 0) so sandbox code
   without CAP_SYS_PTRACE cannot read or alter its memory, then answers.  A template
   forked with role "template" gives a copy of itself (same record).
-* role "restore", child: setsid(), prctl(PR_SET_DUMPABLE, 1), and answers at once (the
+* role "restore", child: prctl(PR_SET_DUMPABLE, 1), and answers at once (the
   daemon may swap the root filesystem before or after that).  Before its next request it does the
   rest: chdir() to the recorded cwd by path ("/" if that fails); every recorded fd is
   reopened by path with its flags
@@ -66,8 +68,8 @@ get).
   path no longer opens
   (or is no longer a regular file) keeps the old open file.  fds that shared one open
   file (dup) get one open file each.  The template itself is unchanged and can be
-  forked again.  On a session that is not a template, "restore" is a plain fork plus
-  setsid() ("reopened":0).
+  forked again.  On a session that is not a template, "restore" is a plain fork in a
+  process group of its own ("reopened":0).
 
 Process model: single-threaded, fd 0 is /dev/null, only fds 0-3 are open between
 requests (memfds live for one run), and the server idles in recvmsg() - a quiescent
@@ -650,6 +652,17 @@ def _setsid():
         pass
 
 
+def _own_group(pid=0):
+    """Make ``pid`` (0: this process) the leader of a process group of its own. A fork
+    child and its parent both call it (whichever runs first wins): the parent answers the
+    daemon right after the fork, and the daemon may then kill the session's process group
+    (kill(-pid)) before the child ran at all."""
+    try:
+        os.setpgid(pid, pid)
+    except OSError:  # ESRCH: already gone; EPERM: already moved to another session
+        pass
+
+
 def _fd_flags(fd):
     with io.open("/proc/self/fdinfo/%d" % fd) as f:  # not open(): user code may patch it
         for line in f:
@@ -888,11 +901,15 @@ class Server(object):
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 self.reaping = False
             if role == "template":
+                _own_group()
                 return self._become_template(cwd, record)
             if role == "restore":
+                _own_group()
                 return self._become_restored()
             return {"ok": True, "pid": os.getpid()}
         os.close(new_fd)
+        if role is not None:
+            _own_group(pid)
         if cwd is not None:
             self.rebase_cwd = cwd
         self.children.add(pid)
@@ -931,13 +948,13 @@ class Server(object):
         if self.reaping:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             self.reaping = False
+        _setsid()  # a session of its own in its new sandbox (its pid namespace's first)
         resp = self._become_restored()
         self.strict_restore = strict
         return resp
 
     def _become_template(self, cwd, record):
         """Fork child of role "template": freeze as the snapshot's template."""
-        _setsid()
         if not self.template:  # a template of a template copies its record
             self.saved_cwd = cwd
             self.saved_fds = record or []
@@ -952,7 +969,6 @@ class Server(object):
 
         Answers at once; the cwd and the files are re-resolved by path before the next
         request (the daemon may swap the root filesystem in between)."""
-        _setsid()
         if self.template:
             _set_dumpable(1)
             self.pending_restore = (self.saved_cwd, self.saved_fds)
