@@ -32,6 +32,26 @@ def test_files_and_session_roll_back_together(sbx, raw):
     assert py(raw, sid, "x").get("result") == "1"
 
 
+def test_checkpoints_of_a_sandbox_busy_forking_complete_and_move_its_processes(sbx, raw):
+    """A shell loop that forks all the time (dash: vfork then exec) is caught mid-vfork by
+    some checkpoints: the parent sleeps until its child has called exec, a sleep that signals
+    do not break. The v1 freezer then needs its state written again to freeze the parent, and
+    the parent stops for its new working directory only after the child, stopped too, went on."""
+    sid = sbx.sandbox_id
+    r = raw.post("/v1/sandboxes/%s/commands" % sid, json={"cmd": "cd /root && while :; do /bin/true; done", "background": True})
+    assert r.status_code == 201, r.text
+    pid = r.json()["pid"]
+    for i in range(150):
+        sh(raw, sid, "echo %d > /root/n" % i)  # a change: every checkpoint is a full one
+        # A stuck freeze or process fails here (not after the client's 60 s).
+        r = raw.post("/v1/sandboxes/%s/checkpoint" % sid, json={}, timeout=20)
+        assert r.status_code == 201, (i, r.text)
+    # The loop runs on, in the working directory of the current root (not the first one's).
+    assert sh(raw, sid, "test -d /proc/%d && cat /proc/%d/stat | cut -d' ' -f3" % (pid, pid)).strip() in ("R", "S", "D")
+    same = "test $(stat -L -c %%d:%%i /proc/%d/cwd) = $(stat -c %%d:%%i /root) && echo moved" % pid
+    assert sh(raw, sid, same) == "moved\n"
+
+
 def test_open_file_cannot_change_the_snapshot(sbx, raw):
     sid = sbx.sandbox_id
     # A background writer holds /root/log open for appending across the checkpoint.
@@ -309,9 +329,14 @@ def test_cycles_leak_nothing(daemon, sbx, raw):
 
     def no_growth():
         last[:] = [counts()]
-        return all(a <= b for a, b in zip(last[0], before))
+        # Mounts and layers exactly; processes and daemon fds within one: the template's spare
+        # copy (a process and its channel) is made in a pause of the sandbox's operations, so
+        # either count may or may not include it. A leak grows by one per cycle (60 here).
+        slack = (0, 0, 1, 1)
+        return all(a <= b + s for a, b, s in zip(last[0], before, slack))
 
     try:
         wait_until(no_growth, timeout=10)
     except AssertionError:
-        raise AssertionError("mounts, layers, processes grew: before %r, after %r" % (before, last))
+        ps = sh(raw, sid, "ps -eo pid,ppid,pgid,stat,args")
+        raise AssertionError("mounts, layers, processes grew: before %r, after %r\n%s" % (before, last, ps))

@@ -114,12 +114,56 @@ struct Scan<'a> {
     sessions: &'a HashSet<i32>,
 }
 
+/// How long a checkpoint waits for the processes it moves to a new working directory to stop;
+/// the rest are moved after the answer (see [`Stragglers`]).
+const REBASE_PATIENCE: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Processes stopped at the thaw to get a working directory in the new root (see
+/// `stale_cwds`), with that directory.
+type StaleCwds = Vec<(bb_sys::ptrace::PendingStop, PathBuf)>;
+
+/// Move the processes of `pending` as each stops, polling them together (one may wait for
+/// another: a `vfork` parent stops only once its child, stopped too, has gone on to `exec`).
+/// Returns those that have not stopped by `until`.
+fn rebase_cwds(mut pending: StaleCwds, until: Option<Instant>) -> StaleCwds {
+    let mut pause = std::time::Duration::from_micros(20);
+    loop {
+        let mut left = Vec::new();
+        for (p, path) in pending {
+            let pid = p.pid();
+            match p.try_wait() {
+                Ok(taken) => rebase_cwd(pid, taken, &path),
+                Err(p) => left.push((p, path)),
+            }
+        }
+        pending = left;
+        if pending.is_empty() || until.is_some_and(|u| Instant::now() >= u) {
+            return pending;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(std::time::Duration::from_millis(5));
+    }
+}
+
+/// Processes a checkpoint asked to stop that had not stopped when it answered. ptrace ties
+/// them to the thread that asked: dropping this waits for them and moves them, so drop it on
+/// that thread, after the answer.
+struct Stragglers(StaleCwds);
+
+impl Drop for Stragglers {
+    fn drop(&mut self) {
+        if !self.0.is_empty() {
+            tracing::debug!(processes = self.0.len(), "moving working directories after the answer");
+            rebase_cwds(std::mem::take(&mut self.0), None);
+        }
+    }
+}
+
 /// Move a process stopped at the thaw (see `stale_cwds`) to the same working directory in the
 /// new root: an injected `chdir(path)` (or `/` if the path is gone). Best effort.
-fn rebase_cwd(pending: bb_sys::ptrace::PendingStop, path: &Path) {
+fn rebase_cwd(pid: i32, taken: bb_sys::SysResult<bb_sys::ptrace::Tracee>, path: &Path) {
     use std::os::unix::ffi::OsStrExt;
-    let pid = pending.pid();
-    let res = pending.wait().and_then(|mut t| {
+    let res = taken.and_then(|mut t| {
         let mut bytes = path.as_os_str().as_bytes().to_vec();
         bytes.push(0);
         let at = t.scratch(bytes.len() + 8);
@@ -628,13 +672,20 @@ impl Runtime {
         let swapped = match prep.await.map_err(blocking_err).and_then(|p| p) {
             Ok(prep) => {
                 let (rt, sbc, old) = (self.clone(), sb.clone(), upper_dir.clone());
+                let (tx, rx) = tokio::sync::oneshot::channel();
                 tokio::task::spawn_blocking(move || {
                     let scan = Scan { old_upper: &old, templates: &spare.0, sessions: &spare.1 };
-                    rt.swap_prepared(&sbc, prep, Some(&scan), None)
-                })
-                    .await
-                    .map_err(blocking_err)
-                    .and_then(|r| r)
+                    match rt.swap_prepared(&sbc, prep, Some(&scan), None) {
+                        Ok((gen, pinned, stragglers)) => {
+                            let _ = tx.send(Ok((gen, pinned)));
+                            drop(stragglers); // on this thread, their tracer
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                        }
+                    }
+                });
+                rx.await.map_err(|_| RuntimeError::Internal("root swap worker ended without an answer".into())).and_then(|r| r)
             }
             Err(e) => Err(e),
         };
@@ -792,7 +843,7 @@ impl Runtime {
         prep: Prepared,
         pin_from: Option<&Scan<'_>>,
         kill: Option<(&HashSet<i32>, &mut Vec<i32>)>,
-    ) -> Result<(Generation, rootswap::PinStats)> {
+    ) -> Result<(Generation, rootswap::PinStats, Stragglers)> {
         let t0 = Instant::now();
         sb.cgroup.freeze()?;
         let t_frozen = t0.elapsed();
@@ -800,10 +851,8 @@ impl Runtime {
         let res = self.swap_frozen(sb, prep, pin_from, kill, &mut stale);
         let thawed = sb.cgroup.thaw();
         let t_thawed = t0.elapsed();
-        // Processes that kept a working directory in the old root stopped at the thaw: move them.
-        for (pending, path) in stale {
-            rebase_cwd(pending, &path);
-        }
+        // Processes that kept a working directory in the old root stop at the thaw: move them.
+        let stragglers = Stragglers(rebase_cwds(stale, Some(Instant::now() + REBASE_PATIENCE)));
         // The host-side mount (file API) is swapped after the thaw; the caller holds the file gate.
         let (gen, pinned, host_clone) = res?;
         let target = sb.dirs.rootfs_gen(gen.n);
@@ -811,7 +860,7 @@ impl Runtime {
         rootswap::attach_host_root(&target, host_clone)?;
         tracing::debug!(sandbox = %sb.id, ?t_frozen, ?t_thawed, total = ?t0.elapsed(), "root swapped");
         thawed?;
-        Ok((gen, pinned))
+        Ok((gen, pinned, stragglers))
     }
 
     fn swap_frozen(
@@ -957,7 +1006,7 @@ impl Runtime {
                 let (rt, sbc) = (self.clone(), sb.clone());
                 tokio::task::spawn_blocking(move || {
                     let mut killed = Vec::new();
-                    rt.swap_prepared(&sbc, prep, None, Some((&keep, &mut killed))).map(|(g, _)| (g, killed))
+                    rt.swap_prepared(&sbc, prep, None, Some((&keep, &mut killed))).map(|(g, _, _)| (g, killed))
                 })
                 .await
                 .map_err(blocking_err)

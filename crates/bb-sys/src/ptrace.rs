@@ -150,9 +150,34 @@ mod imp {
             let pid = self.pid;
             // The stop is taken here: no detach on drop.
             std::mem::forget(self);
-            let mut t = Tracee { pid, saved: unsafe_zeroed_regs(), syscall_ip: 0, attached: true, pending_signal: 0, exact: true };
-            t.wait_quiet()?;
-            t.saved = get_regs(t.pid)?;
+            Self::take(pid, wait_stop(pid))
+        }
+
+        /// [`PendingStop::wait`] without blocking: `Err(self)` while the process has neither
+        /// stopped nor died yet. A process can take long to stop: it stops on its way back from
+        /// the syscall it sleeps in, and some sleeps are not broken by our request (a `vfork`
+        /// parent waits until its child has called `exec`, and that child may be waiting for
+        /// us too), so several pending stops are polled together rather than waited in turn.
+        pub fn try_wait(self) -> Result<SysResult<Tracee>, PendingStop> {
+            let mut status = 0;
+            // SAFETY: waitpid on our tracee with a valid status pointer.
+            let r = unsafe { libc::waitpid(self.pid, &mut status, libc::__WALL | libc::WNOHANG) };
+            if r == 0 || (r < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)) {
+                return Err(self);
+            }
+            let pid = self.pid;
+            std::mem::forget(self);
+            Ok(Self::take(pid, if r < 0 { Err(err("waitpid(tracee)")) } else { stop_status(status) }))
+        }
+
+        /// The tracee of a stop whose wait status is `status`.
+        fn take(pid: i32, status: SysResult<i32>) -> SysResult<Tracee> {
+            let status = status?;
+            let saved = get_regs(pid).inspect_err(|_| {
+                let _ = ptrace(libc::PTRACE_DETACH, pid, 0, 0);
+            })?;
+            let mut t = Tracee { pid, saved, syscall_ip: 0, attached: true, pending_signal: 0, exact: true };
+            t.note_stop(status);
             let ip = t.saved.rip.wrapping_sub(2);
             t.syscall_ip = if (t.saved.orig_rax as i64) >= 0 && t.peek_u16(ip).ok() == Some(0x050f) { ip } else { t.vdso_syscall()? };
             Ok(t)
@@ -211,10 +236,16 @@ mod imp {
                 }
                 return Err(err("waitpid(tracee)"));
             }
-            if libc::WIFSTOPPED(status) {
-                return Ok(status);
-            }
-            return Err(SysError { call: "tracee", source: io::Error::from_raw_os_error(libc::ESRCH) });
+            return stop_status(status);
+        }
+    }
+
+    /// A wait status: the stop, or Err(ESRCH) if the process died instead.
+    fn stop_status(status: i32) -> SysResult<i32> {
+        if libc::WIFSTOPPED(status) {
+            Ok(status)
+        } else {
+            Err(SysError { call: "tracee", source: io::Error::from_raw_os_error(libc::ESRCH) })
         }
     }
 
@@ -268,12 +299,16 @@ mod imp {
         /// Wait for a stop, swallowing signal-delivery stops (remembered for resume).
         fn wait_quiet(&mut self) -> SysResult<i32> {
             let status = wait_stop(self.pid).inspect_err(|_| self.attached = false)?;
+            self.note_stop(status);
+            Ok(status)
+        }
+
+        /// A signal-delivery stop: keep the signal for resume (the tracee stays stopped).
+        fn note_stop(&mut self, status: i32) {
             let sig = libc::WSTOPSIG(status);
             if event(status) == 0 && !is_syscall_stop(status) && sig != libc::SIGTRAP && sig != libc::SIGSTOP {
-                // A signal for the tracee: keep it for later and stay stopped.
                 self.pending_signal = sig;
             }
-            Ok(status)
         }
 
         /// Continue to the next syscall stop, collecting fork events and parking signals.

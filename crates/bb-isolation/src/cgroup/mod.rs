@@ -36,6 +36,8 @@ pub const MIN_MEMORY_BYTES: u64 = 1 << 20;
 pub const MIN_CPU_MILLIS: u32 = 10;
 
 const FREEZE_TIMEOUT: Duration = Duration::from_secs(2);
+/// v1: how often the frozen state is written again while the group is still freezing.
+const FREEZE_REWRITE: Duration = Duration::from_millis(1);
 const KILL_TIMEOUT: Duration = Duration::from_secs(5);
 const RMDIR_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -545,7 +547,21 @@ impl Cgroup {
     pub fn freeze(&self) -> Result<()> {
         let (file, frozen) = self.freeze_file(true)?;
         cgfs::write(&file, frozen)?;
-        let done = poll_until(Instant::now() + FREEZE_TIMEOUT, || self.is_frozen())?;
+        let mut written = Instant::now();
+        let done = poll_until(Instant::now() + FREEZE_TIMEOUT, || {
+            if self.is_frozen()? {
+                return Ok(true);
+            }
+            if self.layout.version == CgroupVersion::V1 && written.elapsed() >= FREEZE_REWRITE {
+                // v1 asks each task to freeze once, when the state is written. A task that
+                // went into a sleep that signals do not break after that (a vfork parent
+                // waiting for its child, frozen before its exec) is frozen in place only by
+                // another write; without it the group stays FREEZING.
+                cgfs::write(&file, frozen)?;
+                written = Instant::now();
+            }
+            Ok(false)
+        })?;
         if done {
             return Ok(());
         }
