@@ -837,7 +837,9 @@ class Server(object):
         if op == "restored":
             resp = self.op_restored(fds, bool(req.get("strict")), req.get("unmap"))
         elif op == "fork":
-            self._finish_restore()  # a copy of a restored session gets the restored files
+            # A copy of a restored session gets the restored files; the fd of this request is
+            # not one of the objects a strict restore closes.
+            self._finish_restore(keep=fds)
             resp = self.op_fork(fds, req.get("role"))
         else:
             _close_fds(fds)
@@ -978,9 +980,10 @@ class Server(object):
         self.saved_fds = []
         return {"ok": True, "pid": os.getpid(), "role": "restore"}
 
-    def _finish_restore(self):
+    def _finish_restore(self, keep=()):
         """Deferred part of a restore: chdir to the recorded cwd and reopen the recorded
-        files by path, in the current root filesystem. Returns how many were reopened."""
+        files by path, in the current root filesystem. Returns how many were reopened.
+        ``keep``: fds received with the request being served (never closed here)."""
         pending, self.pending_restore = self.pending_restore, None
         if pending is None:
             return None
@@ -995,7 +998,7 @@ class Server(object):
         done = _reopen_fds(fds)
         if self.strict_restore:
             self.strict_restore = False
-            _close_all_but(done | {0, 1, 2, CHANNEL_FD})
+            _close_all_but(done | {0, 1, 2, CHANNEL_FD} | set(keep))
         return len(done)
 
     def _rebase(self):

@@ -6,7 +6,8 @@ a missing prerequisite fails instead of skipping.
 
 Overrides, to run beside another test run: BRANCHBOX_DAEMON_BIN (default: branchboxd on PATH),
 BRANCHBOX_INIT_BIN (default: branchbox-init next to the daemon binary), BRANCHBOX_TEST_STATE,
-BRANCHBOX_TEST_RUN (socket dir, default /run/branchbox-test), BRANCHBOX_TEST_CGROUP (cgroup parent).
+BRANCHBOX_TEST_RUN (socket dir, default /run/branchbox-test), BRANCHBOX_TEST_CGROUP (cgroup parent),
+BRANCHBOX_TEST_MAX_CHAIN (the daemon's --max-chain, default 4: chains are compacted often).
 """
 import json
 import os
@@ -21,7 +22,7 @@ import pytest
 from branchbox import Sandbox
 from branchbox.images import Images
 
-from helpers import CGROUP_PARENT, RUN, SOCKET, STATE, URL, state_mounts  # noqa: F401 (re-exported)
+from helpers import CGROUP_PARENT, MAX_CHAIN, RUN, SOCKET, STATE, URL, state_mounts  # noqa: F401 (re-exported)
 
 
 def daemon_bin() -> str:
@@ -41,7 +42,8 @@ class Daemon:
         os.makedirs(STATE, exist_ok=True)
         # No warm pool unless a test sets one (PUT /v1/pool/...): pooled sandboxes would show in
         # the suite's counts of processes, cgroups and mounts.
-        argv = [daemon_bin(), "--state-dir", STATE, "--socket", SOCKET, "--cgroup-parent", CGROUP_PARENT, "--pool-size", "0"]
+        argv = [daemon_bin(), "--state-dir", STATE, "--socket", SOCKET, "--cgroup-parent", CGROUP_PARENT, "--pool-size", "0",
+                "--max-chain", str(MAX_CHAIN)]
         if os.environ.get("BRANCHBOX_INIT_BIN"):  # default: branchbox-init next to the daemon binary
             argv += ["--init-bin", os.environ["BRANCHBOX_INIT_BIN"]]
         argv += extra

@@ -16,6 +16,9 @@ CGROUP_PARENT = os.environ.get("BRANCHBOX_TEST_CGROUP", "branchbox-test")
 CGROUP_ROOT = "/sys/fs/cgroup"
 # Host uid the sandbox's root maps to (branchboxd --uid-base default).
 UID_BASE = 1_000_000
+# The suite's daemon compacts snapshot chains deeper than this (--max-chain): small, so that
+# every test that checkpoints a few times runs over compacted chains.
+MAX_CHAIN = int(os.environ.get("BRANCHBOX_TEST_MAX_CHAIN", "4"))
 
 # ----------------------------------------------------------------------------- waiting
 

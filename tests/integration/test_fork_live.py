@@ -67,6 +67,24 @@ def test_children_get_live_copies_of_every_session(parent, raw):
             kill(raw, k)
 
 
+def test_a_childs_first_session_request_can_be_a_checkpoint(parent, raw):
+    """The copy of a session in a fork child finishes its restore at its first request, closing
+    what it shared with the parent's sandbox. When that request is a checkpoint's fork, the fd
+    that came with it must survive: the child's snapshot has a template of the session."""
+    py(raw, parent, "x = 'kept'")
+    kid = fork(raw, parent)["sandboxes"][0]["id"]
+    try:
+        snap = ckpt(raw, kid)
+        assert [s["template"] for s in snap["sessions"]] == [True], snap
+        py(raw, kid, "x = 'changed'")
+        r = raw.post("/v1/sandboxes/%s/rollback" % kid, json={"snapshot": snap["id"]})
+        assert r.status_code == 200, r.text
+        assert r.json()["sessions_restarted"] is False, r.json()
+        assert py(raw, kid, "x") == "'kept'"
+    finally:
+        kill(raw, kid)
+
+
 def test_children_are_isolated_from_each_other_and_from_the_parent(parent, raw):
     py(raw, parent, "x = 1")
     sh(raw, parent, "echo parent > /root/f")

@@ -79,6 +79,12 @@ pub struct FlattenStats {
     pub hardlinks: u64,
     /// Sockets in the merged view (not copied: they are meaningless without their process).
     pub skipped_sockets: u64,
+    /// [`flatten_onto`]: names left to the base (not written: the base shows the same).
+    pub from_base: u64,
+    /// [`flatten_onto`]: whiteouts written (names of the base the merged view does not show).
+    pub whiteouts: u64,
+    /// [`flatten_onto`]: directories marked opaque (they hide the base's entry at their path).
+    pub opaque_dirs: u64,
     pub duration: Duration,
 }
 
@@ -92,6 +98,27 @@ pub struct FlattenStats {
 /// temp dir is removed. Ownership is copied verbatim (layers already hold host ids), so no
 /// [`crate::IdMap`] is needed. Needs root (mount, chown, mknod, `trusted.*` xattrs).
 pub fn flatten(layers: &[PathBuf], dest: &Path) -> Result<FlattenStats, LayersError> {
+    flatten_onto(layers, &[], dest)
+}
+
+/// Merge `layers` (TOP-most first) into one new layer `dest` that holds only what `layers` change
+/// on top of `base` (TOP-most first, e.g. an image's layers): `overlay(lower = [dest] + base)`
+/// shows exactly what `overlay(lower = layers + base)` shows, and layers stacked above read the
+/// same over either. This is compaction of a snapshot chain without copying its image.
+///
+/// Walks the merged view like [`flatten`], but:
+/// * a directory whose lower stack is made of base layers only, at its own path, is not written
+///   (the base shows the same), nor a non-directory that a base layer provides at its own path;
+/// * a name the base shows in a written directory and the merged view does not gets a whiteout;
+/// * a written directory that does not merge with the base's directory at its path (opaque or
+///   renamed in `layers`, or new over a base non-directory) is marked opaque and written whole,
+///   with everything below it.
+///
+/// Only what can be shown to come from the base is left out: when in doubt an entry is written,
+/// which is always correct. One approximation: a base file with several hard links of which
+/// some names are written (e.g. below a directory renamed from the base) and others left to the
+/// base becomes two inodes with the same content. With an empty `base` this is [`flatten`].
+pub fn flatten_onto(layers: &[PathBuf], base: &[PathBuf], dest: &Path) -> Result<FlattenStats, LayersError> {
     let start = Instant::now();
     if layers.is_empty() {
         return Err(LayersError::InvalidOption {
@@ -112,7 +139,7 @@ pub fn flatten(layers: &[PathBuf], dest: &Path) -> Result<FlattenStats, LayersEr
     };
     let parent_real =
         fs::canonicalize(parent).map_err(io_err(format!("flatten: resolving the parent of {}", dest.display())))?;
-    for l in layers {
+    for l in layers.iter().chain(base) {
         let real = fs::canonicalize(l).map_err(io_err(format!("flatten: layer {}", l.display())))?;
         if parent_real.starts_with(&real) {
             return Err(LayersError::InvalidOption {
@@ -132,18 +159,27 @@ pub fn flatten(layers: &[PathBuf], dest: &Path) -> Result<FlattenStats, LayersEr
 
     // Overlay needs two lower layers when there is no upper: an empty one at the bottom changes
     // nothing in the merged view.
-    let mut lower = layers.to_vec();
-    if lower.len() == 1 {
-        tmp_name.push("-empty");
-        let empty = parent.join(&tmp_name);
-        tmp.0.push(empty.clone());
-        fs::create_dir(&empty).map_err(io_err(format!("flatten: creating {}", empty.display())))?;
-        lower.push(empty);
-    }
-    let what = PathBuf::from(format!("<private read-only overlay of {} layers>", layers.len()));
-    let mnt = mount_detached_readonly(&lower, &what)?;
+    let mut empty = None;
+    let mut view = |lower: Vec<PathBuf>, what: &str| -> Result<OwnedFd, LayersError> {
+        let mut lower = lower;
+        if lower.len() == 1 {
+            if empty.is_none() {
+                let mut n = tmp_name.clone();
+                n.push("-empty");
+                let e = parent.join(n);
+                tmp.0.push(e.clone());
+                fs::create_dir(&e).map_err(io_err(format!("flatten: creating {}", e.display())))?;
+                empty = Some(e);
+            }
+            lower.extend(empty.clone());
+        }
+        let what = PathBuf::from(format!("<private read-only overlay of {} {what}>", lower.len()));
+        mount_detached_readonly(&lower, &what)
+    };
+    let mnt = view(layers.iter().chain(base).cloned().collect(), "layers")?;
+    let base_mnt = if base.is_empty() { None } else { Some(view(base.to_vec(), "base layers")?) };
     let mut stats = {
-        let mut c = Copier::new(mnt, layers, &tmp_path)?;
+        let mut c = Copier::new(mnt, base_mnt, layers, base, &tmp_path)?;
         c.run()?;
         // Sync while the fds are open: data and metadata are durable before the name appears.
         nix::unistd::syncfs(c.dst_root.as_raw_fd())
@@ -176,6 +212,9 @@ pub fn flatten(layers: &[PathBuf], dest: &Path) -> Result<FlattenStats, LayersEr
         files = stats.files,
         dirs = stats.dirs,
         bytes = stats.bytes,
+        base = base.len(),
+        from_base = stats.from_base,
+        whiteouts = stats.whiteouts,
         reflinked = stats.reflinked,
         ms = stats.duration.as_millis() as u64,
         "flattened layers"
@@ -234,12 +273,19 @@ struct DirJob {
     rel: PathBuf,
     /// Overlay's lower stack for this directory, top first: where its files' data may come from.
     lowers: Vec<Lower>,
+    /// [`flatten_onto`]: the directory merges with the base's directory at the same path, so
+    /// only the differences are written. Otherwise it is written whole.
+    over_base: bool,
 }
 
 struct Copier {
     /// Keeps the detached mount alive (`src_root` would too; explicit for clarity).
     _mnt: OwnedFd,
     src_root: OwnedFd,
+    /// Root of the base's own merged view ([`flatten_onto`]), kept alive by this fd.
+    base_root: Option<OwnedFd>,
+    /// Layers `0..n_top` of `layer_roots` are being merged; the rest are the base.
+    n_top: usize,
     dst_root: OwnedFd,
     dst_path: PathBuf,
     /// O_PATH fds of the layer roots, TOP first.
@@ -285,20 +331,35 @@ fn times(st: &FileStat) -> (TimeSpec, TimeSpec) {
 }
 
 impl Copier {
-    fn new(mnt: OwnedFd, layers: &[PathBuf], dst: &Path) -> Result<Copier, LayersError> {
+    fn new(
+        mnt: OwnedFd,
+        base_mnt: Option<OwnedFd>,
+        layers: &[PathBuf],
+        base: &[PathBuf],
+        dst: &Path,
+    ) -> Result<Copier, LayersError> {
         let src_root = open_beneath(&mnt, Path::new(""), libc::O_RDONLY | libc::O_DIRECTORY)
             .map_err(|e| LayersError::io("flatten: opening the root of the merged view", e.into()))?;
+        let base_root = match base_mnt {
+            Some(m) => Some(
+                open_beneath(&m, Path::new(""), libc::O_RDONLY | libc::O_DIRECTORY)
+                    .map_err(|e| LayersError::io("flatten: opening the root of the base view", e.into()))?,
+            ),
+            None => None,
+        };
         let dst_root = File::open(dst)
             .map_err(io_err(format!("flatten: opening {}", dst.display())))?
             .into();
         let mut layer_roots = Vec::with_capacity(layers.len());
-        for l in layers {
+        for l in layers.iter().chain(base) {
             let f = File::open(l).map_err(io_err(format!("flatten: opening layer {}", l.display())))?;
             layer_roots.push(f.into());
         }
         Ok(Copier {
             _mnt: mnt,
             src_root,
+            base_root,
+            n_top: layers.len(),
             dst_root,
             dst_path: dst.to_path_buf(),
             layer_roots,
@@ -334,6 +395,7 @@ impl Copier {
                     path: PathBuf::new(),
                 })
                 .collect(),
+            over_base: self.base_root.is_some(),
         }];
         while let Some(job) = stack.pop() {
             self.copy_dir(job, &mut stack)?;
@@ -358,11 +420,20 @@ impl Copier {
                 Err(_) => break,
             }
         }
+        // Every layer of the stack opened: only then can an entry be known to come from the base.
+        let stack_complete = lower_fds.len() == job.lowers.len();
         self.stats.dirs += 1;
+        // The base's directory at this path (flatten_onto, when this one merges with it).
+        let base_dir = match (&self.base_root, job.over_base) {
+            (Some(b), true) => Some(open_beneath(b, rel, dflags).map_err(|e| self.err("opening (base)", rel, e))?),
+            _ => None,
+        };
         // Before listing it: reading a directory may update its atime.
         let dir_st = fstat(src.as_raw_fd()).map_err(|e| self.err("stat", rel, e))?;
 
-        for name in read_names(&src).map_err(|e| self.err("listing", rel, e))? {
+        let names = read_names(&src).map_err(|e| self.err("listing", rel, e))?;
+        for name in &names {
+            let name = name.clone();
             let crel = rel.join(&name);
             let st = match fstatat(Some(src.as_raw_fd()), name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW) {
                 Ok(st) => st,
@@ -372,16 +443,36 @@ impl Copier {
                 Err(e) => return Err(self.err("stat", &crel, e)),
             };
             let k = kind(&st);
+            // What the base shows at this name (flatten_onto): its file type.
+            let in_base = base_dir.as_ref().and_then(|b| {
+                fstatat(Some(b.as_raw_fd()), name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW).ok().map(|s| kind(&s))
+            });
             if k == libc::S_IFDIR {
+                let lowers = self.child_lowers(&job.lowers, &name);
+                let base_at_path = |l: &Lower| l.layer >= self.n_top && l.path == crel;
+                if base_dir.is_some() && !lowers.is_empty() && lowers.iter().all(base_at_path) {
+                    self.stats.from_base += 1; // no merged layer has it: the base shows the same
+                    continue;
+                }
+                let over_base = in_base == Some(libc::S_IFDIR) && lowers.iter().any(base_at_path);
                 mkdirat(Some(dst.as_raw_fd()), name.as_os_str(), Mode::from_bits_truncate(0o700))
                     .map_err(|e| self.err("mkdir", &crel, e))?;
-                let lowers = self.child_lowers(&job.lowers, &name);
-                stack.push(DirJob { rel: crel, lowers });
+                if in_base.is_some() && !over_base {
+                    // Written whole: the base's entry at this path must not show through.
+                    xattr::set(proc_path(dst.as_raw_fd(), &name), OPAQUE_XATTR, b"y")
+                        .map_err(|e| self.ioerr("marking opaque", &crel, e))?;
+                    self.stats.opaque_dirs += 1;
+                }
+                stack.push(DirJob { rel: crel, lowers, over_base });
                 continue;
             }
             if k == libc::S_IFSOCK {
                 tracing::debug!(path = %crel.display(), "flatten: skipping socket");
                 self.stats.skipped_sockets += 1;
+                continue;
+            }
+            if base_dir.is_some() && stack_complete && self.base_provides(&lower_fds, &name) {
+                self.stats.from_base += 1;
                 continue;
             }
             let key = (st.st_dev, st.st_ino);
@@ -428,6 +519,22 @@ impl Copier {
             self.stats.files += 1;
             if st.st_nlink > 1 {
                 self.links.insert(key, crel);
+            }
+        }
+
+        // Names the base shows here and the merged view does not: whiteouts hide them.
+        if let Some(b) = &base_dir {
+            let shown: std::collections::HashSet<&OsString> = names.iter().collect();
+            for name in read_names(b).map_err(|e| self.err("listing (base)", rel, e))? {
+                if shown.contains(&name)
+                    || fstatat(Some(b.as_raw_fd()), name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW).is_err()
+                {
+                    continue; // in the view, or a whiteout the base lists but does not show
+                }
+                let crel = rel.join(&name);
+                mknodat(Some(dst.as_raw_fd()), name.as_os_str(), SFlag::S_IFCHR, Mode::empty(), 0)
+                    .map_err(|e| self.err("creating a whiteout for", &crel, e))?;
+                self.stats.whiteouts += 1;
             }
         }
 
@@ -496,6 +603,20 @@ impl Copier {
             }
         }
         out
+    }
+
+    /// Whether the non-directory `name` of a merged directory (whose whole lower stack is
+    /// `lower_fds`) comes from a base layer: the first layer of the stack that has the name is a
+    /// base layer. Any doubt (an error) says no, and the entry is written.
+    fn base_provides(&self, lower_fds: &[(usize, OwnedFd)], name: &OsStr) -> bool {
+        for (layer, dir) in lower_fds {
+            match fstatat(Some(dir.as_raw_fd()), name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+                Ok(_) => return *layer >= self.n_top,
+                Err(Errno::ENOENT) => continue,
+                Err(_) => return false,
+            }
+        }
+        false
     }
 
     /// The file in the layers that the merged regular file `name` (stat `st`) shows: the first

@@ -35,7 +35,7 @@ mod fsutil;
 mod import;
 mod store;
 
-pub use flatten::{flatten, FlattenStats};
+pub use flatten::{flatten, flatten_onto, FlattenStats};
 pub use overlay::{mount_overlay, new_writable, overlay_fd, supports_reflink, unmount, OverlaySpec};
 pub use store::ImageStore;
 

@@ -5,7 +5,7 @@
 mod common;
 
 use bb_layers::{
-    flatten, mount_overlay, new_writable, supports_reflink, FlattenStats, IdMap, LayersError, OverlaySpec,
+    flatten, flatten_onto, mount_overlay, new_writable, supports_reflink, FlattenStats, IdMap, LayersError, OverlaySpec,
 };
 use common::{require_root, Mounted};
 use std::collections::{BTreeMap, HashMap};
@@ -679,6 +679,85 @@ fn flatten_of_one_layer_and_of_a_flattened_layer() {
         &merged_snapshot(d.path(), "l3", std::slice::from_ref(&c.l3)),
         &raw,
     );
+}
+
+fn is_whiteout(p: &Path) -> bool {
+    fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_char_device() && m.rdev() == 0)
+}
+
+fn is_opaque(p: &Path) -> bool {
+    xattr::get(p, "trusted.overlay.opaque").unwrap().as_deref() == Some(&b"y"[..])
+}
+
+#[test]
+fn flatten_onto_a_base_writes_only_what_the_layers_change() {
+    require_root();
+    let d = tempfile::tempdir().unwrap();
+    let c = build_chain(d.path());
+    let base = std::slice::from_ref(&c.l1);
+    let orig = merged_snapshot(d.path(), "orig", &c.lower());
+    let dest = d.path().join("layers/compact");
+    let stats = flatten_onto(&[c.l3.clone(), c.l2.clone()], base, &dest).unwrap();
+    eprintln!("flatten_onto: {stats:?}");
+
+    // overlay(l3, l2, l1) == overlay(compact, l1), sockets of the base included.
+    let comp = merged_snapshot(d.path(), "compact", &[dest.clone(), c.l1.clone()]);
+    assert_same_tree("overlay(l3,l2,l1) vs overlay(compact,l1)", &orig, &comp);
+    assert_same_root(&c.l3, &dest);
+    // A layer stacked above reads the same (its whiteouts, opaque dirs, redirects).
+    let mut full = vec![c.t.clone()];
+    full.extend(c.lower());
+    assert_same_tree(
+        "overlay(t,l3,l2,l1) vs overlay(t,compact,l1)",
+        &merged_snapshot(d.path(), "orig-t", &full),
+        &merged_snapshot(d.path(), "compact-t", &[c.t.clone(), dest.clone(), c.l1.clone()]),
+    );
+
+    // Only the changes are in the layer: nothing the base shows unchanged was copied.
+    for p in ["data/big", "data/empty", "bin/ping", "bin/wall", "etc/shadow", "hl/a", "other", "home", "dev", "run", "a/stay", "tmp"] {
+        assert!(fs::symlink_metadata(dest.join(p)).is_err(), "/{p} was copied from the base");
+    }
+    assert!(stats.bytes < 4096, "{} bytes of file data written", stats.bytes);
+    assert!(stats.from_base >= 10, "{stats:?}");
+    assert_eq!(fs::read(dest.join("bin/su")).unwrap(), b"#!setuid v2");
+    assert_eq!(fs::read_to_string(dest.join("etc/passwd")).unwrap().lines().count(), 2);
+    // Base names the view does not show are whited out; dirs that must hide the base are opaque.
+    for p in ["etc/hidden", "olddir", "a/deep", "hl/b"] {
+        assert!(is_whiteout(&dest.join(p)), "/{p} should be a whiteout");
+    }
+    assert_eq!(stats.whiteouts, 4, "{stats:?}");
+    assert!(is_opaque(&dest.join("opq")), "opaque in l2");
+    assert!(is_opaque(&dest.join("file2dir")), "a dir over a base file");
+    assert!(!is_opaque(&dest.join("etc")) && !is_opaque(&dest.join("data")) && !is_opaque(&dest.join("a")));
+    // Renamed dirs are written whole (no redirect left), their base content copied.
+    assert_eq!(fs::read(dest.join("newdir2/sub/y")).unwrap(), b"y from l1");
+    assert_eq!(fs::read(dest.join("b/moved/g/f2")).unwrap(), b"f2");
+    assert!(xattr::get(dest.join("newdir2"), "trusted.overlay.redirect").unwrap().is_none());
+
+    // Compacting a compacted layer again (the next compaction of a chain) gives the same view.
+    let c2 = d.path().join("layers/c2");
+    flatten_onto(std::slice::from_ref(&c.l2), base, &c2).unwrap();
+    let c32 = d.path().join("layers/c32");
+    flatten_onto(&[c.l3.clone(), c2.clone()], base, &c32).unwrap();
+    assert_same_tree(
+        "overlay(l3,l2,l1) vs overlay(flatten_onto(l3, flatten_onto(l2)), l1)",
+        &orig,
+        &merged_snapshot(d.path(), "c32", &[c32.clone(), c.l1.clone()]),
+    );
+
+    // A sandbox goes on above [compact, l1]: renames, edits and deletes work through.
+    let rw = d.path().join("rw");
+    let (upper, work) = new_writable(&rw, &IdMap::default()).unwrap();
+    let merged = rw.join("merged");
+    fs::create_dir_all(&merged).unwrap();
+    mount_overlay(&OverlaySpec { lower: &[dest.clone(), c.l1.clone()], upper: &upper, work: &work }, &merged).unwrap();
+    let m = Mounted(merged);
+    fs::rename(m.0.join("newdir2"), m.0.join("again")).unwrap();
+    assert_eq!(fs::read_to_string(m.0.join("again/sub/y")).unwrap(), "y from l1");
+    fs::remove_file(m.0.join("a/stay")).unwrap();
+    assert!(!m.0.join("a/stay").exists() && !m.0.join("a/deep").exists());
+    fs::write(m.0.join("data/big"), "small now").unwrap();
+    assert_eq!(fs::read(c.l1.join("data/big")).unwrap().len(), 1 << 20, "the base is untouched");
 }
 
 #[test]

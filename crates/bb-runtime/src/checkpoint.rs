@@ -31,8 +31,11 @@ use std::time::Instant;
 
 /// Process tag of a template: `branchbox-template:<key>:<kind>`.
 pub const TEMPLATE_TAG: &str = "branchbox-template:";
-/// Snapshot layers beyond which a chain is compacted in the background.
+/// Snapshot layers beyond which a chain is compacted in the background (default of
+/// `RuntimeConfig::max_chain`).
 pub const MAX_CHAIN: usize = 24;
+/// Lower layers overlayfs stacks at most (`OVL_MAX_STACK`): a deeper chain cannot be mounted.
+pub const OVERLAY_MAX_LOWER: usize = 500;
 /// Most children one fork request may ask for.
 pub const MAX_FORK: u32 = 64;
 /// Children of one fork from which its templates are collapsed into huge pages afterwards.
@@ -408,6 +411,21 @@ fn collapse_chunks<G>(host_pid: i32, mut gate: impl FnMut() -> Option<G>) -> std
     Ok(done)
 }
 
+/// How much of `chain` (image layers, then snapshot layers `sl-*`, bottom first) a compaction
+/// merges, when it holds more than `max_chain` snapshot layers: the image layers and all the
+/// snapshot layers but the newest third of `max_chain` (those are kept as they are, so that the
+/// next checkpoints and rollbacks near the top share them). `None`: nothing to do.
+pub(crate) fn compaction_plan(chain: &[String], max_chain: usize) -> Option<usize> {
+    let image = chain.iter().take_while(|l| !l.starts_with("sl-")).count();
+    let snap = chain.len() - image;
+    if snap <= max_chain {
+        return None;
+    }
+    let keep = (max_chain / 3).max(1);
+    let merge = snap - keep;
+    (merge >= 2).then_some(image + merge)
+}
+
 fn dir_is_empty(p: &Path) -> bool {
     std::fs::read_dir(p).map(|mut d| d.next().is_none()).unwrap_or(false)
 }
@@ -617,7 +635,9 @@ impl Runtime {
                 if !with_sessions {
                     return Ok((base, false));
                 }
-                if same == now_ids {
+                // Templates are forked in the sandbox that holds them: a fork child's sessions
+                // (copies of its parent's templates) need templates of their own.
+                if same == now_ids && base.sandbox_id == sb.id {
                     let row = SnapshotRow {
                         id: snapshot_id(),
                         sandbox_id: sb.id.clone(),
@@ -797,7 +817,7 @@ impl Runtime {
         let rt = self.clone();
         let dir = sb.dirs.dir.clone();
         let old_root = sb.dirs.rootfs_gen(old_n);
-        tokio::task::spawn_blocking(move || {
+        let cleanup = tokio::task::spawn_blocking(move || {
             // Not put off by BEHIND_ANSWER: until the old root is unmounted its layers count as
             // in use, and a snapshot deleted meanwhile would leave its layer behind.
             // Behind the requests that follow.
@@ -814,12 +834,134 @@ impl Runtime {
                 rt.remove_layer_dir(&l);
             }
         });
+        let (rt, sb) = (self.clone(), sb.clone());
+        tokio::spawn(async move {
+            let _ = cleanup.await;
+            rt.maybe_compact(&sb).await;
+        });
+    }
+
+    /// Compaction: when the sandbox's chain holds more than `max_chain` snapshot layers, merge
+    /// the oldest of them into one layer that holds only their changes to the image
+    /// ([`bb_layers::flatten_onto`]), off the request path at low priority. Then every snapshot
+    /// whose chain starts with the merged ones, and every live sandbox's next root, uses the new
+    /// layer instead: the same files, fewer layers. Mounted roots keep the old layers until their
+    /// next swap (`Generation::mounted`); snapshots whose whole chain was merged keep theirs.
+    /// The old layers are deleted by the layer collection once nothing uses them.
+    pub(crate) async fn maybe_compact(self: &Arc<Self>, sb: &Arc<Sandbox>) {
+        let Some(chain) = sb.gen.lock().expect("lock").as_ref().map(|g| g.chain.clone()) else { return };
+        let Some(n) = compaction_plan(&chain, self.cfg.max_chain) else { return };
+        let lid = format!("sl-{}", uuid::Uuid::new_v4().simple());
+        {
+            let mut c = self.compacting.lock().expect("lock");
+            if c.contains_key(&sb.id) {
+                return; // one at a time per sandbox; the next swap looks again
+            }
+            c.insert(sb.id.clone(), lid.clone());
+        }
+        struct Done<'a>(&'a Runtime, &'a str);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.compacting.lock().expect("lock").remove(self.1);
+            }
+        }
+        let _done = Done(self, &sb.id);
+        let old: Vec<String> = chain[..n].to_vec();
+        let image = old.iter().take_while(|l| !l.starts_with("sl-")).count();
+        let t0 = Instant::now();
+        let merged = {
+            let (rt, old, lid) = (self.clone(), old.clone(), lid.clone());
+            tokio::task::spawn_blocking(move || {
+                let _nice = bb_sys::process::niced_thread(10);
+                let dir = |l: &String| layer_dir(&rt.cfg, &rt.images, l);
+                let top: Vec<PathBuf> = old[image..].iter().rev().map(dir).collect();
+                let base: Vec<PathBuf> = old[..image].iter().rev().map(dir).collect();
+                let dest = dir(&lid);
+                let stats = bb_layers::flatten_onto(&top, &base, &dest).map_err(crate::layers_error)?;
+                let size = du(&dest);
+                rt.snaps.lock().expect("lock").set_layer_size(&lid, size)?;
+                Ok::<_, RuntimeError>((stats, size))
+            })
+            .await
+            .map_err(blocking_err)
+            .and_then(|r| r)
+        };
+        let (stats, size) = match merged {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(sandbox = %sb.id, layers = n - image, "compaction of the snapshot chain failed (the chain stays as it is): {e}");
+                self.remove_layer_dir(&lid);
+                let _ = self.snaps.lock().expect("lock").forget_layer(&lid);
+                return;
+            }
+        };
+        // Behind the sandbox's running operation: a checkpoint or rollback records the chain it
+        // read at its start, which would undo the switch below.
+        let op = sb.begin_op().await;
+        let mut new_prefix = old[..image].to_vec();
+        new_prefix.push(lid.clone());
+        let replaced = self.snaps.lock().expect("lock").replace_prefix(&old, &new_prefix);
+        let rows = match replaced {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(sandbox = %sb.id, "compaction not recorded (the chain stays as it is): {e}");
+                drop(op);
+                self.remove_layer_dir(&lid);
+                let _ = self.snaps.lock().expect("lock").forget_layer(&lid);
+                return;
+            }
+        };
+        // Live sandboxes on the same chain (this one, its forks) mount the new one next time.
+        let mut gens = 0;
+        let live: Vec<Arc<Sandbox>> = self.sandboxes.read().expect("lock").values().cloned().collect();
+        for other in live {
+            let mut g = other.gen.lock().expect("lock");
+            let Some(gen) = g.as_mut().filter(|g| g.chain.len() >= old.len() && g.chain.starts_with(&old)) else { continue };
+            let mut chain = new_prefix.clone();
+            chain.extend_from_slice(&gen.chain[old.len()..]);
+            gen.chain = chain;
+            if let Err(e) = self.snaps.lock().expect("lock").set_generation(&other.id, gen) {
+                tracing::warn!(sandbox = %other.id, "compacted chain not recorded: {e}");
+            }
+            gens += 1;
+        }
+        drop(op);
+        if rows == 0 && gens == 0 {
+            // Nothing stands on the merged layers any more (deleted or rolled away meanwhile).
+            self.remove_layer_dir(&lid);
+            let _ = self.snaps.lock().expect("lock").forget_layer(&lid);
+            return;
+        }
+        tracing::info!(
+            sandbox = %sb.id,
+            merged = n - image,
+            depth = chain.len() - image,
+            new_depth = chain.len() - n + 1,
+            layer = %lid,
+            size,
+            files = stats.files,
+            whiteouts = stats.whiteouts,
+            from_base = stats.from_base,
+            snapshots = rows,
+            sandboxes = gens,
+            ms = t0.elapsed().as_millis() as u64,
+            "compacted the snapshot chain"
+        );
     }
 
     /// Build the next root ahead of the frozen window: a fresh writable layer and a detached
     /// overlay of it over `chain` (bottom first).
     fn prepare(&self, sb: &Sandbox, n: u64, chain: Vec<String>) -> Result<Prepared> {
         let t0 = Instant::now();
+        if chain.len() > OVERLAY_MAX_LOWER {
+            return Err(RuntimeError::Conflict(format!(
+                "the root of sandbox {} would stack {} layers and overlayfs allows {OVERLAY_MAX_LOWER}: compaction \
+                 did not keep up (see the daemon log); fork a snapshot into a new sandbox, or delete snapshots with \
+                 `branchbox snapshot gc`",
+                sb.id,
+                chain.len()
+            )));
+        }
         let (lid, upper, work) = new_upper(&self.cfg, &sb.dirs, n)?;
         let t_upper = t0.elapsed();
         let lower: Vec<PathBuf> = chain.iter().rev().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
@@ -1635,13 +1777,23 @@ impl Runtime {
             used.insert(g.upper);
         }
         drop(snaps);
-        // Writable layers of ready sandboxes in the warm pools (not recorded anywhere).
+        // Writable layers of ready sandboxes in the warm pools (not recorded anywhere), and
+        // layers compactions are writing.
         used.extend(self.pooled_uppers());
+        used.extend(self.compacting.lock().expect("lock").values().cloned());
         let mut freed = 0;
         let Ok(rd) = std::fs::read_dir(crate::launch::snaplayers_dir(&self.cfg.state_dir)) else { return Ok(0) };
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             if used.contains(&name) {
+                continue;
+            }
+            if name.starts_with(".sl-") {
+                // A compaction's temp dir (`bb_layers::flatten_onto`): only one left by a crash,
+                // at start, is garbage.
+                if min_age.is_zero() {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
                 continue;
             }
             // A frozen snapshot layer has its size recorded; a writable layer never had.
@@ -1665,6 +1817,26 @@ impl Runtime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn chain(image: usize, snaps: usize) -> Vec<String> {
+        (0..image).map(|i| format!("sha256:{i}")).chain((0..snaps).map(|i| format!("sl-{i}"))).collect()
+    }
+
+    #[test]
+    fn compaction_merges_the_image_and_all_but_the_newest_third_once_too_deep() {
+        assert_eq!(compaction_plan(&chain(2, 24), 24), None);
+        // 25 snapshot layers: the oldest 17 merge (with the 2 image layers as the base), 8 stay.
+        assert_eq!(compaction_plan(&chain(2, 25), 24), Some(2 + 17));
+        assert_eq!(compaction_plan(&chain(1, 5), 4), Some(1 + 4));
+        // A merged layer counts as a snapshot layer: [image, merged, 8 kept] is 9 deep.
+        let mut c = chain(1, 0);
+        c.push("sl-merged".into());
+        c.extend(chain(0, 8));
+        assert_eq!(compaction_plan(&c, 24), None);
+        assert_eq!(compaction_plan(&chain(0, 3), 2), Some(2));
+        assert_eq!(compaction_plan(&chain(3, 0), 2), None);
+        assert_eq!(compaction_plan(&chain(1, 400), 24), Some(1 + 392));
+    }
 
     fn session(pid: i32) -> Arc<Session> {
         let (ours, _theirs) = std::os::unix::net::UnixStream::pair().unwrap();

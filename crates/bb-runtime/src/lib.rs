@@ -67,6 +67,9 @@ pub struct RuntimeConfig {
     pub max_file_bytes: u64,
     /// Live session templates kept for snapshots (LRU beyond this).
     pub max_templates: usize,
+    /// Snapshot layers stacked under a sandbox's writable layer before the oldest are merged
+    /// (see [`checkpoint::MAX_CHAIN`]).
+    pub max_chain: usize,
     /// Lets the daemon's injected `setns` through the sandboxes' seccomp filters (see
     /// `bb_isolation::SetnsKey`). Loaded from `<state>/setns.key` by [`Runtime::open`].
     pub setns_key: [u64; 2],
@@ -85,6 +88,7 @@ impl RuntimeConfig {
             max_pids: 65536,
             max_file_bytes: 4 << 30,
             max_templates: 64,
+            max_chain: checkpoint::MAX_CHAIN,
             setns_key: [0, 0],
         }
     }
@@ -114,6 +118,9 @@ pub struct Runtime {
     /// Live session processes collapsed into huge pages, and how that went
     /// (`maybe_collapse_session`).
     pub(crate) session_thp: Mutex<HashMap<String, checkpoint::SessionThp>>,
+    /// Compactions in progress: sandbox id -> the layer being written (not recorded yet; the
+    /// layer collection keeps it).
+    pub(crate) compacting: Mutex<HashMap<String, String>>,
     /// Requests that run code in sandboxes, for background work that waits for a pause.
     pub(crate) activity: Activity,
 }
@@ -285,6 +292,7 @@ impl Runtime {
             collapsed: Mutex::new(Default::default()),
             activity: Activity::default(),
             session_thp: Mutex::new(Default::default()),
+            compacting: Mutex::new(Default::default()),
         });
         rt.recover()?;
         Ok(rt)

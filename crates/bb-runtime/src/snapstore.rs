@@ -60,6 +60,14 @@ fn json<T: Serialize>(v: &T) -> String {
 }
 
 impl SnapStore {
+    /// A transaction that takes the write lock at its start (`BEGIN IMMEDIATE`, waiting up to the
+    /// busy timeout): the database has other connections (sandboxes, templates), and a deferred
+    /// transaction that reads first fails at once with "database is locked" when one of them
+    /// wrote since its read began.
+    fn write_tx(&self) -> Result<rusqlite::Transaction<'_>> {
+        Ok(rusqlite::Transaction::new_unchecked(&self.conn, rusqlite::TransactionBehavior::Immediate)?)
+    }
+
     pub fn open(path: &std::path::Path) -> Result<SnapStore> {
         let conn = Connection::open(path)?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
@@ -117,7 +125,7 @@ impl SnapStore {
     /// sandbox in one transaction: a crash never leaves one without the other, and it is one
     /// commit instead of three.
     pub fn insert_with_generation(&self, s: &SnapshotRow, sandbox_id: &str, g: &Generation) -> Result<()> {
-        let tx = self.conn.unchecked_transaction()?;
+        let tx = self.write_tx()?;
         self.insert(s)?;
         self.set_generation(sandbox_id, g)?;
         tx.commit()?;
@@ -175,7 +183,7 @@ impl SnapStore {
     pub fn delete(&self, ids: &BTreeSet<String>) -> Result<()> {
         let all = self.all()?;
         let parent_of: BTreeMap<&str, Option<&str>> = all.iter().map(|s| (s.id.as_str(), s.parent.as_deref())).collect();
-        let tx = self.conn.unchecked_transaction()?;
+        let tx = self.write_tx()?;
         for s in &all {
             if ids.contains(&s.id) {
                 continue;
@@ -213,19 +221,20 @@ impl SnapStore {
         Ok(())
     }
 
-    /// Replace the bottom of every chain that starts with `old` by `new` (compaction).
-    pub fn replace_prefix(&self, old: &[String], new: &str) -> Result<usize> {
+    /// Replace the bottom `old` of every longer chain by `new` (compaction: `new` shows what
+    /// `old` shows), in one transaction. Chains that are exactly `old` keep it (their own layer
+    /// is its top). Returns the snapshots rewritten.
+    pub fn replace_prefix(&self, old: &[String], new: &[String]) -> Result<usize> {
         let mut n = 0;
-        let tx = self.conn.unchecked_transaction()?;
+        let tx = self.write_tx()?;
         for s in self.all()? {
             if s.layers.len() > old.len() && s.layers.starts_with(old) {
-                let mut layers = vec![new.to_string()];
+                let mut layers = new.to_vec();
                 layers.extend_from_slice(&s.layers[old.len()..]);
                 tx.execute("UPDATE snapshots SET layers = ?2 WHERE id = ?1", params![s.id, json(&layers)])?;
                 n += 1;
             }
         }
-        tx.execute("INSERT OR IGNORE INTO snap_layers (id, size_bytes) VALUES (?1, NULL)", params![new])?;
         tx.commit()?;
         Ok(n)
     }
@@ -379,7 +388,7 @@ mod tests {
         assert_eq!(st.get("b").unwrap().unwrap(), row("b", Some("a"), &["1", "2"]));
         st.delete(&set(&["b"])).unwrap();
         assert_eq!(st.get("c").unwrap().unwrap().parent.as_deref(), Some("a"), "children move up to the deleted one's parent");
-        assert_eq!(st.replace_prefix(&["1".into(), "2".into()], "m").unwrap(), 1);
+        assert_eq!(st.replace_prefix(&["1".into(), "2".into()], &["m".into()]).unwrap(), 1);
         assert_eq!(st.get("c").unwrap().unwrap().layers, vec!["m".to_string(), "3".into()]);
         assert_eq!(st.get("a").unwrap().unwrap().layers, vec!["1".to_string()], "a chain that is only the prefix is unchanged");
         st.drop_template("t").unwrap();

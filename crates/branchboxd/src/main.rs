@@ -44,6 +44,10 @@ struct Args {
     /// (its snapshots still roll back, with sessions restarted fresh)
     #[arg(long, default_value_t = 64)]
     max_templates: usize,
+    /// Snapshot layers a sandbox's root may stack before the oldest are merged into one, in the
+    /// background (compaction; snapshots keep their content). At least 2.
+    #[arg(long, env = "BRANCHBOX_MAX_CHAIN", default_value_t = bb_runtime::checkpoint::MAX_CHAIN)]
+    max_chain: usize,
     /// First host uid/gid of the sandboxes' user namespace range (65536 ids). Images and sandbox
     /// files are owned by these ids: the state dir records the value on first start, and later
     /// starts with another value are refused.
@@ -93,6 +97,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     cfg.max_sandboxes = args.max_sandboxes;
     cfg.max_file_bytes = args.max_file_bytes;
     cfg.max_templates = args.max_templates.max(1);
+    if args.max_chain < 2 {
+        bail!("--max-chain must be at least 2 (got {}): compaction merges at least two layers", args.max_chain);
+    }
+    cfg.max_chain = args.max_chain;
     cfg.idmap.host_base = args.uid_base;
     // One daemon per state dir: a second one would re-run recovery over the first one's live
     // sandboxes. The lock is held (by this open fd) for the daemon's lifetime.
