@@ -7,7 +7,7 @@ a missing prerequisite fails instead of skipping.
 Overrides, to run beside another test run: BRANCHBOX_DAEMON_BIN (default: branchboxd on PATH),
 BRANCHBOX_INIT_BIN (default: branchbox-init next to the daemon binary), BRANCHBOX_TEST_STATE,
 BRANCHBOX_TEST_RUN (socket dir, default /run/branchbox-test), BRANCHBOX_TEST_CGROUP (cgroup parent),
-BRANCHBOX_TEST_MAX_CHAIN (the daemon's --max-chain, default 4: chains are compacted often).
+BRANCHBOX_TEST_MAX_CHAIN (the daemon's --max-chain, default 6: chains are compacted often).
 """
 import json
 import os

@@ -18,7 +18,7 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 UID_BASE = 1_000_000
 # The suite's daemon compacts snapshot chains deeper than this (--max-chain): small, so that
 # every test that checkpoints a few times runs over compacted chains.
-MAX_CHAIN = int(os.environ.get("BRANCHBOX_TEST_MAX_CHAIN", "4"))
+MAX_CHAIN = int(os.environ.get("BRANCHBOX_TEST_MAX_CHAIN", "6"))
 
 # ----------------------------------------------------------------------------- waiting
 

@@ -411,19 +411,29 @@ fn collapse_chunks<G>(host_pid: i32, mut gate: impl FnMut() -> Option<G>) -> std
     Ok(done)
 }
 
-/// How much of `chain` (image layers, then snapshot layers `sl-*`, bottom first) a compaction
-/// merges, when it holds more than `max_chain` snapshot layers: the image layers and all the
-/// snapshot layers but the newest third of `max_chain` (those are kept as they are, so that the
-/// next checkpoints and rollbacks near the top share them). `None`: nothing to do.
-pub(crate) fn compaction_plan(chain: &[String], max_chain: usize) -> Option<usize> {
+/// Id prefix of layers written by compaction (`sl-m<hex>`: never a plain layer's, whose ids are
+/// `sl-<hex>`); they are snapshot layers like any other.
+const MERGED_PREFIX: &str = "sl-m";
+
+/// Which part of `chain` (image layers, then snapshot layers `sl-*`, bottom first) a compaction
+/// merges, when it holds more than `max_chain` snapshot layers: `Some((from, to))` merges
+/// `chain[from..to]` into one layer over the base `chain[..from]`. The newest third of
+/// `max_chain` layers is kept as it is (the next checkpoints and rollbacks near the top share
+/// them). Layers merged before sit at the bottom as tiers: while there are fewer than that third,
+/// a compaction merges only the plain layers above them into one more tier, so its cost is what
+/// changed since the last one; then it merges every tier and plain layer into one (the whole
+/// diff to the image, once per that many compactions). `None`: nothing to do.
+pub(crate) fn compaction_plan(chain: &[String], max_chain: usize) -> Option<(usize, usize)> {
     let image = chain.iter().take_while(|l| !l.starts_with("sl-")).count();
     let snap = chain.len() - image;
     if snap <= max_chain {
         return None;
     }
     let keep = (max_chain / 3).max(1);
-    let merge = snap - keep;
-    (merge >= 2).then_some(image + merge)
+    let to = chain.len() - keep;
+    let tiers = chain[image..].iter().take_while(|l| l.starts_with(MERGED_PREFIX)).count();
+    let from = if tiers < keep { image + tiers } else { image };
+    (to >= from + 2).then_some((from, to))
 }
 
 fn dir_is_empty(p: &Path) -> bool {
@@ -771,14 +781,8 @@ impl Runtime {
             let mut pool = self.templates.lock().expect("lock");
             for (key, t, keep) in new_templates {
                 spares.push(key.clone());
-                // Registered with init off the critical path (it only matters after a daemon restart).
-                let (sbc, tag, k, pid) = (sb.clone(), format!("{TEMPLATE_TAG}{key}:{}", t.kind), key.clone(), t.pid);
-                tokio::spawn(async move {
-                    tokio::time::sleep(crate::BEHIND_ANSWER).await;
-                    if let Err(e) = session::adopt(&sbc, pid, tag, k, &keep).await {
-                        tracing::warn!(sandbox = %sbc.id, "template not registered with init: {e}");
-                    }
-                });
+                // Registered with init off the critical path.
+                session::adopt_behind_answer(sb.clone(), t.pid, format!("{TEMPLATE_TAG}{key}:{}", t.kind), key.clone(), keep, "template");
                 evicted.extend(pool.insert(key, sb.id.clone(), t));
             }
         }
@@ -850,8 +854,8 @@ impl Runtime {
     /// The old layers are deleted by the layer collection once nothing uses them.
     pub(crate) async fn maybe_compact(self: &Arc<Self>, sb: &Arc<Sandbox>) {
         let Some(chain) = sb.gen.lock().expect("lock").as_ref().map(|g| g.chain.clone()) else { return };
-        let Some(n) = compaction_plan(&chain, self.cfg.max_chain) else { return };
-        let lid = format!("sl-{}", uuid::Uuid::new_v4().simple());
+        let Some((from, n)) = compaction_plan(&chain, self.cfg.max_chain) else { return };
+        let lid = format!("{MERGED_PREFIX}{}", uuid::Uuid::new_v4().simple());
         {
             let mut c = self.compacting.lock().expect("lock");
             if c.contains_key(&sb.id) {
@@ -867,29 +871,29 @@ impl Runtime {
         }
         let _done = Done(self, &sb.id);
         let old: Vec<String> = chain[..n].to_vec();
-        let image = old.iter().take_while(|l| !l.starts_with("sl-")).count();
         let t0 = Instant::now();
         let merged = {
             let (rt, old, lid) = (self.clone(), old.clone(), lid.clone());
             tokio::task::spawn_blocking(move || {
                 let _nice = bb_sys::process::niced_thread(10);
                 let dir = |l: &String| layer_dir(&rt.cfg, &rt.images, l);
-                let top: Vec<PathBuf> = old[image..].iter().rev().map(dir).collect();
-                let base: Vec<PathBuf> = old[..image].iter().rev().map(dir).collect();
+                let top: Vec<PathBuf> = old[from..].iter().rev().map(dir).collect();
+                let base: Vec<PathBuf> = old[..from].iter().rev().map(dir).collect();
                 let dest = dir(&lid);
                 let stats = bb_layers::flatten_onto(&top, &base, &dest).map_err(crate::layers_error)?;
+                let t_flat = t0.elapsed();
                 let size = du(&dest);
                 rt.snaps.lock().expect("lock").set_layer_size(&lid, size)?;
-                Ok::<_, RuntimeError>((stats, size))
+                Ok::<_, RuntimeError>((stats, size, t_flat))
             })
             .await
             .map_err(blocking_err)
             .and_then(|r| r)
         };
-        let (stats, size) = match merged {
+        let (stats, size, t_flat) = match merged {
             Ok(x) => x,
             Err(e) => {
-                tracing::warn!(sandbox = %sb.id, layers = n - image, "compaction of the snapshot chain failed (the chain stays as it is): {e}");
+                tracing::warn!(sandbox = %sb.id, layers = n - from, "compaction of the snapshot chain failed (the chain stays as it is): {e}");
                 self.remove_layer_dir(&lid);
                 let _ = self.snaps.lock().expect("lock").forget_layer(&lid);
                 return;
@@ -897,8 +901,10 @@ impl Runtime {
         };
         // Behind the sandbox's running operation: a checkpoint or rollback records the chain it
         // read at its start, which would undo the switch below.
+        let t_merged = t0.elapsed();
         let op = sb.begin_op().await;
-        let mut new_prefix = old[..image].to_vec();
+        let t_op = t0.elapsed();
+        let mut new_prefix = old[..from].to_vec();
         new_prefix.push(lid.clone());
         let replaced = self.snaps.lock().expect("lock").replace_prefix(&old, &new_prefix);
         let rows = match replaced {
@@ -934,9 +940,9 @@ impl Runtime {
         }
         tracing::info!(
             sandbox = %sb.id,
-            merged = n - image,
-            depth = chain.len() - image,
-            new_depth = chain.len() - n + 1,
+            merged = n - from,
+            depth = chain.iter().filter(|l| l.starts_with("sl-")).count(),
+            new_depth = chain.iter().filter(|l| l.starts_with("sl-")).count() + 1 - (n - from),
             layer = %lid,
             size,
             files = stats.files,
@@ -944,6 +950,9 @@ impl Runtime {
             from_base = stats.from_base,
             snapshots = rows,
             sandboxes = gens,
+            flatten_ms = t_flat.as_millis() as u64,
+            merged_ms = t_merged.as_millis() as u64,
+            op_wait_ms = (t_op - t_merged).as_millis() as u64,
             ms = t0.elapsed().as_millis() as u64,
             "compacted the snapshot chain"
         );
@@ -1200,13 +1209,8 @@ impl Runtime {
         for (ss, r) in snap.sessions.iter().zip(ready) {
             let s = match r {
                 Some((s, keep)) => {
-                    let (sbc, tag, key, pid) = (sb.clone(), session::session_tag(&ss.id, &ss.kind, ss.default), ss.id.clone(), s.pid);
-                    tokio::spawn(async move {
-                        tokio::time::sleep(crate::BEHIND_ANSWER).await;
-                        if let Err(e) = session::adopt(&sbc, pid, tag, key, &keep).await {
-                            tracing::warn!(sandbox = %sbc.id, "restored session not registered with init: {e}");
-                        }
-                    });
+                    let tag = session::session_tag(&ss.id, &ss.kind, ss.default);
+                    session::adopt_behind_answer(sb.clone(), s.pid, tag, ss.id.clone(), keep, "restored session");
                     s
                 }
                 None => {
@@ -1823,19 +1827,28 @@ mod tests {
     }
 
     #[test]
-    fn compaction_merges_the_image_and_all_but_the_newest_third_once_too_deep() {
+    fn compaction_merges_new_layers_into_tiers_then_everything_once_there_are_enough() {
         assert_eq!(compaction_plan(&chain(2, 24), 24), None);
-        // 25 snapshot layers: the oldest 17 merge (with the 2 image layers as the base), 8 stay.
-        assert_eq!(compaction_plan(&chain(2, 25), 24), Some(2 + 17));
-        assert_eq!(compaction_plan(&chain(1, 5), 4), Some(1 + 4));
-        // A merged layer counts as a snapshot layer: [image, merged, 8 kept] is 9 deep.
-        let mut c = chain(1, 0);
-        c.push("sl-merged".into());
-        c.extend(chain(0, 8));
-        assert_eq!(compaction_plan(&c, 24), None);
-        assert_eq!(compaction_plan(&chain(0, 3), 2), Some(2));
+        // 25 snapshot layers: the oldest 17 merge over the 2 image layers, the newest 8 stay.
+        assert_eq!(compaction_plan(&chain(2, 25), 24), Some((2, 2 + 17)));
+        assert_eq!(compaction_plan(&chain(1, 5), 4), Some((1, 1 + 4)));
+        // A merged layer (a tier) stays under the next merge while there are fewer than 8.
+        let with_tiers = |tiers: usize, plain: usize| {
+            let mut c = chain(1, 0);
+            c.extend((0..tiers).map(|i| format!("{MERGED_PREFIX}{i}")));
+            c.extend(chain(0, plain));
+            c
+        };
+        assert_eq!(compaction_plan(&with_tiers(1, 8), 24), None);
+        assert_eq!(compaction_plan(&with_tiers(1, 24), 24), Some((2, 1 + 1 + 16)));
+        assert_eq!(compaction_plan(&with_tiers(7, 18), 24), Some((8, 1 + 7 + 10)));
+        // 8 tiers: everything but the newest 8 merges into one over the image.
+        assert_eq!(compaction_plan(&with_tiers(8, 17), 24), Some((1, 1 + 8 + 9)));
+        assert_eq!(compaction_plan(&chain(0, 3), 2), Some((0, 2)));
         assert_eq!(compaction_plan(&chain(3, 0), 2), None);
-        assert_eq!(compaction_plan(&chain(1, 400), 24), Some(1 + 392));
+        // max 2 keeps 1: a tier under one new layer is the whole budget, so tiers merge at once.
+        assert_eq!(compaction_plan(&with_tiers(1, 2), 2), Some((1, 3)));
+        assert_eq!(compaction_plan(&chain(1, 400), 24), Some((1, 1 + 392)));
     }
 
     fn session(pid: i32) -> Arc<Session> {

@@ -226,7 +226,9 @@ impl Runtime {
                         }
                     }
                     Err(e) => {
-                        tracing::warn!(parent = %parent.id, "building a fork shell failed: {e}");
+                        if !parent.is_dead() && rt.get(&parent.id).is_ok() {
+                            tracing::warn!(parent = %parent.id, "building a fork shell failed: {e}");
+                        } // else killed meanwhile: its init is gone, and the failure with it
                         break;
                     }
                 }

@@ -12,6 +12,7 @@ use crate::sandbox::Sandbox;
 use bb_proto::{Request, Response, SpawnRequest};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
@@ -301,6 +302,19 @@ pub async fn adopt(sb: &Sandbox, pid: i32, tag: String, key: String, chan: &std:
         Response::Error { errno, message } => Err(init_error(errno, message)),
         other => Err(unexpected(other)),
     }
+}
+
+/// [`adopt`] after the answer to the operation that made the process (it only matters after a
+/// daemon restart); a sandbox killed meanwhile has nothing to register with.
+pub(crate) fn adopt_behind_answer(sb: Arc<Sandbox>, pid: i32, tag: String, key: String, chan: std::os::unix::net::UnixStream, what: &'static str) {
+    tokio::spawn(async move {
+        tokio::time::sleep(crate::BEHIND_ANSWER).await;
+        if let Err(e) = adopt(&sb, pid, tag, key, &chan).await {
+            if !sb.is_dead() {
+                tracing::warn!(sandbox = %sb.id, "{what} not registered with init: {e}");
+            }
+        }
+    });
 }
 
 pub async fn create(

@@ -225,13 +225,27 @@ impl SnapStore {
     /// `old` shows), in one transaction. Chains that are exactly `old` keep it (their own layer
     /// is its top). Returns the snapshots rewritten.
     pub fn replace_prefix(&self, old: &[String], new: &[String]) -> Result<usize> {
-        let mut n = 0;
+        // The stored JSON of a longer chain starting with `old` starts with `["a","b",` (serde
+        // writes it compactly): only those rows are read, not every snapshot.
+        let mut head = json(&old);
+        head.pop(); // the closing ']'
+        head.push(',');
         let tx = self.write_tx()?;
-        for s in self.all()? {
-            if s.layers.len() > old.len() && s.layers.starts_with(old) {
-                let mut layers = new.to_vec();
-                layers.extend_from_slice(&s.layers[old.len()..]);
-                tx.execute("UPDATE snapshots SET layers = ?2 WHERE id = ?1", params![s.id, json(&layers)])?;
+        let hits: Vec<(String, String)> = {
+            let mut stmt = tx.prepare_cached("SELECT id, layers FROM snapshots WHERE substr(layers, 1, length(?1)) = ?1")?;
+            let rows = stmt.query_map(params![head], |r| Ok((r.get(0)?, r.get(1)?)))?;
+            rows.collect::<rusqlite::Result<_>>()?
+        };
+        let mut n = 0;
+        for (id, layers) in hits {
+            let Ok(layers) = serde_json::from_str::<Vec<String>>(&layers) else {
+                tracing::warn!(%id, "unreadable snapshot record; its layers were not rewritten");
+                continue;
+            };
+            if layers.len() > old.len() && layers.starts_with(old) {
+                let mut out = new.to_vec();
+                out.extend_from_slice(&layers[old.len()..]);
+                tx.execute("UPDATE snapshots SET layers = ?2 WHERE id = ?1", params![id, json(&out)])?;
                 n += 1;
             }
         }
@@ -382,7 +396,7 @@ mod tests {
     fn store_round_trip_reparent_and_compaction() {
         let d = tempfile::tempdir().unwrap();
         let st = SnapStore::open(&d.path().join("db")).unwrap();
-        for r in [row("a", None, &["1"]), row("b", Some("a"), &["1", "2"]), row("c", Some("b"), &["1", "2", "3"])] {
+        for r in [row("a", None, &["1"]), row("b", Some("a"), &["1", "2"]), row("c", Some("b"), &["1", "2", "3"]), row("e", Some("a"), &["1", "22", "5"])] {
             st.insert(&r).unwrap();
         }
         assert_eq!(st.get("b").unwrap().unwrap(), row("b", Some("a"), &["1", "2"]));
@@ -391,6 +405,7 @@ mod tests {
         assert_eq!(st.replace_prefix(&["1".into(), "2".into()], &["m".into()]).unwrap(), 1);
         assert_eq!(st.get("c").unwrap().unwrap().layers, vec!["m".to_string(), "3".into()]);
         assert_eq!(st.get("a").unwrap().unwrap().layers, vec!["1".to_string()], "a chain that is only the prefix is unchanged");
+        assert_eq!(st.get("e").unwrap().unwrap().layers, vec!["1".to_string(), "22".into(), "5".into()], "a layer id that only starts like one of the prefix's is not part of it");
         st.drop_template("t").unwrap();
         assert!(st.all().unwrap().iter().all(|s| s.sessions[0].template.as_deref() == Some("t1")), "a key that is a prefix of another drops nothing");
         st.drop_template("t1").unwrap();
