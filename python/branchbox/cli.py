@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
@@ -638,7 +638,10 @@ def snapshot_tree(snapshots: List[SnapshotInfo], title: str = "snapshots", now: 
     """A rich Tree of ``snapshots`` built from their parent/children links.
 
     Roots are snapshots without a parent, or whose parent is not in the list; children keep
-    the list's order (by creation time).
+    the list's order (by creation time). A run of snapshots where each is the only child of
+    the one above is one entry, one line each (a chain of a thousand checkpoints is a list,
+    not a thousand levels of indentation); the children of a snapshot with several are
+    entries nested under its run.
     """
     now = time.time() if now is None else now
     by_id = {s.id: s for s in snapshots}
@@ -656,12 +659,22 @@ def snapshot_tree(snapshots: List[SnapshotInfo], title: str = "snapshots", now: 
     seen: set = set()
 
     def add(node: Tree, sid: str) -> None:
-        if sid in seen:  # a malformed answer must not loop forever
-            return
-        seen.add(sid)
-        branch = node.add(_snapshot_label(by_id[sid], now))
-        for child in kids[sid]:
-            add(branch, child)
+        # Without recursion: trees can be deep.
+        todo = [(node, sid)]
+        while todo:
+            parent, cur = todo.pop()
+            if cur in seen:  # a malformed answer must not loop forever
+                continue
+            run: List[Text] = []
+            while True:
+                seen.add(cur)
+                run.append(_snapshot_label(by_id[cur], now))
+                nxt = [k for k in kids[cur] if k not in seen]
+                if len(nxt) != 1:
+                    break
+                cur = nxt[0]
+            branch = parent.add(run[0] if len(run) == 1 else Group(*run))
+            todo.extend((branch, child) for child in reversed(nxt))
 
     for s in snapshots:
         if s.parent is None or s.parent not in by_id:

@@ -115,6 +115,20 @@ def test_snapshot_tree_survives_a_cycle() -> None:
     assert text.count("sn-a") == 1 and text.count("sn-b") == 1
 
 
+def test_a_deep_chain_is_a_flat_run_and_branches_nest() -> None:
+    # 5,000 checkpoints in a line (recursion would fail; one indentation level per snapshot
+    # would be unreadable), then a branch point with two children.
+    n = 5000
+    ids = ["sn-%011d" % i for i in range(n)] + ["sn-branch-one", "sn-branch-two"]
+    parent = [None] + ids[: n - 1] + [ids[n - 1], ids[n - 1]]
+    snaps = [SnapshotInfo.from_dict({"id": sid, "parent": p, "created_at": 0}) for sid, p in zip(ids, parent)]
+    lines = render(cli.snapshot_tree(snaps, now=0)).splitlines()
+    col = {sid: next(line.index(sid) for line in lines if sid in line) for sid in ids}
+    assert len({col[sid] for sid in ids[:n]}) == 1, "a run is one entry"
+    assert col["sn-branch-one"] == col["sn-branch-two"] > col[ids[0]]
+    assert all(sum(sid in line for line in lines) == 1 for sid in (ids[0], ids[n - 1], "sn-branch-two"))
+
+
 def test_snapshot_ls(runner: CliRunner, daemon: FakeDaemon) -> None:
     daemon.on("GET", "/v1/snapshots", {"snapshots": [SNAP, SNAP2]})
     r = invoke(runner, "snapshot", "ls")

@@ -243,6 +243,22 @@ def test_snapshot_tree_delete_and_gc(sbx, raw):
     assert set(ids) <= set(snaps)
     assert snaps[ids[1]]["children"] == [ids[2]] and snaps[ids[2]]["parent"] == ids[1]
     assert all(snaps[i]["size_bytes"] >= 0 for i in ids)
+    # The sandbox's list, the whole list and one snapshot agree on the links.
+    everything = {s["id"]: s for s in raw.get("/v1/snapshots").json()["snapshots"]}
+    for i in ids:
+        one = raw.get("/v1/snapshots/%s" % i).json()
+        assert snaps[i]["children"] == everything[i]["children"] == one["children"], i
+        assert snaps[i]["parent"] == everything[i]["parent"] == one["parent"], i
+    # A fork child's list starts in its parent's tree: the snapshot it came from and its ancestors.
+    r = raw.post("/v1/sandboxes/%s/fork" % sid, json={"snapshot": ids[1]})
+    assert r.status_code == 201, r.text
+    child = r.json()["sandboxes"][0]["id"]
+    try:
+        theirs = {s["id"]: s for s in raw.get("/v1/sandboxes/%s/snapshots" % child).json()["snapshots"]}
+        assert {ids[0], ids[1]} <= set(theirs) and not {ids[2], ids[3]} & set(theirs)
+        assert theirs[ids[1]]["children"] == [ids[2]]
+    finally:
+        raw.delete("/v1/sandboxes/%s" % child)
     # Delete a middle snapshot: its child hangs from its parent; the layers stay (still needed).
     assert raw.delete("/v1/snapshots/%s" % ids[1]).status_code == 200
     assert raw.get("/v1/snapshots/%s" % ids[2]).json()["parent"] == ids[0]

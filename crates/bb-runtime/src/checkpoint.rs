@@ -472,7 +472,7 @@ fn legacy(id: &str) -> RuntimeError {
 }
 
 impl Runtime {
-    fn snapshot_info(&self, row: &SnapshotRow, all: &[SnapshotRow]) -> SnapshotInfo {
+    fn snapshot_info(&self, row: &SnapshotRow, children: Vec<String>) -> SnapshotInfo {
         let pool = self.templates.lock().expect("lock");
         let size = row
             .own_layer
@@ -483,7 +483,7 @@ impl Runtime {
             id: row.id.clone(),
             sandbox_id: row.sandbox_id.clone(),
             parent: row.parent.clone(),
-            children: all.iter().filter(|s| s.parent.as_deref() == Some(&row.id)).map(|s| s.id.clone()).collect(),
+            children,
             created_at: row.created_at,
             label: row.label.clone(),
             size_bytes: size,
@@ -614,7 +614,7 @@ impl Runtime {
         let (row, _) = self.checkpoint_locked(&sb, req.label, true).await?;
         let t_done = t0.elapsed();
         // A new snapshot has no children yet: no need to read the others.
-        let mut info = self.snapshot_info(&row, &[]);
+        let mut info = self.snapshot_info(&row, Vec::new());
         info.took_ms = Some(ms(t0));
         tracing::debug!(sandbox = %sb.id, ?t_locked, ?t_done, took = ?t0.elapsed(), "checkpoint request");
         Ok(info)
@@ -1676,39 +1676,49 @@ impl Runtime {
     // ---- snapshot tree ----
 
     pub fn list_snapshots(&self, sandbox: Option<&str>) -> Result<SnapshotList> {
-        let all = self.snaps.lock().expect("lock").all()?;
-        let selected: Vec<&SnapshotRow> = match sandbox {
-            None => all.iter().collect(),
-            Some(id) => {
-                let known = self.get(id).is_ok() || all.iter().any(|s| s.sandbox_id == id);
-                if !known {
-                    return Err(RuntimeError::sandbox(id));
+        let Some(id) = sandbox else {
+            let all = self.snaps.lock().expect("lock").all()?;
+            let mut children: HashMap<&str, Vec<String>> = HashMap::new();
+            for s in &all {
+                if let Some(p) = &s.parent {
+                    children.entry(p.as_str()).or_default().push(s.id.clone());
                 }
-                // The sandbox's own snapshots and their ancestors (a fork child's tree starts in its parent).
-                let mut ids: BTreeSet<String> = all.iter().filter(|s| s.sandbox_id == id).map(|s| s.id.clone()).collect();
-                if let Some(base) = self.get(id).ok().and_then(|sb| sb.gen.lock().expect("lock").as_ref().and_then(|g| g.base.clone())) {
-                    ids.insert(base);
-                }
-                let parent: HashMap<&str, Option<&str>> = all.iter().map(|s| (s.id.as_str(), s.parent.as_deref())).collect();
-                for start in ids.clone() {
-                    let mut cur = parent.get(start.as_str()).copied().flatten();
-                    while let Some(p) = cur {
-                        if !ids.insert(p.to_string()) {
-                            break;
-                        }
-                        cur = parent.get(p).copied().flatten();
-                    }
-                }
-                all.iter().filter(|s| ids.contains(&s.id)).collect()
             }
+            let snapshots = all.iter().map(|s| self.snapshot_info(s, children.remove(s.id.as_str()).unwrap_or_default())).collect();
+            return Ok(SnapshotList { snapshots });
         };
-        Ok(SnapshotList { snapshots: selected.into_iter().map(|s| self.snapshot_info(s, &all)).collect() })
+        // The sandbox's own snapshots and their ancestors (a fork child's tree starts in its
+        // parent), read by index: never every snapshot the daemon holds.
+        let snaps = self.snaps.lock().expect("lock");
+        let own = snaps.of_sandbox(id)?;
+        let live = self.get(id).ok();
+        if own.is_empty() && live.is_none() {
+            return Err(RuntimeError::sandbox(id));
+        }
+        let mut rows: HashMap<String, SnapshotRow> = HashMap::new();
+        let mut todo: Vec<String> = own.iter().filter_map(|s| s.parent.clone()).collect();
+        todo.extend(live.and_then(|sb| sb.gen.lock().expect("lock").as_ref().and_then(|g| g.base.clone())));
+        rows.extend(own.into_iter().map(|s| (s.id.clone(), s)));
+        while let Some(sid) = todo.pop() {
+            if rows.contains_key(&sid) {
+                continue;
+            }
+            if let Some(row) = snaps.get(&sid)? {
+                todo.extend(row.parent.clone());
+                rows.insert(sid, row);
+            }
+        }
+        let mut rows: Vec<SnapshotRow> = rows.into_values().collect();
+        rows.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
+        let with_children = rows.into_iter().map(|r| Ok((snaps.children(&r.id)?, r))).collect::<Result<Vec<_>>>()?;
+        drop(snaps);
+        Ok(SnapshotList { snapshots: with_children.into_iter().map(|(c, r)| self.snapshot_info(&r, c)).collect() })
     }
 
     pub fn snapshot(&self, sid: &str) -> Result<SnapshotInfo> {
         let row = self.snapshot_row(sid)?;
-        let all = self.snaps.lock().expect("lock").all()?;
-        Ok(self.snapshot_info(&row, &all))
+        let children = self.snaps.lock().expect("lock").children(sid)?;
+        Ok(self.snapshot_info(&row, children))
     }
 
     pub async fn delete_snapshot(self: &Arc<Self>, sid: &str, subtree: bool) -> Result<()> {

@@ -94,12 +94,51 @@ impl SnapStore {
             CREATE TABLE IF NOT EXISTS generations (
                 sandbox_id TEXT PRIMARY KEY,
                 gen TEXT NOT NULL
-            );",
+            );
+            CREATE INDEX IF NOT EXISTS snapshots_by_parent ON snapshots(parent);
+            CREATE INDEX IF NOT EXISTS snapshots_by_sandbox ON snapshots(sandbox_id);",
         )?;
-        Ok(SnapStore { conn })
+        // Which snapshots name a template (several do after lightweight checkpoints): dropping
+        // one must not read every snapshot. Filled from the snapshots of a store made before it.
+        let had_refs: bool = conn.query_row(
+            "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'snap_templates'",
+            [],
+            |r| r.get(0),
+        )?;
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS snap_templates (
+                key TEXT NOT NULL,
+                snap_id TEXT NOT NULL,
+                PRIMARY KEY (key, snap_id)
+            ) WITHOUT ROWID;
+            CREATE INDEX IF NOT EXISTS snap_templates_by_snap ON snap_templates(snap_id);",
+        )?;
+        let store = SnapStore { conn };
+        if !had_refs {
+            let tx = store.write_tx()?;
+            for s in store.all()? {
+                store.add_template_refs(&s)?;
+            }
+            tx.commit()?;
+        }
+        Ok(store)
+    }
+
+    fn add_template_refs(&self, s: &SnapshotRow) -> Result<()> {
+        for key in s.sessions.iter().filter_map(|ss| ss.template.as_deref()) {
+            self.conn.execute("INSERT OR IGNORE INTO snap_templates (key, snap_id) VALUES (?1, ?2)", params![key, s.id])?;
+        }
+        Ok(())
     }
 
     pub fn insert(&self, s: &SnapshotRow) -> Result<()> {
+        let tx = self.write_tx()?;
+        self.insert_row(s)?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn insert_row(&self, s: &SnapshotRow) -> Result<()> {
         self.conn.execute(
             "INSERT INTO snapshots (id, sandbox_id, parent, created_at, label, layers, own_layer, spec, sessions)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
@@ -118,7 +157,7 @@ impl SnapStore {
         if let Some(l) = &s.own_layer {
             self.conn.execute("INSERT OR IGNORE INTO snap_layers (id, size_bytes) VALUES (?1, NULL)", params![l])?;
         }
-        Ok(())
+        self.add_template_refs(s)
     }
 
     /// [`insert`](Self::insert) the snapshot and [`set_generation`](Self::set_generation) of its
@@ -126,7 +165,7 @@ impl SnapStore {
     /// commit instead of three.
     pub fn insert_with_generation(&self, s: &SnapshotRow, sandbox_id: &str, g: &Generation) -> Result<()> {
         let tx = self.write_tx()?;
-        self.insert(s)?;
+        self.insert_row(s)?;
         self.set_generation(sandbox_id, g)?;
         tx.commit()?;
         Ok(())
@@ -138,6 +177,18 @@ impl SnapStore {
 
     pub fn all(&self) -> Result<Vec<SnapshotRow>> {
         self.select("ORDER BY created_at, rowid", [])
+    }
+
+    /// The snapshots taken in `sandbox_id`, oldest first.
+    pub fn of_sandbox(&self, sandbox_id: &str) -> Result<Vec<SnapshotRow>> {
+        self.select("WHERE sandbox_id = ?1 ORDER BY created_at, rowid", params![sandbox_id])
+    }
+
+    /// Ids of the snapshots whose parent is `id`, oldest first.
+    pub fn children(&self, id: &str) -> Result<Vec<String>> {
+        let mut stmt = self.conn.prepare_cached("SELECT id FROM snapshots WHERE parent = ?1 ORDER BY created_at, rowid")?;
+        let rows = stmt.query_map(params![id], |r| r.get(0))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
     /// Snapshot records matching `clause` (appended to the SELECT); unreadable ones are skipped.
@@ -181,23 +232,20 @@ impl SnapStore {
 
     /// Delete snapshot records; children of a deleted snapshot get its parent as theirs.
     pub fn delete(&self, ids: &BTreeSet<String>) -> Result<()> {
-        let all = self.all()?;
-        let parent_of: BTreeMap<&str, Option<&str>> = all.iter().map(|s| (s.id.as_str(), s.parent.as_deref())).collect();
         let tx = self.write_tx()?;
-        for s in &all {
-            if ids.contains(&s.id) {
-                continue;
-            }
-            let mut p = s.parent.as_deref();
-            while let Some(id) = p.filter(|id| ids.contains(*id)) {
-                p = parent_of.get(id).copied().flatten();
-            }
-            if p != s.parent.as_deref() {
-                tx.execute("UPDATE snapshots SET parent = ?2 WHERE id = ?1", params![s.id, p])?;
-            }
-        }
         for id in ids {
+            // Parents are rewritten as we go: the one read here is the nearest that stays,
+            // or one deleted later in this loop (skipped up too).
+            let parent_of = |id: &str| -> Result<Option<String>> {
+                Ok(tx.query_row("SELECT parent FROM snapshots WHERE id = ?1", params![id], |r| r.get(0)).optional()?.flatten())
+            };
+            let mut p = parent_of(id)?;
+            while let Some(up) = p.as_deref().filter(|up| ids.contains(*up)) {
+                p = parent_of(up)?;
+            }
+            tx.execute("UPDATE snapshots SET parent = ?2 WHERE parent = ?1", params![id, p])?;
             tx.execute("DELETE FROM snapshots WHERE id = ?1", params![id])?;
+            tx.execute("DELETE FROM snap_templates WHERE snap_id = ?1", params![id])?;
         }
         tx.commit()?;
         Ok(())
@@ -205,8 +253,9 @@ impl SnapStore {
 
     /// Forget a template key everywhere (its process is gone).
     pub fn drop_template(&self, key: &str) -> Result<()> {
-        // A text match finds the few records that name it (then checked field by field).
-        for mut s in self.select("WHERE instr(sessions, ?1) > 0", params![json(&key)])? {
+        let tx = self.write_tx()?;
+        let named = self.select("WHERE id IN (SELECT snap_id FROM snap_templates WHERE key = ?1)", params![key])?;
+        for mut s in named {
             let mut changed = false;
             for ss in &mut s.sessions {
                 if ss.template.as_deref() == Some(key) {
@@ -218,6 +267,8 @@ impl SnapStore {
                 self.conn.execute("UPDATE snapshots SET sessions = ?2 WHERE id = ?1", params![s.id, json(&s.sessions)])?;
             }
         }
+        self.conn.execute("DELETE FROM snap_templates WHERE key = ?1", params![key])?;
+        tx.commit()?;
         Ok(())
     }
 
@@ -329,18 +380,22 @@ pub fn unreachable(all: &[SnapshotRow], scope: &BTreeSet<String>, keep: &BTreeSe
 
 /// `id` and all its descendants.
 pub fn subtree(all: &[SnapshotRow], id: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::from([id.to_string()]);
-    loop {
-        let before = out.len();
-        for s in all {
-            if s.parent.as_ref().is_some_and(|p| out.contains(p)) {
-                out.insert(s.id.clone());
-            }
-        }
-        if out.len() == before {
-            return out;
+    let mut children: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for s in all {
+        if let Some(p) = &s.parent {
+            children.entry(p.as_str()).or_default().push(&s.id);
         }
     }
+    let mut out = BTreeSet::from([id.to_string()]);
+    let mut todo = vec![id];
+    while let Some(cur) = todo.pop() {
+        for &c in children.get(cur).into_iter().flatten() {
+            if out.insert(c.to_string()) {
+                todo.push(c);
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -415,6 +470,43 @@ mod tests {
         assert_eq!(st.generation("sb").unwrap(), Some(g));
         st.set_layer_size("3", 42).unwrap();
         assert_eq!(st.layer_size("3").unwrap(), Some(42));
+    }
+
+    #[test]
+    fn deleting_a_run_of_ancestors_hands_children_to_the_nearest_kept_one_and_reads_by_index() {
+        let d = tempfile::tempdir().unwrap();
+        let st = SnapStore::open(&d.path().join("db")).unwrap();
+        // a -> b -> c -> d ; b -> e ; f in another sandbox
+        for r in [row("a", None, &["1"]), row("b", Some("a"), &["2"]), row("c", Some("b"), &["3"]), row("d", Some("c"), &["4"]), row("e", Some("b"), &["5"])] {
+            st.insert(&r).unwrap();
+        }
+        st.insert(&SnapshotRow { sandbox_id: "other".into(), ..row("f", None, &["6"]) }).unwrap();
+        assert_eq!(st.children("b").unwrap(), vec!["c".to_string(), "e".into()]);
+        assert_eq!(st.of_sandbox("other").unwrap().len(), 1);
+        // Deleted in an order where a child comes before its parent.
+        st.delete(&set(&["c", "b"])).unwrap();
+        assert_eq!(st.get("d").unwrap().unwrap().parent.as_deref(), Some("a"));
+        assert_eq!(st.get("e").unwrap().unwrap().parent.as_deref(), Some("a"));
+        assert_eq!(st.children("a").unwrap(), vec!["d".to_string(), "e".into()]);
+        st.delete(&set(&["a"])).unwrap();
+        assert_eq!(st.get("d").unwrap().unwrap().parent, None, "the root's children become roots");
+        // The template refs of deleted snapshots went with them.
+        st.drop_template("t1").unwrap();
+        assert!(st.all().unwrap().iter().all(|s| s.sessions[0].template.is_none()));
+    }
+
+    #[test]
+    fn a_store_made_before_template_refs_finds_its_templates() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("db");
+        {
+            let st = SnapStore::open(&db).unwrap();
+            st.insert(&row("a", None, &["1"])).unwrap();
+            st.conn.execute_batch("DROP TABLE snap_templates").unwrap();
+        }
+        let st = SnapStore::open(&db).unwrap();
+        st.drop_template("t1").unwrap();
+        assert_eq!(st.get("a").unwrap().unwrap().sessions[0].template, None);
     }
 
     #[test]
