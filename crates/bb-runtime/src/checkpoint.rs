@@ -938,11 +938,12 @@ impl Runtime {
             let _ = self.snaps.lock().expect("lock").forget_layer(&lid);
             return;
         }
+        let depth = chain.iter().filter(|l| l.starts_with("sl-")).count();
         tracing::info!(
             sandbox = %sb.id,
             merged = n - from,
-            depth = chain.iter().filter(|l| l.starts_with("sl-")).count(),
-            new_depth = chain.iter().filter(|l| l.starts_with("sl-")).count() + 1 - (n - from),
+            depth,
+            new_depth = depth + 1 - (n - from),
             layer = %lid,
             size,
             files = stats.files,
@@ -1678,26 +1679,30 @@ impl Runtime {
     pub fn list_snapshots(&self, sandbox: Option<&str>) -> Result<SnapshotList> {
         let Some(id) = sandbox else {
             let all = self.snaps.lock().expect("lock").all()?;
-            let mut children: HashMap<&str, Vec<String>> = HashMap::new();
-            for s in &all {
-                if let Some(p) = &s.parent {
-                    children.entry(p.as_str()).or_default().push(s.id.clone());
-                }
-            }
-            let snapshots = all.iter().map(|s| self.snapshot_info(s, children.remove(s.id.as_str()).unwrap_or_default())).collect();
+            let mut children = snapstore::children_by_parent(&all);
+            let snapshots = all
+                .iter()
+                .map(|s| {
+                    let kids = children.remove(s.id.as_str()).unwrap_or_default();
+                    self.snapshot_info(s, kids.into_iter().map(str::to_string).collect())
+                })
+                .collect();
             return Ok(SnapshotList { snapshots });
         };
         // The sandbox's own snapshots and their ancestors (a fork child's tree starts in its
         // parent), read by index: never every snapshot the daemon holds.
+        // The generation is read before the store is locked: compaction and snapshot deletion
+        // lock a generation, then the store.
+        let live = self.get(id).ok();
+        let live_base = live.as_ref().and_then(|sb| sb.gen.lock().expect("lock").as_ref().and_then(|g| g.base.clone()));
         let snaps = self.snaps.lock().expect("lock");
         let own = snaps.of_sandbox(id)?;
-        let live = self.get(id).ok();
         if own.is_empty() && live.is_none() {
             return Err(RuntimeError::sandbox(id));
         }
         let mut rows: HashMap<String, SnapshotRow> = HashMap::new();
         let mut todo: Vec<String> = own.iter().filter_map(|s| s.parent.clone()).collect();
-        todo.extend(live.and_then(|sb| sb.gen.lock().expect("lock").as_ref().and_then(|g| g.base.clone())));
+        todo.extend(live_base);
         rows.extend(own.into_iter().map(|s| (s.id.clone(), s)));
         while let Some(sid) = todo.pop() {
             if rows.contains_key(&sid) {

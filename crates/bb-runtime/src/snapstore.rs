@@ -126,7 +126,7 @@ impl SnapStore {
 
     fn add_template_refs(&self, s: &SnapshotRow) -> Result<()> {
         for key in s.sessions.iter().filter_map(|ss| ss.template.as_deref()) {
-            self.conn.execute("INSERT OR IGNORE INTO snap_templates (key, snap_id) VALUES (?1, ?2)", params![key, s.id])?;
+            self.conn.prepare_cached("INSERT OR IGNORE INTO snap_templates (key, snap_id) VALUES (?1, ?2)")?.execute(params![key, s.id])?;
         }
         Ok(())
     }
@@ -378,14 +378,20 @@ pub fn unreachable(all: &[SnapshotRow], scope: &BTreeSet<String>, keep: &BTreeSe
     scope.iter().filter(|id| !reachable.contains(*id)).cloned().collect()
 }
 
-/// `id` and all its descendants.
-pub fn subtree(all: &[SnapshotRow], id: &str) -> BTreeSet<String> {
-    let mut children: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+/// The ids of each snapshot's children in `all` (in `all`'s order), by parent id.
+pub fn children_by_parent(all: &[SnapshotRow]) -> std::collections::HashMap<&str, Vec<&str>> {
+    let mut children: std::collections::HashMap<&str, Vec<&str>> = Default::default();
     for s in all {
         if let Some(p) = &s.parent {
             children.entry(p.as_str()).or_default().push(&s.id);
         }
     }
+    children
+}
+
+/// `id` and all its descendants.
+pub fn subtree(all: &[SnapshotRow], id: &str) -> BTreeSet<String> {
+    let children = children_by_parent(all);
     let mut out = BTreeSet::from([id.to_string()]);
     let mut todo = vec![id];
     while let Some(cur) = todo.pop() {
