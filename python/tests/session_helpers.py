@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SERVER_SOURCE = (Path(__file__).resolve().parents[1] / "branchbox" / "_session_server.py").read_text()
+SERVER_SOURCE = (Path(__file__).resolve().parents[2] / "crates" / "bb-runtime" / "src" / "session" / "server.py").read_text()
 
 
 class SessionClient:

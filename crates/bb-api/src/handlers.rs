@@ -8,7 +8,7 @@ use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use bb_runtime::files::SbPath;
+use bb_runtime::sandbox::files::SbPath;
 use bb_runtime::model::*;
 use bb_runtime::ImageSource;
 use futures::StreamExt;

@@ -13,27 +13,22 @@
 //! [`files`], [`store`], [`model`] (API types), [`initconn`] (init protocol client).
 
 pub mod error;
-pub mod exec;
-pub mod files;
+pub mod fork_shells;
 pub mod initconn;
-pub mod launch;
 pub mod model;
-pub mod nestpool;
 pub mod pool;
+pub mod recipes;
 pub mod sandbox;
-pub mod checkpoint;
-pub mod rootswap;
 pub mod session;
-pub mod sessionfork;
-pub mod snapstore;
-pub mod store;
-pub mod templates;
+pub mod snapshot;
 
 pub use error::{Result, RuntimeError};
 
 use bb_isolation::{Cgroup, CgroupLayout};
 use bb_layers::{IdMap, ImageStore};
-use launch::SandboxDirs;
+use sandbox::launch::{self, SandboxDirs};
+use sandbox::{exec, files, store};
+use snapshot::store as snapstore;
 use model::*;
 use sandbox::Sandbox;
 use std::collections::HashMap;
@@ -68,7 +63,7 @@ pub struct RuntimeConfig {
     /// Live session templates kept for snapshots (LRU beyond this).
     pub max_templates: usize,
     /// Snapshot layers stacked under a sandbox's writable layer before the oldest are merged
-    /// (see [`checkpoint::MAX_CHAIN`]).
+    /// (see [`snapshot::MAX_CHAIN`]).
     pub max_chain: usize,
     /// Lets the daemon's injected `setns` through the sandboxes' seccomp filters (see
     /// `bb_isolation::SetnsKey`). Loaded from `<state>/setns.key` by [`Runtime::open`].
@@ -88,7 +83,7 @@ impl RuntimeConfig {
             max_pids: 65536,
             max_file_bytes: 4 << 30,
             max_templates: 64,
-            max_chain: checkpoint::MAX_CHAIN,
+            max_chain: snapshot::MAX_CHAIN,
             setns_key: [0, 0],
         }
     }
@@ -100,12 +95,12 @@ pub struct Runtime {
     images: Arc<ImageStore>,
     store: Mutex<store::Store>,
     pub(crate) snaps: Mutex<snapstore::SnapStore>,
-    pub(crate) templates: Mutex<checkpoint::TemplatePool>,
+    pub(crate) templates: Mutex<snapshot::TemplatePool>,
     sandboxes: RwLock<HashMap<String, Arc<Sandbox>>>,
     /// Inits of killed sandboxes that nested sandboxes still need (see `store::HuskRow`).
     husks: Mutex<HashMap<String, store::HuskRow>>,
     /// Pre-built nested shells for live forks, by parent.
-    pub(crate) nest_pool: Mutex<nestpool::NestPool>,
+    pub(crate) nest_pool: Mutex<fork_shells::NestPool>,
     /// Ready sandboxes per image ([`pool`]), and the wake-up of its refill task.
     pub(crate) pool: Mutex<pool::WarmPool>,
     pub(crate) pool_wake: Arc<tokio::sync::Notify>,
@@ -117,7 +112,7 @@ pub struct Runtime {
     pub(crate) collapsed: Mutex<HashMap<String, u64>>,
     /// Live session processes collapsed into huge pages, and how that went
     /// (`maybe_collapse_session`).
-    pub(crate) session_thp: Mutex<HashMap<String, checkpoint::SessionThp>>,
+    pub(crate) session_thp: Mutex<HashMap<String, snapshot::SessionThp>>,
     /// Compactions in progress: sandbox id -> the layer being written (not recorded yet; the
     /// layer collection keeps it).
     pub(crate) compacting: Mutex<HashMap<String, String>>,
@@ -281,7 +276,7 @@ impl Runtime {
             images: Arc::new(images),
             store: Mutex::new(store),
             snaps: Mutex::new(snaps),
-            templates: Mutex::new(checkpoint::TemplatePool::new(cfg_templates)),
+            templates: Mutex::new(snapshot::TemplatePool::new(cfg_templates)),
             sandboxes: RwLock::new(HashMap::new()),
             husks: Mutex::new(HashMap::new()),
             nest_pool: Mutex::new(Default::default()),
@@ -615,7 +610,7 @@ impl Runtime {
             .expect("lock")
             .values()
             .filter(|s| filter.iter().all(|(k, v)| s.spec.metadata.get(k) == Some(v)))
-            .filter(|s| !s.spec.metadata.contains_key(templates::TEMPLATE_KEY) || filter.iter().any(|(k, _)| k == templates::TEMPLATE_KEY))
+            .filter(|s| !s.spec.metadata.contains_key(recipes::TEMPLATE_KEY) || filter.iter().any(|(k, _)| k == recipes::TEMPLATE_KEY))
             .map(|s| s.info())
             .collect();
         v.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
@@ -1107,7 +1102,7 @@ fn reattach_sessions(sb: &Sandbox) -> Vec<(String, session::Session)> {
         return templates;
     };
     for p in procs.into_iter().filter(|p| p.exit.is_none()) {
-        let template = p.tag.strip_prefix(checkpoint::TEMPLATE_TAG).and_then(|rest| rest.split_once(':'));
+        let template = p.tag.strip_prefix(snapshot::TEMPLATE_TAG).and_then(|rest| rest.split_once(':'));
         let (key, kind, default) = match (template, session::parse_session_tag(&p.tag)) {
             (Some((key, kind)), _) => (key.to_string(), kind.to_string(), false),
             (None, Some(parsed)) => parsed,

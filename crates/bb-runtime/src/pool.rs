@@ -40,11 +40,12 @@
 //! rebuilt from its configuration, which is persisted.
 
 use crate::error::{Result, RuntimeError};
-use crate::launch::{self, layer_dir, new_upper, Launched, SandboxDirs};
+use crate::sandbox::launch::{self, layer_dir, new_upper, Launched, SandboxDirs};
 use crate::model::{PoolImageStats, PoolStats, SandboxSpec};
 use crate::sandbox::Sandbox;
-use crate::snapstore::Generation;
-use crate::{blocking_err, rootswap, Runtime};
+use crate::snapshot::store::Generation;
+use crate::snapshot::rootswap;
+use crate::{blocking_err, Runtime};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};

@@ -3,7 +3,7 @@
 //! * **checkpoint**: each session server forks at a quiescent point (between requests); the child
 //!   stays idle as the snapshot's *template*. Then, with the sandbox frozen (cgroup freezer), the
 //!   writable layer becomes a frozen snapshot layer and the sandbox is moved onto a fresh writable
-//!   layer stacked on it ([`crate::rootswap`]). Cost: one fork per session plus a mount and a
+//!   layer stacked on it ([`crate::snapshot::rootswap`]). Cost: one fork per session plus a mount and a
 //!   pivot, independent of how many files the sandbox holds.
 //! * **rollback**: every process but init and the templates is killed, the sandbox is moved onto a
 //!   fresh writable layer over the snapshot's chain, and each session is forked again from its
@@ -13,14 +13,16 @@
 //! * Templates live in a bounded LRU pool ([`TemplatePool`]); an evicted template only means the
 //!   session restarts fresh on rollback.
 
+pub mod rootswap;
+pub mod store;
+
 use crate::error::{Result, RuntimeError};
-use crate::launch::{layer_dir, new_upper};
+use crate::sandbox::launch::{layer_dir, new_upper};
 use crate::model::*;
-use crate::rootswap;
 use crate::sandbox::Sandbox;
 use crate::session::{self, Session};
-use crate::sessionfork;
-use crate::snapstore::{self, Generation, SnapSession, SnapshotRow};
+use crate::session::fork as sessionfork;
+use store::{Generation, SnapSession, SnapshotRow};
 use crate::{blocking_err, now, Runtime};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::os::unix::fs::MetadataExt;
@@ -515,7 +517,7 @@ impl Runtime {
         if !id.starts_with("sl-") {
             return;
         }
-        let dir = crate::launch::snaplayers_dir(&self.cfg.state_dir).join(id);
+        let dir = crate::sandbox::launch::snaplayers_dir(&self.cfg.state_dir).join(id);
         let trash = self.cfg.state_dir.join("trash").join(format!("{id}-{}", uuid::Uuid::new_v4().simple()));
         if std::fs::rename(&dir, &trash).is_ok() {
             let _ = std::fs::remove_dir_all(&trash);
@@ -1334,7 +1336,7 @@ impl Runtime {
 
     /// Fork with live sessions: `n` sandboxes nested in `parent` (pre-built shells claimed, the
     /// rest started by the parent's init), each template forked into them from outside
-    /// ([`crate::sessionfork`]), each copy registered with its child's init and finished as a
+    /// ([`crate::session::fork`]), each copy registered with its child's init and finished as a
     /// live session. Pipelined: a child's copies start as soon as the child exists, and each
     /// copy is attached as soon as it runs.
     async fn fork_nested(
@@ -1658,7 +1660,7 @@ impl Runtime {
             return Err(RuntimeError::BadRequest("evaluate runs in the foreground: drop \"background\"".into()));
         }
         let sb = self.live(id)?;
-        crate::exec::resolve(&sb, &req)?;
+        crate::sandbox::exec::resolve(&sb, &req)?;
         self.check_capacity(1)?;
         let (snap, created) = {
             let _op = sb.begin_op().await;
@@ -1669,7 +1671,7 @@ impl Runtime {
             let _ = self.snaps.lock().expect("lock").delete(&BTreeSet::from([snap.id.clone()]));
         }
         let child = child?;
-        let res = crate::exec::run(&child, &req, None).await;
+        let res = crate::sandbox::exec::run(&child, &req, None).await;
         let _ = self.kill(&child.id).await;
         res
     }
@@ -1679,7 +1681,7 @@ impl Runtime {
     pub fn list_snapshots(&self, sandbox: Option<&str>) -> Result<SnapshotList> {
         let Some(id) = sandbox else {
             let all = self.snaps.lock().expect("lock").all()?;
-            let mut children = snapstore::children_by_parent(&all);
+            let mut children = store::children_by_parent(&all);
             let snapshots = all
                 .iter()
                 .map(|s| {
@@ -1729,7 +1731,7 @@ impl Runtime {
     pub async fn delete_snapshot(self: &Arc<Self>, sid: &str, subtree: bool) -> Result<()> {
         self.snapshot_row(sid)?;
         let all = self.snaps.lock().expect("lock").all()?;
-        let ids = if subtree { snapstore::subtree(&all, sid) } else { BTreeSet::from([sid.to_string()]) };
+        let ids = if subtree { store::subtree(&all, sid) } else { BTreeSet::from([sid.to_string()]) };
         self.delete_snapshots(&ids, &all).await.map(drop)
     }
 
@@ -1745,7 +1747,7 @@ impl Runtime {
             Some(id) => all.iter().filter(|s| &s.sandbox_id == id).map(|s| s.id.clone()).collect(),
             None => all.iter().map(|s| s.id.clone()).collect(),
         };
-        let ids = snapstore::unreachable(&all, &scope, &keep);
+        let ids = store::unreachable(&all, &scope, &keep);
         let freed = self.delete_snapshots(&ids, &all).await?;
         Ok(GcResult { deleted: ids.into_iter().collect(), freed_bytes: freed })
     }
@@ -1801,7 +1803,7 @@ impl Runtime {
         used.extend(self.pooled_uppers());
         used.extend(self.compacting.lock().expect("lock").values().cloned());
         let mut freed = 0;
-        let Ok(rd) = std::fs::read_dir(crate::launch::snaplayers_dir(&self.cfg.state_dir)) else { return Ok(0) };
+        let Ok(rd) = std::fs::read_dir(crate::sandbox::launch::snaplayers_dir(&self.cfg.state_dir)) else { return Ok(0) };
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             if used.contains(&name) {

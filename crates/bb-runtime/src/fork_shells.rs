@@ -1,7 +1,7 @@
 //! Pre-built nested shells for live forks.
 //!
 //! A live fork's children are sandboxes nested in the parent's namespaces
-//! ([`crate::launch::launch_nested`]); making one costs a few milliseconds of the parent init's
+//! ([`crate::sandbox::launch::launch_nested`]); making one costs a few milliseconds of the parent init's
 //! and the host's time (namespaces, cgroup, mounts), queued behind each other on a small host.
 //! After a fork of `n` children, the daemon builds up to `n` more shells for that parent in the
 //! background (one at a time, at low priority), so the next fork from it only has to *claim*
@@ -14,11 +14,12 @@
 //! with their parent (its pid namespace) and are torn down when it is killed.
 
 use crate::error::Result;
-use crate::launch::{self, layer_dir, new_upper, SandboxDirs};
+use crate::sandbox::launch::{self, layer_dir, new_upper, SandboxDirs};
 use crate::model::SandboxSpec;
 use crate::sandbox::Sandbox;
-use crate::snapstore::{Generation, SnapshotRow};
-use crate::{blocking_err, rootswap, Runtime};
+use crate::snapshot::store::{Generation, SnapshotRow};
+use crate::snapshot::rootswap;
+use crate::{blocking_err, Runtime};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -125,7 +126,7 @@ impl Runtime {
             }
             // The shell's first root goes off the request's path (unmounting waits for RCU).
             let (old_root, old_work, old_upper) = (dirs.rootfs(), dirs.dir.join("work-0"), launched.upper.clone());
-            let snaplayers = crate::launch::snaplayers_dir(&self.cfg.state_dir);
+            let snaplayers = crate::sandbox::launch::snaplayers_dir(&self.cfg.state_dir);
             let trash = self.cfg.state_dir.join("trash");
             let _ = std::thread::Builder::new().name("bb-cleanup".into()).spawn(move || {
                 bb_sys::process::set_thread_nice(19);

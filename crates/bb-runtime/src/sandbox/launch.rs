@@ -189,8 +189,8 @@ fn init_config(cfg: &RuntimeConfig, id: &str, spec: &SandboxSpec, rootfs: &Path,
 
 /// The working directory exists from the start (created like Docker's WORKDIR when missing).
 pub(crate) fn make_cwd(cfg: &RuntimeConfig, spec: &SandboxSpec, rootfs: &Path) -> Result<()> {
-    let cwd = crate::files::SbPath::parse(&spec.cwd)?;
-    crate::files::SandboxFs::open(rootfs, cfg.idmap.host_base)?.mkdir(&cwd, true).map(drop)
+    let cwd = crate::sandbox::files::SbPath::parse(&spec.cwd)?;
+    crate::sandbox::files::SandboxFs::open(rootfs, cfg.idmap.host_base)?.mkdir(&cwd, true).map(drop)
 }
 
 /// Wait for init's `ok` on its status pipe; on anything else, the error with the log's tail.
@@ -297,7 +297,7 @@ pub fn launch(
 
 /// Start a sandbox *nested* in the user and pid namespaces of the sandbox whose init listens on
 /// `parent_sock`: a fork child, into which the parent's session templates can then be forked
-/// (see `crate::sessionfork`). The parent's init starts the new init (`Request::Nest`), which
+/// (see `crate::session::fork`). The parent's init starts the new init (`Request::Nest`), which
 /// makes its own namespaces below the parent's; the root (`layer_paths` + a fresh writable layer)
 /// is handed to it as a detached mount, and a second mount of the same overlay is attached at the
 /// usual host path for the file API.
@@ -322,7 +322,7 @@ pub fn launch_nested(
         .map_err(crate::layers_error)?;
     let host_view = bb_sys::ns::open_tree(mnt.as_fd(), Path::new(""), bb_sys::ns::OPEN_TREE_CLONE | bb_sys::ns::OPEN_TREE_CLOEXEC)
         .map_err(|e| io("clone root mount", e))?;
-    crate::rootswap::attach_host_root(&rootfs, host_view)?;
+    crate::snapshot::rootswap::attach_host_root(&rootfs, host_view)?;
     rb.mounted = true;
     make_cwd(cfg, spec, &rootfs)?;
 

@@ -5,6 +5,8 @@
 //! server is single-threaded and idle between requests, so it can be forked at a quiescent point
 //! (checkpoints), and its channel can be replaced after a fork (`{"op":"fork"}` + SCM_RIGHTS).
 
+pub mod fork;
+
 use crate::error::{Result, RuntimeError};
 use crate::initconn::{init_error, unexpected, InitConn};
 use crate::model::{SessionInfo, SessionResult};
@@ -18,7 +20,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
 /// The in-sandbox session server.
-pub const SERVER_SOURCE: &str = include_str!("../../../python/branchbox/_session_server.py");
+pub const SERVER_SOURCE: &str = include_str!("server.py");
 /// Process-list tag prefix of session processes (hidden from `commands.list`).
 pub const SESSION_TAG: &str = "branchbox-session:";
 /// Largest response line accepted from a session.
@@ -122,7 +124,7 @@ impl Session {
     }
 
     /// Mark this session as a copy of a template forked into another sandbox from outside
-    /// (`crate::sessionfork`) that is still to be finished: before its first request it gets
+    /// (`crate::session::fork`) that is still to be finished: before its first request it gets
     /// `{"op":"restored"}` and becomes a live session there, with `log` as stdout/stderr and
     /// whatever it shared with the template's sandbox (open sockets, pipes, files elsewhere)
     /// closed; `unmap` is a mapping it inherited from the daemon's work in the template

@@ -189,8 +189,8 @@ impl Runtime {
             )));
         }
         let shells = req.shells.unwrap_or(DEFAULT_SHELLS);
-        if shells > crate::nestpool::MAX_PER_PARENT {
-            return Err(RuntimeError::BadRequest(format!("shells must be at most {}", crate::nestpool::MAX_PER_PARENT)));
+        if shells > crate::fork_shells::MAX_PER_PARENT {
+            return Err(RuntimeError::BadRequest(format!("shells must be at most {}", crate::fork_shells::MAX_PER_PARENT)));
         }
         crate::timeout_of(req.timeout)?;
         self.validate(self.recipe_sandbox(req))?;

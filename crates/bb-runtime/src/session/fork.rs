@@ -2,7 +2,7 @@
 //!
 //! A snapshot's session templates are frozen copies of the sessions, idle in `recvmsg` on their
 //! channel (fd 3). A fork child is a sandbox nested in the parent's user and pid namespaces
-//! ([`crate::launch::launch_nested`]). To give the child a live copy of a session, the daemon
+//! ([`crate::sandbox::launch::launch_nested`]). To give the child a live copy of a session, the daemon
 //! drives the template with ptrace ([`bb_sys::ptrace`]), so none of the template's own code runs:
 //!
 //! 1. the template's SIGCHLD is set to SIG_IGN for the duration (so helpers are reaped at once);

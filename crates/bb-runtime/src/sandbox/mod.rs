@@ -1,6 +1,11 @@
 //! One live sandbox as the daemon holds it in memory.
 
-use crate::launch::SandboxDirs;
+pub mod exec;
+pub mod files;
+pub mod launch;
+pub mod store;
+
+use crate::sandbox::launch::SandboxDirs;
 use crate::model::{SandboxInfo, SandboxSpec};
 use crate::session::Session;
 use bb_isolation::Cgroup;
@@ -23,7 +28,7 @@ pub struct Sandbox {
     /// Serialises creation of the default python session used by `/code`.
     pub default_session: tokio::sync::Mutex<Option<String>>,
     /// The layer stack the sandbox stands on (None: created by a daemon without snapshots).
-    pub gen: Mutex<Option<crate::snapstore::Generation>>,
+    pub gen: Mutex<Option<crate::snapshot::store::Generation>>,
     /// Serialises checkpoint / rollback / fork / evaluate of this sandbox.
     pub ops: tokio::sync::Mutex<()>,
     /// Those operations in flight and when the last one ended (spare copies of templates are
@@ -75,7 +80,7 @@ impl Sandbox {
         created_at: f64,
         expires_at: Option<f64>,
         cgroup: Cgroup,
-        gen: Option<crate::snapstore::Generation>,
+        gen: Option<crate::snapshot::store::Generation>,
     ) -> Sandbox {
         Sandbox {
             id,
