@@ -2,6 +2,7 @@
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
+use bb_runtime::error::ErrorKind;
 use bb_runtime::RuntimeError;
 
 #[derive(Debug)]
@@ -22,13 +23,13 @@ impl ApiError {
 
 impl From<RuntimeError> for ApiError {
     fn from(e: RuntimeError) -> Self {
-        let status = match &e {
-            RuntimeError::NotFound { .. } => StatusCode::NOT_FOUND,
-            RuntimeError::BadRequest(_) | RuntimeError::PathEscape(_) => StatusCode::BAD_REQUEST,
-            RuntimeError::Conflict(_) => StatusCode::CONFLICT,
-            RuntimeError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            RuntimeError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            RuntimeError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        let status = match e.kind() {
+            ErrorKind::NotFound => StatusCode::NOT_FOUND,
+            ErrorKind::BadRequest | ErrorKind::PathEscape => StatusCode::BAD_REQUEST,
+            ErrorKind::Conflict => StatusCode::CONFLICT,
+            ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         };
         if status == StatusCode::INTERNAL_SERVER_ERROR {
             tracing::error!("internal error: {e}");

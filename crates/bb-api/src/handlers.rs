@@ -276,9 +276,9 @@ pub async fn write_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<Wr
                 format!("file is larger than the daemon's limit of {limit} bytes (--max-file-bytes); the previous content is unchanged"),
             ));
         }
-        file.write_all(&chunk).await.map_err(|e| bb_runtime::RuntimeError::internal("write", e))?;
+        file.write_all(&chunk).await.map_err(bb_runtime::RuntimeError::io("write the upload"))?;
     }
-    file.flush().await.map_err(|e| bb_runtime::RuntimeError::internal("write", e))?;
+    file.flush().await.map_err(bb_runtime::RuntimeError::io("write the upload"))?;
     upload.put_file(file.into_std().await);
     Ok(Json(blocking(move || fs.commit(upload)).await?))
 }

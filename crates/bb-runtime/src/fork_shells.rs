@@ -13,15 +13,16 @@
 //! ([`Runtime::shutdown_pools`]), after a crash they are strays reaped at the next start. They die
 //! with their parent (its pid namespace) and are torn down when it is killed.
 
-use crate::error::Result;
+use crate::error::{Result, RuntimeError};
 use crate::sandbox::launch::{self, layer_dir, new_upper, SandboxDirs};
 use crate::model::SandboxSpec;
 use crate::sandbox::Sandbox;
 use crate::snapshot::store::{Generation, SnapshotRow};
 use crate::snapshot::rootswap;
-use crate::{blocking_err, Runtime};
+use crate::Runtime;
 use std::collections::HashMap;
 use std::path::PathBuf;
+use parking_lot::Mutex;
 use std::sync::Arc;
 
 /// Most shells kept for one parent, and for all parents together.
@@ -29,8 +30,7 @@ pub const MAX_PER_PARENT: usize = 64;
 pub const MAX_TOTAL: usize = 128;
 
 /// A refill starts once no command or session code ran for `REFILL_QUIET` (a fork's children
-/// run theirs right away), or after `REFILL_MAX_DEFER` at most. Measured here (2 cores):
-/// fork(16) until every child ran `true`, 50-54 -> 46-48 ms.
+/// run theirs right away), or after `REFILL_MAX_DEFER` at most.
 const REFILL_QUIET: std::time::Duration = std::time::Duration::from_millis(20);
 const REFILL_MAX_DEFER: std::time::Duration = std::time::Duration::from_millis(250);
 
@@ -38,7 +38,7 @@ const REFILL_MAX_DEFER: std::time::Duration = std::time::Duration::from_millis(2
 const CLEANUP_DELAY: std::time::Duration = std::time::Duration::from_millis(300);
 
 /// An idle nested sandbox, not yet handed out.
-pub struct Shell {
+pub struct ForkShell {
     pub id: String,
     pub launched: launch::Launched,
     /// The writable layer and work dir its claim mounts (made with the shell, off the request's
@@ -46,29 +46,39 @@ pub struct Shell {
     pub spare: Option<(String, PathBuf, PathBuf)>,
 }
 
+/// Pre-built shells of every parent, and how many to keep ready for each.
 #[derive(Default)]
-pub struct NestPool {
-    shells: HashMap<String, Vec<Shell>>,
+pub struct ForkShells {
+    pub(crate) state: Mutex<ShellsState>,
+    /// Shells to keep ready per parent beyond its last fork's size (a named template's
+    /// `shells`).
+    pub(crate) targets: Mutex<HashMap<String, usize>>,
+}
+
+/// The shells waiting, by parent, under [`ForkShells`]'s lock.
+#[derive(Default)]
+pub struct ShellsState {
+    shells: HashMap<String, Vec<ForkShell>>,
     /// Parents whose pool is being refilled (one refill task each).
     refilling: std::collections::HashSet<String>,
     /// Set at daemon shutdown: no shell is built or kept any more.
     closed: bool,
 }
 
-impl NestPool {
+impl ShellsState {
     pub fn total(&self) -> usize {
         self.shells.values().map(Vec::len).sum()
     }
 
     /// Up to `n` shells of `parent`.
-    pub fn take(&mut self, parent: &str, n: usize) -> Vec<Shell> {
+    pub fn take(&mut self, parent: &str, n: usize) -> Vec<ForkShell> {
         let Some(v) = self.shells.get_mut(parent) else { return Vec::new() };
         let keep = v.len().saturating_sub(n);
         v.split_off(keep)
     }
 
     /// All shells of `parent` (it is going away).
-    pub fn drain(&mut self, parent: &str) -> Vec<Shell> {
+    pub fn drain(&mut self, parent: &str) -> Vec<ForkShell> {
         self.shells.remove(parent).unwrap_or_default()
     }
 
@@ -88,7 +98,7 @@ impl NestPool {
     }
 
     /// Daemon shutdown: no shell is kept from now on; returns every shell, to tear down.
-    pub fn close(&mut self) -> Vec<Shell> {
+    pub fn close(&mut self) -> Vec<ForkShell> {
         self.closed = true;
         self.shells.drain().flat_map(|(_, v)| v).collect()
     }
@@ -98,8 +108,8 @@ impl Runtime {
     /// Turn a shell of `parent` into a child standing on `snap`: its root swapped onto the
     /// snapshot's layers plus a fresh writable layer, its limits set, recorded as a sandbox.
     /// Blocking. On failure the shell is torn down.
-    pub(crate) fn claim_shell(&self, shell: Shell, parent: &Sandbox, snap: &SnapshotRow, spec: &SandboxSpec, timeout: Option<f64>) -> Result<Arc<Sandbox>> {
-        let Shell { id, launched, spare } = shell;
+    pub(crate) fn claim_shell(&self, shell: ForkShell, parent: &Sandbox, snap: &SnapshotRow, spec: &SandboxSpec, timeout: Option<f64>) -> Result<Arc<Sandbox>> {
+        let ForkShell { id, launched, spare } = shell;
         let dirs = SandboxDirs::new(&self.cfg.state_dir, &id);
         let t0 = std::time::Instant::now();
         let res = (|| -> Result<Generation> {
@@ -110,14 +120,14 @@ impl Runtime {
             let t_upper = t0.elapsed();
             let lower: Vec<PathBuf> = snap.layers.iter().rev().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
             let mnt = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &dirs.rootfs_gen(1))
-                .map_err(crate::layers_error);
+                .map_err(RuntimeError::from);
             let t_mnt = t0.elapsed();
             let swapped = mnt
                 .and_then(|mnt| rootswap::swap_root(launched.init_pid, mnt))
                 .and_then(|host_view| {
                     tracing::debug!(?t_upper, ?t_mnt, swapped = ?t0.elapsed(), "claim");
                     let target = dirs.rootfs_gen(1);
-                    std::fs::create_dir_all(&target).map_err(|e| crate::RuntimeError::internal("create root mount point", e))?;
+                    std::fs::create_dir_all(&target).map_err(RuntimeError::io("create root mount point"))?;
                     rootswap::attach_host_root(&target, host_view)
                 });
             if let Err(e) = swapped {
@@ -159,12 +169,12 @@ impl Runtime {
 
     /// Tear down every pooled shell of `parent`. Blocking.
     pub(crate) fn drop_shells(&self, parent: &str) {
-        let shells = self.nest_pool.lock().expect("lock").drain(parent);
+        let shells = self.fork_shells.state.lock().drain(parent);
         self.discard_nested_shells(shells);
     }
 
     /// Tear down shells taken out of the pool. Blocking.
-    pub(crate) fn discard_nested_shells(&self, shells: Vec<Shell>) {
+    pub(crate) fn discard_nested_shells(&self, shells: Vec<ForkShell>) {
         for s in shells {
             let _ = launch::teardown(&self.cfg, &self.cgroups, &s.id, Some((s.launched.init_pid, s.launched.init_start)));
             self.remove_layer_dir(&s.launched.upper);
@@ -178,17 +188,17 @@ impl Runtime {
     pub(crate) fn refill_shells(self: &Arc<Self>, parent: Arc<Sandbox>, want: usize) {
         let want = want.min(MAX_PER_PARENT);
         {
-            let mut pool = self.nest_pool.lock().expect("lock");
+            let mut pool = self.fork_shells.state.lock();
             if pool.closed || pool.len_of(&parent.id) >= want || !pool.refilling.insert(parent.id.clone()) {
                 return;
             }
         }
         let rt = self.clone();
         tokio::spawn(async move {
-            rt.wait_for_quiet(REFILL_QUIET, REFILL_MAX_DEFER).await;
+            rt.activity.wait_for_quiet(REFILL_QUIET, REFILL_MAX_DEFER).await;
             loop {
                 let short = {
-                    let pool = rt.nest_pool.lock().expect("lock");
+                    let pool = rt.fork_shells.state.lock();
                     !pool.closed && pool.len_of(&parent.id) < want && pool.total() < MAX_TOTAL
                 };
                 if !short || parent.is_dead() || rt.get(&parent.id).is_err() {
@@ -203,18 +213,18 @@ impl Runtime {
                     launch::launch_nested(&rt2.cfg, &rt2.cgroups, &id, &p.spec, &layers, &p.dirs.sock()).map(|launched| {
                         // Without a spare, the claim makes the layer itself.
                         let spare = new_upper(&rt2.cfg, &SandboxDirs::new(&rt2.cfg.state_dir, &id), 1).ok();
-                        Shell { id, launched, spare }
+                        ForkShell { id, launched, spare }
                     })
                 })
                 .await
-                .map_err(blocking_err)
+                .map_err(RuntimeError::Worker)
                 .and_then(|r| r);
                 match built {
                     Ok(shell) => {
                         let alive = !parent.is_dead() && rt.get(&parent.id).is_ok();
                         // Kept under the lock that shutdown closes the pool with.
                         let unwanted = {
-                            let mut pool = rt.nest_pool.lock().expect("lock");
+                            let mut pool = rt.fork_shells.state.lock();
                             if alive && !pool.closed {
                                 pool.shells.entry(parent.id.clone()).or_default().push(shell);
                                 None
@@ -234,7 +244,7 @@ impl Runtime {
                     }
                 }
             }
-            rt.nest_pool.lock().expect("lock").refilling.remove(&parent.id);
+            rt.fork_shells.state.lock().refilling.remove(&parent.id);
             // The parent may have gone while we worked.
             if parent.is_dead() || rt.get(&parent.id).is_err() {
                 let rt2 = rt.clone();
@@ -248,10 +258,10 @@ impl Runtime {
 mod tests {
     use super::*;
 
-    fn shell(root: &std::path::Path, id: &str) -> Shell {
+    fn shell(root: &std::path::Path, id: &str) -> ForkShell {
         std::fs::create_dir_all(root.join("t").join(id)).unwrap();
         let layout = bb_isolation::CgroupLayout::with_roots(bb_isolation::CgroupVersion::V2, vec![("unified".into(), root.into())], "t");
-        Shell {
+        ForkShell {
             id: id.into(),
             launched: launch::Launched {
                 placement: ("test", 0.0),
@@ -268,7 +278,7 @@ mod tests {
     fn take_and_drain() {
         let d = tempfile::tempdir().unwrap();
         let shell = |id: &str| shell(d.path(), id);
-        let mut p = NestPool::default();
+        let mut p = ShellsState::default();
         p.shells.insert("a".into(), vec![shell("1"), shell("2"), shell("3")]);
         assert_eq!(p.total(), 3);
         assert_eq!(p.take("a", 2).len(), 2);

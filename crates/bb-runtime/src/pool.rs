@@ -45,10 +45,11 @@ use crate::model::{PoolImageStats, PoolStats, SandboxSpec};
 use crate::sandbox::Sandbox;
 use crate::snapshot::store::Generation;
 use crate::snapshot::rootswap;
-use crate::{blocking_err, Runtime};
+use crate::Runtime;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Limits a shell is started with (a claim sets the request's).
@@ -76,7 +77,7 @@ pub struct Target {
     pub max: usize,
 }
 
-pub struct Shell {
+pub struct PoolShell {
     pub id: String,
     /// The image's id when the shell was made: an image rebuilt under the same name since does
     /// not get it.
@@ -109,7 +110,7 @@ pub struct LayerPin {
 
 impl LayerPins {
     pub fn pin(&self, layers: &[String]) -> LayerPin {
-        let mut st = self.0.lock().expect("lock");
+        let mut st = self.0.lock();
         for l in layers {
             *st.count.entry(l.clone()).or_default() += 1;
         }
@@ -119,7 +120,7 @@ impl LayerPins {
     /// For the image store's in-use check: whether `layer` is pinned (then the store keeps it,
     /// and it is collected once unpinned).
     pub fn holds(&self, layer: &str) -> bool {
-        let mut st = self.0.lock().expect("lock");
+        let mut st = self.0.lock();
         let held = st.count.contains_key(layer);
         if held {
             st.kept.insert(layer.to_string());
@@ -130,13 +131,13 @@ impl LayerPins {
     /// Whether a layer the image store kept for a pin has been unpinned since the last call:
     /// then run the store's garbage collection.
     pub fn take_collect(&self) -> bool {
-        std::mem::take(&mut self.0.lock().expect("lock").collect)
+        std::mem::take(&mut self.0.lock().collect)
     }
 }
 
 impl Drop for LayerPin {
     fn drop(&mut self) {
-        let mut st = self.pins.0.lock().expect("lock");
+        let mut st = self.pins.0.lock();
         for l in &self.layers {
             let Some(n) = st.count.get_mut(l) else { continue };
             *n -= 1;
@@ -159,9 +160,17 @@ struct Failing {
     next_pause: Duration,
 }
 
+/// Recycling a killed sandbox into the pool failed (it is torn down instead).
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    #[error("recycling: the sandbox's init refused to reset: {0}")]
+    ResetRefused(String),
+}
+
+/// The pool's bookkeeping, under [`WarmPool`]'s lock.
 #[derive(Default)]
-pub struct WarmPool {
-    ready: HashMap<String, VecDeque<Shell>>,
+pub struct PoolState {
+    ready: HashMap<String, VecDeque<PoolShell>>,
     /// Shells being built or recycled, per image (their [`Slot`]s): they count like ready ones.
     in_flight: HashMap<String, usize>,
     /// Set by [`Runtime::shutdown_pools`]: nothing is reserved or pooled any more.
@@ -182,9 +191,75 @@ pub struct WarmPool {
     placement_mode: Option<&'static str>,
     placement_ms: VecDeque<f64>,
     /// When a shell was last claimed, and since when the refill has been waiting for creates to
-    /// pause ([`WarmPool::quiet_wait`]).
+    /// pause ([`PoolState::quiet_wait`]).
     last_take: Option<Instant>,
     deferred_since: Option<Instant>,
+}
+
+/// The warm pool mechanism: its bookkeeping under one lock, the wake-up of its refill task, the
+/// layer pins of its shells, and its persisted targets.
+pub struct WarmPool {
+    pub(crate) state: Mutex<PoolState>,
+    pub(crate) wake: Arc<tokio::sync::Notify>,
+    /// Image layers pool shells stand on (they are not in the database); the image store's
+    /// in-use check asks.
+    pub(crate) pins: LayerPins,
+    pub(crate) targets: PoolTargets,
+}
+
+impl WarmPool {
+    pub fn open(db: &std::path::Path) -> crate::db::DbResult<WarmPool> {
+        Ok(WarmPool {
+            state: Default::default(),
+            wake: Arc::new(tokio::sync::Notify::new()),
+            pins: LayerPins::default(),
+            targets: PoolTargets::open(db)?,
+        })
+    }
+
+    /// The pins the image store's in-use check consults.
+    pub fn pins(&self) -> LayerPins {
+        self.pins.clone()
+    }
+}
+
+/// Pool targets in the state database (table `pool_targets`): the pools are rebuilt from them
+/// after a restart.
+pub struct PoolTargets(Mutex<rusqlite::Connection>);
+
+impl PoolTargets {
+    fn open(db: &std::path::Path) -> crate::db::DbResult<PoolTargets> {
+        let conn = crate::db::open(db)?;
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS pool_targets (
+                image TEXT PRIMARY KEY,
+                min INTEGER NOT NULL,
+                max INTEGER NOT NULL
+            );",
+        )?;
+        Ok(PoolTargets(Mutex::new(conn)))
+    }
+
+    /// Warm pool size for an image (max 0: none).
+    pub fn set_pool_target(&self, image: &str, min: usize, max: usize) -> crate::db::DbResult<()> {
+        let conn = self.0.lock();
+        if max == 0 {
+            conn.execute("DELETE FROM pool_targets WHERE image = ?1", rusqlite::params![image])?;
+        } else {
+            conn.execute(
+                "INSERT INTO pool_targets (image, min, max) VALUES (?1, ?2, ?3) ON CONFLICT(image) DO UPDATE SET min = ?2, max = ?3",
+                rusqlite::params![image, min as i64, max as i64],
+            )?;
+        }
+        Ok(())
+    }
+
+    pub fn pool_targets(&self) -> crate::db::DbResult<Vec<(String, usize, usize)>> {
+        let conn = self.0.lock();
+        let mut stmt = conn.prepare("SELECT image, min, max FROM pool_targets ORDER BY image")?;
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? as usize, r.get::<_, i64>(2)? as usize)))?;
+        Ok(rows.collect::<std::result::Result<_, _>>()?)
+    }
 }
 
 const KEEP_TIMES: usize = 64;
@@ -200,14 +275,14 @@ const IDLE_WAIT: Duration = Duration::from_secs(2);
 const REFILL_QUIET: Duration = Duration::from_millis(30);
 const REFILL_MAX_DEFER: Duration = Duration::from_millis(250);
 
-impl WarmPool {
+impl PoolState {
     /// Shells ready or on their way, over all images.
     fn total(&self) -> usize {
         self.ready.values().map(VecDeque::len).sum::<usize>() + self.in_flight.values().sum::<usize>()
     }
 
     /// A ready shell of `image` (made from image id `image_id`), if any. Counts a hit or miss.
-    fn take(&mut self, image: &str, image_id: &str) -> Option<Shell> {
+    fn take(&mut self, image: &str, image_id: &str) -> Option<PoolShell> {
         let q = self.ready.get_mut(image);
         let shell = q.and_then(|q| {
             // Shells of a replaced image are useless; they are torn down by the refill task.
@@ -267,7 +342,7 @@ impl WarmPool {
     /// Pool the shell a slot of `image` was reserved for, if the pool still has room for it (its
     /// `max` may have been lowered, its pool drained or the daemon be shutting down meanwhile);
     /// otherwise it is handed back (Some) to be torn down. The slot itself stays reserved.
-    fn admit(&mut self, image: &str, shell: Shell) -> Option<Shell> {
+    fn admit(&mut self, image: &str, shell: PoolShell) -> Option<PoolShell> {
         let have = self.ready.get(image).map_or(0, VecDeque::len);
         match self.targets.get(image) {
             Some(t) if !self.closed && have < t.max => {
@@ -280,7 +355,7 @@ impl WarmPool {
 
     /// Set `image`'s target; returns the ready shells beyond its `max` (oldest first), for the
     /// caller to tear down outside the lock.
-    fn set_target(&mut self, image: &str, target: Target) -> Vec<Shell> {
+    fn set_target(&mut self, image: &str, target: Target) -> Vec<PoolShell> {
         self.targets.insert(image.to_string(), target);
         // A new setting is a new chance: retry a failing image now.
         self.failing.remove(image);
@@ -295,12 +370,12 @@ impl WarmPool {
 
     /// Daemon shutdown: refuse every reservation and admission from now on; returns every ready
     /// shell, to tear down.
-    fn close(&mut self) -> Vec<Shell> {
+    fn close(&mut self) -> Vec<PoolShell> {
         self.closed = true;
         self.ready.drain().flat_map(|(_, q)| q).collect()
     }
 
-    fn push(&mut self, image: &str, shell: Shell) {
+    fn push(&mut self, image: &str, shell: PoolShell) {
         self.ready.entry(image.to_string()).or_default().push_back(shell);
     }
 
@@ -344,7 +419,7 @@ impl WarmPool {
 
     /// Drop `image`'s pool: its target, its failure record, and its ready shells (returned:
     /// the caller tears them down, outside the lock).
-    fn forget(&mut self, image: &str) -> Vec<Shell> {
+    fn forget(&mut self, image: &str) -> Vec<PoolShell> {
         self.targets.remove(image);
         self.failing.remove(image);
         self.ready.remove(image).map(Vec::from).unwrap_or_default()
@@ -391,8 +466,8 @@ pub(crate) struct Slot<'a> {
 impl Slot<'_> {
     /// Pool `shell`, or tear it down when the pool no longer has room for it. Blocking. Returns
     /// whether it was pooled; the slot is given back either way.
-    fn fill(self, shell: Shell) -> bool {
-        let refused = self.rt.pool.lock().expect("lock").admit(&self.image, shell);
+    fn fill(self, shell: PoolShell) -> bool {
+        let refused = self.rt.pool.state.lock().admit(&self.image, shell);
         match refused {
             None => true,
             Some(shell) => {
@@ -405,7 +480,7 @@ impl Slot<'_> {
 
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
-        self.rt.pool.lock().expect("lock").release(&self.image);
+        self.rt.pool.state.lock().release(&self.image);
     }
 }
 
@@ -413,20 +488,20 @@ impl Runtime {
     /// Reserve a slot for one more shell of `image` if its pool wants one (below `min`, or below
     /// `max` when recycling; shells on their way count).
     pub(crate) fn reserve_slot(&self, image: &str, for_recycling: bool) -> Option<Slot<'_>> {
-        let reserved = self.pool.lock().expect("lock").reserve(image, for_recycling);
+        let reserved = self.pool.state.lock().reserve(image, for_recycling);
         reserved.then(|| Slot { rt: self, image: image.to_string() })
     }
 
     /// Pin `image`'s layers for a shell, then check it is still the image of that name: a
     /// removal or replacement that came first may be deleting its layers.
     fn pin_image(&self, image: &bb_layers::Image) -> Result<LayerPin> {
-        let pin = self.layer_pins.pin(&image.layers);
+        let pin = self.pool.pins.pin(&image.layers);
         match self.images.get(&image.name) {
             Ok(now) if now.id == image.id => Ok(pin),
             Ok(_) | Err(bb_layers::LayersError::NotFound { .. }) => {
                 Err(RuntimeError::Conflict(format!("image {:?} was removed or replaced meanwhile", image.name)))
             }
-            Err(e) => Err(crate::layers_error(e)),
+            Err(e) => Err(RuntimeError::from(e)),
         }
     }
 
@@ -435,8 +510,8 @@ impl Runtime {
     /// Nothing is pooled afterwards; shells still being built or recycled are torn down when they
     /// are done, waited for up to `wait`. User sandboxes are left alone.
     pub async fn shutdown_pools(self: &Arc<Self>, wait: Duration) {
-        let ready = self.pool.lock().expect("lock").close();
-        let nested = self.nest_pool.lock().expect("lock").close();
+        let ready = self.pool.state.lock().close();
+        let nested = self.fork_shells.state.lock().close();
         let n = ready.len() + nested.len();
         let rt = self.clone();
         let torn = tokio::task::spawn_blocking(move || {
@@ -449,7 +524,7 @@ impl Runtime {
         }
         let deadline = Instant::now() + wait;
         loop {
-            let busy = self.pool.lock().expect("lock").in_flight.values().sum::<usize>() + self.nest_pool.lock().expect("lock").refills();
+            let busy = self.pool.state.lock().in_flight.values().sum::<usize>() + self.fork_shells.state.lock().refills();
             if busy == 0 {
                 break;
             }
@@ -464,7 +539,7 @@ impl Runtime {
 
     /// Record how a sandbox's init was placed in its cgroup (every top-level launch).
     pub(crate) fn note_placement(&self, placement: (&'static str, f64)) {
-        let mut pool = self.pool.lock().expect("lock");
+        let mut pool = self.pool.state.lock();
         pool.placement_mode = Some(placement.0);
         pool.placement_ms.push_back(placement.1);
         if pool.placement_ms.len() > KEEP_TIMES {
@@ -474,13 +549,13 @@ impl Runtime {
 
     /// Writable layers of the shells waiting in both pools (layer GC must keep them).
     pub(crate) fn pooled_uppers(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.pool.lock().expect("lock").ready.values().flatten().map(|s| s.launched.upper.clone()).collect();
-        v.extend(self.nest_pool.lock().expect("lock").uppers());
+        let mut v: Vec<String> = self.pool.state.lock().ready.values().flatten().map(|s| s.launched.upper.clone()).collect();
+        v.extend(self.fork_shells.state.lock().uppers());
         v
     }
 
     pub fn pool_stats(&self) -> PoolStats {
-        self.pool.lock().expect("lock").stats()
+        self.pool.state.lock().stats()
     }
 
     /// Keep `target.min` (up to `target.max`) ready shells of `image`; `min = max = 0` drains it
@@ -497,19 +572,19 @@ impl Runtime {
             self.forget_pool(image)?;
             return Ok(self.pool_stats());
         }
-        self.images.get(image).map_err(crate::layers_error)?;
-        self.store.lock().expect("lock").set_pool_target(image, target.min, target.max)?;
-        let extra = self.pool.lock().expect("lock").set_target(image, target);
+        self.images.get(image).map_err(RuntimeError::from)?;
+        self.pool.targets.set_pool_target(image, target.min, target.max)?;
+        let extra = self.pool.state.lock().set_target(image, target);
         self.discard_shells(extra);
-        self.pool_wake.notify_one();
+        self.pool.wake.notify_one();
         Ok(self.pool_stats())
     }
 
     /// Drain `image`'s pool and forget its target (also persisted). Blocking: its ready shells
     /// are torn down before this returns, so the image's layers can go next.
     pub(crate) fn forget_pool(&self, image: &str) -> Result<()> {
-        self.store.lock().expect("lock").set_pool_target(image, 0, 0)?;
-        let shells = self.pool.lock().expect("lock").forget(image);
+        self.pool.targets.set_pool_target(image, 0, 0)?;
+        let shells = self.pool.state.lock().forget(image);
         self.discard_shells(shells);
         Ok(())
     }
@@ -517,12 +592,12 @@ impl Runtime {
     /// Load the persisted targets and start the refill task (call once, in a tokio runtime).
     pub fn start_pool(self: &Arc<Self>, default: Option<(String, Target)>) -> Result<()> {
         let mut targets: BTreeMap<String, Target> = BTreeMap::new();
-        let persisted = self.store.lock().expect("lock").pool_targets()?;
+        let persisted = self.pool.targets.pool_targets()?;
         for (image, min, max) in persisted {
             // Left by a daemon that kept the pools of removed images.
             if matches!(self.images.get(&image), Err(bb_layers::LayersError::NotFound { .. })) {
                 tracing::warn!(%image, "forgetting the warm pool of an image that no longer exists");
-                self.store.lock().expect("lock").set_pool_target(&image, 0, 0)?;
+                self.pool.targets.set_pool_target(&image, 0, 0)?;
                 continue;
             }
             targets.insert(image, Target { min, max });
@@ -530,13 +605,13 @@ impl Runtime {
         if let Some((image, t)) = default {
             targets.entry(image).or_insert(t);
         }
-        self.pool.lock().expect("lock").targets = targets;
+        self.pool.state.lock().targets = targets;
         let rt = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {
                 let Some(rt) = rt.upgrade() else { return };
                 if let Some(wait) = rt.refill_once().await {
-                    let wake = rt.pool_wake.clone();
+                    let wake = rt.pool.wake.clone();
                     drop(rt);
                     let _ = tokio::time::timeout(wait, wake.notified()).await;
                 }
@@ -545,17 +620,17 @@ impl Runtime {
         Ok(())
     }
 
-    /// Build one shell for the next image short of its `min` ([`WarmPool::next_to_refill`]); a
+    /// Build one shell for the next image short of its `min` ([`PoolState::next_to_refill`]); a
     /// failure is recorded against that image. None: go on at once; Some(wait): nothing to do
     /// now, look again after `wait` or a wake-up.
     async fn refill_once(self: &Arc<Self>) -> Option<Duration> {
         let (image, stale) = {
-            let mut pool = self.pool.lock().expect("lock");
+            let mut pool = self.pool.state.lock();
             // Drop shells of images that were replaced or removed.
             let mut stale = Vec::new();
             for (name, q) in pool.ready.iter_mut() {
                 let current = self.images.get(name).ok().map(|i| i.id);
-                let (keep, gone): (VecDeque<Shell>, VecDeque<Shell>) = q.drain(..).partition(|s| Some(&s.image_id) == current.as_ref());
+                let (keep, gone): (VecDeque<PoolShell>, VecDeque<PoolShell>) = q.drain(..).partition(|s| Some(&s.image_id) == current.as_ref());
                 *q = keep;
                 stale.extend(gone);
             }
@@ -565,10 +640,10 @@ impl Runtime {
         };
         self.discard_shells(stale);
         let idle = || {
-            let pool = self.pool.lock().expect("lock");
+            let pool = self.pool.state.lock();
             Some(pool.next_retry(Instant::now()).map_or(IDLE_WAIT, |d| d.min(IDLE_WAIT)))
         };
-        if self.layer_pins.take_collect() {
+        if self.pool.pins.take_collect() {
             // Layers of a removed or replaced image that pool shells held until now.
             let images = self.images.clone();
             tokio::task::spawn_blocking(move || {
@@ -578,20 +653,20 @@ impl Runtime {
             });
         }
         let Some(image) = image else { return idle() };
-        if let Some(wait) = self.pool.lock().expect("lock").quiet_wait(&image, Instant::now()) {
+        if let Some(wait) = self.pool.state.lock().quiet_wait(&image, Instant::now()) {
             return Some(wait);
         }
-        if self.count() + self.pool.lock().expect("lock").total() >= self.cfg.max_sandboxes {
+        if self.count() + self.pool.state.lock().total() >= self.cfg.max_sandboxes {
             return idle();
         }
         match self.refill_image(&image).await {
             Ok(()) => {
-                self.pool.lock().expect("lock").failing.remove(&image);
+                self.pool.state.lock().failing.remove(&image);
             }
             Err(e) => {
                 tracing::warn!(%image, "warm pool could not make a sandbox ({e}); creates of it start cold until it can");
                 let msg = format!("refilling the pool of image {image:?}: {e}");
-                self.pool.lock().expect("lock").failed(&image, msg, Instant::now());
+                self.pool.state.lock().failed(&image, msg, Instant::now());
             }
         }
         None
@@ -612,7 +687,7 @@ impl Runtime {
                 rt.build_shell(&image)?
             };
             {
-                let mut pool = rt.pool.lock().expect("lock");
+                let mut pool = rt.pool.state.lock();
                 pool.created += 1;
                 pool.build_ms.push_back(t0.elapsed().as_secs_f64() * 1000.0);
                 if pool.build_ms.len() > KEEP_TIMES {
@@ -623,21 +698,21 @@ impl Runtime {
             Ok(())
         })
         .await
-        .map_err(blocking_err)?
+        .map_err(RuntimeError::Worker)?
     }
 
-    fn build_shell(&self, image_name: &str) -> Result<Shell> {
-        let image = self.images.get(image_name).map_err(crate::layers_error)?;
+    fn build_shell(&self, image_name: &str) -> Result<PoolShell> {
+        let image = self.images.get(image_name).map_err(RuntimeError::from)?;
         let pin = self.pin_image(&image)?;
         let spec = shell_spec(&image);
-        let id = crate::new_sandbox_id();
+        let id = crate::sandbox::lifecycle::new_sandbox_id();
         let layers: Vec<PathBuf> = image.layers.iter().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
         let launched = launch::launch(&self.cfg, &self.cgroups, &id, &spec, &layers)?;
         self.note_placement(launched.placement);
-        Ok(Shell { id, image_id: image.id, launched, pin })
+        Ok(PoolShell { id, image_id: image.id, launched, pin })
     }
 
-    fn discard_shells(&self, shells: Vec<Shell>) {
+    fn discard_shells(&self, shells: Vec<PoolShell>) {
         for s in shells {
             let _ = launch::teardown(&self.cfg, &self.cgroups, &s.id, Some((s.launched.init_pid, s.launched.init_start)));
             self.remove_layer_dir(&s.launched.upper);
@@ -648,7 +723,7 @@ impl Runtime {
     /// the caller starts one cold). Blocking.
     pub(crate) fn claim_pooled(&self, spec: &SandboxSpec, timeout: Option<f64>) -> Option<Result<Arc<Sandbox>>> {
         let image = self.images.get(&spec.image).ok()?;
-        let shell = self.pool.lock().expect("lock").take(&spec.image, &image.id)?;
+        let shell = self.pool.state.lock().take(&spec.image, &image.id)?;
         let res = (|| -> Result<()> {
             shell.launched.cgroup.set_limits(&launch::limits(spec))?;
             launch::make_cwd(&self.cfg, spec, &SandboxDirs::new(&self.cfg.state_dir, &shell.id).rootfs())
@@ -658,7 +733,7 @@ impl Runtime {
             return Some(Err(e));
         }
         let gen = Generation { upper: shell.launched.upper.clone(), mounted: spec.layers.clone(), chain: spec.layers.clone(), base: None, n: 0 };
-        let Shell { id, launched, pin, .. } = shell;
+        let PoolShell { id, launched, pin, .. } = shell;
         let registered = self.register(id, spec.clone(), launched, gen, None, timeout);
         drop(pin); // recorded now (or torn down): the in-use check sees its row
         Some(registered)
@@ -669,7 +744,7 @@ impl Runtime {
     pub(crate) fn reserve_recycle(&self, sb: &Sandbox) -> Option<Slot<'_>> {
         let eligible = sb.nest_parent.is_none()
             && bb_sys::process::process_start_time(sb.init_pid) == Some(sb.init_start)
-            && sb.gen.lock().expect("lock").is_some();
+            && sb.gen.lock().is_some();
         if eligible {
             self.reserve_slot(&sb.spec.image, true)
         } else {
@@ -681,17 +756,17 @@ impl Runtime {
     /// documentation). Blocking. On failure the slot is given back and the caller tears the
     /// sandbox down.
     pub(crate) fn recycle(&self, sb: &Sandbox, slot: Slot<'_>) -> Result<()> {
-        let image = self.images.get(&sb.spec.image).map_err(crate::layers_error)?;
+        let image = self.images.get(&sb.spec.image).map_err(RuntimeError::from)?;
         let pin = self.pin_image(&image)?;
         let spec = shell_spec(&image);
         // 1. Nothing but init survives.
-        crate::kill_members(sb, |p| p == sb.init_pid)?;
+        crate::sandbox::procs::kill_members(sb, |p| p == sb.init_pid)?;
         // 2. Init: fresh net and IPC namespaces, /dev/shm, hostname; it forgets everything.
-        let new_id = crate::new_sandbox_id();
+        let new_id = crate::sandbox::lifecycle::new_sandbox_id();
         let shm = (spec.memory_mb * 1024 * 1024 / 2).max(1 << 20);
         match crate::initconn::call_blocking(&sb.dirs.sock(), &bb_proto::Request::Reset { hostname: new_id.clone(), shm_bytes: shm }, &[], Duration::from_secs(10))? {
             (bb_proto::Response::Ok, _) => {}
-            (bb_proto::Response::Error { message, .. }, _) => return Err(RuntimeError::Internal(message)),
+            (bb_proto::Response::Error { message, .. }, _) => return Err(PoolError::ResetRefused(message).into()),
             (other, _) => return Err(crate::initconn::unexpected(other)),
         }
         // 3. A new cgroup.
@@ -705,23 +780,23 @@ impl Runtime {
         let old = SandboxDirs::new(&self.cfg.state_dir, &sb.id);
         let dirs = SandboxDirs::new(&self.cfg.state_dir, &new_id);
         for r in old.rootfs_all() {
-            bb_layers::unmount(&r).map_err(|e| RuntimeError::internal("unmount old root", e))?;
+            bb_layers::unmount(&r)?;
         }
-        std::fs::rename(&old.dir, &dirs.dir).map_err(|e| RuntimeError::internal("rename sandbox dir", e))?;
-        for e in std::fs::read_dir(&dirs.dir).map_err(|e| RuntimeError::internal("sandbox dir", e))?.flatten() {
+        std::fs::rename(&old.dir, &dirs.dir).map_err(RuntimeError::io("rename sandbox dir"))?;
+        for e in std::fs::read_dir(&dirs.dir).map_err(RuntimeError::io("sandbox dir"))?.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             if name.starts_with("work-") || name.starts_with("rootfs") || name == "logs" {
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }
-        std::fs::create_dir_all(dirs.logs()).map_err(|e| RuntimeError::internal("logs dir", e))?;
+        std::fs::create_dir_all(dirs.logs()).map_err(RuntimeError::io("logs dir"))?;
         let (lid, upper, work) = new_upper(&self.cfg, &dirs, 0)?;
         let lower: Vec<PathBuf> = image.layers.iter().rev().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
         let swapped = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &dirs.rootfs())
-            .map_err(crate::layers_error)
+            .map_err(RuntimeError::from)
             .and_then(|mnt| rootswap::swap_root(sb.init_pid, mnt))
             .and_then(|view| {
-                std::fs::create_dir_all(dirs.rootfs()).map_err(|e| RuntimeError::internal("create root mount point", e))?;
+                std::fs::create_dir_all(dirs.rootfs()).map_err(RuntimeError::io("create root mount point"))?;
                 rootswap::attach_host_root(&dirs.rootfs(), view)
             });
         if let Err(e) = swapped {
@@ -730,9 +805,9 @@ impl Runtime {
             return Err(e);
         }
         let launched = Launched { placement: ("recycled", 0.0), init_pid: sb.init_pid, init_start: sb.init_start, cgroup, upper: lid };
-        let shell = Shell { id: new_id, image_id: image.id, launched, pin };
+        let shell = PoolShell { id: new_id, image_id: image.id, launched, pin };
         if slot.fill(shell) {
-            self.pool.lock().expect("lock").recycled += 1;
+            self.pool.state.lock().recycled += 1;
         }
         Ok(())
     }
@@ -742,10 +817,23 @@ impl Runtime {
 mod tests {
     use super::*;
 
-    fn shell(root: &std::path::Path, id: &str, image_id: &str) -> Shell {
+    #[test]
+    fn targets_survive_reopen_and_max_zero_forgets() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("b.db");
+        let targets = PoolTargets::open(&db).unwrap();
+        targets.set_pool_target("base", 2, 8).unwrap();
+        targets.set_pool_target("py", 0, 4).unwrap();
+        targets.set_pool_target("base", 3, 8).unwrap();
+        assert_eq!(PoolTargets::open(&db).unwrap().pool_targets().unwrap(), vec![("base".into(), 3, 8), ("py".into(), 0, 4)]);
+        targets.set_pool_target("py", 0, 0).unwrap();
+        assert_eq!(targets.pool_targets().unwrap().len(), 1);
+    }
+
+    fn shell(root: &std::path::Path, id: &str, image_id: &str) -> PoolShell {
         std::fs::create_dir_all(root.join("t").join(id)).unwrap();
         let layout = bb_isolation::CgroupLayout::with_roots(bb_isolation::CgroupVersion::V2, vec![("unified".into(), root.into())], "t");
-        Shell {
+        PoolShell {
             id: id.into(),
             image_id: image_id.into(),
             launched: Launched { placement: ("test", 0.0), init_pid: 1, init_start: 1, cgroup: bb_isolation::Cgroup::open(&layout, id).unwrap(), upper: format!("sl-{id}") },
@@ -756,7 +844,7 @@ mod tests {
     #[test]
     fn take_counts_hits_and_misses_and_skips_replaced_images() {
         let d = tempfile::tempdir().unwrap();
-        let mut p = WarmPool::default();
+        let mut p = PoolState::default();
         p.targets.insert("base".into(), Target { min: 2, max: 4 });
         assert!(p.wants("base", false) && p.wants("base", true));
         assert!(!p.wants("other", true), "no target, no pooling");
@@ -775,7 +863,7 @@ mod tests {
 
     #[test]
     fn refill_takes_images_in_turn_and_skips_a_failing_one() {
-        let mut p = WarmPool::default();
+        let mut p = PoolState::default();
         for name in ["aaa-broken", "base", "py"] {
             p.targets.insert(name.into(), Target { min: 3, max: 3 });
         }
@@ -807,7 +895,7 @@ mod tests {
     #[test]
     fn forgetting_an_image_drops_its_shells_target_and_error() {
         let d = tempfile::tempdir().unwrap();
-        let mut p = WarmPool::default();
+        let mut p = PoolState::default();
         p.targets.insert("gone".into(), Target { min: 1, max: 2 });
         p.targets.insert("base".into(), Target { min: 1, max: 1 });
         p.push("gone", shell(d.path(), "a", "img"));
@@ -824,7 +912,7 @@ mod tests {
     #[test]
     fn a_drained_image_is_not_listed() {
         let d = tempfile::tempdir().unwrap();
-        let mut p = WarmPool::default();
+        let mut p = PoolState::default();
         p.targets.insert("base".into(), Target { min: 0, max: 1 });
         p.push("base", shell(d.path(), "a", "img"));
         assert!(p.take("base", "img").is_some());
@@ -838,7 +926,7 @@ mod tests {
     #[test]
     fn racing_recycles_and_refills_never_exceed_max() {
         let d = tempfile::tempdir().unwrap();
-        let mut p = WarmPool::default();
+        let mut p = PoolState::default();
         p.targets.insert("base".into(), Target { min: 2, max: 4 });
         // 16 kills decide at once: 4 get a slot, the others are torn down.
         let granted = (0..16).filter(|_| p.reserve("base", true)).count();
@@ -860,7 +948,7 @@ mod tests {
     #[test]
     fn lowering_max_tears_down_ready_and_refuses_shells_on_their_way() {
         let d = tempfile::tempdir().unwrap();
-        let mut p = WarmPool::default();
+        let mut p = PoolState::default();
         p.targets.insert("base".into(), Target { min: 0, max: 4 });
         for i in 0..2 {
             p.push("base", shell(d.path(), &format!("a{i}"), "img"));
@@ -885,7 +973,7 @@ mod tests {
     #[test]
     fn a_closed_pool_hands_out_its_shells_and_takes_no_more() {
         let d = tempfile::tempdir().unwrap();
-        let mut p = WarmPool::default();
+        let mut p = PoolState::default();
         p.targets.insert("base".into(), Target { min: 2, max: 4 });
         p.push("base", shell(d.path(), "a", "img"));
         assert!(p.reserve("base", false));
@@ -918,7 +1006,7 @@ mod tests {
     #[test]
     fn refills_wait_for_a_burst_of_claims_to_pause() {
         let d = tempfile::tempdir().unwrap();
-        let mut p = WarmPool::default();
+        let mut p = PoolState::default();
         let t0 = Instant::now();
         assert_eq!(p.quiet_wait("base", t0), None, "nothing claimed yet");
         p.targets.insert("base".into(), Target { min: 3, max: 3 });
@@ -943,7 +1031,7 @@ mod tests {
 
     #[test]
     fn refill_times_are_summarised() {
-        let mut p = WarmPool::default();
+        let mut p = PoolState::default();
         assert_eq!(p.stats().refill_ms_p50, None);
         p.build_ms.extend([5.0, 1.0, 3.0]);
         let s = p.stats();

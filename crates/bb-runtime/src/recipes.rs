@@ -1,11 +1,12 @@
-//! Warm templates: sandboxes created from a snapshot with live sessions.
+//! Named templates (the API's `templates`), built from recipes: sandboxes created from a
+//! snapshot with live sessions.
 //!
-//! A template is built from a recipe: an image, commands run in a sandbox of it, and python
+//! A named template is built from a recipe: an image, commands run in a sandbox of it, and python
 //! code run in its default session (typically heavy imports: numpy, pandas, a framework's
 //! start-up). The sandbox is then checkpointed, and everything in it but its init and the
 //! session templates is killed: what remains is inert and owned by the daemon (hidden from
 //! `sandbox ls`, no time-out, refused by `kill`). `create(template=name)` is a live fork of that
-//! snapshot ([`Runtime::fork_snapshot`]): the new sandbox is nested in the template sandbox and
+//! snapshot (`Runtime::fork_snapshot`): the new sandbox is nested in the template sandbox and
 //! its session is a copy-on-write copy of the frozen one, so the imports cost nothing and their
 //! pages are shared by every sandbox of the template. Nested shells are kept ready for each
 //! template (`shells`), so a create only claims one.
@@ -14,6 +15,7 @@
 //! survive daemon restarts like any sandbox. Removing a template kills its sandbox (a husk stays
 //! while sandboxes created from it run).
 
+use crate::db::{self, DbResult};
 use crate::error::{Result, RuntimeError};
 use crate::model::*;
 use crate::{now, Runtime};
@@ -26,9 +28,9 @@ pub const TEMPLATE_KEY: &str = "branchbox.template";
 /// Nested shells kept ready per template unless the recipe says otherwise.
 pub const DEFAULT_SHELLS: usize = 4;
 
-/// A template record.
+/// A named template's record (table `templates`).
 #[derive(Debug, Clone, PartialEq)]
-pub struct TemplateRow {
+pub struct RecipeRow {
     pub name: String,
     pub sandbox_id: String,
     pub snapshot: String,
@@ -37,14 +39,13 @@ pub struct TemplateRow {
     pub created_at: f64,
 }
 
-pub struct TemplateStore {
+pub struct RecipeStore {
     conn: Connection,
 }
 
-impl TemplateStore {
-    pub fn open(path: &std::path::Path) -> Result<TemplateStore> {
-        let conn = Connection::open(path)?;
-        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+impl RecipeStore {
+    pub fn open(path: &std::path::Path) -> DbResult<RecipeStore> {
+        let conn = db::open(path)?;
         conn.execute_batch(
             "CREATE TABLE IF NOT EXISTS templates (
                 name TEXT PRIMARY KEY,
@@ -55,11 +56,11 @@ impl TemplateStore {
                 created_at REAL NOT NULL
             );",
         )?;
-        Ok(TemplateStore { conn })
+        Ok(RecipeStore { conn })
     }
 
     /// Insert or replace; returns the record it replaced.
-    pub fn put(&self, row: &TemplateRow) -> Result<Option<TemplateRow>> {
+    pub fn put(&self, row: &RecipeRow) -> DbResult<Option<RecipeRow>> {
         let old = self.get(&row.name)?;
         self.conn.execute(
             "INSERT OR REPLACE INTO templates (name, sandbox_id, snapshot, image, shells, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
@@ -68,19 +69,19 @@ impl TemplateStore {
         Ok(old)
     }
 
-    pub fn get(&self, name: &str) -> Result<Option<TemplateRow>> {
+    pub fn get(&self, name: &str) -> DbResult<Option<RecipeRow>> {
         Ok(self.all()?.into_iter().find(|t| t.name == name))
     }
 
-    pub fn delete(&self, name: &str) -> Result<()> {
+    pub fn delete(&self, name: &str) -> DbResult<()> {
         self.conn.execute("DELETE FROM templates WHERE name = ?1", params![name])?;
         Ok(())
     }
 
-    pub fn all(&self) -> Result<Vec<TemplateRow>> {
+    pub fn all(&self) -> DbResult<Vec<RecipeRow>> {
         let mut stmt = self.conn.prepare("SELECT name, sandbox_id, snapshot, image, shells, created_at FROM templates ORDER BY name")?;
         let rows = stmt.query_map([], |r| {
-            Ok(TemplateRow {
+            Ok(RecipeRow {
                 name: r.get(0)?,
                 sandbox_id: r.get(1)?,
                 snapshot: r.get(2)?,
@@ -122,11 +123,11 @@ fn progress(tx: &mpsc::Sender<TemplateEvent>, stage: &str, message: String, done
 }
 
 impl Runtime {
-    fn template_store(&self) -> Result<TemplateStore> {
-        TemplateStore::open(&self.cfg.state_dir.join("branchbox.db"))
+    fn recipe_store(&self) -> Result<RecipeStore> {
+        Ok(RecipeStore::open(&self.cfg.state_dir.join("branchbox.db"))?)
     }
 
-    fn template_info(&self, t: &TemplateRow) -> TemplateInfo {
+    fn template_info(&self, t: &RecipeRow) -> TemplateInfo {
         let sb = self.get(&t.sandbox_id).ok();
         let snap = self.snapshot(&t.snapshot).ok();
         TemplateInfo {
@@ -136,14 +137,14 @@ impl Runtime {
             sandbox_id: t.sandbox_id.clone(),
             created_at: t.created_at,
             shells: t.shells,
-            ready_shells: self.nest_pool.lock().expect("lock").len_of(&t.sandbox_id),
+            ready_shells: self.fork_shells.state.lock().len_of(&t.sandbox_id),
             alive: sb.as_ref().is_some_and(|s| !s.is_dead()) && snap.as_ref().is_some_and(|s| s.sessions.iter().all(|x| x.template)),
             memory_bytes: sb.map(|s| s.info().memory_bytes).unwrap_or(0),
         }
     }
 
     pub fn list_templates(&self) -> Result<TemplateList> {
-        Ok(TemplateList { templates: self.template_store()?.all()?.iter().map(|t| self.template_info(t)).collect() })
+        Ok(TemplateList { templates: self.recipe_store()?.all()?.iter().map(|t| self.template_info(t)).collect() })
     }
 
     pub fn template(&self, name: &str) -> Result<TemplateInfo> {
@@ -151,8 +152,8 @@ impl Runtime {
         Ok(self.template_info(&row))
     }
 
-    fn template_row(&self, name: &str) -> Result<TemplateRow> {
-        self.template_store()?.get(name)?.ok_or_else(|| RuntimeError::NotFound {
+    fn template_row(&self, name: &str) -> Result<RecipeRow> {
+        self.recipe_store()?.get(name)?.ok_or_else(|| RuntimeError::NotFound {
             kind: "template",
             id: name.into(),
             hint: ": list templates with `branchbox template ls`, build one with `branchbox template build`",
@@ -160,20 +161,20 @@ impl Runtime {
     }
 
     /// The template a sandbox backs, if any.
-    pub(crate) fn template_of(&self, sandbox_id: &str) -> Option<String> {
+    pub(crate) fn recipe_of(&self, sandbox_id: &str) -> Option<String> {
         self.get(sandbox_id).ok()?.spec.metadata.get(TEMPLATE_KEY).cloned()
     }
 
     pub async fn remove_template(self: &Arc<Self>, name: &str) -> Result<()> {
         let row = self.template_row(name)?;
-        self.template_store()?.delete(name)?;
+        self.recipe_store()?.delete(name)?;
         self.release_template_sandbox(&row).await;
         Ok(())
     }
 
-    async fn release_template_sandbox(self: &Arc<Self>, row: &TemplateRow) {
-        self.nest_targets.lock().expect("lock").remove(&row.sandbox_id);
-        self.templates.lock().expect("lock").unpin_sandbox(&row.sandbox_id);
+    async fn release_template_sandbox(self: &Arc<Self>, row: &RecipeRow) {
+        self.fork_shells.targets.lock().remove(&row.sandbox_id);
+        self.session_templates.unpin_sandbox(&row.sandbox_id);
         if let Err(e) = self.kill_unchecked(&row.sandbox_id).await {
             tracing::warn!(template = %row.name, "killing the template's sandbox: {e}");
         }
@@ -192,7 +193,7 @@ impl Runtime {
         if shells > crate::fork_shells::MAX_PER_PARENT {
             return Err(RuntimeError::BadRequest(format!("shells must be at most {}", crate::fork_shells::MAX_PER_PARENT)));
         }
-        crate::timeout_of(req.timeout)?;
+        crate::sandbox::exec::timeout_of(req.timeout)?;
         self.validate(self.recipe_sandbox(req))?;
         self.check_capacity(1)
     }
@@ -242,7 +243,7 @@ impl Runtime {
         next(tx, "create", format!("starting a sandbox of image {}", req.image.as_deref().unwrap_or("base")));
         let info = self.create(self.recipe_sandbox(&req)).await?;
         let sid = info.id.clone();
-        let built: Result<TemplateRow> = async {
+        let built: Result<RecipeRow> = async {
             for cmd in &req.run {
                 next(tx, "run", cmd.clone());
                 let timeout = req.timeout.unwrap_or(600.0);
@@ -263,41 +264,36 @@ impl Runtime {
             let snap = self.checkpoint(&sid, CheckpointRequest { label: Some(format!("template {}", req.name)) }).await?;
             // Nothing but the frozen templates (and init) stays in the template's sandbox.
             let sb = self.get(&sid)?;
-            let keep = {
-                let mut pool = self.templates.lock().expect("lock");
-                pool.pin_sandbox(&sid);
-                pool.pids_of(&sid)
-            };
+            self.session_templates.pin_sandbox(&sid);
+            let keep = self.session_templates.pids_of(&sid);
             for (_, s) in sb.sessions.lock().await.drain() {
-                let _ = crate::session::kill(&sb, &s).await;
+                let _ = crate::sandbox::sessions::kill(&sb, &s).await;
             }
             *sb.default_session.lock().await = None;
             let sbc = sb.clone();
-            tokio::task::spawn_blocking(move || crate::kill_members(&sbc, |host| {
+            tokio::task::spawn_blocking(move || crate::sandbox::procs::kill_members(&sbc, |host| {
                 host == sbc.init_pid || bb_sys::process::ns_pids(host).and_then(|v| v.last().copied()).is_some_and(|p| keep.contains(&p))
             }))
             .await
-            .map_err(crate::blocking_err)??;
-            Ok(TemplateRow { name: req.name.clone(), sandbox_id: sid.clone(), snapshot: snap.id, image: info.image.clone(), shells, created_at: now() })
+            .map_err(RuntimeError::Worker)??;
+            Ok(RecipeRow { name: req.name.clone(), sandbox_id: sid.clone(), snapshot: snap.id, image: info.image.clone(), shells, created_at: now() })
         }
         .await;
         let row = match built {
             Ok(row) => row,
             Err(e) => {
-                self.templates.lock().expect("lock").unpin_sandbox(&sid);
+                self.session_templates.unpin_sandbox(&sid);
                 let _ = self.kill_unchecked(&sid).await;
                 return Err(e);
             }
         };
-        if let Some(old) = self.template_store()?.put(&row)? {
+        if let Some(old) = self.recipe_store()?.put(&row)? {
             self.release_template_sandbox(&old).await;
         }
-        self.nest_targets.lock().expect("lock").insert(sid.clone(), shells);
+        self.fork_shells.targets.lock().insert(sid.clone(), shells);
         // Sandboxes of a template are forks of its sessions: make those forks cheap.
         if let Ok(sb) = self.get(&sid) {
-            let pool = self.templates.lock().expect("lock");
-            let keys: Vec<(String, i32)> = pool.sessions_of(&sid).into_iter().map(|s| (s.id.clone(), s.pid)).collect();
-            drop(pool);
+            let keys: Vec<(String, i32)> = self.session_templates.sessions_of(&sid).into_iter().map(|s| (s.id.clone(), s.pid)).collect();
             for (key, ns_pid) in keys {
                 if let Some(host) = sb.cgroup.pids().ok().and_then(|pids| {
                     pids.into_iter().find(|h| bb_sys::process::ns_pids(*h).and_then(|v| v.last().copied()) == Some(ns_pid))
@@ -380,12 +376,12 @@ mod tests {
     fn records_round_trip_and_replace() {
         let d = tempfile::tempdir().unwrap();
         let db = d.path().join("b.db");
-        let st = TemplateStore::open(&db).unwrap();
-        let row = TemplateRow { name: "t".into(), sandbox_id: "sb-1".into(), snapshot: "sn-1".into(), image: "base".into(), shells: 4, created_at: 1.0 };
+        let st = RecipeStore::open(&db).unwrap();
+        let row = RecipeRow { name: "t".into(), sandbox_id: "sb-1".into(), snapshot: "sn-1".into(), image: "base".into(), shells: 4, created_at: 1.0 };
         assert_eq!(st.put(&row).unwrap(), None);
-        let newer = TemplateRow { sandbox_id: "sb-2".into(), ..row.clone() };
+        let newer = RecipeRow { sandbox_id: "sb-2".into(), ..row.clone() };
         assert_eq!(st.put(&newer).unwrap(), Some(row));
-        assert_eq!(TemplateStore::open(&db).unwrap().all().unwrap(), vec![newer]);
+        assert_eq!(RecipeStore::open(&db).unwrap().all().unwrap(), vec![newer]);
         st.delete("t").unwrap();
         assert_eq!(st.get("t").unwrap(), None);
     }

@@ -46,7 +46,7 @@ struct Args {
     max_templates: usize,
     /// Snapshot layers a sandbox's root may stack before the oldest are merged into one, in the
     /// background (compaction; snapshots keep their content). At least 2.
-    #[arg(long, env = "BRANCHBOX_MAX_CHAIN", default_value_t = bb_runtime::snapshot::MAX_CHAIN)]
+    #[arg(long, env = "BRANCHBOX_MAX_CHAIN", default_value_t = bb_runtime::compaction::MAX_CHAIN)]
     max_chain: usize,
     /// First host uid/gid of the sandboxes' user namespace range (65536 ids). Images and sandbox
     /// files are owned by these ids: the state dir records the value on first start, and later

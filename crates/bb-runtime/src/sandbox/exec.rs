@@ -89,11 +89,11 @@ async fn send_spawn(
 }
 
 fn pipe_pair() -> Result<(OwnedFd, OwnedFd)> {
-    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| RuntimeError::internal("pipe", e))
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| RuntimeError::io("pipe")(e.into()))
 }
 
 fn receiver(fd: OwnedFd) -> Result<pipe::Receiver> {
-    pipe::Receiver::from_owned_fd(fd).map_err(|e| RuntimeError::internal("pipe", e))
+    pipe::Receiver::from_owned_fd(fd).map_err(RuntimeError::io("pipe"))
 }
 
 /// Accumulates one output stream, capped, and forwards chunks as events.
@@ -209,7 +209,7 @@ pub async fn run(sb: &Sandbox, req: &RunCommand, events: Option<mpsc::Sender<Com
         let _ = tx.send(CommandEvent::Start { pid }).await;
     }
     if let (Some(w), Some(data)) = (stdin_w, r.stdin) {
-        let mut tx = pipe::Sender::from_owned_fd(w).map_err(|e| RuntimeError::internal("stdin pipe", e))?;
+        let mut tx = pipe::Sender::from_owned_fd(w).map_err(RuntimeError::io("stdin pipe"))?;
         tokio::spawn(async move {
             let _ = tx.write_all(&data).await;
         });
@@ -244,8 +244,8 @@ pub async fn run(sb: &Sandbox, req: &RunCommand, events: Option<mpsc::Sender<Com
         }
     };
     let _ = exited_tx.send(true);
-    let (stdout, stdout_truncated) = out_task.await.map_err(|e| RuntimeError::internal("stdout task", e))?;
-    let (stderr, stderr_truncated) = err_task.await.map_err(|e| RuntimeError::internal("stderr task", e))?;
+    let (stdout, stdout_truncated) = out_task.await?;
+    let (stderr, stderr_truncated) = err_task.await?;
     // Killed by SIGKILL itself, or a shell reporting a SIGKILLed child (128 + 9): ask the cgroup
     // whether the OOM killer did it.
     let killed = status.signal == Some(libc::SIGKILL) || status.code == Some(128 + libc::SIGKILL);
@@ -295,7 +295,7 @@ fn open_log(path: &std::path::Path) -> Result<std::fs::File> {
         .write(true)
         .truncate(true)
         .open(path)
-        .map_err(|e| RuntimeError::internal("open process log", e))
+        .map_err(RuntimeError::io("open process log"))
 }
 
 /// Start a background process; its output goes to log files kept by the daemon.
@@ -325,7 +325,7 @@ pub async fn start_background(sb: &Sandbox, req: &RunCommand) -> Result<i32> {
     let _ = std::fs::rename(&err_p, err_final);
     if let (Some((rd, wr)), Some(data)) = (stdin_pipe, r.stdin) {
         drop(rd);
-        let mut tx = pipe::Sender::from_owned_fd(wr).map_err(|e| RuntimeError::internal("stdin pipe", e))?;
+        let mut tx = pipe::Sender::from_owned_fd(wr).map_err(RuntimeError::io("stdin pipe"))?;
         tokio::spawn(async move {
             let _ = tx.write_all(&data).await;
         });
@@ -418,6 +418,64 @@ pub async fn kill(sb: &Sandbox, pid: i32, signal: i32) -> Result<()> {
         }
         Response::Error { errno, message } => Err(init_error(errno, message)),
         other => Err(unexpected(other)),
+    }
+}
+
+impl crate::Runtime {
+    pub async fn run_command(&self, id: &str, req: RunCommand) -> Result<CommandResult> {
+        let sb = self.live(id)?;
+        let _busy = self.activity.busy();
+        run(&sb, &req, None).await
+    }
+
+    /// Start a foreground command whose events arrive on the returned channel.
+    pub async fn stream_command(&self, id: &str, req: RunCommand) -> Result<mpsc::Receiver<CommandEvent>> {
+        let sb = self.live(id)?;
+        resolve(&sb, &req)?; // report bad input as an HTTP error, before the stream starts
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            // A client that goes away cancels the command: dropping `run` drops its init
+            // connection, and init kills the process group.
+            let res = tokio::select! {
+                r = run(&sb, &req, Some(tx.clone())) => r,
+                _ = tx.closed() => return,
+            };
+            if let Err(e) = res {
+                let _ = tx.send(CommandEvent::Error { error: crate::model::ErrorBody { code: e.code().into(), message: e.to_string() } }).await;
+            }
+        });
+        Ok(rx)
+    }
+
+    pub async fn start_background(&self, id: &str, req: RunCommand) -> Result<crate::model::Started> {
+        let sb = self.live(id)?;
+        Ok(crate::model::Started { pid: start_background(&sb, &req).await? })
+    }
+
+    pub async fn list_processes(&self, id: &str) -> Result<crate::model::ProcessList> {
+        let sb = self.live(id)?;
+        Ok(crate::model::ProcessList { processes: list(&sb).await? })
+    }
+
+    pub async fn wait_process(&self, id: &str, pid: i32, timeout: Option<f64>) -> Result<CommandResult> {
+        let sb = self.live(id)?;
+        wait(&sb, pid, timeout).await
+    }
+
+    pub async fn kill_process(&self, id: &str, pid: i32, signal: Option<i32>) -> Result<()> {
+        let sb = self.live(id)?;
+        kill(&sb, pid, signal.unwrap_or(libc::SIGKILL)).await
+    }
+}
+
+pub(crate) fn timeout_of(t: Option<f64>) -> Result<Option<Duration>> {
+    match t {
+        None => Ok(Some(Duration::from_secs_f64(DEFAULT_TIMEOUT))),
+        Some(t) if !(t >= 0.0 && t.is_finite()) => {
+            Err(RuntimeError::BadRequest("timeout must be >= 0 seconds (0 = no limit)".into()))
+        }
+        Some(0.0) => Ok(None),
+        Some(t) => Ok(Some(Duration::from_secs_f64(t))),
     }
 }
 

@@ -90,6 +90,17 @@ pub struct SandboxFs {
     _gate: Option<tokio::sync::OwnedRwLockReadGuard<()>>,
 }
 
+/// A file operation failed for a reason that is not the caller's (those are `NotFound`,
+/// `PathEscape`, `BadRequest`, `Conflict` or `TooLarge`).
+#[derive(Debug, thiserror::Error)]
+#[error("{what} {path}: {source}")]
+pub struct FilesError {
+    what: String,
+    path: String,
+    #[source]
+    source: nix::Error,
+}
+
 fn errno_to_error(what: &str, path: &SbPath, e: nix::Error) -> RuntimeError {
     let p = path.display();
     match e {
@@ -107,7 +118,7 @@ fn errno_to_error(what: &str, path: &SbPath, e: nix::Error) -> RuntimeError {
         nix::Error::EACCES | nix::Error::EPERM | nix::Error::EROFS => {
             RuntimeError::BadRequest(format!("{what} {p}: permission denied"))
         }
-        e => RuntimeError::Internal(format!("{what} {p}: {e}")),
+        e => FilesError { what: what.to_string(), path: p, source: e }.into(),
     }
 }
 
@@ -141,7 +152,7 @@ impl SandboxFs {
             .read(true)
             .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
             .open(rootfs)
-            .map_err(|e| RuntimeError::internal("open sandbox root", e))?;
+            .map_err(RuntimeError::io("open sandbox root"))?;
         Ok(SandboxFs { root: root.into(), uid, _gate: None })
     }
 
@@ -417,6 +428,14 @@ fn remove_contents(dir: OwnedFd, path: &SbPath) -> Result<()> {
 }
 
 use std::os::unix::fs::OpenOptionsExt;
+
+impl crate::Runtime {
+    pub async fn fs(&self, id: &str) -> Result<SandboxFs> {
+        let sb = self.live(id)?;
+        let gate = sb.fs_gate.clone().read_owned().await;
+        SandboxFs::open_gated(&sb.rootfs(), self.cfg.idmap.host_base, gate)
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -149,8 +149,32 @@ impl Drop for Rollback<'_> {
     }
 }
 
-fn io(what: &str, e: impl std::fmt::Display) -> RuntimeError {
-    RuntimeError::internal(what, e)
+/// Starting or tearing down a sandbox failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error("{what}: {source}")]
+    Step {
+        what: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("sandbox init failed: {status}{log}")]
+    InitFailed { status: String, log: String },
+    #[error("sandbox init did not report ready within {0}s")]
+    NotReady(u64),
+    #[error("sandbox init exited right after start")]
+    InitExited,
+    #[error("init binary path contains NUL")]
+    BadInitPath,
+    #[error("the parent sandbox's init could not start the fork: {0}")]
+    NestRefused(String),
+    #[error("nested init: no pidfd in the answer")]
+    NoPidfd,
+}
+
+/// A failed step of a launch or teardown, with its cause.
+fn io(what: &'static str, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> RuntimeError {
+    LaunchError::Step { what, source: e.into() }.into()
 }
 
 /// The sandbox's state dir: logs dir, owned by the sandbox's host uid, mode 0700.
@@ -201,11 +225,11 @@ fn wait_ready(status_r: OwnedFd, dirs: &SandboxDirs) -> Result<()> {
     }
     let log = std::fs::read_to_string(dirs.init_log()).unwrap_or_default();
     let tail: String = log.lines().rev().take(5).collect::<Vec<_>>().join(" | ");
-    Err(RuntimeError::Internal(format!(
-        "sandbox init failed: {} {}",
-        status.trim(),
-        if tail.is_empty() { String::new() } else { format!("(init log: {tail})") }
-    )))
+    Err(LaunchError::InitFailed {
+        status: status.trim().to_string(),
+        log: if tail.is_empty() { String::new() } else { format!(" (init log: {tail})") },
+    }
+    .into())
 }
 
 pub fn launch(
@@ -242,7 +266,7 @@ pub fn launch(
     let log = init_log(&dirs)?;
     let config = init_config(cfg, id, spec, &rootfs, false);
     let program = CString::new(cfg.init_bin.as_os_str().as_encoded_bytes())
-        .map_err(|_| RuntimeError::Internal("init binary path contains NUL".into()))?;
+        .map_err(|_| LaunchError::BadInitPath)?;
     let argv = [CString::new("branchbox-init").expect("no NUL")];
     let envp = [CString::new(format!(
         "{}={}",
@@ -288,7 +312,7 @@ pub fn launch(
 
     wait_ready(status_r, &dirs)?;
     let init_start = bb_sys::process::process_start_time(pid)
-        .ok_or_else(|| RuntimeError::Internal("sandbox init exited right after start".into()))?;
+        .ok_or(LaunchError::InitExited)?;
     rb.armed = false;
     tracing::debug!(%id, ?t_mount, ?t_cgroup, ?t_clone, ready = ?t0.elapsed(), "sandbox launched");
     let cgroup = rb.cgroup.take().expect("set above");
@@ -319,7 +343,7 @@ pub fn launch_nested(
     std::fs::create_dir_all(&rootfs).map_err(|e| io("create rootfs dir", e))?;
     let lower: Vec<PathBuf> = layer_paths.iter().rev().cloned().collect();
     let mnt = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &rootfs)
-        .map_err(crate::layers_error)?;
+        .map_err(RuntimeError::from)?;
     let host_view = bb_sys::ns::open_tree(mnt.as_fd(), Path::new(""), bb_sys::ns::OPEN_TREE_CLONE | bb_sys::ns::OPEN_TREE_CLOEXEC)
         .map_err(|e| io("clone root mount", e))?;
     crate::snapshot::rootswap::attach_host_root(&rootfs, host_view)?;
@@ -342,17 +366,17 @@ pub fn launch_nested(
     match resp {
         bb_proto::Response::Nested { .. } => {}
         bb_proto::Response::Error { message, .. } => {
-            return Err(RuntimeError::Internal(format!("the parent sandbox's init could not start the fork: {message}")))
+            return Err(LaunchError::NestRefused(message).into())
         }
         other => return Err(crate::initconn::unexpected(other)),
     }
-    let pidfd = got.pop().ok_or_else(|| RuntimeError::Internal("nested init: no pidfd in the answer".into()))?;
+    let pidfd = got.pop().ok_or(LaunchError::NoPidfd)?;
     let pid = bb_sys::process::pidfd_pid(&pidfd).map_err(|e| io("pid of nested init", e))?;
     rb.pid = Some(pid);
     let t_nested = t0.elapsed();
     wait_ready(status_r, &dirs)?;
     let init_start = bb_sys::process::process_start_time(pid)
-        .ok_or_else(|| RuntimeError::Internal("nested init exited right after start".into()))?;
+        .ok_or(LaunchError::InitExited)?;
     rb.armed = false;
     tracing::debug!(%id, ?t_prepared, ?t_nested, ready = ?t0.elapsed(), "nested sandbox launched");
     let cgroup = rb.cgroup.take().expect("set above");
@@ -367,10 +391,7 @@ fn read_status(fd: OwnedFd, timeout: Duration) -> Result<String> {
     loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         if left.is_zero() {
-            return Err(RuntimeError::Internal(format!(
-                "sandbox init did not report ready within {}s",
-                timeout.as_secs()
-            )));
+            return Err(LaunchError::NotReady(timeout.as_secs()).into());
         }
         let mut pfd = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
         let ms = PollTimeout::try_from(left.as_millis().min(60_000) as i32).unwrap_or(PollTimeout::MAX);

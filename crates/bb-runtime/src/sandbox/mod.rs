@@ -3,6 +3,10 @@
 pub mod exec;
 pub mod files;
 pub mod launch;
+pub mod lifecycle;
+pub mod procs;
+pub mod registry;
+pub mod sessions;
 pub mod store;
 
 use crate::sandbox::launch::SandboxDirs;
@@ -11,7 +15,8 @@ use crate::session::Session;
 use bb_isolation::Cgroup;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use parking_lot::Mutex;
+use std::sync::Arc;
 
 pub struct Sandbox {
     pub id: String,
@@ -33,7 +38,7 @@ pub struct Sandbox {
     pub ops: tokio::sync::Mutex<()>,
     /// Those operations in flight and when the last one ended (spare copies of templates are
     /// made in a pause between them: [`crate::Runtime::make_spares`]). See [`Sandbox::begin_op`].
-    pub(crate) ops_activity: crate::Activity,
+    pub(crate) ops_activity: crate::activity::Activity,
     /// File operations hold it shared; a root swap holds it exclusively.
     pub fs_gate: Arc<tokio::sync::RwLock<()>>,
     /// A session ran, was created or was killed since the last checkpoint or rollback.
@@ -57,7 +62,7 @@ const BASE_ENV: &[(&str, &str)] = &[
 /// [`Sandbox::begin_op`]): holds its operation lock and counts in its `ops_activity`.
 pub(crate) struct OpGuard<'a> {
     // Fields drop in order: the end is recorded before the lock is let go.
-    _busy: crate::Busy<'a>,
+    _busy: crate::activity::Busy<'a>,
     _ops: tokio::sync::MutexGuard<'a, ()>,
 }
 
@@ -132,7 +137,7 @@ impl Sandbox {
 
     /// Host-side path of the sandbox's current root (the file API works there).
     pub fn rootfs(&self) -> std::path::PathBuf {
-        let n = self.gen.lock().expect("lock").as_ref().map(|g| g.n).unwrap_or(0);
+        let n = self.gen.lock().as_ref().map(|g| g.n).unwrap_or(0);
         self.dirs.rootfs_gen(n)
     }
 
@@ -164,7 +169,7 @@ impl Sandbox {
             image: self.spec.image.clone(),
             state: if dead { "dead" } else { "running" }.into(),
             created_at: self.created_at,
-            expires_at: *self.expires_at.lock().expect("lock"),
+            expires_at: *self.expires_at.lock(),
             cpu: self.spec.cpu,
             memory_mb: self.spec.memory_mb,
             pids: self.spec.pids,

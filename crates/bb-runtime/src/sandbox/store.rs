@@ -1,6 +1,4 @@
-//! Sandbox records in SQLite (`<state>/branchbox.db`, tables `sandboxes` and `husks`), warm pool
-//! targets (`pool_targets`) and facts about the state dir itself (`settings`, e.g. the id mapping
-//! its files are owned by).
+//! Sandbox records in the state database (tables `sandboxes` and `husks`).
 //!
 //! A row is written once the sandbox's init reported ready and deleted once it is fully torn down,
 //! so after a crash every row names a sandbox to re-attach to or to reap.
@@ -9,7 +7,7 @@
 //! from it are nested in its pid namespace (killing that init would kill them): only the init, in
 //! its cgroup; everything else is gone. It is torn down with its last nested sandbox.
 
-use crate::error::Result;
+use crate::db::{self, DbResult};
 use crate::model::SandboxSpec;
 use rusqlite::{params, Connection};
 use std::path::Path;
@@ -36,16 +34,13 @@ pub struct HuskRow {
     pub nest_parent: Option<String>,
 }
 
-pub struct Store {
+pub struct SandboxStore {
     conn: Connection,
 }
 
-impl Store {
-    pub fn open(path: &Path) -> Result<Store> {
-        let conn = Connection::open(path)?;
-        conn.busy_timeout(std::time::Duration::from_secs(5))?;
-        conn.pragma_update(None, "journal_mode", "WAL")?;
-        conn.pragma_update(None, "synchronous", "NORMAL")?;
+impl SandboxStore {
+    pub fn open(path: &Path) -> DbResult<SandboxStore> {
+        let conn = db::open(path)?;
         conn.execute_batch(
             "CREATE TABLE IF NOT EXISTS sandboxes (
                 id TEXT PRIMARY KEY,
@@ -55,20 +50,11 @@ impl Store {
                 created_at REAL NOT NULL,
                 expires_at REAL
             );
-            CREATE TABLE IF NOT EXISTS pool_targets (
-                image TEXT PRIMARY KEY,
-                min INTEGER NOT NULL,
-                max INTEGER NOT NULL
-            );
             CREATE TABLE IF NOT EXISTS husks (
                 id TEXT PRIMARY KEY,
                 init_pid INTEGER NOT NULL,
                 init_start INTEGER NOT NULL,
                 nest_parent TEXT
-            );
-            CREATE TABLE IF NOT EXISTS settings (
-                key TEXT PRIMARY KEY,
-                value TEXT NOT NULL
             );",
         )?;
         // Added with nested forks; older databases get the column (NULL: not nested).
@@ -78,42 +64,10 @@ impl Store {
         if !has_nest {
             conn.execute_batch("ALTER TABLE sandboxes ADD COLUMN nest_parent TEXT;")?;
         }
-        Ok(Store { conn })
+        Ok(SandboxStore { conn })
     }
 
-    pub fn setting(&self, key: &str) -> Result<Option<String>> {
-        use rusqlite::OptionalExtension;
-        Ok(self.conn.query_row("SELECT value FROM settings WHERE key = ?1", params![key], |r| r.get(0)).optional()?)
-    }
-
-    pub fn set_setting(&self, key: &str, value: &str) -> Result<()> {
-        self.conn.execute(
-            "INSERT INTO settings (key, value) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET value = ?2",
-            params![key, value],
-        )?;
-        Ok(())
-    }
-
-    /// Warm pool size for an image (max 0: none).
-    pub fn set_pool_target(&self, image: &str, min: usize, max: usize) -> Result<()> {
-        if max == 0 {
-            self.conn.execute("DELETE FROM pool_targets WHERE image = ?1", params![image])?;
-        } else {
-            self.conn.execute(
-                "INSERT INTO pool_targets (image, min, max) VALUES (?1, ?2, ?3) ON CONFLICT(image) DO UPDATE SET min = ?2, max = ?3",
-                params![image, min as i64, max as i64],
-            )?;
-        }
-        Ok(())
-    }
-
-    pub fn pool_targets(&self) -> Result<Vec<(String, usize, usize)>> {
-        let mut stmt = self.conn.prepare("SELECT image, min, max FROM pool_targets ORDER BY image")?;
-        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? as usize, r.get::<_, i64>(2)? as usize)))?;
-        Ok(rows.collect::<std::result::Result<_, _>>()?)
-    }
-
-    pub fn insert_husk(&self, row: &HuskRow) -> Result<()> {
+    pub fn insert_husk(&self, row: &HuskRow) -> DbResult<()> {
         self.conn.execute(
             "INSERT OR REPLACE INTO husks (id, init_pid, init_start, nest_parent) VALUES (?1, ?2, ?3, ?4)",
             params![row.id, row.init_pid, row.init_start as i64, row.nest_parent],
@@ -121,12 +75,12 @@ impl Store {
         Ok(())
     }
 
-    pub fn delete_husk(&self, id: &str) -> Result<()> {
+    pub fn delete_husk(&self, id: &str) -> DbResult<()> {
         self.conn.execute("DELETE FROM husks WHERE id = ?1", params![id])?;
         Ok(())
     }
 
-    pub fn husks(&self) -> Result<Vec<HuskRow>> {
+    pub fn husks(&self) -> DbResult<Vec<HuskRow>> {
         let mut stmt = self.conn.prepare("SELECT id, init_pid, init_start, nest_parent FROM husks")?;
         let rows = stmt.query_map([], |r| {
             Ok(HuskRow { id: r.get(0)?, init_pid: r.get(1)?, init_start: r.get::<_, i64>(2)? as u64, nest_parent: r.get(3)? })
@@ -134,8 +88,8 @@ impl Store {
         Ok(rows.collect::<std::result::Result<_, _>>()?)
     }
 
-    pub fn insert(&self, row: &SandboxRow) -> Result<()> {
-        let spec = serde_json::to_string(&row.spec).expect("spec serializes");
+    pub fn insert(&self, row: &SandboxRow) -> DbResult<()> {
+        let spec = db::json(&row.spec);
         self.conn.execute(
             "INSERT INTO sandboxes (id, spec, init_pid, init_start, created_at, expires_at, nest_parent) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
             params![row.id, spec, row.init_pid, row.init_start as i64, row.created_at, row.expires_at, row.nest_parent],
@@ -143,17 +97,17 @@ impl Store {
         Ok(())
     }
 
-    pub fn set_expiry(&self, id: &str, expires_at: Option<f64>) -> Result<()> {
+    pub fn set_expiry(&self, id: &str, expires_at: Option<f64>) -> DbResult<()> {
         self.conn.execute("UPDATE sandboxes SET expires_at = ?2 WHERE id = ?1", params![id, expires_at])?;
         Ok(())
     }
 
-    pub fn delete(&self, id: &str) -> Result<()> {
+    pub fn delete(&self, id: &str) -> DbResult<()> {
         self.conn.execute("DELETE FROM sandboxes WHERE id = ?1", params![id])?;
         Ok(())
     }
 
-    pub fn all(&self) -> Result<Vec<SandboxRow>> {
+    pub fn all(&self) -> DbResult<Vec<SandboxRow>> {
         let mut stmt = self
             .conn
             .prepare("SELECT id, spec, init_pid, init_start, created_at, expires_at, nest_parent FROM sandboxes ORDER BY created_at")?;
@@ -205,8 +159,8 @@ mod tests {
             expires_at: Some(9.0),
             nest_parent: Some("sb-0".into()),
         };
-        Store::open(&db).unwrap().insert(&row).unwrap();
-        let store = Store::open(&db).unwrap();
+        SandboxStore::open(&db).unwrap().insert(&row).unwrap();
+        let store = SandboxStore::open(&db).unwrap();
         assert_eq!(store.all().unwrap(), vec![row.clone()]);
         store.set_expiry("sb-1", None).unwrap();
         assert_eq!(store.all().unwrap()[0].expires_at, None);
@@ -215,15 +169,9 @@ mod tests {
         assert!(store.all().unwrap().is_empty());
         let husk = HuskRow { id: "sb-0".into(), init_pid: 9, init_start: 3, nest_parent: None };
         store.insert_husk(&husk).unwrap();
-        assert_eq!(Store::open(&db).unwrap().husks().unwrap(), vec![husk]);
+        assert_eq!(SandboxStore::open(&db).unwrap().husks().unwrap(), vec![husk]);
         store.delete_husk("sb-0").unwrap();
         assert!(store.husks().unwrap().is_empty());
-        store.set_pool_target("base", 2, 8).unwrap();
-        store.set_pool_target("py", 0, 4).unwrap();
-        store.set_pool_target("base", 3, 8).unwrap();
-        assert_eq!(Store::open(&db).unwrap().pool_targets().unwrap(), vec![("base".into(), 3, 8), ("py".into(), 0, 4)]);
-        store.set_pool_target("py", 0, 0).unwrap();
-        assert_eq!(store.pool_targets().unwrap().len(), 1);
     }
 
     #[test]
@@ -238,7 +186,7 @@ mod tests {
             )
             .unwrap();
         let row = SandboxRow { id: "sb-2".into(), spec: spec(), init_pid: 1, init_start: 1, created_at: 1.0, expires_at: None, nest_parent: None };
-        let store = Store::open(&db).unwrap();
+        let store = SandboxStore::open(&db).unwrap();
         store.insert(&row).unwrap();
         assert_eq!(store.all().unwrap(), vec![row]);
     }

@@ -55,8 +55,17 @@ pub struct SessionCopy {
     pub runner: (u64, u64),
 }
 
-fn fail(what: &str, e: impl std::fmt::Display) -> RuntimeError {
-    RuntimeError::Internal(format!("fork of session template: {what}: {e}"))
+/// Forking a session template into another sandbox failed at a step.
+#[derive(Debug, thiserror::Error)]
+#[error("fork of session template: {what}: {source}")]
+pub struct SessionForkError {
+    what: String,
+    #[source]
+    source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+fn fail(what: &str, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> RuntimeError {
+    SessionForkError { what: what.to_string(), source: e.into() }.into()
 }
 
 /// `struct kernel_sigaction` as rt_sigaction(2) takes it on x86_64 and aarch64.
@@ -92,8 +101,8 @@ pub fn fork_stream(
     key: [u64; 2],
     out: &(dyn Fn(usize, Result<SessionCopy>) + Sync),
 ) -> Result<()> {
-    let targets = std::sync::Mutex::new(targets);
-    let next = || targets.lock().ok().and_then(|rx| rx.recv().ok());
+    let targets = parking_lot::Mutex::new(targets);
+    let next = || targets.lock().recv().ok();
     drive(template, expected, &next, key, out, true)
 }
 
@@ -144,7 +153,7 @@ fn drive(
         Err(e) => {
             // Nothing was copied: report every target as failed so the caller does not wait.
             while let Some(tg) = next() {
-                out(tg.index, Err(fail("prepare template", &e)));
+                out(tg.index, Err(fail("prepare template", e.to_string())));
             }
             Ok(())
         }

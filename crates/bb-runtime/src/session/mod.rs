@@ -8,13 +8,9 @@
 pub mod fork;
 
 use crate::error::{Result, RuntimeError};
-use crate::initconn::{init_error, unexpected, InitConn};
-use crate::model::{SessionInfo, SessionResult};
-use crate::sandbox::Sandbox;
-use bb_proto::{Request, Response, SpawnRequest};
+use crate::model::SessionInfo;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
@@ -25,7 +21,26 @@ pub const SERVER_SOURCE: &str = include_str!("server.py");
 pub const SESSION_TAG: &str = "branchbox-session:";
 /// Largest response line accepted from a session.
 const MAX_LINE: usize = 64 << 20;
-const START_TIMEOUT: Duration = Duration::from_secs(20);
+pub(crate) const START_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A session process failed (its own bugs or death; the caller's mistakes are `BadRequest`).
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("session channel: {0}")]
+    Channel(#[from] std::io::Error),
+    #[error("session {id} did not answer a fork request")]
+    NoForkAnswer { id: String },
+    #[error("session {id} refused to fork: {answer}")]
+    ForkRefused { id: String, answer: String },
+    #[error("session {id} of this fork child did not start ({why}): create a new session")]
+    CopyDidNotStart { id: String, why: String },
+    #[error("session sent malformed JSON: {0}")]
+    Malformed(#[from] serde_json::Error),
+    #[error("session did not start ({why}){log}")]
+    DidNotStart { why: String, log: String },
+    #[error("session protocol error: {0}")]
+    Protocol(String),
+}
 
 pub struct Session {
     pub id: String,
@@ -37,7 +52,7 @@ pub struct Session {
     /// Held for a whole user-visible operation (a run); a checkpoint holds every session's.
     pub op_lock: tokio::sync::Mutex<()>,
     /// A copy forked from outside that is still to be finished (see [`Session::finish_later`]).
-    unfinished: std::sync::Mutex<Option<Unfinished>>,
+    unfinished: parking_lot::Mutex<Option<Unfinished>>,
 }
 
 /// What a session copy's `{"op":"restored"}` carries: its stdout/stderr and a mapping it
@@ -63,8 +78,8 @@ pub fn parse_session_tag(tag: &str) -> Option<(String, String, bool)> {
 impl Session {
     /// A session whose process runs already, on a channel taken back from init (daemon restart).
     pub fn attach(id: String, kind: String, pid: i32, created_at: f64, chan: std::os::unix::net::UnixStream) -> Result<Session> {
-        chan.set_nonblocking(true).map_err(|e| RuntimeError::internal("socket", e))?;
-        let stream = UnixStream::from_std(chan).map_err(|e| RuntimeError::internal("socket", e))?;
+        chan.set_nonblocking(true).map_err(SessionError::Channel)?;
+        let stream = UnixStream::from_std(chan).map_err(SessionError::Channel)?;
         Ok(Session {
             id,
             kind,
@@ -105,14 +120,14 @@ impl Session {
     /// takes everything a template needs (cwd, open files) before it forks, so the caller may
     /// move the sandbox's root right away.
     pub async fn fork_begin(&self, role: &str) -> Result<PendingFork> {
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| RuntimeError::internal("socketpair", e))?;
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(SessionError::Channel)?;
         let resp = self
             .request_fd(&serde_json::json!({"op": "fork", "role": role}), Some(theirs.as_raw_fd()), Some(FORK_TIMEOUT))
             .await?
-            .ok_or_else(|| RuntimeError::Internal(format!("session {} did not answer a fork request", self.id)))?;
+            .ok_or_else(|| SessionError::NoForkAnswer { id: self.id.clone() })?;
         drop(theirs);
         let Some(child) = resp.get("child").and_then(|c| c.as_i64()) else {
-            return Err(RuntimeError::Internal(format!("session {} refused to fork: {resp}", self.id)));
+            return Err(SessionError::ForkRefused { id: self.id.clone(), answer: resp.to_string() }.into());
         };
         Ok(PendingFork { pid: child as i32, chan: ours })
     }
@@ -132,11 +147,11 @@ impl Session {
     /// so a fork answers without the copies' post-fork Python work (~0.5 ms of CPU each, most
     /// of it copy-on-write faults), which each copy does on its first use instead.
     pub(crate) fn finish_later(&self, log: std::fs::File, unmap: (u64, u64)) {
-        *self.unfinished.lock().expect("lock") = Some(Unfinished { log, unmap });
+        *self.unfinished.lock() = Some(Unfinished { log, unmap });
     }
 
     /// Send one request line and read one response line.
-    async fn request(&self, req: &serde_json::Value, timeout: Option<Duration>) -> Result<Option<serde_json::Value>> {
+    pub(crate) async fn request(&self, req: &serde_json::Value, timeout: Option<Duration>) -> Result<Option<serde_json::Value>> {
         self.request_fd(req, None, timeout).await
     }
 
@@ -148,7 +163,7 @@ impl Session {
         timeout: Option<Duration>,
     ) -> Result<Option<serde_json::Value>> {
         let mut guard = self.chan.lock().await;
-        let unfinished = self.unfinished.lock().expect("lock").take();
+        let unfinished = self.unfinished.lock().take();
         if let Some(Unfinished { log, unmap }) = unfinished {
             let finish = serde_json::json!({"op": "restored", "strict": true, "unmap": [unmap.0, unmap.1]});
             let resp = self.exchange(&mut guard, &finish, Some(log.as_raw_fd()), Some(FORK_TIMEOUT)).await?;
@@ -156,11 +171,8 @@ impl Session {
                 // Closing the channel ends the copy (its server exits at end of file).
                 *guard = None;
                 self.alive.store(false, Ordering::SeqCst);
-                return Err(RuntimeError::Internal(format!(
-                    "session {} of this fork child did not start ({}): create a new session",
-                    self.id,
-                    resp.map_or_else(|| "no answer".to_string(), |r| r.to_string())
-                )));
+                let why = resp.map_or_else(|| "no answer".to_string(), |r| r.to_string());
+                return Err(SessionError::CopyDidNotStart { id: self.id.clone(), why }.into());
             }
         }
         self.exchange(&mut guard, req, fd, timeout).await
@@ -210,7 +222,7 @@ impl Session {
             }
             Some(Ok((n, resp))) if n > 0 && resp.ends_with(b"\n") => serde_json::from_slice(&resp)
                 .map(Some)
-                .map_err(|e| RuntimeError::Internal(format!("session sent malformed JSON: {e}"))),
+                .map_err(|e| SessionError::Malformed(e).into()),
             Some(_) => {
                 **guard = None;
                 self.alive.store(false, Ordering::SeqCst);
@@ -291,156 +303,6 @@ async fn send_with_fd(stream: &mut UnixStream, line: &[u8], fd: std::os::fd::Raw
 }
 
 const FORK_TIMEOUT: Duration = Duration::from_secs(20);
-
-/// Record a process made by fork (not spawned by init) with init, and stash its channel there,
-/// so a restarted daemon finds it like any session (`tag`) and takes its channel back (`key`).
-pub async fn adopt(sb: &Sandbox, pid: i32, tag: String, key: String, chan: &std::os::unix::net::UnixStream) -> Result<()> {
-    let keep = chan.try_clone().map_err(|e| RuntimeError::internal("socket", e))?;
-    let conn = InitConn::connect(&sb.dirs.sock()).await?;
-    conn.send(&Request::Adopt { pid, tag, stash: Some(key) }, &[keep.as_raw_fd()])?;
-    drop(keep);
-    match conn.recv().await? {
-        Response::Ok => Ok(()),
-        Response::Error { errno, message } => Err(init_error(errno, message)),
-        other => Err(unexpected(other)),
-    }
-}
-
-/// [`adopt`] after the answer to the operation that made the process (it only matters after a
-/// daemon restart); a sandbox killed meanwhile has nothing to register with.
-pub(crate) fn adopt_behind_answer(sb: Arc<Sandbox>, pid: i32, tag: String, key: String, chan: std::os::unix::net::UnixStream, what: &'static str) {
-    tokio::spawn(async move {
-        tokio::time::sleep(crate::BEHIND_ANSWER).await;
-        if let Err(e) = adopt(&sb, pid, tag, key, &chan).await {
-            if !sb.is_dead() {
-                tracing::warn!(sandbox = %sb.id, "{what} not registered with init: {e}");
-            }
-        }
-    });
-}
-
-pub async fn create(
-    sb: &Sandbox,
-    kind: &str,
-    default: bool,
-    cwd: Option<String>,
-    env: &std::collections::BTreeMap<String, String>,
-) -> Result<Session> {
-    create_as(sb, None, kind, default, cwd, env).await
-}
-
-/// [`create`] with a chosen session id (sessions recreated after a rollback keep theirs).
-pub async fn create_as(
-    sb: &Sandbox,
-    id: Option<String>,
-    kind: &str,
-    default: bool,
-    cwd: Option<String>,
-    env: &std::collections::BTreeMap<String, String>,
-) -> Result<Session> {
-    if kind != "python" && kind != "shell" {
-        return Err(RuntimeError::BadRequest(format!("session kind {kind:?} is unknown: use \"python\" or \"shell\"")));
-    }
-    let id = id.unwrap_or_else(|| format!("ss-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]));
-    sb.dirty.store(true, Ordering::SeqCst);
-    let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(|e| RuntimeError::internal("socketpair", e))?;
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(sb.dirs.logs().join(format!("{id}.log")))
-        .map_err(|e| RuntimeError::internal("session log", e))?;
-    let conn = InitConn::connect(&sb.dirs.sock()).await?;
-    conn.send(
-        &Request::Spawn(SpawnRequest {
-            argv: vec!["python3".into(), "-c".into(), SERVER_SOURCE.into(), kind.into()],
-            env: sb.env_with(env),
-            cwd: cwd.unwrap_or_else(|| sb.spec.cwd.clone()),
-            background: true,
-            stdin: false,
-            stdout: true,
-            stderr: true,
-            fd3: true,
-            tag: session_tag(&id, kind, default),
-        }),
-        &[log.as_raw_fd(), log.as_raw_fd(), theirs.as_raw_fd()],
-    )?;
-    drop(theirs);
-    let pid = match conn.recv().await? {
-        Response::Started { pid } => pid,
-        Response::Error { errno: libc::ENOENT, .. } => {
-            return Err(RuntimeError::BadRequest(format!(
-                "image {:?} has no python3: sessions need python3 in the image",
-                sb.spec.image
-            )))
-        }
-        Response::Error { errno, message } => return Err(init_error(errno, message)),
-        other => return Err(unexpected(other)),
-    };
-    // init keeps a copy of our end, so the session outlives a daemon restart (see `recover`).
-    let keep = ours.try_clone().map_err(|e| RuntimeError::internal("socket", e))?;
-    let stash = InitConn::connect(&sb.dirs.sock()).await?;
-    stash.send(&Request::Stash { key: id.clone(), pid }, &[keep.as_raw_fd()])?;
-    drop(keep);
-    let stashed = stash.recv().await;
-    let session = Session::attach(id, kind.into(), pid, crate::now(), ours)?;
-    if !matches!(stashed, Ok(Response::Ok)) {
-        let _ = kill_process(sb, pid).await;
-        return Err(RuntimeError::Internal(format!("session did not start: {stashed:?}")));
-    }
-    match session.request(&serde_json::json!({"op": "ping"}), Some(START_TIMEOUT)).await {
-        Ok(Some(_)) => Ok(session),
-        other => {
-            let _ = kill_process(sb, pid).await;
-            let log = std::fs::read_to_string(sb.dirs.logs().join(format!("{}.log", session.id))).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(3).collect();
-            Err(RuntimeError::Internal(format!(
-                "session did not start ({}): {}",
-                match other {
-                    Err(e) => e.to_string(),
-                    _ => "no answer".into(),
-                },
-                tail.join(" | ")
-            )))
-        }
-    }
-}
-
-pub(crate) async fn kill_process(sb: &Sandbox, pid: i32) -> Result<()> {
-    InitConn::call(&sb.dirs.sock(), &Request::Kill { pid, signal: libc::SIGKILL, group: true }).await?;
-    Ok(())
-}
-
-pub async fn run(sb: &Sandbox, session: &Session, code: &str, timeout: Option<Duration>) -> Result<SessionResult> {
-    let _op = session.op_lock.lock().await;
-    sb.dirty.store(true, Ordering::SeqCst);
-    let resp = session.request(&serde_json::json!({"op": "run", "code": code}), timeout).await?;
-    let Some(v) = resp else {
-        let _ = kill_process(sb, session.pid).await;
-        return Ok(SessionResult { timed_out: true, ..Default::default() });
-    };
-    if let Some(err) = v.get("error").filter(|e| e.get("name").and_then(|n| n.as_str()) == Some("ProtocolError")) {
-        return Err(RuntimeError::Internal(format!("session protocol error: {err}")));
-    }
-    let s = |k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or_default().to_string();
-    Ok(SessionResult {
-        stdout: s("stdout"),
-        stderr: s("stderr"),
-        result: v.get("result").and_then(|x| x.as_str()).map(String::from),
-        error: v.get("error").filter(|e| !e.is_null()).cloned(),
-        exit_code: v.get("exit_code").and_then(|x| x.as_i64()).map(|c| c as i32),
-        timed_out: false,
-    })
-}
-
-pub async fn kill(sb: &Sandbox, session: &Session) -> Result<()> {
-    sb.dirty.store(true, Ordering::SeqCst);
-    session.chan.lock().await.take();
-    session.alive.store(false, Ordering::SeqCst);
-    match kill_process(sb, session.pid).await {
-        Ok(()) | Err(RuntimeError::NotFound { .. }) => Ok(()),
-        Err(e) => Err(e),
-    }
-}
 
 #[cfg(test)]
 mod tests {

@@ -27,8 +27,23 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
-fn err(what: &str, e: impl std::fmt::Display) -> RuntimeError {
-    RuntimeError::internal(what, e)
+/// Moving a sandbox onto a new root failed at a step.
+#[derive(Debug, thiserror::Error)]
+pub enum RootSwapError {
+    #[error("{what}: {source}")]
+    Step {
+        what: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("the mount namespace worker is gone")]
+    WorkerGone,
+    #[error("the mount namespace worker panicked")]
+    WorkerPanicked,
+}
+
+fn err(what: impl Into<String>, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> RuntimeError {
+    RootSwapError::Step { what: what.into(), source: e.into() }.into()
 }
 
 /// Replace the sandbox's root overlay with `new_mnt` (a detached overlay mount from
@@ -62,7 +77,7 @@ type NsJob = Box<dyn FnOnce() -> Result<()> + Send>;
 /// spawning one per swap. After each job a thread returns to the host's mount namespace.
 /// A few of them, so that swaps of different sandboxes (a fork's children) do not queue.
 struct NsWorker {
-    tx: std::sync::Mutex<std::sync::mpsc::Sender<(OwnedFd, NsJob, std::sync::mpsc::Sender<Result<()>>)>>,
+    tx: parking_lot::Mutex<std::sync::mpsc::Sender<(OwnedFd, NsJob, std::sync::mpsc::Sender<Result<()>>)>>,
 }
 
 const NS_WORKERS: usize = 4;
@@ -85,7 +100,7 @@ fn spawn_ns_worker() -> NsWorker {
                     .and_then(|()| fs::File::open("/proc/thread-self/ns/mnt").map_err(|e| err("open host mount namespace", e)));
                 for (target, job, reply) in rx {
                     let res = match &setup {
-                        Err(e) => Err(RuntimeError::Internal(e.to_string())),
+                        Err(e) => Err(err("set up the mount namespace worker", e.to_string())),
                         Ok(host) => ns::setns(target.as_fd(), libc::CLONE_NEWNS)
                             .map_err(|e| err("enter sandbox mount namespace", e))
                             .and_then(|()| {
@@ -99,7 +114,7 @@ fn spawn_ns_worker() -> NsWorker {
                 }
             })
             .expect("spawn mount namespace worker");
-        NsWorker { tx: std::sync::Mutex::new(tx) }
+        NsWorker { tx: parking_lot::Mutex::new(tx) }
     }
 }
 
@@ -108,10 +123,9 @@ impl NsWorker {
         let (reply_tx, reply_rx) = std::sync::mpsc::channel();
         self.tx
             .lock()
-            .expect("lock")
             .send((target, job, reply_tx))
-            .map_err(|_| RuntimeError::Internal("mount namespace worker is gone".into()))?;
-        reply_rx.recv().map_err(|_| RuntimeError::Internal("mount namespace worker panicked".into()))?
+            .map_err(|_| RootSwapError::WorkerGone)?;
+        reply_rx.recv().map_err(|_| RootSwapError::WorkerPanicked)?
     }
 }
 
@@ -126,7 +140,7 @@ fn pivot_inside(new_mnt: &OwnedFd, submounts: &[PathBuf]) -> Result<()> {
     for m in submounts {
         let rel = m.strip_prefix("/").unwrap_or(m);
         ns::move_mount(None, m, Some(new_mnt.as_fd()), rel, 0)
-            .map_err(|e| err(&format!("move {} to the new root", m.display()), e))?;
+            .map_err(|e| err(format!("move {} to the new root", m.display()), e))?;
     }
     let t_moved = t0.elapsed();
     ns::fchdir(new_mnt.as_fd()).map_err(|e| err("enter new root", e))?;
@@ -278,7 +292,7 @@ pub fn pin_open_files(files: &[WrittenFile], old_upper: &Path, new_upper: &Path)
         match fs::hard_link(&src, &dst) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(err(&format!("link {} into the live layer", f.path.display()), e)),
+            Err(e) => return Err(err(format!("link {} into the live layer", f.path.display()), e)),
         }
         stats.bytes_copied += copy_over(&src, &meta)?;
         stats.files += 1;
@@ -356,7 +370,7 @@ fn copy_over(path: &Path, meta: &fs::Metadata) -> Result<u64> {
         }
         Err(e) => {
             let _ = fs::remove_file(&tmp);
-            Err(err(&format!("copy {} into the snapshot", path.display()), e))
+            Err(err(format!("copy {} into the snapshot", path.display()), e))
         }
     }
 }

@@ -5,7 +5,7 @@
 //! process (if one was kept). Layers are directories `<state>/snaplayers/<layer id>`; a layer is
 //! deleted only when no snapshot and no live sandbox lists it.
 
-use crate::error::Result;
+use crate::db::{self, json, DbResult as Result};
 use crate::model::SandboxSpec;
 use rusqlite::{params, Connection, OptionalExtension};
 use serde::{Deserialize, Serialize};
@@ -55,26 +55,14 @@ pub struct SnapStore {
     conn: Connection,
 }
 
-fn json<T: Serialize>(v: &T) -> String {
-    serde_json::to_string(v).expect("serializes")
-}
 
 impl SnapStore {
-    /// A transaction that takes the write lock at its start (`BEGIN IMMEDIATE`, waiting up to the
-    /// busy timeout): the database has other connections (sandboxes, templates), and a deferred
-    /// transaction that reads first fails at once with "database is locked" when one of them
-    /// wrote since its read began.
     fn write_tx(&self) -> Result<rusqlite::Transaction<'_>> {
-        Ok(rusqlite::Transaction::new_unchecked(&self.conn, rusqlite::TransactionBehavior::Immediate)?)
+        db::write_tx(&self.conn)
     }
 
     pub fn open(path: &std::path::Path) -> Result<SnapStore> {
-        let conn = Connection::open(path)?;
-        conn.busy_timeout(std::time::Duration::from_secs(5))?;
-        // WAL without an fsync per commit (the sandboxes table does the same): a crash loses at
-        // most the last transactions, never consistency.
-        conn.pragma_update(None, "journal_mode", "WAL")?;
-        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        let conn = db::open(path)?;
         conn.execute_batch(
             "CREATE TABLE IF NOT EXISTS snapshots (
                 id TEXT PRIMARY KEY,
@@ -98,20 +86,27 @@ impl SnapStore {
             CREATE INDEX IF NOT EXISTS snapshots_by_parent ON snapshots(parent);
             CREATE INDEX IF NOT EXISTS snapshots_by_sandbox ON snapshots(sandbox_id);",
         )?;
-        // Which snapshots name a template (several do after lightweight checkpoints): dropping
-        // one must not read every snapshot. Filled from the snapshots of a store made before it.
-        let had_refs: bool = conn.query_row(
-            "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'snap_templates'",
-            [],
-            |r| r.get(0),
-        )?;
+        // Which snapshots name a session template (several do after lightweight checkpoints):
+        // dropping one must not read every snapshot. Named `snap_templates` before "template"
+        // meant only named templates (recipes); filled from the snapshots of a store made
+        // before it existed.
+        let table = |name: &str| -> Result<bool> {
+            Ok(conn.query_row("SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = ?1", [name], |r| r.get(0))?)
+        };
+        if table("snap_templates")? && !table("snapshot_session_templates")? {
+            conn.execute_batch(
+                "ALTER TABLE snap_templates RENAME TO snapshot_session_templates;
+                 DROP INDEX IF EXISTS snap_templates_by_snap;",
+            )?;
+        }
+        let had_refs = table("snapshot_session_templates")?;
         conn.execute_batch(
-            "CREATE TABLE IF NOT EXISTS snap_templates (
+            "CREATE TABLE IF NOT EXISTS snapshot_session_templates (
                 key TEXT NOT NULL,
                 snap_id TEXT NOT NULL,
                 PRIMARY KEY (key, snap_id)
             ) WITHOUT ROWID;
-            CREATE INDEX IF NOT EXISTS snap_templates_by_snap ON snap_templates(snap_id);",
+            CREATE INDEX IF NOT EXISTS session_templates_by_snap ON snapshot_session_templates(snap_id);",
         )?;
         let store = SnapStore { conn };
         if !had_refs {
@@ -126,7 +121,7 @@ impl SnapStore {
 
     fn add_template_refs(&self, s: &SnapshotRow) -> Result<()> {
         for key in s.sessions.iter().filter_map(|ss| ss.template.as_deref()) {
-            self.conn.prepare_cached("INSERT OR IGNORE INTO snap_templates (key, snap_id) VALUES (?1, ?2)")?.execute(params![key, s.id])?;
+            self.conn.prepare_cached("INSERT OR IGNORE INTO snapshot_session_templates (key, snap_id) VALUES (?1, ?2)")?.execute(params![key, s.id])?;
         }
         Ok(())
     }
@@ -245,7 +240,7 @@ impl SnapStore {
             }
             tx.execute("UPDATE snapshots SET parent = ?2 WHERE parent = ?1", params![id, p])?;
             tx.execute("DELETE FROM snapshots WHERE id = ?1", params![id])?;
-            tx.execute("DELETE FROM snap_templates WHERE snap_id = ?1", params![id])?;
+            tx.execute("DELETE FROM snapshot_session_templates WHERE snap_id = ?1", params![id])?;
         }
         tx.commit()?;
         Ok(())
@@ -254,7 +249,7 @@ impl SnapStore {
     /// Forget a template key everywhere (its process is gone).
     pub fn drop_template(&self, key: &str) -> Result<()> {
         let tx = self.write_tx()?;
-        let named = self.select("WHERE id IN (SELECT snap_id FROM snap_templates WHERE key = ?1)", params![key])?;
+        let named = self.select("WHERE id IN (SELECT snap_id FROM snapshot_session_templates WHERE key = ?1)", params![key])?;
         for mut s in named {
             let mut changed = false;
             for ss in &mut s.sessions {
@@ -267,7 +262,7 @@ impl SnapStore {
                 self.conn.execute("UPDATE snapshots SET sessions = ?2 WHERE id = ?1", params![s.id, json(&s.sessions)])?;
             }
         }
-        self.conn.execute("DELETE FROM snap_templates WHERE key = ?1", params![key])?;
+        self.conn.execute("DELETE FROM snapshot_session_templates WHERE key = ?1", params![key])?;
         tx.commit()?;
         Ok(())
     }
@@ -508,11 +503,34 @@ mod tests {
         {
             let st = SnapStore::open(&db).unwrap();
             st.insert(&row("a", None, &["1"])).unwrap();
-            st.conn.execute_batch("DROP TABLE snap_templates").unwrap();
+            st.conn.execute_batch("DROP TABLE snapshot_session_templates").unwrap();
         }
         let st = SnapStore::open(&db).unwrap();
         st.drop_template("t1").unwrap();
         assert_eq!(st.get("a").unwrap().unwrap().sessions[0].template, None);
+    }
+
+    #[test]
+    fn a_store_with_the_old_table_name_keeps_its_template_refs() {
+        let d = tempfile::tempdir().unwrap();
+        let db = d.path().join("db");
+        {
+            let st = SnapStore::open(&db).unwrap();
+            st.insert(&row("a", None, &["1"])).unwrap();
+            st.conn
+                .execute_batch(
+                    "ALTER TABLE snapshot_session_templates RENAME TO snap_templates;
+                     DROP INDEX session_templates_by_snap;
+                     CREATE INDEX snap_templates_by_snap ON snap_templates(snap_id);",
+                )
+                .unwrap();
+        }
+        let st = SnapStore::open(&db).unwrap();
+        let old: bool =
+            st.conn.query_row("SELECT count(*) > 0 FROM sqlite_master WHERE name LIKE 'snap_templates%'", [], |r| r.get(0)).unwrap();
+        assert!(!old, "the old table and its index are gone");
+        st.drop_template("t1").unwrap();
+        assert_eq!(st.get("a").unwrap().unwrap().sessions[0].template, None, "found through the renamed table");
     }
 
     #[test]

@@ -1,0 +1,48 @@
+//! The runtime's configuration: where its state lives and the limits requests are held to.
+
+use bb_layers::IdMap;
+use std::path::PathBuf;
+
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    pub state_dir: PathBuf,
+    /// Path of the `branchbox-init` binary.
+    pub init_bin: PathBuf,
+    pub idmap: IdMap,
+    /// cgroup under which every sandbox gets its own group.
+    pub cgroup_parent: String,
+    pub max_sandboxes: usize,
+    /// Upper bounds a create request may ask for.
+    pub max_memory_mb: u64,
+    pub max_cpu: f64,
+    pub max_pids: u64,
+    /// Largest file upload, bytes.
+    pub max_file_bytes: u64,
+    /// Live session templates kept for snapshots (LRU beyond this).
+    pub max_templates: usize,
+    /// Snapshot layers stacked under a sandbox's writable layer before the oldest are merged
+    /// (see [`crate::compaction::MAX_CHAIN`]).
+    pub max_chain: usize,
+    /// Lets the daemon's injected `setns` through the sandboxes' seccomp filters (see
+    /// `bb_isolation::SetnsKey`). Loaded from `<state>/setns.key` by [`crate::Runtime::open`].
+    pub setns_key: [u64; 2],
+}
+
+impl RuntimeConfig {
+    pub fn new(state_dir: PathBuf, init_bin: PathBuf) -> Self {
+        RuntimeConfig {
+            state_dir,
+            init_bin,
+            idmap: IdMap::default(),
+            cgroup_parent: "branchbox".into(),
+            max_sandboxes: 1000,
+            max_memory_mb: 64 * 1024,
+            max_cpu: 64.0,
+            max_pids: 65536,
+            max_file_bytes: 4 << 30,
+            max_templates: 64,
+            max_chain: crate::compaction::MAX_CHAIN,
+            setns_key: [0, 0],
+        }
+    }
+}

@@ -1,0 +1,231 @@
+//! A sandbox's sessions, as the API sees them: create, list, run code, kill, and the default
+//! python session `run_code` uses (created on first use, or again after it died).
+
+use crate::error::{Result, RuntimeError};
+use crate::initconn::{init_error, unexpected, InitConn};
+use crate::model::*;
+use crate::sandbox::Sandbox;
+use crate::Runtime;
+use crate::session::{session_tag, Session, SessionError, SERVER_SOURCE, START_TIMEOUT};
+use bb_proto::{Request, Response, SpawnRequest};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+impl Runtime {
+    pub async fn create_session(&self, id: &str, req: CreateSession) -> Result<SessionInfo> {
+        let sb = self.live(id)?;
+        let kind = req.kind.unwrap_or_else(|| "python".into());
+        let s = Arc::new(create(&sb, &kind, false, req.cwd, &req.env).await?);
+        let info = s.info();
+        sb.sessions.lock().await.insert(s.id.clone(), s);
+        Ok(info)
+    }
+
+    pub async fn list_sessions(&self, id: &str) -> Result<SessionList> {
+        let sb = self.get(id)?;
+        let mut sessions: Vec<SessionInfo> = sb.sessions.lock().await.values().map(|s| s.info()).collect();
+        sessions.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
+        Ok(SessionList { sessions })
+    }
+
+    async fn session(&self, sb: &Sandbox, sid: &str) -> Result<Arc<Session>> {
+        sb.sessions.lock().await.get(sid).cloned().ok_or_else(|| RuntimeError::NotFound {
+            kind: "session",
+            id: sid.into(),
+            hint: ": list sessions with sbx.sessions.list()",
+        })
+    }
+
+    pub async fn run_session(&self, id: &str, sid: &str, req: RunCode) -> Result<SessionResult> {
+        let sb = self.live(id)?;
+        let s = self.session(&sb, sid).await?;
+        let _busy = self.activity.busy();
+        run(&sb, &s, &req.code, crate::sandbox::exec::timeout_of(req.timeout)?).await
+    }
+
+    pub async fn kill_session(&self, id: &str, sid: &str) -> Result<()> {
+        let sb = self.get(id)?;
+        let s = sb.sessions.lock().await.remove(sid).ok_or_else(|| RuntimeError::NotFound {
+            kind: "session",
+            id: sid.into(),
+            hint: ": list sessions with sbx.sessions.list()",
+        })?;
+        kill(&sb, &s).await
+    }
+
+    /// Run python code in the sandbox's default session (created on first use or after it died).
+    pub async fn run_code(&self, id: &str, req: RunCode) -> Result<SessionResult> {
+        if let Some(lang) = req.language.as_deref() {
+            if lang != "python" {
+                return Err(RuntimeError::BadRequest(format!("language {lang:?} is not supported: use \"python\"")));
+            }
+        }
+        let sb = self.live(id)?;
+        let _busy = self.activity.busy();
+        let s = {
+            let mut default = sb.default_session.lock().await;
+            let existing = match default.as_ref() {
+                Some(sid) => sb.sessions.lock().await.get(sid).filter(|s| s.is_alive()).cloned(),
+                None => None,
+            };
+            match existing {
+                Some(s) => s,
+                None => {
+                    let s = Arc::new(create(&sb, "python", true, None, &Default::default()).await?);
+                    sb.sessions.lock().await.insert(s.id.clone(), s.clone());
+                    *default = Some(s.id.clone());
+                    s
+                }
+            }
+        };
+        run(&sb, &s, &req.code, crate::sandbox::exec::timeout_of(req.timeout)?).await
+    }
+}
+
+/// Record a process made by fork (not spawned by init) with init, and stash its channel there,
+/// so a restarted daemon finds it like any session (`tag`) and takes its channel back (`key`).
+pub async fn adopt(sb: &Sandbox, pid: i32, tag: String, key: String, chan: &std::os::unix::net::UnixStream) -> Result<()> {
+    let keep = chan.try_clone().map_err(SessionError::Channel)?;
+    let conn = InitConn::connect(&sb.dirs.sock()).await?;
+    conn.send(&Request::Adopt { pid, tag, stash: Some(key) }, &[keep.as_raw_fd()])?;
+    drop(keep);
+    match conn.recv().await? {
+        Response::Ok => Ok(()),
+        Response::Error { errno, message } => Err(init_error(errno, message)),
+        other => Err(unexpected(other)),
+    }
+}
+
+/// [`adopt`] after the answer to the operation that made the process (it only matters after a
+/// daemon restart); a sandbox killed meanwhile has nothing to register with.
+pub fn adopt_behind_answer(sb: Arc<Sandbox>, pid: i32, tag: String, key: String, chan: std::os::unix::net::UnixStream, what: &'static str) {
+    tokio::spawn(async move {
+        tokio::time::sleep(crate::activity::BEHIND_ANSWER).await;
+        if let Err(e) = adopt(&sb, pid, tag, key, &chan).await {
+            if !sb.is_dead() {
+                tracing::warn!(sandbox = %sb.id, "{what} not registered with init: {e}");
+            }
+        }
+    });
+}
+
+pub async fn create(
+    sb: &Sandbox,
+    kind: &str,
+    default: bool,
+    cwd: Option<String>,
+    env: &std::collections::BTreeMap<String, String>,
+) -> Result<Session> {
+    create_as(sb, None, kind, default, cwd, env).await
+}
+
+/// [`create`] with a chosen session id (sessions recreated after a rollback keep theirs).
+pub async fn create_as(
+    sb: &Sandbox,
+    id: Option<String>,
+    kind: &str,
+    default: bool,
+    cwd: Option<String>,
+    env: &std::collections::BTreeMap<String, String>,
+) -> Result<Session> {
+    if kind != "python" && kind != "shell" {
+        return Err(RuntimeError::BadRequest(format!("session kind {kind:?} is unknown: use \"python\" or \"shell\"")));
+    }
+    let id = id.unwrap_or_else(|| format!("ss-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]));
+    sb.dirty.store(true, Ordering::SeqCst);
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(SessionError::Channel)?;
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(sb.dirs.logs().join(format!("{id}.log")))
+        .map_err(RuntimeError::io("session log"))?;
+    let conn = InitConn::connect(&sb.dirs.sock()).await?;
+    conn.send(
+        &Request::Spawn(SpawnRequest {
+            argv: vec!["python3".into(), "-c".into(), SERVER_SOURCE.into(), kind.into()],
+            env: sb.env_with(env),
+            cwd: cwd.unwrap_or_else(|| sb.spec.cwd.clone()),
+            background: true,
+            stdin: false,
+            stdout: true,
+            stderr: true,
+            fd3: true,
+            tag: session_tag(&id, kind, default),
+        }),
+        &[log.as_raw_fd(), log.as_raw_fd(), theirs.as_raw_fd()],
+    )?;
+    drop(theirs);
+    let pid = match conn.recv().await? {
+        Response::Started { pid } => pid,
+        Response::Error { errno: libc::ENOENT, .. } => {
+            return Err(RuntimeError::BadRequest(format!(
+                "image {:?} has no python3: sessions need python3 in the image",
+                sb.spec.image
+            )))
+        }
+        Response::Error { errno, message } => return Err(init_error(errno, message)),
+        other => return Err(unexpected(other)),
+    };
+    // init keeps a copy of our end, so the session outlives a daemon restart (see `recover`).
+    let keep = ours.try_clone().map_err(SessionError::Channel)?;
+    let stash = InitConn::connect(&sb.dirs.sock()).await?;
+    stash.send(&Request::Stash { key: id.clone(), pid }, &[keep.as_raw_fd()])?;
+    drop(keep);
+    let stashed = stash.recv().await;
+    let session = Session::attach(id, kind.into(), pid, crate::now(), ours)?;
+    if !matches!(stashed, Ok(Response::Ok)) {
+        let _ = kill_process(sb, pid).await;
+        return Err(SessionError::DidNotStart { why: format!("{stashed:?}"), log: String::new() }.into());
+    }
+    match session.request(&serde_json::json!({"op": "ping"}), Some(START_TIMEOUT)).await {
+        Ok(Some(_)) => Ok(session),
+        other => {
+            let _ = kill_process(sb, pid).await;
+            let log = std::fs::read_to_string(sb.dirs.logs().join(format!("{}.log", session.id))).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(3).collect();
+            let why = match other {
+                Err(e) => e.to_string(),
+                _ => "no answer".into(),
+            };
+            Err(SessionError::DidNotStart { why, log: format!(": {}", tail.join(" | ")) }.into())
+        }
+    }
+}
+
+pub async fn kill_process(sb: &Sandbox, pid: i32) -> Result<()> {
+    InitConn::call(&sb.dirs.sock(), &Request::Kill { pid, signal: libc::SIGKILL, group: true }).await?;
+    Ok(())
+}
+
+pub async fn run(sb: &Sandbox, session: &Session, code: &str, timeout: Option<Duration>) -> Result<SessionResult> {
+    let _op = session.op_lock.lock().await;
+    sb.dirty.store(true, Ordering::SeqCst);
+    let resp = session.request(&serde_json::json!({"op": "run", "code": code}), timeout).await?;
+    let Some(v) = resp else {
+        let _ = kill_process(sb, session.pid).await;
+        return Ok(SessionResult { timed_out: true, ..Default::default() });
+    };
+    if let Some(err) = v.get("error").filter(|e| e.get("name").and_then(|n| n.as_str()) == Some("ProtocolError")) {
+        return Err(SessionError::Protocol(err.to_string()).into());
+    }
+    let s = |k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or_default().to_string();
+    Ok(SessionResult {
+        stdout: s("stdout"),
+        stderr: s("stderr"),
+        result: v.get("result").and_then(|x| x.as_str()).map(String::from),
+        error: v.get("error").filter(|e| !e.is_null()).cloned(),
+        exit_code: v.get("exit_code").and_then(|x| x.as_i64()).map(|c| c as i32),
+        timed_out: false,
+    })
+}
+
+pub async fn kill(sb: &Sandbox, session: &Session) -> Result<()> {
+    sb.dirty.store(true, Ordering::SeqCst);
+    session.forget().await;
+    match kill_process(sb, session.pid).await {
+        Ok(()) | Err(RuntimeError::NotFound { .. }) => Ok(()),
+        Err(e) => Err(e),
+    }
+}

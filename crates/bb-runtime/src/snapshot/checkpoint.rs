@@ -1,0 +1,226 @@
+//! Checkpoint: take a snapshot of a live sandbox.
+//!
+//! With every session idle (their operation locks held), each session server forks: the child
+//! is the snapshot's session template, frozen between requests. Meanwhile the next root is
+//! prepared ([`Runtime::prepare`]); then, in the frozen window ([`Runtime::swap_prepared`]),
+//! files open for writing are moved to the new writable layer, processes with a working
+//! directory in the old root are marked to move, and the sandbox pivots onto the fresh layer
+//! stacked on the frozen one. The snapshot row and the sandbox's next generation are recorded
+//! in one transaction. Templates are registered with init, spare copies made and huge pages
+//! collapsed behind the answer.
+//!
+//! Nothing changed since the last checkpoint or rollback (no dirty session, empty writable
+//! layer): the new snapshot shares that one's layers (`lightweight`).
+
+use crate::error::{Result, RuntimeError};
+use crate::session_templates::TEMPLATE_TAG;
+use crate::sandbox::launch::layer_dir;
+use crate::layers::dir_is_empty;
+use super::swap::Scan;
+use super::{legacy, ms, snapshot_id};
+use crate::model::*;
+use crate::sandbox::Sandbox;
+use crate::session::{self, Session};
+use crate::snapshot::store::{Generation, SnapSession, SnapshotRow};
+use crate::{now, Runtime};
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+impl Runtime {
+    pub async fn checkpoint(self: &Arc<Self>, id: &str, req: CheckpointRequest) -> Result<SnapshotInfo> {
+        let t0 = Instant::now();
+        if req.label.as_ref().is_some_and(|l| l.len() > 256) {
+            return Err(RuntimeError::BadRequest("label is longer than 256 bytes: shorten it".into()));
+        }
+        let sb = self.live(id)?;
+        let _op = sb.begin_op().await;
+        let t_locked = t0.elapsed();
+        let (row, _) = self.checkpoint_locked(&sb, req.label, true).await?;
+        let t_done = t0.elapsed();
+        // A new snapshot has no children yet: no need to read the others.
+        let mut info = self.snapshot_info(&row, Vec::new());
+        info.took_ms = Some(ms(t0));
+        tracing::debug!(sandbox = %sb.id, ?t_locked, ?t_done, took = ?t0.elapsed(), "checkpoint request");
+        Ok(info)
+    }
+
+    /// Take a snapshot of `sb` (caller holds `sb.ops`). `with_sessions = false` captures files
+    /// only (evaluate). Returns the snapshot and whether it is new (false: an existing one was
+    /// reused because nothing changed).
+    pub(crate) async fn checkpoint_locked(self: &Arc<Self>, sb: &Arc<Sandbox>, label: Option<String>, with_sessions: bool) -> Result<(SnapshotRow, bool)> {
+        let gen = sb.gen.lock().clone().ok_or_else(|| legacy(&sb.id))?;
+        let sessions_map = sb.sessions.lock().await;
+        let default_id = sb.default_session.lock().await.clone();
+        let mut sessions: Vec<Arc<Session>> = sessions_map.values().filter(|s| s.is_alive()).cloned().collect();
+        sessions.sort_by(|a, b| a.id.cmp(&b.id));
+        let t_enter = Instant::now();
+        let mut guards = Vec::with_capacity(sessions.len());
+        for s in &sessions {
+            guards.push(s.op_lock.lock().await);
+        }
+        let t_sessions_idle = t_enter.elapsed();
+        let upper_dir = layer_dir(&self.cfg, &self.images, &gen.upper);
+
+        // Nothing changed since the last checkpoint or rollback: share that snapshot.
+        if !sb.dirty.load(Ordering::SeqCst) && dir_is_empty(&upper_dir) {
+            if let Some(base) = gen.base.as_deref().and_then(|b| self.snapshots.records().get(b).ok().flatten()) {
+                let same: Vec<&str> = base.sessions.iter().map(|s| s.id.as_str()).collect();
+                let now_ids: Vec<&str> = sessions.iter().map(|s| s.id.as_str()).collect();
+                if !with_sessions {
+                    return Ok((base, false));
+                }
+                // Templates are forked in the sandbox that holds them: a fork child's sessions
+                // (copies of its parent's templates) need templates of their own.
+                if same == now_ids && base.sandbox_id == sb.id {
+                    let row = SnapshotRow {
+                        id: snapshot_id(),
+                        sandbox_id: sb.id.clone(),
+                        parent: Some(base.id.clone()),
+                        created_at: now(),
+                        label,
+                        layers: base.layers.clone(),
+                        own_layer: None,
+                        spec: sb.spec.clone(),
+                        sessions: base.sessions.clone(),
+                    };
+                    self.record_snapshot(sb, &row, Generation { base: Some(row.id.clone()), ..gen })?;
+                    return Ok((row, true));
+                }
+            }
+        }
+
+        // The next root is built while the sessions fork (they are idle: we hold their locks).
+        let t0 = Instant::now();
+        let mut chain = gen.chain.clone();
+        chain.push(gen.upper.clone());
+        let prep = {
+            let (rt, sbc, n) = (self.clone(), sb.clone(), gen.n + 1);
+            tokio::task::spawn_blocking(move || rt.prepare(&sbc, n, chain))
+        };
+        // Each session forks its template; the templates' own "ready" is awaited after the
+        // swap (they took their record of cwd and files before the fork).
+        let mut snap_sessions = Vec::new();
+        let mut pending: Vec<(usize, session::PendingFork)> = Vec::new();
+        if with_sessions {
+            for s in &sessions {
+                let default = default_id.as_deref() == Some(s.id.as_str());
+                match s.fork_begin("template").await {
+                    Ok(p) => pending.push((snap_sessions.len(), p)),
+                    Err(e) => tracing::warn!(sandbox = %sb.id, session = %s.id, "session did not fork; it will restart fresh on rollback: {e}"),
+                }
+                snap_sessions.push(SnapSession { id: s.id.clone(), kind: s.kind.clone(), default, template: None });
+            }
+        }
+        let t_forked = t0.elapsed();
+        tracing::debug!(sandbox = %sb.id, ?t_sessions_idle, ?t_forked, "checkpoint sessions forked");
+        // Templates (never write) and live sessions (they re-resolve their own working
+        // directory) are spared by the frozen scan; the new templates are not registered yet.
+        let spare = {
+            let mut templates = self.session_templates.pids_of(&sb.id);
+            templates.extend(pending.iter().map(|(_, p)| p.pid));
+            (templates, sessions.iter().map(|s| s.pid).collect::<HashSet<i32>>())
+        };
+        // Files: freeze, pin open files, swap the root onto the fresh writable layer.
+        // File operations wait until the new root is recorded (they open `sb.rootfs()`).
+        let gate = sb.fs_gate.write().await;
+        let swapped = match prep.await.map_err(RuntimeError::Worker).and_then(|p| p) {
+            Ok(prep) => {
+                let (rt, sbc, old) = (self.clone(), sb.clone(), upper_dir.clone());
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                tokio::task::spawn_blocking(move || {
+                    let scan = Scan { old_upper: &old, templates: &spare.0, sessions: &spare.1 };
+                    match rt.swap_prepared(&sbc, prep, Some(&scan), None) {
+                        Ok((gen, pinned, stragglers)) => {
+                            let _ = tx.send(Ok((gen, pinned)));
+                            drop(stragglers); // on this thread, their tracer
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                        }
+                    }
+                });
+                rx.await.map_err(|_| super::SnapshotError::SwapWorkerGone.into()).and_then(|r| r)
+            }
+            Err(e) => Err(e),
+        };
+        let (new_gen, pinned) = match swapped {
+            Ok(x) => x,
+            Err(e) => {
+                for (_, p) in pending {
+                    let _ = crate::sandbox::sessions::kill_process(sb, p.pid).await;
+                }
+                return Err(e);
+            }
+        };
+        let t_swapped = t0.elapsed();
+        let mut new_templates: Vec<(String, Arc<Session>, std::os::unix::net::UnixStream)> = Vec::new();
+        for (i, p) in pending {
+            let pid = p.pid;
+            let ready = (|| {
+                let chan = p.channel();
+                let keep = chan.try_clone().map_err(RuntimeError::io("socket"))?;
+                let key = format!("tp-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+                Ok::<_, RuntimeError>((key.clone(), Session::attach(key, snap_sessions[i].kind.clone(), pid, now(), chan)?, keep))
+            })();
+            match ready {
+                Ok((key, t, keep)) => {
+                    snap_sessions[i].template = Some(key.clone());
+                    new_templates.push((key, Arc::new(t), keep));
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %sb.id, session = %snap_sessions[i].id, "template did not start; the session will restart fresh on rollback: {e}");
+                    let _ = crate::sandbox::sessions::kill_process(sb, pid).await;
+                }
+            }
+        }
+        if pinned.files > 0 {
+            tracing::debug!(sandbox = %sb.id, files = pinned.files, bytes = pinned.bytes_copied, "open files moved to the live layer");
+        }
+        let row = SnapshotRow {
+            id: snapshot_id(),
+            sandbox_id: sb.id.clone(),
+            parent: gen.base.clone(),
+            created_at: now(),
+            label,
+            layers: new_gen.chain.clone(),
+            own_layer: Some(gen.upper.clone()),
+            spec: sb.spec.clone(),
+            sessions: snap_sessions,
+        };
+        let base = with_sessions.then(|| row.id.clone());
+        self.record_snapshot(sb, &row, Generation { base, ..new_gen })?;
+        let t_db = t0.elapsed();
+        drop(gate);
+        sb.dirty.store(false, Ordering::SeqCst);
+        drop(guards);
+        drop(sessions_map);
+        if with_sessions {
+            for s in &sessions {
+                self.maybe_collapse_session(sb, s);
+            }
+        }
+        let mut evicted = Vec::new();
+        let mut spares = Vec::new();
+        for (key, t, keep) in new_templates {
+            spares.push(key.clone());
+            // Registered with init off the critical path.
+            crate::sandbox::sessions::adopt_behind_answer(sb.clone(), t.pid, format!("{TEMPLATE_TAG}{key}:{}", t.kind), key.clone(), keep, "template");
+            evicted.extend(self.session_templates.insert(key, sb.id.clone(), t));
+        }
+        if !evicted.is_empty() {
+            // Out of the pool already (nothing forks them any more): their processes and records
+            // go after the answer.
+            let rt = self.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(crate::activity::BEHIND_ANSWER).await;
+                rt.drop_templates(evicted).await
+            });
+        }
+        self.after_swap(sb, gen.n, Some(gen.upper.clone()), None);
+        self.make_spares(sb, spares);
+        tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, ?t_db, total = ?t0.elapsed(), "checkpoint");
+        Ok((row, true))
+    }
+}

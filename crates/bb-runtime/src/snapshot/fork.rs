@@ -1,0 +1,378 @@
+//! Fork: `n` new sandboxes from a snapshot (taken on the spot when none is named).
+//!
+//! *Live* fork, when every session of the snapshot has a live template: the children are
+//! nested in the templates' sandbox (its user and pid namespaces), pre-built shells claimed
+//! from [`crate::fork_shells`] or started by the parent's init, and each template is forked
+//! into them from outside ([`crate::session::fork`]), pipelined: a child's copies start as soon
+//! as the child exists. *Cold* fork otherwise (or `isolated`): independent sandboxes on the
+//! snapshot's chain whose sessions start fresh. All or none: a failed child kills the others.
+
+use crate::error::{Result, RuntimeError};
+use crate::session::fork as sessionfork;
+use crate::hugepages::COLLAPSE_MIN_FORK;
+use super::ms;
+use crate::model::*;
+use crate::sandbox::Sandbox;
+use crate::session::{self, Session};
+use crate::snapshot::store::{SnapSession, SnapshotRow};
+use crate::{now, Runtime};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Most children one fork request may ask for.
+pub const MAX_FORK: u32 = 64;
+
+/// Deepest chain of nested forks (the kernel allows 32 levels of user and of pid namespaces).
+/// Beyond it, children are independent sandboxes whose sessions start fresh.
+pub const MAX_NEST_DEPTH: usize = 24;
+
+impl Runtime {
+    pub async fn fork(self: &Arc<Self>, id: &str, req: ForkRequest) -> Result<ForkResult> {
+        let t0 = Instant::now();
+        let _busy = self.activity.busy();
+        let n = req.count.unwrap_or(1);
+        if !(1..=MAX_FORK).contains(&n) {
+            return Err(RuntimeError::BadRequest(format!("count must be in [1, {MAX_FORK}]; got {n}")));
+        }
+        let timeout = match req.timeout {
+            None => Some(300.0),
+            Some(t) if t >= 0.0 && t.is_finite() => (t > 0.0).then_some(t),
+            Some(_) => return Err(RuntimeError::BadRequest("timeout must be >= 0 seconds (0 = no limit)".into())),
+        };
+        self.check_capacity(n as usize)?;
+        let snap = match req.snapshot {
+            Some(sid) => {
+                let snap = self.snapshot_row(&sid)?;
+                self.get(id)?; // the sandbox must exist even when forking a named snapshot
+                snap
+            }
+            None => {
+                let sb = self.live(id)?;
+                let _op = sb.begin_op().await;
+                self.checkpoint_locked(&sb, Some("fork".into()), true).await?.0
+            }
+        };
+        let (children, sessions_restarted) = if req.isolated {
+            (self.fork_cold(&snap, &snap.spec, n, timeout).await?, !snap.sessions.is_empty())
+        } else {
+            self.fork_snapshot(&snap, &snap.spec, n, timeout).await?
+        };
+        Ok(ForkResult {
+            snapshot: snap.id,
+            sandboxes: children.iter().map(|c| c.info()).collect(),
+            sessions_restarted,
+            took_ms: ms(t0),
+        })
+    }
+
+    /// Start `n` sandboxes on `snap`'s layers with its sessions, all or none. Returns them and
+    /// whether their sessions were started fresh (`sessions_restarted`).
+    ///
+    /// When every session of the snapshot has a live template, the children are nested in the
+    /// templates' sandbox and get live copies of the sessions ([`Runtime::fork_nested`]);
+    /// otherwise (or if that fails) they are independent sandboxes with fresh sessions.
+    /// `spec`: what the children are created with (usually the snapshot's).
+    pub(crate) async fn fork_snapshot(
+        self: &Arc<Self>,
+        snap: &SnapshotRow,
+        spec: &SandboxSpec,
+        n: u32,
+        timeout: Option<f64>,
+    ) -> Result<(Vec<Arc<Sandbox>>, bool)> {
+        if let Some((parent, templates)) = self.live_templates(snap) {
+            match self.fork_nested(&parent, snap, spec, n, timeout, templates).await {
+                Ok(children) => return Ok((children, false)),
+                Err(e) => tracing::warn!(snapshot = %snap.id, "live fork failed, forking with fresh sessions: {e}"),
+            }
+        }
+        let children = self.fork_cold(snap, spec, n, timeout).await?;
+        Ok((children, !snap.sessions.is_empty()))
+    }
+
+    /// The snapshot's sandbox and a live template for each of its sessions, if it has sessions,
+    /// all templates are alive, and nesting is possible (architecture, depth).
+    fn live_templates(&self, snap: &SnapshotRow) -> Option<(Arc<Sandbox>, Vec<(SnapSession, Arc<Session>)>)> {
+        if snap.sessions.is_empty() || !bb_sys::ptrace::SUPPORTED {
+            return None;
+        }
+        let parent = self.get(&snap.sandbox_id).ok().filter(|p| !p.is_dead())?;
+        if self.nest_depth(&parent) + 1 > MAX_NEST_DEPTH {
+            tracing::info!(sandbox = %parent.id, "fork chain is {MAX_NEST_DEPTH} deep: children start fresh sessions");
+            return None;
+        }
+        let templates = snap
+            .sessions
+            .iter()
+            .map(|ss| Some((ss.clone(), self.session_templates.get(ss.template.as_deref()?, &parent.id)?)))
+            .collect::<Option<Vec<_>>>()?;
+        Some((parent, templates))
+    }
+
+    /// How many sandboxes `sb` is nested in (0 for a sandbox the daemon started itself).
+    fn nest_depth(&self, sb: &Sandbox) -> usize {
+        let mut depth = 0;
+        let mut cur = sb.nest_parent.clone();
+        while let Some(id) = cur {
+            depth += 1;
+            cur = match self.get(&id) {
+                Ok(p) => p.nest_parent.clone(),
+                Err(_) => self.sandboxes.husk(&id).and_then(|h| h.nest_parent.clone()),
+            };
+        }
+        depth
+    }
+
+    /// Fork with live sessions: `n` sandboxes nested in `parent` (pre-built shells claimed, the
+    /// rest started by the parent's init), each template forked into them from outside
+    /// ([`crate::session::fork`]), each copy registered with its child's init and finished as a
+    /// live session. Pipelined: a child's copies start as soon as the child exists, and each
+    /// copy is attached as soon as it runs.
+    async fn fork_nested(
+        self: &Arc<Self>,
+        parent: &Arc<Sandbox>,
+        snap: &SnapshotRow,
+        spec: &SandboxSpec,
+        n: u32,
+        timeout: Option<f64>,
+        templates: Vec<(SnapSession, Arc<Session>)>,
+    ) -> Result<Vec<Arc<Sandbox>>> {
+        use futures::stream::{FuturesUnordered, StreamExt};
+        let t0 = Instant::now();
+        let n = n as usize;
+        // The session copies are moved into the children's cgroups: get the kernel's migration
+        // lock ready while the shells are claimed.
+        {
+            let (cg, init) = (parent.cgroup.clone(), parent.init_pid);
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = cg.warm_migrations(init) {
+                    tracing::debug!("cgroup migration warm-up: {e}");
+                }
+            });
+        }
+        // Host pids of the templates (they live in the parent's cgroup).
+        let hosts: HashMap<i32, i32> = parent
+            .cgroup
+            .pids()?
+            .into_iter()
+            .filter_map(|h| Some((*bb_sys::process::ns_pids(h)?.last()?, h)))
+            .collect();
+        let hosts = templates
+            .iter()
+            .map(|(ss, t)| hosts.get(&t.pid).copied().ok_or_else(|| RuntimeError::Conflict(format!("template of session {} is gone", ss.id))))
+            .collect::<Result<Vec<i32>>>()?;
+        // No request may reach a template while it is driven from outside.
+        let mut exclusive = Vec::new();
+        for (_, t) in &templates {
+            exclusive.push(t.exclusive().await);
+        }
+        // One forking job per template, fed the children as they come.
+        let (res_tx, mut res_rx) = tokio::sync::mpsc::unbounded_channel::<(usize, usize, Result<sessionfork::SessionCopy>)>();
+        let mut feeds = Vec::new();
+        let mut jobs = Vec::new();
+        for (ti, host) in hosts.iter().copied().enumerate() {
+            let (tx, rx) = std::sync::mpsc::channel::<sessionfork::Target>();
+            feeds.push(tx);
+            let (res_tx, key) = (res_tx.clone(), self.cfg.setns_key);
+            jobs.push(tokio::task::spawn_blocking(move || {
+                let out = |ci: usize, r: Result<sessionfork::SessionCopy>| {
+                    let _ = res_tx.send((ti, ci, r));
+                };
+                sessionfork::fork_stream(host, n, rx, key, &out)
+            }));
+        }
+        drop(res_tx);
+        // Children: claimed shells first, then fresh ones.
+        let shells = self.fork_shells.state.lock().take(&parent.id, n);
+        let claimed = shells.len();
+        let mut making: FuturesUnordered<std::pin::Pin<Box<dyn std::future::Future<Output = (usize, Result<Arc<Sandbox>>)> + Send>>> = FuturesUnordered::new();
+        for (i, shell) in shells.into_iter().enumerate() {
+            let (rt, parent, snap, spec) = (self.clone(), parent.clone(), snap.clone(), spec.clone());
+            making.push(Box::pin(async move {
+                let r = tokio::task::spawn_blocking(move || rt.claim_shell(shell, &parent, &snap, &spec, timeout)).await.map_err(RuntimeError::Worker).and_then(|r| r);
+                (i, r)
+            }));
+        }
+        for i in claimed..n {
+            let fut = self.create_from(spec.clone(), snap.layers.clone(), Some(snap.id.clone()), timeout, Some(parent.clone()));
+            making.push(Box::pin(async move { (i, fut.await) }));
+        }
+        let mut children: Vec<Option<Arc<Sandbox>>> = vec![None; n];
+        let mut first_err: Option<RuntimeError> = None;
+        let mut attaching = FuturesUnordered::new();
+        let mut copies_left = n * templates.len();
+        let mut t_shells = None;
+        loop {
+            tokio::select! {
+                Some((i, r)) = making.next(), if !making.is_empty() => {
+                    match r {
+                        Ok(child) => {
+                            if i < claimed {
+                                // A claimed shell (create_from watches the ones it starts).
+                                self.watch_init(&child);
+                            }
+                            for feed in &feeds {
+                                let _ = feed.send(sessionfork::Target { index: i, init_pid: child.init_pid, cgroup: child.cgroup.clone() });
+                            }
+                            children[i] = Some(child);
+                        }
+                        Err(e) => {
+                            first_err.get_or_insert(e);
+                            copies_left -= templates.len();
+                        }
+                    }
+                    if making.is_empty() {
+                        feeds.clear(); // the forking jobs end once their queue is drained
+                        t_shells = Some(t0.elapsed());
+                    }
+                }
+                Some((ti, ci, r)) = res_rx.recv(), if copies_left > 0 => {
+                    copies_left -= 1;
+                    match (r, children[ci].clone()) {
+                        (Ok(copy), Some(child)) => {
+                            let ss = templates[ti].0.clone();
+                            attaching.push(async move { self.attach_copy(&child, &ss, copy).await });
+                        }
+                        (Err(e), _) => {
+                            first_err.get_or_insert(e);
+                        }
+                        (Ok(copy), None) => {
+                            // SAFETY: kill(2) of a copy whose child is gone.
+                            unsafe { libc::kill(copy.host_pid, libc::SIGKILL) };
+                        }
+                    }
+                }
+                Some(r) = attaching.next(), if !attaching.is_empty() => {
+                    if let Err(e) = r {
+                        first_err.get_or_insert(e);
+                    }
+                }
+                else => break,
+            }
+        }
+        for j in jobs {
+            match j.await.map_err(RuntimeError::Worker).and_then(|r| r) {
+                Ok(()) => {}
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        drop(exclusive);
+        let children: Vec<Arc<Sandbox>> = children.into_iter().flatten().collect();
+        for c in &children {
+            c.dirty.store(false, Ordering::SeqCst);
+        }
+        tracing::debug!(children = n, claimed, ?t_shells, total = ?t0.elapsed(), "live fork");
+        if let Some(e) = first_err {
+            for c in children {
+                let _ = self.kill(&c.id).await;
+            }
+            return Err(e);
+        }
+        if children.len() != n {
+            let made = children.len();
+            for c in children {
+                let _ = self.kill(&c.id).await;
+            }
+            return Err(super::SnapshotError::ChildrenMissing { made, wanted: n }.into());
+        }
+        // The next fork from this parent finds its shells ready.
+        let want = self.fork_shells.targets.lock().get(&parent.id).copied().unwrap_or(0).max(n);
+        self.refill_shells(parent.clone(), want);
+        if n >= COLLAPSE_MIN_FORK {
+            for ((_, t), host) in templates.iter().zip(&hosts) {
+                self.collapse_template(&t.id, *host);
+            }
+        }
+        Ok(children)
+    }
+
+    /// Make a session copy forked into `child` one of its live sessions: registered with the
+    /// child's init (listed, channel stashed) and added under the snapshot session's id; it is
+    /// finished in place (`{"op":"restored"}`) before its first request
+    /// ([`Session::finish_later`]).
+    async fn attach_copy(&self, child: &Arc<Sandbox>, ss: &SnapSession, copy: sessionfork::SessionCopy) -> Result<()> {
+        let kill_copy = || {
+            // SAFETY: kill(2) of the copy we just made (it is in the child's cgroup).
+            unsafe { libc::kill(copy.host_pid, libc::SIGKILL) };
+        };
+        let Some(ns_pid) = bb_sys::process::ns_pids(copy.host_pid).and_then(|v| v.last().copied()) else {
+            return Err(super::SnapshotError::CopyExited { session: ss.id.clone() }.into());
+        };
+        let keep = copy.chan.try_clone().map_err(RuntimeError::io("socket"))?;
+        if let Err(e) = crate::sandbox::sessions::adopt(child, ns_pid, session::session_tag(&ss.id, &ss.kind, ss.default), ss.id.clone(), &keep).await {
+            kill_copy();
+            return Err(e);
+        }
+        let runner = copy.runner;
+        let s = Session::attach(ss.id.clone(), ss.kind.clone(), ns_pid, now(), copy.chan)?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(child.dirs.logs().join(format!("{}.log", ss.id)))
+            .map_err(RuntimeError::io("session log"))?;
+        s.finish_later(log, runner);
+        child.sessions.lock().await.insert(ss.id.clone(), Arc::new(s));
+        if ss.default {
+            *child.default_session.lock().await = Some(ss.id.clone());
+        }
+        Ok(())
+    }
+
+    /// Keep all sandboxes if every launch succeeded; otherwise kill those that did and return
+    /// the first error.
+    async fn all_or_none(self: &Arc<Self>, results: Vec<Result<Arc<Sandbox>>>) -> Result<Vec<Arc<Sandbox>>> {
+        let mut ok = Vec::new();
+        let mut first_err = None;
+        for r in results {
+            match r {
+                Ok(c) => ok.push(c),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            for c in ok {
+                let _ = self.kill(&c.id).await;
+            }
+            return Err(e);
+        }
+        Ok(ok)
+    }
+
+    /// Start `n` independent sandboxes on `snap`'s layers with its sessions started fresh.
+    async fn fork_cold(self: &Arc<Self>, snap: &SnapshotRow, spec: &SandboxSpec, n: u32, timeout: Option<f64>) -> Result<Vec<Arc<Sandbox>>> {
+        let jobs = (0..n).map(|_| {
+            let rt = self.clone();
+            let (snap, spec) = (snap.clone(), spec.clone());
+            async move {
+                let child = rt.create_from(spec, snap.layers.clone(), Some(snap.id.clone()), timeout, None).await?;
+                let res: Result<()> = async {
+                    let mut map = child.sessions.lock().await;
+                    for ss in &snap.sessions {
+                        let s = crate::sandbox::sessions::create_as(&child, Some(ss.id.clone()), &ss.kind, ss.default, None, &Default::default()).await?;
+                        if ss.default {
+                            *child.default_session.lock().await = Some(ss.id.clone());
+                        }
+                        map.insert(ss.id.clone(), Arc::new(s));
+                    }
+                    Ok(())
+                }
+                .await;
+                // Fresh sessions are not the snapshot's: a checkpoint of the child must not reuse it.
+                child.dirty.store(!snap.sessions.is_empty(), Ordering::SeqCst);
+                match res {
+                    Ok(()) => Ok(child),
+                    Err(e) => {
+                        let _ = rt.kill(&child.id).await;
+                        Err(e)
+                    }
+                }
+            }
+        });
+        self.all_or_none(futures::future::join_all(jobs).await).await
+    }
+}

@@ -1,0 +1,158 @@
+//! Rollback: put a sandbox back at one of its snapshots, files and sessions.
+//!
+//! The snapshot's session templates are forked first (or their spare copies taken, made ahead
+//! by [`crate::session_templates`]); then, in the frozen window, every process but init, the
+//! templates and the new copies is killed and the sandbox pivots onto a fresh writable layer
+//! over the snapshot's chain. A session whose template is gone starts fresh, and the answer
+//! says so (`sessions_restarted`).
+
+use crate::error::{Result, RuntimeError};
+use super::{legacy, ms};
+use crate::model::*;
+use crate::session::{self, Session};
+use crate::snapshot::store::Generation;
+use crate::{now, Runtime};
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+impl Runtime {
+    pub async fn rollback(self: &Arc<Self>, id: &str, req: RollbackRequest) -> Result<RollbackResult> {
+        let t0 = Instant::now();
+        let sb = self.live(id)?;
+        let snap = self.snapshot_row(&req.snapshot)?;
+        if snap.spec.image != sb.spec.image {
+            return Err(RuntimeError::BadRequest(format!(
+                "snapshot {} was taken in a sandbox of image {:?} and this one runs {:?}: fork the snapshot instead",
+                snap.id, snap.spec.image, sb.spec.image
+            )));
+        }
+        let _op = sb.begin_op().await;
+        let gen = sb.gen.lock().clone().ok_or_else(|| legacy(&sb.id))?;
+        let mut sessions_map = sb.sessions.lock().await;
+        let mut default = sb.default_session.lock().await;
+        let old: Vec<Arc<Session>> = sessions_map.values().cloned().collect();
+        let mut guards = Vec::new();
+        for s in &old {
+            guards.push(s.op_lock.lock().await);
+        }
+        let old_pids: HashSet<i32> = old.iter().map(|s| s.pid).collect();
+        let prep = {
+            let (rt, sbc, n, chain) = (self.clone(), sb.clone(), gen.n + 1, snap.layers.clone());
+            tokio::task::spawn_blocking(move || rt.prepare(&sbc, n, chain))
+        };
+        // Fork the templates first: the copies re-resolve their cwd and files by path on their
+        // first request, after the swap below moved them (with everything else) to the new root.
+        // A spare copy made ahead is taken (waiting for one being made), else one is forked.
+        let mut restored: Vec<Option<session::PendingFork>> = Vec::new();
+        for ss in &snap.sessions {
+            let tpl = ss.template.as_deref().and_then(|k| self.session_templates.get_with_spare(k, &sb.id));
+            let forked = match tpl {
+                Some((t, slot)) => {
+                    let spare = slot.lock().await.take();
+                    match spare {
+                        Some(p) if !p.is_gone() => Ok(p),
+                        _ => t.fork_begin("restore").await,
+                    }
+                }
+                None => Err(RuntimeError::Conflict("no live template".into())),
+            };
+            restored.push(match forked {
+                Ok(x) => Some(x),
+                Err(e) => {
+                    tracing::debug!(sandbox = %sb.id, session = %ss.id, "session starts fresh: {e}");
+                    None
+                }
+            });
+        }
+        let t_forked = t0.elapsed();
+        let mut keep = self.session_templates.pids_of(&sb.id);
+        keep.extend(restored.iter().flatten().map(|p| p.pid));
+        let gate = sb.fs_gate.write().await;
+        let t_gate = t0.elapsed();
+        let prep = prep.await;
+        tracing::debug!(?t_gate, t_prep = ?t0.elapsed(), "rollback prep");
+        let swapped = match prep.map_err(RuntimeError::Worker).and_then(|p| p) {
+            Ok(prep) => {
+                let (rt, sbc) = (self.clone(), sb.clone());
+                tokio::task::spawn_blocking(move || {
+                    let mut killed = Vec::new();
+                    rt.swap_prepared(&sbc, prep, None, Some((&keep, &mut killed))).map(|(g, _, _)| (g, killed))
+                })
+                .await
+                .map_err(RuntimeError::Worker)
+                .and_then(|r| r)
+            }
+            Err(e) => Err(e),
+        };
+        let (new_gen, killed) = match swapped {
+            Ok(x) => x,
+            Err(e) => {
+                for p in restored.into_iter().flatten() {
+                    let _ = crate::sandbox::sessions::kill_process(&sb, p.pid).await;
+                }
+                return Err(e);
+            }
+        };
+        let t_swapped = t0.elapsed();
+        // The copies exist (their own start-up overlaps the answer).
+        let mut ready: Vec<Option<(Session, std::os::unix::net::UnixStream)>> = Vec::new();
+        for (ss, p) in snap.sessions.iter().zip(restored) {
+            let Some(p) = p else {
+                ready.push(None);
+                continue;
+            };
+            let pid = p.pid;
+            let r = (|| {
+                let chan = p.channel();
+                let keep = chan.try_clone().map_err(RuntimeError::io("socket"))?;
+                Ok::<_, RuntimeError>((Session::attach(ss.id.clone(), ss.kind.clone(), pid, now(), chan)?, keep))
+            })();
+            ready.push(match r {
+                Ok(x) => Some(x),
+                Err(e) => {
+                    tracing::warn!(sandbox = %sb.id, session = %ss.id, "restored session did not start; it starts fresh: {e}");
+                    let _ = crate::sandbox::sessions::kill_process(&sb, pid).await;
+                    None
+                }
+            });
+        }
+        self.set_gen(&sb, Generation { base: Some(snap.id.clone()), ..new_gen })?;
+        drop(gate);
+        for s in &old {
+            s.forget().await;
+        }
+        drop(guards);
+        sessions_map.clear();
+        *default = None;
+        let mut restarted = false;
+        for (ss, r) in snap.sessions.iter().zip(ready) {
+            let s = match r {
+                Some((s, keep)) => {
+                    let tag = session::session_tag(&ss.id, &ss.kind, ss.default);
+                    crate::sandbox::sessions::adopt_behind_answer(sb.clone(), s.pid, tag, ss.id.clone(), keep, "restored session");
+                    s
+                }
+                None => {
+                    restarted = true;
+                    crate::sandbox::sessions::create_as(&sb, Some(ss.id.clone()), &ss.kind, ss.default, None, &Default::default()).await?
+                }
+            };
+            if ss.default {
+                *default = Some(ss.id.clone());
+            }
+            sessions_map.insert(ss.id.clone(), Arc::new(s));
+        }
+        drop(sessions_map);
+        drop(default);
+        // Sessions started fresh are not the snapshot's: the next checkpoint must not reuse it.
+        sb.dirty.store(restarted, Ordering::SeqCst);
+        self.after_swap(&sb, gen.n, None, Some(gen.upper.clone()));
+        self.make_spares(&sb, snap.sessions.iter().filter_map(|ss| ss.template.clone()).collect());
+        let mut killed: Vec<i32> = killed.into_iter().filter(|p| !old_pids.contains(p)).collect();
+        killed.sort_unstable();
+        tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, total = ?t0.elapsed(), "rollback");
+        Ok(RollbackResult { snapshot: snap.id, sessions_restarted: restarted, killed, took_ms: ms(t0) })
+    }
+}

@@ -1,0 +1,283 @@
+//! The root swap shared by checkpoint, rollback and pool recycling: move a running sandbox
+//! onto a new overlay root without stopping it for longer than a pivot.
+//!
+//! 1. [`Runtime::prepare`], outside the frozen window: a fresh writable layer and a detached
+//!    overlay mount of it over the new chain.
+//! 2. [`Runtime::swap_prepared`]: freeze the cgroup; kill what a rollback kills, or (checkpoint)
+//!    move files open for writing into the new writable layer and ask processes whose working
+//!    directory is in the old root to stop; pivot inside the sandbox ([`super::rootswap`]);
+//!    thaw; move the stopped processes' working directories ([`Stragglers`]); attach the new
+//!    root on the host side (the file API's view).
+//! 3. [`Runtime::after_swap`], behind the answer: unmount the old root, measure a frozen layer,
+//!    delete a discarded one, and compact a deep chain.
+
+use crate::error::{Result, RuntimeError};
+use crate::sandbox::launch::{layer_dir, new_upper};
+use crate::sandbox::procs::{kill_in_sandbox_procfs, ns_pid, own_pids, sandbox_proc};
+use crate::layers::du;
+use super::rootswap;
+use std::os::unix::fs::MetadataExt;
+use crate::sandbox::Sandbox;
+use crate::snapshot::store::Generation;
+use crate::Runtime;
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Lower layers overlayfs stacks at most (`OVL_MAX_STACK`): a deeper chain cannot be mounted.
+pub const OVERLAY_MAX_LOWER: usize = 500;
+
+/// What the frozen window of a checkpoint looks at: the writable layer being frozen, and which
+/// processes (pids in the sandbox's namespace) to spare.
+pub(crate) struct Scan<'a> {
+    pub(crate) old_upper: &'a Path,
+    /// Session templates: frozen copies that never write.
+    pub(crate) templates: &'a HashSet<i32>,
+    /// Live session servers: they move their working directory themselves.
+    pub(crate) sessions: &'a HashSet<i32>,
+}
+
+/// How long a checkpoint waits for the processes it moves to a new working directory to stop;
+/// the rest are moved after the answer (see [`Stragglers`]).
+const REBASE_PATIENCE: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Processes stopped at the thaw to get a working directory in the new root (see
+/// `stale_cwds`), with that directory.
+pub(crate) type StaleCwds = Vec<(bb_sys::ptrace::PendingStop, PathBuf)>;
+
+/// Move the processes of `pending` as each stops, polling them together (one may wait for
+/// another: a `vfork` parent stops only once its child, stopped too, has gone on to `exec`).
+/// Returns those that have not stopped by `until`.
+pub(crate) fn rebase_cwds(mut pending: StaleCwds, until: Option<Instant>) -> StaleCwds {
+    let mut pause = std::time::Duration::from_micros(20);
+    loop {
+        let mut left = Vec::new();
+        for (p, path) in pending {
+            let pid = p.pid();
+            match p.try_wait() {
+                Ok(taken) => rebase_cwd(pid, taken, &path),
+                Err(p) => left.push((p, path)),
+            }
+        }
+        pending = left;
+        if pending.is_empty() || until.is_some_and(|u| Instant::now() >= u) {
+            return pending;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(std::time::Duration::from_millis(5));
+    }
+}
+
+/// Processes a checkpoint asked to stop that had not stopped when it answered. ptrace ties
+/// them to the thread that asked: dropping this waits for them and moves them, so drop it on
+/// that thread, after the answer.
+pub(crate) struct Stragglers(StaleCwds);
+
+impl Drop for Stragglers {
+    fn drop(&mut self) {
+        if !self.0.is_empty() {
+            tracing::debug!(processes = self.0.len(), "moving working directories after the answer");
+            rebase_cwds(std::mem::take(&mut self.0), None);
+        }
+    }
+}
+
+/// Move a process stopped at the thaw (see `stale_cwds`) to the same working directory in the
+/// new root: an injected `chdir(path)` (or `/` if the path is gone). Best effort.
+pub(crate) fn rebase_cwd(pid: i32, taken: bb_sys::SysResult<bb_sys::ptrace::Tracee>, path: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let res = taken.and_then(|mut t| {
+        let mut bytes = path.as_os_str().as_bytes().to_vec();
+        bytes.push(0);
+        let at = t.scratch(bytes.len() + 8);
+        t.write_mem(at, &bytes)?;
+        let r = t.syscall(libc::SYS_chdir, [at, 0, 0, 0, 0, 0])?;
+        if r.ret < 0 {
+            t.write_mem(at, b"/\0")?;
+            t.syscall(libc::SYS_chdir, [at, 0, 0, 0, 0, 0])?;
+        }
+        t.resume()
+    });
+    if let Err(e) = res {
+        tracing::warn!(pid, "moving a working directory to the new root failed: {e}");
+    }
+}
+
+/// The next root of a sandbox, built before the frozen window.
+pub(crate) struct Prepared {
+    lid: String,
+    upper: PathBuf,
+    mnt: std::os::fd::OwnedFd,
+    chain: Vec<String>,
+    n: u64,
+}
+
+impl Runtime {
+    /// Build the next root ahead of the frozen window: a fresh writable layer and a detached
+    /// overlay of it over `chain` (bottom first).
+    pub(crate) fn prepare(&self, sb: &Sandbox, n: u64, chain: Vec<String>) -> Result<Prepared> {
+        let t0 = Instant::now();
+        if chain.len() > OVERLAY_MAX_LOWER {
+            return Err(RuntimeError::Conflict(format!(
+                "the root of sandbox {} would stack {} layers and overlayfs allows {OVERLAY_MAX_LOWER}: compaction \
+                 did not keep up (see the daemon log); fork a snapshot into a new sandbox, or delete snapshots with \
+                 `branchbox snapshot gc`",
+                sb.id,
+                chain.len()
+            )));
+        }
+        let (lid, upper, work) = new_upper(&self.cfg, &sb.dirs, n)?;
+        let t_upper = t0.elapsed();
+        let lower: Vec<PathBuf> = chain.iter().rev().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
+        let r = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &sb.dirs.rootfs_gen(n));
+        tracing::debug!(?t_upper, layers = lower.len(), took = ?t0.elapsed(), "prepared");
+        match r {
+            Ok(mnt) => Ok(Prepared { lid, upper, mnt, chain, n }),
+            Err(e) => {
+                self.remove_layer_dir(&lid);
+                Err(RuntimeError::from(e))
+            }
+        }
+    }
+
+    /// With the sandbox frozen: kill every process but init and `kill`'s keep-set (namespace
+    /// pids; the killed ones are appended), or move files open for writing out of `pin_from`
+    /// (the writable layer being frozen); then swap the root onto `prep`, and thaw.
+    pub(crate) fn swap_prepared(
+        &self,
+        sb: &Sandbox,
+        prep: Prepared,
+        pin_from: Option<&Scan<'_>>,
+        kill: Option<(&HashSet<i32>, &mut Vec<i32>)>,
+    ) -> Result<(Generation, rootswap::PinStats, Stragglers)> {
+        let t0 = Instant::now();
+        sb.cgroup.freeze()?;
+        let t_frozen = t0.elapsed();
+        let mut stale = Vec::new();
+        let res = self.swap_frozen(sb, prep, pin_from, kill, &mut stale);
+        let thawed = sb.cgroup.thaw();
+        let t_thawed = t0.elapsed();
+        // Processes that kept a working directory in the old root stop at the thaw: move them.
+        let stragglers = Stragglers(rebase_cwds(stale, Some(Instant::now() + REBASE_PATIENCE)));
+        // The host-side mount (file API) is swapped after the thaw; the caller holds the file gate.
+        let (gen, pinned, host_clone) = res?;
+        let target = sb.dirs.rootfs_gen(gen.n);
+        std::fs::create_dir_all(&target).map_err(RuntimeError::io("create root mount point"))?;
+        rootswap::attach_host_root(&target, host_clone)?;
+        tracing::debug!(sandbox = %sb.id, ?t_frozen, ?t_thawed, total = ?t0.elapsed(), "root swapped");
+        thawed?;
+        Ok((gen, pinned, stragglers))
+    }
+
+    pub(crate) fn swap_frozen(
+        &self,
+        sb: &Sandbox,
+        prep: Prepared,
+        pin_from: Option<&Scan<'_>>,
+        kill: Option<(&HashSet<i32>, &mut Vec<i32>)>,
+        stale: &mut Vec<(bb_sys::ptrace::PendingStop, PathBuf)>,
+    ) -> Result<(Generation, rootswap::PinStats, std::os::fd::OwnedFd)> {
+        let tq = Instant::now();
+        let rootfs = sb.rootfs();
+        if let Some((keep, killed)) = kill {
+            if kill_in_sandbox_procfs(sb, keep, killed).is_err() {
+                // No procfs of its own to read: ask each member for its pid in the sandbox.
+                for hp in &sb.cgroup.pids()? {
+                    if *hp == sb.init_pid {
+                        continue;
+                    }
+                    let ns = ns_pid(*hp);
+                    if ns.is_some_and(|p| keep.contains(&p)) {
+                        continue;
+                    }
+                    // SAFETY: kill(2) on a member of the sandbox's cgroup (frozen: it dies on thaw).
+                    if unsafe { libc::kill(*hp, libc::SIGKILL) } == 0 {
+                        killed.extend(ns);
+                    }
+                }
+            }
+        }
+        let mut pinned = rootswap::PinStats::default();
+        let mut pinned_files = Vec::new();
+        let pin_from_upper = pin_from.map(|s| s.old_upper);
+        if let Some(scan) = pin_from {
+            let old_upper = scan.old_upper;
+            let dev = std::fs::metadata(&rootfs).map_err(RuntimeError::io("stat sandbox root"))?.dev();
+            // Through the sandbox's own procfs: its pids are what the spare sets hold, and
+            // templates (frozen copies, they never write) need no look.
+            let (proc, nspids) = own_pids(sb, scan.templates).unwrap_or_else(|e| {
+                // Sandbox code cannot unmount or cover its /proc (seccomp denies mounts).
+                tracing::warn!(sandbox = %sb.id, "no procfs of its own to look for files open for writing: {e}");
+                (sandbox_proc(sb), Vec::new())
+            });
+            let files = rootswap::written_files(&proc, &nspids, dev);
+            let others: Vec<i32> = nspids.iter().copied().filter(|p| !scan.sessions.contains(p)).collect();
+            let cwds = rootswap::stale_cwds(&proc, &others, dev);
+            if !cwds.is_empty() {
+                let host: HashMap<i32, i32> = sb.cgroup.pids()?.into_iter().filter_map(|h| Some((ns_pid(h)?, h))).collect();
+                for (ns, path) in cwds {
+                    match host.get(&ns).map(|h| bb_sys::ptrace::PendingStop::request(*h)) {
+                        Some(Ok(p)) => stale.push((p, path)),
+                        Some(Err(e)) => tracing::warn!(sandbox = %sb.id, pid = ns, "cannot move its working directory to the new root: {e}"),
+                        None => {}
+                    }
+                }
+            }
+            tracing::debug!(sandbox = %sb.id, processes = nspids.len(), took = ?tq.elapsed(), "frozen scan");
+            match rootswap::pin_open_files(&files, old_upper, &prep.upper) {
+                Ok(p) => {
+                    pinned = p;
+                    pinned_files = files;
+                }
+                Err(e) => {
+                    rootswap::unpin(&files, old_upper, &prep.upper);
+                    self.remove_layer_dir(&prep.lid);
+                    return Err(e);
+                }
+            }
+        }
+        let Prepared { lid, upper, mnt, chain, n } = prep;
+        match rootswap::swap_root(sb.init_pid, mnt) {
+            Ok(host_clone) => Ok((Generation { upper: lid, mounted: chain.clone(), chain, base: None, n }, pinned, host_clone)),
+            Err(e) => {
+                if let Some(old_upper) = pin_from_upper {
+                    rootswap::unpin(&pinned_files, old_upper, &upper);
+                }
+                self.remove_layer_dir(&lid);
+                Err(e)
+            }
+        }
+    }
+
+    /// Background clean-up after a root swap: the old work dir goes (writes through stale
+    /// references to the old root then fail instead of reaching a frozen layer), the frozen
+    /// layer's size is measured, a discarded writable layer is deleted, deep chains compacted.
+    pub(crate) fn after_swap(self: &Arc<Self>, sb: &Arc<Sandbox>, old_n: u64, measure: Option<String>, discard: Option<String>) {
+        let rt = self.clone();
+        let dir = sb.dirs.dir.clone();
+        let old_root = sb.dirs.rootfs_gen(old_n);
+        let cleanup = tokio::task::spawn_blocking(move || {
+            // Not put off by BEHIND_ANSWER: until the old root is unmounted its layers count as
+            // in use, and a snapshot deleted meanwhile would leave its layer behind.
+            // Behind the requests that follow.
+            let _nice = bb_sys::process::niced_thread(10);
+            if bb_layers::unmount(&old_root).is_ok() {
+                let _ = std::fs::remove_dir(&old_root);
+            }
+            let _ = std::fs::remove_dir_all(dir.join(format!("work-{old_n}")));
+            if let Some(l) = measure {
+                let size = du(&layer_dir(&rt.cfg, &rt.images, &l));
+                let _ = rt.snapshots.records().set_layer_size(&l, size);
+            }
+            if let Some(l) = discard {
+                rt.remove_layer_dir(&l);
+            }
+        });
+        let (rt, sb) = (self.clone(), sb.clone());
+        tokio::spawn(async move {
+            let _ = cleanup.await;
+            rt.maybe_compact(&sb).await;
+        });
+    }
+}

@@ -1,0 +1,243 @@
+//! The state directory: its layout and permissions, and the facts a daemon must agree with to use
+//! it (the id mapping its files are owned by, the setns key sandboxes' seccomp filters carry).
+//!
+//! ```text
+//! <state>/branchbox.db      the state database (crate::db)
+//! <state>/layers/           image layers (bb_layers::ImageStore)
+//! <state>/snaplayers/       writable and snapshot layers (crate::layers)
+//! <state>/sandboxes/<id>/   a sandbox's root mount points, work dirs, logs, control socket
+//! <state>/trash/            layers and dirs being deleted (emptied at start)
+//! <state>/tmp/              scratch space of image builds
+//! <state>/setns.key         the key sandboxes' seccomp filters let the daemon's setns through with
+//! ```
+
+use crate::db::{self, DbResult};
+use crate::error::{Result, RuntimeError};
+use bb_layers::IdMap;
+use parking_lot::Mutex;
+use rusqlite::{params, Connection, OptionalExtension};
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum StateDirError {
+    #[error("state dir {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("init binary {0} not found: build it (`make build`) or pass --init-bin")]
+    InitBinary(PathBuf),
+    #[error("{path}: {problem}: delete it and restart (sandboxes started with the old key must be killed)")]
+    SetnsKey { path: PathBuf, problem: String },
+    #[error("state dir {state_dir}: unreadable id mapping {value:?} in table settings")]
+    IdMapUnreadable { state_dir: PathBuf, value: String },
+}
+
+fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> StateDirError + '_ {
+    move |source| StateDirError::Io { path: path.to_path_buf(), source }
+}
+
+/// Make the state dir's directories with their permissions; returns the database's path.
+/// `sandboxes/` is traverse-only; each sandbox's own directory is 0700 and owned by the
+/// sandbox's host uid (its init must traverse it): host users cannot reach sandbox roots.
+pub fn prepare(state_dir: &Path) -> Result<PathBuf, StateDirError> {
+    use std::os::unix::fs::PermissionsExt;
+    for (sub, mode) in [("sandboxes", 0o711), ("trash", 0o700), ("tmp", 0o700)] {
+        let dir = state_dir.join(sub);
+        std::fs::create_dir_all(&dir).map_err(io_at(&dir))?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).map_err(io_at(&dir))?;
+    }
+    spread_directories(state_dir);
+    Ok(state_dir.join("branchbox.db"))
+}
+
+/// Facts about the state dir itself in the state database (table `settings`).
+pub struct Settings(Mutex<Connection>);
+
+impl Settings {
+    pub fn open(db: &Path) -> DbResult<Settings> {
+        let conn = db::open(db)?;
+        conn.execute_batch("CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);")?;
+        Ok(Settings(Mutex::new(conn)))
+    }
+
+    pub fn get(&self, key: &str) -> DbResult<Option<String>> {
+        Ok(self.0.lock().query_row("SELECT value FROM settings WHERE key = ?1", params![key], |r| r.get(0)).optional()?)
+    }
+
+    pub fn set(&self, key: &str, value: &str) -> DbResult<()> {
+        self.0.lock().execute(
+            "INSERT INTO settings (key, value) VALUES (?1, ?2) ON CONFLICT(key) DO UPDATE SET value = ?2",
+            params![key, value],
+        )?;
+        Ok(())
+    }
+}
+
+/// Images (every file of every layer) and sandbox directories are owned by the host ids of the
+/// id mapping the state dir was set up with: a daemon with another `--uid-base` would start
+/// sandboxes that cannot use any of them. The mapping is recorded on first start and every later
+/// start must match it. A state dir from before the record is judged by its layers' owners.
+pub fn check_idmap(state_dir: &Path, settings: &Settings, idmap: IdMap) -> Result<()> {
+    let want = format!("{}:{}", idmap.host_base, idmap.size);
+    let recorded = match settings.get("idmap")? {
+        Some(v) => {
+            let parsed = v.split_once(':').and_then(|(b, n)| {
+                Some(IdMap {
+                    host_base: b.parse().ok()?,
+                    size: n.parse().ok()?,
+                })
+            });
+            Some(parsed.ok_or_else(|| StateDirError::IdMapUnreadable { state_dir: state_dir.to_path_buf(), value: v.clone() })?)
+        }
+        None => None,
+    };
+    let mismatch = |base: u32, what: &str| {
+        RuntimeError::Conflict(format!(
+            "state dir {} was set up with --uid-base {base} ({what}), but this daemon was started with --uid-base {}: \
+             start it with --uid-base {base}, or use another --state-dir",
+            state_dir.display(),
+            idmap.host_base
+        ))
+    };
+    match recorded {
+        Some(r) if r == idmap => Ok(()),
+        Some(r) if r.size != idmap.size => Err(RuntimeError::Conflict(format!(
+            "state dir {} was set up for {} sandbox ids per user namespace, this daemon maps {}: use the branchboxd it was \
+             set up with, or another --state-dir",
+            state_dir.display(),
+            r.size,
+            idmap.size
+        ))),
+        Some(r) => Err(mismatch(r.host_base, "recorded in its database")),
+        None => {
+            // Layer roots belong to the image's root user: host_base (or an id above it). Those
+            // owned by host root say nothing.
+            let owners = std::fs::read_dir(state_dir.join("layers")).into_iter().flatten().flatten().filter_map(|e| {
+                use std::os::unix::fs::MetadataExt;
+                e.metadata().ok().map(|m| m.uid()).filter(|&u| u != 0)
+            });
+            if let Some(base) = owners.filter(|&u| u < idmap.host_base || u >= idmap.host_base.saturating_add(idmap.size)).min() {
+                return Err(mismatch(base, &format!("its image layers are owned by host uid {base}")));
+            }
+            Ok(settings.set("idmap", &want)?)
+        }
+    }
+}
+
+/// Writable layers (`snaplayers/`) and sandbox directories (`sandboxes/`) are made and deleted
+/// by the thousand. On ext4 without a journal, every new inode skips the group's inodes deleted
+/// in the last minutes (`recently_deleted`, one buffer lookup each): with all of them packed in
+/// the group of their parent, mkdir there gets several times dearer (BENCHMARKS.md has the
+/// numbers). Marked as tops of hierarchies, their
+/// subdirectories are spread over the block groups. Elsewhere (XFS, btrfs, tmpfs) a no-op.
+fn spread_directories(state_dir: &Path) {
+    for sub in ["snaplayers", "sandboxes"] {
+        let dir = state_dir.join(sub);
+        let set = std::fs::create_dir_all(&dir)
+            .and_then(|()| std::fs::File::open(&dir))
+            .map_err(|e| e.to_string())
+            .and_then(|f| bb_sys::mount_api::set_topdir(std::os::fd::AsFd::as_fd(&f)).map_err(|e| e.to_string()));
+        if let Err(e) = set {
+            tracing::debug!(dir = %dir.display(), "cannot mark as top directory: {e}");
+        }
+    }
+}
+
+/// The daemon's setns key: 16 random bytes in `<state>/setns.key` (0600), made on first start.
+/// It must outlive restarts: sandboxes started earlier have it compiled into their filters.
+pub fn load_setns_key(state_dir: &Path) -> Result<[u64; 2], StateDirError> {
+    use std::io::{Read, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = state_dir.join("setns.key");
+    let mut buf = [0u8; 16];
+    match std::fs::File::open(&path) {
+        Ok(mut f) => f
+            .read_exact(&mut buf)
+            .map_err(|e| StateDirError::SetnsKey { path: path.clone(), problem: format!("unreadable ({e})") })?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::File::open("/dev/urandom").and_then(|mut r| r.read_exact(&mut buf)).map_err(io_at(Path::new("/dev/urandom")))?;
+            let tmp = state_dir.join("setns.key.tmp");
+            let mut f =
+                std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp).map_err(io_at(&tmp))?;
+            f.write_all(&buf).and_then(|()| f.sync_all()).map_err(io_at(&tmp))?;
+            std::fs::rename(&tmp, &path).map_err(io_at(&path))?;
+        }
+        Err(e) => return Err(io_at(&path)(e)),
+    }
+    let key = [u64::from_ne_bytes(buf[..8].try_into().expect("8 bytes")), u64::from_ne_bytes(buf[8..].try_into().expect("8 bytes"))];
+    if key == [0, 0] {
+        return Err(StateDirError::SetnsKey { path, problem: "all zeros".into() });
+    }
+    Ok(key)
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_state_dir_keeps_the_uid_base_it_was_set_up_with() {
+        let d = tempfile::tempdir().unwrap();
+        let store = Settings::open(&d.path().join("branchbox.db")).unwrap();
+        let default = IdMap::default();
+        check_idmap(d.path(), &store, default).unwrap();
+        check_idmap(d.path(), &store, default).unwrap();
+        let other = IdMap {
+            host_base: 3_000_000,
+            ..default
+        };
+        let e = check_idmap(d.path(), &store, other).unwrap_err();
+        assert!(matches!(e, RuntimeError::Conflict(_)), "{e:?}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("set up with --uid-base 1000000")
+                && msg.contains("start it with --uid-base 1000000"),
+            "{msg}"
+        );
+        assert!(msg.contains("started with --uid-base 3000000"), "{msg}");
+        // The record is kept: the right base still works afterwards.
+        check_idmap(d.path(), &store, default).unwrap();
+    }
+
+    #[test]
+    fn a_state_dir_from_before_the_record_is_judged_by_its_layers() {
+        let d = tempfile::tempdir().unwrap();
+        let layer = d
+            .path()
+            .join("layers")
+            .join(format!("local:{}", "0".repeat(32)));
+        std::fs::create_dir_all(&layer).unwrap();
+        if nix::unistd::chown(&layer, Some(nix::unistd::Uid::from_raw(1_000_000)), None).is_err() {
+            eprintln!("skipped: chown needs root");
+            return;
+        }
+        let store = Settings::open(&d.path().join("branchbox.db")).unwrap();
+        let e = check_idmap(
+            d.path(),
+            &store,
+            IdMap {
+                host_base: 3_000_000,
+                ..IdMap::default()
+            },
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("start it with --uid-base 1000000"),
+            "{e}"
+        );
+        assert_eq!(
+            store.get("idmap").unwrap(),
+            None,
+            "nothing recorded from a refused start"
+        );
+        check_idmap(d.path(), &store, IdMap::default()).unwrap();
+        assert_eq!(
+            store.get("idmap").unwrap().as_deref(),
+            Some("1000000:65536")
+        );
+    }
+}
