@@ -8,7 +8,7 @@
 //! ├── StateDir(statedir::StateDirError)        Db(db::DbError)
 //! ├── Launch(sandbox::launch::LaunchError)     Init(initconn::InitError)
 //! ├── Session(session::SessionError)           SessionFork(session::fork::SessionForkError)
-//! ├── RootSwap(snapshot::rootswap::RootSwapError)   Snapshot(snapshot::SnapshotError)
+//! ├── RootSwap(sandbox::rootswap::RootSwapError)   Snapshot(snapshot::SnapshotError)
 //! ├── Pool(pool::PoolError)                    Files(sandbox::files::FilesError)
 //! ├── Survivors(sandbox::procs::SurvivorsError)  Layers(bb_layers::LayersError)
 //! ├── Isolation(bb_isolation::IsolationError)  Sys(bb_sys::SysError)
@@ -72,7 +72,7 @@ pub enum RuntimeError {
     #[error(transparent)]
     SessionFork(#[from] crate::session::fork::SessionForkError),
     #[error(transparent)]
-    RootSwap(#[from] crate::snapshot::rootswap::RootSwapError),
+    RootSwap(#[from] crate::sandbox::rootswap::RootSwapError),
     #[error(transparent)]
     Snapshot(#[from] crate::snapshot::SnapshotError),
     #[error(transparent)]

@@ -18,7 +18,7 @@ use crate::sandbox::launch::{self, layer_dir, new_upper, SandboxDirs};
 use crate::model::SandboxSpec;
 use crate::sandbox::Sandbox;
 use crate::snapshot::store::{Generation, SnapshotRow};
-use crate::snapshot::rootswap;
+use crate::sandbox::rootswap;
 use crate::Runtime;
 use std::collections::HashMap;
 use std::path::PathBuf;

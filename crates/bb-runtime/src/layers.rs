@@ -13,6 +13,21 @@ use crate::Runtime;
 use std::collections::HashSet;
 use std::path::Path;
 
+/// Where a live sandbox's root stands: the frozen chain under it and its writable layer.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Generation {
+    /// Writable layer id (a dir under `<state>/snaplayers`).
+    pub upper: String,
+    /// Frozen layers under it, bottom first (what the next mount uses).
+    pub chain: Vec<String>,
+    /// Layers the overlay mounted now uses (differs from `chain` after a compaction).
+    pub mounted: Vec<String>,
+    /// The snapshot the sandbox's state equals while nothing changed since (checkpoint or rollback).
+    pub base: Option<String>,
+    /// Bumped by every root swap; names the overlay work dir (`work-<n>`).
+    pub n: u64,
+}
+
 /// Unrecorded writable layers younger than this are left to the next collection.
 pub(crate) const LAYER_GC_MIN_AGE: std::time::Duration = std::time::Duration::from_secs(120);
 

@@ -346,7 +346,7 @@ pub fn launch_nested(
         .map_err(RuntimeError::from)?;
     let host_view = bb_sys::ns::open_tree(mnt.as_fd(), Path::new(""), bb_sys::ns::OPEN_TREE_CLONE | bb_sys::ns::OPEN_TREE_CLOEXEC)
         .map_err(|e| io("clone root mount", e))?;
-    crate::snapshot::rootswap::attach_host_root(&rootfs, host_view)?;
+    crate::sandbox::rootswap::attach_host_root(&rootfs, host_view)?;
     rb.mounted = true;
     make_cwd(cfg, spec, &rootfs)?;
 

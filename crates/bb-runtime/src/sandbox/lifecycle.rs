@@ -11,7 +11,7 @@ use crate::error::{Result, RuntimeError};
 use crate::model::*;
 use crate::sandbox::launch::{self, SandboxDirs};
 use crate::sandbox::{store, Sandbox};
-use crate::snapshot::store as snapstore;
+use crate::layers::Generation;
 use crate::{now, Runtime};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -153,7 +153,7 @@ impl Runtime {
                 }
             };
             let t_launched = t0.elapsed();
-            let gen = snapstore::Generation { upper: launched.upper.clone(), mounted: chain.clone(), chain, base, n: 0 };
+            let gen = Generation { upper: launched.upper.clone(), mounted: chain.clone(), chain, base, n: 0 };
             let sb = rt.register(id.clone(), spec, launched, gen, nest_in.map(|p| p.id.clone()), timeout)?;
             tracing::debug!(%id, ?t_launched, recorded = ?t0.elapsed(), "sandbox created");
             Ok(sb)
@@ -171,7 +171,7 @@ impl Runtime {
         id: String,
         spec: SandboxSpec,
         launched: launch::Launched,
-        gen: snapstore::Generation,
+        gen: Generation,
         nest_parent: Option<String>,
         timeout: Option<f64>,
     ) -> Result<Arc<Sandbox>> {

@@ -6,6 +6,7 @@ pub mod launch;
 pub mod lifecycle;
 pub mod procs;
 pub mod registry;
+pub mod rootswap;
 pub mod sessions;
 pub mod store;
 
@@ -33,7 +34,7 @@ pub struct Sandbox {
     /// Serialises creation of the default python session used by `/code`.
     pub default_session: tokio::sync::Mutex<Option<String>>,
     /// The layer stack the sandbox stands on (None: created by a daemon without snapshots).
-    pub gen: Mutex<Option<crate::snapshot::store::Generation>>,
+    pub gen: Mutex<Option<crate::layers::Generation>>,
     /// Serialises checkpoint / rollback / fork / evaluate of this sandbox.
     pub ops: tokio::sync::Mutex<()>,
     /// Those operations in flight and when the last one ended (spare copies of templates are
@@ -85,7 +86,7 @@ impl Sandbox {
         created_at: f64,
         expires_at: Option<f64>,
         cgroup: Cgroup,
-        gen: Option<crate::snapshot::store::Generation>,
+        gen: Option<crate::layers::Generation>,
     ) -> Sandbox {
         Sandbox {
             id,

@@ -14,7 +14,7 @@
 //! | list, delete, gc | [`tree`] | the snapshot tree and its collection |
 //!
 //! The root swap that checkpoint and rollback share (prepare the next root, freeze, scan,
-//! pivot, thaw) is [`swap`], its in-namespace mechanics [`rootswap`]. Records live in SQLite
+//! pivot, thaw) is [`swap`], its in-namespace mechanics [`crate::sandbox::rootswap`]. Records live in SQLite
 //! ([`store`]); layer directories in [`crate::layers`]; deep chains are merged by
 //! [`crate::compaction`]. Every operation on one sandbox holds its operation lock
 //! ([`Sandbox::begin_op`]).
@@ -27,7 +27,6 @@ mod checkpoint;
 mod evaluate;
 pub mod fork;
 mod rollback;
-pub mod rootswap;
 pub mod store;
 mod swap;
 mod tree;

@@ -10,7 +10,7 @@ use crate::error::{Result, RuntimeError};
 use super::{legacy, ms};
 use crate::model::*;
 use crate::session::{self, Session};
-use crate::snapshot::store::Generation;
+use crate::layers::Generation;
 use crate::{now, Runtime};
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;

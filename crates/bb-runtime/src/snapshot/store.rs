@@ -36,20 +36,7 @@ pub struct SnapshotRow {
     pub sessions: Vec<SnapSession>,
 }
 
-/// Where a live sandbox's root stands: the frozen chain under it and its writable layer.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Generation {
-    /// Writable layer id (a dir under `<state>/snaplayers`).
-    pub upper: String,
-    /// Frozen layers under it, bottom first (what the next mount uses).
-    pub chain: Vec<String>,
-    /// Layers the overlay mounted now uses (differs from `chain` after a compaction).
-    pub mounted: Vec<String>,
-    /// The snapshot the sandbox's state equals while nothing changed since (checkpoint or rollback).
-    pub base: Option<String>,
-    /// Bumped by every root swap; names the overlay work dir (`work-<n>`).
-    pub n: u64,
-}
+pub use crate::layers::Generation;
 
 pub struct SnapStore {
     conn: Connection,

@@ -5,7 +5,7 @@
 //!    overlay mount of it over the new chain.
 //! 2. [`Runtime::swap_prepared`]: freeze the cgroup; kill what a rollback kills, or (checkpoint)
 //!    move files open for writing into the new writable layer and ask processes whose working
-//!    directory is in the old root to stop; pivot inside the sandbox ([`super::rootswap`]);
+//!    directory is in the old root to stop; pivot inside the sandbox ([`crate::sandbox::rootswap`]);
 //!    thaw; move the stopped processes' working directories ([`Stragglers`]); attach the new
 //!    root on the host side (the file API's view).
 //! 3. [`Runtime::after_swap`], behind the answer: unmount the old root, measure a frozen layer,
@@ -15,10 +15,10 @@ use crate::error::{Result, RuntimeError};
 use crate::sandbox::launch::{layer_dir, new_upper};
 use crate::sandbox::procs::{kill_in_sandbox_procfs, ns_pid, own_pids, sandbox_proc};
 use crate::layers::du;
-use super::rootswap;
+use crate::sandbox::rootswap;
 use std::os::unix::fs::MetadataExt;
 use crate::sandbox::Sandbox;
-use crate::snapshot::store::Generation;
+use crate::layers::Generation;
 use crate::Runtime;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
