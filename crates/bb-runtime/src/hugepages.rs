@@ -36,9 +36,8 @@ const SESSION_THP_WORTH: std::time::Duration = std::time::Duration::from_secs(30
 
 /// What [`Runtime::maybe_collapse_session`] remembers of a live session process. A session that
 /// rewrites its whole heap between checkpoints (e.g. walks every object: reference counts are
-/// writes) splits every huge page back at once: collapsing it again each time costs ~3 ms of
-/// CPU per MiB and saves nothing, so each quick split doubles the checkpoints it waits (up to
-/// 15).
+/// writes) splits every huge page back at once: collapsing it again each time costs CPU and
+/// saves nothing, so each quick split doubles the checkpoints it waits (up to 15).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct SessionThp {
     host: i32,
@@ -144,9 +143,8 @@ impl HugePages {
 impl Runtime {
     /// Back a template's heap with transparent huge pages, once, in the background (at low
     /// priority): forking it then copies a few hundred page-table entries instead of one per
-    /// 4 KiB page (~0.1 ms instead of ~1.2 ms for 50 MiB here). It costs a copy of its memory
-    /// (the template no longer shares those pages with the live session) and tens to hundreds of
-    /// milliseconds of CPU, so only templates forked into many children get it.
+    /// 4 KiB page. It costs a copy of its memory (the template no longer shares those pages with
+    /// the live session) and CPU, so only templates forked into many children get it.
     pub(crate) fn collapse_template(&self, key: &str, host_pid: i32) {
         if !self.hugepages.templates.lock().insert(key.to_string()) {
             return;
@@ -164,8 +162,8 @@ impl Runtime {
     /// 4 KiB pages (at least [`SESSION_COLLAPSE_MIN`]), in the background at low priority and
     /// only while the session is idle (2 MiB at a time under its operation lock, so neither
     /// its code nor a checkpoint waits more than one chunk). Every later checkpoint fork of it
-    /// copies page-middle entries instead of page tables (~0.2 ms instead of ~1.1 ms for
-    /// 50 MiB here), and its templates and their live-fork copies share those huge pages. Writes
+    /// copies page-middle entries instead of page tables, and its templates and their live-fork
+    /// copies share those huge pages. Writes
     /// after a fork split huge pages back into small ones in the writer only; a session
     /// collapsed once is collapsed again when its small pages grew to twice what was left and
     /// [`SESSION_COLLAPSE_MIN`] more.

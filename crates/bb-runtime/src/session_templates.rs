@@ -182,7 +182,7 @@ impl SessionTemplates {
 impl Runtime {
     /// Fork a spare copy of each of these templates of `sb` (that has none) in the background,
     /// behind the answer: the next rollback to one of them takes its spare instead of forking
-    /// the template on its path (~2.5 ms for a 50 MiB session here, most of a rollback). A spare
+    /// the template on its path (most of a rollback's time for a large session). A spare
     /// is exactly what that fork would make (a template never changes): a session that ran
     /// its at-fork hooks and re-resolves its cwd and files by path before its first request.
     /// It idles in `recvmsg`; dropping it (template dropped, too many spares) closes its

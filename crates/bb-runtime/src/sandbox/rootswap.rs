@@ -77,8 +77,11 @@ type NsJob = Box<dyn FnOnce() -> Result<()> + Send>;
 /// spawning one per swap. After each job a thread returns to the host's mount namespace.
 /// A few of them, so that swaps of different sandboxes (a fork's children) do not queue.
 struct NsWorker {
-    tx: parking_lot::Mutex<std::sync::mpsc::Sender<(OwnedFd, NsJob, std::sync::mpsc::Sender<Result<()>>)>>,
+    tx: parking_lot::Mutex<std::sync::mpsc::Sender<NsTask>>,
 }
+
+/// A job for an [`NsWorker`]: the mount namespace to enter, the work, where to answer.
+type NsTask = (OwnedFd, NsJob, std::sync::mpsc::Sender<Result<()>>);
 
 const NS_WORKERS: usize = 4;
 

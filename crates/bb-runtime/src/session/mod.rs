@@ -144,8 +144,8 @@ impl Session {
     /// whatever it shared with the template's sandbox (open sockets, pipes, files elsewhere)
     /// closed; `unmap` is a mapping it inherited from the daemon's work in the template
     /// (address, length), which it removes. Until then it idles in `recvmsg` and runs no code,
-    /// so a fork answers without the copies' post-fork Python work (~0.5 ms of CPU each, most
-    /// of it copy-on-write faults), which each copy does on its first use instead.
+    /// so a fork answers without the copies' post-fork Python work (mostly copy-on-write
+    /// faults), which each copy does on its first use instead.
     pub(crate) fn finish_later(&self, log: std::fs::File, unmap: (u64, u64)) {
         *self.unfinished.lock() = Some(Unfinished { log, unmap });
     }

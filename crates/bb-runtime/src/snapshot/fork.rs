@@ -28,6 +28,12 @@ pub const MAX_FORK: u32 = 64;
 /// Beyond it, children are independent sandboxes whose sessions start fresh.
 pub const MAX_NEST_DEPTH: usize = 24;
 
+/// Each session of a snapshot with its live template.
+type LiveTemplates = Vec<(SnapSession, Arc<Session>)>;
+
+/// A fork child being made (a claimed shell or a fresh nested sandbox), with its index.
+type MakingChild<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = (usize, Result<Arc<Sandbox>>)> + Send + 'a>>;
+
 impl Runtime {
     pub async fn fork(self: &Arc<Self>, id: &str, req: ForkRequest) -> Result<ForkResult> {
         let t0 = Instant::now();
@@ -93,7 +99,7 @@ impl Runtime {
 
     /// The snapshot's sandbox and a live template for each of its sessions, if it has sessions,
     /// all templates are alive, and nesting is possible (architecture, depth).
-    fn live_templates(&self, snap: &SnapshotRow) -> Option<(Arc<Sandbox>, Vec<(SnapSession, Arc<Session>)>)> {
+    fn live_templates(&self, snap: &SnapshotRow) -> Option<(Arc<Sandbox>, LiveTemplates)> {
         if snap.sessions.is_empty() || !bb_sys::ptrace::SUPPORTED {
             return None;
         }
@@ -136,7 +142,7 @@ impl Runtime {
         spec: &SandboxSpec,
         n: u32,
         timeout: Option<f64>,
-        templates: Vec<(SnapSession, Arc<Session>)>,
+        templates: LiveTemplates,
     ) -> Result<Vec<Arc<Sandbox>>> {
         use futures::stream::{FuturesUnordered, StreamExt};
         let t0 = Instant::now();
@@ -186,7 +192,7 @@ impl Runtime {
         // Children: claimed shells first, then fresh ones.
         let shells = self.fork_shells.state.lock().take(&parent.id, n);
         let claimed = shells.len();
-        let mut making: FuturesUnordered<std::pin::Pin<Box<dyn std::future::Future<Output = (usize, Result<Arc<Sandbox>>)> + Send>>> = FuturesUnordered::new();
+        let mut making: FuturesUnordered<MakingChild<'_>> = FuturesUnordered::new();
         for (i, shell) in shells.into_iter().enumerate() {
             let (rt, parent, snap, spec) = (self.clone(), parent.clone(), snap.clone(), spec.clone());
             making.push(Box::pin(async move {
