@@ -9,7 +9,7 @@ PYTHON      ?= python3
 CARGO       ?= cargo
 APT_PKGS    := debootstrap pkg-config build-essential ca-certificates curl xfsprogs
 
-.PHONY: all deps build install python demo test test-rust test-python test-integration openapi clean-state
+.PHONY: all deps build install python demo test lint test-rust test-python test-integration openapi clean-state
 
 all: install
 
@@ -20,6 +20,9 @@ deps:
 	  echo "installing:$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 	@command -v $(CARGO) >/dev/null || { echo "cargo not found: install Rust (rustup) first"; exit 1; }
+	@if command -v rustup >/dev/null; then \
+	  for c in rustfmt clippy; do rustup component list --installed 2>/dev/null | grep -q "^$$c" || rustup component add $$c; done; \
+	fi
 
 ## build: release binaries.
 build: deps
@@ -33,7 +36,7 @@ install: build python
 
 python:
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -e 'python[test]'
+	$(VENV)/bin/pip install -q -e 'python[cli,test]'
 	ln -sf $(VENV)/bin/branchbox $(PREFIX)/bin/branchbox
 
 ## demo: start the daemon on the embedded defaults, build the base image once, run the tour.
@@ -41,6 +44,12 @@ demo: install
 	branchbox daemon status >/dev/null 2>&1 || branchbox daemon start --state-dir $(STATE_DIR) --socket $(SOCKET)
 	branchbox image ls --json | grep -q '"name": *"base"' || branchbox image build base
 	$(VENV)/bin/python examples/tour.py
+
+## lint: formatting and clippy; warnings are errors, and every unsafe block needs a SAFETY comment
+## (clippy::undocumented_unsafe_blocks is denied in the workspace's lints).
+lint: deps
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
 
 ## test: unit + root integration tests (Rust and Python), then the live-daemon suite.
 test: install test-rust test-python test-integration

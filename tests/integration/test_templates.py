@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from branchbox import ConflictError, InvalidArgumentError, NotFoundError, Sandbox, Templates
+from branchbox import ConflictError, InvalidArgumentError, NotFoundError, Sandbox, Snapshots, Templates
 from helpers import URL, api_error, assert_no_host_traces, cgroup_children, expect_output, wait_until
 
 RECIPE_RUN = ["echo hi > /root/recipe", "mkdir -p /srv/app && echo 'x = 1' > /srv/app/conf.py"]
@@ -165,6 +165,7 @@ def test_template_rm(templates, made):
     with pytest.raises(NotFoundError):
         templates.api.get(name)
     assert name not in [t.name for t in templates.api.list()]
+    assert info.snapshot not in [s.id for s in Snapshots(daemon=URL).list()], "the template's snapshot goes with it"
     with pytest.raises(NotFoundError, match=name):
         Sandbox.create(template=name, daemon=URL)
     # A sandbox created from it keeps running (its template's init stays as a husk).
@@ -181,6 +182,8 @@ def test_rebuilding_a_template_replaces_it(templates, made):
     assert second.sandbox_id != first.sandbox_id and second.snapshot != first.snapshot
     assert [t.sandbox_id for t in templates.api.list() if t.name == name] == [second.sandbox_id]
     assert from_template(made, name).files.read("/root/v") == "two\n"
+    snapshots = [s.id for s in Snapshots(daemon=URL).list()]
+    assert first.snapshot not in snapshots and second.snapshot in snapshots, "the replaced template's snapshot went"
     assert_no_host_traces(first.sandbox_id, timeout=30)
 
 

@@ -3,8 +3,9 @@
 //! A live fork's children are sandboxes nested in the parent's namespaces
 //! ([`crate::sandbox::launch::launch_nested`]); making one costs a few milliseconds of the parent init's
 //! and the host's time (namespaces, cgroup, mounts), queued behind each other on a small host.
-//! After a fork of `n` children, the daemon builds up to `n` more shells for that parent in the
-//! background (one at a time, at low priority), so the next fork from it only has to *claim*
+//! After a fork of `n` children, the daemon tops that parent's shells up to `n` (a named
+//! template's `shells` at least; at most [`MAX_PER_PARENT`] per parent and [`MAX_TOTAL`] in all)
+//! in the background (one at a time, at low priority), so the next fork from it only has to *claim*
 //! them: its root is swapped onto the snapshot's layers (the same pivot as a rollback), its
 //! limits set, and it is registered as a sandbox.
 //!

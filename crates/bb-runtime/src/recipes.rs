@@ -172,11 +172,17 @@ impl Runtime {
         Ok(())
     }
 
+    /// Let go of a template's sandbox and its snapshot (sandboxes created from it keep the
+    /// layers they stand on, and its init as a husk).
     async fn release_template_sandbox(self: &Arc<Self>, row: &RecipeRow) {
         self.fork_shells.targets.lock().remove(&row.sandbox_id);
         self.session_templates.unpin_sandbox(&row.sandbox_id);
         if let Err(e) = self.kill_unchecked(&row.sandbox_id).await {
             tracing::warn!(template = %row.name, "killing the template's sandbox: {e}");
+        }
+        match self.delete_snapshot(&row.snapshot, false).await {
+            Ok(()) | Err(RuntimeError::NotFound { .. }) => {}
+            Err(e) => tracing::warn!(template = %row.name, snapshot = %row.snapshot, "deleting the template's snapshot: {e}"),
         }
     }
 

@@ -103,8 +103,7 @@ impl Runtime {
         if let Err(e) = self.gc_layers(Duration::ZERO) {
             tracing::warn!("layer clean-up at start failed: {e}");
         }
-        let _ = std::fs::remove_dir_all(self.cfg.state_dir.join("trash"));
-        let _ = std::fs::create_dir_all(self.cfg.state_dir.join("trash"));
+        crate::statedir::empty_trash(&self.cfg.state_dir);
         Ok(())
     }
 }

@@ -2,14 +2,20 @@
 //! it (the id mapping its files are owned by, the setns key sandboxes' seccomp filters carry).
 //!
 //! ```text
-//! <state>/branchbox.db      the state database (crate::db)
-//! <state>/layers/           image layers (bb_layers::ImageStore)
-//! <state>/snaplayers/       writable and snapshot layers (crate::layers)
-//! <state>/sandboxes/<id>/   a sandbox's root mount points, work dirs, logs, control socket
-//! <state>/trash/            layers and dirs being deleted (emptied at start)
-//! <state>/tmp/              scratch space of image builds
-//! <state>/setns.key         the key sandboxes' seccomp filters let the daemon's setns through with
+//! <state>/                  0711: traversable (sandbox inits reach their own dirs), not listable
+//! <state>/branchbox.db      0600  the state database (crate::db): sandboxes' env vars, specs
+//! <state>/layers/           0700  image layers (bb_layers::ImageStore), layers.lock beside it
+//! <state>/snaplayers/       0700  writable and snapshot layers (crate::layers)
+//! <state>/sandboxes/<id>/   0711 / 0700 (owned by the sandbox's host uid): root mount points,
+//!                           overlay work dirs, logs, the control socket
+//! <state>/trash/            0700  layers and dirs being deleted (emptied at start)
+//! <state>/tmp/, cache/      0700  scratch space and the .deb cache of image builds
+//! <state>/setns.key         0600  the key sandboxes' seccomp filters let the daemon's setns through with
+//! <state>/daemon.lock       one daemon per state dir
 //! ```
+//!
+//! Overlay mounts reach their layers with the daemon's credentials, so no sandbox needs to read
+//! a layer directory by path; host users other than root can read nothing here.
 
 use crate::db::{self, DbResult};
 use crate::error::{Result, RuntimeError};
@@ -39,18 +45,41 @@ fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> StateDirError + '_ {
     move |source| StateDirError::Io { path: path.to_path_buf(), source }
 }
 
-/// Make the state dir's directories with their permissions; returns the database's path.
-/// `sandboxes/` is traverse-only; each sandbox's own directory is 0700 and owned by the
-/// sandbox's host uid (its init must traverse it): host users cannot reach sandbox roots.
+/// Make the state dir's directories with their permissions (also those of a state dir made by
+/// an older daemon, which left it and its database readable by every host user); returns the
+/// database's path. `sandboxes/` is traverse-only; each sandbox's own directory is 0700 and
+/// owned by the sandbox's host uid (its init must traverse it): host users cannot reach
+/// sandbox roots.
 pub fn prepare(state_dir: &Path) -> Result<PathBuf, StateDirError> {
-    use std::os::unix::fs::PermissionsExt;
-    for (sub, mode) in [("sandboxes", 0o711), ("trash", 0o700), ("tmp", 0o700)] {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mode = |p: &Path, m: u32| std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).map_err(io_at(p));
+    std::fs::create_dir_all(state_dir).map_err(io_at(state_dir))?;
+    mode(state_dir, 0o711)?;
+    for (sub, m) in [("sandboxes", 0o711), ("snaplayers", 0o700), ("trash", 0o700), ("tmp", 0o700)] {
         let dir = state_dir.join(sub);
         std::fs::create_dir_all(&dir).map_err(io_at(&dir))?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).map_err(io_at(&dir))?;
+        mode(&dir, m)?;
     }
     spread_directories(state_dir);
-    Ok(state_dir.join("branchbox.db"))
+    let db = state_dir.join("branchbox.db");
+    // Made 0600 before SQLite opens it (its -wal and -shm files take the database's mode).
+    std::fs::OpenOptions::new().create(true).append(true).mode(0o600).open(&db).map_err(io_at(&db))?;
+    for name in ["branchbox.db", "branchbox.db-wal", "branchbox.db-shm"] {
+        let p = state_dir.join(name);
+        if p.exists() {
+            mode(&p, 0o600)?;
+        }
+    }
+    Ok(db)
+}
+
+/// Delete everything in `<state>/trash` (left by a crash mid-delete), keeping the dir.
+pub fn empty_trash(state_dir: &Path) {
+    if let Ok(rd) = std::fs::read_dir(state_dir.join("trash")) {
+        for e in rd.flatten() {
+            let _ = std::fs::remove_dir_all(e.path()).or_else(|_| std::fs::remove_file(e.path()));
+        }
+    }
 }
 
 /// Facts about the state dir itself in the state database (table `settings`).
@@ -178,6 +207,29 @@ pub fn load_setns_key(state_dir: &Path) -> Result<[u64; 2], StateDirError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_state_dir_and_its_database_are_not_readable_by_other_users() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        // As an older daemon left it: everything world-readable.
+        std::fs::create_dir_all(state.join("snaplayers")).unwrap();
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(state.join("branchbox.db-wal"), b"").unwrap();
+        std::fs::set_permissions(state.join("branchbox.db-wal"), std::fs::Permissions::from_mode(0o644)).unwrap();
+        let db = prepare(&state).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&state), 0o711);
+        assert_eq!(mode(&db), 0o600);
+        assert_eq!(mode(&state.join("branchbox.db-wal")), 0o600);
+        assert_eq!(mode(&state.join("snaplayers")), 0o700);
+        assert_eq!(mode(&state.join("sandboxes")), 0o711);
+        std::fs::write(state.join("trash/x"), b"").unwrap();
+        std::fs::create_dir(state.join("trash/y")).unwrap();
+        empty_trash(&state);
+        assert_eq!(std::fs::read_dir(state.join("trash")).unwrap().count(), 0);
+    }
 
     #[test]
     fn a_state_dir_keeps_the_uid_base_it_was_set_up_with() {

@@ -32,7 +32,7 @@ use std::os::unix::net::UnixStream;
 /// is waited for.
 const SEIZE_PATIENCE: std::time::Duration = std::time::Duration::from_millis(500);
 
-/// fd of a session server's channel (see `_session_server.py`).
+/// fd of a session server's channel (see `server.py`).
 pub const CHANNEL_FD: u64 = 3;
 
 /// A sandbox's namespaces as `/proc/<pid>/ns` names, the user namespace first (joining it is

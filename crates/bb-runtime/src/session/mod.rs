@@ -1,6 +1,6 @@
 //! Stateful sessions: a python interpreter or a shell whose state persists between runs.
 //!
-//! A session is one process running `branchbox/_session_server.py` (embedded in the daemon), talking
+//! A session is one process running `session/server.py` (embedded in the daemon), talking
 //! newline-delimited JSON over fd 3, a unix stream socket whose other end the daemon keeps. The
 //! server is single-threaded and idle between requests, so it can be forked at a quiescent point
 //! (checkpoints), and its channel can be replaced after a fork (`{"op":"fork"}` + SCM_RIGHTS).

@@ -71,6 +71,14 @@ get).
   forked again.  On a session that is not a template, "restore" is a plain fork in a
   process group of its own ("reopened":0).
 
+SIGINT (python kind): a KeyboardInterrupt in the user's code, as in an interactive
+python, whatever disposition the server inherited.  One that arrives after the request
+was read but before the code starts, or after the code ended but before the answer is
+written, is that run's error {"name":"KeyboardInterrupt","value":"","traceback":...}
+(result null; the output so far is kept).  One that arrives while the server idles
+between requests is dropped.  The shell kind's server ignores SIGINT: it reaches a
+command through the session's process group.
+
 Process model: single-threaded, fd 0 is /dev/null, only fds 0-3 are open between
 requests (memfds live for one run), and the server idles in recvmsg() - a quiescent
 point where it can fork.  A parent that forked reaps its fork children from a SIGCHLD
@@ -134,7 +142,7 @@ class Channel(object):
                     socket.CMSG_SPACE(MAX_FDS * 4),
                     getattr(socket, "MSG_CMSG_CLOEXEC", 0),
                 )
-            except KeyboardInterrupt:  # a stray SIGINT while idle must not kill us
+            except KeyboardInterrupt:  # only from a SIGINT handler user code installed
                 continue
             for level, kind, cdata in ancdata:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -145,9 +153,12 @@ class Channel(object):
                 return None, []
             self.buf += data
 
-    def send(self, obj):
+    @staticmethod
+    def encode(obj):
         text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-        data = text.encode("utf-8", "replace") + b"\n"
+        return text.encode("utf-8", "replace") + b"\n"
+
+    def write(self, data):
         self.sock.sendall(data)
 
     def close(self):
@@ -225,13 +236,63 @@ def _ensure_std_fds():
         os.close(null)
 
 
+# --------------------------------------------------------------------------- interrupts
+
+
+class Interrupts(object):
+    """The server's SIGINT handler: a KeyboardInterrupt only where the user's code runs.
+
+    Python runs a signal handler between two bytecodes of whatever the main thread
+    executes, so the default handler raises KeyboardInterrupt at any point of the server
+    too: after the user's code returned (the answer then lost its output, fds 1 and 2
+    could stay redirected), while it answers or idles (the exception ended the server).
+    Here the handler raises only while ``user`` is set *and* the interrupted frame is not
+    one of this file's: ``user`` is set and cleared by the server's own frames, and a
+    signal handled there is only counted, so the flag's two stores need no protection.
+    A counted SIGINT becomes the run's error before the answer is written
+    (:meth:`Server.serve`).  The handler writes ``received`` and the server only
+    ``seen``, so no count is lost whichever bytecode the handler runs after.
+
+    A handler the user's code installs replaces this one for the rest of the session,
+    as in plain python.
+    """
+
+    def __init__(self):
+        self.user = False  # the python kind's user code may be running
+        self.received = 0  # SIGINTs counted by the handler
+        self.seen = 0  # ... of which the server has accounted for
+        self.own = globals()  # this file's frames
+        # Installed whatever the inherited disposition: a daemon started in the background
+        # of a non-interactive shell would hand SIG_IGN down to every session.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, _signum, frame):
+        if self.user and frame is not None and frame.f_globals is not self.own:
+            raise KeyboardInterrupt
+        self.received += 1
+
+    def take(self):
+        """True once for any SIGINT counted since the last take() or forget()."""
+        received = self.received
+        if received == self.seen:
+            return False
+        self.seen = received
+        return True
+
+    def forget(self):
+        """Drop what came while the server idled (called once a request was read)."""
+        self.seen = self.received
+
+
 # --------------------------------------------------------------------------- python kind
 
 
 class PythonKernel(object):
     """Runs code in one persistent ``__main__`` namespace."""
 
-    def __init__(self):
+    def __init__(self, interrupts):
+        self.interrupts = interrupts
         self._setup_paths()
         main = types.ModuleType("__main__")
         main.__dict__["__builtins__"] = builtins
@@ -317,21 +378,25 @@ class PythonKernel(object):
                 expr = compile(last, filename, "eval", flags=flags, dont_inherit=True)
         except BaseException as exc:  # SyntaxError, ValueError (null bytes), ...
             return None, _format_error(exc, only=True)
+        interrupts = self.interrupts
         try:
+            interrupts.user = True
+            if interrupts.take():  # came after the request was read: the code does not start
+                raise KeyboardInterrupt
             if _is_coroutine_code(body) or (expr is not None and _is_coroutine_code(expr)):
                 value = _run_async(body, expr, g)
             else:
                 exec(body, g)
                 value = eval(expr, g) if expr is not None else None
+            text = None
+            if value is not None:
+                g["_"] = value
+                text = _fit(_clean(repr(value)), False, MAX_RESULT)[0]
+            interrupts.user = False
         except BaseException as exc:  # SystemExit / KeyboardInterrupt must not kill us
+            interrupts.user = False
             return None, _format_error(exc)
-        if value is None:
-            return None, None
-        g["_"] = value
-        try:
-            return _fit(_clean(repr(value)), False, MAX_RESULT)[0], None
-        except BaseException as exc:
-            return None, _format_error(exc)
+        return text, None
 
 
 def _text_stream(fd):
@@ -778,8 +843,9 @@ def _after_fork_child():
 
 class Server(object):
     def __init__(self, kind):
+        self.interrupts = Interrupts()
         if kind == "python":
-            self.kernel = PythonKernel()
+            self.kernel = PythonKernel(self.interrupts)
         elif kind == "shell":
             self.kernel = ShellKernel()
         else:
@@ -807,14 +873,24 @@ class Server(object):
             if line is None:
                 _close_fds(fds)
                 return
+            self.interrupts.forget()
             try:
                 resp = self.handle(line, fds)
-            except KeyboardInterrupt:
+            except KeyboardInterrupt:  # only from a SIGINT handler user code installed
                 resp = {"error": {"name": "KeyboardInterrupt", "value": "interrupted"}}
             except Exception as exc:  # a bug here must not take the session down
                 resp = {"error": _format_error(exc)}
+            data = self.channel.encode(resp)
+            # Checked after encoding (megabytes of output take a while): a SIGINT counted up
+            # to here came before the answer left, so it is this run's.  One that comes
+            # between this check and the write cannot be: the answer is decided; it is
+            # dropped at the next request like one that came while idle.
+            if _is_python_answer(resp) and resp["error"] is None and self.interrupts.take():
+                resp["result"] = None
+                resp["error"] = _format_error(KeyboardInterrupt(), only=True)
+                data = self.channel.encode(resp)
             try:
-                self.channel.send(resp)
+                self.channel.write(data)
             except OSError:
                 return
 
@@ -1026,6 +1102,11 @@ class Server(object):
                 done = pid
             if done:
                 self.children.discard(pid)
+
+
+def _is_python_answer(resp):
+    """An answer to a python kind's "run" (the only one with "result")."""
+    return "result" in resp and "error" in resp
 
 
 def main(argv=None):

@@ -1,5 +1,6 @@
-//! The root swap shared by checkpoint, rollback and pool recycling: move a running sandbox
-//! onto a new overlay root without stopping it for longer than a pivot.
+//! The root swap of checkpoint and rollback: move a running sandbox onto a new overlay root
+//! without stopping it for longer than a pivot. (Pool recycling and fork-shell claims pivot
+//! with [`crate::sandbox::rootswap::swap_root`] directly: nothing runs in those sandboxes.)
 //!
 //! 1. [`Runtime::prepare`], outside the frozen window: a fresh writable layer and a detached
 //!    overlay mount of it over the new chain.
