@@ -562,11 +562,10 @@ mod imp {
         /// SIGKILL the tracee (for copies that failed half-way).
         pub fn kill(mut self) {
             self.attached = false;
-            // SAFETY: kill(2) and waitpid(2) on our own tracee.
-            unsafe {
-                libc::kill(self.pid, libc::SIGKILL);
-                libc::waitpid(self.pid, std::ptr::null_mut(), libc::__WALL);
-            }
+            // Best effort: a tracee cannot have been reaped by anyone while we trace it.
+            let _ = crate::process::kill(self.pid, libc::SIGKILL);
+            // SAFETY: waitpid(2) on our own tracee, no status wanted.
+            unsafe { libc::waitpid(self.pid, std::ptr::null_mut(), libc::__WALL) };
         }
     }
 
@@ -752,11 +751,10 @@ mod imp {
             t.syscall(libc::SYS_munmap, [runner, RUNNER_BYTES, 0, 0, 0, 0]).unwrap().ok("munmap").unwrap();
             t.resume().unwrap();
             drop(chan);
-            // SAFETY: reaping our children (the helper was the original child's child).
-            unsafe {
-                libc::waitpid(pid, std::ptr::null_mut(), 0);
-                libc::kill(copy_pid, libc::SIGKILL);
-            }
+            // SAFETY: reaping our child, no status wanted.
+            unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
+            // The helper was the original child's child.
+            let _ = crate::process::kill(copy_pid, libc::SIGKILL);
         }
 
         #[test]
@@ -788,11 +786,9 @@ mod imp {
             // It goes on computing where it was: it still writes bytes.
             let mut b = [0u8; 1];
             assert_eq!(nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&p_r), &mut b).unwrap(), 1);
-            // SAFETY: killing and reaping our child.
-            unsafe {
-                libc::kill(pid, libc::SIGKILL);
-                libc::waitpid(pid, std::ptr::null_mut(), 0);
-            }
+            crate::process::kill(pid, libc::SIGKILL).unwrap();
+            // SAFETY: reaping our child, no status wanted.
+            unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
         }
 
         #[test]
@@ -813,11 +809,9 @@ mod imp {
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
             let state = stat.rsplit(')').next().unwrap().split_whitespace().next().unwrap();
             assert_eq!(state, "R", "state {state}");
-            // SAFETY: killing and reaping our child.
-            unsafe {
-                libc::kill(pid, libc::SIGKILL);
-                libc::waitpid(pid, std::ptr::null_mut(), 0);
-            }
+            crate::process::kill(pid, libc::SIGKILL).unwrap();
+            // SAFETY: reaping our child, no status wanted.
+            unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
         }
     }
 }
