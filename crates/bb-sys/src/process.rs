@@ -527,7 +527,7 @@ mod tests {
         let prog = CString::new("/bin/true").unwrap();
         let child = spawn_paused(&NsSpawn {
             program: &prog,
-            argv: &[prog.clone()],
+            argv: std::slice::from_ref(&prog),
             envp: &[],
             fds: &[],
             namespaces: 0,

@@ -312,7 +312,7 @@ mod imp {
         }
 
         /// Continue to the next syscall stop, collecting fork events and parking signals.
-        fn to_syscall_stop(&mut self, child: &mut Option<i32>) -> SysResult<()> {
+        fn advance_to_syscall_stop(&mut self, child: &mut Option<i32>) -> SysResult<()> {
             loop {
                 ptrace(libc::PTRACE_SYSCALL, self.pid, 0, 0)?;
                 let status = wait_stop(self.pid).inspect_err(|_| self.attached = false)?;
@@ -350,8 +350,8 @@ mod imp {
             regs.r9 = args[5];
             set_regs(self.pid, &regs)?;
             let mut child = None;
-            self.to_syscall_stop(&mut child)?; // entry
-            self.to_syscall_stop(&mut child)?; // exit
+            self.advance_to_syscall_stop(&mut child)?; // entry
+            self.advance_to_syscall_stop(&mut child)?; // exit
             let regs = get_regs(self.pid)?;
             Ok(Injected { ret: regs.rax as i64, child })
         }
@@ -768,7 +768,7 @@ mod imp {
                 let mut x: u64 = 0;
                 loop {
                     x = std::hint::black_box(x.wrapping_add(1));
-                    if x % (1 << 26) == 0 {
+                    if x & ((1 << 26) - 1) == 0 {
                         // SAFETY: write(2) of one stack byte to our pipe.
                         unsafe { libc::write(wfd, b"x".as_ptr().cast(), 1) };
                     }
