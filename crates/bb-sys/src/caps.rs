@@ -3,7 +3,7 @@
 //! Both run in a child between a raw `clone3` and `execve` (`bb_isolation::drop_capabilities`),
 //! where another thread of the daemon may have held the allocator's lock at clone time. So they
 //! are one syscall each on stack buffers, async-signal-safe, and never allocate, not even on
-//! error: a [`SysError`] is a `&'static str` and an OS error code.
+//! error: a [`SysError`](crate::SysError) is a `&'static str` and an OS error code.
 
 use crate::{check, SysResult};
 

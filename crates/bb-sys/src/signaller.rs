@@ -3,7 +3,7 @@
 //!
 //! Code that kills takes a `&dyn Signaller` (or a generic `S: Signaller`); the daemon passes
 //! [`Host`], which is [`crate::process::kill`] / [`crate::process::kill_group`]. Tests pass a
-//! [`RecordingSignaller`] (feature `fake`, or this crate's own tests): it records every call
+//! `RecordingSignaller` (feature `fake`, or this crate's own tests): it records every call
 //! and answers `ESRCH` for the pids it was told are gone, like the kernel for a process that
 //! has exited. Both refuse the same arguments (`EINVAL` for a pid <= 0 or a group <= 1), so a
 //! test also catches a kill that would have broadcast.
