@@ -140,6 +140,10 @@ impl Naming {
         match self.names {
             LayerNames::Paths => Ok(dir.as_os_str()),
             LayerNames::Cwd => {
+                // A relative dir is relative to the thread's cwd, not to the dir named before.
+                if dir.is_relative() {
+                    go_home().map_err(|e| ctx.err_for(step, Some(dir), None, e))?;
+                }
                 std::env::set_current_dir(dir)
                     .map_err(|source| ctx.err_for(step, Some(dir), None, SysError { call: "chdir", source }))?;
                 Ok(OsStr::new("."))
@@ -153,15 +157,19 @@ impl Drop for Naming {
         if self.names != LayerNames::Cwd {
             return;
         }
-        HOME.with(|home| {
-            if let Some(Some(home)) = home.get() {
-                if let Err(e) = bb_sys::ns::fchdir(home.as_fd()) {
-                    // Only this thread's cwd is affected, and the daemon resolves no relative path.
-                    tracing::error!("cannot return to the working directory after an overlay mount: {e}");
-                }
-            }
-        });
+        if let Err(e) = go_home() {
+            // Only this thread's cwd is affected, and the daemon resolves no relative path.
+            tracing::error!("cannot return to the working directory after an overlay mount: {e}");
+        }
     }
+}
+
+/// Put the calling thread's cwd back to what it was before [`Naming`] moved it.
+fn go_home() -> Result<(), SysError> {
+    HOME.with(|home| match home.get() {
+        Some(Some(home)) => bb_sys::ns::fchdir(home.as_fd()),
+        _ => Ok(()),
+    })
 }
 
 struct Ctx<'a> {
@@ -480,6 +488,35 @@ mod tests {
             assert_eq!(shows_path, names == LayerNames::Paths, "{names:?}: {opts}");
             assert_eq!(std::env::current_dir().unwrap(), cwd, "{names:?} moved the thread's cwd");
         }
+    }
+
+    /// Relative dirs mean relative to the thread's cwd, for every dir of the stack.
+    #[test]
+    fn relative_dirs_resolve_from_the_threads_cwd() {
+        assert!(nix::unistd::geteuid().is_root(), "this test mounts an overlay; run the tests as root");
+        let d = tempfile::tempdir().unwrap();
+        let cwd = std::env::current_dir().unwrap();
+        // Deeper than the cwd: from inside one layer, the relative path of the next one leads
+        // nowhere (its `..`s do not climb to `/`).
+        let deep = d.path().join("a/b/c/d/e/f/g/h/i/j");
+        assert!(deep.components().count() > cwd.components().count() + 1);
+        let (lower, upper, work) = stack(&deep, 2);
+        // `../..` up to `/` from the cwd, then the absolute path without its leading `/`.
+        let up: PathBuf = cwd.components().skip(1).map(|_| "..").collect();
+        let rel = |p: &Path| up.join(p.strip_prefix("/").unwrap());
+        let lower: Vec<PathBuf> = lower.iter().map(|p| rel(p)).collect();
+        let (upper, work) = (rel(&upper), rel(&work));
+        assert!(lower[0].is_relative() && upper.is_relative());
+        let target = d.path().join("merged");
+        fs::create_dir(&target).unwrap();
+        let mnt = overlay_fd(&OverlaySpec { lower: &lower, upper: &upper, work: &work }, &target).unwrap();
+        move_mount_to(mnt.as_fd(), &target).unwrap();
+        let seen = fs::read_dir(&target).map(|r| r.count());
+        let opts = super_options(&target);
+        unmount(&target).unwrap();
+        assert_eq!(seen.unwrap(), 2);
+        assert!(opts.contains("lowerdir+=.,lowerdir+=.,upperdir=.,workdir=."), "{opts}");
+        assert_eq!(std::env::current_dir().unwrap(), cwd);
     }
 
     /// Cost of overlay_fd with `.` names against paths, same run, alternating (`cargo test -p
