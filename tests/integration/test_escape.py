@@ -12,11 +12,12 @@ import uuid
 
 import pytest
 
-from branchbox import NotFoundError, PathEscapeError
+from branchbox import NotFoundError, PathEscapeError, Pool
 from branchbox.sandbox_sync import health
 from helpers import (
     CGROUP_PARENT,
     CGROUP_ROOT,
+    STATE,
     URL,
     assert_no_host_traces,
     cgroup_file,
@@ -177,6 +178,62 @@ os.symlink("../../../../../../..", "/tmp/up-link")
     with pytest.raises((NotFoundError, PathEscapeError)):
         sbx.files.remove("/tmp/rel-link/x", recursive=True)
     assert os.path.exists(path)
+
+
+def assert_mountinfo_hides_the_state_dir(s, where):
+    """The sandbox's /proc/self/mountinfo (its root overlay's options included) names nothing
+    of the host's state dir."""
+    r = s.commands.run("cat /proc/self/mountinfo")
+    assert r.exit_code == 0, r
+    lines = r.stdout.splitlines()
+    # The root is the last mount at "/": an overlay whose options list its layers (so this
+    # really is the text that used to carry lowerdir=<state>/layers/...).
+    root = [line for line in lines if line.split(" ")[4] == "/"]
+    assert root and " - overlay " in root[-1] and "lowerdir" in root[-1] and "upperdir=" in root[-1], \
+        "%s: no overlay root in\n%s" % (where, r.stdout)
+    needles = {STATE, os.path.realpath(STATE), "/var/lib/"}
+    leaks = [line for line in lines if any(n in line for n in needles)]
+    assert not leaks, "%s: mountinfo shows host paths:\n%s" % (where, "\n".join(leaks))
+
+
+def test_mountinfo_shows_no_host_path_across_checkpoint_rollback_fork_and_recycle(make_sandbox, daemon):
+    """The root overlay is mounted anew by a create, a checkpoint and a rollback (root swaps), a
+    fork (a nested fork shell's root, or a cold start) and a pool recycle: none of them names
+    host paths."""
+    s = make_sandbox()
+    assert_mountinfo_hides_the_state_dir(s, "a new sandbox")
+    s.run_code("x = 41")  # a live session: its fork children are nested
+    s.commands.run("echo one > /root/f")
+    snap = s.checkpoint()
+    assert_mountinfo_hides_the_state_dir(s, "after a checkpoint")
+    s.commands.run("echo two > /root/f")
+    s.rollback(snap)
+    assert s.files.read("/root/f") == "one\n"
+    assert_mountinfo_hides_the_state_dir(s, "after a rollback")
+    for isolated in (False, True):
+        (child,) = s.fork(1, isolated=isolated)
+        try:
+            assert child.info().nested_in == (None if isolated else s.id)
+            assert child.files.read("/root/f") == "one\n"
+            assert_mountinfo_hides_the_state_dir(child, "in an isolated fork child" if isolated else "in a fork child")
+        finally:
+            child.kill()
+
+    pool = Pool(daemon=URL)
+    try:
+        pool.set("base", 0, 1)  # no refill: a kill recycles into the one slot
+        a = make_sandbox()
+        init_pid = a.info().init_pid
+        recycled = pool.stats().recycled
+        assert a.kill() is True
+        assert pool.stats().recycled == recycled + 1
+        b = make_sandbox()
+        assert b.info().init_pid == init_pid, "b must be a's recycled shell"
+        assert_mountinfo_hides_the_state_dir(b, "in a recycled pool sandbox")
+    finally:
+        pool.set("base", 0, 0)
+        wait_until(lambda: pool.stats().ready("base") == 0, timeout=30, what="the pool of base to drain")
+        pool.close()
 
 
 # ============================================================================ processes

@@ -117,11 +117,10 @@ pub fn spawn_nested(config: &InitConfig, fds: Vec<OwnedFd>) -> Result<i32, Strin
     drop((listener, status, root, log, theirs));
     let kill = |why: String| -> String {
         let mut status = 0;
-        // SAFETY: killing and reaping our own child.
-        unsafe {
-            libc::kill(pid, libc::SIGKILL);
-            libc::waitpid(pid, &mut status, 0);
-        }
+        // Our own child, not yet reaped: the pid cannot name another process.
+        let _ = bb_sys::process::kill(pid, libc::SIGKILL);
+        // SAFETY: reaping our own child into a local status word.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
         if libc::WIFEXITED(status) {
             format!("{why} (exit status {})", libc::WEXITSTATUS(status))
         } else {
@@ -170,8 +169,8 @@ pub fn spawn_nested(config: &InitConfig, fds: Vec<OwnedFd>) -> Result<i32, Strin
         .map_err(|e| format!("procfs for nested init: {e}"))
         .and_then(|m| bb_proto::send(sync.as_raw_fd(), &"proc", &[m.as_raw_fd()]).map_err(|e| format!("hand /proc to nested init: {e}")));
     if let Err(e) = sent {
-        // SAFETY: killing the nested init we started (it waits for its /proc).
-        unsafe { libc::kill(inner, libc::SIGKILL) };
+        // The nested init we started (it waits for its /proc); best effort, we report `e`.
+        let _ = bb_sys::process::kill(inner, libc::SIGKILL);
         return Err(e);
     }
     Ok(inner)

@@ -142,8 +142,9 @@ impl Server {
         if let Some(conn) = self.conns.remove(&fd) {
             if let Some(pid) = conn.owns {
                 if self.procs.get(&pid).is_some_and(|p| p.exit.is_none()) {
-                    // SAFETY: signalling a process group we created.
-                    unsafe { libc::kill(-pid, libc::SIGKILL) };
+                    // A group we created (each spawn is its own session). Best effort: it may
+                    // have exited since.
+                    let _ = bb_sys::process::kill_group(pid, libc::SIGKILL);
                 }
             }
         }
@@ -186,14 +187,15 @@ impl Server {
                 self.reply(fd, &resp);
             }
             Request::Kill { pid, signal, group } => {
-                let target = if group { -pid } else { pid };
-                // SAFETY: kill(2) with plain integers; pid namespace confines the target.
-                let ret = unsafe { libc::kill(target, signal) };
-                let resp = if ret == 0 {
-                    Response::Ok
+                // The pid namespace confines the target.
+                let res = if group {
+                    bb_sys::process::kill_group(pid, signal)
                 } else {
-                    let e = nix::errno::Errno::last();
-                    Response::Error { errno: e as i32, message: format!("kill {pid}: {e}") }
+                    bb_sys::process::kill(pid, signal)
+                };
+                let resp = match res {
+                    Ok(()) => Response::Ok,
+                    Err(e) => Response::Error { errno: e.errno(), message: format!("kill {pid}: {}", e.source) },
                 };
                 self.reply(fd, &resp);
             }

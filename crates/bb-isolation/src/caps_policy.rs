@@ -1,11 +1,13 @@
 //! Capabilities and no_new_privs for the sandbox's first process.
 //!
 //! Both functions run in the child between fork/clone and execve, so they use only prctl(2),
-//! capget(2) and capset(2) and never allocate, not even on error: after a raw `clone3` from a
-//! multi-threaded daemon, another thread may have held the allocator lock at clone time.
+//! capget(2) and capset(2) (through `bb_sys::caps`) and never allocate, not even on error: after
+//! a raw `clone3` from a multi-threaded daemon, another thread may have held the allocator lock
+//! at clone time.
 
 use std::io;
 
+use bb_sys::caps::CapSets;
 use caps::Capability;
 
 use crate::error::{IsolationError, Result};
@@ -31,24 +33,6 @@ pub const DEFAULT_CAPS: &[Capability] = &[
 /// Bit mask of a capability list, in the layout of the `Cap*` lines of `/proc/<pid>/status`.
 pub fn caps_mask(caps: &[Capability]) -> u64 {
     caps.iter().fold(0, |m, c| m | c.bitmask())
-}
-
-const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
-
-/// `struct __user_cap_header_struct` (linux/capability.h).
-#[repr(C)]
-struct CapHeader {
-    version: u32,
-    pid: libc::c_int,
-}
-
-/// `struct __user_cap_data_struct` (linux/capability.h); version 3 uses two of them.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct CapData {
-    effective: u32,
-    permitted: u32,
-    inheritable: u32,
 }
 
 /// Reduce the calling thread to [`DEFAULT_CAPS`]:
@@ -100,45 +84,19 @@ pub fn drop_capabilities() -> Result<()> {
         }
     }
 
-    let mut header = CapHeader {
-        version: LINUX_CAPABILITY_VERSION_3,
-        pid: 0,
+    let cap_err = |e: bb_sys::SysError| IsolationError::Capability {
+        op: e.call,
+        source: e.source,
+        hint: "",
     };
-    let mut data = [CapData::default(); 2];
-    // SAFETY: capget writes two CapData structs (version 3) into `data`, which is exactly that
-    // large; `header` is a valid version-3 header for the calling thread (pid 0).
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_capget,
-            &mut header as *mut CapHeader,
-            data.as_mut_ptr(),
-        )
-    };
-    if ret != 0 {
-        return Err(cap_err("capget", ""));
-    }
-    let permitted = u64::from(data[0].permitted) | (u64::from(data[1].permitted) << 32);
+    let permitted = bb_sys::caps::capget(0).map_err(cap_err)?.permitted;
     let new = permitted & keep;
-    let inheritable = new & bounding_kept;
-    for (i, d) in data.iter_mut().enumerate() {
-        let half = (new >> (32 * i)) as u32;
-        *d = CapData {
-            effective: half,
-            permitted: half,
-            inheritable: (inheritable >> (32 * i)) as u32,
-        };
-    }
-    // SAFETY: capset reads the header and two CapData structs, all valid and initialised.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_capset,
-            &mut header as *mut CapHeader,
-            data.as_ptr(),
-        )
+    let sets = CapSets {
+        effective: new,
+        permitted: new,
+        inheritable: new & bounding_kept,
     };
-    if ret != 0 {
-        return Err(cap_err("capset", ""));
-    }
+    bb_sys::caps::capset(&sets).map_err(cap_err)?;
 
     // SAFETY: PR_CAP_AMBIENT_CLEAR_ALL takes no pointers.
     let ret = unsafe {
@@ -164,14 +122,6 @@ pub fn drop_capabilities() -> Result<()> {
     Ok(())
 }
 
-fn cap_err(op: &'static str, hint: &'static str) -> IsolationError {
-    IsolationError::Capability {
-        op,
-        source: io::Error::last_os_error(),
-        hint,
-    }
-}
-
 /// `prctl(PR_SET_NO_NEW_PRIVS, 1)`: execve can no longer grant privileges (setuid bits, file
 /// capabilities). Inherited by all children, irreversible. [`crate::SeccompFilter::apply`] sets
 /// it too.
@@ -193,9 +143,4 @@ mod tests {
         assert!(!DEFAULT_CAPS.contains(&Capability::CAP_NET_ADMIN));
     }
 
-    #[test]
-    fn cap_structs_have_kernel_layout() {
-        assert_eq!(std::mem::size_of::<CapHeader>(), 8);
-        assert_eq!(std::mem::size_of::<CapData>(), 12);
-    }
 }

@@ -3,7 +3,7 @@
 
 mod common;
 
-use bb_layers::{mount_overlay, new_writable, supports_reflink, unmount, IdMap, LayersError, OverlaySpec};
+use bb_layers::{mount_overlay, new_writable, overlay_fd, supports_reflink, unmount, IdMap, LayersError, OverlaySpec};
 use common::{require_root, Mounted};
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -65,6 +65,68 @@ fn merged_view_and_unmount() {
     assert!(!m.0.join("a").exists());
     unmount(&m.0).unwrap(); // not mounted any more: still Ok
     unmount(&d.path().join("does-not-exist")).unwrap();
+}
+
+/// The super options (the field after the filesystem type and source) of the mountinfo line
+/// whose mount point is `target`.
+fn super_options(target: &Path) -> String {
+    let mi = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let line = mi
+        .lines()
+        .find(|l| l.split(' ').nth(4) == Some(target.to_str().unwrap()))
+        .unwrap_or_else(|| panic!("{} is not in mountinfo", target.display()));
+    let (_, after) = line.split_once(" - ").unwrap();
+    after.splitn(3, ' ').nth(2).unwrap().to_string()
+}
+
+/// A sandbox reads its root's options in /proc/self/mountinfo: they must not name the host's
+/// state dir. Laid out like a real state dir, mounted with overlay_fd as the daemon does.
+#[test]
+fn overlay_options_show_no_host_path() {
+    require_root();
+    let d = tempfile::tempdir().unwrap();
+    let state = d.path().join("state-dir-7f3a");
+    let layers: Vec<PathBuf> = ["sha256:aa", "local:bb", "sl-cc"]
+        .iter()
+        .map(|n| state.join("layers").join(n))
+        .collect();
+    for (i, l) in layers.iter().enumerate() {
+        mkfile(&l.join(format!("f{i}")), &format!("layer {i}"));
+    }
+    let (upper, work) = new_writable(&state.join("sandboxes/sb1"), &IdMap::default()).unwrap();
+    let spec = OverlaySpec {
+        lower: &layers,
+        upper: &upper,
+        work: &work,
+    };
+    let mnt = overlay_fd(&spec, &state.join("sandboxes/sb1/rootfs")).unwrap();
+    let target = d.path().join("attached");
+    fs::create_dir(&target).unwrap();
+    bb_sys::mount_api::move_mount_to(std::os::fd::AsFd::as_fd(&mnt), &target).unwrap();
+    let m = Mounted(target.clone());
+    let opts = super_options(&target);
+
+    // The mount is the stack it was asked for ...
+    for i in 0..layers.len() {
+        assert_eq!(fs::read_to_string(m.0.join(format!("f{i}"))).unwrap(), format!("layer {i}"));
+    }
+    fs::write(m.0.join("new"), "n").unwrap();
+    assert_eq!(fs::read_to_string(upper.join("new")).unwrap(), "n");
+    // ... and its options say nothing of where its dirs live.
+    for leak in [d.path().to_str().unwrap(), "state-dir-7f3a", "layers", "sandboxes", "sha256", "sb1"] {
+        assert!(!opts.contains(leak), "{leak:?} in {opts}");
+    }
+    let named: Vec<&str> = opts
+        .split(',')
+        .filter(|o| o.starts_with("lowerdir") || o.starts_with("upperdir=") || o.starts_with("workdir="))
+        .collect();
+    assert_eq!(named.len(), layers.len() + 2, "{opts}");
+    for o in &named {
+        assert!(o.ends_with("=."), "{o} in {opts}");
+    }
+    assert!(opts.contains("redirect_dir=on"), "{opts}");
+    drop(m);
+    drop(mnt);
 }
 
 /// The snapshot pattern: freeze a sandbox's upper and stack it as a lower of a new overlay. A

@@ -1,12 +1,16 @@
 //! The one place where branchbox makes raw syscalls.
 //!
-//! Everything libc or nix lacks (clone3, pivot_root, openat2, the new mount API) is wrapped here and
-//! returns `Result<_, SysError>`; callers never touch `libc::syscall` themselves.
+//! Everything libc or nix lacks (clone3, pivot_root, openat2, the new mount API, capget/capset)
+//! and kill by pid are wrapped here and return `Result<_, SysError>`; callers never touch
+//! `libc::syscall` or `libc::kill` themselves. [`signaller::Signaller`] is the seam that lets
+//! code which kills processes be tested with a recording double.
 
+pub mod caps;
 pub mod mount_api;
 pub mod ns;
 pub mod process;
 pub mod ptrace;
+pub mod signaller;
 
 use std::io;
 

@@ -288,6 +288,33 @@ pub fn signal_proc_dir(proc_dir: &std::path::Path, sig: i32) -> SysResult<()> {
     check("pidfd_send_signal", ret).map(drop)
 }
 
+/// `kill(pid, sig)`: signal the one process `pid` (`sig` 0 only checks that it exists and may be
+/// signalled). `pid` must be positive: kill(2)'s broadcast forms (0: our process group, -1:
+/// every process we may signal, -N: group N) are refused with `EINVAL` instead of being reached
+/// by a pid that was never set; use [`kill_group`] for a group. Async-signal-safe, never
+/// allocates (also usable between fork and exec).
+pub fn kill(pid: i32, sig: i32) -> SysResult<()> {
+    if pid <= 0 {
+        return Err(SysError { call: "kill", source: std::io::Error::from_raw_os_error(libc::EINVAL) });
+    }
+    // SAFETY: kill(2) with plain integers; pid > 0 names a single process.
+    let ret = unsafe { libc::kill(pid, sig) };
+    check("kill", ret as libc::c_long).map(drop)
+}
+
+/// `kill(-pgid, sig)`: signal every process of process group `pgid` (a session leader's
+/// group id is its pid). `pgid` must be above 1: `kill(-1)` would signal every process we
+/// may signal and `kill(0)` our own group, so those are refused with `EINVAL`.
+/// Async-signal-safe, never allocates.
+pub fn kill_group(pgid: i32, sig: i32) -> SysResult<()> {
+    if pgid <= 1 {
+        return Err(SysError { call: "kill(-pgid)", source: std::io::Error::from_raw_os_error(libc::EINVAL) });
+    }
+    // SAFETY: kill(2) with plain integers; -pgid < -1 names exactly one process group.
+    let ret = unsafe { libc::kill(-pgid, sig) };
+    check("kill(-pgid)", ret as libc::c_long).map(drop)
+}
+
 /// Reap child `pid` once it has exited, waiting at most `timeout` for it to (a killed process
 /// may still be on its way out). Returns whether it was reaped; false also when it is not our
 /// child (ECHILD).
@@ -402,6 +429,66 @@ mod tests {
         assert_eq!(process_start_time(i32::MAX), None);
     }
 
+    /// A child of ours that sleeps until signalled, in a process group of its own.
+    fn sleeper() -> std::process::Child {
+        use std::os::unix::process::CommandExt;
+        std::process::Command::new("/bin/sleep").arg("60").process_group(0).spawn().unwrap()
+    }
+
+    fn signal_of(mut child: std::process::Child) -> Option<i32> {
+        use std::os::unix::process::ExitStatusExt;
+        child.wait().unwrap().signal()
+    }
+
+    #[test]
+    fn kill_signals_a_child_and_probes_with_signal_0() {
+        let child = sleeper();
+        let pid = child.id() as i32;
+        kill(pid, 0).unwrap();
+        kill(pid, libc::SIGTERM).unwrap();
+        assert_eq!(signal_of(child), Some(libc::SIGTERM));
+        // Reaped: the pid names nothing now (pids are not reused this quickly).
+        let e = kill(pid, 0).unwrap_err();
+        assert_eq!((e.call, e.errno()), ("kill", libc::ESRCH), "{e}");
+    }
+
+    #[test]
+    fn kill_of_a_nonexistent_pid_is_esrch() {
+        // Above the kernel's pid_max limit (4M): no process can have it.
+        let e = kill(i32::MAX, libc::SIGKILL).unwrap_err();
+        assert_eq!(e.errno(), libc::ESRCH, "{e}");
+        let e = kill_group(i32::MAX, libc::SIGKILL).unwrap_err();
+        assert_eq!((e.call, e.errno()), ("kill(-pgid)", libc::ESRCH), "{e}");
+    }
+
+    #[test]
+    fn kill_refuses_the_broadcast_forms() {
+        for pid in [0, -1, -2, i32::MIN] {
+            let e = kill(pid, 0).unwrap_err();
+            assert_eq!(e.errno(), libc::EINVAL, "kill({pid}): {e}");
+        }
+        for pgid in [1, 0, -1, -5] {
+            let e = kill_group(pgid, 0).unwrap_err();
+            assert_eq!(e.errno(), libc::EINVAL, "kill_group({pgid}): {e}");
+        }
+    }
+
+    #[test]
+    fn kill_group_reaches_every_member() {
+        use std::os::unix::process::CommandExt;
+        let leader = sleeper();
+        let pgid = leader.id() as i32;
+        let member = std::process::Command::new("/bin/sleep").arg("60").process_group(pgid).spawn().unwrap();
+        let outsider = sleeper();
+        kill_group(pgid, libc::SIGKILL).unwrap();
+        assert_eq!(signal_of(leader), Some(libc::SIGKILL));
+        assert_eq!(signal_of(member), Some(libc::SIGKILL));
+        // Another group is left alone.
+        kill(outsider.id() as i32, 0).unwrap();
+        kill(outsider.id() as i32, libc::SIGTERM).unwrap();
+        assert_eq!(signal_of(outsider), Some(libc::SIGTERM));
+    }
+
     #[test]
     fn spawn_paused_runs_program_only_after_release() {
         let (r, w) = cloexec_pipe().unwrap();
@@ -440,7 +527,7 @@ mod tests {
         let prog = CString::new("/bin/true").unwrap();
         let child = spawn_paused(&NsSpawn {
             program: &prog,
-            argv: &[prog.clone()],
+            argv: std::slice::from_ref(&prog),
             envp: &[],
             fds: &[],
             namespaces: 0,

@@ -312,7 +312,7 @@ mod imp {
         }
 
         /// Continue to the next syscall stop, collecting fork events and parking signals.
-        fn to_syscall_stop(&mut self, child: &mut Option<i32>) -> SysResult<()> {
+        fn advance_to_syscall_stop(&mut self, child: &mut Option<i32>) -> SysResult<()> {
             loop {
                 ptrace(libc::PTRACE_SYSCALL, self.pid, 0, 0)?;
                 let status = wait_stop(self.pid).inspect_err(|_| self.attached = false)?;
@@ -350,8 +350,8 @@ mod imp {
             regs.r9 = args[5];
             set_regs(self.pid, &regs)?;
             let mut child = None;
-            self.to_syscall_stop(&mut child)?; // entry
-            self.to_syscall_stop(&mut child)?; // exit
+            self.advance_to_syscall_stop(&mut child)?; // entry
+            self.advance_to_syscall_stop(&mut child)?; // exit
             let regs = get_regs(self.pid)?;
             Ok(Injected { ret: regs.rax as i64, child })
         }
@@ -562,11 +562,10 @@ mod imp {
         /// SIGKILL the tracee (for copies that failed half-way).
         pub fn kill(mut self) {
             self.attached = false;
-            // SAFETY: kill(2) and waitpid(2) on our own tracee.
-            unsafe {
-                libc::kill(self.pid, libc::SIGKILL);
-                libc::waitpid(self.pid, std::ptr::null_mut(), libc::__WALL);
-            }
+            // Best effort: a tracee cannot have been reaped by anyone while we trace it.
+            let _ = crate::process::kill(self.pid, libc::SIGKILL);
+            // SAFETY: waitpid(2) on our own tracee, no status wanted.
+            unsafe { libc::waitpid(self.pid, std::ptr::null_mut(), libc::__WALL) };
         }
     }
 
@@ -752,11 +751,10 @@ mod imp {
             t.syscall(libc::SYS_munmap, [runner, RUNNER_BYTES, 0, 0, 0, 0]).unwrap().ok("munmap").unwrap();
             t.resume().unwrap();
             drop(chan);
-            // SAFETY: reaping our children (the helper was the original child's child).
-            unsafe {
-                libc::waitpid(pid, std::ptr::null_mut(), 0);
-                libc::kill(copy_pid, libc::SIGKILL);
-            }
+            // SAFETY: reaping our child, no status wanted.
+            unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
+            // The helper was the original child's child.
+            let _ = crate::process::kill(copy_pid, libc::SIGKILL);
         }
 
         #[test]
@@ -770,7 +768,7 @@ mod imp {
                 let mut x: u64 = 0;
                 loop {
                     x = std::hint::black_box(x.wrapping_add(1));
-                    if x % (1 << 26) == 0 {
+                    if x & ((1 << 26) - 1) == 0 {
                         // SAFETY: write(2) of one stack byte to our pipe.
                         unsafe { libc::write(wfd, b"x".as_ptr().cast(), 1) };
                     }
@@ -788,11 +786,9 @@ mod imp {
             // It goes on computing where it was: it still writes bytes.
             let mut b = [0u8; 1];
             assert_eq!(nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&p_r), &mut b).unwrap(), 1);
-            // SAFETY: killing and reaping our child.
-            unsafe {
-                libc::kill(pid, libc::SIGKILL);
-                libc::waitpid(pid, std::ptr::null_mut(), 0);
-            }
+            crate::process::kill(pid, libc::SIGKILL).unwrap();
+            // SAFETY: reaping our child, no status wanted.
+            unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
         }
 
         #[test]
@@ -813,11 +809,9 @@ mod imp {
             let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
             let state = stat.rsplit(')').next().unwrap().split_whitespace().next().unwrap();
             assert_eq!(state, "R", "state {state}");
-            // SAFETY: killing and reaping our child.
-            unsafe {
-                libc::kill(pid, libc::SIGKILL);
-                libc::waitpid(pid, std::ptr::null_mut(), 0);
-            }
+            crate::process::kill(pid, libc::SIGKILL).unwrap();
+            // SAFETY: reaping our child, no status wanted.
+            unsafe { libc::waitpid(pid, std::ptr::null_mut(), 0) };
         }
     }
 }
