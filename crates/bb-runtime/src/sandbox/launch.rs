@@ -130,11 +130,9 @@ impl Drop for Rollback<'_> {
             return;
         }
         if let Some(pid) = self.pid {
-            // SAFETY: signalling and reaping our own child.
-            unsafe {
-                libc::kill(pid, libc::SIGKILL);
-                libc::waitpid(pid, std::ptr::null_mut(), 0);
-            }
+            // Our own child: reaped once it is gone.
+            let _ = bb_sys::process::kill(pid, libc::SIGKILL);
+            bb_sys::process::reap_child(pid, std::time::Duration::from_secs(5));
         }
         if let Some(cg) = self.cgroup.take() {
             let _ = cg.destroy();
@@ -425,8 +423,8 @@ pub fn teardown(cfg: &RuntimeConfig, layout: &CgroupLayout, id: &str, init: Opti
     let mut killed = false;
     if let Some((pid, start)) = init {
         if bb_sys::process::process_start_time(pid) == Some(start) {
-            // SAFETY: the start time matches, so this is still our sandbox's init.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+            // The start time matches, so this is still our sandbox's init.
+            let _ = bb_sys::process::kill(pid, libc::SIGKILL);
             killed = true;
         }
     }

@@ -228,8 +228,8 @@ impl Runtime {
                 }
             }
             sb.dead.store(true, Ordering::SeqCst);
-            // SAFETY: non-blocking reap of a specific pid; ECHILD if it is not our child.
-            unsafe { libc::waitpid(sb.init_pid, std::ptr::null_mut(), libc::WNOHANG) };
+            // It has exited (or is gone): reap it if it is our child.
+            bb_sys::process::reap_child(sb.init_pid, std::time::Duration::ZERO);
         });
     }
 

@@ -174,8 +174,8 @@ fn parallel() -> bool {
 fn drive_second(pid: i32, expected: usize, next: &(dyn Fn() -> Option<Target> + Sync), key: [u64; 2], out: &(dyn Fn(usize, Result<SessionCopy>) + Sync)) {
     // It was resumed by the other thread: `drive` waits until it is back in its syscall.
     let _ = drive(pid, expected, next, key, out, false);
-    // SAFETY: kill(2) of the copy of the template we made for this fork.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
+    // The copy of the template we made for this fork.
+    let _ = bb_sys::process::kill(pid, libc::SIGKILL);
 }
 
 // Layout of the data area of the runner's mapping (see bb_sys::ptrace::RUNNER_DATA).

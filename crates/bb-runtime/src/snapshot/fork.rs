@@ -244,8 +244,8 @@ impl Runtime {
                             first_err.get_or_insert(e);
                         }
                         (Ok(copy), None) => {
-                            // SAFETY: kill(2) of a copy whose child is gone.
-                            unsafe { libc::kill(copy.host_pid, libc::SIGKILL) };
+                            // A copy whose child is gone.
+                            let _ = bb_sys::process::kill(copy.host_pid, libc::SIGKILL);
                         }
                     }
                 }
@@ -301,8 +301,8 @@ impl Runtime {
     /// ([`Session::finish_later`]).
     async fn attach_copy(&self, child: &Arc<Sandbox>, ss: &SnapSession, copy: sessionfork::SessionCopy) -> Result<()> {
         let kill_copy = || {
-            // SAFETY: kill(2) of the copy we just made (it is in the child's cgroup).
-            unsafe { libc::kill(copy.host_pid, libc::SIGKILL) };
+            // The copy we just made (it is in the child's cgroup).
+            let _ = bb_sys::process::kill(copy.host_pid, libc::SIGKILL);
         };
         let Some(ns_pid) = bb_sys::process::ns_pids(copy.host_pid).and_then(|v| v.last().copied()) else {
             return Err(super::SnapshotError::CopyExited { session: ss.id.clone() }.into());

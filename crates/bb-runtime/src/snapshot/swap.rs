@@ -192,8 +192,8 @@ impl Runtime {
                     if ns.is_some_and(|p| keep.contains(&p)) {
                         continue;
                     }
-                    // SAFETY: kill(2) on a member of the sandbox's cgroup (frozen: it dies on thaw).
-                    if unsafe { libc::kill(*hp, libc::SIGKILL) } == 0 {
+                    // A member of the sandbox's cgroup (frozen: it dies on thaw).
+                    if bb_sys::process::kill(*hp, libc::SIGKILL).is_ok() {
                         killed.extend(ns);
                     }
                 }
