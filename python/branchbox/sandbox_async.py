@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-from typing import Any, AsyncIterator, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar, Union
+from typing import Any, AsyncIterator, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 import httpx
 
@@ -20,6 +20,7 @@ from .models import (
     CommandResult,
     EntryInfo,
     Execution,
+    ForkResult,
     GcResult,
     ImageInfo,
     ImageProgress,
@@ -253,7 +254,12 @@ class AsyncSandbox:
 
     async def checkpoint(self, label: Optional[str] = None) -> str:
         """Snapshot the sandbox (filesystem and live sessions); returns the snapshot id."""
-        return (await self._http.call(_core.checkpoint(self.id, label))).id
+        return (await self.checkpoint_info(label)).id
+
+    async def checkpoint_info(self, label: Optional[str] = None) -> SnapshotInfo:
+        """:meth:`checkpoint`, returning the whole :class:`SnapshotInfo` (see
+        :meth:`branchbox.Sandbox.checkpoint_info`)."""
+        return await self._http.call(_core.checkpoint(self.id, label))
 
     async def rollback(self, snapshot: Union[str, SnapshotInfo]) -> RollbackResult:
         """Return the sandbox to ``snapshot``; non-session processes are killed."""
@@ -271,8 +277,20 @@ class AsyncSandbox:
         Each child has its own connection with this sandbox's settings: close (or kill)
         them when done.
         """
+        return (await self.fork_info(n, snapshot, timeout, isolated))[0]
+
+    async def fork_info(
+        self,
+        n: int = 1,
+        snapshot: Union[str, SnapshotInfo, None] = None,
+        timeout: Optional[float] = None,
+        isolated: bool = False,
+    ) -> Tuple[List["AsyncSandbox"], ForkResult]:
+        """:meth:`fork`, also returning the daemon's :class:`ForkResult` (see
+        :meth:`branchbox.Sandbox.fork_info`)."""
         result = await self._http.call(_core.fork(self.id, n, snapshot, timeout, isolated))
-        return [AsyncSandbox(info.id, _http=_AsyncHTTP(self._http.config), info=info) for info in result.sandboxes]
+        children = [AsyncSandbox(info.id, _http=_AsyncHTTP(self._http.config), info=info) for info in result.sandboxes]
+        return children, result
 
     async def snapshots(self) -> List[SnapshotInfo]:
         """The snapshot tree this sandbox belongs to, ordered by creation time."""

@@ -26,6 +26,7 @@ from .models import (
     CommandResult,
     EntryInfo,
     Execution,
+    ForkResult,
     GcResult,
     ImageInfo,
     ImageProgress,
@@ -463,7 +464,12 @@ class Sandbox:
 
     def checkpoint(self, label: Optional[str] = None) -> str:
         """Snapshot the sandbox (filesystem and live sessions); returns the snapshot id."""
-        return self._http.call(_core.checkpoint(self.id, label)).id
+        return self.checkpoint_info(label).id
+
+    def checkpoint_info(self, label: Optional[str] = None) -> SnapshotInfo:
+        """:meth:`checkpoint`, returning the daemon's whole answer: the new snapshot's
+        :class:`SnapshotInfo`, whose ``took_ms`` is the time the checkpoint took in the daemon."""
+        return self._http.call(_core.checkpoint(self.id, label))
 
     def rollback(self, snapshot: Union[str, SnapshotInfo]) -> RollbackResult:
         """Return the sandbox to ``snapshot``; non-session processes are killed."""
@@ -486,8 +492,19 @@ class Sandbox:
         Each child has its own connection with this sandbox's settings: close (or kill)
         them when done, e.g. ``with child: ...``.
         """
+        return self.fork_info(n, snapshot, timeout, isolated)[0]
+
+    def fork_info(
+        self,
+        n: int = 1,
+        snapshot: Union[str, SnapshotInfo, None] = None,
+        timeout: Optional[float] = None,
+        isolated: bool = False,
+    ) -> Tuple[List["Sandbox"], ForkResult]:
+        """:meth:`fork`, also returning the daemon's whole answer: the :class:`ForkResult`
+        (the snapshot forked from, ``sessions_restarted``, ``took_ms``)."""
         result = self._http.call(_core.fork(self.id, n, snapshot, timeout, isolated))
-        return [Sandbox(info.id, _http=_HTTP(self._http.config), info=info) for info in result.sandboxes]
+        return [Sandbox(info.id, _http=_HTTP(self._http.config), info=info) for info in result.sandboxes], result
 
     def snapshots(self) -> List[SnapshotInfo]:
         """The snapshot tree this sandbox belongs to (its own snapshots and its ancestors'),

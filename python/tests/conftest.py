@@ -181,7 +181,7 @@ def daemon(fake: FakeDaemon, monkeypatch: pytest.MonkeyPatch) -> FakeDaemon:
 
 
 def invoke(runner: "CliRunner", *args: str, **kw):
-    from branchbox import cli
+    from branchbox_cli import app as cli
 
     return runner.invoke(cli.app, list(args), **kw)
 

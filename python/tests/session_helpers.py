@@ -1,4 +1,5 @@
-"""Helpers to drive branchbox/_session_server.py the way the daemon does."""
+"""Helpers to drive the in-sandbox session server (crates/bb-runtime/src/session/server.py)
+the way the daemon does."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class SessionClient:
 class SessionProcess(SessionClient):
     """`python3 -I -S -c <source> KIND` with a socketpair end on fd 3."""
 
-    def __init__(self, kind, cwd=None, env=None, python=None):
+    def __init__(self, kind, cwd=None, env=None, python=None, preexec_fn=None):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fd = theirs.fileno()
         # BRANCHBOX_TEST_SESSION_PYTHON runs the server under another interpreter (e.g. 3.9).
@@ -66,6 +67,7 @@ class SessionProcess(SessionClient):
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            preexec_fn=preexec_fn,
         )
         theirs.close()
         super().__init__(ours)

@@ -18,8 +18,10 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import pytest
 
-from branchbox import CommandResult, Execution, bench_cr as cr, cli
-from conftest import cli_runner
+from branchbox import CommandResult, Execution, Sandbox
+from branchbox_bench import cr
+from branchbox_cli import app as cli
+from conftest import BASE, RESULT, SANDBOX, FakeDaemon, cli_runner
 
 CHUNKS = 64
 WORKLOADS = sorted(cr.WORKLOADS.values(), key=lambda w: w.key)
@@ -600,12 +602,21 @@ def test_cli_reports_bench_errors(monkeypatch: pytest.MonkeyPatch) -> None:
 # ----------------------------------------------------------------------------- fork and async warm
 
 
-def test_fork_call_body() -> None:
-    live = cr.fork_call("sb-1", 16, "sn-2", 120.0)
-    assert live.method == "POST" and live.path == "/v1/sandboxes/sb-1/fork"
-    assert live.json == {"count": 16, "snapshot": "sn-2", "timeout": 120.0}
-    iso = cr.fork_call("sb-1", 16, "sn-2", 120.0, isolated=True)
-    assert iso.json == {"count": 16, "snapshot": "sn-2", "timeout": 120.0, "isolated": True}
+@pytest.mark.parametrize("isolated", [False, True])
+def test_fork_and_run_through_the_public_sdk(fake: FakeDaemon, isolated: bool) -> None:
+    kids_json = [dict(SANDBOX, id="sb-kid%d" % i) for i in range(2)]
+    fake.on("POST", BASE + "/fork", {"snapshot": "sn-2", "sandboxes": kids_json, "sessions_restarted": isolated, "took_ms": 7.5}, 201)
+    for k in kids_json:
+        fake.on("POST", "/v1/sandboxes/%s/commands" % k["id"], RESULT)
+    sbx = Sandbox.create(transport=fake.transport())
+    with ThreadPoolExecutor(2) as pool:
+        kids, results, timing = cr.fork_and_run(sbx, "sn-2", 2, "true", pool, isolated=isolated)
+    fork_bodies = [json.loads(r.content) for r in fake.requests if r.url.path == BASE + "/fork"]
+    want = {"count": 2, "snapshot": "sn-2", "timeout": cr.FORK_TTL}
+    assert fork_bodies == [dict(want, isolated=True) if isolated else want]
+    assert [k.id for k in kids] == ["sb-kid0", "sb-kid1"] and all(r.exit_code == 0 for r in results)
+    assert timing["server_ms"] == 7.5 and timing["sessions_restarted"] is isolated
+    assert 0 <= timing["fork_ms"] <= timing["wall_ms"]
 
 
 class FakeKid:

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 import branchbox.sandbox_sync as sync_mod
-from branchbox import bench_start as bs
-from branchbox import cli
+from branchbox_bench import start as bs
+from branchbox_cli import app as cli
 from conftest import IMAGE, RESULT, SANDBOX, cli_runner
 
 DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "BENCHMARKS.md")

@@ -15,7 +15,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from branchbox import CommandResult, Execution, bench, cli
+from branchbox import CommandResult, Execution
+from branchbox_bench import api as bench
+from branchbox_cli import app as cli
 from conftest import BASE, IMAGE, SANDBOX, SID, FakeDaemon, invoke, ndjson
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -162,6 +163,139 @@ def test_python_exits_and_interrupts_do_not_kill_server(py: SessionProcess, code
     if name:
         assert err["name"] == name
     assert py.run("alive")["result"] == "'yes'"
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _block_sigint() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+@pytest.mark.parametrize("preexec", [_ignore_sigint, _block_sigint], ids=["ignored", "blocked"])
+def test_python_sigint_even_when_inherited_ignored_or_blocked(preexec) -> None:
+    """A daemon (or a test run) started in the background of a non-interactive shell hands its
+    children SIGINT ignored: the server must not keep that for the user's code."""
+    s = SessionProcess("python", preexec_fn=preexec)
+    try:
+        r = s.run("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n'not reached'")
+        assert r["error"] is not None and r["error"]["name"] == "KeyboardInterrupt", r
+        assert "<cell-1>" in r["error"]["traceback"] and r["result"] is None
+        assert s.run("'alive'")["result"] == "'alive'"
+    finally:
+        assert s.stop() == 0
+
+
+_KILL_ON_FLUSH = (
+    "import os, signal, sys\n"
+    "class KillOnFlush:\n"
+    "    def write(self, s):\n"
+    "        return len(s)\n"
+    "    def flush(self):\n"
+    "        os.kill(os.getpid(), signal.SIGINT)\n"
+)
+
+
+@pytest.mark.parametrize("last", ["6 * 7", "x = 1"])
+def test_python_sigint_while_the_server_finishes_a_run_is_that_runs_error(py: SessionProcess, last: str) -> None:
+    """The server flushes the user's sys.stdout after the user's code returned: a SIGINT
+    that arrives then is the run's KeyboardInterrupt, and the server's own clean-up
+    (restoring fds 1 and 2, reading the captured output) still happens."""
+    py.run(_KILL_ON_FLUSH)
+    r = py.run("os.write(1, b'before\\n')\nsys.stdout = KillOnFlush()\n" + last)
+    assert r == {
+        "stdout": "before\n",
+        "stderr": "",
+        "result": None,
+        "error": {"name": "KeyboardInterrupt", "value": "", "traceback": "KeyboardInterrupt\n"},
+    }
+    assert _fds(py.proc.pid) == {0, 1, 2, 3}
+    assert py.run("print('next')")["stdout"] == "next\n"  # sys.stdout and fd 1 are the server's again
+
+
+def test_python_sigint_while_idle_is_dropped(py: SessionProcess) -> None:
+    py.run("x = 1")
+    os.kill(py.proc.pid, signal.SIGINT)  # the answer was sent: the server idles (or is about to)
+    assert py.run("x + 1") == {"stdout": "", "stderr": "", "result": "2", "error": None}
+    assert py.request({"op": "ping"})["ok"] is True
+
+
+def test_shell_sigint_reaches_the_command_not_the_server(tmp_path) -> None:
+    sh = SessionProcess("shell", cwd=str(tmp_path), preexec_fn=os.setsid)  # a group of its own, as in a sandbox
+    try:
+        r = sh.run("kill -INT $PPID; echo still running")  # $PPID: the session server
+        assert r == {"stdout": "still running\n", "stderr": "", "exit_code": 0}
+        r = sh.run("kill -INT 0; echo never")  # the process group: the server and bash
+        assert r["exit_code"] == 128 + signal.SIGINT and "never" not in r["stdout"]
+        assert sh.run("echo ok") == {"stdout": "ok\n", "stderr": "", "exit_code": 0}
+    finally:
+        assert sh.stop() == 0
+
+
+@pytest.fixture
+def cpu_load():
+    """A busy loop on every CPU: the server is preempted at arbitrary points."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+SIGINT_ITERATIONS = int(os.environ.get("BRANCHBOX_TEST_SIGINT_ITERATIONS", "50"))
+_CHUNK = 64 * 1024
+# About as long in the user's code (4 MiB written, some work between writes) as in the
+# server's reading, encoding and sending them: the SIGINTs below land on both sides.
+_LOUD = "for _ in range(64):\n    sys.stdout.write(chunk)\n    sum(range(10000))\n42"
+
+
+def _describe(r: dict) -> str:
+    """A short account of an answer (its stdout is megabytes)."""
+    return repr({k: (len(v) if k == "stdout" else v) for k, v in r.items()})
+
+
+def test_python_sigint_around_the_end_of_user_code_under_load(py: SessionProcess, cpu_load) -> None:
+    """SIGINTs sent from outside at times spread over a whole run (user code writing 4 MiB,
+    then the server reading, encoding and sending them) under CPU load. Whenever it lands,
+    the answer is well formed: a KeyboardInterrupt in the user's code, or the run's own
+    error with none of its output (it arrived before the code started) or all of it
+    (after the code ended), or no error (after the answer); and the server lives on with
+    only fds 0-3 open."""
+    full = "x" * (64 * _CHUNK)
+    py.run("import sys\nchunk = 'x' * %d" % _CHUNK)
+    took = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        assert py.run(_LOUD)["result"] == "42"
+        took.append(time.monotonic() - t0)
+    span = 0.8 * sorted(took)[1]
+    seen = {"before code": 0, "in code": 0, "after code": 0, "after answer": 0}
+    for i in range(SIGINT_ITERATIONS):
+        py.send({"op": "run", "code": _LOUD})
+        time.sleep(span * (i % 25) / 24)
+        os.kill(py.proc.pid, signal.SIGINT)
+        r = py.recv()
+        assert {"stdout", "stderr", "result", "error"} <= set(r), _describe(r)
+        err = r["error"]
+        if err is None:
+            assert r["result"] == "42" and r["stdout"] == full, _describe(r)
+            seen["after answer"] += 1
+        else:
+            assert err["name"] == "KeyboardInterrupt" and r["result"] is None, _describe(r)
+            if "<cell-" in err["traceback"]:
+                assert full.startswith(r["stdout"]), _describe(r)
+                seen["in code"] += 1
+            else:  # arrived before the code started (it did not run) or after it ended
+                assert err["traceback"] == "KeyboardInterrupt\n", _describe(r)
+                complete = r["stdout"] == full
+                assert complete or r["stdout"] == "", _describe(r)
+                seen["after code" if complete else "before code"] += 1
+        assert py.request({"op": "ping"})["ok"] is True, (i, seen)
+        assert _fds(py.proc.pid) == {0, 1, 2, 3}, (i, seen)
+    assert py.run("print('ok')")["stdout"] == "ok\n", seen
 
 
 def test_python_fd_level_capture(py: SessionProcess) -> None:

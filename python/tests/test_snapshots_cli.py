@@ -9,7 +9,8 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from branchbox import RollbackResult, SnapshotInfo, cli
+from branchbox import RollbackResult, SnapshotInfo
+from branchbox_cli import app as cli
 from conftest import BASE, SANDBOX, SID, FakeDaemon, invoke, one_red_line
 from test_snapshots_sdk import CHECKPOINT, CHILD1, CHILD2, FORK, GC, ROLLBACK, SN1, SN2, SN3, SNAP, SNAP2
 

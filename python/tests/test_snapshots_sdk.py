@@ -199,6 +199,12 @@ def test_checkpoint(sbx: Sandbox, fake: FakeDaemon) -> None:
     assert fake.body() == {"label": "before tests"}
 
 
+def test_checkpoint_info_is_the_whole_answer(sbx: Sandbox, fake: FakeDaemon) -> None:
+    info = sbx.checkpoint_info("l")
+    assert shape(fake) == ("POST", BASE + "/checkpoint", {"label": "l"})
+    assert isinstance(info, SnapshotInfo) and info.id == SN1 and info.took_ms == 12.5
+
+
 def test_rollback(sbx: Sandbox, fake: FakeDaemon) -> None:
     r = sbx.rollback(SN1)
     assert shape(fake) == ("POST", BASE + "/rollback", {"snapshot": SN1})
@@ -224,6 +230,16 @@ def test_fork_children_share_connection_config(fake: FakeDaemon) -> None:
     children[0].commands.run("true")
     assert fake.last.url.path == "/v1/sandboxes/sb-child000001/commands"
     assert fake.last.headers["authorization"] == "Bearer tok"
+    for c in children:
+        c.close()
+
+
+def test_fork_info_returns_the_children_and_the_answer(sbx: Sandbox, fake: FakeDaemon) -> None:
+    children, result = sbx.fork_info(2, snapshot=SN1, timeout=60, isolated=True)
+    assert shape(fake) == ("POST", BASE + "/fork", {"count": 2, "snapshot": SN1, "timeout": 60, "isolated": True})
+    assert isinstance(result, ForkResult) and result.took_ms == 8.0 and result.snapshot == SN1
+    assert [c.id for c in children] == [s.id for s in result.sandboxes] == ["sb-child000001", "sb-child000002"]
+    assert all(isinstance(c, Sandbox) and c._http.config is sbx._http.config for c in children)
     for c in children:
         c.close()
 
@@ -345,6 +361,17 @@ async def test_async_fork(asbx: AsyncSandbox, fake: FakeDaemon) -> None:
         await c.close()
 
 
+async def test_async_checkpoint_info_and_fork_info(asbx: AsyncSandbox, fake: FakeDaemon) -> None:
+    info = await asbx.checkpoint_info()
+    assert shape(fake) == ("POST", BASE + "/checkpoint", {}) and info.took_ms == 12.5
+    children, result = await asbx.fork_info(2, isolated=True)
+    assert shape(fake) == ("POST", BASE + "/fork", {"count": 2, "isolated": True})
+    assert result.took_ms == 8.0 and [c.id for c in children] == ["sb-child000001", "sb-child000002"]
+    assert all(isinstance(c, AsyncSandbox) for c in children)
+    for c in children:
+        await c.close()
+
+
 async def test_async_bad_input_sends_nothing(asbx: AsyncSandbox, fake: FakeDaemon) -> None:
     before = len(fake.requests)
     with pytest.raises(InvalidArgumentError):
@@ -380,7 +407,7 @@ def _public(cls):
     return {n: getattr(cls, n) for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n)) and n != "close"}
 
 
-SNAPSHOT_METHODS = ["checkpoint", "rollback", "fork", "snapshots", "evaluate"]
+SNAPSHOT_METHODS = ["checkpoint", "checkpoint_info", "rollback", "fork", "fork_info", "snapshots", "evaluate"]
 
 
 @pytest.mark.parametrize("name", SNAPSHOT_METHODS)

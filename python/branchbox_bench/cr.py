@@ -62,10 +62,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from . import _core
-from .bench import percentile, stats_row
-from .exceptions import SandboxError
-from .sandbox_sync import Images, Sandbox, Snapshots, _HTTP, health
+from branchbox import Images, Sandbox, SandboxError, Snapshots
+from branchbox.sandbox_sync import health
+
+from .stats import percentile, stats_row
 
 __all__ = [
     "BenchError",
@@ -1331,7 +1331,7 @@ class BranchboxBackend(_Backend):
         return self.sandbox.run_code(code, timeout=60)
 
     def checkpoint(self, node: int) -> Optional[float]:
-        info = self.sandbox._http.call(_core.checkpoint(self.sandbox.id, "node %d" % node))
+        info = self.sandbox.checkpoint_info("node %d" % node)
         self.sids[node] = info.id
         return info.took_ms
 
@@ -1484,11 +1484,9 @@ def fork_and_run(
     request alone), ``server_ms`` (its ``took_ms``), ``sessions_restarted`` (the API's).
     ``isolated``: independent children with fresh sessions (``"isolated": true``).
     """
-    call = fork_call(sbx.id, n, snapshot, FORK_TTL, isolated)
     t0 = time.perf_counter()
-    res = sbx._http.call(call)
+    kids, res = sbx.fork_info(n, snapshot, FORK_TTL, isolated)
     t_fork = time.perf_counter()
-    kids = [Sandbox(info.id, _http=_HTTP(sbx._http.config), info=info) for info in res.sandboxes]
     try:
         results = list(pool.map(lambda k: k.commands.run(cmd, cwd=cwd, timeout=120), kids))
         t_done = time.perf_counter()
@@ -1510,15 +1508,6 @@ def fork_and_run(
         "sessions_restarted": res.sessions_restarted,
     }
     return kids, results, timing
-
-
-def fork_call(sandbox_id: str, n: int, snapshot: Optional[str], ttl: float, isolated: bool = False) -> Any:
-    """``POST /v1/sandboxes/{id}/fork``; ``isolated`` adds ``"isolated": true`` (independent
-    children, fresh sessions) to the body itself, whatever the SDK's version."""
-    call = _core.fork(sandbox_id, n, snapshot, ttl)
-    if isolated:
-        call.json = dict(call.json or {}, isolated=True)
-    return call
 
 
 def check_children_sessions(

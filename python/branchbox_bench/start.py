@@ -37,9 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from .bench import percentile, stats_row
-from .exceptions import NotFoundError, SandboxError
-from .sandbox_sync import Images, Pool, Sandbox, Templates
+from branchbox import Images, NotFoundError, Pool, Sandbox, SandboxError, Templates
+
+from .stats import percentile, stats_rows, summary_tail_lines
 
 __all__ = [
     "SUMMARY_KEYS",
@@ -276,12 +276,7 @@ class StartResult:
 
     def rows(self) -> List[List[str]]:
         """Table rows: metric, samples, p50, p99, min, max (ms)."""
-        rows = []
-        for metric in METRICS:
-            xs = self.samples.get(metric) or []
-            if xs:
-                rows.append(stats_row(metric, xs))
-        return rows
+        return stats_rows(self.samples, METRICS)
 
 
 def report_lines(s: Dict[str, Any]) -> List[str]:
@@ -323,12 +318,7 @@ def report_lines(s: Dict[str, Any]) -> List[str]:
         "cgroup placement: %s (p50 %s); pool refill p50 %s"
         % (s.get("cgroup_placement") or "-", num(s.get("cgroup_placement_ms_p50"), " ms", "%.2f"), num(s.get("pool_refill_ms_p50"), " ms")),
     ]
-    met = s.get("targets_met") or {}
-    if met:
-        lines.append("targets: " + ", ".join("%s=%s" % (k, {True: "yes", False: "NO", None: "-"}[v]) for k, v in met.items()))
-    for note in s.get("notes") or []:
-        lines.append("note: " + note)
-    return lines
+    return lines + summary_tail_lines(s)
 
 
 # ----------------------------------------------------------------------------- the run

@@ -14,15 +14,15 @@ The summary's ``exec_vs_host_ratio`` is ``exec_true_ms_p50 / host_spawn_true_ms_
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
-from .exceptions import SandboxError
-from .sandbox_sync import Sandbox
+from branchbox import Sandbox, SandboxError
+
+from .stats import percentile, stats_rows
 
 __all__ = ["percentile", "BenchResult", "run_api_bench", "SUMMARY_KEYS"]
 
@@ -39,25 +39,6 @@ SUMMARY_KEYS = (
 )
 METRICS = ("create", "exec_true", "run_code", "files_write_4k", "host_spawn_true")
 WARMUP = 3
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) with linear interpolation between closest ranks
-    (numpy's default method)."""
-    if not values:
-        raise ValueError("percentile of an empty sample")
-    if not 0 <= q <= 100:
-        raise ValueError("percentile must be within 0..100")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * (q / 100.0)
-    lo = int(math.floor(pos))
-    hi = int(math.ceil(pos))
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def stats_row(label: str, xs: Sequence[float], digits: int = 2) -> List[str]:
-    """A table row for the samples ``xs`` (not empty): label, samples, p50, p99, min, max."""
-    return [label, str(len(xs))] + ["%.*f" % (digits, v) for v in (percentile(xs, 50), percentile(xs, 99), min(xs), max(xs))]
 
 
 @dataclass
@@ -90,12 +71,7 @@ class BenchResult:
 
     def rows(self) -> List[List[str]]:
         """Table rows: metric, samples, p50, p99, min, max (ms)."""
-        rows = []
-        for metric in METRICS:
-            xs = self.samples.get(metric) or []
-            if xs:
-                rows.append(stats_row(metric, xs, digits=3))
-        return rows
+        return stats_rows(self.samples, METRICS, digits=3)
 
 
 def _ms(fn: Callable[[], Any]) -> float:

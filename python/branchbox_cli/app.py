@@ -5,38 +5,44 @@ Errors print one red line on stderr and exit 1; set ``BRANCHBOX_DEBUG=1`` for tr
 
 # No `from __future__ import annotations`: typer evaluates these annotations at runtime
 # and must work on Python 3.9.
-import functools
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, TypeVar
+from typing import Any, Callable, Dict, List, Optional
 
 import typer
-from rich.console import Console, Group
+from rich.console import Group
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from . import _core
-from . import bench as bench_mod
-from ._transport import DEFAULT_SOCKET
-from .exceptions import SandboxError
-from .models import ImageProgress, PoolStats, RollbackResult, SnapshotInfo
-from .sandbox_sync import Images, Pool, Sandbox, Snapshots, Templates, health
+from branchbox import (
+    ImageProgress,
+    Images,
+    Pool,
+    PoolStats,
+    RollbackResult,
+    Sandbox,
+    SandboxError,
+    SnapshotInfo,
+    Snapshots,
+    Templates,
+)
+from branchbox import _core
+from branchbox._transport import DEFAULT_SOCKET
+from branchbox.sandbox_sync import health
+
+from .base import Ctx, cli_errors, ctx_of, err, fail, fmt_bytes, fmt_num, out, print_json
+from .bench import bench_app
+from .files import files_app
 
 DEFAULT_STATE_DIR = "/var/lib/branchbox"
 DEFAULT_PIDFILE = "/run/branchbox/branchboxd.pid"
 DAEMON_BIN_ENV = "BRANCHBOX_DAEMON_BIN"
-DEBUG_ENV = "BRANCHBOX_DEBUG"
-
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 app = typer.Typer(
     name="branchbox",
@@ -51,7 +57,6 @@ image_app = typer.Typer(help="Manage root filesystem images.", no_args_is_help=T
 snapshot_app = typer.Typer(help="Inspect and clean up sandbox snapshots.", no_args_is_help=True)
 template_app = typer.Typer(help="Build and manage warm templates (sandboxes pre-built from a recipe).", no_args_is_help=True)
 pool_app = typer.Typer(help="The warm pool: sandboxes kept ready per image.", no_args_is_help=True)
-bench_app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 app.add_typer(daemon_app, name="daemon")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(image_app, name="image")
@@ -59,63 +64,7 @@ app.add_typer(snapshot_app, name="snapshot")
 app.add_typer(template_app, name="template")
 app.add_typer(pool_app, name="pool")
 app.add_typer(bench_app, name="bench")
-
-
-@dataclass
-class Ctx:
-    daemon: Optional[str] = None
-    token: Optional[str] = None
-
-    def sdk(self) -> Dict[str, Any]:
-        return {"daemon": self.daemon, "token": self.token}
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _debug() -> bool:
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
-
-
-def fail(message: str, code: int = 1) -> "typer.Exit":
-    """Print one red error line on stderr and return the Exit to raise."""
-    err.print(Text("error: " + " ".join(str(message).split("\n")).strip(), style="red"))
-    return typer.Exit(code)
-
-
-def _is_cli_control(e: BaseException) -> bool:
-    """typer/click exits and usage errors (whichever click typer bundles) pass through."""
-    if isinstance(e, (typer.Exit, typer.Abort)):
-        return True
-    return hasattr(e, "exit_code") and callable(getattr(e, "show", None))
-
-
-def cli_errors(fn: F) -> F:
-    """Turn exceptions into a one-line red message and exit 1 (unless BRANCHBOX_DEBUG)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:
-            if _is_cli_control(e):
-                raise
-            if _debug():
-                raise
-            if isinstance(e, SandboxError):
-                raise fail(str(e)) from None
-            raise fail("%s: %s" % (type(e).__name__, e)) from None
-        except KeyboardInterrupt:
-            if _debug():
-                raise
-            raise fail("interrupted", 130) from None
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _ctx(ctx: typer.Context) -> Ctx:
-    obj = ctx.find_object(Ctx)
-    return obj if obj is not None else Ctx()
+app.add_typer(files_app, name="files")
 
 
 def parse_env(items: Optional[List[str]], what: str = "--env") -> Dict[str, str]:
@@ -150,21 +99,6 @@ def fmt_duration(seconds: float) -> str:
     if s < 86400:
         return "%dh%02dm" % (s // 3600, (s % 3600) // 60)
     return "%dd%02dh" % (s // 86400, (s % 86400) // 3600)
-
-
-def _fmt_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return ("%d %s" % (size, unit)) if unit == "B" else ("%.1f %s" % (size, unit))
-        size /= 1024
-    return str(n)
-
-
-def _print_json(data: Any) -> None:
-    out.print_json(json.dumps(data, default=str))
 
 
 @app.callback()
@@ -370,8 +304,8 @@ def daemon_stop(
 @cli_errors
 def daemon_status(ctx: typer.Context) -> None:
     """Print the daemon's health JSON (exit 1 if it cannot be reached)."""
-    c = _ctx(ctx)
-    _print_json(health(daemon=c.daemon, token=c.token))
+    c = ctx_of(ctx)
+    print_json(health(daemon=c.daemon, token=c.token))
 
 
 # ----------------------------------------------------------------------------- sandbox
@@ -393,7 +327,7 @@ def sandbox_create(
     as_json: bool = typer.Option(False, "--json", help="Print the SandboxInfo JSON."),
 ) -> None:
     """Create a sandbox and print its id."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     sbx = Sandbox.create(
         image,
         cpu=cpu,
@@ -409,7 +343,7 @@ def sandbox_create(
     sbx.close()
     if as_json:
         info = sbx._info
-        _print_json(info.raw if info is not None and info.raw else {"id": sbx.id})
+        print_json(info.raw if info is not None and info.raw else {"id": sbx.id})
     else:
         out.print(sbx.id)
 
@@ -428,7 +362,7 @@ def sandbox_exec(
     stdin: bool = typer.Option(False, "--stdin", "-i", help="Forward this process's stdin."),
 ) -> None:
     """Run a command, streaming its output; exits with the command's exit code."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
@@ -468,10 +402,10 @@ def sandbox_ls(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """List sandboxes."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     infos = Sandbox.list(metadata=parse_env(metadata, "--metadata") or None, **c.sdk())
     if as_json:
-        _print_json([i.raw for i in infos])
+        print_json([i.raw for i in infos])
         return
     now = time.time()
     table = Table(box=None, header_style="bold")
@@ -496,18 +430,18 @@ def sandbox_ls(
 @cli_errors
 def sandbox_info(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metavar="ID")) -> None:
     """Print a sandbox's SandboxInfo JSON."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     sbx = Sandbox.connect(sandbox_id, **c.sdk())
     sbx.close()
     info = sbx._info
-    _print_json(info.raw if info is not None else {"id": sandbox_id})
+    print_json(info.raw if info is not None else {"id": sandbox_id})
 
 
 @sandbox_app.command("kill")
 @cli_errors
 def sandbox_kill(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metavar="ID")) -> None:
     """Kill a sandbox."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     sbx = Sandbox.connect(sandbox_id, **c.sdk())
     try:
         if not sbx.kill():
@@ -526,7 +460,7 @@ def sandbox_run_code(
     timeout: float = typer.Option(60, "--timeout", help="Seconds before the run is killed."),
 ) -> None:
     """Run python code in the sandbox's default session; prints output and the result."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     if code == "-":
         code = sys.stdin.read()
     sbx = Sandbox.connect(sandbox_id, **c.sdk())
@@ -557,7 +491,7 @@ def sandbox_checkpoint(
     label: Optional[str] = typer.Option(None, "--label", "-l", help="Label shown in `snapshot ls`."),
 ) -> None:
     """Snapshot a sandbox (files and live sessions) and print the snapshot id."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     sbx = Sandbox.connect(sandbox_id, **c.sdk())
     try:
         sid = sbx.checkpoint(label)
@@ -587,7 +521,7 @@ def sandbox_rollback(
     snapshot: str = typer.Argument(..., metavar="SNAPSHOT", help="Snapshot id to return to."),
 ) -> None:
     """Return a sandbox to a snapshot (its other processes are killed)."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     sbx = Sandbox.connect(sandbox_id, **c.sdk())
     try:
         result = sbx.rollback(snapshot)
@@ -606,7 +540,7 @@ def sandbox_fork(
     isolated: bool = typer.Option(False, "--isolated", help="Independent children: own namespaces, fresh sessions."),
 ) -> None:
     """Start new sandboxes from a snapshot of ID; prints the child ids, one per line."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     sbx = Sandbox.connect(sandbox_id, **c.sdk())
     try:
         children = sbx.fork(n, snapshot=snapshot, isolated=isolated)
@@ -626,7 +560,7 @@ def _snapshot_label(s: SnapshotInfo, now: float) -> Text:
         text.append("  ")
         text.append(s.label, style="cyan")
     text.append("  %s" % (fmt_duration(now - s.created_at) + " ago" if s.created_at else "-"), style="dim")
-    text.append("  %s" % _fmt_bytes(s.size_bytes))
+    text.append("  %s" % fmt_bytes(s.size_bytes))
     if s.lightweight:
         text.append("  lightweight", style="dim")
     if s.sandbox_id:
@@ -693,11 +627,11 @@ def snapshot_ls(
     as_json: bool = typer.Option(False, "--json", help="Print the raw JSON list."),
 ) -> None:
     """Show snapshots as a tree (id, label, age, size)."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     with Snapshots(**c.sdk()) as snaps:
         infos = snaps.list(sandbox=sandbox)
     if as_json:
-        _print_json([i.raw for i in infos])
+        print_json([i.raw for i in infos])
         return
     if not infos:
         out.print("no snapshots" + (" for sandbox %s" % sandbox if sandbox else ""))
@@ -714,7 +648,7 @@ def snapshot_rm(
     subtree: bool = typer.Option(False, "--subtree", help="Also delete every descendant."),
 ) -> None:
     """Delete a snapshot."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     with Snapshots(**c.sdk()) as snaps:
         snaps.delete(sid, subtree=subtree)
     out.print("removed snapshot %s%s" % (sid, " and its descendants" if subtree else ""))
@@ -728,11 +662,11 @@ def snapshot_gc(
     sandbox: Optional[str] = typer.Option(None, "--sandbox", help="Only this sandbox's snapshot tree."),
 ) -> None:
     """Delete every snapshot not kept (nor an ancestor of a kept one)."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     with Snapshots(**c.sdk()) as snaps:
         result = snaps.gc(keep or [], sandbox=sandbox)
     n = len(result.deleted)
-    line = "deleted %d snapshot%s, freed %s" % (n, "" if n == 1 else "s", _fmt_bytes(result.freed_bytes))
+    line = "deleted %d snapshot%s, freed %s" % (n, "" if n == 1 else "s", fmt_bytes(result.freed_bytes))
     if result.deleted:
         line += ": " + " ".join(result.deleted)
     out.print(line)
@@ -745,11 +679,11 @@ def snapshot_gc(
 @cli_errors
 def image_ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """List images."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     with Images(**c.sdk()) as images:
         infos = images.list()
     if as_json:
-        _print_json([i.raw for i in infos])
+        print_json([i.raw for i in infos])
         return
     now = time.time()
     table = Table(box=None, header_style="bold")
@@ -760,7 +694,7 @@ def image_ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", h
             i.name,
             (i.id or "-")[:19],
             i.source or "-",
-            _fmt_bytes(i.size_bytes),
+            fmt_bytes(i.size_bytes),
             str(len(i.layers)),
             fmt_duration(now - i.created_at) if i.created_at else "-",
         )
@@ -811,7 +745,7 @@ def _progress() -> Progress:
 
 
 def _print_image(info: Any, verb: str) -> None:
-    out.print("%s image %s (%s, %s)" % (verb, info.name, (info.id or "?")[:19], _fmt_bytes(info.size_bytes)))
+    out.print("%s image %s (%s, %s)" % (verb, info.name, (info.id or "?")[:19], fmt_bytes(info.size_bytes)))
 
 
 @image_app.command("build")
@@ -823,7 +757,7 @@ def image_build(
     package: Optional[List[str]] = typer.Option(None, "--package", "-p", help="Extra package (repeatable)."),
 ) -> None:
     """Build an image with debootstrap, showing progress."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     with Images(**c.sdk()) as images, _progress() as progress:
         view = ProgressView(progress)
         info = images.build(name, suite=suite, packages=package or None, on_progress=view)
@@ -839,7 +773,7 @@ def image_import(
     path: str = typer.Argument(..., help="OCI/docker image tarball (path on the daemon's host)."),
 ) -> None:
     """Import an OCI/docker image tarball, showing progress."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     with Images(**c.sdk()) as images, _progress() as progress:
         view = ProgressView(progress)
         info = images.import_(name, os.path.abspath(path), on_progress=view)
@@ -851,7 +785,7 @@ def image_import(
 @cli_errors
 def image_rm(ctx: typer.Context, name: str = typer.Argument(..., help="Image name.")) -> None:
     """Remove an image."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     with Images(**c.sdk()) as images:
         images.remove(name)
     out.print("removed image %s" % name)
@@ -970,7 +904,7 @@ def template_build(
 
     Sandboxes created with `sandbox create --template NAME` start as copy-on-write forks of it: the recipe's files and its python session's state (imports) are there at once.
     """
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     if code is not None and code_file is not None:
         raise typer.BadParameter("give --code or --code-file, not both", param_hint="--code-file")
     if code_file is not None:
@@ -1007,11 +941,11 @@ def template_build(
         info = templates.build(name, on_progress=view, **recipe)
         view.finish()
     if as_json:
-        _print_json(info.raw or {"name": info.name})
+        print_json(info.raw or {"name": info.name})
         return
     out.print(
         "built template %s (image %s, snapshot %s, %d shell%s, %s)"
-        % (info.name, info.image, info.snapshot, info.shells, "" if info.shells == 1 else "s", _fmt_bytes(info.memory_bytes))
+        % (info.name, info.image, info.snapshot, info.shells, "" if info.shells == 1 else "s", fmt_bytes(info.memory_bytes))
     )
 
 
@@ -1019,11 +953,11 @@ def template_build(
 @cli_errors
 def template_ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """List templates."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     with Templates(**c.sdk()) as templates:
         infos = templates.list()
     if as_json:
-        _print_json([i.raw for i in infos])
+        print_json([i.raw for i in infos])
         return
     if not infos:
         out.print("no templates (build one with `branchbox template build NAME`)")
@@ -1038,7 +972,7 @@ def template_ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
             i.image or "-",
             "%d/%d" % (i.ready_shells, i.shells),
             Text("yes", style="green") if i.alive else Text("no", style="red"),
-            _fmt_bytes(i.memory_bytes),
+            fmt_bytes(i.memory_bytes),
             fmt_duration(now - i.created_at) if i.created_at else "-",
             i.snapshot or "-",
             i.sandbox_id or "-",
@@ -1050,17 +984,17 @@ def template_ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
 @cli_errors
 def template_info(ctx: typer.Context, name: str = typer.Argument(..., help="Template name.")) -> None:
     """Print a template's TemplateInfo JSON."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     with Templates(**c.sdk()) as templates:
         info = templates.get(name)
-    _print_json(info.raw or {"name": info.name})
+    print_json(info.raw or {"name": info.name})
 
 
 @template_app.command("rm")
 @cli_errors
 def template_rm(ctx: typer.Context, name: str = typer.Argument(..., help="Template name.")) -> None:
     """Remove a template (sandboxes created from it keep running)."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     with Templates(**c.sdk()) as templates:
         templates.remove(name)
     out.print("removed template %s" % name)
@@ -1075,10 +1009,10 @@ def pool_counter_lines(s: PoolStats) -> List[str]:
         "hits %d, misses %d, recycled %d, created %d, failures %d" % (s.hits, s.misses, s.recycled, s.created, s.failures),
         "refill p50 %s, p99 %s; cgroup placement %s (p50 %s)"
         % (
-            _fmt_num(s.refill_ms_p50, " ms", "%.1f"),
-            _fmt_num(s.refill_ms_p99, " ms", "%.1f"),
+            fmt_num(s.refill_ms_p50, " ms", "%.1f"),
+            fmt_num(s.refill_ms_p99, " ms", "%.1f"),
             s.cgroup_placement or "-",
-            _fmt_num(s.cgroup_placement_ms_p50, " ms", "%.1f"),
+            fmt_num(s.cgroup_placement_ms_p50, " ms", "%.1f"),
         ),
     ]
     if s.last_error:
@@ -1097,11 +1031,11 @@ def _pool_line(s: PoolStats, image: str) -> str:
 @cli_errors
 def pool_ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print the PoolStats JSON.")) -> None:
     """Show the warm pool: per image min/max/ready, then the counters."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     with Pool(**c.sdk()) as pool:
         stats = pool.stats()
     if as_json:
-        _print_json(stats.raw)
+        print_json(stats.raw)
         return
     if stats.images:
         table = Table(box=None, header_style="bold")
@@ -1126,13 +1060,13 @@ def pool_set(
     as_json: bool = typer.Option(False, "--json", help="Print the PoolStats JSON."),
 ) -> None:
     """Keep --min sandboxes of IMAGE ready; persisted by the daemon."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     if max_ is not None and min_ > max_:
         raise typer.BadParameter("--min (%d) must not exceed --max (%d)" % (min_, max_), param_hint="--min")
     with Pool(**c.sdk()) as pool:
         stats = pool.set(image, min_, max_)
     if as_json:
-        _print_json(stats.raw)
+        print_json(stats.raw)
         return
     out.print(_pool_line(stats, image))
 
@@ -1145,204 +1079,10 @@ def pool_drain(
     as_json: bool = typer.Option(False, "--json", help="Print the PoolStats JSON."),
 ) -> None:
     """Remove IMAGE's pool (min 0, max 0): its ready sandboxes are torn down."""
-    c = _ctx(ctx)
+    c = ctx_of(ctx)
     with Pool(**c.sdk()) as pool:
         stats = pool.drain(image)
     if as_json:
-        _print_json(stats.raw)
+        print_json(stats.raw)
         return
     out.print(_pool_line(stats, image))
-
-
-# ----------------------------------------------------------------------------- bench
-
-
-@bench_app.command("api")
-@cli_errors
-def bench_api(
-    ctx: typer.Context,
-    n: int = typer.Option(30, "--n", min=1, help="Samples per metric (exec uses 3n)."),
-    image: str = typer.Option("base", "--image", help="Image for the sandboxes."),
-    as_json: bool = typer.Option(False, "--json", help="Only print the JSON summary line."),
-) -> None:
-    """Measure API latencies against the running daemon and a host-spawn baseline.
-
-    The last line of stdout is always the JSON summary.
-    """
-    c = _ctx(ctx)
-    with err.status("benchmarking") as status:
-        result = bench_mod.run_api_bench(
-            n, image=image, daemon=c.daemon, token=c.token, progress=lambda m: status.update("bench: " + m)
-        )
-    summary = result.summary()
-    if not as_json:
-        table = Table(title="branchbox bench api (n=%d, ms)" % n, header_style="bold")
-        for col in ("metric", "samples", "p50", "p99", "min", "max"):
-            table.add_column(col, justify="left" if col == "metric" else "right")
-        for row in result.rows():
-            table.add_row(*row)
-        out.print(table)
-        ratio = summary["exec_vs_host_ratio"]
-        if ratio is not None:
-            out.print("exec `true` p50 is %.1fx a host spawn of `true`" % ratio)
-    sys.stdout.flush()
-    # Plain print: the summary must be exactly one line, the last one on stdout.
-    print(json.dumps(summary, separators=(", ", ": ")))
-
-
-def _fmt_num(v: Any, unit: str = "", spec: str = "%.2f") -> str:
-    return "-" if v is None else (spec % v) + unit
-
-
-def cr_report_lines(s: Dict[str, Any]) -> List[str]:
-    """Human-readable summary lines of a ``bench cr`` JSON summary."""
-    lines = [
-        "workload %s, session heap %s MiB (session RssAnon %s MiB), seed %s"
-        % (s.get("workload"), _fmt_num(s.get("heap_mb"), "", "%.0f"), _fmt_num(s.get("heap_rss_mb"), "", "%.1f"), s.get("seed")),
-        "fork n=16 until all exec'd: %s (server %s), n=64: %s (server %s), n=16 without sessions: %s"
-        % (
-            _fmt_num(s.get("fork_n16_ms"), " ms", "%.1f"),
-            _fmt_num(s.get("fork_n16_server_ms"), " ms", "%.1f"),
-            _fmt_num(s.get("fork_n64_ms"), " ms", "%.1f"),
-            _fmt_num(s.get("fork_n64_server_ms"), " ms", "%.1f"),
-            _fmt_num(s.get("fork_n16_files_only_ms"), " ms", "%.1f"),
-        ),
-        "idle fork child private memory: %s" % _fmt_num(s.get("child_private_mb"), " MiB", "%.1f"),
-        "speedup vs copytree: checkpoint %s, rollback %s; vs commit: checkpoint %s, rollback %s"
-        % tuple(
-            _fmt_num(s.get(k), "x", "%.1f")
-            for k in (
-                "ckpt_speedup_vs_copytree",
-                "rollback_speedup_vs_copytree",
-                "ckpt_speedup_vs_commit",
-                "rollback_speedup_vs_commit",
-            )
-        ),
-        "bytes per 10-byte edit of a 64 MiB file: state dir (%s, reflink %s) %s, XFS (reflink %s) %s"
-        % (
-            s.get("default_fs_type") or "?",
-            s.get("default_fs_reflink_supported"),
-            _fmt_bytes(s.get("default_fs_bytes_per_edit")),
-            s.get("xfs_reflink_supported"),
-            _fmt_bytes(s.get("xfs_bytes_per_edit")),
-        ),
-        "rollbacks with sessions restarted: %s; verifications passed: %s; test runs: %s (%s failing as expected)"
-        % (s.get("rollback_sessions_restarted"), s.get("verifications"), s.get("test_runs"), s.get("failing_test_runs")),
-    ]
-    met = s.get("targets_met") or {}
-    if met:
-        lines.append(
-            "targets: " + ", ".join("%s=%s" % (k, {True: "yes", False: "NO", None: "-"}[v]) for k, v in met.items())
-        )
-    for note in s.get("notes") or []:
-        lines.append("note: " + note)
-    return lines
-
-
-@bench_app.command("cr")
-@cli_errors
-def bench_cr(
-    ctx: typer.Context,
-    as_json: bool = typer.Option(False, "--json", help="Only print the JSON summary line."),
-    quick: bool = typer.Option(False, "--quick", help="Few iterations, no XFS part (CI smoke test)."),
-    seed: int = typer.Option(1, "--seed", help="Seed of the scripted tree search."),
-    checkpoints: Optional[int] = typer.Option(None, "--checkpoints", min=2, help="Checkpoints of the search (default 80, quick 16)."),
-    image: str = typer.Option("base", "--image", help="Image for the sandboxes."),
-    xfs: Optional[bool] = typer.Option(None, "--xfs/--no-xfs", help="Measure write amplification on an XFS loop device (default: on unless --quick)."),
-    daemon_bin: Optional[str] = typer.Option(None, "--daemon-bin", help="branchboxd for the XFS daemon (default: the running daemon's binary)."),
-    cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="Where the workload sdist is cached."),
-    workload: str = typer.Option(
-        "django", "--workload", help="Project the search edits and tests: django (6,900 files) or more-itertools (38)."
-    ),
-    warm_children: Optional[int] = typer.Option(
-        None, "--warm-children", min=0, max=32,
-        help="Async-warm experiment: fork children pre-faulted, and as many not (default 4, quick 2; 0 = skip).",
-    ),
-) -> None:
-    """Checkpoint / rollback / fork on a real workload, against copytree and commit baselines.
-
-    The last line of stdout is always the JSON summary.
-    """
-    from . import bench_cr as cr
-
-    if workload not in cr.WORKLOADS:
-        raise typer.BadParameter("one of: %s" % ", ".join(cr.WORKLOADS), param_hint="--workload")
-    c = _ctx(ctx)
-    cfg = cr.CrConfig.make(
-        quick,
-        daemon=c.daemon,
-        token=c.token,
-        image=image,
-        seed=seed,
-        checkpoints=checkpoints,
-        xfs=xfs,
-        daemon_bin=daemon_bin,
-        cache_dir=cache_dir,
-        workload=workload,
-        warm_children=warm_children,
-    )
-    with err.status("benchmarking") as status:
-        result = cr.run_cr_bench(cfg, progress=lambda m: status.update("bench cr: " + m))
-    summary = result.summary()
-    if not as_json:
-        table = Table(title="branchbox bench cr (ms)", header_style="bold")
-        for col in ("metric", "samples", "p50", "p99", "min", "max"):
-            table.add_column(col, justify="left" if col == "metric" else "right")
-        for row in result.rows():
-            table.add_row(*row)
-        out.print(table)
-        for line in cr_report_lines(summary):
-            out.print(Text(line))
-    sys.stdout.flush()
-    # Plain print: the summary must be exactly one line, the last one on stdout.
-    print(json.dumps(summary, separators=(", ", ": ")))
-
-
-@bench_app.command("start")
-@cli_errors
-def bench_start(
-    ctx: typer.Context,
-    as_json: bool = typer.Option(False, "--json", help="Only print the JSON summary line."),
-    quick: bool = typer.Option(False, "--quick", help="Few samples, 20 sandboxes instead of 200 (CI smoke test)."),
-    image: str = typer.Option("base", "--image", help="Image for the pool, cold and many-sandbox parts."),
-    numpy_image: str = typer.Option("py-numpy", "--numpy-image", help="Image with python3-numpy (built when missing)."),
-    template: str = typer.Option("bench-start-numpy", "--template", help="Template name (built when missing, then removed)."),
-    n: Optional[int] = typer.Option(None, "--n", min=1, help="Sequential pool samples (default 40, quick 10)."),
-    sandboxes: Optional[int] = typer.Option(None, "--sandboxes", min=0, help="Idle sandboxes to start at once (default 200, quick 20; 0 = skip)."),
-) -> None:
-    """Start latency from the warm pool, cold and from a warm numpy template; idle memory; 200 sandboxes.
-
-    The pool settings it changes are restored at the end. The last line of stdout is always
-    the JSON summary.
-    """
-    from . import bench_start as bs
-
-    c = _ctx(ctx)
-    cfg = bs.StartConfig.make(
-        quick, daemon=c.daemon, token=c.token, image=image, numpy_image=numpy_image, template=template,
-        n_pool=n, sandboxes=sandboxes,
-    )
-    with err.status("benchmarking") as status:
-        result = bs.run_start_bench(cfg, progress=lambda m: status.update("bench start: " + m))
-    summary = result.summary()
-    if not as_json:
-        table = Table(title="branchbox bench start (ms)", header_style="bold")
-        for col in ("metric", "samples", "p50", "p99", "min", "max"):
-            table.add_column(col, justify="left" if col == "metric" else "right")
-        for row in result.rows():
-            table.add_row(*row)
-        out.print(table)
-        for line in bs.report_lines(summary):
-            out.print(Text(line))
-    sys.stdout.flush()
-    # Plain print: the summary must be exactly one line, the last one on stdout.
-    print(json.dumps(summary, separators=(", ", ": ")))
-
-
-def main() -> None:
-    """Console-script entry point."""
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

@@ -1,0 +1,174 @@
+"""``branchbox bench SUITE``: the suites live in the ``branchbox_bench`` package (imported
+when a suite runs); this prints their tables and, always last on stdout, the JSON summary."""
+
+# No `from __future__ import annotations`: typer evaluates annotations at runtime.
+import json
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from branchbox_bench.stats import summary_tail_lines
+
+from .base import cli_errors, ctx_of, err, fmt_bytes, fmt_num, out
+
+bench_app = typer.Typer(help="Benchmarks (the last line of stdout is the JSON summary).", no_args_is_help=True)
+
+
+def _report(title: str, rows: Sequence[Sequence[str]], lines: Sequence[str], summary: Dict[str, Any], as_json: bool) -> None:
+    """The table and the lines under it (unless ``as_json``), then the summary: one line,
+    the last one on stdout."""
+    if not as_json:
+        table = Table(title=title, header_style="bold")
+        for col in ("metric", "samples", "p50", "p99", "min", "max"):
+            table.add_column(col, justify="left" if col == "metric" else "right")
+        for row in rows:
+            table.add_row(*row)
+        out.print(table)
+        for line in lines:
+            out.print(Text(line))
+    sys.stdout.flush()
+    print(json.dumps(summary, separators=(", ", ": ")))
+
+
+@bench_app.command("api")
+@cli_errors
+def bench_api(
+    ctx: typer.Context,
+    n: int = typer.Option(30, "--n", min=1, help="Samples per metric (exec uses 3n)."),
+    image: str = typer.Option("base", "--image", help="Image for the sandboxes."),
+    as_json: bool = typer.Option(False, "--json", help="Only print the JSON summary line."),
+) -> None:
+    """Measure API latencies against the running daemon and a host-spawn baseline.
+
+    The last line of stdout is always the JSON summary.
+    """
+    c = ctx_of(ctx)
+    from branchbox_bench import api
+
+    with err.status("benchmarking") as status:
+        result = api.run_api_bench(
+            n, image=image, daemon=c.daemon, token=c.token, progress=lambda m: status.update("bench: " + m)
+        )
+    summary = result.summary()
+    ratio = summary["exec_vs_host_ratio"]
+    lines = [] if ratio is None else ["exec `true` p50 is %.1fx a host spawn of `true`" % ratio]
+    _report("branchbox bench api (n=%d, ms)" % n, result.rows(), lines, summary, as_json)
+
+
+def cr_report_lines(s: Dict[str, Any]) -> List[str]:
+    """Human-readable summary lines of a ``bench cr`` JSON summary."""
+    lines = [
+        "workload %s, session heap %s MiB (session RssAnon %s MiB), seed %s"
+        % (s.get("workload"), fmt_num(s.get("heap_mb"), "", "%.0f"), fmt_num(s.get("heap_rss_mb"), "", "%.1f"), s.get("seed")),
+        "fork n=16 until all exec'd: %s (server %s), n=64: %s (server %s), n=16 without sessions: %s"
+        % (
+            fmt_num(s.get("fork_n16_ms"), " ms", "%.1f"),
+            fmt_num(s.get("fork_n16_server_ms"), " ms", "%.1f"),
+            fmt_num(s.get("fork_n64_ms"), " ms", "%.1f"),
+            fmt_num(s.get("fork_n64_server_ms"), " ms", "%.1f"),
+            fmt_num(s.get("fork_n16_files_only_ms"), " ms", "%.1f"),
+        ),
+        "idle fork child private memory: %s" % fmt_num(s.get("child_private_mb"), " MiB", "%.1f"),
+        "speedup vs copytree: checkpoint %s, rollback %s; vs commit: checkpoint %s, rollback %s"
+        % tuple(
+            fmt_num(s.get(k), "x", "%.1f")
+            for k in (
+                "ckpt_speedup_vs_copytree",
+                "rollback_speedup_vs_copytree",
+                "ckpt_speedup_vs_commit",
+                "rollback_speedup_vs_commit",
+            )
+        ),
+        "bytes per 10-byte edit of a 64 MiB file: state dir (%s, reflink %s) %s, XFS (reflink %s) %s"
+        % (
+            s.get("default_fs_type") or "?",
+            s.get("default_fs_reflink_supported"),
+            fmt_bytes(s.get("default_fs_bytes_per_edit")),
+            s.get("xfs_reflink_supported"),
+            fmt_bytes(s.get("xfs_bytes_per_edit")),
+        ),
+        "rollbacks with sessions restarted: %s; verifications passed: %s; test runs: %s (%s failing as expected)"
+        % (s.get("rollback_sessions_restarted"), s.get("verifications"), s.get("test_runs"), s.get("failing_test_runs")),
+    ]
+    return lines + summary_tail_lines(s)
+
+
+@bench_app.command("cr")
+@cli_errors
+def bench_cr(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Only print the JSON summary line."),
+    quick: bool = typer.Option(False, "--quick", help="Few iterations, no XFS part (CI smoke test)."),
+    seed: int = typer.Option(1, "--seed", help="Seed of the scripted tree search."),
+    checkpoints: Optional[int] = typer.Option(None, "--checkpoints", min=2, help="Checkpoints of the search (default 80, quick 16)."),
+    image: str = typer.Option("base", "--image", help="Image for the sandboxes."),
+    xfs: Optional[bool] = typer.Option(None, "--xfs/--no-xfs", help="Measure write amplification on an XFS loop device (default: on unless --quick)."),
+    daemon_bin: Optional[str] = typer.Option(None, "--daemon-bin", help="branchboxd for the XFS daemon (default: the running daemon's binary)."),
+    cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="Where the workload sdist is cached."),
+    workload: str = typer.Option(
+        "django", "--workload", help="Project the search edits and tests: django (6,900 files) or more-itertools (38)."
+    ),
+    warm_children: Optional[int] = typer.Option(
+        None, "--warm-children", min=0, max=32,
+        help="Async-warm experiment: fork children pre-faulted, and as many not (default 4, quick 2; 0 = skip).",
+    ),
+) -> None:
+    """Checkpoint / rollback / fork on a real workload, against copytree and commit baselines.
+
+    The last line of stdout is always the JSON summary.
+    """
+    from branchbox_bench import cr
+
+    if workload not in cr.WORKLOADS:
+        raise typer.BadParameter("one of: %s" % ", ".join(cr.WORKLOADS), param_hint="--workload")
+    c = ctx_of(ctx)
+    cfg = cr.CrConfig.make(
+        quick,
+        daemon=c.daemon,
+        token=c.token,
+        image=image,
+        seed=seed,
+        checkpoints=checkpoints,
+        xfs=xfs,
+        daemon_bin=daemon_bin,
+        cache_dir=cache_dir,
+        workload=workload,
+        warm_children=warm_children,
+    )
+    with err.status("benchmarking") as status:
+        result = cr.run_cr_bench(cfg, progress=lambda m: status.update("bench cr: " + m))
+    summary = result.summary()
+    _report("branchbox bench cr (ms)", result.rows(), cr_report_lines(summary), summary, as_json)
+
+
+@bench_app.command("start")
+@cli_errors
+def bench_start(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Only print the JSON summary line."),
+    quick: bool = typer.Option(False, "--quick", help="Few samples, 20 sandboxes instead of 200 (CI smoke test)."),
+    image: str = typer.Option("base", "--image", help="Image for the pool, cold and many-sandbox parts."),
+    numpy_image: str = typer.Option("py-numpy", "--numpy-image", help="Image with python3-numpy (built when missing)."),
+    template: str = typer.Option("bench-start-numpy", "--template", help="Template name (built when missing, then removed)."),
+    n: Optional[int] = typer.Option(None, "--n", min=1, help="Sequential pool samples (default 40, quick 10)."),
+    sandboxes: Optional[int] = typer.Option(None, "--sandboxes", min=0, help="Idle sandboxes to start at once (default 200, quick 20; 0 = skip)."),
+) -> None:
+    """Start latency from the warm pool, cold and from a warm numpy template; idle memory; 200 sandboxes.
+
+    The pool settings it changes are restored at the end. The last line of stdout is always
+    the JSON summary.
+    """
+    from branchbox_bench import start as bs
+
+    c = ctx_of(ctx)
+    cfg = bs.StartConfig.make(
+        quick, daemon=c.daemon, token=c.token, image=image, numpy_image=numpy_image, template=template,
+        n_pool=n, sandboxes=sandboxes,
+    )
+    with err.status("benchmarking") as status:
+        result = bs.run_start_bench(cfg, progress=lambda m: status.update("bench start: " + m))
+    summary = result.summary()
+    _report("branchbox bench start (ms)", result.rows(), bs.report_lines(summary), summary, as_json)
