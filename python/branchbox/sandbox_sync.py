@@ -77,9 +77,9 @@ class _UnixConnection(http.client.HTTPConnection):
 
 class _UnixCalls:
     """Plain request/answer calls to a daemon on a unix socket, over keep-alive HTTP/1.1
-    connections of the standard library's ``http.client``: ~70 us of client CPU per call
-    here, against ~270 us through httpx (its URL and header models, h11, httpcore), which
-    the SDK keeps for streams, uploads of file objects and custom transports. Every call of
+    connections of the standard library's ``http.client``: a fraction of the client CPU per
+    call that httpx takes (its URL and header models, h11, httpcore; BENCHMARKS.md has the
+    figures), which the SDK keeps for streams, uploads of file objects and custom transports. Every call of
     an agent's loop pays it, and 16 threads creating sandboxes at once share one GIL.
 
     Thread-safe: a connection serves one call at a time; idle ones are kept for reuse (at

@@ -576,8 +576,8 @@ const PROCMAP_QUERY_FILE_BACKED_VMA: u64 = 0x20;
 /// Shared writable file mappings of a process (the ones that write to their file), as (inode,
 /// path as the caller's root sees it), from its `maps` file (`/proc/<pid>/maps`, opened by
 /// the caller). Asks the kernel for just those mappings (`PROCMAP_QUERY`, Linux 6.11): no text
-/// of the process's hundreds of other mappings is made (~0.5 ms for a Python process that
-/// imported a framework). Older kernels: the text is parsed.
+/// of the process's hundreds of other mappings is made (that text is most of the cost for a
+/// Python process that imported a framework). Older kernels: the text is parsed.
 pub fn shared_writable_file_maps(maps: &std::fs::File) -> std::io::Result<Vec<(u64, std::path::PathBuf)>> {
     match query_shared_writable_maps(maps)? {
         Some(v) => Ok(v),

@@ -187,8 +187,8 @@ impl CgroupLayout {
     /// cgroup v1 only: keep one empty group (`<parent>.freezer-pin`, next to the parent so it is
     /// never taken for a sandbox's) frozen for as long as the host runs. The v1 freezer turns a
     /// kernel static key on when the first group freezes and off when the last one thaws, and
-    /// each flip patches kernel text on every CPU (IPIs: ~0.2 ms here, much more in nested
-    /// VMs). With the pin, freezing and thawing a sandbox costs tens of microseconds. Idempotent;
+    /// each flip patches kernel text on every CPU (IPIs, dearer still in nested VMs). With the
+    /// pin, a freeze and thaw costs far less (BENCHMARKS.md has the figures). Idempotent;
     /// `Ok(false)` on v2 (no static key there).
     pub fn pin_freezer(&self) -> Result<bool> {
         if self.version != CgroupVersion::V1 {
@@ -475,8 +475,8 @@ impl Cgroup {
 
     /// Move `member` (in the group already) into the group again, in one hierarchy: nothing
     /// moves, but the kernel takes its global migration lock for writing, and the first writer
-    /// after a pause waits for an RCU grace period (~15 ms measured on a 2-core VM, cgroup v1
-    /// without `favordynmods`); writers soon after do not. Done ahead of a burst of
+    /// after a pause waits for an RCU grace period (cgroup v1 without `favordynmods`; the wait is
+    /// in BENCHMARKS.md); writers soon after do not. Done ahead of a burst of
     /// [`Cgroup::add_pid`]s (a fork moving its session copies), it takes that wait off their
     /// path.
     pub fn warm_migrations(&self, member: i32) -> Result<()> {
