@@ -8,8 +8,8 @@ use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use bb_runtime::sandbox::files::SbPath;
 use bb_runtime::model::*;
+use bb_runtime::sandbox::files::SbPath;
 use bb_runtime::ImageSource;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
@@ -18,25 +18,102 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
 
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "branchboxd", description = "Sandbox runtime for AI agents. Errors: {\"error\": {\"code\", \"message\"}}."),
+    info(
+        title = "branchboxd",
+        description = "Sandbox runtime for AI agents. Errors: {\"error\": {\"code\", \"message\"}}."
+    ),
     paths(
-        health, create_sandbox, list_sandboxes, get_sandbox, kill_sandbox, set_timeout,
-        run_command, stream_command, list_processes, wait_process, kill_process,
-        create_session, list_sessions, kill_session, run_session, run_code,
-        read_file, write_file, remove_file, list_files, stat_file, make_dir, rename_file,
-        list_images, build_image, import_image, remove_image,
-        checkpoint, rollback, fork, evaluate, sandbox_snapshots, list_snapshots, get_snapshot,
-        delete_snapshot, gc_snapshots, get_pool, set_pool,
-        build_template, list_templates, get_template, remove_template
+        health,
+        create_sandbox,
+        list_sandboxes,
+        get_sandbox,
+        kill_sandbox,
+        set_timeout,
+        run_command,
+        stream_command,
+        list_processes,
+        wait_process,
+        kill_process,
+        create_session,
+        list_sessions,
+        kill_session,
+        run_session,
+        run_code,
+        read_file,
+        write_file,
+        remove_file,
+        list_files,
+        stat_file,
+        make_dir,
+        rename_file,
+        list_images,
+        build_image,
+        import_image,
+        remove_image,
+        checkpoint,
+        rollback,
+        fork,
+        evaluate,
+        sandbox_snapshots,
+        list_snapshots,
+        get_snapshot,
+        delete_snapshot,
+        gc_snapshots,
+        get_pool,
+        set_pool,
+        build_template,
+        list_templates,
+        get_template,
+        remove_template
     ),
     components(schemas(
-        CreateSandbox, SandboxInfo, SandboxList, SetTimeout, RunCommand, CommandResult, Started,
-        ProcessInfo, ProcessList, WaitRequest, KillRequest, CreateSession, SessionInfo, SessionList,
-        RunCode, SessionResult, EntryInfo, EntryList, MakeDir, Rename, ImageInfo, ImageList,
-        BuildImage, ImportImage, ProgressEvent, CommandEvent, ErrorBody, Health, ErrorResponse, Done,
-        CheckpointRequest, RollbackRequest, ForkRequest, GcRequest, SnapshotInfo, SnapshotSessionInfo,
-        SnapshotList, RollbackResult, ForkResult, GcResult, PoolStats, PoolImageStats, SetPool,
-        BuildTemplate, TemplateInfo, TemplateList, TemplateEvent
+        CreateSandbox,
+        SandboxInfo,
+        SandboxList,
+        SetTimeout,
+        RunCommand,
+        CommandResult,
+        Started,
+        ProcessInfo,
+        ProcessList,
+        WaitRequest,
+        KillRequest,
+        CreateSession,
+        SessionInfo,
+        SessionList,
+        RunCode,
+        SessionResult,
+        EntryInfo,
+        EntryList,
+        MakeDir,
+        Rename,
+        ImageInfo,
+        ImageList,
+        BuildImage,
+        ImportImage,
+        ProgressEvent,
+        CommandEvent,
+        ErrorBody,
+        Health,
+        ErrorResponse,
+        Done,
+        CheckpointRequest,
+        RollbackRequest,
+        ForkRequest,
+        GcRequest,
+        SnapshotInfo,
+        SnapshotSessionInfo,
+        SnapshotList,
+        RollbackResult,
+        ForkResult,
+        GcResult,
+        PoolStats,
+        PoolImageStats,
+        SetPool,
+        BuildTemplate,
+        TemplateInfo,
+        TemplateList,
+        TemplateEvent
     ))
 )]
 pub struct ApiDoc;
@@ -89,7 +166,10 @@ pub async fn health(State(rt): State<AppState>) -> Json<Health> {
 
 #[utoipa::path(post, path = "/v1/sandboxes", request_body = CreateSandbox,
     responses((status = 201, body = SandboxInfo), (status = 400, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
-pub async fn create_sandbox(State(rt): State<AppState>, JsonBody(req): JsonBody<CreateSandbox>) -> ApiResult<(StatusCode, Json<SandboxInfo>)> {
+pub async fn create_sandbox(
+    State(rt): State<AppState>,
+    JsonBody(req): JsonBody<CreateSandbox>,
+) -> ApiResult<(StatusCode, Json<SandboxInfo>)> {
     Ok((StatusCode::CREATED, Json(rt.create(req).await?)))
 }
 
@@ -97,10 +177,8 @@ pub async fn create_sandbox(State(rt): State<AppState>, JsonBody(req): JsonBody<
     params(("metadata.<key>" = Option<String>, Query, description = "only sandboxes whose metadata has this value")),
     responses((status = 200, body = SandboxList)))]
 pub async fn list_sandboxes(State(rt): State<AppState>, Q(q): Q<HashMap<String, String>>) -> Json<SandboxList> {
-    let filter: Vec<(String, String)> = q
-        .into_iter()
-        .filter_map(|(k, v)| k.strip_prefix("metadata.").map(|k| (k.to_string(), v)))
-        .collect();
+    let filter: Vec<(String, String)> =
+        q.into_iter().filter_map(|(k, v)| k.strip_prefix("metadata.").map(|k| (k.to_string(), v))).collect();
     Json(SandboxList { sandboxes: rt.list(&filter) })
 }
 
@@ -119,14 +197,22 @@ pub async fn kill_sandbox(State(rt): State<AppState>, P(id): P<String>) -> ApiRe
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/timeout", params(("id" = String, Path, description = "sandbox id")), request_body = SetTimeout,
     responses((status = 200, body = SandboxInfo), (status = 404, body = ErrorResponse)))]
-pub async fn set_timeout(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<SetTimeout>) -> ApiResult<Json<SandboxInfo>> {
+pub async fn set_timeout(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    JsonBody(req): JsonBody<SetTimeout>,
+) -> ApiResult<Json<SandboxInfo>> {
     Ok(Json(rt.set_timeout(&id, req.timeout)?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/commands", params(("id" = String, Path, description = "sandbox id")), request_body = RunCommand,
     responses((status = 200, description = "foreground result", body = CommandResult), (status = 201, description = "background process started", body = Started),
     (status = 400, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
-pub async fn run_command(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<RunCommand>) -> ApiResult<Response> {
+pub async fn run_command(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    JsonBody(req): JsonBody<RunCommand>,
+) -> ApiResult<Response> {
     if req.background {
         let started = rt.start_background(&id, req).await?;
         Ok((StatusCode::CREATED, Json(started)).into_response())
@@ -137,7 +223,11 @@ pub async fn run_command(State(rt): State<AppState>, P(id): P<String>, JsonBody(
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/commands/stream", params(("id" = String, Path, description = "sandbox id")), request_body = RunCommand,
     responses((status = 200, description = "NDJSON stream of CommandEvent", body = CommandEvent, content_type = "application/x-ndjson")))]
-pub async fn stream_command(State(rt): State<AppState>, P(id): P<String>, JsonBody(mut req): JsonBody<RunCommand>) -> ApiResult<Response> {
+pub async fn stream_command(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    JsonBody(mut req): JsonBody<RunCommand>,
+) -> ApiResult<Response> {
     req.background = false;
     Ok(ndjson(rt.stream_command(&id, req).await?))
 }
@@ -157,20 +247,32 @@ fn parse_pid(pid: &str) -> ApiResult<i32> {
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/commands/{pid}/wait", params(("id" = String, Path, description = "sandbox id"), ("pid" = i32, Path, description = "process id inside the sandbox")),
     request_body = WaitRequest, responses((status = 200, body = CommandResult), (status = 404, body = ErrorResponse)))]
-pub async fn wait_process(State(rt): State<AppState>, P((id, pid)): P<(String, String)>, JsonBody(req): JsonBody<WaitRequest>) -> ApiResult<Json<CommandResult>> {
+pub async fn wait_process(
+    State(rt): State<AppState>,
+    P((id, pid)): P<(String, String)>,
+    JsonBody(req): JsonBody<WaitRequest>,
+) -> ApiResult<Json<CommandResult>> {
     Ok(Json(rt.wait_process(&id, parse_pid(&pid)?, req.timeout).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/commands/{pid}/kill", params(("id" = String, Path, description = "sandbox id"), ("pid" = i32, Path, description = "process id inside the sandbox")),
     request_body = KillRequest, responses((status = 200, body = Done), (status = 404, body = ErrorResponse)))]
-pub async fn kill_process(State(rt): State<AppState>, P((id, pid)): P<(String, String)>, JsonBody(req): JsonBody<KillRequest>) -> ApiResult<Json<Done>> {
+pub async fn kill_process(
+    State(rt): State<AppState>,
+    P((id, pid)): P<(String, String)>,
+    JsonBody(req): JsonBody<KillRequest>,
+) -> ApiResult<Json<Done>> {
     rt.kill_process(&id, parse_pid(&pid)?, req.signal).await?;
     Ok(killed())
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/sessions", params(("id" = String, Path, description = "sandbox id")), request_body = CreateSession,
     responses((status = 201, body = SessionInfo), (status = 400, body = ErrorResponse)))]
-pub async fn create_session(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<CreateSession>) -> ApiResult<(StatusCode, Json<SessionInfo>)> {
+pub async fn create_session(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    JsonBody(req): JsonBody<CreateSession>,
+) -> ApiResult<(StatusCode, Json<SessionInfo>)> {
     Ok((StatusCode::CREATED, Json(rt.create_session(&id, req).await?)))
 }
 
@@ -188,13 +290,21 @@ pub async fn kill_session(State(rt): State<AppState>, P((id, sid)): P<(String, S
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/sessions/{sid}/run", params(("id" = String, Path, description = "sandbox id"), ("sid" = String, Path, description = "session id")),
     request_body = RunCode, responses((status = 200, body = SessionResult), (status = 409, body = ErrorResponse)))]
-pub async fn run_session(State(rt): State<AppState>, P((id, sid)): P<(String, String)>, JsonBody(req): JsonBody<RunCode>) -> ApiResult<Json<SessionResult>> {
+pub async fn run_session(
+    State(rt): State<AppState>,
+    P((id, sid)): P<(String, String)>,
+    JsonBody(req): JsonBody<RunCode>,
+) -> ApiResult<Json<SessionResult>> {
     Ok(Json(rt.run_session(&id, &sid, req).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/code", params(("id" = String, Path, description = "sandbox id")), request_body = RunCode,
     responses((status = 200, body = SessionResult)))]
-pub async fn run_code(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<RunCode>) -> ApiResult<Json<SessionResult>> {
+pub async fn run_code(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    JsonBody(req): JsonBody<RunCode>,
+) -> ApiResult<Json<SessionResult>> {
     Ok(Json(rt.run_code(&id, req).await?))
 }
 
@@ -225,7 +335,9 @@ pub struct RemoveQuery {
 }
 
 /// Run blocking filesystem work off the async threads.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, bb_runtime::RuntimeError> + Send + 'static) -> ApiResult<T> {
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, bb_runtime::RuntimeError> + Send + 'static,
+) -> ApiResult<T> {
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
@@ -250,14 +362,22 @@ pub async fn read_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<Pat
 #[utoipa::path(put, path = "/v1/sandboxes/{id}/files", params(("id" = String, Path, description = "sandbox id"), WriteQuery),
     request_body(content = Vec<u8>, content_type = "application/octet-stream"),
     responses((status = 200, body = EntryInfo), (status = 400, body = ErrorResponse), (status = 413, body = ErrorResponse)))]
-pub async fn write_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<WriteQuery>, body: Body) -> ApiResult<Json<EntryInfo>> {
+pub async fn write_file(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    Q(q): Q<WriteQuery>,
+    body: Body,
+) -> ApiResult<Json<EntryInfo>> {
     use tokio::io::AsyncWriteExt;
     let path = SbPath::parse(&q.path)?;
     let mode = match q.mode.as_deref() {
         None => None,
-        Some(m) => Some(u32::from_str_radix(m.trim_start_matches("0o"), 8).ok().filter(|m| *m <= 0o7777).ok_or_else(|| {
-            ApiError::bad_request(format!("mode {m:?} is not an octal file mode such as 0644"))
-        })?),
+        Some(m) => Some(
+            u32::from_str_radix(m.trim_start_matches("0o"), 8)
+                .ok()
+                .filter(|m| *m <= 0o7777)
+                .ok_or_else(|| ApiError::bad_request(format!("mode {m:?} is not an octal file mode such as 0644")))?,
+        ),
     };
     let limit = rt.cfg.max_file_bytes;
     let fs = std::sync::Arc::new(rt.fs(&id).await?);
@@ -294,7 +414,11 @@ pub async fn remove_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<R
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files/list", params(("id" = String, Path, description = "sandbox id"), ListQuery),
     responses((status = 200, body = EntryList), (status = 404, body = ErrorResponse)))]
-pub async fn list_files(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<ListQuery>) -> ApiResult<Json<EntryList>> {
+pub async fn list_files(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    Q(q): Q<ListQuery>,
+) -> ApiResult<Json<EntryList>> {
     let path = SbPath::parse(&q.path)?;
     let fs = rt.fs(&id).await?;
     let depth = q.depth.unwrap_or(1);
@@ -314,7 +438,11 @@ pub async fn stat_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<Pat
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/files/mkdir", params(("id" = String, Path, description = "sandbox id")), request_body = MakeDir,
     responses((status = 200, body = EntryInfo), (status = 409, body = ErrorResponse)))]
-pub async fn make_dir(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<MakeDir>) -> ApiResult<Json<EntryInfo>> {
+pub async fn make_dir(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    JsonBody(req): JsonBody<MakeDir>,
+) -> ApiResult<Json<EntryInfo>> {
     let path = SbPath::parse(&req.path)?;
     let fs = rt.fs(&id).await?;
     Ok(Json(blocking(move || fs.mkdir(&path, req.parents)).await?))
@@ -322,7 +450,11 @@ pub async fn make_dir(State(rt): State<AppState>, P(id): P<String>, JsonBody(req
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/files/rename", params(("id" = String, Path, description = "sandbox id")), request_body = Rename,
     responses((status = 200, body = EntryInfo), (status = 404, body = ErrorResponse)))]
-pub async fn rename_file(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<Rename>) -> ApiResult<Json<EntryInfo>> {
+pub async fn rename_file(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    JsonBody(req): JsonBody<Rename>,
+) -> ApiResult<Json<EntryInfo>> {
     let (from, to) = (SbPath::parse(&req.from)?, SbPath::parse(&req.to)?);
     let fs = rt.fs(&id).await?;
     Ok(Json(blocking(move || fs.rename(&from, &to)).await?))
@@ -372,25 +504,41 @@ pub async fn remove_image(State(rt): State<AppState>, P(name): P<String>) -> Api
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/checkpoint", params(("id" = String, Path, description = "sandbox id")),
     request_body = CheckpointRequest, responses((status = 201, body = SnapshotInfo), (status = 404, body = ErrorResponse), (status = 409, body = ErrorResponse)))]
-pub async fn checkpoint(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<CheckpointRequest>) -> ApiResult<(StatusCode, Json<SnapshotInfo>)> {
+pub async fn checkpoint(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    JsonBody(req): JsonBody<CheckpointRequest>,
+) -> ApiResult<(StatusCode, Json<SnapshotInfo>)> {
     Ok((StatusCode::CREATED, Json(rt.checkpoint(&id, req).await?)))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/rollback", params(("id" = String, Path, description = "sandbox id")),
     request_body = RollbackRequest, responses((status = 200, body = RollbackResult), (status = 404, body = ErrorResponse)))]
-pub async fn rollback(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<RollbackRequest>) -> ApiResult<Json<RollbackResult>> {
+pub async fn rollback(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    JsonBody(req): JsonBody<RollbackRequest>,
+) -> ApiResult<Json<RollbackResult>> {
     Ok(Json(rt.rollback(&id, req).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/fork", params(("id" = String, Path, description = "sandbox id")),
     request_body = ForkRequest, responses((status = 201, body = ForkResult), (status = 400, body = ErrorResponse), (status = 503, body = ErrorResponse)))]
-pub async fn fork(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<ForkRequest>) -> ApiResult<(StatusCode, Json<ForkResult>)> {
+pub async fn fork(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    JsonBody(req): JsonBody<ForkRequest>,
+) -> ApiResult<(StatusCode, Json<ForkResult>)> {
     Ok((StatusCode::CREATED, Json(rt.fork(&id, req).await?)))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/evaluate", params(("id" = String, Path, description = "sandbox id")),
     request_body = RunCommand, responses((status = 200, body = CommandResult), (status = 400, body = ErrorResponse)))]
-pub async fn evaluate(State(rt): State<AppState>, P(id): P<String>, JsonBody(req): JsonBody<RunCommand>) -> ApiResult<Json<CommandResult>> {
+pub async fn evaluate(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    JsonBody(req): JsonBody<RunCommand>,
+) -> ApiResult<Json<CommandResult>> {
     Ok(Json(rt.evaluate(&id, req).await?))
 }
 
@@ -419,7 +567,11 @@ pub struct DeleteSnapshotQuery {
 
 #[utoipa::path(delete, path = "/v1/snapshots/{sid}", params(("sid" = String, Path, description = "snapshot id"), DeleteSnapshotQuery),
     responses((status = 200, body = Done), (status = 404, body = ErrorResponse)))]
-pub async fn delete_snapshot(State(rt): State<AppState>, P(sid): P<String>, Q(q): Q<DeleteSnapshotQuery>) -> ApiResult<Json<Done>> {
+pub async fn delete_snapshot(
+    State(rt): State<AppState>,
+    P(sid): P<String>,
+    Q(q): Q<DeleteSnapshotQuery>,
+) -> ApiResult<Json<Done>> {
     rt.delete_snapshot(&sid, q.subtree.unwrap_or(false)).await?;
     Ok(removed())
 }
@@ -436,7 +588,11 @@ pub async fn get_pool(State(rt): State<AppState>) -> Json<PoolStats> {
 
 #[utoipa::path(put, path = "/v1/pool/{image}", params(("image" = String, Path, description = "image name")), request_body = SetPool,
     responses((status = 200, body = PoolStats), (status = 400, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
-pub async fn set_pool(State(rt): State<AppState>, P(image): P<String>, JsonBody(req): JsonBody<SetPool>) -> ApiResult<Json<PoolStats>> {
+pub async fn set_pool(
+    State(rt): State<AppState>,
+    P(image): P<String>,
+    JsonBody(req): JsonBody<SetPool>,
+) -> ApiResult<Json<PoolStats>> {
     let target = bb_runtime::pool::Target { min: req.min, max: req.max.unwrap_or(req.min) };
     Ok(Json(rt.set_pool(&image, target)?))
 }

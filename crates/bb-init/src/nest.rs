@@ -94,7 +94,8 @@ pub fn spawn_nested(config: &InitConfig, fds: Vec<OwnedFd>) -> Result<i32, Strin
         return Err("nest config must have \"nested\": true".into());
     }
     let mut fds = fds.into_iter();
-    let (listener, status, root, log) = (fds.next().unwrap(), fds.next().unwrap(), fds.next().unwrap(), fds.next().unwrap());
+    let (listener, status, root, log) =
+        (fds.next().unwrap(), fds.next().unwrap(), fds.next().unwrap(), fds.next().unwrap());
     let cgroup_procs: Vec<OwnedFd> = fds.collect();
     let (sync, theirs) = bb_proto::seqpacket_pair().map_err(|e| format!("socketpair: {e}"))?;
     // (source, target) in the child.
@@ -140,7 +141,8 @@ pub fn spawn_nested(config: &InitConfig, fds: Vec<OwnedFd>) -> Result<i32, Strin
     let maps = (|| -> Result<(), String> {
         for (ours, theirs) in [("/proc/self/uid_map", "uid_map"), ("/proc/self/gid_map", "gid_map")] {
             let n = mapped_ids(ours)?;
-            std::fs::write(format!("/proc/{pid}/{theirs}"), format!("0 0 {n}\n")).map_err(|e| format!("write {theirs}: {e}"))?;
+            std::fs::write(format!("/proc/{pid}/{theirs}"), format!("0 0 {n}\n"))
+                .map_err(|e| format!("write {theirs}: {e}"))?;
         }
         Ok(())
     })();
@@ -167,7 +169,10 @@ pub fn spawn_nested(config: &InitConfig, fds: Vec<OwnedFd>) -> Result<i32, Strin
     // our mounts), but we may make one for its pid namespace.
     let sent = bb_sys::mount_api::procfs_for_pidns(pidns.as_fd())
         .map_err(|e| format!("procfs for nested init: {e}"))
-        .and_then(|m| bb_proto::send(sync.as_raw_fd(), &"proc", &[m.as_raw_fd()]).map_err(|e| format!("hand /proc to nested init: {e}")));
+        .and_then(|m| {
+            bb_proto::send(sync.as_raw_fd(), &"proc", &[m.as_raw_fd()])
+                .map_err(|e| format!("hand /proc to nested init: {e}"))
+        });
     if let Err(e) = sent {
         // The nested init we started (it waits for its /proc); best effort, we report `e`.
         let _ = bb_sys::process::kill(inner, libc::SIGKILL);

@@ -42,10 +42,7 @@ pub struct Server {
 }
 
 fn now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
 impl Server {
@@ -53,17 +50,13 @@ impl Server {
         // SAFETY: fd 3 is the listening socket the daemon handed us; we own it from here on.
         let listener = unsafe { OwnedFd::from_raw_fd(INIT_LISTEN_FD) };
         // Children must not inherit the listener (dup2 in the daemon cleared CLOEXEC).
-        let _ = nix::fcntl::fcntl(
-            listener.as_raw_fd(),
-            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
-        );
+        let _ = nix::fcntl::fcntl(listener.as_raw_fd(), nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC));
         let mut mask = SigSet::empty();
         mask.add(Signal::SIGCHLD);
         mask.thread_block().expect("block SIGCHLD");
         // SAFETY: ignoring SIGPIPE is always sound; children restore the default before exec.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
-        let sigfd = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
-            .expect("signalfd");
+        let sigfd = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK).expect("signalfd");
         Server {
             listener,
             sigfd,
@@ -169,7 +162,10 @@ impl Server {
             Request::Wait { pid } => match self.procs.get(&pid) {
                 None => self.reply(
                     fd,
-                    &Response::Error { errno: libc::ESRCH, message: format!("no process {pid} was started in this sandbox") },
+                    &Response::Error {
+                        errno: libc::ESRCH,
+                        message: format!("no process {pid} was started in this sandbox"),
+                    },
                 ),
                 Some(Proc { exit: Some(status), .. }) => {
                     let status = *status;
@@ -183,16 +179,14 @@ impl Server {
             },
             Request::Kill { pid, .. } if pid <= 1 => {
                 // kill(-1) would signal every process, and pid 1 is init itself.
-                let resp = Response::Error { errno: libc::EPERM, message: format!("process {pid} cannot be signalled") };
+                let resp =
+                    Response::Error { errno: libc::EPERM, message: format!("process {pid} cannot be signalled") };
                 self.reply(fd, &resp);
             }
             Request::Kill { pid, signal, group } => {
                 // The pid namespace confines the target.
-                let res = if group {
-                    bb_sys::process::kill_group(pid, signal)
-                } else {
-                    bb_sys::process::kill(pid, signal)
-                };
+                let res =
+                    if group { bb_sys::process::kill_group(pid, signal) } else { bb_sys::process::kill(pid, signal) };
                 let resp = match res {
                     Ok(()) => Response::Ok,
                     Err(e) => Response::Error { errno: e.errno(), message: format!("kill {pid}: {}", e.source) },
@@ -216,11 +210,15 @@ impl Server {
                         self.drop_conn(fd);
                     }
                 }
-                None => self.reply(fd, &Response::Error { errno: libc::ENOENT, message: format!("nothing stashed as {key:?}") }),
+                None => self.reply(
+                    fd,
+                    &Response::Error { errno: libc::ENOENT, message: format!("nothing stashed as {key:?}") },
+                ),
             },
-            Request::Adopt { pid, .. } if pid <= 1 => {
-                self.reply(fd, &Response::Error { errno: libc::EINVAL, message: format!("process {pid} cannot be adopted") })
-            }
+            Request::Adopt { pid, .. } if pid <= 1 => self.reply(
+                fd,
+                &Response::Error { errno: libc::EINVAL, message: format!("process {pid} cannot be adopted") },
+            ),
             Request::Adopt { pid, tag, stash } => {
                 let resp = match bb_sys::process::pidfd_open(pid) {
                     Ok(pidfd) => {
@@ -236,7 +234,9 @@ impl Server {
                                 self.stash.insert(key, (pid, f));
                                 Response::Ok
                             }
-                            (Some(_), None) => Response::Error { errno: libc::EINVAL, message: "adopt with stash needs one fd".into() },
+                            (Some(_), None) => {
+                                Response::Error { errno: libc::EINVAL, message: "adopt with stash needs one fd".into() }
+                            }
                             (None, _) => Response::Ok,
                         }
                     }
@@ -251,7 +251,9 @@ impl Server {
                             self.drop_conn(fd);
                         }
                     }
-                    Err(e) => self.reply(fd, &Response::Error { errno: e.errno(), message: format!("nested init: {e}") }),
+                    Err(e) => {
+                        self.reply(fd, &Response::Error { errno: e.errno(), message: format!("nested init: {e}") })
+                    }
                 },
                 Err(message) => self.reply(fd, &Response::Error { errno: libc::EIO, message }),
             },
@@ -309,10 +311,8 @@ impl Server {
         match fork_exec(&prepared, stdio, &self.policy) {
             Ok(pid) => {
                 drop(fds);
-                self.procs.insert(
-                    pid,
-                    Proc { tag: req.tag, background: req.background, started_at: now(), exit: None },
-                );
+                self.procs
+                    .insert(pid, Proc { tag: req.tag, background: req.background, started_at: now(), exit: None });
                 if !req.background {
                     if let Some(c) = self.conns.get_mut(&fd) {
                         c.owns = Some(pid);
@@ -335,12 +335,8 @@ impl Server {
         }
         p.exit = Some(status);
         self.exited_order.push_back(pid);
-        let waiting: Vec<RawFd> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.waits_for == Some(pid))
-            .map(|(fd, _)| *fd)
-            .collect();
+        let waiting: Vec<RawFd> =
+            self.conns.iter().filter(|(_, c)| c.waits_for == Some(pid)).map(|(fd, _)| *fd).collect();
         for fd in waiting {
             if let Some(c) = self.conns.get_mut(&fd) {
                 c.owns = None;

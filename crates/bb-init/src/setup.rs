@@ -34,8 +34,7 @@ fn io<T>(what: impl Into<String>, r: std::io::Result<T>) -> Result<T, SetupError
     r.map_err(|source| SetupError::Io { what: what.into(), source })
 }
 
-const NOSUID_NODEV_NOEXEC: MsFlags =
-    MsFlags::MS_NOSUID.union(MsFlags::MS_NODEV).union(MsFlags::MS_NOEXEC);
+const NOSUID_NODEV_NOEXEC: MsFlags = MsFlags::MS_NOSUID.union(MsFlags::MS_NODEV).union(MsFlags::MS_NOEXEC);
 
 /// Paths of /proc that stay read-only (as in Docker's default).
 const PROC_READONLY: &[&str] = &["bus", "fs", "irq", "sys", "sysrq-trigger"];
@@ -179,9 +178,16 @@ pub fn reset(hostname: &str, shm_bytes: u64) -> Result<(), SetupError> {
     bb_sys::ns::unshare(libc::CLONE_NEWNET | libc::CLONE_NEWIPC)?;
     bb_sys::process::loopback_up()?;
     let shm = Path::new("/dev/shm");
-    nix::mount::umount2(shm, nix::mount::MntFlags::MNT_DETACH)
-        .map_err(|source| SetupError::Mount { what: "unmount /dev/shm", path: "/dev/shm".into(), source })?;
+    nix::mount::umount2(shm, nix::mount::MntFlags::MNT_DETACH).map_err(|source| SetupError::Mount {
+        what: "unmount /dev/shm",
+        path: "/dev/shm".into(),
+        source,
+    })?;
     let shm_opts = format!("mode=1777,size={shm_bytes}");
     m("mount /dev/shm", Some(Path::new("tmpfs")), shm, Some("tmpfs"), NOSUID_NODEV_NOEXEC, Some(&shm_opts))?;
-    nix::unistd::sethostname(hostname).map_err(|source| SetupError::Mount { what: "sethostname", path: hostname.into(), source })
+    nix::unistd::sethostname(hostname).map_err(|source| SetupError::Mount {
+        what: "sethostname",
+        path: hostname.into(),
+        source,
+    })
 }

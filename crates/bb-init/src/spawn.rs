@@ -35,11 +35,7 @@ impl Prepared {
         let candidates = if prog.contains('/') {
             vec![cstr("program", prog)?]
         } else {
-            let path = req
-                .env
-                .iter()
-                .find_map(|e| e.strip_prefix("PATH="))
-                .unwrap_or(DEFAULT_PATH);
+            let path = req.env.iter().find_map(|e| e.strip_prefix("PATH=")).unwrap_or(DEFAULT_PATH);
             path.split(':')
                 .filter(|d| !d.is_empty())
                 .map(|d| cstr("PATH entry", &format!("{d}/{prog}")))

@@ -51,18 +51,13 @@ pub fn drop_capabilities() -> Result<()> {
 
     for cap in 0..64u32 {
         // SAFETY: PR_CAPBSET_READ takes a capability number and no pointers.
-        let present =
-            unsafe { libc::prctl(libc::PR_CAPBSET_READ, libc::c_ulong::from(cap), 0, 0, 0) };
+        let present = unsafe { libc::prctl(libc::PR_CAPBSET_READ, libc::c_ulong::from(cap), 0, 0, 0) };
         if present < 0 {
             let err = io::Error::last_os_error();
             if err.raw_os_error() == Some(libc::EINVAL) {
                 break; // beyond /proc/sys/kernel/cap_last_cap: no more capabilities exist
             }
-            return Err(IsolationError::CapabilityDrop {
-                cap,
-                source: err,
-                hint: "",
-            });
+            return Err(IsolationError::CapabilityDrop { cap, source: err, hint: "" });
         }
         if present == 0 {
             continue;
@@ -84,30 +79,14 @@ pub fn drop_capabilities() -> Result<()> {
         }
     }
 
-    let cap_err = |e: bb_sys::SysError| IsolationError::Capability {
-        op: e.call,
-        source: e.source,
-        hint: "",
-    };
+    let cap_err = |e: bb_sys::SysError| IsolationError::Capability { op: e.call, source: e.source, hint: "" };
     let permitted = bb_sys::caps::capget(0).map_err(cap_err)?.permitted;
     let new = permitted & keep;
-    let sets = CapSets {
-        effective: new,
-        permitted: new,
-        inheritable: new & bounding_kept,
-    };
+    let sets = CapSets { effective: new, permitted: new, inheritable: new & bounding_kept };
     bb_sys::caps::capset(&sets).map_err(cap_err)?;
 
     // SAFETY: PR_CAP_AMBIENT_CLEAR_ALL takes no pointers.
-    let ret = unsafe {
-        libc::prctl(
-            libc::PR_CAP_AMBIENT,
-            libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
-            0,
-            0,
-            0,
-        )
-    };
+    let ret = unsafe { libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong, 0, 0, 0) };
     if ret != 0 {
         let err = io::Error::last_os_error();
         // Kernels before 4.3 have no ambient set, so there is nothing to clear.
@@ -142,5 +121,4 @@ mod tests {
         assert!(!DEFAULT_CAPS.contains(&Capability::CAP_SYS_PTRACE));
         assert!(!DEFAULT_CAPS.contains(&Capability::CAP_NET_ADMIN));
     }
-
 }

@@ -41,13 +41,8 @@ pub enum IsolationError {
 
     /// The layout lacks a hierarchy that the operation needs (only possible with
     /// [`crate::CgroupLayout::with_roots`]; `detect` always provides all of them).
-    #[error(
-        "the cgroup layout has no {controller:?} hierarchy, which {op} needs; add it to the roots"
-    )]
-    MissingController {
-        controller: &'static str,
-        op: &'static str,
-    },
+    #[error("the cgroup layout has no {controller:?} hierarchy, which {op} needs; add it to the roots")]
+    MissingController { controller: &'static str, op: &'static str },
 
     /// A filesystem operation on cgroupfs failed (mkdir, rmdir, read, open, readdir).
     #[error("cannot {op} {path}: {source}{hint}")]
@@ -75,12 +70,7 @@ pub enum IsolationError {
 
     /// freeze / kill_all did not complete in time.
     #[error("cgroup {name:?}: {what} did not complete within {waited:?}: {detail}")]
-    Timeout {
-        name: String,
-        what: &'static str,
-        waited: Duration,
-        detail: String,
-    },
+    Timeout { name: String, what: &'static str, waited: Duration, detail: String },
 
     /// kill(2) on a member of the group failed with something other than ESRCH.
     #[error("cannot SIGKILL pid {pid} in cgroup {name:?}: {source}")]
@@ -205,17 +195,9 @@ mod tests {
         let path = PathBuf::from("/sys/fs/cgroup/x/cgroup.subtree_control");
         let source = io::Error::from_raw_os_error(libc::EBUSY);
         let hint = write_hint(&path, &source);
-        let e = IsolationError::Write {
-            path,
-            value: "+memory".into(),
-            source,
-            hint,
-        };
+        let e = IsolationError::Write { path, value: "+memory".into(), source, hint };
         let msg = e.to_string();
-        assert!(
-            msg.contains("/sys/fs/cgroup/x/cgroup.subtree_control"),
-            "{msg}"
-        );
+        assert!(msg.contains("/sys/fs/cgroup/x/cgroup.subtree_control"), "{msg}");
         assert!(msg.contains("\"+memory\""), "{msg}");
         assert!(msg.contains("leaf group"), "{msg}");
     }
@@ -227,9 +209,6 @@ mod tests {
         assert!(write_hint(p, &io::Error::from_raw_os_error(libc::EBUSY)).contains("higher limit"));
         let procs = std::path::Path::new("/x/cgroup.procs");
         assert!(write_hint(procs, &io::Error::from_raw_os_error(libc::ESRCH)).contains("exited"));
-        assert_eq!(
-            write_hint(procs, &io::Error::from_raw_os_error(libc::EIO)),
-            ""
-        );
+        assert_eq!(write_hint(procs, &io::Error::from_raw_os_error(libc::EIO)), "");
     }
 }

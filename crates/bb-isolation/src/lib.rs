@@ -44,8 +44,7 @@ mod seccomp;
 
 pub use caps_policy::{caps_mask, drop_capabilities, set_no_new_privs, DEFAULT_CAPS};
 pub use cgroup::{
-    Cgroup, CgroupLayout, CgroupStats, CgroupVersion, Limits, CPU_PERIOD_US, MIN_CPU_MILLIS,
-    MIN_MEMORY_BYTES,
+    Cgroup, CgroupLayout, CgroupStats, CgroupVersion, Limits, CPU_PERIOD_US, MIN_CPU_MILLIS, MIN_MEMORY_BYTES,
 };
 pub use error::IsolationError;
 pub use seccomp::{SeccompFilter, SetnsKey, DEFAULT_POLICY_JSON};
@@ -63,14 +62,10 @@ mod tests {
 
     #[test]
     fn version_serializes_like_the_api_expects() {
-        assert_eq!(
-            serde_json::to_string(&crate::CgroupVersion::V1).unwrap(),
-            "\"v1\""
-        );
+        assert_eq!(serde_json::to_string(&crate::CgroupVersion::V1).unwrap(), "\"v1\"");
         assert_eq!(crate::CgroupVersion::V2.to_string(), "v2");
         let limits: crate::Limits =
-            serde_json::from_str(r#"{"memory_bytes": 1048576, "cpu_millis": 500, "pids": null}"#)
-                .unwrap();
+            serde_json::from_str(r#"{"memory_bytes": 1048576, "cpu_millis": 500, "pids": null}"#).unwrap();
         assert_eq!(limits.cpu_millis, Some(500));
     }
 }

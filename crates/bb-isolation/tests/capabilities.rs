@@ -32,10 +32,7 @@ fn status_after(body: impl FnOnce() -> i32) -> String {
     let len = read_exact_timeout(&pipe.read, 4, Duration::from_secs(10));
     let len = u32::from_ne_bytes(len.try_into().unwrap()) as usize;
     let status = read_exact_timeout(&pipe.read, len, Duration::from_secs(5));
-    assert_eq!(
-        child.wait(Duration::from_secs(10)),
-        WaitStatus::Exited(child.pid, 0)
-    );
+    assert_eq!(child.wait(Duration::from_secs(10)), WaitStatus::Exited(child.pid, 0));
     String::from_utf8(status).unwrap()
 }
 
@@ -45,21 +42,9 @@ fn drop_capabilities_leaves_exactly_the_default_set() {
     let default = caps_mask(DEFAULT_CAPS);
     let before = own_status();
     // Preconditions that make the test meaningful: we hold all default caps and more.
-    assert_eq!(
-        status_hex(&before, "CapBnd") & default,
-        default,
-        "test process lacks default caps"
-    );
-    assert_eq!(
-        status_hex(&before, "CapEff") & default,
-        default,
-        "test process lacks default caps"
-    );
-    assert_ne!(
-        status_hex(&before, "CapBnd") & !default,
-        0,
-        "nothing to drop: test proves nothing"
-    );
+    assert_eq!(status_hex(&before, "CapBnd") & default, default, "test process lacks default caps");
+    assert_eq!(status_hex(&before, "CapEff") & default, default, "test process lacks default caps");
+    assert_ne!(status_hex(&before, "CapBnd") & !default, 0, "nothing to drop: test proves nothing");
 
     let after = status_after(|| {
         if drop_capabilities().is_err() {
@@ -72,12 +57,7 @@ fn drop_capabilities_leaves_exactly_the_default_set() {
         0
     });
     for key in ["CapBnd", "CapEff", "CapPrm", "CapInh"] {
-        assert_eq!(
-            status_hex(&after, key),
-            default,
-            "{key}: {:#x}",
-            status_hex(&after, key)
-        );
+        assert_eq!(status_hex(&after, key), default, "{key}: {:#x}", status_hex(&after, key));
     }
     assert_eq!(status_hex(&after, "CapAmb"), 0);
 }
@@ -101,10 +81,7 @@ fn dropped_capabilities_stay_dropped_after_exec_as_root() {
         22
     });
     child.release();
-    assert_eq!(
-        child.wait(Duration::from_secs(10)),
-        WaitStatus::Exited(child.pid, 0)
-    );
+    assert_eq!(child.wait(Duration::from_secs(10)), WaitStatus::Exited(child.pid, 0));
     drop(pipe.write);
     let mut text = Vec::new();
     loop {
@@ -136,10 +113,7 @@ fn privileged_operation_fails_after_drop() {
         }
     };
     let control = status_after(move || if attempt() == 0 { 0 } else { 30 });
-    assert!(
-        control.contains("CapEff"),
-        "control child must succeed in raising its priority"
-    );
+    assert!(control.contains("CapEff"), "control child must succeed in raising its priority");
     status_after(move || {
         if drop_capabilities().is_err() {
             return 20;
@@ -155,11 +129,7 @@ fn privileged_operation_fails_after_drop() {
 #[test]
 fn no_new_privs_is_set() {
     require_root();
-    assert_eq!(
-        status_field(&own_status(), "NoNewPrivs"),
-        "0",
-        "test process already has NNP"
-    );
+    assert_eq!(status_field(&own_status(), "NoNewPrivs"), "0", "test process already has NNP");
     let status = status_after(|| if set_no_new_privs().is_ok() { 0 } else { 20 });
     assert_eq!(status_field(&status, "NoNewPrivs"), "1");
 }

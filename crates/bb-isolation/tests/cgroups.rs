@@ -17,25 +17,14 @@ const MIB: u64 = 1 << 20;
 fn detect_finds_a_usable_layout() {
     let guard = ParentGuard::new();
     let layout = &guard.layout;
-    eprintln!(
-        "detected cgroup {} with roots {:?}",
-        layout.version(),
-        layout.roots()
-    );
+    eprintln!("detected cgroup {} with roots {:?}", layout.version(), layout.roots());
     for (controller, root) in layout.roots() {
-        assert!(
-            root.join("cgroup.procs").exists(),
-            "{controller}: {} is not a cgroupfs",
-            root.display()
-        );
+        assert!(root.join("cgroup.procs").exists(), "{controller}: {} is not a cgroupfs", root.display());
     }
     match layout.version() {
         CgroupVersion::V1 => {
             for c in ["memory", "cpu", "pids", "freezer"] {
-                assert!(
-                    layout.roots().iter().any(|(n, _)| n == c),
-                    "v1 layout lacks {c}"
-                );
+                assert!(layout.roots().iter().any(|(n, _)| n == c), "v1 layout lacks {c}");
             }
         }
         CgroupVersion::V2 => {
@@ -49,13 +38,7 @@ fn detect_finds_a_usable_layout() {
 
 #[test]
 fn pids_limit_contains_a_fork_bomb_and_destroy_leaves_nothing() {
-    let t = TestGroup::new(
-        "bomb",
-        Limits {
-            pids: Some(10),
-            ..Default::default()
-        },
-    );
+    let t = TestGroup::new("bomb", Limits { pids: Some(10), ..Default::default() });
     let result = new_pipe();
     let out = result.write.as_raw_fd();
     let mut child = fork_gated(move || {
@@ -89,11 +72,7 @@ fn pids_limit_contains_a_fork_bomb_and_destroy_leaves_nothing() {
     let msg = read_exact_timeout(&result.read, 8, Duration::from_secs(10));
     let forked = i32::from_ne_bytes(msg[..4].try_into().unwrap());
     let err = i32::from_ne_bytes(msg[4..].try_into().unwrap());
-    assert_eq!(
-        err,
-        libc::EAGAIN,
-        "fork must fail with EAGAIN once pids.max is reached"
-    );
+    assert_eq!(err, libc::EAGAIN, "fork must fail with EAGAIN once pids.max is reached");
     assert_eq!(forked, 9, "10 tasks allowed: the child plus 9 forks");
     assert_eq!(t.cg.pids().unwrap().len(), 10);
     assert_eq!(t.cg.stats().unwrap().pids_current, 10);
@@ -110,10 +89,7 @@ fn pids_limit_contains_a_fork_bomb_and_destroy_leaves_nothing() {
         assert!(!p.exists(), "{} left behind", p.display());
     }
     t.cg.destroy().unwrap(); // idempotent
-    assert!(matches!(
-        Cgroup::open(&t.guard.layout, "bomb"),
-        Err(IsolationError::NotFound { .. })
-    ));
+    assert!(matches!(Cgroup::open(&t.guard.layout, "bomb"), Err(IsolationError::NotFound { .. })));
     t.guard.layout.remove_parent().unwrap();
     for p in t.guard.parent_dirs() {
         assert!(!p.exists(), "{} left behind", p.display());
@@ -122,13 +98,7 @@ fn pids_limit_contains_a_fork_bomb_and_destroy_leaves_nothing() {
 
 #[test]
 fn memory_limit_oom_kills_and_is_counted() {
-    let t = TestGroup::new(
-        "oom",
-        Limits {
-            memory_bytes: Some(32 * MIB),
-            ..Default::default()
-        },
-    );
+    let t = TestGroup::new("oom", Limits { memory_bytes: Some(32 * MIB), ..Default::default() });
     assert_eq!(t.cg.stats().unwrap().oom_kills, 0);
     let mut child = fork_gated(|| {
         let len = 200 * MIB as usize;
@@ -162,14 +132,8 @@ fn memory_limit_oom_kills_and_is_counted() {
     }
     let stats = t.cg.stats().unwrap();
     assert!(stats.oom_kills >= 1, "{stats:?}");
-    assert!(
-        stats.memory_peak_bytes <= 32 * MIB,
-        "peak above the limit: {stats:?}"
-    );
-    assert!(
-        stats.memory_peak_bytes >= 16 * MIB,
-        "the child never got near the limit: {stats:?}"
-    );
+    assert!(stats.memory_peak_bytes <= 32 * MIB, "peak above the limit: {stats:?}");
+    assert!(stats.memory_peak_bytes >= 16 * MIB, "the child never got near the limit: {stats:?}");
 }
 
 #[test]
@@ -181,10 +145,7 @@ fn freeze_stops_progress_and_thaw_resumes_it() {
         if !raw_write(out, b".") {
             return 2;
         }
-        let ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 5_000_000,
-        };
+        let ts = libc::timespec { tv_sec: 0, tv_nsec: 5_000_000 };
         // SAFETY: valid timespec, no remainder wanted.
         unsafe { libc::nanosleep(&ts, std::ptr::null_mut()) };
     });
@@ -205,21 +166,12 @@ fn freeze_stops_progress_and_thaw_resumes_it() {
     // Freeze, then kill_all: must also work on a frozen group.
     t.cg.freeze().unwrap();
     t.cg.kill_all().unwrap();
-    assert!(matches!(
-        child.wait(Duration::from_secs(5)),
-        WaitStatus::Signaled(_, Signal::SIGKILL, _)
-    ));
+    assert!(matches!(child.wait(Duration::from_secs(5)), WaitStatus::Signaled(_, Signal::SIGKILL, _)));
 }
 
 #[test]
 fn kill_all_wins_against_a_forking_swarm() {
-    let t = TestGroup::new(
-        "swarm",
-        Limits {
-            pids: Some(64),
-            ..Default::default()
-        },
-    );
+    let t = TestGroup::new("swarm", Limits { pids: Some(64), ..Default::default() });
     let mut child = fork_gated(|| loop {
         // Every process keeps forking; children do the same.
         // SAFETY: plain fork in a single-threaded process.
@@ -236,42 +188,22 @@ fn kill_all_wins_against_a_forking_swarm() {
     t.cg.kill_all().unwrap();
     eprintln!("kill_all of the swarm took {:?}", start.elapsed());
     assert!(t.cg.pids().unwrap().is_empty());
-    assert!(matches!(
-        child.wait(Duration::from_secs(5)),
-        WaitStatus::Signaled(_, Signal::SIGKILL, _)
-    ));
+    assert!(matches!(child.wait(Duration::from_secs(5)), WaitStatus::Signaled(_, Signal::SIGKILL, _)));
     t.cg.destroy().unwrap();
 }
 
 #[test]
 fn limits_are_accepted_by_the_kernel_raised_lowered_and_removed() {
-    let limits = Limits {
-        memory_bytes: Some(64 * MIB),
-        cpu_millis: Some(500),
-        pids: Some(50),
-    };
+    let limits = Limits { memory_bytes: Some(64 * MIB), cpu_millis: Some(500), pids: Some(50) };
     let t = TestGroup::new("limits", limits);
     let dir = |controller: &str| {
         let root = match t.guard.layout.version() {
-            CgroupVersion::V1 => t
-                .guard
-                .layout
-                .roots()
-                .iter()
-                .find(|(c, _)| c == controller)
-                .unwrap()
-                .1
-                .clone(),
+            CgroupVersion::V1 => t.guard.layout.roots().iter().find(|(c, _)| c == controller).unwrap().1.clone(),
             CgroupVersion::V2 => t.guard.layout.roots()[0].1.clone(),
         };
         root.join(t.guard.layout.parent()).join("limits")
     };
-    let read = |controller: &str, file: &str| {
-        fs::read_to_string(dir(controller).join(file))
-            .unwrap()
-            .trim()
-            .to_owned()
-    };
+    let read = |controller: &str, file: &str| fs::read_to_string(dir(controller).join(file)).unwrap().trim().to_owned();
     let check = |mem: &str, cpu: &str, pids: &str| match t.guard.layout.version() {
         CgroupVersion::V1 => {
             assert_eq!(read("memory", "memory.limit_in_bytes"), mem);
@@ -295,18 +227,9 @@ fn limits_are_accepted_by_the_kernel_raised_lowered_and_removed() {
     };
     check("67108864", "50000", "50");
     // Lowering then raising exercises the memsw ordering on v1 (the kernel enforces it).
-    t.cg.set_limits(&Limits {
-        memory_bytes: Some(16 * MIB),
-        ..limits
-    })
-    .unwrap();
+    t.cg.set_limits(&Limits { memory_bytes: Some(16 * MIB), ..limits }).unwrap();
     check("16777216", "50000", "50");
-    t.cg.set_limits(&Limits {
-        memory_bytes: Some(128 * MIB),
-        cpu_millis: Some(2000),
-        pids: Some(7),
-    })
-    .unwrap();
+    t.cg.set_limits(&Limits { memory_bytes: Some(128 * MIB), cpu_millis: Some(2000), pids: Some(7) }).unwrap();
     check("134217728", "200000", "7");
     t.cg.set_limits(&Limits::default()).unwrap();
     check(unlimited_mem, unlimited_cpu, "max");
@@ -318,26 +241,11 @@ fn limits_are_accepted_by_the_kernel_raised_lowered_and_removed() {
 fn list_open_and_cleanup_of_strays() {
     let guard = ParentGuard::new();
     let layout = &guard.layout;
-    assert_eq!(
-        layout.list().unwrap(),
-        Vec::<String>::new(),
-        "fresh parent must be empty"
-    );
+    assert_eq!(layout.list().unwrap(), Vec::<String>::new(), "fresh parent must be empty");
     let a = Cgroup::create(layout, "a", &Limits::default()).unwrap();
-    Cgroup::create(
-        layout,
-        "b",
-        &Limits {
-            pids: Some(5),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    Cgroup::create(layout, "b", &Limits { pids: Some(5), ..Default::default() }).unwrap();
     assert_eq!(layout.list().unwrap(), vec!["a", "b"]);
-    assert!(matches!(
-        Cgroup::create(layout, "a", &Limits::default()),
-        Err(IsolationError::AlreadyExists { .. })
-    ));
+    assert!(matches!(Cgroup::create(layout, "a", &Limits::default()), Err(IsolationError::AlreadyExists { .. })));
 
     // "Daemon restart": re-attach by name, with a live process inside.
     let mut child = fork_gated(|| loop {
@@ -358,10 +266,7 @@ fn list_open_and_cleanup_of_strays() {
     for name in layout.list().unwrap() {
         Cgroup::open(layout, &name).unwrap().destroy().unwrap();
     }
-    assert!(matches!(
-        child.wait(Duration::from_secs(5)),
-        WaitStatus::Signaled(_, Signal::SIGKILL, _)
-    ));
+    assert!(matches!(child.wait(Duration::from_secs(5)), WaitStatus::Signaled(_, Signal::SIGKILL, _)));
     assert_eq!(layout.list().unwrap(), Vec::<String>::new());
     layout.remove_parent().unwrap();
     for p in guard.parent_dirs() {

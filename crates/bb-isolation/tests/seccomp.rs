@@ -77,14 +77,7 @@ fn probe() -> [i32; N] {
     // errno.
     unsafe {
         // First: after unshare(CLONE_NEWUSER) our uid is unmapped and nesting would fail.
-        let ret = libc::syscall(
-            libc::SYS_clone,
-            (libc::CLONE_NEWUSER | libc::SIGCHLD) as libc::c_ulong,
-            0,
-            0,
-            0,
-            0,
-        );
+        let ret = libc::syscall(libc::SYS_clone, (libc::CLONE_NEWUSER | libc::SIGCHLD) as libc::c_ulong, 0, 0, 0, 0);
         if ret == 0 {
             libc::_exit(0); // the clone child (only without the filter)
         }
@@ -92,13 +85,8 @@ fn probe() -> [i32; N] {
             libc::waitpid(ret as libc::pid_t, std::ptr::null_mut(), 0);
         }
         r[P::CloneNewUser as usize] = rc(ret);
-        r[P::Mount as usize] = rc(libc::mount(
-            c"none".as_ptr(),
-            target.as_ptr(),
-            c"tmpfs".as_ptr(),
-            0,
-            std::ptr::null(),
-        ) as _);
+        r[P::Mount as usize] =
+            rc(libc::mount(c"none".as_ptr(), target.as_ptr(), c"tmpfs".as_ptr(), 0, std::ptr::null()) as _);
         r[P::UnshareUser as usize] = rc(libc::unshare(libc::CLONE_NEWUSER) as _);
         r[P::UnshareMount as usize] = rc(libc::unshare(libc::CLONE_NEWNS) as _);
         // KEYCTL_GET_KEYRING_ID(KEY_SPEC_SESSION_KEYRING, create = 0)
@@ -164,10 +152,7 @@ fn run_probe(filter: Option<&SeccompFilter>) -> ([i32; N], String) {
     }
     let len = u32::from_ne_bytes(raw[N * 4..].try_into().unwrap()) as usize;
     let status = read_exact_timeout(&results.read, len, Duration::from_secs(5));
-    assert_eq!(
-        child.wait(Duration::from_secs(10)),
-        WaitStatus::Exited(child.pid, 0)
-    );
+    assert_eq!(child.wait(Duration::from_secs(10)), WaitStatus::Exited(child.pid, 0));
     (r, String::from_utf8(status).unwrap())
 }
 
@@ -181,10 +166,7 @@ fn default_policy_denies_what_it_should_and_allows_fork_threads_exec() {
     assert_eq!(status_field(&status0, "Seccomp"), "0");
     // Every denial checked below must differ from the unfiltered behaviour.
     let differs = |p: P, from: i32| {
-        assert_ne!(
-            without[p as usize], from,
-            "{p:?} gives {from} even without the filter: probe proves nothing"
-        );
+        assert_ne!(without[p as usize], from, "{p:?} gives {from} even without the filter: probe proves nothing");
     };
     differs(P::Mount, libc::EPERM);
     differs(P::UnshareUser, libc::EPERM);
@@ -196,11 +178,7 @@ fn default_policy_denies_what_it_should_and_allows_fork_threads_exec() {
     differs(P::PersonalityNoAslr, libc::EPERM);
     differs(P::MountSetattr, libc::EPERM);
     differs(P::IoUringSetup, libc::EPERM);
-    assert_ne!(
-        without[P::OpenTreeAttr as usize],
-        libc::ENOSYS,
-        "syscall 467 is not open_tree_attr here"
-    );
+    assert_ne!(without[P::OpenTreeAttr as usize], libc::ENOSYS, "syscall 467 is not open_tree_attr here");
     differs(P::OpenTreeAttr, libc::EPERM);
 
     let (with, status) = run_probe(Some(&filter));
@@ -257,10 +235,7 @@ fn filter_is_inherited_across_exec() {
         12
     });
     child.release();
-    assert_eq!(
-        child.wait(Duration::from_secs(10)),
-        WaitStatus::Exited(child.pid, 0)
-    );
+    assert_eq!(child.wait(Duration::from_secs(10)), WaitStatus::Exited(child.pid, 0));
     drop(out.write);
     let mut text = String::new();
     loop {
@@ -272,8 +247,5 @@ fn filter_is_inherited_across_exec() {
     }
     assert!(text.contains("Seccomp:\t2"), "{text}");
     // util-linux reports the EPERM from unshare(2); "not found" would fail this test.
-    assert!(
-        text.contains("Operation not permitted") && text.contains("unshare-exit=1"),
-        "{text}"
-    );
+    assert!(text.contains("Operation not permitted") && text.contains("unshare-exit=1"), "{text}");
 }

@@ -14,19 +14,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 /// Default environment of the base image.
-pub const BASE_ENV: &[&str] = &[
-    "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "LANG=C.UTF-8",
-];
+pub const BASE_ENV: &[&str] = &["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"];
 
 impl BaseImageOpts {
     fn validate(&self) -> Result<(), LayersError> {
         let suite_ok = !self.suite.is_empty()
             && self.suite.len() <= 64
-            && self
-                .suite
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+            && self.suite.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
             && self.suite.as_bytes()[0].is_ascii_alphanumeric();
         if !suite_ok {
             return Err(LayersError::InvalidOption {
@@ -35,13 +29,8 @@ impl BaseImageOpts {
                 hint: "use a Debian suite name such as `bookworm`",
             });
         }
-        let mirror_ok = ["http://", "https://", "file:///"]
-            .iter()
-            .any(|p| self.mirror.starts_with(p))
-            && !self
-                .mirror
-                .bytes()
-                .any(|b| b.is_ascii_whitespace() || b.is_ascii_control());
+        let mirror_ok = ["http://", "https://", "file:///"].iter().any(|p| self.mirror.starts_with(p))
+            && !self.mirror.bytes().any(|b| b.is_ascii_whitespace() || b.is_ascii_control());
         if !mirror_ok {
             return Err(LayersError::InvalidOption {
                 field: "mirror",
@@ -53,8 +42,7 @@ impl BaseImageOpts {
             let ok = p.len() >= 2
                 && p.len() <= 100
                 && p.as_bytes()[0].is_ascii_alphanumeric()
-                && p.bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"+-.".contains(&b));
+                && p.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"+-.".contains(&b));
             if !ok {
                 return Err(LayersError::InvalidOption {
                     field: "package",
@@ -77,10 +65,7 @@ pub(crate) struct DebootstrapProgress {
 
 impl DebootstrapProgress {
     fn stage(stage: &str, message: &str) -> Progress {
-        Progress::Stage {
-            stage: stage.into(),
-            message: message.trim_end_matches("...").trim().into(),
-        }
+        Progress::Stage { stage: stage.into(), message: message.trim_end_matches("...").trim().into() }
     }
 
     /// Progress for one output line (possibly none).
@@ -93,12 +78,8 @@ impl DebootstrapProgress {
             return Some(Self::stage("error", e));
         }
         let rest = line.strip_prefix("I: ")?;
-        let is_index = |r: &str| {
-            matches!(
-                r.split_whitespace().next(),
-                Some("InRelease" | "Release" | "Release.gpg" | "Packages")
-            )
-        };
+        let is_index =
+            |r: &str| matches!(r.split_whitespace().next(), Some("InRelease" | "Release" | "Release.gpg" | "Packages"));
         if let Some(r) = rest.strip_prefix("Retrieving ") {
             let _ = r;
             return Some(Self::stage("download", rest));
@@ -121,11 +102,7 @@ impl DebootstrapProgress {
             }
             self.unpacked += 1;
             let total = self.fetched.max(self.unpacked);
-            return Some(Progress::Step {
-                stage: "unpack".into(),
-                done: self.unpacked,
-                total,
-            });
+            return Some(Progress::Step { stage: "unpack".into(), done: self.unpacked, total });
         }
         if let Some(r) = rest.strip_prefix("Configuring ") {
             if group(r) {
@@ -133,19 +110,11 @@ impl DebootstrapProgress {
             }
             self.configured += 1;
             let total = self.fetched.max(self.configured);
-            return Some(Progress::Step {
-                stage: "configure".into(),
-                done: self.configured,
-                total,
-            });
+            return Some(Progress::Step { stage: "configure".into(), done: self.configured, total });
         }
         if rest.starts_with("Base system installed successfully") {
             let total = self.fetched.max(self.configured);
-            return Some(Progress::Step {
-                stage: "configure".into(),
-                done: total,
-                total,
-            });
+            return Some(Progress::Step { stage: "configure".into(), done: total, total });
         }
         Some(Self::stage("debootstrap", rest))
     }
@@ -182,8 +151,7 @@ fn write_new(path: &Path, content: &[u8], mode: u32) -> Result<(), LayersError> 
         .custom_flags(libc::O_NOFOLLOW)
         .open(path)
         .map_err(io_err(format!("creating {}", path.display())))?;
-    f.write_all(content)
-        .map_err(io_err(format!("writing {}", path.display())))?;
+    f.write_all(content).map_err(io_err(format!("writing {}", path.display())))?;
     fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(io_err(format!("chmod {}", path.display())))
 }
 
@@ -216,18 +184,12 @@ pub(crate) fn finalize_rootfs(root: &Path) -> Result<(), LayersError> {
     remove_tree(&root.join("debootstrap"))?;
     // Device nodes, /dev/pts, /dev/shm, /dev/fd symlinks: the sandbox gets a fresh /dev.
     clean_dir(&root.join("dev"), |_, _| true)?;
-    clean_dir(&root.join("var/cache/apt/archives"), |n, m| {
-        n.ends_with(".deb") && !m.is_dir()
-    })?;
+    clean_dir(&root.join("var/cache/apt/archives"), |n, m| n.ends_with(".deb") && !m.is_dir())?;
     clean_dir(&root.join("var/cache/apt/archives/partial"), |_, _| true)?;
     clean_dir(&root.join("var/lib/apt/lists/partial"), |_, _| true)?;
     clean_dir(&root.join("var/cache/apt"), |n, m| n.ends_with(".bin") && m.is_file())?;
-    clean_dir(&root.join("var/lib/apt/lists"), |n, _| {
-        n != "lock" && n != "partial" && n != "auxfiles"
-    })?;
-    clean_dir(&root.join("var/log"), |n, m| {
-        m.is_file() && (n.ends_with(".log") || n == "alternatives.log")
-    })?;
+    clean_dir(&root.join("var/lib/apt/lists"), |n, _| n != "lock" && n != "partial" && n != "auxfiles")?;
+    clean_dir(&root.join("var/log"), |n, m| m.is_file() && (n.ends_with(".log") || n == "alternatives.log"))?;
     for d in ["proc", "sys", "run"] {
         clean_dir(&root.join(d), |_, _| true)?;
     }
@@ -306,17 +268,10 @@ impl ImageStore {
             .stderr(Stdio::piped());
         progress(Progress::Stage {
             stage: "prepare".into(),
-            message: format!(
-                "debootstrap {} from {} with {}",
-                opts.suite,
-                opts.mirror,
-                opts.packages.join(",")
-            ),
+            message: format!("debootstrap {} from {} with {}", opts.suite, opts.mirror, opts.packages.join(",")),
         });
         let started = std::time::Instant::now();
-        let mut child = cmd
-            .spawn()
-            .map_err(io_err(format!("starting {}", debootstrap.display())))?;
+        let mut child = cmd.spawn().map_err(io_err(format!("starting {}", debootstrap.display())))?;
 
         let (tx, rx) = std::sync::mpsc::channel::<String>();
         let mut readers = Vec::new();
@@ -360,17 +315,11 @@ impl ImageStore {
                 output.push("--- debootstrap.log ---".into());
                 output.extend(log);
             }
-            return Err(LayersError::DebootstrapFailed {
-                status: status.to_string(),
-                output: output.join("\n"),
-            });
+            return Err(LayersError::DebootstrapFailed { status: status.to_string(), output: output.join("\n") });
         }
         tracing::info!(secs = started.elapsed().as_secs_f64(), "debootstrap finished");
 
-        progress(Progress::Stage {
-            stage: "finalize".into(),
-            message: "cleaning the root filesystem".into(),
-        });
+        progress(Progress::Stage { stage: "finalize".into(), message: "cleaning the root filesystem".into() });
         finalize_rootfs(&rootfs)?;
         progress(Progress::Stage {
             stage: "finalize".into(),
@@ -378,7 +327,8 @@ impl ImageStore {
         });
         let size = shift_tree(&rootfs, &self.idmap())?;
         let root_dir = fs::File::open(&rootfs).map_err(io_err(format!("opening {}", rootfs.display())))?;
-        nix::unistd::syncfs(root_dir.as_raw_fd()).map_err(|e| LayersError::io(format!("syncing {}", rootfs.display()), e.into()))?;
+        nix::unistd::syncfs(root_dir.as_raw_fd())
+            .map_err(|e| LayersError::io(format!("syncing {}", rootfs.display()), e.into()))?;
 
         let layer_id = format!("local:{}", random_hex(16)?);
         let created_at = now_secs();
@@ -389,10 +339,7 @@ impl ImageStore {
         });
         let image = Image {
             name: name.to_string(),
-            id: format!(
-                "sha256:{}",
-                hex::encode(Sha256::digest(synthesized.to_string().as_bytes()))
-            ),
+            id: format!("sha256:{}", hex::encode(Sha256::digest(synthesized.to_string().as_bytes()))),
             layers: vec![layer_id.clone()],
             env,
             workdir: Some("/root".into()),
@@ -401,19 +348,12 @@ impl ImageStore {
             created_at,
             source: "debootstrap".into(),
         };
-        let staged = Staged {
-            id: layer_id.clone(),
-            root: rootfs,
-            size,
-            _work: work,
-        };
+        let staged = Staged { id: layer_id.clone(), root: rootfs, size, _work: work };
         match self.commit(image, vec![staged], progress)? {
             Commit::Done(img) => Ok(img),
-            Commit::Missing(_) => Err(LayersError::LayerMissing {
-                image: name.to_string(),
-                layer: layer_id,
-                path: self.layers_dir(),
-            }),
+            Commit::Missing(_) => {
+                Err(LayersError::LayerMissing { image: name.to_string(), layer: layer_id, path: self.layers_dir() })
+            }
         }
     }
 }
@@ -425,82 +365,33 @@ mod tests {
     #[test]
     fn progress_from_debootstrap_lines() {
         let mut p = DebootstrapProgress::default();
-        let stage = |s: &str, m: &str| {
-            Some(Progress::Stage {
-                stage: s.into(),
-                message: m.into(),
-            })
-        };
-        assert_eq!(
-            p.line("I: Retrieving InRelease "),
-            stage("download", "Retrieving InRelease")
-        );
-        assert_eq!(
-            p.line("I: Validating Packages "),
-            stage("download", "Validating Packages")
-        );
-        assert_eq!(
-            p.line("I: Retrieving bash 5.2.15-2+b13"),
-            stage("download", "Retrieving bash 5.2.15-2+b13")
-        );
-        assert_eq!(
-            p.line("I: Validating bash 5.2.15-2+b13"),
-            stage("download", "Validating bash 5.2.15-2+b13")
-        );
-        assert_eq!(
-            p.line("I: Validating dash 0.5.12-2"),
-            stage("download", "Validating dash 0.5.12-2")
-        );
+        let stage = |s: &str, m: &str| Some(Progress::Stage { stage: s.into(), message: m.into() });
+        assert_eq!(p.line("I: Retrieving InRelease "), stage("download", "Retrieving InRelease"));
+        assert_eq!(p.line("I: Validating Packages "), stage("download", "Validating Packages"));
+        assert_eq!(p.line("I: Retrieving bash 5.2.15-2+b13"), stage("download", "Retrieving bash 5.2.15-2+b13"));
+        assert_eq!(p.line("I: Validating bash 5.2.15-2+b13"), stage("download", "Validating bash 5.2.15-2+b13"));
+        assert_eq!(p.line("I: Validating dash 0.5.12-2"), stage("download", "Validating dash 0.5.12-2"));
         assert_eq!(p.line("I: Extracting bash..."), stage("extract", "Extracting bash"));
-        assert_eq!(
-            p.line("I: Unpacking required packages..."),
-            stage("unpack", "Unpacking required packages")
-        );
-        assert_eq!(
-            p.line("I: Unpacking bash..."),
-            Some(Progress::Step {
-                stage: "unpack".into(),
-                done: 1,
-                total: 2
-            })
-        );
+        assert_eq!(p.line("I: Unpacking required packages..."), stage("unpack", "Unpacking required packages"));
+        assert_eq!(p.line("I: Unpacking bash..."), Some(Progress::Step { stage: "unpack".into(), done: 1, total: 2 }));
         assert_eq!(
             p.line("I: Configuring dash..."),
-            Some(Progress::Step {
-                stage: "configure".into(),
-                done: 1,
-                total: 2
-            })
+            Some(Progress::Step { stage: "configure".into(), done: 1, total: 2 })
         );
         assert_eq!(
             p.line("I: Configuring bash..."),
-            Some(Progress::Step {
-                stage: "configure".into(),
-                done: 2,
-                total: 2
-            })
+            Some(Progress::Step { stage: "configure".into(), done: 2, total: 2 })
         );
         // More packages than downloaded (e.g. all cached): total grows with done.
         assert_eq!(
             p.line("I: Configuring extra..."),
-            Some(Progress::Step {
-                stage: "configure".into(),
-                done: 3,
-                total: 3
-            })
+            Some(Progress::Step { stage: "configure".into(), done: 3, total: 3 })
         );
         assert_eq!(
             p.line("I: Base system installed successfully."),
-            Some(Progress::Step {
-                stage: "configure".into(),
-                done: 3,
-                total: 3
-            })
+            Some(Progress::Step { stage: "configure".into(), done: 3, total: 3 })
         );
-        assert_eq!(
-            p.line("W: Failure trying to run: chroot x"),
-            stage("warning", "Failure trying to run: chroot x")
-        );
+        assert_eq!(p.line("W: Failure trying to run: chroot x"), stage("warning", "Failure trying to run: chroot x"));
         assert_eq!(p.line("dpkg: random noise"), None);
     }
 
@@ -508,44 +399,21 @@ mod tests {
     fn opts_validation() {
         let ok = BaseImageOpts::default();
         ok.validate().unwrap();
-        let bad_pkg = BaseImageOpts {
-            packages: vec!["python3,evil".into()],
-            ..ok.clone()
-        };
-        assert!(matches!(
-            bad_pkg.validate(),
-            Err(LayersError::InvalidOption { field: "package", .. })
-        ));
-        let bad_suite = BaseImageOpts {
-            suite: "../x".into(),
-            ..ok.clone()
-        };
-        assert!(matches!(
-            bad_suite.validate(),
-            Err(LayersError::InvalidOption { field: "suite", .. })
-        ));
-        let bad_mirror = BaseImageOpts {
-            mirror: "ftp://x y".into(),
-            ..ok
-        };
-        assert!(matches!(
-            bad_mirror.validate(),
-            Err(LayersError::InvalidOption { field: "mirror", .. })
-        ));
+        let bad_pkg = BaseImageOpts { packages: vec!["python3,evil".into()], ..ok.clone() };
+        assert!(matches!(bad_pkg.validate(), Err(LayersError::InvalidOption { field: "package", .. })));
+        let bad_suite = BaseImageOpts { suite: "../x".into(), ..ok.clone() };
+        assert!(matches!(bad_suite.validate(), Err(LayersError::InvalidOption { field: "suite", .. })));
+        let bad_mirror = BaseImageOpts { mirror: "ftp://x y".into(), ..ok };
+        assert!(matches!(bad_mirror.validate(), Err(LayersError::InvalidOption { field: "mirror", .. })));
     }
 
     #[test]
     fn finalize_cleans_host_leftovers() {
         let d = tempfile::tempdir().unwrap();
         let r = d.path();
-        for p in [
-            "dev/pts",
-            "etc",
-            "var/cache/apt/archives/partial",
-            "var/lib/apt/lists/partial",
-            "debootstrap",
-            "proc/x",
-        ] {
+        for p in
+            ["dev/pts", "etc", "var/cache/apt/archives/partial", "var/lib/apt/lists/partial", "debootstrap", "proc/x"]
+        {
             fs::create_dir_all(r.join(p)).unwrap();
         }
         fs::write(r.join("dev/null-ish"), b"").unwrap();

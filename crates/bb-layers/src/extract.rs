@@ -124,23 +124,34 @@ impl LayerWriter {
     }
 
     /// Set atime and mtime of `name` in `dir` (never following a symlink).
-    fn set_mtime_at<P: ?Sized + nix::NixPath>(&self, dir: RawFd, name: &P, mtime: i64, rel: &Path) -> Result<(), LayersError> {
+    fn set_mtime_at<P: ?Sized + nix::NixPath>(
+        &self,
+        dir: RawFd,
+        name: &P,
+        mtime: i64,
+        rel: &Path,
+    ) -> Result<(), LayersError> {
         let t = TimeSpec::new(mtime, 0);
         nix::sys::stat::utimensat(Some(dir), name, &t, &t, nix::sys::stat::UtimensatFlags::NoFollowSymlink)
             .map_err(|e| self.sys("setting mtime of", rel, e))
     }
 
     /// lchown `name` in `dir` to host ids (never following a symlink).
-    fn chown_at<P: ?Sized + nix::NixPath>(&self, dir: RawFd, name: &P, uid: u32, gid: u32, rel: &Path) -> Result<(), LayersError> {
+    fn chown_at<P: ?Sized + nix::NixPath>(
+        &self,
+        dir: RawFd,
+        name: &P,
+        uid: u32,
+        gid: u32,
+        rel: &Path,
+    ) -> Result<(), LayersError> {
         fchownat(Some(dir), name, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)), AtFlags::AT_SYMLINK_NOFOLLOW)
             .map_err(|e| self.sys("chown", rel, e))
     }
 
     /// Unpack every entry of `archive`, then fix directory mtimes.
     pub fn unpack<R: Read>(&mut self, archive: &mut tar::Archive<R>) -> Result<(), LayersError> {
-        let entries = archive
-            .entries()
-            .map_err(io_err(format!("layer {}: reading tar", self.layer)))?;
+        let entries = archive.entries().map_err(io_err(format!("layer {}: reading tar", self.layer)))?;
         for entry in entries {
             let entry = entry.map_err(io_err(format!("layer {}: reading tar entry", self.layer)))?;
             self.entry(entry)?;
@@ -153,11 +164,7 @@ impl LayerWriter {
     /// With `create`, missing components are created as directories owned by the image root.
     fn dir(&self, rel: &Path, create: bool, shown: &Path) -> Result<OwnedFd, LayersError> {
         let flags = libc::O_PATH | libc::O_DIRECTORY;
-        let rel_or_dot: &Path = if rel.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            rel
-        };
+        let rel_or_dot: &Path = if rel.as_os_str().is_empty() { Path::new(".") } else { rel };
         match openat2(self.root.as_fd(), rel_or_dot, flags, 0, RESOLVE_STRICT) {
             Ok(fd) => return Ok(fd),
             Err(e) if e.errno() == libc::ENOENT && create => {}
@@ -187,24 +194,17 @@ impl LayerWriter {
 
     fn resolve_error(&self, rel: &Path, shown: &Path, errno: i32) -> LayersError {
         match errno {
-            libc::ELOOP => self.unsafe_entry(
-                shown,
-                format!("goes through a symlink (at or below `{}`)", rel.display()),
-            ),
+            libc::ELOOP => {
+                self.unsafe_entry(shown, format!("goes through a symlink (at or below `{}`)", rel.display()))
+            }
             libc::EXDEV => self.unsafe_entry(shown, "escapes the layer root"),
             libc::ENOTDIR => self.unsafe_entry(
                 shown,
-                format!(
-                    "needs `{}` to be a directory, but an earlier entry made it a file",
-                    rel.display()
-                ),
+                format!("needs `{}` to be a directory, but an earlier entry made it a file", rel.display()),
             ),
             libc::ENOENT => self.unsafe_entry(
                 shown,
-                format!(
-                    "refers to `{}`, which no earlier entry of this layer created",
-                    rel.display()
-                ),
+                format!("refers to `{}`, which no earlier entry of this layer created", rel.display()),
             ),
             e => self.sys("resolving", rel, Errno::from_raw(e)),
         }
@@ -237,31 +237,21 @@ impl LayerWriter {
     }
 
     fn host_ids(&self, header: &tar::Header, rel: &Path) -> Result<(u32, u32), LayersError> {
-        let uid = header
-            .uid()
-            .map_err(io_err(format!("layer {}: uid of /{}", self.layer, rel.display())))?;
-        let gid = header
-            .gid()
-            .map_err(io_err(format!("layer {}: gid of /{}", self.layer, rel.display())))?;
+        let uid = header.uid().map_err(io_err(format!("layer {}: uid of /{}", self.layer, rel.display())))?;
+        let gid = header.gid().map_err(io_err(format!("layer {}: gid of /{}", self.layer, rel.display())))?;
         let map = |id: u64, what| {
-            u32::try_from(id)
-                .ok()
-                .and_then(|i| self.idmap.to_host(i))
-                .ok_or_else(|| LayersError::IdOutOfRange {
-                    path: format!("layer {}: /{}", self.layer, rel.display()),
-                    what,
-                    id,
-                    size: self.idmap.size,
-                })
+            u32::try_from(id).ok().and_then(|i| self.idmap.to_host(i)).ok_or_else(|| LayersError::IdOutOfRange {
+                path: format!("layer {}: /{}", self.layer, rel.display()),
+                what,
+                id,
+                size: self.idmap.size,
+            })
         };
         Ok((map(uid, "uid")?, map(gid, "gid")?))
     }
 
     fn entry<R: Read>(&mut self, mut entry: tar::Entry<'_, R>) -> Result<(), LayersError> {
-        let raw_path = entry
-            .path()
-            .map_err(io_err(format!("layer {}: entry path", self.layer)))?
-            .into_owned();
+        let raw_path = entry.path().map_err(io_err(format!("layer {}: entry path", self.layer)))?.into_owned();
         let rel = normalize_entry_path(&raw_path).map_err(|r| self.unsafe_entry(&raw_path, r))?;
         let header = entry.header().clone();
         let kind = header.entry_type();
@@ -291,14 +281,8 @@ impl LayerWriter {
             // The layer root itself (`./`).
             if kind.is_dir() {
                 let (uid, gid) = self.host_ids(&header, &rel)?;
-                let fd = openat2(
-                    self.root.as_fd(),
-                    ".",
-                    libc::O_RDONLY | libc::O_DIRECTORY,
-                    0,
-                    RESOLVE_STRICT,
-                )
-                .map_err(|e| self.sys("opening", &rel, Errno::from_raw(e.errno())))?;
+                let fd = openat2(self.root.as_fd(), ".", libc::O_RDONLY | libc::O_DIRECTORY, 0, RESOLVE_STRICT)
+                    .map_err(|e| self.sys("opening", &rel, Errno::from_raw(e.errno())))?;
                 self.set_meta_fd(&fd, &rel, uid, gid, mode, &xattrs)?;
                 self.dir_times.push((rel, mtime));
                 return Ok(());
@@ -389,22 +373,13 @@ impl LayerWriter {
                 mkdirat(Some(dir.as_raw_fd()), name.as_os_str(), Mode::from_bits_truncate(0o700))
                     .map_err(|e| self.sys("mkdir", &rel, e))?;
             }
-            let fd = openat2(
-                dir.as_fd(),
-                &name,
-                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
-                0,
-                RESOLVE_STRICT,
-            )
-            .map_err(|e| self.resolve_error(&rel, &raw_path, e.errno()))?;
+            let fd =
+                openat2(dir.as_fd(), &name, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW, 0, RESOLVE_STRICT)
+                    .map_err(|e| self.resolve_error(&rel, &raw_path, e.errno()))?;
             if opaque {
                 File::from(fd.try_clone().map_err(io_err("dup"))?)
                     .set_xattr(OPAQUE_XATTR, b"y")
-                    .map_err(io_err(format!(
-                        "layer {}: marking /{} opaque",
-                        self.layer,
-                        rel.display()
-                    )))?;
+                    .map_err(io_err(format!("layer {}: marking /{} opaque", self.layer, rel.display())))?;
             }
             self.set_meta_fd(&fd, &rel, uid, gid, mode, &xattrs)?;
             self.dir_times.push((rel, mtime));
@@ -414,18 +389,11 @@ impl LayerWriter {
         if kind.is_hard_link() {
             let link = entry
                 .link_name()
-                .map_err(io_err(format!(
-                    "layer {}: link target of /{}",
-                    self.layer,
-                    rel.display()
-                )))?
+                .map_err(io_err(format!("layer {}: link target of /{}", self.layer, rel.display())))?
                 .ok_or_else(|| self.unsafe_entry(&raw_path, "is a hard link without a target"))?
                 .into_owned();
             let target = normalize_entry_path(&link).map_err(|r| {
-                self.unsafe_entry(
-                    &raw_path,
-                    format!("is a hard link whose target `{}` {r}", link.display()),
-                )
+                self.unsafe_entry(&raw_path, format!("is a hard link whose target `{}` {r}", link.display()))
             })?;
             if self.skipped.contains(&target) {
                 self.skipped.insert(rel);
@@ -438,10 +406,7 @@ impl LayerWriter {
             let tst = self.lstat_at(tdir.as_fd(), tname).ok_or_else(|| {
                 self.unsafe_entry(
                     &raw_path,
-                    format!(
-                        "is a hard link to `{}`, which no earlier entry of this layer created",
-                        link.display()
-                    ),
+                    format!("is a hard link to `{}`, which no earlier entry of this layer created", link.display()),
                 )
             })?;
             if (tst.st_mode & libc::S_IFMT) == libc::S_IFDIR {
@@ -453,14 +418,8 @@ impl LayerWriter {
                 }
                 self.remove_existing(dir.as_fd(), &name, st, &rel)?;
             }
-            linkat(
-                Some(tdir.as_raw_fd()),
-                tname,
-                Some(dir.as_raw_fd()),
-                name.as_os_str(),
-                AtFlags::empty(),
-            )
-            .map_err(|e| self.sys("hard-linking", &rel, e))?;
+            linkat(Some(tdir.as_raw_fd()), tname, Some(dir.as_raw_fd()), name.as_os_str(), AtFlags::empty())
+                .map_err(|e| self.sys("hard-linking", &rel, e))?;
             return Ok(());
         }
 
@@ -481,14 +440,8 @@ impl LayerWriter {
         }
 
         if kind.is_fifo() {
-            mknodat(
-                Some(dir.as_raw_fd()),
-                name.as_os_str(),
-                SFlag::S_IFIFO,
-                Mode::from_bits_truncate(0o600),
-                0,
-            )
-            .map_err(|e| self.sys("mkfifo", &rel, e))?;
+            mknodat(Some(dir.as_raw_fd()), name.as_os_str(), SFlag::S_IFIFO, Mode::from_bits_truncate(0o600), 0)
+                .map_err(|e| self.sys("mkfifo", &rel, e))?;
             self.chown_at(dir.as_raw_fd(), name.as_os_str(), uid, gid, &rel)?;
             fchmodat(
                 Some(dir.as_raw_fd()),
@@ -553,18 +506,10 @@ impl LayerWriter {
     /// Directory mtimes change while entries are added below them; set them last. Best effort.
     fn finish_dir_times(&mut self) {
         for (rel, mtime) in std::mem::take(&mut self.dir_times).into_iter().rev() {
-            let p: &Path = if rel.as_os_str().is_empty() {
-                Path::new(".")
-            } else {
-                &rel
-            };
-            if let Ok(fd) = openat2(
-                self.root.as_fd(),
-                p,
-                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
-                0,
-                RESOLVE_STRICT,
-            ) {
+            let p: &Path = if rel.as_os_str().is_empty() { Path::new(".") } else { &rel };
+            if let Ok(fd) =
+                openat2(self.root.as_fd(), p, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW, 0, RESOLVE_STRICT)
+            {
                 let t = TimeSpec::new(mtime, 0);
                 let _ = futimens(fd.as_raw_fd(), &t, &t);
             }
@@ -578,14 +523,8 @@ mod tests {
 
     #[test]
     fn normalize_accepts_relative_and_dot_paths() {
-        assert_eq!(
-            normalize_entry_path(Path::new("./etc/passwd")).unwrap(),
-            PathBuf::from("etc/passwd")
-        );
-        assert_eq!(
-            normalize_entry_path(Path::new("a/./b//c/")).unwrap(),
-            PathBuf::from("a/b/c")
-        );
+        assert_eq!(normalize_entry_path(Path::new("./etc/passwd")).unwrap(), PathBuf::from("etc/passwd"));
+        assert_eq!(normalize_entry_path(Path::new("a/./b//c/")).unwrap(), PathBuf::from("a/b/c"));
         assert_eq!(normalize_entry_path(Path::new("a/../b")).unwrap(), PathBuf::from("b"));
         assert_eq!(normalize_entry_path(Path::new("./")).unwrap(), PathBuf::new());
     }
@@ -594,28 +533,16 @@ mod tests {
     fn normalize_rejects_absolute_and_escaping_paths() {
         assert_eq!(normalize_entry_path(Path::new("/abs")), Err("is an absolute path"));
         assert_eq!(normalize_entry_path(Path::new("/")), Err("is an absolute path"));
-        assert_eq!(
-            normalize_entry_path(Path::new("../x")),
-            Err("escapes the layer root via `..`")
-        );
-        assert_eq!(
-            normalize_entry_path(Path::new("a/../../x")),
-            Err("escapes the layer root via `..`")
-        );
-        assert_eq!(
-            normalize_entry_path(Path::new("./..")),
-            Err("escapes the layer root via `..`")
-        );
+        assert_eq!(normalize_entry_path(Path::new("../x")), Err("escapes the layer root via `..`"));
+        assert_eq!(normalize_entry_path(Path::new("a/../../x")), Err("escapes the layer root via `..`"));
+        assert_eq!(normalize_entry_path(Path::new("./..")), Err("escapes the layer root via `..`"));
     }
 
     #[test]
     fn whiteout_names() {
         assert_eq!(classify(OsStr::new(".wh..wh..opq")), Special::Opaque);
         assert_eq!(classify(OsStr::new(".wh.foo")), Special::Whiteout(OsStr::new("foo")));
-        assert_eq!(
-            classify(OsStr::new(".wh..hidden")),
-            Special::Whiteout(OsStr::new(".hidden"))
-        );
+        assert_eq!(classify(OsStr::new(".wh..hidden")), Special::Whiteout(OsStr::new(".hidden")));
         assert_eq!(classify(OsStr::new(".wh..wh.plnk")), Special::Ignored);
         assert_eq!(classify(OsStr::new("foo.wh.bar")), Special::Normal);
         assert_eq!(classify(OsStr::new(".whfoo")), Special::Normal);
@@ -699,14 +626,7 @@ mod tests {
             w.unpack(&mut tar::Archive::new(tar_bytes))?;
             Ok(w.size)
         });
-        (
-            Unpacked {
-                _dir: dir,
-                outside,
-                root,
-            },
-            res,
-        )
+        (Unpacked { _dir: dir, outside, root }, res)
     }
 
     fn unpack(tar_bytes: &[u8]) -> (Unpacked, Result<u64, LayersError>) {
@@ -729,12 +649,7 @@ mod tests {
 
     fn assert_whiteout(p: &Path) {
         let m = std::fs::symlink_metadata(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
-        assert_eq!(
-            m.mode() & libc::S_IFMT,
-            libc::S_IFCHR,
-            "{} is not a char device",
-            p.display()
-        );
+        assert_eq!(m.mode() & libc::S_IFMT, libc::S_IFCHR, "{} is not a char device", p.display());
         assert_eq!(m.rdev(), 0, "{} is not 0/0", p.display());
         assert_eq!((m.uid(), m.gid()), (1_000_000, 1_000_000));
     }
@@ -767,11 +682,7 @@ mod tests {
         assert_eq!(opaque(&r.join("opq")), Some(b"y".to_vec()));
         assert_eq!(opaque(&r.join("etc")), None);
         assert_eq!(std::fs::read(r.join("opq/c")).unwrap(), b"c");
-        assert_eq!(
-            opaque(&r.join("implicit")),
-            Some(b"y".to_vec()),
-            "opaque marker creates its dir"
-        );
+        assert_eq!(opaque(&r.join("implicit")), Some(b"y".to_vec()), "opaque marker creates its dir");
         // A whiteout never replaces an entry of its own layer; a directory stops merging instead.
         assert_eq!(std::fs::read(r.join("samefile")).unwrap(), b"kept");
         assert_eq!(opaque(&r.join("samedir")), Some(b"y".to_vec()));
@@ -786,10 +697,7 @@ mod tests {
     fn assert_unsafe(res: Result<u64, LayersError>, needle: &str) {
         match res {
             Err(LayersError::UnsafeEntry { reason, entry, .. }) => {
-                assert!(
-                    reason.contains(needle),
-                    "reason `{reason}` for `{entry}` lacks `{needle}`"
-                )
+                assert!(reason.contains(needle), "reason `{reason}` for `{entry}` lacks `{needle}`")
             }
             other => panic!("expected UnsafeEntry({needle}), got {other:?}"),
         }
@@ -827,11 +735,7 @@ mod tests {
         let d = decoy.path().to_str().unwrap();
         let decoy_unchanged = || {
             assert_eq!(std::fs::read_to_string(&decoy_passwd).unwrap(), "decoy");
-            assert_eq!(
-                std::fs::read_dir(decoy.path()).unwrap().count(),
-                1,
-                "nothing created in the symlink target"
-            );
+            assert_eq!(std::fs::read_dir(decoy.path()).unwrap().count(), 1, "nothing created in the symlink target");
         };
 
         // a -> <dir>, then a/passwd.
@@ -839,17 +743,11 @@ mod tests {
         let (u, res) = unpack(&t);
         assert_unsafe(res, "symlink");
         decoy_unchanged();
-        assert!(std::fs::symlink_metadata(u.root.join("a"))
-            .unwrap()
-            .file_type()
-            .is_symlink());
+        assert!(std::fs::symlink_metadata(u.root.join("a")).unwrap().file_type().is_symlink());
 
         // a -> /etc, then a/<name>: never created in the host's /etc.
         let name = format!("bb-layers-symlink-test-{}", std::process::id());
-        let t = RawTar::new()
-            .symlink("a", "/etc")
-            .file(&format!("a/{name}"), b"x")
-            .finish();
+        let t = RawTar::new().symlink("a", "/etc").file(&format!("a/{name}"), b"x").finish();
         let res = unpack(&t).1;
         let leaked = Path::new("/etc").join(&name);
         if leaked.exists() {
@@ -870,19 +768,11 @@ mod tests {
         decoy_unchanged();
         let t = RawTar::new().symlink("e", d).hardlink("h", "e/passwd").finish();
         assert_unsafe(unpack(&t).1, "symlink");
-        assert_eq!(
-            std::fs::metadata(&decoy_passwd).unwrap().nlink(),
-            1,
-            "no hard link to the target"
-        );
+        assert_eq!(std::fs::metadata(&decoy_passwd).unwrap().nlink(), 1, "no hard link to the target");
 
         // A symlink entry replacing a file, then a file entry replacing the symlink: the file is
         // created in the layer, not through the link.
-        let t = RawTar::new()
-            .file("f", b"1")
-            .symlink("f", decoy_passwd.to_str().unwrap())
-            .file("f", b"2")
-            .finish();
+        let t = RawTar::new().file("f", b"1").symlink("f", decoy_passwd.to_str().unwrap()).file("f", b"2").finish();
         let (u, res) = unpack(&t);
         res.unwrap();
         assert_eq!(std::fs::read(u.root.join("f")).unwrap(), b"2");
@@ -891,10 +781,7 @@ mod tests {
         let t = RawTar::new().symlink("bin/sh", "/bin/busybox").finish();
         let (u, res) = unpack(&t);
         res.unwrap();
-        assert_eq!(
-            std::fs::read_link(u.root.join("bin/sh")).unwrap(),
-            PathBuf::from("/bin/busybox")
-        );
+        assert_eq!(std::fs::read_link(u.root.join("bin/sh")).unwrap(), PathBuf::from("/bin/busybox"));
     }
 
     #[test]
@@ -913,35 +800,18 @@ mod tests {
             .hardlink("dev/null2", "dev/null")
             .put("fifo", tar::EntryType::Fifo, 0o600, 0, b"", None)
             .finish();
-        let idmap = IdMap {
-            host_base: 2_000_000,
-            size: 65_536,
-        };
+        let idmap = IdMap { host_base: 2_000_000, size: 65_536 };
         let (u, res) = unpack_with(&t, idmap);
         assert_eq!(res.unwrap(), 3 + 4, "size counts regular files once");
         let r = &u.root;
         let m = |p: &str| std::fs::symlink_metadata(r.join(p)).unwrap();
-        assert_eq!(
-            (m("").uid(), m("").gid(), m("").mode() & 0o7777),
-            (2_000_000, 2_000_000, 0o755)
-        );
-        assert_eq!(
-            (m("home").uid(), m("home/u").uid(), m("home/u/f").gid()),
-            (2_000_000, 2_001_000, 2_001_000)
-        );
+        assert_eq!((m("").uid(), m("").gid(), m("").mode() & 0o7777), (2_000_000, 2_000_000, 0o755));
+        assert_eq!((m("home").uid(), m("home/u").uid(), m("home/u/f").gid()), (2_000_000, 2_001_000, 2_001_000));
         assert_eq!(m("home/u").mode() & 0o7777, 0o700);
         assert_eq!(m("home/u/f").mode() & 0o7777, 0o640);
-        assert_eq!(
-            m("bin").uid(),
-            2_000_000,
-            "implicit parent dirs belong to the image root"
-        );
+        assert_eq!(m("bin").uid(), 2_000_000, "implicit parent dirs belong to the image root");
         assert_eq!(m("bin/su").mode() & 0o7777, 0o4755, "setuid survives the chown");
-        assert_eq!(
-            m("bin/su").ino(),
-            m("bin/su2").ino(),
-            "hard link resolved within the layer"
-        );
+        assert_eq!(m("bin/su").ino(), m("bin/su2").ino(), "hard link resolved within the layer");
         assert_eq!(m("bin/sh").uid(), 2_000_000);
         assert!(m("fifo").file_type().is_fifo() && m("fifo").uid() == 2_000_000);
         assert!(
@@ -950,9 +820,7 @@ mod tests {
         );
         assert_eq!(std::fs::metadata(r.join("home/u/f")).unwrap().mtime(), MTIME as i64);
 
-        let t = RawTar::new()
-            .put("big", tar::EntryType::Regular, 0o644, 70_000, b"", None)
-            .finish();
+        let t = RawTar::new().put("big", tar::EntryType::Regular, 0o644, 70_000, b"", None).finish();
         match unpack(&t).1 {
             Err(LayersError::IdOutOfRange { id: 70_000, .. }) => {}
             other => panic!("expected IdOutOfRange, got {other:?}"),
@@ -988,11 +856,7 @@ mod tests {
         assert_eq!(xattr::get(&p, "user.note").unwrap(), Some(b"hi".to_vec()));
         assert_eq!(xattr::get(&p, "trusted.overlay.redirect").unwrap(), None);
         assert_eq!(xattr::get(&p, "trusted.overlay.opaque").unwrap(), None);
-        assert_eq!(
-            xattr::get(&p, "security.capability").unwrap(),
-            Some(caps),
-            "caps set after chown"
-        );
+        assert_eq!(xattr::get(&p, "security.capability").unwrap(), Some(caps), "caps set after chown");
         assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o7777, 0o755);
     }
 

@@ -190,10 +190,7 @@ pub fn flatten_onto(layers: &[PathBuf], base: &[PathBuf], dest: &Path) -> Result
 
     fs::rename(&tmp_path, dest).map_err(|e| {
         let ctx = if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY | libc::EEXIST)) {
-            format!(
-                "flatten: {} became non-empty while flattening; pass a fresh destination",
-                dest.display()
-            )
+            format!("flatten: {} became non-empty while flattening; pass a fresh destination", dest.display())
         } else {
             format!("flatten: renaming {} to {}", tmp_path.display(), dest.display())
         };
@@ -299,11 +296,7 @@ struct Copier {
 
 /// `openat2(dir, rel, flags, RESOLVE_STRICT)`, `rel` empty = `dir` itself.
 fn open_beneath(dir: &OwnedFd, rel: &Path, flags: i32) -> Result<OwnedFd, Errno> {
-    let p: &Path = if rel.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        rel
-    };
+    let p: &Path = if rel.as_os_str().is_empty() { Path::new(".") } else { rel };
     openat2(dir.as_fd(), p, flags, 0, RESOLVE_STRICT).map_err(|e| Errno::from_raw(e.errno()))
 }
 
@@ -324,10 +317,7 @@ fn kind(st: &FileStat) -> libc::mode_t {
 }
 
 fn times(st: &FileStat) -> (TimeSpec, TimeSpec) {
-    (
-        TimeSpec::new(st.st_atime, st.st_atime_nsec),
-        TimeSpec::new(st.st_mtime, st.st_mtime_nsec),
-    )
+    (TimeSpec::new(st.st_atime, st.st_atime_nsec), TimeSpec::new(st.st_mtime, st.st_mtime_nsec))
 }
 
 impl Copier {
@@ -347,9 +337,7 @@ impl Copier {
             ),
             None => None,
         };
-        let dst_root = File::open(dst)
-            .map_err(io_err(format!("flatten: opening {}", dst.display())))?
-            .into();
+        let dst_root = File::open(dst).map_err(io_err(format!("flatten: opening {}", dst.display())))?.into();
         let mut layer_roots = Vec::with_capacity(layers.len());
         for l in layers.iter().chain(base) {
             let f = File::open(l).map_err(io_err(format!("flatten: opening layer {}", l.display())))?;
@@ -370,17 +358,11 @@ impl Copier {
     }
 
     fn err(&self, what: &str, rel: &Path, e: Errno) -> LayersError {
-        LayersError::io(
-            format!("flatten into {}: {what} /{}", self.dst_path.display(), rel.display()),
-            e.into(),
-        )
+        LayersError::io(format!("flatten into {}: {what} /{}", self.dst_path.display(), rel.display()), e.into())
     }
 
     fn ioerr(&self, what: &str, rel: &Path, e: std::io::Error) -> LayersError {
-        LayersError::io(
-            format!("flatten into {}: {what} /{}", self.dst_path.display(), rel.display()),
-            e,
-        )
+        LayersError::io(format!("flatten into {}: {what} /{}", self.dst_path.display(), rel.display()), e)
     }
 
     /// Copy the whole merged tree, depth first. Each directory is finished (entries created,
@@ -389,12 +371,7 @@ impl Copier {
     fn run(&mut self) -> Result<(), LayersError> {
         let mut stack = vec![DirJob {
             rel: PathBuf::new(),
-            lowers: (0..self.layer_roots.len())
-                .map(|layer| Lower {
-                    layer,
-                    path: PathBuf::new(),
-                })
-                .collect(),
+            lowers: (0..self.layer_roots.len()).map(|layer| Lower { layer, path: PathBuf::new() }).collect(),
             over_base: self.base_root.is_some(),
         }];
         while let Some(job) = stack.pop() {
@@ -411,11 +388,8 @@ impl Copier {
         // This directory's lower stack, as far as it can be opened (a gap only costs reflinks).
         let mut lower_fds: Vec<(usize, OwnedFd)> = Vec::with_capacity(job.lowers.len());
         for l in &job.lowers {
-            match open_beneath(
-                &self.layer_roots[l.layer],
-                &l.path,
-                libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW,
-            ) {
+            match open_beneath(&self.layer_roots[l.layer], &l.path, libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW)
+            {
                 Ok(fd) => lower_fds.push((l.layer, fd)),
                 Err(_) => break,
             }
@@ -583,10 +557,7 @@ impl Copier {
             if kind(&st) != libc::S_IFDIR {
                 break; // a whiteout or any non-directory hides the layers below
             }
-            out.push(Lower {
-                layer,
-                path: path.clone(),
-            });
+            out.push(Lower { layer, path: path.clone() });
             let pp = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
             if xattr::get_deref(&pp, OPAQUE_XATTR).ok().flatten().as_deref() == Some(b"y") {
                 break;
@@ -658,13 +629,9 @@ impl Copier {
         rel: &Path,
         lower_fds: &[(usize, OwnedFd)],
     ) -> Result<(), LayersError> {
-        let src: File = open_beneath(
-            src_dir,
-            Path::new(name),
-            libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NOCTTY,
-        )
-        .map_err(|e| self.err("opening", rel, e))?
-        .into();
+        let src: File = open_beneath(src_dir, Path::new(name), libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NOCTTY)
+            .map_err(|e| self.err("opening", rel, e))?
+            .into();
         let mut dst: File = openat2(
             dst_dir.as_fd(),
             Path::new(name),
@@ -761,12 +728,8 @@ impl Copier {
         xattrs: &[(OsString, Vec<u8>)],
         rel: &Path,
     ) -> Result<(), LayersError> {
-        fchown(
-            fd.as_raw_fd(),
-            Some(Uid::from_raw(st.st_uid)),
-            Some(Gid::from_raw(st.st_gid)),
-        )
-        .map_err(|e| self.err("chown", rel, e))?;
+        fchown(fd.as_raw_fd(), Some(Uid::from_raw(st.st_uid)), Some(Gid::from_raw(st.st_gid)))
+            .map_err(|e| self.err("chown", rel, e))?;
         if !xattrs.is_empty() {
             let f = File::from(fd.try_clone().map_err(|e| self.ioerr("dup", rel, e))?);
             for (k, v) in xattrs {
@@ -820,9 +783,7 @@ impl Copier {
 
 /// Names in a directory (without `.` and `..`), sorted.
 fn read_names(dir: &OwnedFd) -> Result<Vec<OsString>, Errno> {
-    let dup = dir
-        .try_clone()
-        .map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))?;
+    let dup = dir.try_clone().map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)))?;
     let mut d = nix::dir::Dir::from_fd(dup.into_raw_fd())?;
     let mut names = Vec::new();
     for ent in d.iter() {

@@ -14,9 +14,7 @@ use std::path::{Path, PathBuf};
 /// `n` random bytes as lowercase hex.
 pub(crate) fn random_hex(n: usize) -> Result<String, LayersError> {
     let mut buf = vec![0u8; n];
-    File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut buf))
-        .map_err(io_err("reading /dev/urandom"))?;
+    File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut buf)).map_err(io_err("reading /dev/urandom"))?;
     Ok(hex::encode(buf))
 }
 
@@ -56,11 +54,7 @@ pub(crate) fn clean_stale_tmp(tmp_root: &Path) {
         let path = ent.path();
         let name = ent.file_name().to_string_lossy().into_owned();
         // A work dir is briefly unlocked between its creation and its owner taking the lock.
-        let age = ent
-            .metadata()
-            .ok()
-            .and_then(|m| m.modified().ok())
-            .and_then(|t| t.elapsed().ok());
+        let age = ent.metadata().ok().and_then(|m| m.modified().ok()).and_then(|t| t.elapsed().ok());
         let young = match age {
             Some(age) => age < std::time::Duration::from_secs(60),
             None => true,
@@ -155,12 +149,7 @@ pub(crate) fn remove_tree(path: &Path) -> Result<(), LayersError> {
 pub(crate) fn tree_size(root: &Path) -> u64 {
     let mut seen = HashSet::new();
     let mut total = 0u64;
-    for ent in walkdir::WalkDir::new(root)
-        .follow_links(false)
-        .same_file_system(true)
-        .into_iter()
-        .flatten()
-    {
+    for ent in walkdir::WalkDir::new(root).follow_links(false).same_file_system(true).into_iter().flatten() {
         if !ent.file_type().is_file() {
             continue;
         }
@@ -233,11 +222,7 @@ pub(crate) fn shift_tree(root: &Path, idmap: &IdMap) -> Result<u64, LayersError>
             id: meta.gid() as u64,
             size: idmap.size,
         })?;
-        let caps = if meta.is_file() {
-            xattr::get(path, CAPS_XATTR).ok().flatten()
-        } else {
-            None
-        };
+        let caps = if meta.is_file() { xattr::get(path, CAPS_XATTR).ok().flatten() } else { None };
         fchownat(
             None,
             path,

@@ -26,11 +26,7 @@ enum Loc {
 /// whose regular files are read in place by offset.
 enum Source {
     Dir(PathBuf),
-    Tar {
-        file: PathBuf,
-        index: HashMap<String, Loc>,
-        _tmp: Option<WorkDir>,
-    },
+    Tar { file: PathBuf, index: HashMap<String, Loc>, _tmp: Option<WorkDir> },
 }
 
 /// Normalize a path inside the image source (`./a/b` -> `a/b`); `None` if absolute or escaping.
@@ -78,20 +74,15 @@ fn is_ustar(head: &[u8]) -> bool {
 
 impl Source {
     fn open(path: &Path, tmp_root: &Path) -> Result<Source, LayersError> {
-        let unsupported = |reason: &str| LayersError::UnsupportedSource {
-            path: path.to_path_buf(),
-            reason: reason.to_string(),
-        };
+        let unsupported =
+            |reason: &str| LayersError::UnsupportedSource { path: path.to_path_buf(), reason: reason.to_string() };
         let meta = fs::metadata(path).map_err(|e| unsupported(&format!("cannot read it ({e})")))?;
         if meta.is_dir() {
             return Ok(Source::Dir(path.to_path_buf()));
         }
         let mut head = [0u8; 512];
-        let n = read_up_to(
-            &mut File::open(path).map_err(io_err(format!("opening {}", path.display())))?,
-            &mut head,
-        )
-        .map_err(io_err(format!("reading {}", path.display())))?;
+        let n = read_up_to(&mut File::open(path).map_err(io_err(format!("opening {}", path.display())))?, &mut head)
+            .map_err(io_err(format!("reading {}", path.display())))?;
         let (file, tmp) = match sniff(&head[..n]) {
             Compression::None if is_ustar(&head[..n]) => (path.to_path_buf(), None),
             Compression::None => return Err(unsupported("it is neither a directory nor a tar archive")),
@@ -171,20 +162,11 @@ fn index_tar(path: &Path) -> io::Result<HashMap<String, Loc>> {
         let Some(key) = norm(&p) else { continue };
         let t = e.header().entry_type();
         if t.is_file() || t.is_contiguous() {
-            index.insert(
-                key,
-                Loc::File {
-                    offset: e.raw_file_position(),
-                    size: e.size(),
-                },
-            );
+            index.insert(key, Loc::File { offset: e.raw_file_position(), size: e.size() });
         } else if t.is_symlink() || t.is_hard_link() {
             let Some(target) = e.link_name()? else { continue };
-            let full = if t.is_symlink() {
-                p.parent().unwrap_or(Path::new("")).join(&target)
-            } else {
-                target.into_owned()
-            };
+            let full =
+                if t.is_symlink() { p.parent().unwrap_or(Path::new("")).join(&target) } else { target.into_owned() };
             if let Some(tkey) = norm(&full) {
                 index.insert(key, Loc::Link(tkey));
             }
@@ -289,19 +271,13 @@ pub(crate) enum SelectError {
 
 fn describe(d: &Descriptor) -> String {
     match &d.platform {
-        Some(p) => format!(
-            "{}/{}{}",
-            p.os,
-            p.architecture,
-            p.variant.as_ref().map(|v| format!("/{v}")).unwrap_or_default()
-        ),
+        Some(p) => {
+            format!("{}/{}{}", p.os, p.architecture, p.variant.as_ref().map(|v| format!("/{v}")).unwrap_or_default())
+        }
         None => d
             .annotations
             .as_ref()
-            .and_then(|a| {
-                a.get("org.opencontainers.image.ref.name")
-                    .or_else(|| a.get("io.containerd.image.name"))
-            })
+            .and_then(|a| a.get("org.opencontainers.image.ref.name").or_else(|| a.get("io.containerd.image.name")))
             .cloned()
             .unwrap_or_else(|| d.digest.clone()),
     }
@@ -318,11 +294,7 @@ pub(crate) fn select_descriptor<'a>(descs: &'a [Descriptor], arch: &str) -> Resu
     let candidates: Vec<&Descriptor> = descs
         .iter()
         .filter(|d| !is_attestation(d))
-        .filter(|d| {
-            !d.platform
-                .as_ref()
-                .is_some_and(|p| p.os == "unknown" || p.architecture == "unknown")
-        })
+        .filter(|d| !d.platform.as_ref().is_some_and(|p| p.os == "unknown" || p.architecture == "unknown"))
         .collect();
     if candidates.is_empty() {
         return Err(SelectError::Empty);
@@ -330,11 +302,7 @@ pub(crate) fn select_descriptor<'a>(descs: &'a [Descriptor], arch: &str) -> Resu
     if candidates.iter().any(|d| d.platform.is_some()) {
         return candidates
             .iter()
-            .find(|d| {
-                d.platform
-                    .as_ref()
-                    .is_some_and(|p| p.os == "linux" && p.architecture == arch)
-            })
+            .find(|d| d.platform.as_ref().is_some_and(|p| p.os == "linux" && p.architecture == arch))
             .copied()
             .ok_or_else(|| {
                 SelectError::NoMatch(candidates.iter().map(|d| describe(d)).collect::<Vec<_>>().join(", "))
@@ -342,9 +310,7 @@ pub(crate) fn select_descriptor<'a>(descs: &'a [Descriptor], arch: &str) -> Resu
     }
     match candidates.as_slice() {
         [one] => Ok(one),
-        many => Err(SelectError::Ambiguous(
-            many.iter().map(|d| describe(d)).collect::<Vec<_>>().join(", "),
-        )),
+        many => Err(SelectError::Ambiguous(many.iter().map(|d| describe(d)).collect::<Vec<_>>().join(", "))),
     }
 }
 
@@ -358,11 +324,7 @@ fn valid_digest(d: &str) -> Option<&str> {
 /// one directory twice.
 pub(crate) fn dedupe_layers(layers: Vec<(String, String)>) -> Vec<(String, String)> {
     let mut seen = std::collections::HashSet::new();
-    let mut out: Vec<(String, String)> = layers
-        .into_iter()
-        .rev()
-        .filter(|(id, _)| seen.insert(id.clone()))
-        .collect();
+    let mut out: Vec<(String, String)> = layers.into_iter().rev().filter(|(id, _)| seen.insert(id.clone())).collect();
     out.reverse();
     out
 }
@@ -387,20 +349,12 @@ impl ImageStore {
     /// unpacked again.
     pub fn import(&self, name: &str, source: &Path, progress: &mut dyn FnMut(Progress)) -> Result<Image, LayersError> {
         validate_name(name)?;
-        progress(Progress::Stage {
-            stage: "read".into(),
-            message: format!("reading {}", source.display()),
-        });
+        progress(Progress::Stage { stage: "read".into(), message: format!("reading {}", source.display()) });
         let src = Source::open(source, &self.tmp_dir())?;
         let parsed = parse(&src, source)?;
         progress(Progress::Stage {
             stage: "read".into(),
-            message: format!(
-                "{} image {} with {} layers",
-                parsed.format,
-                parsed.id,
-                parsed.layers.len()
-            ),
+            message: format!("{} image {} with {} layers", parsed.format, parsed.id, parsed.layers.len()),
         });
         let layers = dedupe_layers(parsed.layers);
         let cfg = parsed.config;
@@ -421,11 +375,7 @@ impl ImageStore {
         for _attempt in 0..3 {
             let mut staged = Vec::new();
             for (i, (diff_id, blob)) in layers.iter().enumerate() {
-                progress(Progress::Step {
-                    stage: "extract".into(),
-                    done: i as u64,
-                    total,
-                });
+                progress(Progress::Step { stage: "extract".into(), done: i as u64, total });
                 if self.layer_path(diff_id).is_dir() {
                     progress(Progress::Stage {
                         stage: "extract".into(),
@@ -433,17 +383,10 @@ impl ImageStore {
                     });
                     continue;
                 }
-                progress(Progress::Stage {
-                    stage: "extract".into(),
-                    message: format!("unpacking layer {diff_id}"),
-                });
+                progress(Progress::Stage { stage: "extract".into(), message: format!("unpacking layer {diff_id}") });
                 staged.push(self.unpack_layer(&src, source, diff_id, blob)?);
             }
-            progress(Progress::Step {
-                stage: "extract".into(),
-                done: total,
-                total,
-            });
+            progress(Progress::Step { stage: "extract".into(), done: total, total });
             match self.commit(image.clone(), staged, progress)? {
                 Commit::Done(img) => return Ok(img),
                 Commit::Missing(m) => tracing::info!(layers = ?m, "layers removed concurrently; unpacking them again"),
@@ -460,10 +403,7 @@ impl ImageStore {
         let work = WorkDir::new(&self.tmp_dir(), "layer")?;
         let root = work.path.join("root");
         fs::create_dir(&root).map_err(io_err(format!("creating {}", root.display())))?;
-        let bad = |reason: String| LayersError::BadImage {
-            path: source.to_path_buf(),
-            reason,
-        };
+        let bad = |reason: String| LayersError::BadImage { path: source.to_path_buf(), reason };
         let reader = src
             .open_file(blob)
             .map_err(io_err(format!("reading layer {blob} of {}", source.display())))?
@@ -475,10 +415,7 @@ impl ImageStore {
                 "layer `{blob}` is {kind}-compressed; only uncompressed, gzip and zstd layers are supported"
             )));
         }
-        let mut hashing = HashingReader {
-            inner: dec,
-            hasher: Sha256::new(),
-        };
+        let mut hashing = HashingReader { inner: dec, hasher: Sha256::new() };
         let mut writer = LayerWriter::new(&root, self.idmap(), diff_id)?;
         {
             let mut ar = tar::Archive::new(&mut hashing);
@@ -488,22 +425,13 @@ impl ImageStore {
         io::copy(&mut hashing, &mut io::sink()).map_err(io_err(format!("reading layer {blob}")))?;
         let actual = format!("sha256:{}", hex::encode(hashing.hasher.finalize()));
         if actual != diff_id {
-            return Err(LayersError::DigestMismatch {
-                layer: blob.to_string(),
-                expected: diff_id.to_string(),
-                actual,
-            });
+            return Err(LayersError::DigestMismatch { layer: blob.to_string(), expected: diff_id.to_string(), actual });
         }
         // Committed layers must be complete on disk even if the host crashes right after.
         let dir = File::open(&root).map_err(io_err(format!("opening {}", root.display())))?;
         nix::unistd::syncfs(dir.as_raw_fd())
             .map_err(|e| LayersError::io(format!("syncing {}", root.display()), e.into()))?;
-        Ok(Staged {
-            id: diff_id.to_string(),
-            root,
-            size: writer.size,
-            _work: work,
-        })
+        Ok(Staged { id: diff_id.to_string(), root, size: writer.size, _work: work })
     }
 }
 
@@ -511,30 +439,20 @@ fn read_json_bytes(src: &Source, source: &Path, rel: &str) -> Result<Vec<u8>, La
     let r = src
         .open_file(rel)
         .map_err(io_err(format!("reading {rel} in {}", source.display())))?
-        .ok_or_else(|| LayersError::BadImage {
-            path: source.to_path_buf(),
-            reason: format!("`{rel}` is missing"),
-        })?;
+        .ok_or_else(|| LayersError::BadImage { path: source.to_path_buf(), reason: format!("`{rel}` is missing") })?;
     let mut buf = Vec::new();
-    r.take(MAX_JSON)
-        .read_to_end(&mut buf)
-        .map_err(io_err(format!("reading {rel} in {}", source.display())))?;
+    r.take(MAX_JSON).read_to_end(&mut buf).map_err(io_err(format!("reading {rel} in {}", source.display())))?;
     Ok(buf)
 }
 
 fn parse_json<T: for<'de> Deserialize<'de>>(bytes: &[u8], source: &Path, what: &str) -> Result<T, LayersError> {
-    serde_json::from_slice(bytes).map_err(|e| LayersError::BadImage {
-        path: source.to_path_buf(),
-        reason: format!("{what} is not valid: {e}"),
-    })
+    serde_json::from_slice(bytes)
+        .map_err(|e| LayersError::BadImage { path: source.to_path_buf(), reason: format!("{what} is not valid: {e}") })
 }
 
 /// Read a blob of an OCI layout by digest, checking the digest.
 fn read_blob(src: &Source, source: &Path, digest: &str) -> Result<Vec<u8>, LayersError> {
-    let bad = |reason: String| LayersError::BadImage {
-        path: source.to_path_buf(),
-        reason,
-    };
+    let bad = |reason: String| LayersError::BadImage { path: source.to_path_buf(), reason };
     let hex_part =
         valid_digest(digest).ok_or_else(|| bad(format!("unsupported digest `{digest}` (only sha256 is supported)")))?;
     let bytes = read_json_bytes(src, source, &format!("blobs/sha256/{hex_part}"))?;
@@ -545,10 +463,7 @@ fn read_blob(src: &Source, source: &Path, digest: &str) -> Result<Vec<u8>, Layer
 }
 
 fn parse(src: &Source, source: &Path) -> Result<Parsed, LayersError> {
-    let bad = |reason: String| LayersError::BadImage {
-        path: source.to_path_buf(),
-        reason,
-    };
+    let bad = |reason: String| LayersError::BadImage { path: source.to_path_buf(), reason };
     let (config_bytes, blobs, format) = if src.exists("manifest.json") {
         let entries: Vec<DockerManifestEntry> =
             parse_json(&read_json_bytes(src, source, "manifest.json")?, source, "manifest.json")?;
@@ -556,10 +471,8 @@ fn parse(src: &Source, source: &Path) -> Result<Parsed, LayersError> {
             [one] => one,
             [] => return Err(bad("manifest.json lists no image".into())),
             many => {
-                let tags: Vec<String> = many
-                    .iter()
-                    .map(|e| e.repo_tags.clone().unwrap_or_default().join(" "))
-                    .collect();
+                let tags: Vec<String> =
+                    many.iter().map(|e| e.repo_tags.clone().unwrap_or_default().join(" ")).collect();
                 return Err(bad(format!(
                     "it holds {} images ({}); save a single image with `docker save -o image.tar IMAGE`",
                     many.len(),
@@ -567,11 +480,7 @@ fn parse(src: &Source, source: &Path) -> Result<Parsed, LayersError> {
                 )));
             }
         };
-        (
-            read_json_bytes(src, source, &entry.config)?,
-            entry.layers.clone(),
-            "docker-save",
-        )
+        (read_json_bytes(src, source, &entry.config)?, entry.layers.clone(), "docker-save")
     } else if src.exists("index.json") {
         let mut index: OciIndex = parse_json(&read_json_bytes(src, source, "index.json")?, source, "index.json")?;
         let manifest_bytes = 'resolve: {
@@ -583,9 +492,9 @@ fn parse(src: &Source, source: &Path) -> Result<Parsed, LayersError> {
                         arch: host_arch().into(),
                         available,
                     },
-                    SelectError::Ambiguous(list) => bad(format!(
-                        "the index lists several images ({list}); export a single image"
-                    )),
+                    SelectError::Ambiguous(list) => {
+                        bad(format!("the index lists several images ({list}); export a single image"))
+                    }
                 })?;
                 let bytes = read_blob(src, source, &d.digest)?;
                 let is_index = d.media_type == MT_OCI_INDEX
@@ -643,17 +552,9 @@ mod tests {
         Descriptor {
             media_type: "application/vnd.oci.image.manifest.v1+json".into(),
             digest: digest.into(),
-            platform: platform.map(|(os, arch)| Platform {
-                os: os.into(),
-                architecture: arch.into(),
-                variant: None,
-            }),
-            annotations: (!annotations.is_empty()).then(|| {
-                annotations
-                    .iter()
-                    .map(|(k, v)| (k.to_string(), v.to_string()))
-                    .collect()
-            }),
+            platform: platform.map(|(os, arch)| Platform { os: os.into(), architecture: arch.into(), variant: None }),
+            annotations: (!annotations.is_empty())
+                .then(|| annotations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()),
         }
     }
 
@@ -661,11 +562,7 @@ mod tests {
     fn selects_host_platform_and_skips_attestations() {
         let descs = vec![
             desc("a", Some(("linux", "arm64")), &[]),
-            desc(
-                "att",
-                Some(("unknown", "unknown")),
-                &[("vnd.docker.reference.type", "attestation-manifest")],
-            ),
+            desc("att", Some(("unknown", "unknown")), &[("vnd.docker.reference.type", "attestation-manifest")]),
             desc("b", Some(("linux", "amd64")), &[]),
         ];
         assert_eq!(select_descriptor(&descs, "amd64").unwrap().digest, "b");
@@ -680,10 +577,7 @@ mod tests {
     fn single_manifest_without_platform_is_taken_several_are_ambiguous() {
         let one = vec![desc("x", None, &[("org.opencontainers.image.ref.name", "latest")])];
         assert_eq!(select_descriptor(&one, "amd64").unwrap().digest, "x");
-        let two = vec![
-            desc("x", None, &[("org.opencontainers.image.ref.name", "v1")]),
-            desc("y", None, &[]),
-        ];
+        let two = vec![desc("x", None, &[("org.opencontainers.image.ref.name", "v1")]), desc("y", None, &[])];
         match select_descriptor(&two, "amd64") {
             Err(SelectError::Ambiguous(list)) => assert_eq!(list, "v1, y"),
             other => panic!("{:?}", other.map(|d| &d.digest)),
@@ -694,10 +588,7 @@ mod tests {
     #[test]
     fn duplicate_layers_keep_topmost() {
         let l = |s: &str| (s.to_string(), format!("blob-{s}"));
-        assert_eq!(
-            dedupe_layers(vec![l("a"), l("b"), l("a"), l("c")]),
-            vec![l("b"), l("a"), l("c")]
-        );
+        assert_eq!(dedupe_layers(vec![l("a"), l("b"), l("a"), l("c")]), vec![l("b"), l("a"), l("c")]);
     }
 
     #[test]

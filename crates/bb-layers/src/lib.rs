@@ -54,10 +54,7 @@ pub struct IdMap {
 
 impl Default for IdMap {
     fn default() -> Self {
-        IdMap {
-            host_base: 1_000_000,
-            size: 65_536,
-        }
+        IdMap { host_base: 1_000_000, size: 65_536 }
     }
 }
 
@@ -149,11 +146,7 @@ pub enum LayersError {
     #[error("invalid image name `{name}`: use 1-128 characters from `A-Z a-z 0-9 . _ - : / @ +`, starting with a letter or digit")]
     InvalidName { name: String },
     #[error("invalid {field} `{value}`: {hint}")]
-    InvalidOption {
-        field: &'static str,
-        value: String,
-        hint: &'static str,
-    },
+    InvalidOption { field: &'static str, value: String, hint: &'static str },
     #[error("debootstrap not found in PATH, /usr/sbin or /sbin; install it with `apt-get install debootstrap`")]
     DebootstrapMissing,
     #[error("debootstrap {status}; check the suite, mirror and package names and that the mirror is reachable. Last output:\n{output}")]
@@ -165,36 +158,15 @@ pub enum LayersError {
     #[error(
         "layer {layer}: entry `{entry}` {reason}; refusing to import this image (the layer is malformed or malicious)"
     )]
-    UnsafeEntry {
-        layer: String,
-        entry: String,
-        reason: String,
-    },
+    UnsafeEntry { layer: String, entry: String, reason: String },
     #[error("{path}: {what} {id} is outside the sandbox id range 0..{size}; rebuild the image so every file is owned by ids below {size}")]
-    IdOutOfRange {
-        path: String,
-        what: &'static str,
-        id: u64,
-        size: u32,
-    },
+    IdOutOfRange { path: String, what: &'static str, id: u64, size: u32 },
     #[error("layer {layer}: uncompressed content has digest {actual}, but the image config says {expected}; the image is corrupted, re-export it")]
-    DigestMismatch {
-        layer: String,
-        expected: String,
-        actual: String,
-    },
+    DigestMismatch { layer: String, expected: String, actual: String },
     #[error("{} has no linux/{arch} image (available: {available}); export the image for this host, e.g. `docker save --platform linux/{arch}`", .path.display())]
-    NoMatchingPlatform {
-        path: PathBuf,
-        arch: String,
-        available: String,
-    },
+    NoMatchingPlatform { path: PathBuf, arch: String, available: String },
     #[error("layer {layer} of image `{image}` is missing from {}; remove the image (`branchbox image rm {image}`) and import or build it again", .path.display())]
-    LayerMissing {
-        image: String,
-        layer: String,
-        path: PathBuf,
-    },
+    LayerMissing { image: String, layer: String, path: PathBuf },
     #[error("mounting overlay on {} failed at {step}: {source}{detail}", .target.display())]
     Mount {
         step: &'static str,
@@ -216,10 +188,7 @@ pub enum LayersError {
 
 impl LayersError {
     pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Self {
-        LayersError::Io {
-            context: context.into(),
-            source,
-        }
+        LayersError::Io { context: context.into(), source }
     }
 }
 
@@ -231,10 +200,7 @@ pub(crate) fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> La
 
 /// Unix time now, in seconds.
 pub(crate) fn now_secs() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
 #[cfg(test)]
@@ -247,14 +213,7 @@ mod tests {
         assert_eq!(m.to_host(0), Some(1_000_000));
         assert_eq!(m.to_host(65_535), Some(1_065_535));
         assert_eq!(m.to_host(65_536), None);
-        assert_eq!(
-            IdMap {
-                host_base: u32::MAX,
-                size: 10
-            }
-            .to_host(1),
-            None
-        );
+        assert_eq!(IdMap { host_base: u32::MAX, size: 10 }.to_host(1), None);
     }
 
     #[test]

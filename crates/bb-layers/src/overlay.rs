@@ -47,12 +47,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The overlay options set on every mount (besides the layer dirs), in order.
-pub const OVERLAY_OPTIONS: &[(&str, &str)] = &[
-    ("index", "off"),
-    ("metacopy", "off"),
-    ("xino", "off"),
-    ("redirect_dir", "on"),
-];
+pub const OVERLAY_OPTIONS: &[(&str, &str)] =
+    &[("index", "off"), ("metacopy", "off"), ("xino", "off"), ("redirect_dir", "on")];
 
 /// Layer dirs of one overlay mount.
 #[derive(Debug, Clone, Copy)]
@@ -199,12 +195,7 @@ impl Ctx<'_> {
             "move_mount" => "; the target must be an existing directory",
             _ => "; every lower, upper and work dir must exist, upper and work on the same filesystem, and that filesystem must support trusted.* xattrs (ext4, xfs, btrfs)",
         });
-        LayersError::Mount {
-            step,
-            target: self.target.to_path_buf(),
-            source,
-            detail,
-        }
+        LayersError::Mount { step, target: self.target.to_path_buf(), source, detail }
     }
 
     fn open(&self) -> Result<OwnedFd, LayersError> {
@@ -346,10 +337,7 @@ fn create_context(
 pub fn unmount(target: &Path) -> Result<(), LayersError> {
     match nix::mount::umount2(target, nix::mount::MntFlags::MNT_DETACH) {
         Ok(()) | Err(nix::errno::Errno::EINVAL) | Err(nix::errno::Errno::ENOENT) => Ok(()),
-        Err(e) => Err(LayersError::Unmount {
-            target: target.to_path_buf(),
-            source: e,
-        }),
+        Err(e) => Err(LayersError::Unmount { target: target.to_path_buf(), source: e }),
     }
 }
 
@@ -401,19 +389,13 @@ mod tests {
     #[test]
     fn lowerdir_escaping() {
         assert_eq!(escape_lowerdir(Path::new("/a/b")), "/a/b");
-        assert_eq!(
-            escape_lowerdir(Path::new("/s/layers/sha256:ab")),
-            "/s/layers/sha256\\:ab"
-        );
+        assert_eq!(escape_lowerdir(Path::new("/s/layers/sha256:ab")), "/s/layers/sha256\\:ab");
         assert_eq!(escape_lowerdir(Path::new("/x\\y,z")), "/x\\\\y\\,z");
     }
 
     #[test]
     fn legacy_lowerdir_string_handles_colons() {
-        assert!(
-            nix::unistd::geteuid().is_root(),
-            "this test mounts an overlay; run the tests as root"
-        );
+        assert!(nix::unistd::geteuid().is_root(), "this test mounts an overlay; run the tests as root");
         let d = tempfile::tempdir().unwrap();
         // Layer dirs are named like `sha256:<hex>`: the colon must be escaped in `lowerdir`.
         let l1 = d.path().join("layers/sha256:aa");
@@ -426,16 +408,7 @@ mod tests {
         let (upper, work) = new_writable(&d.path().join("rw"), &IdMap::default()).unwrap();
         let target = d.path().join("merged");
         fs::create_dir(&target).unwrap();
-        mount_overlay_with(
-            &OverlaySpec {
-                lower: &[l2, l1],
-                upper: &upper,
-                work: &work,
-            },
-            &target,
-            true,
-        )
-        .unwrap();
+        mount_overlay_with(&OverlaySpec { lower: &[l2, l1], upper: &upper, work: &work }, &target, true).unwrap();
         let f = fs::read_to_string(target.join("f"));
         let g = fs::read_to_string(target.join("g"));
         let opts = super_options(&target);
@@ -531,8 +504,9 @@ mod tests {
             let dir = d.path().join(format!("n{layers}"));
             let (lower, _, _) = stack(&dir, layers);
             // A fresh writable layer per mount, as each sandbox has.
-            let rw: Vec<(PathBuf, PathBuf)> =
-                (0..ROUNDS).map(|i| new_writable(&dir.join(format!("sandboxes/{i}")), &IdMap::default()).unwrap()).collect();
+            let rw: Vec<(PathBuf, PathBuf)> = (0..ROUNDS)
+                .map(|i| new_writable(&dir.join(format!("sandboxes/{i}")), &IdMap::default()).unwrap())
+                .collect();
             let mut took: [Vec<std::time::Duration>; 2] = [Vec::new(), Vec::new()];
             for (round, (upper, work)) in rw.iter().enumerate() {
                 let spec = OverlaySpec { lower: &lower, upper, work };

@@ -45,9 +45,7 @@ pub(crate) fn validate_name(name: &str) -> Result<(), LayersError> {
     let ok = !name.is_empty()
         && name.len() <= 128
         && name.as_bytes()[0].is_ascii_alphanumeric()
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._-:/@+".contains(&b));
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-:/@+".contains(&b));
     if ok {
         Ok(())
     } else {
@@ -108,18 +106,11 @@ impl ImageStore {
             move |source| LayersError::Db { path, context, source }
         };
         let conn = Connection::open(&db_path).map_err(dberr("opening"))?;
-        conn.busy_timeout(std::time::Duration::from_secs(10))
-            .map_err(dberr("setting busy timeout"))?;
-        conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get::<_, String>(0))
-            .map_err(dberr("enabling WAL"))?;
+        conn.busy_timeout(std::time::Duration::from_secs(10)).map_err(dberr("setting busy timeout"))?;
+        conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get::<_, String>(0)).map_err(dberr("enabling WAL"))?;
         conn.execute(SCHEMA, []).map_err(dberr("creating table images"))?;
-        let store = ImageStore {
-            state_dir: state_dir.to_path_buf(),
-            idmap,
-            db_path,
-            db: Mutex::new(conn),
-            in_use: None,
-        };
+        let store =
+            ImageStore { state_dir: state_dir.to_path_buf(), idmap, db_path, db: Mutex::new(conn), in_use: None };
         clean_stale_tmp(&store.tmp_dir());
         Ok(store)
     }
@@ -171,11 +162,7 @@ impl ImageStore {
     }
 
     fn dberr(&self, context: &'static str) -> impl FnOnce(rusqlite::Error) -> LayersError + '_ {
-        move |source| LayersError::Db {
-            path: self.db_path.clone(),
-            context,
-            source,
-        }
+        move |source| LayersError::Db { path: self.db_path.clone(), context, source }
     }
 
     /// Exclusive lock over layer placement, image records and layer deletion (across processes).
@@ -193,37 +180,26 @@ impl ImageStore {
 
     pub fn list(&self) -> Result<Vec<Image>, LayersError> {
         let db = self.db();
-        let mut st = db
-            .prepare(&format!("SELECT {COLUMNS} FROM images ORDER BY name"))
-            .map_err(self.dberr("listing images"))?;
+        let mut st =
+            db.prepare(&format!("SELECT {COLUMNS} FROM images ORDER BY name")).map_err(self.dberr("listing images"))?;
         let rows = st.query_map([], row_to_image).map_err(self.dberr("listing images"))?;
-        rows.collect::<Result<Vec<_>, _>>()
-            .map_err(self.dberr("reading image rows"))
+        rows.collect::<Result<Vec<_>, _>>().map_err(self.dberr("reading image rows"))
     }
 
     pub fn get(&self, name: &str) -> Result<Image, LayersError> {
-        self.get_opt(name)?
-            .ok_or_else(|| LayersError::NotFound { name: name.to_string() })
+        self.get_opt(name)?.ok_or_else(|| LayersError::NotFound { name: name.to_string() })
     }
 
     fn get_opt(&self, name: &str) -> Result<Option<Image>, LayersError> {
         let db = self.db();
-        db.query_row(
-            &format!("SELECT {COLUMNS} FROM images WHERE name = ?1"),
-            [name],
-            row_to_image,
-        )
-        .optional()
-        .map_err(self.dberr("reading image"))
+        db.query_row(&format!("SELECT {COLUMNS} FROM images WHERE name = ?1"), [name], row_to_image)
+            .optional()
+            .map_err(self.dberr("reading image"))
     }
 
     fn referenced_layers(&self, db: &Connection) -> Result<HashSet<String>, LayersError> {
-        let mut st = db
-            .prepare("SELECT layers FROM images")
-            .map_err(self.dberr("reading layer references"))?;
-        let rows = st
-            .query_map([], |r| r.get::<_, String>(0))
-            .map_err(self.dberr("reading layer references"))?;
+        let mut st = db.prepare("SELECT layers FROM images").map_err(self.dberr("reading layer references"))?;
+        let rows = st.query_map([], |r| r.get::<_, String>(0)).map_err(self.dberr("reading layer references"))?;
         let mut set = HashSet::new();
         for r in rows {
             let s = r.map_err(self.dberr("reading layer references"))?;
@@ -240,8 +216,7 @@ impl ImageStore {
             let _lock = self.lock()?;
             let img = self.get(name)?;
             let db = self.db();
-            db.execute("DELETE FROM images WHERE name = ?1", [name])
-                .map_err(self.dberr("deleting image"))?;
+            db.execute("DELETE FROM images WHERE name = ?1", [name]).map_err(self.dberr("deleting image"))?;
             let referenced = self.referenced_layers(&db)?;
             drop(db);
             self.trash_unreferenced(img.layers.iter(), &referenced)
@@ -332,10 +307,7 @@ impl ImageStore {
         staged: Vec<Staged>,
         progress: &mut dyn FnMut(Progress),
     ) -> Result<Commit, LayersError> {
-        progress(Progress::Stage {
-            stage: "commit".into(),
-            message: format!("recording image `{}`", image.name),
-        });
+        progress(Progress::Stage { stage: "commit".into(), message: format!("recording image `{}`", image.name) });
         let mut sizes = std::collections::HashMap::new();
         let trash = {
             let _lock = self.lock()?;
@@ -349,12 +321,7 @@ impl ImageStore {
                 fs::rename(&s.root, &dst).map_err(io_err(format!("moving layer into {}", dst.display())))?;
                 placed.push(s.id);
             }
-            let missing: Vec<String> = image
-                .layers
-                .iter()
-                .filter(|l| !self.layer_path(l).is_dir())
-                .cloned()
-                .collect();
+            let missing: Vec<String> = image.layers.iter().filter(|l| !self.layer_path(l).is_dir()).cloned().collect();
             if !missing.is_empty() {
                 return Ok(Commit::Missing(missing));
             }
@@ -447,12 +414,7 @@ mod tests {
         let root = dir.path().join("tmp/x");
         fs::create_dir_all(root.join("etc")).unwrap();
         fs::write(root.join("etc/f"), b"12345").unwrap();
-        let staged = Staged {
-            id: id.clone(),
-            root,
-            size: 5,
-            _work: WorkDir::new(&s.tmp_dir(), "t").unwrap(),
-        };
+        let staged = Staged { id: id.clone(), root, size: 5, _work: WorkDir::new(&s.tmp_dir(), "t").unwrap() };
         let img = Image {
             name: "t".into(),
             id: "sha256:1".into(),
@@ -464,18 +426,14 @@ mod tests {
             created_at: 12.5,
             source: "oci".into(),
         };
-        let Commit::Done(done) = s.commit(img.clone(), vec![staged], &mut |_| {}).unwrap() else {
-            panic!("missing")
-        };
+        let Commit::Done(done) = s.commit(img.clone(), vec![staged], &mut |_| {}).unwrap() else { panic!("missing") };
         assert_eq!(done.size_bytes, 5);
         assert_eq!(s.get("t").unwrap(), done);
         assert_eq!(s.list().unwrap(), vec![done]);
         assert!(s.layer_path(&id).join("etc/f").is_file());
         // The table is readable by another connection (WAL) with the documented columns.
         let c = Connection::open(dir.path().join("branchbox.db")).unwrap();
-        let layers: String = c
-            .query_row("SELECT layers FROM images WHERE name='t'", [], |r| r.get(0))
-            .unwrap();
+        let layers: String = c.query_row("SELECT layers FROM images WHERE name='t'", [], |r| r.get(0)).unwrap();
         assert_eq!(layers, format!("[\"{id}\"]"));
         let mode: String = c.query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
         assert_eq!(mode, "wal");

@@ -93,11 +93,8 @@ fn caps_v2() -> Vec<u8> {
 
 /// Give every entry below `root` a distinct, fixed atime/mtime with nanoseconds (dirs last).
 fn stamp_times(root: &Path, seed: i64) {
-    let mut entries: Vec<PathBuf> = walkdir::WalkDir::new(root)
-        .contents_first(true)
-        .into_iter()
-        .map(|e| e.unwrap().path().to_path_buf())
-        .collect();
+    let mut entries: Vec<PathBuf> =
+        walkdir::WalkDir::new(root).contents_first(true).into_iter().map(|e| e.unwrap().path().to_path_buf()).collect();
     // contents_first already orders children before their dirs.
     for (i, p) in entries.drain(..).enumerate() {
         let i = i as i64;
@@ -152,9 +149,7 @@ fn build_chain(d: &Path) -> Chain {
     xattr::set(l1.join("bin/ping"), "security.capability", &caps_v2()).unwrap();
     dir(&l1.join("tmp"));
     chmod(&l1.join("tmp"), 0o1777);
-    let big: Vec<u8> = (0..(1u32 << 20))
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
-        .collect();
+    let big: Vec<u8> = (0..(1u32 << 20)).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
     file(&l1.join("data/big"), &big);
     file(&l1.join("data/empty"), b"");
     file(&l1.join("hl/a"), b"hard-linked three times");
@@ -193,10 +188,7 @@ fn build_chain(d: &Path) -> Chain {
     stamp_times(&l1, 1);
 
     // ---- L2: a snapshot on top of L1
-    file(
-        &l2.join("etc/passwd"),
-        b"root:x:0:0:root:/root:/bin/bash\nu:x:1000:1000::/home/u:/bin/sh\n",
-    );
+    file(&l2.join("etc/passwd"), b"root:x:0:0:root:/root:/bin/bash\nu:x:1000:1000::/home/u:/bin/sh\n");
     xattr::set(l2.join("etc/passwd"), "user.x", b"l2").unwrap();
     whiteout(&l2.join("etc/hidden"));
     dir(&l2.join("opq"));
@@ -336,11 +328,7 @@ fn snapshot(root: &Path) -> BTreeMap<PathBuf, Entry> {
                 uid: m.uid(),
                 gid: m.gid(),
                 // Listing a directory (walkdir does before yielding it) updates its atime.
-                atime: if ft.is_dir() {
-                    (0, 0)
-                } else {
-                    (m.atime(), m.atime_nsec())
-                },
+                atime: if ft.is_dir() { (0, 0) } else { (m.atime(), m.atime_nsec()) },
                 mtime: (m.mtime(), m.mtime_nsec()),
                 size: if ft.is_dir() { 0 } else { m.len() },
                 rdev: m.rdev(),
@@ -419,23 +407,12 @@ fn merged_snapshot(dir: &Path, name: &str, lower: &[PathBuf]) -> BTreeMap<PathBu
     let (upper, work) = new_writable(&base, &IdMap::default()).unwrap();
     let merged = base.join("merged");
     fs::create_dir_all(&merged).unwrap();
-    mount_overlay(
-        &OverlaySpec {
-            lower,
-            upper: &upper,
-            work: &work,
-        },
-        &merged,
-    )
-    .unwrap();
+    mount_overlay(&OverlaySpec { lower, upper: &upper, work: &work }, &merged).unwrap();
     let m = Mounted(merged);
     let mut snap = snapshot(&m.0);
     drop(m);
     snap.remove(Path::new(""));
-    assert!(
-        fs::read_dir(&upper).unwrap().next().is_none(),
-        "reading the view must not copy anything up"
-    );
+    assert!(fs::read_dir(&upper).unwrap().next().is_none(), "reading the view must not copy anything up");
     snap
 }
 
@@ -449,19 +426,13 @@ fn raw_tree_has_no_overlay_markers(root: &Path) {
             e.path().display()
         );
         for n in xattr::list(e.path()).unwrap() {
-            assert!(
-                !n.as_bytes().starts_with(b"trusted.overlay."),
-                "{} has {n:?}",
-                e.path().display()
-            );
+            assert!(!n.as_bytes().starts_with(b"trusted.overlay."), "{} has {n:?}", e.path().display());
         }
     }
 }
 
 fn mountinfo_mentions(p: &Path) -> bool {
-    fs::read_to_string("/proc/self/mountinfo")
-        .unwrap()
-        .contains(p.to_str().unwrap())
+    fs::read_to_string("/proc/self/mountinfo").unwrap().contains(p.to_str().unwrap())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -498,11 +469,7 @@ fn flattened_layer_shows_the_same_tree() {
     let flat = merged_snapshot(d.path(), "flat", std::slice::from_ref(&dest));
     let after = merged_snapshot(d.path(), "orig-again", &c.lower());
     assert_same_tree("chain before vs after flatten (layers untouched)", &before, &after);
-    assert_same_tree(
-        "overlay(l3,l2,l1) vs overlay(flat)",
-        &without_sockets(before.clone()),
-        &flat,
-    );
+    assert_same_tree("overlay(l3,l2,l1) vs overlay(flat)", &without_sockets(before.clone()), &flat);
     // And the raw layer itself is a plain tree with the same content.
     let mut raw = snapshot(&dest);
     raw.remove(Path::new(""));
@@ -522,26 +489,15 @@ fn flattened_layer_shows_the_same_tree() {
     assert_eq!(e("b/moved/g/f2").content.unwrap(), b"f2");
     assert!(!flat.contains_key(Path::new("a/deep")));
     assert_eq!(
-        flat.keys()
-            .filter(|p| p.starts_with("opq") && p.as_os_str() != "opq")
-            .collect::<Vec<_>>(),
+        flat.keys().filter(|p| p.starts_with("opq") && p.as_os_str() != "opq").collect::<Vec<_>>(),
         vec![Path::new("opq/new")]
     );
     assert_eq!(e("etc/passwd").xattrs.get(&OsString::from("user.x")).unwrap(), b"l2");
     assert_eq!(e("bin/su").mode, 0o4750);
     assert_eq!(e("bin/wall").mode, 0o2755);
     assert_eq!(e("tmp").mode, 0o1777);
-    assert_eq!(
-        e("bin/ping")
-            .xattrs
-            .get(&OsString::from("security.capability"))
-            .unwrap(),
-        &caps_v2()
-    );
-    assert_eq!(
-        e("abs-link").xattrs.get(&OsString::from("trusted.bb-test")).unwrap(),
-        b"on a symlink"
-    );
+    assert_eq!(e("bin/ping").xattrs.get(&OsString::from("security.capability")).unwrap(), &caps_v2());
+    assert_eq!(e("abs-link").xattrs.get(&OsString::from("trusted.bb-test")).unwrap(), b"on a symlink");
     assert_eq!(e("abs-link").link.unwrap(), PathBuf::from("/etc/passwd"));
     assert_eq!((e("home/u/odd").uid, e("home/u/odd").gid), (BASE + 1234, BASE + 5678));
     assert_eq!((e("run/fifo").kind, e("run/fifo").mode), ("fifo", 0o620));
@@ -550,10 +506,7 @@ fn flattened_layer_shows_the_same_tree() {
     assert_eq!(e("hl/a").link_group, Some(PathBuf::from("hl/a")));
     assert_eq!(e("other/c").link_group, Some(PathBuf::from("hl/a")));
     assert_eq!(e("l2hl/y").link_group, Some(PathBuf::from("l2hl/x")));
-    assert_eq!(
-        e("data").xattrs.get(&OsString::from("user.note")).unwrap(),
-        b"merged dir xattr from l3"
-    );
+    assert_eq!(e("data").xattrs.get(&OsString::from("user.note")).unwrap(), b"merged dir xattr from l3");
     assert_eq!(e("data").mtime.1 % 1000, before[Path::new("data")].mtime.1 % 1000);
     assert!(e("empty-odd").mtime.1 != 0, "nanoseconds kept");
     let raw = fs::symlink_metadata(dest.join("hl/a")).unwrap();
@@ -615,32 +568,17 @@ fn layers_above_read_the_same_over_the_flattened_layer() {
     assert!(!flat.contains_key(Path::new("newdir2")));
     assert_eq!(flat[Path::new("a/stay")].content.as_deref(), Some(&b"stay"[..]));
     assert_eq!(flat[Path::new("other/c")].link_group, None);
-    assert_eq!(
-        flat[Path::new("hl/a")].link_group,
-        None,
-        "hl/b whited out, other/c copied up"
-    );
+    assert_eq!(flat[Path::new("hl/a")].link_group, None, "hl/b whited out, other/c copied up");
 
     // And a sandbox keeps working on top: a writable upper above [t, flat] edits through.
     let base = d.path().join("rw");
     let (upper, work) = new_writable(&base, &IdMap::default()).unwrap();
     let merged = base.join("merged");
     fs::create_dir_all(&merged).unwrap();
-    mount_overlay(
-        &OverlaySpec {
-            lower: &[c.t.clone(), dest.clone()],
-            upper: &upper,
-            work: &work,
-        },
-        &merged,
-    )
-    .unwrap();
+    mount_overlay(&OverlaySpec { lower: &[c.t.clone(), dest.clone()], upper: &upper, work: &work }, &merged).unwrap();
     let m = Mounted(merged);
     fs::rename(m.0.join("renamed"), m.0.join("renamed-again")).unwrap();
-    assert_eq!(
-        fs::read_to_string(m.0.join("renamed-again/sub/y")).unwrap(),
-        "y from l1"
-    );
+    assert_eq!(fs::read_to_string(m.0.join("renamed-again/sub/y")).unwrap(), "y from l1");
     fs::write(m.0.join("etc/passwd"), "edited").unwrap();
     assert_eq!(fs::read_to_string(dest.join("etc/passwd")).unwrap().lines().count(), 2);
 }
@@ -714,7 +652,20 @@ fn flatten_onto_a_base_writes_only_what_the_layers_change() {
     );
 
     // Only the changes are in the layer: nothing the base shows unchanged was copied.
-    for p in ["data/big", "data/empty", "bin/ping", "bin/wall", "etc/shadow", "hl/a", "other", "home", "dev", "run", "a/stay", "tmp"] {
+    for p in [
+        "data/big",
+        "data/empty",
+        "bin/ping",
+        "bin/wall",
+        "etc/shadow",
+        "hl/a",
+        "other",
+        "home",
+        "dev",
+        "run",
+        "a/stay",
+        "tmp",
+    ] {
         assert!(fs::symlink_metadata(dest.join(p)).is_err(), "/{p} was copied from the base");
     }
     assert!(stats.bytes < 4096, "{} bytes of file data written", stats.bytes);
@@ -820,10 +771,7 @@ fn must_work() -> bool {
 }
 
 fn find_tool(name: &str) -> Option<PathBuf> {
-    ["/usr/sbin", "/sbin", "/usr/bin", "/bin"]
-        .iter()
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.exists())
+    ["/usr/sbin", "/sbin", "/usr/bin", "/bin"].iter().map(|d| Path::new(d).join(name)).find(|p| p.exists())
 }
 
 fn run(cmd: &mut Command) -> Result<String, String> {
@@ -831,11 +779,7 @@ fn run(cmd: &mut Command) -> Result<String, String> {
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
     } else {
-        Err(format!(
-            "{cmd:?}: {}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        Err(format!("{cmd:?}: {}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim()))
     }
 }
 
@@ -860,22 +804,11 @@ impl LoopXfs {
         run(Command::new(&mkfs).args(["-q", "-m", "reflink=1", "-f"]).arg(&img))?;
         let mnt = dir.path().join("mnt");
         fs::create_dir(&mnt).map_err(|e| e.to_string())?;
-        let mut me = LoopXfs {
-            mnt,
-            dev: None,
-            mounted: false,
-            _dir: dir,
-        };
+        let mut me = LoopXfs { mnt, dev: None, mounted: false, _dir: dir };
         let dev = run(Command::new(&losetup).args(["--find", "--show"]).arg(&img))?;
         me.dev = Some(dev.clone());
-        nix::mount::mount(
-            Some(Path::new(&dev)),
-            &me.mnt,
-            Some("xfs"),
-            nix::mount::MsFlags::empty(),
-            None::<&str>,
-        )
-        .map_err(|e| format!("mount {dev} (xfs): {e}"))?;
+        nix::mount::mount(Some(Path::new(&dev)), &me.mnt, Some("xfs"), nix::mount::MsFlags::empty(), None::<&str>)
+            .map_err(|e| format!("mount {dev} (xfs): {e}"))?;
         me.mounted = true;
         Ok(me)
     }
@@ -953,15 +886,7 @@ fn snapshot_layer(dir: &Path, name: &str, lower: &[PathBuf], edit: impl FnOnce(&
     let (upper, work) = new_writable(&base, &IdMap::default()).unwrap();
     let merged = base.join("merged");
     fs::create_dir_all(&merged).unwrap();
-    mount_overlay(
-        &OverlaySpec {
-            lower,
-            upper: &upper,
-            work: &work,
-        },
-        &merged,
-    )
-    .unwrap();
+    mount_overlay(&OverlaySpec { lower, upper: &upper, work: &work }, &merged).unwrap();
     let m = Mounted(merged);
     edit(&m.0);
     drop(m);
@@ -1046,10 +971,7 @@ fn flatten_benchmark() {
         return;
     };
     let src = PathBuf::from(src);
-    let d = tempfile::Builder::new()
-        .prefix("bb-flatten-bench-")
-        .tempdir_in("/var/tmp")
-        .unwrap();
+    let d = tempfile::Builder::new().prefix("bb-flatten-bench-").tempdir_in("/var/tmp").unwrap();
     bench_on("ext4", d.path(), &src);
     match LoopXfs::new(2048) {
         Ok(x) => bench_on("xfs reflink=1", &x.mnt, &src),

@@ -38,10 +38,7 @@ fn three_layers() -> Vec<Vec<u8>> {
         .file("opq/c", "c")
         .whiteout("", "gone")
         .build();
-    let l3 = LayerTar::new()
-        .file("etc/passwd", "root:x:0:0::/root:/bin/bash\n")
-        .file("top", "3")
-        .build();
+    let l3 = LayerTar::new().file("etc/passwd", "root:x:0:0::/root:/bin/bash\n").file("top", "3").build();
     vec![l1, l2, l3]
 }
 
@@ -50,17 +47,11 @@ fn open_store(state: &Path) -> ImageStore {
 }
 
 fn check_merged_view(root: &Path) {
-    assert_eq!(
-        fs::read_to_string(root.join("etc/passwd")).unwrap(),
-        "root:x:0:0::/root:/bin/bash\n",
-        "top layer wins"
-    );
+    assert_eq!(fs::read_to_string(root.join("etc/passwd")).unwrap(), "root:x:0:0::/root:/bin/bash\n", "top layer wins");
     assert!(!root.join("etc/keep").exists(), "whiteout hides the lower file");
     assert_eq!(fs::read_to_string(root.join("etc/new")).unwrap(), "new");
-    let mut opq: Vec<String> = fs::read_dir(root.join("opq"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
+    let mut opq: Vec<String> =
+        fs::read_dir(root.join("opq")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     opq.sort();
     assert_eq!(opq, vec!["c"], "opaque dir hides the lower contents");
     assert!(!root.join("gone").exists(), "whiteout hides the lower dir");
@@ -71,10 +62,8 @@ fn check_merged_view(root: &Path) {
     assert_eq!(fs::metadata(root.join("home/user/notes")).unwrap().uid(), 1_001_000);
     assert_eq!(fs::read_link(root.join("bin/sh")).unwrap(), Path::new("/bin/busybox"));
     assert!(!root.join("dev/null").exists(), "device nodes are not imported");
-    let mut top: Vec<String> = fs::read_dir(root)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
+    let mut top: Vec<String> =
+        fs::read_dir(root).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     top.sort();
     assert!(top.iter().all(|n| !n.starts_with(".wh.")), "{top:?}");
 }
@@ -101,46 +90,22 @@ fn docker_save_import_stores_shifted_layers_and_mounts() {
     assert_eq!(got.source, "oci");
     assert!(got.size_bytes > 0);
     assert_eq!(store.get("test").unwrap(), got);
-    assert!(
-        events.contains(&Progress::Step {
-            stage: "extract".into(),
-            done: 3,
-            total: 3
-        }),
-        "{events:?}"
-    );
-    assert!(
-        tmp_entries(&state).is_empty(),
-        "work dirs cleaned: {:?}",
-        tmp_entries(&state)
-    );
+    assert!(events.contains(&Progress::Step { stage: "extract".into(), done: 3, total: 3 }), "{events:?}");
+    assert!(tmp_entries(&state).is_empty(), "work dirs cleaned: {:?}", tmp_entries(&state));
 
     // On disk: ownership shifted (layer roots included), whiteouts, opaque xattr.
     let l1 = store.layer_path(&got.layers[0]);
     let l2 = store.layer_path(&got.layers[1]);
     for l in &got.layers {
         let m = fs::metadata(store.layer_path(l)).unwrap();
-        assert_eq!(
-            (m.uid(), m.gid(), m.mode() & 0o7777),
-            (1_000_000, 1_000_000, 0o755),
-            "layer root {l}"
-        );
+        assert_eq!((m.uid(), m.gid(), m.mode() & 0o7777), (1_000_000, 1_000_000, 0o755), "layer root {l}");
     }
     assert_eq!(fs::metadata(l1.join("etc/passwd")).unwrap().uid(), 1_000_000);
     assert_eq!(fs::metadata(l1.join("home/user")).unwrap().uid(), 1_001_000);
-    assert_eq!(
-        fs::metadata(l1.join("bin/su")).unwrap().ino(),
-        fs::metadata(l1.join("bin/su2")).unwrap().ino()
-    );
+    assert_eq!(fs::metadata(l1.join("bin/su")).unwrap().ino(), fs::metadata(l1.join("bin/su2")).unwrap().ino());
     let wh = fs::symlink_metadata(l2.join("etc/keep")).unwrap();
-    assert_eq!(
-        (wh.mode() & libc::S_IFMT, wh.rdev(), wh.uid()),
-        (libc::S_IFCHR, 0, 1_000_000)
-    );
-    assert_eq!(
-        xattr::get(l2.join("opq"), "trusted.overlay.opaque").unwrap(),
-        Some(b"y".to_vec())
-    );
+    assert_eq!((wh.mode() & libc::S_IFMT, wh.rdev(), wh.uid()), (libc::S_IFCHR, 0, 1_000_000));
+    assert_eq!(xattr::get(l2.join("opq"), "trusted.overlay.opaque").unwrap(), Some(b"y".to_vec()));
 
     let m = common::mount_image(&store, &got, d.path());
     check_merged_view(&m.0);
@@ -223,10 +188,7 @@ fn shared_layers_are_stored_once_and_removed_when_unreferenced() {
     write_docker_save(&tb2, &b2_img, &[Comp::Gzip, Comp::Gzip]);
     let b2 = store.import("b", &tb2, &mut |_| {}).unwrap();
     assert_eq!(store.list().unwrap().len(), 1);
-    assert!(
-        !store.layer_path(&b.layers[1]).exists(),
-        "replaced image's unique layer removed"
-    );
+    assert!(!store.layer_path(&b.layers[1]).exists(), "replaced image's unique layer removed");
     assert!(store.layer_path(&b2.layers[0]).is_dir() && store.layer_path(&b2.layers[1]).is_dir());
 
     // A layer still mounted by a sandbox survives removal until gc finds it unused.
@@ -264,32 +226,11 @@ fn unsafe_layers_are_rejected_and_leave_nothing_behind() {
     let marker = format!("bb-import-escape-{}", std::process::id());
     let good = LayerTar::new().file("ok", "ok").build();
     let cases: Vec<(&str, Vec<u8>)> = vec![
-        (
-            "dotdot",
-            LayerTar::new()
-                .file("x", "x")
-                .file(&format!("../../{marker}"), "evil")
-                .build(),
-        ),
-        (
-            "absolute",
-            LayerTar::new().file(&format!("/tmp/{marker}"), "evil").build(),
-        ),
-        (
-            "symlink",
-            LayerTar::new().symlink("a", dp).file("a/passwd", "evil").build(),
-        ),
-        (
-            "symlink-etc",
-            LayerTar::new()
-                .symlink("a", "/etc")
-                .file(&format!("a/{marker}"), "evil")
-                .build(),
-        ),
-        (
-            "hardlink",
-            LayerTar::new().symlink("a", dp).hardlink("h", "a/passwd").build(),
-        ),
+        ("dotdot", LayerTar::new().file("x", "x").file(&format!("../../{marker}"), "evil").build()),
+        ("absolute", LayerTar::new().file(&format!("/tmp/{marker}"), "evil").build()),
+        ("symlink", LayerTar::new().symlink("a", dp).file("a/passwd", "evil").build()),
+        ("symlink-etc", LayerTar::new().symlink("a", "/etc").file(&format!("a/{marker}"), "evil").build()),
+        ("hardlink", LayerTar::new().symlink("a", dp).hardlink("h", "a/passwd").build()),
     ];
     for (what, bad) in cases {
         // The good layer comes first, so a partial import would have stored it.
@@ -304,16 +245,8 @@ fn unsafe_layers_are_rejected_and_leave_nothing_behind() {
             other => panic!("{what}: expected UnsafeEntry, got {other:?}"),
         }
         assert!(matches!(store.get(what), Err(LayersError::NotFound { .. })));
-        assert!(
-            stored_layers(&state).is_empty(),
-            "{what}: layers left: {:?}",
-            stored_layers(&state)
-        );
-        assert!(
-            tmp_entries(&state).is_empty(),
-            "{what}: tmp left: {:?}",
-            tmp_entries(&state)
-        );
+        assert!(stored_layers(&state).is_empty(), "{what}: layers left: {:?}", stored_layers(&state));
+        assert!(tmp_entries(&state).is_empty(), "{what}: tmp left: {:?}", tmp_entries(&state));
     }
     let leaked = Path::new("/etc").join(&marker);
     if leaked.exists() {
@@ -342,10 +275,7 @@ fn corrupt_and_unsupported_sources_are_reported() {
     write_oci_layout(&layout, &img, &[Comp::Gzip], false);
     // Rewrite the config so it claims the other layer's diff_id (and re-point the manifest).
     rewrite_diff_ids(&layout, &diff_ids);
-    assert!(matches!(
-        store.import("x", &layout, &mut |_| {}),
-        Err(LayersError::DigestMismatch { .. })
-    ));
+    assert!(matches!(store.import("x", &layout, &mut |_| {}), Err(LayersError::DigestMismatch { .. })));
     assert!(stored_layers(&state).is_empty() && tmp_entries(&state).is_empty());
 
     let junk = d.path().join("junk.bin");
@@ -353,14 +283,9 @@ fn corrupt_and_unsupported_sources_are_reported() {
     let e = store.import("x", &junk, &mut |_| {}).unwrap_err();
     assert!(matches!(e, LayersError::UnsupportedSource { .. }), "{e:?}");
     assert!(e.to_string().contains("docker save"), "{e}");
-    let e = store
-        .import("x", &d.path().join("missing.tar"), &mut |_| {})
-        .unwrap_err();
+    let e = store.import("x", &d.path().join("missing.tar"), &mut |_| {}).unwrap_err();
     assert!(matches!(e, LayersError::UnsupportedSource { .. }), "{e:?}");
-    assert!(matches!(
-        store.import("bad name", &junk, &mut |_| {}),
-        Err(LayersError::InvalidName { .. })
-    ));
+    assert!(matches!(store.import("bad name", &junk, &mut |_| {}), Err(LayersError::InvalidName { .. })));
 
     // Out-of-range owner: tells the user to rebuild with ids below 65536.
     let img = TestImage::new(vec![LayerTar::new().file_owned("f", "x", 0o644, 100_000).build()]);
@@ -398,21 +323,13 @@ fn multi_arch_index_without_host_platform_is_rejected() {
     let d = tempfile::tempdir().unwrap();
     let store = open_store(&d.path().join("state"));
     let layout = d.path().join("l");
-    write_oci_layout(
-        &layout,
-        &TestImage::new(vec![LayerTar::new().file("f", "1").build()]),
-        &[],
-        true,
-    );
+    write_oci_layout(&layout, &TestImage::new(vec![LayerTar::new().file("f", "1").build()]), &[], true);
     // Rename the host platform in the nested index to something else.
     for e in fs::read_dir(layout.join("blobs/sha256")).unwrap() {
         let p = e.unwrap().path();
         let s = fs::read_to_string(&p).unwrap_or_default();
         if s.contains("\"manifests\"") {
-            let s2 = s.replace(
-                &format!("\"architecture\":\"{}\"", host_arch()),
-                "\"architecture\":\"s390x\"",
-            );
+            let s2 = s.replace(&format!("\"architecture\":\"{}\"", host_arch()), "\"architecture\":\"s390x\"");
             fs::write(&p, &s2).unwrap();
             let nd = format!("sha256:{}", sha256_hex(s2.as_bytes()));
             fs::rename(&p, p.with_file_name(&nd[7..])).unwrap();

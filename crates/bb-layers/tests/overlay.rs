@@ -22,15 +22,7 @@ fn mount_stack(dir: &Path, name: &str, lower: &[PathBuf]) -> (Mounted, PathBuf) 
     let merged = base.join("merged");
     fs::create_dir_all(&merged).unwrap();
     let t = Instant::now();
-    mount_overlay(
-        &OverlaySpec {
-            lower,
-            upper: &upper,
-            work: &work,
-        },
-        &merged,
-    )
-    .unwrap();
+    mount_overlay(&OverlaySpec { lower, upper: &upper, work: &work }, &merged).unwrap();
     eprintln!("mount_overlay({} lowers) took {:?}", lower.len(), t.elapsed());
     (Mounted(merged), upper)
 }
@@ -45,11 +37,7 @@ fn merged_view_and_unmount() {
     mkfile(&l2.join("b"), "b2");
     let (m, upper) = mount_stack(d.path(), "s", &[l2.clone(), l1.clone()]);
     assert_eq!(fs::read_to_string(m.0.join("a")).unwrap(), "a1");
-    assert_eq!(
-        fs::read_to_string(m.0.join("b")).unwrap(),
-        "b2",
-        "first lower is the top-most"
-    );
+    assert_eq!(fs::read_to_string(m.0.join("b")).unwrap(), "b2", "first lower is the top-most");
     fs::write(m.0.join("c"), "new").unwrap();
     assert_eq!(fs::read_to_string(upper.join("c")).unwrap(), "new");
     let mi = fs::read_to_string("/proc/self/mountinfo").unwrap();
@@ -86,19 +74,13 @@ fn overlay_options_show_no_host_path() {
     require_root();
     let d = tempfile::tempdir().unwrap();
     let state = d.path().join("state-dir-7f3a");
-    let layers: Vec<PathBuf> = ["sha256:aa", "local:bb", "sl-cc"]
-        .iter()
-        .map(|n| state.join("layers").join(n))
-        .collect();
+    let layers: Vec<PathBuf> =
+        ["sha256:aa", "local:bb", "sl-cc"].iter().map(|n| state.join("layers").join(n)).collect();
     for (i, l) in layers.iter().enumerate() {
         mkfile(&l.join(format!("f{i}")), &format!("layer {i}"));
     }
     let (upper, work) = new_writable(&state.join("sandboxes/sb1"), &IdMap::default()).unwrap();
-    let spec = OverlaySpec {
-        lower: &layers,
-        upper: &upper,
-        work: &work,
-    };
+    let spec = OverlaySpec { lower: &layers, upper: &upper, work: &work };
     let mnt = overlay_fd(&spec, &state.join("sandboxes/sb1/rootfs")).unwrap();
     let target = d.path().join("attached");
     fs::create_dir(&target).unwrap();
@@ -164,10 +146,7 @@ fn upper_reused_as_lower_keeps_renames_deletes_and_edits() {
     assert!(!r.join("del").exists());
     assert_eq!(fs::read_to_string(r.join("edit")).unwrap(), "new");
     assert_eq!(fs::read_to_string(r.join("keep")).unwrap(), "keep");
-    let mut t: Vec<_> = fs::read_dir(r.join("tree"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
+    let mut t: Vec<_> = fs::read_dir(r.join("tree")).unwrap().map(|e| e.unwrap().file_name()).collect();
     t.sort();
     assert_eq!(t, vec!["t2"]);
     // Rename the redirected dir again, and move a file out of it.
@@ -192,20 +171,8 @@ fn mount_errors_name_the_step() {
     let target = d.path().join("merged");
     fs::create_dir(&target).unwrap();
     let missing = [d.path().join("no-such-layer")];
-    match mount_overlay(
-        &OverlaySpec {
-            lower: &missing,
-            upper: &upper,
-            work: &work,
-        },
-        &target,
-    ) {
-        Err(
-            e @ LayersError::Mount {
-                step: "fsconfig(lowerdir+)",
-                ..
-            },
-        ) => {
+    match mount_overlay(&OverlaySpec { lower: &missing, upper: &upper, work: &work }, &target) {
+        Err(e @ LayersError::Mount { step: "fsconfig(lowerdir+)", .. }) => {
             let msg = e.to_string();
             assert!(msg.contains("no-such-layer"), "{msg}");
         }
@@ -213,25 +180,11 @@ fn mount_errors_name_the_step() {
     }
     let lower = [d.path().join("l")];
     fs::create_dir(&lower[0]).unwrap();
-    match mount_overlay(
-        &OverlaySpec {
-            lower: &lower,
-            upper: &upper,
-            work: &work,
-        },
-        &d.path().join("no-target"),
-    ) {
+    match mount_overlay(&OverlaySpec { lower: &lower, upper: &upper, work: &work }, &d.path().join("no-target")) {
         Err(LayersError::Mount { step: "move_mount", .. }) => {}
         other => panic!("expected a move_mount failure, got {other:?}"),
     }
-    match mount_overlay(
-        &OverlaySpec {
-            lower: &[],
-            upper: &upper,
-            work: &work,
-        },
-        &target,
-    ) {
+    match mount_overlay(&OverlaySpec { lower: &[], upper: &upper, work: &work }, &target) {
         Err(LayersError::Mount { .. }) => {}
         other => panic!("expected an error for no lowers, got {other:?}"),
     }
@@ -241,24 +194,15 @@ fn mount_errors_name_the_step() {
 fn new_writable_owns_upper_and_refuses_reuse() {
     require_root();
     let d = tempfile::tempdir().unwrap();
-    let idmap = IdMap {
-        host_base: 3_000_000,
-        size: 65_536,
-    };
+    let idmap = IdMap { host_base: 3_000_000, size: 65_536 };
     let (upper, work) = new_writable(&d.path().join("sb/rw"), &idmap).unwrap();
     let m = fs::metadata(&upper).unwrap();
-    assert_eq!(
-        (m.uid(), m.gid(), m.permissions().mode() & 0o7777),
-        (3_000_000, 3_000_000, 0o755)
-    );
+    assert_eq!((m.uid(), m.gid(), m.permissions().mode() & 0o7777), (3_000_000, 3_000_000, 0o755));
     assert!(work.is_dir());
     // Empty: may be called again.
     new_writable(&d.path().join("sb/rw"), &idmap).unwrap();
     fs::write(upper.join("f"), "x").unwrap();
-    assert!(matches!(
-        new_writable(&d.path().join("sb/rw"), &idmap),
-        Err(LayersError::NotEmpty { .. })
-    ));
+    assert!(matches!(new_writable(&d.path().join("sb/rw"), &idmap), Err(LayersError::NotEmpty { .. })));
 }
 
 #[test]

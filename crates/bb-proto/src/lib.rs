@@ -100,16 +100,27 @@ pub enum Request {
     Ping,
     Spawn(SpawnRequest),
     /// Answer with `Exited` once `pid` (a process spawned through init) has exited.
-    Wait { pid: i32 },
+    Wait {
+        pid: i32,
+    },
     /// Signal a process, or its whole process group when `group`.
-    Kill { pid: i32, signal: i32, group: bool },
+    Kill {
+        pid: i32,
+        signal: i32,
+        group: bool,
+    },
     /// Background processes, running and recently exited.
     List,
     /// Keep the attached fd (the daemon's end of a session channel) until process `pid` exits, so
     /// a restarted daemon can take the channel back with `Fetch`.
-    Stash { key: String, pid: i32 },
+    Stash {
+        key: String,
+        pid: i32,
+    },
     /// Answer `Ok` with a duplicate of the fd stashed under `key` attached.
-    Fetch { key: String },
+    Fetch {
+        key: String,
+    },
     /// Track `pid`, a live process of the sandbox that init did not spawn (a session copy made by
     /// fork), as a background process with this tag: it is listed, may own stashed fds, and its
     /// exit is noticed (through a pidfd; its exit status is unknown unless init reaps it itself).
@@ -129,12 +140,17 @@ pub enum Request {
     /// one open `cgroup.procs` file per cgroup hierarchy of the new sandbox, into which it is
     /// moved before it makes its namespaces.
     /// Answer: [`Response::Nested`] with a pidfd of the new init attached.
-    Nest { config: InitConfig },
+    Nest {
+        config: InitConfig,
+    },
     /// Make the sandbox reusable by another tenant (warm pool recycling). The daemon has killed
     /// every other process. Init forgets every process, stash and connection, moves to fresh
     /// network and IPC namespaces (no socket, SysV or POSIX IPC object survives), mounts a fresh
     /// /dev/shm of `shm_bytes`, and takes `hostname`.
-    Reset { hostname: String, shm_bytes: u64 },
+    Reset {
+        hostname: String,
+        shm_bytes: u64,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -166,14 +182,29 @@ impl ExitStatus {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Response {
-    Pong { pid: i32, procs: usize },
-    Started { pid: i32 },
-    Exited { pid: i32, status: ExitStatus },
-    Procs { procs: Vec<ProcEntry> },
+    Pong {
+        pid: i32,
+        procs: usize,
+    },
+    Started {
+        pid: i32,
+    },
+    Exited {
+        pid: i32,
+        status: ExitStatus,
+    },
+    Procs {
+        procs: Vec<ProcEntry>,
+    },
     Ok,
-    Error { errno: i32, message: String },
+    Error {
+        errno: i32,
+        message: String,
+    },
     /// The new init of a [`Request::Nest`]: its pid in this sandbox's pid namespace.
-    Nested { pid: i32 },
+    Nested {
+        pid: i32,
+    },
 }
 
 /// Send one JSON message with optional fds on a SEQPACKET socket.

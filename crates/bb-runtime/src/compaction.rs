@@ -12,13 +12,13 @@
 //! uses them ([`crate::layers`]).
 
 use crate::error::RuntimeError;
-use crate::sandbox::launch::layer_dir;
 use crate::layers::du;
+use crate::sandbox::launch::layer_dir;
 use crate::sandbox::Sandbox;
 use crate::Runtime;
-use std::path::PathBuf;
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -143,7 +143,9 @@ impl Runtime {
         let live: Vec<Arc<Sandbox>> = self.sandboxes.all();
         for other in live {
             let mut g = other.gen.lock();
-            let Some(gen) = g.as_mut().filter(|g| g.chain.len() >= old.len() && g.chain.starts_with(&old)) else { continue };
+            let Some(gen) = g.as_mut().filter(|g| g.chain.len() >= old.len() && g.chain.starts_with(&old)) else {
+                continue;
+            };
             let mut chain = new_prefix.clone();
             chain.extend_from_slice(&gen.chain[old.len()..]);
             gen.chain = chain;

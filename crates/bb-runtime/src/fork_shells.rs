@@ -15,15 +15,15 @@
 //! with their parent (its pid namespace) and are torn down when it is killed.
 
 use crate::error::{Result, RuntimeError};
-use crate::sandbox::launch::{self, layer_dir, new_upper, SandboxDirs};
 use crate::model::SandboxSpec;
+use crate::sandbox::launch::{self, layer_dir, new_upper, SandboxDirs};
+use crate::sandbox::rootswap;
 use crate::sandbox::Sandbox;
 use crate::snapshot::store::{Generation, SnapshotRow};
-use crate::sandbox::rootswap;
 use crate::Runtime;
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use parking_lot::Mutex;
 use std::sync::Arc;
 
 /// Most shells kept for one parent, and for all parents together.
@@ -109,7 +109,14 @@ impl Runtime {
     /// Turn a shell of `parent` into a child standing on `snap`: its root swapped onto the
     /// snapshot's layers plus a fresh writable layer, its limits set, recorded as a sandbox.
     /// Blocking. On failure the shell is torn down.
-    pub(crate) fn claim_shell(&self, shell: ForkShell, parent: &Sandbox, snap: &SnapshotRow, spec: &SandboxSpec, timeout: Option<f64>) -> Result<Arc<Sandbox>> {
+    pub(crate) fn claim_shell(
+        &self,
+        shell: ForkShell,
+        parent: &Sandbox,
+        snap: &SnapshotRow,
+        spec: &SandboxSpec,
+        timeout: Option<f64>,
+    ) -> Result<Arc<Sandbox>> {
         let ForkShell { id, launched, spare } = shell;
         let dirs = SandboxDirs::new(&self.cfg.state_dir, &id);
         let t0 = std::time::Instant::now();
@@ -120,17 +127,18 @@ impl Runtime {
             };
             let t_upper = t0.elapsed();
             let lower: Vec<PathBuf> = snap.layers.iter().rev().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
-            let mnt = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &dirs.rootfs_gen(1))
-                .map_err(RuntimeError::from);
+            let mnt = bb_layers::overlay_fd(
+                &bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work },
+                &dirs.rootfs_gen(1),
+            )
+            .map_err(RuntimeError::from);
             let t_mnt = t0.elapsed();
-            let swapped = mnt
-                .and_then(|mnt| rootswap::swap_root(launched.init_pid, mnt))
-                .and_then(|host_view| {
-                    tracing::debug!(?t_upper, ?t_mnt, swapped = ?t0.elapsed(), "claim");
-                    let target = dirs.rootfs_gen(1);
-                    std::fs::create_dir_all(&target).map_err(RuntimeError::io("create root mount point"))?;
-                    rootswap::attach_host_root(&target, host_view)
-                });
+            let swapped = mnt.and_then(|mnt| rootswap::swap_root(launched.init_pid, mnt)).and_then(|host_view| {
+                tracing::debug!(?t_upper, ?t_mnt, swapped = ?t0.elapsed(), "claim");
+                let target = dirs.rootfs_gen(1);
+                std::fs::create_dir_all(&target).map_err(RuntimeError::io("create root mount point"))?;
+                rootswap::attach_host_root(&target, host_view)
+            });
             if let Err(e) = swapped {
                 self.remove_layer_dir(&lid);
                 return Err(e);
@@ -153,7 +161,13 @@ impl Runtime {
             });
             launched.cgroup.set_limits(&launch::limits(spec))?;
             tracing::debug!(done = ?t0.elapsed(), "claim");
-            Ok(Generation { upper: lid, mounted: snap.layers.clone(), chain: snap.layers.clone(), base: Some(snap.id.clone()), n: 1 })
+            Ok(Generation {
+                upper: lid,
+                mounted: snap.layers.clone(),
+                chain: snap.layers.clone(),
+                base: Some(snap.id.clone()),
+                n: 1,
+            })
         })();
         match res {
             Ok(gen) => {
@@ -177,7 +191,8 @@ impl Runtime {
     /// Tear down shells taken out of the pool. Blocking.
     pub(crate) fn discard_nested_shells(&self, shells: Vec<ForkShell>) {
         for s in shells {
-            let _ = launch::teardown(&self.cfg, &self.cgroups, &s.id, Some((s.launched.init_pid, s.launched.init_start)));
+            let _ =
+                launch::teardown(&self.cfg, &self.cgroups, &s.id, Some((s.launched.init_pid, s.launched.init_start)));
             self.remove_layer_dir(&s.launched.upper);
             if let Some((lid, _, _)) = &s.spare {
                 self.remove_layer_dir(lid);
@@ -210,12 +225,15 @@ impl Runtime {
                     // Background work: leave the CPU to foreground requests.
                     let _nice = bb_sys::process::niced_thread(10);
                     let id = format!("sb-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
-                    let layers: Vec<PathBuf> = p.spec.layers.iter().map(|l| layer_dir(&rt2.cfg, &rt2.images, l)).collect();
-                    launch::launch_nested(&rt2.cfg, &rt2.cgroups, &id, &p.spec, &layers, &p.dirs.sock()).map(|launched| {
-                        // Without a spare, the claim makes the layer itself.
-                        let spare = new_upper(&rt2.cfg, &SandboxDirs::new(&rt2.cfg.state_dir, &id), 1).ok();
-                        ForkShell { id, launched, spare }
-                    })
+                    let layers: Vec<PathBuf> =
+                        p.spec.layers.iter().map(|l| layer_dir(&rt2.cfg, &rt2.images, l)).collect();
+                    launch::launch_nested(&rt2.cfg, &rt2.cgroups, &id, &p.spec, &layers, &p.dirs.sock()).map(
+                        |launched| {
+                            // Without a spare, the claim makes the layer itself.
+                            let spare = new_upper(&rt2.cfg, &SandboxDirs::new(&rt2.cfg.state_dir, &id), 1).ok();
+                            ForkShell { id, launched, spare }
+                        },
+                    )
                 })
                 .await
                 .map_err(RuntimeError::Worker)
@@ -261,7 +279,11 @@ mod tests {
 
     fn shell(root: &std::path::Path, id: &str) -> ForkShell {
         std::fs::create_dir_all(root.join("t").join(id)).unwrap();
-        let layout = bb_isolation::CgroupLayout::with_roots(bb_isolation::CgroupVersion::V2, vec![("unified".into(), root.into())], "t");
+        let layout = bb_isolation::CgroupLayout::with_roots(
+            bb_isolation::CgroupVersion::V2,
+            vec![("unified".into(), root.into())],
+            "t",
+        );
         ForkShell {
             id: id.into(),
             launched: launch::Launched {

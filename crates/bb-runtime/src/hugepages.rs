@@ -95,7 +95,10 @@ pub(crate) fn collapse_memory<G>(host_pid: i32, gate: impl FnMut() -> Option<G>)
     collapse_chunks(host_pid, gate)
 }
 
-pub(crate) fn collapse_chunks<G>(host_pid: i32, mut gate: impl FnMut() -> Option<G>) -> std::result::Result<usize, String> {
+pub(crate) fn collapse_chunks<G>(
+    host_pid: i32,
+    mut gate: impl FnMut() -> Option<G>,
+) -> std::result::Result<usize, String> {
     const HUGE: u64 = 2 << 20;
     let regions = bb_sys::process::anon_rw_regions(host_pid, HUGE).map_err(|e| e.to_string())?;
     let pidfd = bb_sys::process::pidfd_open(host_pid).map_err(|e| e.to_string())?;
@@ -113,7 +116,9 @@ pub(crate) fn collapse_chunks<G>(host_pid: i32, mut gate: impl FnMut() -> Option
                         done += n;
                         break;
                     }
-                    Err(e) if e.errno() == libc::EAGAIN && attempt < 3 => std::thread::sleep(std::time::Duration::from_millis(5)),
+                    Err(e) if e.errno() == libc::EAGAIN && attempt < 3 => {
+                        std::thread::sleep(std::time::Duration::from_millis(5))
+                    }
                     Err(e) if e.errno() == libc::ESRCH => return Ok(done),
                     Err(_) => break,
                 }
@@ -175,7 +180,10 @@ impl Runtime {
             // requests.
             let _nice = bb_sys::process::niced_thread(15);
             let key = format!("session:{}:{}:{}", sb.id, s.id, s.pid);
-            let Some(host) = sb.cgroup.pids().ok().and_then(|p| p.into_iter().find(|h| ns_pid(*h) == Some(s.pid))) else { return };
+            let Some(host) = sb.cgroup.pids().ok().and_then(|p| p.into_iter().find(|h| ns_pid(*h) == Some(s.pid)))
+            else {
+                return;
+            };
             let Some(small) = bb_sys::process::small_anon_bytes(host) else { return };
             {
                 let mut all = rt.hugepages.sessions.lock();
@@ -202,7 +210,9 @@ impl Runtime {
                 st.done(left, Instant::now());
             }
             match res {
-                Ok(bytes) => tracing::debug!(sandbox = %sb.id, session = %s.id, mib = bytes >> 20, small_mib_left = left >> 20, took = ?t0.elapsed(), "session collapsed into huge pages"),
+                Ok(bytes) => {
+                    tracing::debug!(sandbox = %sb.id, session = %s.id, mib = bytes >> 20, small_mib_left = left >> 20, took = ?t0.elapsed(), "session collapsed into huge pages")
+                }
                 Err(e) => tracing::debug!(sandbox = %sb.id, session = %s.id, "session not collapsed: {e}"),
             }
         });

@@ -36,18 +36,13 @@ pub(crate) fn layer_in_use(db: &Path, pins: &crate::pool::LayerPins, layer: &str
     }
     let in_rows = crate::sandbox::store::SandboxStore::open(db)
         .and_then(|s| s.all())
-        .map(|rows| {
-            rows.iter()
-                .any(|r| r.spec.layers.iter().any(|l| l == layer))
-        })
+        .map(|rows| rows.iter().any(|r| r.spec.layers.iter().any(|l| l == layer)))
         .unwrap_or(true);
     let in_snaps = crate::snapshot::store::SnapStore::open(db)
         .and_then(|s| Ok((s.all()?, s.generations()?)))
         .map(|(snaps, gens)| {
             snaps.iter().any(|s| s.layers.iter().any(|l| l == layer))
-                || gens
-                    .iter()
-                    .any(|(_, g)| g.chain.iter().chain(&g.mounted).any(|l| l == layer))
+                || gens.iter().any(|(_, g)| g.chain.iter().chain(&g.mounted).any(|l| l == layer))
         })
         .unwrap_or(true);
     in_rows || in_snaps
@@ -66,10 +61,8 @@ impl Runtime {
     /// Remove an image no sandbox uses. Its warm pool goes with it: the ready shells are torn
     /// down first (their roots stand on the image's layers) and its pool target is forgotten.
     pub fn remove_image(&self, name: &str) -> Result<()> {
-        let in_use: Vec<String> = self.sandboxes.all().iter()
-            .filter(|s| s.spec.image == name)
-            .map(|s| s.id.clone())
-            .collect();
+        let in_use: Vec<String> =
+            self.sandboxes.all().iter().filter(|s| s.spec.image == name).map(|s| s.id.clone()).collect();
         if !in_use.is_empty() {
             return Err(RuntimeError::Conflict(format!(
                 "image {name:?} is used by sandbox(es) {}: kill them first",
@@ -129,10 +122,7 @@ mod tests {
         let layer = format!("local:{}", "1".repeat(32));
         assert!(!layer_in_use(&db, &pins, &layer), "no sandbox, no shell");
         let pin = pins.pin(std::slice::from_ref(&layer));
-        assert!(
-            layer_in_use(&db, &pins, &layer),
-            "a shell being built or ready stands on it"
-        );
+        assert!(layer_in_use(&db, &pins, &layer), "a shell being built or ready stands on it");
         drop(pin);
         assert!(!layer_in_use(&db, &pins, &layer));
     }

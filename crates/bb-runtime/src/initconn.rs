@@ -43,13 +43,9 @@ pub struct InitConn {
 
 impl InitConn {
     pub async fn connect(sock: &Path) -> Result<InitConn> {
-        let fd = socket(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
-            None,
-        )
-        .map_err(InitError::Socket)?;
+        let fd =
+            socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK, None)
+                .map_err(InitError::Socket)?;
         let addr = UnixAddr::new(sock).map_err(InitError::Socket)?;
         let mut tries = 0;
         loop {
@@ -100,9 +96,14 @@ impl InitConn {
 
 /// Blocking one-shot exchange with an init (for callers on blocking threads): connect, send
 /// `req` with `fds`, read one answer and the fds attached to it, within `timeout`.
-pub fn call_blocking(sock: &Path, req: &Request, fds: &[RawFd], timeout: std::time::Duration) -> Result<(Response, Vec<OwnedFd>)> {
-    let fd = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None)
-        .map_err(InitError::Socket)?;
+pub fn call_blocking(
+    sock: &Path,
+    req: &Request,
+    fds: &[RawFd],
+    timeout: std::time::Duration,
+) -> Result<(Response, Vec<OwnedFd>)> {
+    let fd =
+        socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None).map_err(InitError::Socket)?;
     let addr = UnixAddr::new(sock).map_err(InitError::Socket)?;
     connect(fd.as_raw_fd(), &addr).map_err(|e| {
         RuntimeError::Unavailable(format!("cannot reach the sandbox's init ({e}): the sandbox has probably died"))

@@ -8,9 +8,9 @@
 //! collected at start, before anything is set up).
 
 use crate::error::Result;
-use std::os::unix::fs::MetadataExt;
 use crate::Runtime;
 use std::collections::HashSet;
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 /// Where a live sandbox's root stands: the frozen chain under it and its writable layer.
@@ -87,7 +87,9 @@ impl Runtime {
         used.extend(self.pooled_uppers());
         used.extend(self.compaction.layers_in_progress());
         let mut freed = 0;
-        let Ok(rd) = std::fs::read_dir(crate::sandbox::launch::snaplayers_dir(&self.cfg.state_dir)) else { return Ok(0) };
+        let Ok(rd) = std::fs::read_dir(crate::sandbox::launch::snaplayers_dir(&self.cfg.state_dir)) else {
+            return Ok(0);
+        };
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             if used.contains(&name) {

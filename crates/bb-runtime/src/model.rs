@@ -277,14 +277,7 @@ pub enum CommandEvent {
     Start { pid: i32 },
     Stdout { data: String },
     Stderr { data: String },
-    Exit {
-        pid: i32,
-        exit_code: Option<i32>,
-        signal: Option<i32>,
-        timed_out: bool,
-        oom_killed: bool,
-        duration: f64,
-    },
+    Exit { pid: i32, exit_code: Option<i32>, signal: Option<i32>, timed_out: bool, oom_killed: bool, duration: f64 },
     Error { error: ErrorBody },
 }
 

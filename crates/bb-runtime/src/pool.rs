@@ -40,15 +40,15 @@
 //! rebuilt from its configuration, which is persisted.
 
 use crate::error::{Result, RuntimeError};
-use crate::sandbox::launch::{self, layer_dir, new_upper, Launched, SandboxDirs};
-use crate::model::{PoolImageStats, PoolStats, SandboxSpec};
-use crate::sandbox::Sandbox;
 use crate::layers::Generation;
+use crate::model::{PoolImageStats, PoolStats, SandboxSpec};
+use crate::sandbox::launch::{self, layer_dir, new_upper, Launched, SandboxDirs};
 use crate::sandbox::rootswap;
+use crate::sandbox::Sandbox;
 use crate::Runtime;
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
-use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -257,7 +257,8 @@ impl PoolTargets {
     pub fn pool_targets(&self) -> crate::db::DbResult<Vec<(String, usize, usize)>> {
         let conn = self.0.lock();
         let mut stmt = conn.prepare("SELECT image, min, max FROM pool_targets ORDER BY image")?;
-        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? as usize, r.get::<_, i64>(2)? as usize)))?;
+        let rows =
+            stmt.query_map([], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? as usize, r.get::<_, i64>(2)? as usize)))?;
         Ok(rows.collect::<std::result::Result<_, _>>()?)
     }
 }
@@ -383,9 +384,13 @@ impl PoolState {
     /// out a failure, the first after the one refilled last (in name order, wrapping around),
     /// so every image gets its turn whatever the others do.
     fn next_to_refill(&mut self, now: Instant) -> Option<String> {
-        let due = |name: &String| self.wants(name, false) && !matches!(self.failing.get(name), Some(f) if f.retry_at > now);
+        let due =
+            |name: &String| self.wants(name, false) && !matches!(self.failing.get(name), Some(f) if f.retry_at > now);
         let after = self.last_refilled.as_ref().and_then(|last| {
-            self.targets.range::<String, _>((std::ops::Bound::Excluded(last), std::ops::Bound::Unbounded)).map(|(n, _)| n).find(|n| due(n))
+            self.targets
+                .range::<String, _>((std::ops::Bound::Excluded(last), std::ops::Bound::Unbounded))
+                .map(|(n, _)| n)
+                .find(|n| due(n))
         });
         let pick = after.or_else(|| self.targets.keys().find(|n| due(n))).cloned()?;
         self.last_refilled = Some(pick.clone());
@@ -524,7 +529,8 @@ impl Runtime {
         }
         let deadline = Instant::now() + wait;
         loop {
-            let busy = self.pool.state.lock().in_flight.values().sum::<usize>() + self.fork_shells.state.lock().refills();
+            let busy =
+                self.pool.state.lock().in_flight.values().sum::<usize>() + self.fork_shells.state.lock().refills();
             if busy == 0 {
                 break;
             }
@@ -549,7 +555,8 @@ impl Runtime {
 
     /// Writable layers of the shells waiting in both pools (layer GC must keep them).
     pub(crate) fn pooled_uppers(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.pool.state.lock().ready.values().flatten().map(|s| s.launched.upper.clone()).collect();
+        let mut v: Vec<String> =
+            self.pool.state.lock().ready.values().flatten().map(|s| s.launched.upper.clone()).collect();
         v.extend(self.fork_shells.state.lock().uppers());
         v
     }
@@ -630,7 +637,8 @@ impl Runtime {
             let mut stale = Vec::new();
             for (name, q) in pool.ready.iter_mut() {
                 let current = self.images.get(name).ok().map(|i| i.id);
-                let (keep, gone): (VecDeque<PoolShell>, VecDeque<PoolShell>) = q.drain(..).partition(|s| Some(&s.image_id) == current.as_ref());
+                let (keep, gone): (VecDeque<PoolShell>, VecDeque<PoolShell>) =
+                    q.drain(..).partition(|s| Some(&s.image_id) == current.as_ref());
                 *q = keep;
                 stale.extend(gone);
             }
@@ -714,7 +722,8 @@ impl Runtime {
 
     fn discard_shells(&self, shells: Vec<PoolShell>) {
         for s in shells {
-            let _ = launch::teardown(&self.cfg, &self.cgroups, &s.id, Some((s.launched.init_pid, s.launched.init_start)));
+            let _ =
+                launch::teardown(&self.cfg, &self.cgroups, &s.id, Some((s.launched.init_pid, s.launched.init_start)));
             self.remove_layer_dir(&s.launched.upper);
         }
     }
@@ -732,7 +741,13 @@ impl Runtime {
             self.discard_shells(vec![shell]);
             return Some(Err(e));
         }
-        let gen = Generation { upper: shell.launched.upper.clone(), mounted: spec.layers.clone(), chain: spec.layers.clone(), base: None, n: 0 };
+        let gen = Generation {
+            upper: shell.launched.upper.clone(),
+            mounted: spec.layers.clone(),
+            chain: spec.layers.clone(),
+            base: None,
+            n: 0,
+        };
         let PoolShell { id, launched, pin, .. } = shell;
         let registered = self.register(id, spec.clone(), launched, gen, None, timeout);
         drop(pin); // recorded now (or torn down): the in-use check sees its row
@@ -764,7 +779,12 @@ impl Runtime {
         // 2. Init: fresh net and IPC namespaces, /dev/shm, hostname; it forgets everything.
         let new_id = crate::sandbox::lifecycle::new_sandbox_id();
         let shm = (spec.memory_mb * 1024 * 1024 / 2).max(1 << 20);
-        match crate::initconn::call_blocking(&sb.dirs.sock(), &bb_proto::Request::Reset { hostname: new_id.clone(), shm_bytes: shm }, &[], Duration::from_secs(10))? {
+        match crate::initconn::call_blocking(
+            &sb.dirs.sock(),
+            &bb_proto::Request::Reset { hostname: new_id.clone(), shm_bytes: shm },
+            &[],
+            Duration::from_secs(10),
+        )? {
             (bb_proto::Response::Ok, _) => {}
             (bb_proto::Response::Error { message, .. }, _) => return Err(PoolError::ResetRefused(message).into()),
             (other, _) => return Err(crate::initconn::unexpected(other)),
@@ -792,19 +812,28 @@ impl Runtime {
         std::fs::create_dir_all(dirs.logs()).map_err(RuntimeError::io("logs dir"))?;
         let (lid, upper, work) = new_upper(&self.cfg, &dirs, 0)?;
         let lower: Vec<PathBuf> = image.layers.iter().rev().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
-        let swapped = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &dirs.rootfs())
-            .map_err(RuntimeError::from)
-            .and_then(|mnt| rootswap::swap_root(sb.init_pid, mnt))
-            .and_then(|view| {
-                std::fs::create_dir_all(dirs.rootfs()).map_err(RuntimeError::io("create root mount point"))?;
-                rootswap::attach_host_root(&dirs.rootfs(), view)
-            });
+        let swapped = bb_layers::overlay_fd(
+            &bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work },
+            &dirs.rootfs(),
+        )
+        .map_err(RuntimeError::from)
+        .and_then(|mnt| rootswap::swap_root(sb.init_pid, mnt))
+        .and_then(|view| {
+            std::fs::create_dir_all(dirs.rootfs()).map_err(RuntimeError::io("create root mount point"))?;
+            rootswap::attach_host_root(&dirs.rootfs(), view)
+        });
         if let Err(e) = swapped {
             self.remove_layer_dir(&lid);
             let _ = launch::teardown(&self.cfg, &self.cgroups, &new_id, Some((sb.init_pid, sb.init_start)));
             return Err(e);
         }
-        let launched = Launched { placement: ("recycled", 0.0), init_pid: sb.init_pid, init_start: sb.init_start, cgroup, upper: lid };
+        let launched = Launched {
+            placement: ("recycled", 0.0),
+            init_pid: sb.init_pid,
+            init_start: sb.init_start,
+            cgroup,
+            upper: lid,
+        };
         let shell = PoolShell { id: new_id, image_id: image.id, launched, pin };
         if slot.fill(shell) {
             self.pool.state.lock().recycled += 1;
@@ -825,18 +854,31 @@ mod tests {
         targets.set_pool_target("base", 2, 8).unwrap();
         targets.set_pool_target("py", 0, 4).unwrap();
         targets.set_pool_target("base", 3, 8).unwrap();
-        assert_eq!(PoolTargets::open(&db).unwrap().pool_targets().unwrap(), vec![("base".into(), 3, 8), ("py".into(), 0, 4)]);
+        assert_eq!(
+            PoolTargets::open(&db).unwrap().pool_targets().unwrap(),
+            vec![("base".into(), 3, 8), ("py".into(), 0, 4)]
+        );
         targets.set_pool_target("py", 0, 0).unwrap();
         assert_eq!(targets.pool_targets().unwrap().len(), 1);
     }
 
     fn shell(root: &std::path::Path, id: &str, image_id: &str) -> PoolShell {
         std::fs::create_dir_all(root.join("t").join(id)).unwrap();
-        let layout = bb_isolation::CgroupLayout::with_roots(bb_isolation::CgroupVersion::V2, vec![("unified".into(), root.into())], "t");
+        let layout = bb_isolation::CgroupLayout::with_roots(
+            bb_isolation::CgroupVersion::V2,
+            vec![("unified".into(), root.into())],
+            "t",
+        );
         PoolShell {
             id: id.into(),
             image_id: image_id.into(),
-            launched: Launched { placement: ("test", 0.0), init_pid: 1, init_start: 1, cgroup: bb_isolation::Cgroup::open(&layout, id).unwrap(), upper: format!("sl-{id}") },
+            launched: Launched {
+                placement: ("test", 0.0),
+                init_pid: 1,
+                init_start: 1,
+                cgroup: bb_isolation::Cgroup::open(&layout, id).unwrap(),
+                upper: format!("sl-{id}"),
+            },
             pin: LayerPins::default().pin(&[]),
         }
     }
@@ -873,7 +915,10 @@ mod tests {
         assert_eq!(order, ["aaa-broken", "base", "py", "aaa-broken"]);
         // A failing image waits out its pause; the others are served meanwhile.
         p.failed("aaa-broken", "refilling the pool of image \"aaa-broken\": gone".into(), t0);
-        assert_eq!((p.failures, p.last_error().as_deref()), (1, Some("refilling the pool of image \"aaa-broken\": gone")));
+        assert_eq!(
+            (p.failures, p.last_error().as_deref()),
+            (1, Some("refilling the pool of image \"aaa-broken\": gone"))
+        );
         let order: Vec<String> = (0..4).map(|_| p.next_to_refill(t0).unwrap()).collect();
         assert_eq!(order, ["base", "py", "base", "py"]);
         assert_eq!(p.next_retry(t0), Some(BACKOFF_FIRST));
@@ -1022,7 +1067,10 @@ mod tests {
         p.last_take = Some(now + REFILL_MAX_DEFER);
         assert!(p.quiet_wait("base", now + REFILL_MAX_DEFER).is_some());
         p.last_take = Some(now + 2 * REFILL_MAX_DEFER);
-        assert!(p.quiet_wait("base", now + 2 * REFILL_MAX_DEFER - Duration::from_millis(1)).is_some(), "a new claim: still waiting");
+        assert!(
+            p.quiet_wait("base", now + 2 * REFILL_MAX_DEFER - Duration::from_millis(1)).is_some(),
+            "a new claim: still waiting"
+        );
         assert_eq!(p.quiet_wait("base", now + 2 * REFILL_MAX_DEFER), None, "deferred long enough");
         // No ready shell left: creates would start cold, refill at once.
         assert!(p.take("base", "img").is_some() && p.take("base", "img").is_some());

@@ -79,7 +79,9 @@ impl RecipeStore {
     }
 
     pub fn all(&self) -> DbResult<Vec<RecipeRow>> {
-        let mut stmt = self.conn.prepare("SELECT name, sandbox_id, snapshot, image, shells, created_at FROM templates ORDER BY name")?;
+        let mut stmt = self
+            .conn
+            .prepare("SELECT name, sandbox_id, snapshot, image, shells, created_at FROM templates ORDER BY name")?;
         let rows = stmt.query_map([], |r| {
             Ok(RecipeRow {
                 name: r.get(0)?,
@@ -138,7 +140,8 @@ impl Runtime {
             created_at: t.created_at,
             shells: t.shells,
             ready_shells: self.fork_shells.state.lock().len_of(&t.sandbox_id),
-            alive: sb.as_ref().is_some_and(|s| !s.is_dead()) && snap.as_ref().is_some_and(|s| s.sessions.iter().all(|x| x.template)),
+            alive: sb.as_ref().is_some_and(|s| !s.is_dead())
+                && snap.as_ref().is_some_and(|s| s.sessions.iter().all(|x| x.template)),
             memory_bytes: sb.map(|s| s.info().memory_bytes).unwrap_or(0),
         }
     }
@@ -182,7 +185,9 @@ impl Runtime {
         }
         match self.delete_snapshot(&row.snapshot, false).await {
             Ok(()) | Err(RuntimeError::NotFound { .. }) => {}
-            Err(e) => tracing::warn!(template = %row.name, snapshot = %row.snapshot, "deleting the template's snapshot: {e}"),
+            Err(e) => {
+                tracing::warn!(template = %row.name, snapshot = %row.snapshot, "deleting the template's snapshot: {e}")
+            }
         }
     }
 
@@ -197,7 +202,10 @@ impl Runtime {
         }
         let shells = req.shells.unwrap_or(DEFAULT_SHELLS);
         if shells > crate::fork_shells::MAX_PER_PARENT {
-            return Err(RuntimeError::BadRequest(format!("shells must be at most {}", crate::fork_shells::MAX_PER_PARENT)));
+            return Err(RuntimeError::BadRequest(format!(
+                "shells must be at most {}",
+                crate::fork_shells::MAX_PER_PARENT
+            )));
         }
         crate::sandbox::exec::timeout_of(req.timeout)?;
         self.validate(self.recipe_sandbox(req))?;
@@ -238,7 +246,11 @@ impl Runtime {
         Ok(rx)
     }
 
-    async fn build_template_inner(self: &Arc<Self>, req: BuildTemplate, tx: &mpsc::Sender<TemplateEvent>) -> Result<TemplateInfo> {
+    async fn build_template_inner(
+        self: &Arc<Self>,
+        req: BuildTemplate,
+        tx: &mpsc::Sender<TemplateEvent>,
+    ) -> Result<TemplateInfo> {
         let shells = req.shells.unwrap_or(DEFAULT_SHELLS);
         let steps = req.run.len() as u64 + 3;
         let mut step = 0;
@@ -253,21 +265,46 @@ impl Runtime {
             for cmd in &req.run {
                 next(tx, "run", cmd.clone());
                 let timeout = req.timeout.unwrap_or(600.0);
-                let r = self.run_command(&sid, RunCommand { cmd: Some(cmd.clone()), timeout: Some(timeout), ..Default::default() }).await?;
+                let r = self
+                    .run_command(
+                        &sid,
+                        RunCommand { cmd: Some(cmd.clone()), timeout: Some(timeout), ..Default::default() },
+                    )
+                    .await?;
                 if r.exit_code != Some(0) {
-                    let tail: String = format!("{}{}", r.stdout, r.stderr).lines().rev().take(8).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
-                    let output = if tail.trim().is_empty() { " It printed nothing.".to_string() } else { format!(" Last output:\n{tail}") };
-                    return Err(RuntimeError::BadRequest(format!("recipe command {cmd:?} {}; fix the recipe.{output}", how_it_ended(&r, timeout))));
+                    let tail: String = format!("{}{}", r.stdout, r.stderr)
+                        .lines()
+                        .rev()
+                        .take(8)
+                        .collect::<Vec<_>>()
+                        .into_iter()
+                        .rev()
+                        .collect::<Vec<_>>()
+                        .join("\n");
+                    let output = if tail.trim().is_empty() {
+                        " It printed nothing.".to_string()
+                    } else {
+                        format!(" Last output:\n{tail}")
+                    };
+                    return Err(RuntimeError::BadRequest(format!(
+                        "recipe command {cmd:?} {}; fix the recipe.{output}",
+                        how_it_ended(&r, timeout)
+                    )));
                 }
             }
             next(tx, "code", "running the session code".into());
             let code = req.code.clone().unwrap_or_default();
-            let r = self.run_code(&sid, RunCode { code, timeout: Some(req.timeout.unwrap_or(600.0)), language: None }).await?;
+            let r = self
+                .run_code(&sid, RunCode { code, timeout: Some(req.timeout.unwrap_or(600.0)), language: None })
+                .await?;
             if let Some(err) = r.error {
-                return Err(RuntimeError::BadRequest(format!("the template's session code failed: {err}; fix the recipe")));
+                return Err(RuntimeError::BadRequest(format!(
+                    "the template's session code failed: {err}; fix the recipe"
+                )));
             }
             next(tx, "snapshot", "checkpointing the live session".into());
-            let snap = self.checkpoint(&sid, CheckpointRequest { label: Some(format!("template {}", req.name)) }).await?;
+            let snap =
+                self.checkpoint(&sid, CheckpointRequest { label: Some(format!("template {}", req.name)) }).await?;
             // Nothing but the frozen templates (and init) stays in the template's sandbox.
             let sb = self.get(&sid)?;
             self.session_templates.pin_sandbox(&sid);
@@ -277,12 +314,24 @@ impl Runtime {
             }
             *sb.default_session.lock().await = None;
             let sbc = sb.clone();
-            tokio::task::spawn_blocking(move || crate::sandbox::procs::kill_members(&sbc, |host| {
-                host == sbc.init_pid || bb_sys::process::ns_pids(host).and_then(|v| v.last().copied()).is_some_and(|p| keep.contains(&p))
-            }))
+            tokio::task::spawn_blocking(move || {
+                crate::sandbox::procs::kill_members(&sbc, |host| {
+                    host == sbc.init_pid
+                        || bb_sys::process::ns_pids(host)
+                            .and_then(|v| v.last().copied())
+                            .is_some_and(|p| keep.contains(&p))
+                })
+            })
             .await
             .map_err(RuntimeError::Worker)??;
-            Ok(RecipeRow { name: req.name.clone(), sandbox_id: sid.clone(), snapshot: snap.id, image: info.image.clone(), shells, created_at: now() })
+            Ok(RecipeRow {
+                name: req.name.clone(),
+                sandbox_id: sid.clone(),
+                snapshot: snap.id,
+                image: info.image.clone(),
+                shells,
+                created_at: now(),
+            })
         }
         .await;
         let row = match built {
@@ -299,10 +348,12 @@ impl Runtime {
         self.fork_shells.targets.lock().insert(sid.clone(), shells);
         // Sandboxes of a template are forks of its sessions: make those forks cheap.
         if let Ok(sb) = self.get(&sid) {
-            let keys: Vec<(String, i32)> = self.session_templates.sessions_of(&sid).into_iter().map(|s| (s.id.clone(), s.pid)).collect();
+            let keys: Vec<(String, i32)> =
+                self.session_templates.sessions_of(&sid).into_iter().map(|s| (s.id.clone(), s.pid)).collect();
             for (key, ns_pid) in keys {
                 if let Some(host) = sb.cgroup.pids().ok().and_then(|pids| {
-                    pids.into_iter().find(|h| bb_sys::process::ns_pids(*h).and_then(|v| v.last().copied()) == Some(ns_pid))
+                    pids.into_iter()
+                        .find(|h| bb_sys::process::ns_pids(*h).and_then(|v| v.last().copied()) == Some(ns_pid))
                 }) {
                     self.collapse_template(&key, host);
                 }
@@ -383,7 +434,14 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let db = d.path().join("b.db");
         let st = RecipeStore::open(&db).unwrap();
-        let row = RecipeRow { name: "t".into(), sandbox_id: "sb-1".into(), snapshot: "sn-1".into(), image: "base".into(), shells: 4, created_at: 1.0 };
+        let row = RecipeRow {
+            name: "t".into(),
+            sandbox_id: "sb-1".into(),
+            snapshot: "sn-1".into(),
+            image: "base".into(),
+            shells: 4,
+            created_at: 1.0,
+        };
         assert_eq!(st.put(&row).unwrap(), None);
         let newer = RecipeRow { sandbox_id: "sb-2".into(), ..row.clone() };
         assert_eq!(st.put(&newer).unwrap(), Some(row));

@@ -122,7 +122,8 @@ fn ping_blocking(sock: &Path) -> bool {
 /// sandbox's live templates (forked session copies kept for snapshots) by key.
 fn reattach_sessions(sb: &Sandbox) -> Vec<(String, session::Session)> {
     let mut templates = Vec::new();
-    let Some((bb_proto::Response::Procs { procs }, _)) = call_blocking(&sb.dirs.sock(), &bb_proto::Request::List) else {
+    let Some((bb_proto::Response::Procs { procs }, _)) = call_blocking(&sb.dirs.sock(), &bb_proto::Request::List)
+    else {
         return templates;
     };
     for p in procs.into_iter().filter(|p| p.exit.is_none()) {

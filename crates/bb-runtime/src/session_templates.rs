@@ -17,8 +17,8 @@ use crate::sandbox::procs::sandbox_proc;
 use crate::sandbox::Sandbox;
 use crate::session::{self, Session};
 use crate::Runtime;
-use std::collections::{BTreeSet, HashMap, HashSet};
 use parking_lot::Mutex;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -66,12 +66,22 @@ impl SessionTemplates {
     /// Add a template; returns the ones evicted to stay within the cap.
     pub fn insert(&self, key: String, sandbox_id: String, session: Arc<Session>) -> Vec<SessionTemplate> {
         let mut lru = self.0.lock();
-        let t = SessionTemplate { key: key.clone(), sandbox_id, session, last_used: Instant::now(), spare: SpareSlot::default() };
+        let t = SessionTemplate {
+            key: key.clone(),
+            sandbox_id,
+            session,
+            last_used: Instant::now(),
+            spare: SpareSlot::default(),
+        };
         lru.map.insert(key, t);
         let mut evicted = Vec::new();
         while lru.map.values().filter(|t| !lru.pinned.contains(&t.sandbox_id)).count() > lru.cap {
-            let Some(oldest) =
-                lru.map.values().filter(|t| !lru.pinned.contains(&t.sandbox_id)).min_by_key(|t| t.last_used).map(|t| t.key.clone())
+            let Some(oldest) = lru
+                .map
+                .values()
+                .filter(|t| !lru.pinned.contains(&t.sandbox_id))
+                .min_by_key(|t| t.last_used)
+                .map(|t| t.key.clone())
             else {
                 break;
             };
@@ -163,7 +173,8 @@ impl SessionTemplates {
     /// Forget every template of a sandbox (it is being torn down); returns their keys.
     pub fn remove_sandbox(&self, sandbox_id: &str) -> Vec<String> {
         let mut lru = self.0.lock();
-        let keys: Vec<String> = lru.map.values().filter(|t| t.sandbox_id == sandbox_id).map(|t| t.key.clone()).collect();
+        let keys: Vec<String> =
+            lru.map.values().filter(|t| t.sandbox_id == sandbox_id).map(|t| t.key.clone()).collect();
         for k in &keys {
             lru.map.remove(k);
         }
@@ -249,7 +260,8 @@ impl Runtime {
         let deadline = Instant::now() + std::time::Duration::from_millis(500);
         while Instant::now() < deadline {
             // A zombie let go of everything already.
-            dying.retain(|(sb, pid)| bb_sys::process::proc_dir_holds_resources(&sandbox_proc(sb).join(pid.to_string())));
+            dying
+                .retain(|(sb, pid)| bb_sys::process::proc_dir_holds_resources(&sandbox_proc(sb).join(pid.to_string())));
             if dying.is_empty() {
                 break;
             }

@@ -93,7 +93,11 @@ impl Settings {
     }
 
     pub fn get(&self, key: &str) -> DbResult<Option<String>> {
-        Ok(self.0.lock().query_row("SELECT value FROM settings WHERE key = ?1", params![key], |r| r.get(0)).optional()?)
+        Ok(self
+            .0
+            .lock()
+            .query_row("SELECT value FROM settings WHERE key = ?1", params![key], |r| r.get(0))
+            .optional()?)
     }
 
     pub fn set(&self, key: &str, value: &str) -> DbResult<()> {
@@ -113,13 +117,12 @@ pub fn check_idmap(state_dir: &Path, settings: &Settings, idmap: IdMap) -> Resul
     let want = format!("{}:{}", idmap.host_base, idmap.size);
     let recorded = match settings.get("idmap")? {
         Some(v) => {
-            let parsed = v.split_once(':').and_then(|(b, n)| {
-                Some(IdMap {
-                    host_base: b.parse().ok()?,
-                    size: n.parse().ok()?,
-                })
-            });
-            Some(parsed.ok_or_else(|| StateDirError::IdMapUnreadable { state_dir: state_dir.to_path_buf(), value: v.clone() })?)
+            let parsed =
+                v.split_once(':').and_then(|(b, n)| Some(IdMap { host_base: b.parse().ok()?, size: n.parse().ok()? }));
+            Some(parsed.ok_or_else(|| StateDirError::IdMapUnreadable {
+                state_dir: state_dir.to_path_buf(),
+                value: v.clone(),
+            })?)
         }
         None => None,
     };
@@ -187,22 +190,31 @@ pub fn load_setns_key(state_dir: &Path) -> Result<[u64; 2], StateDirError> {
             .read_exact(&mut buf)
             .map_err(|e| StateDirError::SetnsKey { path: path.clone(), problem: format!("unreadable ({e})") })?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            std::fs::File::open("/dev/urandom").and_then(|mut r| r.read_exact(&mut buf)).map_err(io_at(Path::new("/dev/urandom")))?;
+            std::fs::File::open("/dev/urandom")
+                .and_then(|mut r| r.read_exact(&mut buf))
+                .map_err(io_at(Path::new("/dev/urandom")))?;
             let tmp = state_dir.join("setns.key.tmp");
-            let mut f =
-                std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp).map_err(io_at(&tmp))?;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(io_at(&tmp))?;
             f.write_all(&buf).and_then(|()| f.sync_all()).map_err(io_at(&tmp))?;
             std::fs::rename(&tmp, &path).map_err(io_at(&path))?;
         }
         Err(e) => return Err(io_at(&path)(e)),
     }
-    let key = [u64::from_ne_bytes(buf[..8].try_into().expect("8 bytes")), u64::from_ne_bytes(buf[8..].try_into().expect("8 bytes"))];
+    let key = [
+        u64::from_ne_bytes(buf[..8].try_into().expect("8 bytes")),
+        u64::from_ne_bytes(buf[8..].try_into().expect("8 bytes")),
+    ];
     if key == [0, 0] {
         return Err(StateDirError::SetnsKey { path, problem: "all zeros".into() });
     }
     Ok(key)
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -238,16 +250,12 @@ mod tests {
         let default = IdMap::default();
         check_idmap(d.path(), &store, default).unwrap();
         check_idmap(d.path(), &store, default).unwrap();
-        let other = IdMap {
-            host_base: 3_000_000,
-            ..default
-        };
+        let other = IdMap { host_base: 3_000_000, ..default };
         let e = check_idmap(d.path(), &store, other).unwrap_err();
         assert!(matches!(e, RuntimeError::Conflict(_)), "{e:?}");
         let msg = e.to_string();
         assert!(
-            msg.contains("set up with --uid-base 1000000")
-                && msg.contains("start it with --uid-base 1000000"),
+            msg.contains("set up with --uid-base 1000000") && msg.contains("start it with --uid-base 1000000"),
             "{msg}"
         );
         assert!(msg.contains("started with --uid-base 3000000"), "{msg}");
@@ -258,38 +266,17 @@ mod tests {
     #[test]
     fn a_state_dir_from_before_the_record_is_judged_by_its_layers() {
         let d = tempfile::tempdir().unwrap();
-        let layer = d
-            .path()
-            .join("layers")
-            .join(format!("local:{}", "0".repeat(32)));
+        let layer = d.path().join("layers").join(format!("local:{}", "0".repeat(32)));
         std::fs::create_dir_all(&layer).unwrap();
         if nix::unistd::chown(&layer, Some(nix::unistd::Uid::from_raw(1_000_000)), None).is_err() {
             eprintln!("skipped: chown needs root");
             return;
         }
         let store = Settings::open(&d.path().join("branchbox.db")).unwrap();
-        let e = check_idmap(
-            d.path(),
-            &store,
-            IdMap {
-                host_base: 3_000_000,
-                ..IdMap::default()
-            },
-        )
-        .unwrap_err();
-        assert!(
-            e.to_string().contains("start it with --uid-base 1000000"),
-            "{e}"
-        );
-        assert_eq!(
-            store.get("idmap").unwrap(),
-            None,
-            "nothing recorded from a refused start"
-        );
+        let e = check_idmap(d.path(), &store, IdMap { host_base: 3_000_000, ..IdMap::default() }).unwrap_err();
+        assert!(e.to_string().contains("start it with --uid-base 1000000"), "{e}");
+        assert_eq!(store.get("idmap").unwrap(), None, "nothing recorded from a refused start");
         check_idmap(d.path(), &store, IdMap::default()).unwrap();
-        assert_eq!(
-            store.get("idmap").unwrap().as_deref(),
-            Some("1000000:65536")
-        );
+        assert_eq!(store.get("idmap").unwrap().as_deref(), Some("1000000:65536"));
     }
 }

@@ -181,14 +181,8 @@ pub fn fs_context_messages(fd: BorrowedFd<'_>) -> Vec<String> {
 /// `fsmount(fd, flags, attr_flags)`: turn a created context into a detached mount.
 pub fn fsmount(fd: BorrowedFd<'_>, flags: u32, attr_flags: u32) -> SysResult<OwnedFd> {
     // SAFETY: plain integer arguments; fd is borrowed for the call.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_fsmount,
-            fd.as_raw_fd(),
-            flags as libc::c_uint,
-            attr_flags as libc::c_uint,
-        )
-    };
+    let ret =
+        unsafe { libc::syscall(libc::SYS_fsmount, fd.as_raw_fd(), flags as libc::c_uint, attr_flags as libc::c_uint) };
     owned_fd("fsmount", ret)
 }
 
@@ -225,11 +219,7 @@ pub fn openat2(
     resolve: u64,
 ) -> SysResult<OwnedFd> {
     let path = cstring("openat2", path.as_ref().as_os_str())?;
-    let how = OpenHow {
-        flags: (flags | libc::O_CLOEXEC) as u32 as u64,
-        mode: mode as u64,
-        resolve,
-    };
+    let how = OpenHow { flags: (flags | libc::O_CLOEXEC) as u32 as u64, mode: mode as u64, resolve };
     // SAFETY: path is a valid NUL-terminated string and `how` a properly initialised open_how whose
     // size we pass; both outlive the call. dirfd is borrowed for the call.
     let ret = unsafe {
@@ -346,9 +336,7 @@ mod tests {
         fsconfig_set_flag(fs.as_fd(), "ro").unwrap();
         let e = fsconfig_set_string(fs.as_fd(), "no-such-option", "1").unwrap_err();
         assert_eq!(e.errno(), libc::EINVAL);
-        assert!(fs_context_messages(fs.as_fd())
-            .iter()
-            .any(|m| m.contains("no-such-option")));
+        assert!(fs_context_messages(fs.as_fd()).iter().any(|m| m.contains("no-such-option")));
         fsconfig_create(fs.as_fd()).unwrap();
         let mnt = fsmount(fs.as_fd(), FSMOUNT_CLOEXEC, MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC).unwrap();
         move_mount_to(mnt.as_fd(), &dir).unwrap();
@@ -357,14 +345,8 @@ mod tests {
         nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH).unwrap();
         std::fs::remove_dir(&dir).unwrap();
         assert_eq!(err.raw_os_error(), Some(libc::EROFS));
-        let line = info
-            .lines()
-            .find(|l| l.contains(dir.to_str().unwrap()))
-            .expect("mounted");
-        assert!(
-            line.contains("tmpfs") && line.contains("nodev") && line.contains("noexec"),
-            "{line}"
-        );
+        let line = info.lines().find(|l| l.contains(dir.to_str().unwrap())).expect("mounted");
+        assert!(line.contains("tmpfs") && line.contains("nodev") && line.contains("noexec"), "{line}");
     }
 
     fn is_root() -> bool {

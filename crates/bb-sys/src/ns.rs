@@ -60,9 +60,8 @@ pub fn move_mount(
     let to = cpath("move_mount", to_path)?;
     let fd = |d: Option<BorrowedFd<'_>>| d.map(|d| d.as_raw_fd()).unwrap_or(libc::AT_FDCWD);
     // SAFETY: both strings are valid NUL-terminated strings outliving the call; fds are borrowed.
-    let ret = unsafe {
-        libc::syscall(libc::SYS_move_mount, fd(from_dirfd), from.as_ptr(), fd(to_dirfd), to.as_ptr(), flags)
-    };
+    let ret =
+        unsafe { libc::syscall(libc::SYS_move_mount, fd(from_dirfd), from.as_ptr(), fd(to_dirfd), to.as_ptr(), flags) };
     check("move_mount", ret).map(drop)
 }
 

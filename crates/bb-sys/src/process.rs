@@ -91,11 +91,8 @@ pub fn dup_high(fd: RawFd, min: RawFd) -> SysResult<OwnedFd> {
 pub fn spawn_paused(spec: &NsSpawn<'_>) -> SysResult<PausedChild> {
     let (sync_r, sync_w) = cloexec_pipe()?;
     // Move every source fd above the highest target so dup2 in the child never clobbers a source.
-    let high: Vec<(OwnedFd, RawFd)> = spec
-        .fds
-        .iter()
-        .map(|&(src, dst)| dup_high(src, 256).map(|fd| (fd, dst)))
-        .collect::<SysResult<_>>()?;
+    let high: Vec<(OwnedFd, RawFd)> =
+        spec.fds.iter().map(|&(src, dst)| dup_high(src, 256).map(|fd| (fd, dst))).collect::<SysResult<_>>()?;
     let plan: Vec<(RawFd, RawFd)> = high.iter().map(|(fd, dst)| (fd.as_raw_fd(), *dst)).collect();
 
     let mut argv: Vec<*const libc::c_char> = spec.argv.iter().map(|a| a.as_ptr()).collect();
@@ -103,23 +100,13 @@ pub fn spawn_paused(spec: &NsSpawn<'_>) -> SysResult<PausedChild> {
     let mut envp: Vec<*const libc::c_char> = spec.envp.iter().map(|a| a.as_ptr()).collect();
     envp.push(std::ptr::null());
 
-    let mut args = CloneArgs {
-        flags: spec.namespaces,
-        exit_signal: libc::SIGCHLD as u64,
-        ..Default::default()
-    };
+    let mut args = CloneArgs { flags: spec.namespaces, exit_signal: libc::SIGCHLD as u64, ..Default::default() };
     if let Some(cg) = spec.cgroup_fd {
         args.flags |= CLONE_INTO_CGROUP;
         args.cgroup = cg as u64;
     }
     // SAFETY: args is a valid clone_args of the size we pass; without CLONE_VM this behaves like fork.
-    let pid = unsafe {
-        libc::syscall(
-            libc::SYS_clone3,
-            &mut args as *mut CloneArgs,
-            std::mem::size_of::<CloneArgs>(),
-        )
-    };
+    let pid = unsafe { libc::syscall(libc::SYS_clone3, &mut args as *mut CloneArgs, std::mem::size_of::<CloneArgs>()) };
     if pid < 0 {
         return Err(SysError::last("clone3"));
     }
@@ -284,7 +271,9 @@ pub fn signal_proc_dir(proc_dir: &std::path::Path, sig: i32) -> SysResult<()> {
         .open(proc_dir)
         .map_err(|source| SysError { call: "open(/proc/<pid>)", source })?;
     // SAFETY: pidfd_send_signal with a directory fd we hold for the call, no siginfo, no flags.
-    let ret = unsafe { libc::syscall(libc::SYS_pidfd_send_signal, dir.as_raw_fd(), sig, std::ptr::null::<libc::siginfo_t>(), 0) };
+    let ret = unsafe {
+        libc::syscall(libc::SYS_pidfd_send_signal, dir.as_raw_fd(), sig, std::ptr::null::<libc::siginfo_t>(), 0)
+    };
     check("pidfd_send_signal", ret).map(drop)
 }
 
@@ -334,11 +323,10 @@ pub fn reap_child(pid: i32, timeout: std::time::Duration) -> bool {
 pub fn pidfd_pid(pidfd: &OwnedFd) -> SysResult<i32> {
     let path = format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd());
     let text = std::fs::read_to_string(&path).map_err(|source| SysError { call: "read fdinfo", source })?;
-    let pid = text
-        .lines()
-        .find_map(|l| l.strip_prefix("Pid:"))
-        .and_then(|v| v.trim().parse::<i32>().ok())
-        .ok_or_else(|| SysError { call: "pidfd fdinfo", source: std::io::Error::from_raw_os_error(libc::EINVAL) })?;
+    let pid =
+        text.lines().find_map(|l| l.strip_prefix("Pid:")).and_then(|v| v.trim().parse::<i32>().ok()).ok_or_else(
+            || SysError { call: "pidfd fdinfo", source: std::io::Error::from_raw_os_error(libc::EINVAL) },
+        )?;
     if pid <= 0 {
         return Err(SysError { call: "pidfd fdinfo", source: std::io::Error::from_raw_os_error(libc::ESRCH) });
     }
@@ -360,10 +348,12 @@ pub const MADV_COLLAPSE: i32 = 25;
 /// `process_madvise(pidfd, ranges, advice)` on another process's memory. Returns the bytes
 /// advised (the kernel stops at the first failing range).
 pub fn process_madvise(pidfd: &OwnedFd, ranges: &[(u64, u64)], advice: i32) -> SysResult<usize> {
-    let iov: Vec<libc::iovec> = ranges.iter().map(|(a, l)| libc::iovec { iov_base: *a as *mut _, iov_len: *l as usize }).collect();
+    let iov: Vec<libc::iovec> =
+        ranges.iter().map(|(a, l)| libc::iovec { iov_base: *a as *mut _, iov_len: *l as usize }).collect();
     // SAFETY: iov is a valid array of iovecs for the duration of the call; the kernel reads the
     // ranges of the target process, not ours.
-    let ret = unsafe { libc::syscall(libc::SYS_process_madvise, pidfd.as_raw_fd(), iov.as_ptr(), iov.len(), advice, 0) };
+    let ret =
+        unsafe { libc::syscall(libc::SYS_process_madvise, pidfd.as_raw_fd(), iov.as_ptr(), iov.len(), advice, 0) };
     check("process_madvise", ret).map(|n| n as usize)
 }
 
@@ -374,7 +364,9 @@ pub fn anon_rw_regions(pid: i32, min: u64) -> std::io::Result<Vec<(u64, u64)>> {
     let mut out = Vec::new();
     for line in maps.lines() {
         let mut f = line.split_whitespace();
-        let (Some(range), Some(perms), Some(_), Some(_), Some(inode)) = (f.next(), f.next(), f.next(), f.next(), f.next()) else {
+        let (Some(range), Some(perms), Some(_), Some(_), Some(inode)) =
+            (f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
             continue;
         };
         let name = f.next().unwrap_or("");
@@ -636,7 +628,8 @@ fn parse_shared_writable_maps(text: &str) -> Vec<(u64, std::path::PathBuf)> {
     let mut out = Vec::new();
     for line in text.lines() {
         let mut f = line.splitn(6, ' ');
-        let (Some(_), Some(perms), Some(_), Some(_), Some(ino)) = (f.next(), f.next(), f.next(), f.next(), f.next()) else {
+        let (Some(_), Some(perms), Some(_), Some(_), Some(ino)) = (f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
             continue;
         };
         let pb = perms.as_bytes();
@@ -685,7 +678,16 @@ mod maps_tests {
         let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
         f.set_len(4096).unwrap();
         // SAFETY: a fresh shared mapping of a file we own, unmapped below; nothing else uses it.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, f.as_raw_fd(), 0) };
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
         assert_ne!(p, libc::MAP_FAILED);
         let maps = std::fs::File::open("/proc/self/maps").unwrap();
         let got = shared_writable_file_maps(&maps).unwrap();

@@ -179,7 +179,11 @@ mod imp {
             let mut t = Tracee { pid, saved, syscall_ip: 0, attached: true, pending_signal: 0, exact: true };
             t.note_stop(status);
             let ip = t.saved.rip.wrapping_sub(2);
-            t.syscall_ip = if (t.saved.orig_rax as i64) >= 0 && t.peek_u16(ip).ok() == Some(0x050f) { ip } else { t.vdso_syscall()? };
+            t.syscall_ip = if (t.saved.orig_rax as i64) >= 0 && t.peek_u16(ip).ok() == Some(0x050f) {
+                ip
+            } else {
+                t.vdso_syscall()?
+            };
             Ok(t)
         }
     }
@@ -267,7 +271,14 @@ mod imp {
                 | libc::PTRACE_O_TRACEVFORK
                 | libc::PTRACE_O_EXITKILL;
             ptrace(libc::PTRACE_SEIZE, pid, 0, opts as u64)?;
-            let mut t = Tracee { pid, saved: unsafe_zeroed_regs(), syscall_ip: 0, attached: true, pending_signal: 0, exact: false };
+            let mut t = Tracee {
+                pid,
+                saved: unsafe_zeroed_regs(),
+                syscall_ip: 0,
+                attached: true,
+                pending_signal: 0,
+                exact: false,
+            };
             ptrace(libc::PTRACE_INTERRUPT, pid, 0, 0)?;
             t.wait_quiet()?;
             let regs = get_regs(pid)?;
@@ -291,7 +302,14 @@ mod imp {
         /// A child made by an injected clone/fork (traced automatically): wait for its first
         /// stop. It resumes, like us, into the interrupted syscall.
         pub fn child(&self, pid: i32) -> SysResult<Tracee> {
-            let mut t = Tracee { pid, saved: self.saved, syscall_ip: self.syscall_ip, attached: true, pending_signal: 0, exact: self.exact };
+            let mut t = Tracee {
+                pid,
+                saved: self.saved,
+                syscall_ip: self.syscall_ip,
+                attached: true,
+                pending_signal: 0,
+                exact: self.exact,
+            };
             t.wait_quiet()?;
             Ok(t)
         }
@@ -410,9 +428,15 @@ mod imp {
             let mut ctl = vec![0u8; cmsg_space];
             self.read_mem(control, &mut ctl)?;
             let len = u64::from_ne_bytes(ctl[..8].try_into().expect("8 bytes")) as usize;
-            let (level, kind) = (i32::from_ne_bytes(ctl[8..12].try_into().expect("4")), i32::from_ne_bytes(ctl[12..16].try_into().expect("4")));
+            let (level, kind) = (
+                i32::from_ne_bytes(ctl[8..12].try_into().expect("4")),
+                i32::from_ne_bytes(ctl[12..16].try_into().expect("4")),
+            );
             if len < CMSG_HDR || len > cmsg_space || level != libc::SOL_SOCKET || kind != libc::SCM_RIGHTS {
-                return Err(SysError { call: "recvmsg (no fds arrived)", source: io::Error::from_raw_os_error(libc::EPROTO) });
+                return Err(SysError {
+                    call: "recvmsg (no fds arrived)",
+                    source: io::Error::from_raw_os_error(libc::EPROTO),
+                });
             }
             Ok(ctl[CMSG_HDR..len].chunks_exact(4).map(|c| i32::from_ne_bytes(c.try_into().expect("4"))).collect())
         }
@@ -481,7 +505,7 @@ mod imp {
                         out.children.push(msg as i32);
                     }
                     0 if libc::WSTOPSIG(status) == libc::SIGTRAP => break, // the runner's int3
-                    0 => sig = libc::WSTOPSIG(status) as u64,             // deliver other signals
+                    0 => sig = libc::WSTOPSIG(status) as u64,              // deliver other signals
                     _ => {}
                 }
             }
@@ -514,14 +538,16 @@ mod imp {
 
         /// Address of a `syscall` instruction in the tracee's vDSO.
         fn vdso_syscall(&self) -> SysResult<u64> {
-            let maps = std::fs::read_to_string(format!("/proc/{}/maps", self.pid)).map_err(|source| SysError { call: "read maps", source })?;
+            let maps = std::fs::read_to_string(format!("/proc/{}/maps", self.pid))
+                .map_err(|source| SysError { call: "read maps", source })?;
             let range = maps
                 .lines()
                 .find(|l| l.ends_with("[vdso]"))
                 .and_then(|l| l.split_whitespace().next())
                 .and_then(|r| r.split_once('-'))
                 .and_then(|(a, b)| Some((u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?)));
-            let no = || SysError { call: "find a syscall instruction", source: io::Error::from_raw_os_error(libc::ENOEXEC) };
+            let no =
+                || SysError { call: "find a syscall instruction", source: io::Error::from_raw_os_error(libc::ENOEXEC) };
             let (a, b) = range.ok_or_else(no)?;
             let mut code = vec![0u8; (b - a) as usize];
             self.read_mem(a, &mut code)?;
@@ -666,11 +692,17 @@ mod imp {
             assert_eq!(forked.ret, cpid as i64);
             let mut c = t.child(cpid).unwrap();
             let sv = c.scratch(8);
-            let r = c.syscall(libc::SYS_socketpair, [libc::AF_UNIX as u64, (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64, 0, sv, 0, 0]).unwrap();
+            let r = c
+                .syscall(
+                    libc::SYS_socketpair,
+                    [libc::AF_UNIX as u64, (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64, 0, sv, 0, 0],
+                )
+                .unwrap();
             assert_eq!(r.ret, 0);
             let mut fds = [0u8; 8];
             c.read_mem(sv, &mut fds).unwrap();
-            let (a, b) = (i32::from_ne_bytes(fds[..4].try_into().unwrap()), i32::from_ne_bytes(fds[4..].try_into().unwrap()));
+            let (a, b) =
+                (i32::from_ne_bytes(fds[..4].try_into().unwrap()), i32::from_ne_bytes(fds[4..].try_into().unwrap()));
             // The copy reads fd `old` (its copy of the channel): put its new channel there.
             assert_eq!(c.syscall(libc::SYS_dup3, [a as u64, old as u64, 0, 0, 0, 0]).unwrap().ret, old as i64);
             let pidfd = crate::process::pidfd_open(cpid).unwrap();
@@ -685,7 +717,10 @@ mod imp {
             nix::sys::socket::sendmsg::<()>(
                 std::os::fd::AsRawFd::as_raw_fd(&theirs_end),
                 &[std::io::IoSlice::new(b"x")],
-                &[nix::sys::socket::ControlMessage::ScmRights(&[std::os::fd::AsRawFd::as_raw_fd(&p_r), std::os::fd::AsRawFd::as_raw_fd(&p_w)])],
+                &[nix::sys::socket::ControlMessage::ScmRights(&[
+                    std::os::fd::AsRawFd::as_raw_fd(&p_r),
+                    std::os::fd::AsRawFd::as_raw_fd(&p_w),
+                ])],
                 nix::sys::socket::MsgFlags::empty(),
                 None,
             )
@@ -735,7 +770,12 @@ mod imp {
             assert_eq!(b.results, vec![pid as i64, unsafe { libc::getpid() } as i64]);
             assert!(b.children.is_empty() && !b.exited);
             // An error stops the batch: the third call does not run.
-            let b = t.run_batch(runner, &[(libc::SYS_getpid, [0; 6]), (libc::SYS_close, [9999, 0, 0, 0, 0, 0]), (libc::SYS_getpid, [0; 6])]).unwrap();
+            let b = t
+                .run_batch(
+                    runner,
+                    &[(libc::SYS_getpid, [0; 6]), (libc::SYS_close, [9999, 0, 0, 0, 0, 0]), (libc::SYS_getpid, [0; 6])],
+                )
+                .unwrap();
             assert_eq!(b.results, vec![pid as i64, -(libc::EBADF as i64)]);
             // A clone sharing memory, then a batch in the clone that forks and exits.
             let c = t.syscall(libc::SYS_clone, [(libc::CLONE_VM | libc::SIGCHLD) as u64, 0, 0, 0, 0, 0]).unwrap();

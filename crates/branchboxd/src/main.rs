@@ -73,15 +73,9 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("BRANCHBOX_LOG").unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("BRANCHBOX_LOG").unwrap_or_else(|_| "info".into()))
         .init();
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("branchboxd")
-        .build()?
-        .block_on(run(args))
+    tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("branchboxd").build()?.block_on(run(args))
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
@@ -140,11 +134,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if args.socket.exists() {
         if std::os::unix::net::UnixStream::connect(&args.socket).is_ok() {
-            bail!("another daemon is already serving on {}: stop it first (`branchbox daemon stop`)", args.socket.display());
+            bail!(
+                "another daemon is already serving on {}: stop it first (`branchbox daemon stop`)",
+                args.socket.display()
+            );
         }
         std::fs::remove_file(&args.socket)?;
     }
-    let unix = tokio::net::UnixListener::bind(&args.socket).with_context(|| format!("binding {}", args.socket.display()))?;
+    let unix =
+        tokio::net::UnixListener::bind(&args.socket).with_context(|| format!("binding {}", args.socket.display()))?;
     {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&args.socket, std::fs::Permissions::from_mode(0o660))?;

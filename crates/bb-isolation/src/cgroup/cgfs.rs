@@ -20,21 +20,13 @@ pub(crate) fn write(path: &Path, value: &str) -> Result<()> {
     let result = file.and_then(|mut f| {
         let n = f.write(value.as_bytes())?;
         if n != value.len() {
-            return Err(io::Error::new(
-                io::ErrorKind::WriteZero,
-                format!("short write: {n} of {} bytes", value.len()),
-            ));
+            return Err(io::Error::new(io::ErrorKind::WriteZero, format!("short write: {n} of {} bytes", value.len())));
         }
         Ok(())
     });
     result.map_err(|source| {
         let hint = write_hint(path, &source);
-        IsolationError::Write {
-            path: path.to_owned(),
-            value: value.to_owned(),
-            source,
-            hint,
-        }
+        IsolationError::Write { path: path.to_owned(), value: value.to_owned(), source, hint }
     })
 }
 
@@ -70,28 +62,17 @@ pub(crate) fn parse_pids(path: &Path, text: &str) -> Result<Vec<i32>> {
     text.lines()
         .map(str::trim)
         .filter(|l| !l.is_empty())
-        .map(|l| {
-            l.parse::<i32>()
-                .map_err(|_| parse_err(path, format!("bad pid line {l:?}")))
-        })
+        .map(|l| l.parse::<i32>().map_err(|_| parse_err(path, format!("bad pid line {l:?}"))))
         .collect()
 }
 
 pub(crate) fn fs_err(op: &'static str, path: &Path, source: io::Error) -> IsolationError {
     let hint = fs_hint(&source);
-    IsolationError::Fs {
-        op,
-        path: path.to_owned(),
-        source,
-        hint,
-    }
+    IsolationError::Fs { op, path: path.to_owned(), source, hint }
 }
 
 pub(crate) fn parse_err(path: &Path, detail: String) -> IsolationError {
-    IsolationError::Parse {
-        path: PathBuf::from(path),
-        detail,
-    }
+    IsolationError::Parse { path: PathBuf::from(path), detail }
 }
 
 #[cfg(test)]
@@ -123,10 +104,7 @@ mod tests {
         assert_eq!(parse_pids(p, "12\n345\n").unwrap(), vec![12, 345]);
         assert_eq!(parse_pids(p, "").unwrap(), Vec::<i32>::new());
         let err = parse_pids(p, "12\nabc\n").unwrap_err().to_string();
-        assert!(
-            err.contains("/x/cgroup.procs") && err.contains("abc"),
-            "{err}"
-        );
+        assert!(err.contains("/x/cgroup.procs") && err.contains("abc"), "{err}");
     }
 
     #[test]

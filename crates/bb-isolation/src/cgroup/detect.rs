@@ -44,14 +44,8 @@ fn unescape(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        let octal = b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c));
-        let value = octal.then(|| {
-            b[i + 1..i + 4]
-                .iter()
-                .fold(0u32, |acc, c| acc * 8 + u32::from(c - b'0'))
-        });
+        let octal = b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c));
+        let value = octal.then(|| b[i + 1..i + 4].iter().fold(0u32, |acc, c| acc * 8 + u32::from(c - b'0')));
         if let Some(v) = value.and_then(|v| u8::try_from(v).ok()) {
             out.push(v);
             i += 4;
@@ -65,15 +59,8 @@ fn unescape(s: &str) -> String {
 
 /// Pick the layout: v2 if a cgroup2 mount offers memory, cpu and pids in its cgroup.controllers,
 /// else v1 with the memory, cpu, pids and freezer hierarchies.
-pub(crate) fn layout_from_mountinfo(
-    text: &str,
-    source: &Path,
-    parent: &str,
-) -> Result<CgroupLayout> {
-    let mounts = parse_mountinfo(text).map_err(|detail| IsolationError::Parse {
-        path: source.to_owned(),
-        detail,
-    })?;
+pub(crate) fn layout_from_mountinfo(text: &str, source: &Path, parent: &str) -> Result<CgroupLayout> {
+    let mounts = parse_mountinfo(text).map_err(|detail| IsolationError::Parse { path: source.to_owned(), detail })?;
 
     let mut v2_notes = Vec::new();
     for m in mounts.iter().filter(|m| m.fs_type == "cgroup2") {
@@ -88,11 +75,7 @@ pub(crate) fn layout_from_mountinfo(
                         parent,
                     ));
                 }
-                v2_notes.push(format!(
-                    "cgroup2 at {} offers only [{}]",
-                    m.mount_point.display(),
-                    have.join(" ")
-                ));
+                v2_notes.push(format!("cgroup2 at {} offers only [{}]", m.mount_point.display(), have.join(" ")));
             }
             Err(e) => v2_notes.push(format!("cannot read {}: {e}", file.display())),
         }
@@ -104,9 +87,7 @@ pub(crate) fn layout_from_mountinfo(
     let mut roots = Vec::new();
     let mut missing = Vec::new();
     for controller in V1_CONTROLLERS {
-        let found = mounts
-            .iter()
-            .find(|m| m.fs_type == "cgroup" && m.super_options.iter().any(|o| o == controller));
+        let found = mounts.iter().find(|m| m.fs_type == "cgroup" && m.super_options.iter().any(|o| o == controller));
         match found {
             Some(m) => roots.push((controller.to_owned(), m.mount_point.clone())),
             None => missing.push(controller),
@@ -146,7 +127,8 @@ mod tests {
 
     #[test]
     fn parses_fields_optional_tags_and_escapes() {
-        let text = "36 35 98:0 /mnt1 /mnt/with\\040space rw,noatime master:1 shared:2 - ext3 /dev/root rw,errors=continue\n";
+        let text =
+            "36 35 98:0 /mnt1 /mnt/with\\040space rw,noatime master:1 shared:2 - ext3 /dev/root rw,errors=continue\n";
         let m = parse_mountinfo(text).unwrap();
         assert_eq!(m.len(), 1);
         assert_eq!(m[0].mount_point, PathBuf::from("/mnt/with space"));
@@ -161,11 +143,7 @@ mod tests {
         // host has no such mount), so the cgroup2 line cannot qualify.
         let layout = layout_from_mountinfo(THIS_MACHINE, Path::new("mountinfo"), "bb").unwrap();
         assert_eq!(layout.version(), CgroupVersion::V1);
-        let roots: Vec<(&str, &str)> = layout
-            .roots()
-            .iter()
-            .map(|(c, p)| (c.as_str(), p.to_str().unwrap()))
-            .collect();
+        let roots: Vec<(&str, &str)> = layout.roots().iter().map(|(c, p)| (c.as_str(), p.to_str().unwrap())).collect();
         assert_eq!(
             roots,
             vec![
@@ -188,53 +166,32 @@ mod tests {
         let layout = layout_from_mountinfo(text, Path::new("m"), "bb").unwrap();
         assert_eq!(layout.version(), CgroupVersion::V1);
         assert_eq!(layout.hierarchies().len(), 4);
-        assert!(layout
-            .roots()
-            .contains(&("cpu".to_owned(), PathBuf::from("/cg/cpu,cpuacct"))));
+        assert!(layout.roots().contains(&("cpu".to_owned(), PathBuf::from("/cg/cpu,cpuacct"))));
     }
 
     #[test]
     fn v2_when_unified_offers_controllers() {
         let dir = tempfile::tempdir().unwrap();
-        fs::write(
-            dir.path().join("cgroup.controllers"),
-            "cpuset cpu io memory hugetlb pids rdma\n",
-        )
-        .unwrap();
-        let text = format!(
-            "{THIS_MACHINE}50 31 0:40 / {} rw - cgroup2 cgroup2 rw,nsdelegate\n",
-            dir.path().display()
-        );
+        fs::write(dir.path().join("cgroup.controllers"), "cpuset cpu io memory hugetlb pids rdma\n").unwrap();
+        let text = format!("{THIS_MACHINE}50 31 0:40 / {} rw - cgroup2 cgroup2 rw,nsdelegate\n", dir.path().display());
         let layout = layout_from_mountinfo(&text, Path::new("m"), "bb").unwrap();
         assert_eq!(layout.version(), CgroupVersion::V2);
-        assert_eq!(
-            layout.roots(),
-            &[("unified".to_owned(), dir.path().to_owned())]
-        );
+        assert_eq!(layout.roots(), &[("unified".to_owned(), dir.path().to_owned())]);
     }
 
     #[test]
     fn v2_without_pids_falls_back_to_v1() {
         let dir = tempfile::tempdir().unwrap();
         fs::write(dir.path().join("cgroup.controllers"), "cpu memory\n").unwrap();
-        let text = format!(
-            "{THIS_MACHINE}50 31 0:40 / {} rw - cgroup2 cgroup2 rw\n",
-            dir.path().display()
-        );
+        let text = format!("{THIS_MACHINE}50 31 0:40 / {} rw - cgroup2 cgroup2 rw\n", dir.path().display());
         let layout = layout_from_mountinfo(&text, Path::new("m"), "bb").unwrap();
         assert_eq!(layout.version(), CgroupVersion::V1);
     }
 
     #[test]
     fn missing_v1_freezer_is_an_actionable_error() {
-        let text: String = THIS_MACHINE
-            .lines()
-            .filter(|l| !l.contains("freezer"))
-            .map(|l| format!("{l}\n"))
-            .collect();
-        let err = layout_from_mountinfo(&text, Path::new("m"), "bb")
-            .unwrap_err()
-            .to_string();
+        let text: String = THIS_MACHINE.lines().filter(|l| !l.contains("freezer")).map(|l| format!("{l}\n")).collect();
+        let err = layout_from_mountinfo(&text, Path::new("m"), "bb").unwrap_err().to_string();
         assert!(err.contains("[freezer]"), "{err}");
         assert!(err.contains("mount -t cgroup -o freezer"), "{err}");
         assert!(err.contains("/sys/fs/cgroup/unified"), "{err}");

@@ -11,10 +11,7 @@ const V1_FILES: &[(&str, &str)] = &[
     ("cgroup.procs", ""),
     ("memory.limit_in_bytes", "9223372036854771712\n"),
     ("memory.memsw.limit_in_bytes", "9223372036854771712\n"),
-    (
-        "memory.oom_control",
-        "oom_kill_disable 0\nunder_oom 0\noom_kill 0\n",
-    ),
+    ("memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 0\n"),
     ("memory.usage_in_bytes", "0\n"),
     ("memory.max_usage_in_bytes", "0\n"),
     ("memory.failcnt", "0\n"),
@@ -38,10 +35,7 @@ const V2_FILES: &[(&str, &str)] = &[
     ("memory.swap.max", "max\n"),
     ("memory.current", "0\n"),
     ("memory.peak", "0\n"),
-    (
-        "memory.events",
-        "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\noom_group_kill 0\n",
-    ),
+    ("memory.events", "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\noom_group_kill 0\n"),
     ("cpu.max", "max 100000\n"),
     ("pids.max", "max\n"),
     ("pids.current", "0\n"),

@@ -130,11 +130,7 @@ impl CgroupLayout {
     /// `(controller, mount point)` pair per controller (memory, cpu, pids, freezer); for v2 one
     /// `("unified", mount point)` pair. Every distinct path is a hierarchy in which groups are
     /// created. Names are validated when the layout is used.
-    pub fn with_roots(
-        version: CgroupVersion,
-        roots: Vec<(String, PathBuf)>,
-        parent: &str,
-    ) -> CgroupLayout {
+    pub fn with_roots(version: CgroupVersion, roots: Vec<(String, PathBuf)>, parent: &str) -> CgroupLayout {
         CgroupLayout {
             version,
             roots,
@@ -172,10 +168,7 @@ impl CgroupLayout {
             };
             for entry in entries {
                 let entry = entry.map_err(|e| cgfs::fs_err("list", &dir, e))?;
-                let is_dir = entry
-                    .file_type()
-                    .map_err(|e| cgfs::fs_err("stat", &entry.path(), e))?
-                    .is_dir();
+                let is_dir = entry.file_type().map_err(|e| cgfs::fs_err("stat", &entry.path(), e))?.is_dir();
                 if is_dir {
                     names.insert(entry.file_name().to_string_lossy().into_owned());
                 }
@@ -234,9 +227,7 @@ impl CgroupLayout {
             CgroupVersion::V2 => self.roots.first(),
             CgroupVersion::V1 => self.roots.iter().find(|(c, _)| c == controller),
         };
-        found
-            .map(|(_, p)| p.as_path())
-            .ok_or(IsolationError::MissingController { controller, op })
+        found.map(|(_, p)| p.as_path()).ok_or(IsolationError::MissingController { controller, op })
     }
 
     /// Create the parent in every hierarchy; on v2 make memory, cpu and pids available to it and
@@ -301,15 +292,9 @@ impl CgroupLayout {
 fn enable_v2_controllers(dir: &Path) -> Result<()> {
     let file = dir.join("cgroup.subtree_control");
     let current = cgfs::read(&file)?;
-    let enabled: Vec<&str> = current
-        .split_whitespace()
-        .map(|t| t.trim_start_matches('+'))
-        .collect();
-    let missing: Vec<String> = V2_CONTROLLERS
-        .iter()
-        .filter(|c| !enabled.contains(c))
-        .map(|c| format!("+{c}"))
-        .collect();
+    let enabled: Vec<&str> = current.split_whitespace().map(|t| t.trim_start_matches('+')).collect();
+    let missing: Vec<String> =
+        V2_CONTROLLERS.iter().filter(|c| !enabled.contains(c)).map(|c| format!("+{c}")).collect();
     if missing.is_empty() {
         return Ok(());
     }
@@ -324,19 +309,13 @@ pub(crate) fn validate_name(name: &str) -> Result<()> {
         Some("longer than 200 bytes")
     } else if name.starts_with('.') {
         Some("starts with '.'")
-    } else if !name
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b"_.@:-".contains(&b))
-    {
+    } else if !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.@:-".contains(&b)) {
         Some("contains a character other than [A-Za-z0-9_.@:-]")
     } else {
         None
     };
     match reason {
-        Some(reason) => Err(IsolationError::InvalidName {
-            name: name.to_owned(),
-            reason,
-        }),
+        Some(reason) => Err(IsolationError::InvalidName { name: name.to_owned(), reason }),
         None => Ok(()),
     }
 }
@@ -374,10 +353,7 @@ impl Cgroup {
         validate_name(name)?;
         limits.validate()?;
         layout.ensure_parent()?;
-        let cg = Cgroup {
-            name: name.to_owned(),
-            layout: layout.clone(),
-        };
+        let cg = Cgroup { name: name.to_owned(), layout: layout.clone() };
 
         let mut created = Vec::new();
         let mut result = Ok(());
@@ -385,10 +361,7 @@ impl Cgroup {
             match layout.make_dir(&dir) {
                 Ok(true) => created.push(dir),
                 Ok(false) => {
-                    result = Err(IsolationError::AlreadyExists {
-                        name: name.to_owned(),
-                        path: dir,
-                    });
+                    result = Err(IsolationError::AlreadyExists { name: name.to_owned(), path: dir });
                     break;
                 }
                 Err(e) => {
@@ -415,18 +388,12 @@ impl Cgroup {
     pub fn open(layout: &CgroupLayout, name: &str) -> Result<Cgroup> {
         validate_name(&layout.parent)?;
         validate_name(name)?;
-        let cg = Cgroup {
-            name: name.to_owned(),
-            layout: layout.clone(),
-        };
+        let cg = Cgroup { name: name.to_owned(), layout: layout.clone() };
         let dirs = cg.dirs();
         let missing: Vec<&PathBuf> = dirs.iter().filter(|d| !d.is_dir()).collect();
         if missing.len() == dirs.len() {
             let path = dirs.into_iter().next().unwrap_or_default();
-            return Err(IsolationError::NotFound {
-                name: name.to_owned(),
-                path,
-            });
+            return Err(IsolationError::NotFound { name: name.to_owned(), path });
         }
         if !missing.is_empty() {
             tracing::warn!(cgroup = %name, ?missing, "cgroup exists only in some hierarchies");
@@ -449,19 +416,11 @@ impl Cgroup {
     }
 
     fn dirs(&self) -> Vec<PathBuf> {
-        self.layout
-            .hierarchies()
-            .iter()
-            .map(|r| r.join(&self.layout.parent).join(&self.name))
-            .collect()
+        self.layout.hierarchies().iter().map(|r| r.join(&self.layout.parent).join(&self.name)).collect()
     }
 
     fn dir_for(&self, controller: &'static str, op: &'static str) -> Result<PathBuf> {
-        Ok(self
-            .layout
-            .root_of(controller, op)?
-            .join(&self.layout.parent)
-            .join(&self.name))
+        Ok(self.layout.root_of(controller, op)?.join(&self.layout.parent).join(&self.name))
     }
 
     /// Move a process (all its threads) into this group in every hierarchy.
@@ -494,7 +453,11 @@ impl Cgroup {
             .into_iter()
             .map(|dir| {
                 let path = dir.join("cgroup.procs");
-                fs::OpenOptions::new().write(true).custom_flags(libc::O_CLOEXEC).open(&path).map_err(|e| cgfs::fs_err("open", &path, e))
+                fs::OpenOptions::new()
+                    .write(true)
+                    .custom_flags(libc::O_CLOEXEC)
+                    .open(&path)
+                    .map_err(|e| cgfs::fs_err("open", &path, e))
             })
             .collect()
     }
@@ -519,10 +482,7 @@ impl Cgroup {
         let dirs = self.dirs();
         if !dirs.iter().any(|d| d.is_dir()) {
             let path = dirs.into_iter().next().unwrap_or_default();
-            return Err(IsolationError::NotFound {
-                name: self.name.clone(),
-                path,
-            });
+            return Err(IsolationError::NotFound { name: self.name.clone(), path });
         }
         self.member_pids()
     }
@@ -588,15 +548,12 @@ impl Cgroup {
     fn freeze_file(&self, freeze: bool) -> Result<(PathBuf, &'static str)> {
         Ok(match self.layout.version {
             CgroupVersion::V1 => (
-                self.dir_for("freezer", "freeze/thaw")?
-                    .join("freezer.state"),
+                self.dir_for("freezer", "freeze/thaw")?.join("freezer.state"),
                 if freeze { "FROZEN" } else { "THAWED" },
             ),
-            CgroupVersion::V2 => (
-                self.dir_for("unified", "freeze/thaw")?
-                    .join("cgroup.freeze"),
-                if freeze { "1" } else { "0" },
-            ),
+            CgroupVersion::V2 => {
+                (self.dir_for("unified", "freeze/thaw")?.join("cgroup.freeze"), if freeze { "1" } else { "0" })
+            }
         })
     }
 
@@ -615,16 +572,10 @@ impl Cgroup {
 
     fn freeze_state_text(&self) -> String {
         let file = match self.layout.version {
-            CgroupVersion::V1 => self
-                .dir_for("freezer", "freeze")
-                .map(|d| d.join("freezer.state")),
-            CgroupVersion::V2 => self
-                .dir_for("unified", "freeze")
-                .map(|d| d.join("cgroup.events")),
+            CgroupVersion::V1 => self.dir_for("freezer", "freeze").map(|d| d.join("freezer.state")),
+            CgroupVersion::V2 => self.dir_for("unified", "freeze").map(|d| d.join("cgroup.events")),
         };
-        file.and_then(|f| cgfs::read(&f))
-            .map(|s| s.trim().replace('\n', ", "))
-            .unwrap_or_default()
+        file.and_then(|f| cgfs::read(&f)).map(|s| s.trim().replace('\n', ", ")).unwrap_or_default()
     }
 
     /// Kill every process in the group and wait (up to 5 s) until it is empty. v2 uses
@@ -638,9 +589,7 @@ impl Cgroup {
             if kill_file.exists() {
                 cgfs::write(&kill_file, "1")?;
                 let events = dir.join("cgroup.events");
-                let empty = poll_until(deadline, || {
-                    Ok(cgfs::keyed(&cgfs::read(&events)?, "populated") == Some(0))
-                })?;
+                let empty = poll_until(deadline, || Ok(cgfs::keyed(&cgfs::read(&events)?, "populated") == Some(0)))?;
                 if empty {
                     return Ok(());
                 }
@@ -673,11 +622,7 @@ impl Cgroup {
                     Ok(()) | Err(Errno::ESRCH) => {}
                     Err(source) => {
                         let _ = thaw(&freezer);
-                        return Err(IsolationError::Kill {
-                            name: self.name.clone(),
-                            pid,
-                            source,
-                        });
+                        return Err(IsolationError::Kill { name: self.name.clone(), pid, source });
                     }
                 }
             }
@@ -691,10 +636,7 @@ impl Cgroup {
     }
 
     fn kill_timeout(&self) -> IsolationError {
-        let left = self
-            .member_pids()
-            .map(|p| format!("{p:?}"))
-            .unwrap_or_else(|e| e.to_string());
+        let left = self.member_pids().map(|p| format!("{p:?}")).unwrap_or_else(|e| e.to_string());
         IsolationError::Timeout {
             name: self.name.clone(),
             what: "kill_all",
@@ -734,18 +676,13 @@ impl Cgroup {
             CgroupVersion::V1 => CgroupStats {
                 memory_bytes: cgfs::read_u64(&mem.join("memory.usage_in_bytes"))?,
                 memory_peak_bytes: cgfs::read_u64(&mem.join("memory.max_usage_in_bytes"))?,
-                oom_kills: cgfs::keyed(&cgfs::read(&mem.join("memory.oom_control"))?, "oom_kill")
-                    .unwrap_or(0),
+                oom_kills: cgfs::keyed(&cgfs::read(&mem.join("memory.oom_control"))?, "oom_kill").unwrap_or(0),
                 pids_current,
             },
             CgroupVersion::V2 => {
                 let current = cgfs::read_u64(&mem.join("memory.current"))?;
                 let peak_file = mem.join("memory.peak");
-                let peak = if peak_file.exists() {
-                    cgfs::read_u64(&peak_file)?
-                } else {
-                    current
-                };
+                let peak = if peak_file.exists() { cgfs::read_u64(&peak_file)? } else { current };
                 let events = cgfs::read(&mem.join("memory.events"))?;
                 CgroupStats {
                     memory_bytes: current,
@@ -782,12 +719,8 @@ impl Cgroup {
     }
 
     fn apply_limits(&self, limits: &Limits) -> Result<()> {
-        let quota = limits
-            .cpu_millis
-            .map(|m| u64::from(m) * (CPU_PERIOD_US / 1000));
-        let pids = limits
-            .pids
-            .map_or_else(|| "max".to_owned(), |p| p.to_string());
+        let quota = limits.cpu_millis.map(|m| u64::from(m) * (CPU_PERIOD_US / 1000));
+        let pids = limits.pids.map_or_else(|| "max".to_owned(), |p| p.to_string());
         match self.layout.version {
             CgroupVersion::V1 => {
                 let mem = self.dir_for("memory", "limits")?;
@@ -805,9 +738,7 @@ impl Cgroup {
             }
             CgroupVersion::V2 => {
                 let dir = self.dir_for("unified", "limits")?;
-                let mem = limits
-                    .memory_bytes
-                    .map_or_else(|| "max".to_owned(), |m| m.to_string());
+                let mem = limits.memory_bytes.map_or_else(|| "max".to_owned(), |m| m.to_string());
                 cgfs::write(&dir.join("memory.max"), &mem)?;
                 let swap = dir.join("memory.swap.max");
                 if swap.exists() {

@@ -28,17 +28,10 @@ fn v1_fixture(parent: &str) -> (tempfile::TempDir, CgroupLayout) {
 /// A tempdir laid out like a v2 /sys/fs/cgroup whose root has not enabled any controllers yet.
 fn v2_fixture(parent: &str, root_subtree: &str) -> (tempfile::TempDir, CgroupLayout) {
     let tmp = tempfile::tempdir().unwrap();
-    fs::write(
-        tmp.path().join("cgroup.controllers"),
-        "cpuset cpu io memory pids\n",
-    )
-    .unwrap();
+    fs::write(tmp.path().join("cgroup.controllers"), "cpuset cpu io memory pids\n").unwrap();
     fs::write(tmp.path().join("cgroup.subtree_control"), root_subtree).unwrap();
-    let mut layout = CgroupLayout::with_roots(
-        CgroupVersion::V2,
-        vec![("unified".into(), tmp.path().to_owned())],
-        parent,
-    );
+    let mut layout =
+        CgroupLayout::with_roots(CgroupVersion::V2, vec![("unified".into(), tmp.path().to_owned())], parent);
     layout.fake_kernel = true;
     (tmp, layout)
 }
@@ -48,11 +41,7 @@ fn read(p: &Path) -> String {
 }
 
 fn limits() -> Limits {
-    Limits {
-        memory_bytes: Some(64 * MIB),
-        cpu_millis: Some(1500),
-        pids: Some(100),
-    }
+    Limits { memory_bytes: Some(64 * MIB), cpu_millis: Some(1500), pids: Some(100) }
 }
 
 #[test]
@@ -62,19 +51,13 @@ fn v1_create_writes_every_limit_file() {
     assert_eq!(cg.name(), "sb1");
     let g = |c: &str| tmp.path().join(c).join("bb/sb1");
     assert_eq!(read(&g("memory").join("memory.limit_in_bytes")), "67108864");
-    assert_eq!(
-        read(&g("memory").join("memory.memsw.limit_in_bytes")),
-        "67108864"
-    );
+    assert_eq!(read(&g("memory").join("memory.memsw.limit_in_bytes")), "67108864");
     assert_eq!(read(&g("memory").join("memory.oom_control")), "0");
     assert_eq!(read(&g("cpu").join("cpu.cfs_period_us")), "100000");
     assert_eq!(read(&g("cpu").join("cpu.cfs_quota_us")), "150000");
     assert_eq!(read(&g("pids").join("pids.max")), "100");
     assert!(g("freezer").is_dir(), "freezer group must exist too");
-    assert_eq!(
-        cg.paths(),
-        V1_CONTROLLERS.iter().map(|c| g(c)).collect::<Vec<_>>()
-    );
+    assert_eq!(cg.paths(), V1_CONTROLLERS.iter().map(|c| g(c)).collect::<Vec<_>>());
     assert!(cg.dir_fd().unwrap().is_none(), "no CLONE_INTO_CGROUP on v1");
 }
 
@@ -100,16 +83,9 @@ fn v1_memory_without_memsw_file() {
     let cg = Cgroup::create(&layout, "sb1", &Limits::default()).unwrap();
     let mem = tmp.path().join("memory/bb/sb1");
     fs::remove_file(mem.join("memory.memsw.limit_in_bytes")).unwrap();
-    cg.set_limits(&Limits {
-        memory_bytes: Some(32 * MIB),
-        ..Default::default()
-    })
-    .unwrap();
+    cg.set_limits(&Limits { memory_bytes: Some(32 * MIB), ..Default::default() }).unwrap();
     assert_eq!(read(&mem.join("memory.limit_in_bytes")), "33554432");
-    assert!(
-        !mem.join("memory.memsw.limit_in_bytes").exists(),
-        "must not create memsw"
-    );
+    assert!(!mem.join("memory.memsw.limit_in_bytes").exists(), "must not create memsw");
 }
 
 #[test]
@@ -143,10 +119,7 @@ fn partial_existing_group_is_rolled_back_not_reused() {
     assert!(err.to_string().contains("pids/bb/sb1"), "{err}");
     assert!(!tmp.path().join("memory/bb/sb1").exists());
     assert!(!tmp.path().join("cpu/bb/sb1").exists());
-    assert!(
-        tmp.path().join("pids/bb/sb1").exists(),
-        "the stray is not ours to delete"
-    );
+    assert!(tmp.path().join("pids/bb/sb1").exists(), "the stray is not ours to delete");
     // open() still finds it, so it can be destroyed.
     let cg = Cgroup::open(&layout, "sb1").unwrap();
     cg.destroy().unwrap();
@@ -162,10 +135,7 @@ fn failed_limit_write_rolls_back_and_names_the_file() {
     assert!(msg.contains("memory/bb/sb1/memory.limit_in_bytes"), "{msg}");
     assert!(msg.contains("\"67108864\""), "{msg}");
     for c in V1_CONTROLLERS {
-        assert!(
-            !tmp.path().join(c).join("bb/sb1").exists(),
-            "{c} not rolled back"
-        );
+        assert!(!tmp.path().join(c).join("bb/sb1").exists(), "{c} not rolled back");
         assert!(tmp.path().join(c).join("bb").is_dir(), "parent stays");
     }
 }
@@ -175,66 +145,29 @@ fn invalid_input_creates_nothing() {
     let (tmp, layout) = v1_fixture("bb");
     for bad in ["", "..", ".hidden", "a/b", "a b", "x\n"] {
         let err = Cgroup::create(&layout, bad, &limits()).unwrap_err();
-        assert!(
-            matches!(err, IsolationError::InvalidName { .. }),
-            "{bad:?}: {err}"
-        );
+        assert!(matches!(err, IsolationError::InvalidName { .. }), "{bad:?}: {err}");
     }
-    let err = Cgroup::create(
-        &layout,
-        "ok",
-        &Limits {
-            pids: Some(0),
-            ..Default::default()
-        },
-    )
-    .unwrap_err();
+    let err = Cgroup::create(&layout, "ok", &Limits { pids: Some(0), ..Default::default() }).unwrap_err();
     assert!(matches!(err, IsolationError::InvalidLimits(_)), "{err}");
-    assert!(
-        !tmp.path().join("memory/bb").exists(),
-        "nothing may be created for invalid input"
-    );
+    assert!(!tmp.path().join("memory/bb").exists(), "nothing may be created for invalid input");
     let bad_parent = CgroupLayout::with_roots(CgroupVersion::V1, layout.roots().to_vec(), "../x");
-    assert!(matches!(
-        bad_parent.list(),
-        Err(IsolationError::InvalidName { .. })
-    ));
+    assert!(matches!(bad_parent.list(), Err(IsolationError::InvalidName { .. })));
 }
 
 #[test]
 fn limits_validation() {
     assert!(Limits::default().validate().is_ok());
     assert!(limits().validate().is_ok());
-    let e = Limits {
-        memory_bytes: Some(4096),
-        ..Default::default()
-    }
-    .validate()
-    .unwrap_err();
+    let e = Limits { memory_bytes: Some(4096), ..Default::default() }.validate().unwrap_err();
     assert!(e.to_string().contains("1 MiB"), "{e}");
-    let e = Limits {
-        cpu_millis: Some(5),
-        ..Default::default()
-    }
-    .validate()
-    .unwrap_err();
+    let e = Limits { cpu_millis: Some(5), ..Default::default() }.validate().unwrap_err();
     assert!(e.to_string().contains("cpu_millis = 5"), "{e}");
-    assert!(Limits {
-        cpu_millis: Some(10),
-        ..Default::default()
-    }
-    .validate()
-    .is_ok());
+    assert!(Limits { cpu_millis: Some(10), ..Default::default() }.validate().is_ok());
 }
 
 #[test]
 fn names() {
-    for ok in [
-        "branchbox",
-        "bbtest-123-4",
-        "sb_1.a@b:c",
-        "0f8fad5b-d9cb-469f-a165-70867728950e",
-    ] {
+    for ok in ["branchbox", "bbtest-123-4", "sb_1.a@b:c", "0f8fad5b-d9cb-469f-a165-70867728950e"] {
         validate_name(ok).unwrap();
     }
     assert!(validate_name(&"a".repeat(201)).is_err());
@@ -249,10 +182,7 @@ fn add_pid_pids_list_open_destroy() {
 
     cg.add_pid(4242).unwrap();
     for c in V1_CONTROLLERS {
-        assert_eq!(
-            read(&tmp.path().join(c).join("bb/sb1/cgroup.procs")),
-            "4242"
-        );
+        assert_eq!(read(&tmp.path().join(c).join("bb/sb1/cgroup.procs")), "4242");
     }
     // Union over hierarchies, sorted and deduplicated.
     fs::write(tmp.path().join("pids/bb/sb1/cgroup.procs"), "4242\n17\n").unwrap();
@@ -270,10 +200,7 @@ fn add_pid_pids_list_open_destroy() {
     for p in cg.paths() {
         assert!(!p.exists(), "{} left behind", p.display());
     }
-    assert!(matches!(
-        Cgroup::open(&layout, "sb1"),
-        Err(IsolationError::NotFound { .. })
-    ));
+    assert!(matches!(Cgroup::open(&layout, "sb1"), Err(IsolationError::NotFound { .. })));
     assert!(matches!(cg.pids(), Err(IsolationError::NotFound { .. })));
     assert_eq!(layout.list().unwrap(), vec!["sb2"]);
 
@@ -304,68 +231,32 @@ fn v1_stats_parse_the_right_files() {
     let mem = tmp.path().join("memory/bb/sb1");
     fs::write(mem.join("memory.usage_in_bytes"), "1000\n").unwrap();
     fs::write(mem.join("memory.max_usage_in_bytes"), "5000\n").unwrap();
-    fs::write(
-        mem.join("memory.oom_control"),
-        "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n",
-    )
-    .unwrap();
+    fs::write(mem.join("memory.oom_control"), "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n").unwrap();
     fs::write(tmp.path().join("pids/bb/sb1/pids.current"), "3\n").unwrap();
     let s = cg.stats().unwrap();
-    assert_eq!(
-        s,
-        CgroupStats {
-            memory_bytes: 1000,
-            memory_peak_bytes: 5000,
-            oom_kills: 2,
-            pids_current: 3
-        }
-    );
+    assert_eq!(s, CgroupStats { memory_bytes: 1000, memory_peak_bytes: 5000, oom_kills: 2, pids_current: 3 });
     // Pre-4.13 kernels have no oom_kill line.
-    fs::write(
-        mem.join("memory.oom_control"),
-        "oom_kill_disable 0\nunder_oom 0\n",
-    )
-    .unwrap();
+    fs::write(mem.join("memory.oom_control"), "oom_kill_disable 0\nunder_oom 0\n").unwrap();
     assert_eq!(cg.stats().unwrap().oom_kills, 0);
 }
 
 #[test]
 fn missing_hierarchy_is_reported_by_name() {
     let (_tmp, full) = v1_fixture("bb");
-    let roots: Vec<_> = full
-        .roots()
-        .iter()
-        .filter(|(c, _)| c != "freezer")
-        .cloned()
-        .collect();
+    let roots: Vec<_> = full.roots().iter().filter(|(c, _)| c != "freezer").cloned().collect();
     let mut layout = CgroupLayout::with_roots(CgroupVersion::V1, roots, "bb");
     layout.fake_kernel = true;
     let cg = Cgroup::create(&layout, "sb1", &limits()).unwrap();
     let err = cg.freeze().unwrap_err();
-    assert!(
-        matches!(
-            err,
-            IsolationError::MissingController {
-                controller: "freezer",
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, IsolationError::MissingController { controller: "freezer", .. }), "{err}");
 }
 
 #[test]
 fn v2_create_enables_controllers_and_writes_limits() {
     let (tmp, layout) = v2_fixture("bb", "");
     let cg = Cgroup::create(&layout, "sb1", &limits()).unwrap();
-    assert_eq!(
-        read(&tmp.path().join("cgroup.subtree_control")),
-        "+memory +cpu +pids"
-    );
-    assert_eq!(
-        read(&tmp.path().join("bb/cgroup.subtree_control")),
-        "+memory +cpu +pids"
-    );
+    assert_eq!(read(&tmp.path().join("cgroup.subtree_control")), "+memory +cpu +pids");
+    assert_eq!(read(&tmp.path().join("bb/cgroup.subtree_control")), "+memory +cpu +pids");
     let g = tmp.path().join("bb/sb1");
     assert_eq!(read(&g.join("memory.max")), "67108864");
     assert_eq!(read(&g.join("memory.swap.max")), "0");
@@ -389,17 +280,10 @@ fn v2_create_enables_controllers_and_writes_limits() {
 fn v2_only_enables_missing_controllers() {
     let (tmp, layout) = v2_fixture("bb", "cpu memory pids\n");
     Cgroup::create(&layout, "sb1", &limits()).unwrap();
-    assert_eq!(
-        read(&tmp.path().join("cgroup.subtree_control")),
-        "cpu memory pids\n",
-        "untouched"
-    );
+    assert_eq!(read(&tmp.path().join("cgroup.subtree_control")), "cpu memory pids\n", "untouched");
     let (tmp, layout) = v2_fixture("bb", "memory io\n");
     Cgroup::create(&layout, "sb1", &limits()).unwrap();
-    assert_eq!(
-        read(&tmp.path().join("cgroup.subtree_control")),
-        "+cpu +pids"
-    );
+    assert_eq!(read(&tmp.path().join("cgroup.subtree_control")), "+cpu +pids");
 }
 
 #[test]
@@ -419,16 +303,9 @@ fn v2_freeze_waits_for_events_and_times_out() {
     let start = Instant::now();
     let err = cg.freeze().unwrap_err();
     assert!(start.elapsed() >= FREEZE_TIMEOUT && start.elapsed() < FREEZE_TIMEOUT * 2);
-    assert!(
-        matches!(err, IsolationError::Timeout { what: "freeze", .. }),
-        "{err}"
-    );
+    assert!(matches!(err, IsolationError::Timeout { what: "freeze", .. }), "{err}");
     assert!(err.to_string().contains("frozen 0"), "{err}");
-    assert_eq!(
-        read(&g.join("cgroup.freeze")),
-        "0",
-        "must be thawed after a failed freeze"
-    );
+    assert_eq!(read(&g.join("cgroup.freeze")), "0", "must be thawed after a failed freeze");
 }
 
 #[test]
@@ -441,22 +318,10 @@ fn v2_kill_all_uses_cgroup_kill_and_stats() {
 
     fs::write(g.join("memory.current"), "100\n").unwrap();
     fs::write(g.join("memory.peak"), "900\n").unwrap();
-    fs::write(
-        g.join("memory.events"),
-        "low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\n",
-    )
-    .unwrap();
+    fs::write(g.join("memory.events"), "low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\n").unwrap();
     fs::write(g.join("pids.current"), "2\n").unwrap();
     let s = cg.stats().unwrap();
-    assert_eq!(
-        s,
-        CgroupStats {
-            memory_bytes: 100,
-            memory_peak_bytes: 900,
-            oom_kills: 1,
-            pids_current: 2
-        }
-    );
+    assert_eq!(s, CgroupStats { memory_bytes: 100, memory_peak_bytes: 900, oom_kills: 1, pids_current: 2 });
     fs::remove_file(g.join("memory.peak")).unwrap(); // kernels < 5.19
     assert_eq!(cg.stats().unwrap().memory_peak_bytes, 100);
 

@@ -20,8 +20,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use seccompiler::{
-    sock_filter, BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition,
-    SeccompRule, TargetArch,
+    sock_filter, BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule, TargetArch,
 };
 use serde::de::{MapAccess, Visitor};
 use serde::{Deserialize, Deserializer};
@@ -60,9 +59,7 @@ pub struct SeccompFilter {
 
 impl fmt::Debug for SeccompFilter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SeccompFilter")
-            .field("instructions", &self.program.len())
-            .finish()
+        f.debug_struct("SeccompFilter").field("instructions", &self.program.len()).finish()
     }
 }
 
@@ -74,17 +71,13 @@ impl SeccompFilter {
 
     /// Compile a policy in seccompiler's JSON format for the running architecture.
     pub fn from_json(json: &str) -> Result<SeccompFilter> {
-        Ok(SeccompFilter {
-            program: compile(json, native_arch()?)?,
-        })
+        Ok(SeccompFilter { program: compile(json, native_arch()?)? })
     }
 
     /// The default policy, except that `setns` passes when its (otherwise unused) third and
     /// fourth arguments equal `key` (see [`SetnsKey`]).
     pub fn default_policy_with_setns_key(key: SetnsKey) -> Result<SeccompFilter> {
-        Ok(SeccompFilter {
-            program: compile_keyed(DEFAULT_POLICY_JSON, native_arch()?, Some(key))?,
-        })
+        Ok(SeccompFilter { program: compile_keyed(DEFAULT_POLICY_JSON, native_arch()?, Some(key))? })
     }
 
     /// Install the filter on the calling thread (only; apply it in the single-threaded child
@@ -160,16 +153,11 @@ impl<'de> Deserialize<'de> for Policy {
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("a map from filter names to seccompiler filter objects")
             }
-            fn visit_map<M: MapAccess<'de>>(
-                self,
-                mut m: M,
-            ) -> std::result::Result<Policy, M::Error> {
+            fn visit_map<M: MapAccess<'de>>(self, mut m: M) -> std::result::Result<Policy, M::Error> {
                 let mut out = BTreeMap::new();
                 while let Some((name, filter)) = m.next_entry::<String, JsonFilter>()? {
                     if out.contains_key(&name) {
-                        return Err(serde::de::Error::custom(format!(
-                            "duplicate filter name {name:?}"
-                        )));
+                        return Err(serde::de::Error::custom(format!("duplicate filter name {name:?}")));
                     }
                     out.insert(name, filter);
                 }
@@ -238,15 +226,13 @@ fn gate_setns(policy: &mut Policy, key: SetnsKey) {
 }
 
 fn compile_filters_keyed(json: &str, arch: TargetArch, key: Option<SetnsKey>) -> Result<Vec<(String, BpfProgram)>> {
-    let mut policy: Policy = serde_json::from_str(json)
-        .map_err(|e| IsolationError::SeccompPolicy(format!("invalid JSON: {e}")))?;
+    let mut policy: Policy =
+        serde_json::from_str(json).map_err(|e| IsolationError::SeccompPolicy(format!("invalid JSON: {e}")))?;
     if let Some(key) = key {
         gate_setns(&mut policy, key);
     }
     if policy.0.is_empty() {
-        return Err(IsolationError::SeccompPolicy(
-            "the policy has no filters".to_owned(),
-        ));
+        return Err(IsolationError::SeccompPolicy("the policy has no filters".to_owned()));
     }
     policy
         .0
@@ -259,10 +245,7 @@ fn compile_filters_keyed(json: &str, arch: TargetArch, key: Option<SetnsKey>) ->
 }
 
 fn compile_filter(name: &str, filter: JsonFilter, arch: TargetArch) -> Result<BpfProgram> {
-    let backend = |source| IsolationError::SeccompCompile {
-        filter: name.to_owned(),
-        source,
-    };
+    let backend = |source| IsolationError::SeccompCompile { filter: name.to_owned(), source };
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
     let mut unconditional: BTreeMap<i64, &str> = BTreeMap::new();
     for rule in &filter.rules {
@@ -296,8 +279,7 @@ fn compile_filter(name: &str, filter: JsonFilter, arch: TargetArch) -> Result<Bp
         }
     }
     let filter =
-        seccompiler::SeccompFilter::new(rules, filter.mismatch_action, filter.match_action, arch)
-            .map_err(backend)?;
+        seccompiler::SeccompFilter::new(rules, filter.mismatch_action, filter.match_action, arch).map_err(backend)?;
     BpfProgram::try_from(filter).map_err(backend)
 }
 
@@ -336,12 +318,7 @@ pub(crate) fn seccompiler_syscall_nr(name: &str, arch: TargetArch) -> Option<i64
 }
 
 fn stmt(code: u16, k: u32) -> sock_filter {
-    sock_filter {
-        code,
-        jt: 0,
-        jf: 0,
-        k,
-    }
+    sock_filter { code, jt: 0, jf: 0, k }
 }
 
 fn jump(code: u16, k: u32, jt: u8, jf: u8) -> sock_filter {

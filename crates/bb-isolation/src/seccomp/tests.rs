@@ -17,15 +17,8 @@ const CLONE_NEWIPC: u64 = 0x0800_0000;
 const CLONE_NEWUSER: u64 = 0x1000_0000;
 const CLONE_NEWPID: u64 = 0x2000_0000;
 const CLONE_NEWNET: u64 = 0x4000_0000;
-const NS_FLAGS: [u64; 7] = [
-    CLONE_NEWNS,
-    CLONE_NEWCGROUP,
-    CLONE_NEWUTS,
-    CLONE_NEWIPC,
-    CLONE_NEWUSER,
-    CLONE_NEWPID,
-    CLONE_NEWNET,
-];
+const NS_FLAGS: [u64; 7] =
+    [CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET];
 const SIGCHLD: u64 = 17;
 /// What glibc's pthread_create passes to clone.
 const PTHREAD_FLAGS: u64 = (libc::CLONE_VM
@@ -48,9 +41,7 @@ fn eval(prog: &[sock_filter], arch: u32, nr: u32, args: [u64; 6]) -> u32 {
     }
     let (mut acc, mut pc) = (0u32, 0usize);
     loop {
-        let ins = prog
-            .get(pc)
-            .unwrap_or_else(|| panic!("fell off the program at {pc}"));
+        let ins = prog.get(pc).unwrap_or_else(|| panic!("fell off the program at {pc}"));
         pc += 1;
         let k = ins.k;
         let cond = |taken: bool| {
@@ -89,16 +80,10 @@ impl Target {
             TargetArch::x86_64 => AUDIT_ARCH_X86_64,
             TargetArch::aarch64 => AUDIT_ARCH_AARCH64,
         };
-        Target {
-            arch,
-            audit,
-            prog: compile(DEFAULT_POLICY_JSON, arch).unwrap(),
-        }
+        Target { arch, audit, prog: compile(DEFAULT_POLICY_JSON, arch).unwrap() }
     }
     fn nr(&self, name: &str) -> u32 {
-        resolve(name, self.arch)
-            .unwrap()
-            .unwrap_or_else(|| panic!("{name} missing")) as u32
+        resolve(name, self.arch).unwrap().unwrap_or_else(|| panic!("{name} missing")) as u32
     }
     fn call(&self, name: &str, arg0: u64) -> u32 {
         eval(&self.prog, self.audit, self.nr(name), [arg0, 0, 0, 0, 0, 0])
@@ -106,10 +91,7 @@ impl Target {
 }
 
 fn both() -> [Target; 2] {
-    [
-        Target::new(TargetArch::x86_64),
-        Target::new(TargetArch::aarch64),
-    ]
+    [Target::new(TargetArch::x86_64), Target::new(TargetArch::aarch64)]
 }
 
 const DENIED: &[&str] = &[
@@ -158,15 +140,8 @@ const DENIED: &[&str] = &[
     "io_uring_enter",
     "io_uring_register",
 ];
-const DENIED_X86_ONLY: &[&str] = &[
-    "create_module",
-    "get_kernel_syms",
-    "query_module",
-    "iopl",
-    "ioperm",
-    "uselib",
-    "_sysctl",
-];
+const DENIED_X86_ONLY: &[&str] =
+    &["create_module", "get_kernel_syms", "query_module", "iopl", "ioperm", "uselib", "_sysctl"];
 const ALLOWED: &[&str] = &[
     "read",
     "write",
@@ -189,18 +164,10 @@ const ALLOWED: &[&str] = &[
 #[test]
 fn default_policy_compiles_for_both_architectures() {
     for t in both() {
-        assert!(
-            t.prog.len() > 100 && t.prog.len() < BPF_MAXINSNS,
-            "{:?}: {}",
-            t.arch,
-            t.prog.len()
-        );
+        assert!(t.prog.len() > 100 && t.prog.len() < BPF_MAXINSNS, "{:?}: {}", t.arch, t.prog.len());
     }
     let native = SeccompFilter::default_policy().unwrap();
-    assert_eq!(
-        native.program(),
-        &compile(DEFAULT_POLICY_JSON, native_arch().unwrap()).unwrap()[..]
-    );
+    assert_eq!(native.program(), &compile(DEFAULT_POLICY_JSON, native_arch().unwrap()).unwrap()[..]);
 }
 
 #[test]
@@ -213,11 +180,7 @@ fn denied_syscalls_get_eperm() {
     let x86 = Target::new(TargetArch::x86_64);
     for name in DENIED_X86_ONLY {
         assert_eq!(x86.call(name, 0), EPERM, "{name}");
-        assert_eq!(
-            resolve(name, TargetArch::aarch64).unwrap(),
-            None,
-            "{name} has no aarch64 nr"
-        );
+        assert_eq!(resolve(name, TargetArch::aarch64).unwrap(), None, "{name} has no aarch64 nr");
     }
 }
 
@@ -226,12 +189,7 @@ fn ordinary_syscalls_are_allowed() {
     for t in both() {
         for name in ALLOWED {
             let nr = seccompiler_syscall_nr(name, t.arch).unwrap();
-            assert_eq!(
-                eval(&t.prog, t.audit, nr as u32, [0; 6]),
-                ALLOW,
-                "{name} on {:?}",
-                t.arch
-            );
+            assert_eq!(eval(&t.prog, t.audit, nr as u32, [0; 6]), ALLOW, "{name} on {:?}", t.arch);
         }
     }
 }
@@ -241,30 +199,14 @@ fn clone_is_filtered_by_namespace_flags_only() {
     for t in both() {
         assert_eq!(t.call("clone", SIGCHLD), ALLOW, "fork");
         assert_eq!(t.call("clone", PTHREAD_FLAGS), ALLOW, "pthread_create");
-        assert_eq!(
-            t.call("clone", PTHREAD_FLAGS | libc::CLONE_VFORK as u64),
-            ALLOW,
-            "vfork-like"
-        );
+        assert_eq!(t.call("clone", PTHREAD_FLAGS | libc::CLONE_VFORK as u64), ALLOW, "vfork-like");
         for flag in NS_FLAGS {
-            assert_eq!(
-                t.call("clone", flag | SIGCHLD),
-                EPERM,
-                "{flag:#x} on {:?}",
-                t.arch
-            );
-            assert_eq!(
-                t.call("clone", flag | PTHREAD_FLAGS),
-                EPERM,
-                "{flag:#x} with thread flags"
-            );
+            assert_eq!(t.call("clone", flag | SIGCHLD), EPERM, "{flag:#x} on {:?}", t.arch);
+            assert_eq!(t.call("clone", flag | PTHREAD_FLAGS), EPERM, "{flag:#x} with thread flags");
             // Bits above 31 do not hide the flag (the kernel ignores them for clone).
             assert_eq!(t.call("clone", flag | 0xffff_0000_0000_0000), EPERM);
         }
-        assert_eq!(
-            t.call("clone", NS_FLAGS.iter().fold(SIGCHLD, |a, f| a | f)),
-            EPERM
-        );
+        assert_eq!(t.call("clone", NS_FLAGS.iter().fold(SIGCHLD, |a, f| a | f)), EPERM);
         // Legacy clone cannot create a time namespace (0x80 is part of the exit signal byte).
         assert_eq!(t.call("clone", CLONE_NEWTIME | SIGCHLD), ALLOW);
     }
@@ -278,10 +220,7 @@ fn unshare_is_filtered_by_namespace_flags_only() {
             assert_eq!(t.call("unshare", flag | libc::CLONE_FILES as u64), EPERM);
         }
         assert_eq!(t.call("unshare", libc::CLONE_FILES as u64), ALLOW);
-        assert_eq!(
-            t.call("unshare", (libc::CLONE_FS | libc::CLONE_SYSVSEM) as u64),
-            ALLOW
-        );
+        assert_eq!(t.call("unshare", (libc::CLONE_FS | libc::CLONE_SYSVSEM) as u64), ALLOW);
     }
 }
 
@@ -298,11 +237,7 @@ fn personality_only_docker_values() {
         for ok in [0u64, 0x8, 0x2_0000, 0x2_0008, 0xffff_ffff] {
             assert_eq!(t.call("personality", ok), ALLOW, "{ok:#x}");
         }
-        for bad in [
-            0x0004_0000u64, /* ADDR_NO_RANDOMIZE */
-            0x1,
-            0x0040_0000, /* READ_IMPLIES_EXEC */
-        ] {
+        for bad in [0x0004_0000u64 /* ADDR_NO_RANDOMIZE */, 0x1, 0x0040_0000 /* READ_IMPLIES_EXEC */] {
             assert_eq!(t.call("personality", bad), EPERM, "{bad:#x}");
         }
     }
@@ -312,27 +247,13 @@ fn personality_only_docker_values() {
 fn foreign_abis_are_refused() {
     let x86 = Target::new(TargetArch::x86_64);
     // i386 (int 0x80) and arm32 compat have their own audit arch: killed.
-    assert_eq!(
-        eval(
-            &x86.prog,
-            0x4000_0003, /* AUDIT_ARCH_I386 */
-            20,
-            [0; 6]
-        ),
-        KILL
-    );
+    assert_eq!(eval(&x86.prog, 0x4000_0003 /* AUDIT_ARCH_I386 */, 20, [0; 6]), KILL);
     let arm = Target::new(TargetArch::aarch64);
-    assert_eq!(
-        eval(&arm.prog, 0x4000_0028 /* AUDIT_ARCH_ARM */, 20, [0; 6]),
-        KILL
-    );
+    assert_eq!(eval(&arm.prog, 0x4000_0028 /* AUDIT_ARCH_ARM */, 20, [0; 6]), KILL);
     // x32 shares the x86_64 audit arch: every x32 number gets ENOSYS, also for "allowed" calls.
     for name in ["mount", "unshare", "getpid"] {
         let nr = seccompiler_syscall_nr(name, TargetArch::x86_64).unwrap() as u32;
-        assert_eq!(
-            eval(&x86.prog, AUDIT_ARCH_X86_64, nr | X32_SYSCALL_BIT, [0; 6]),
-            ENOSYS
-        );
+        assert_eq!(eval(&x86.prog, AUDIT_ARCH_X86_64, nr | X32_SYSCALL_BIT, [0; 6]), ENOSYS);
     }
 }
 
@@ -350,14 +271,8 @@ fn table_matches_seccompiler_and_libc() {
     assert!(checked > 90, "only {checked} numbers cross-checked");
     // The ones seccompiler does not know, against libc for the build architecture.
     let native = native_arch().unwrap();
-    assert_eq!(
-        resolve("mount_setattr", native).unwrap(),
-        Some(libc::SYS_mount_setattr)
-    );
-    assert_eq!(
-        resolve("quotactl_fd", native).unwrap(),
-        Some(libc::SYS_quotactl_fd)
-    );
+    assert_eq!(resolve("mount_setattr", native).unwrap(), Some(libc::SYS_mount_setattr));
+    assert_eq!(resolve("quotactl_fd", native).unwrap(), Some(libc::SYS_quotactl_fd));
     assert_eq!(resolve("clone3", native).unwrap(), Some(libc::SYS_clone3));
     // Names not in our table come from seccompiler's.
     assert_eq!(resolve("getpid", native).unwrap(), Some(libc::SYS_getpid));
@@ -382,10 +297,7 @@ fn same_output_as_seccompiler_frontend() {
     let mut policy: serde_json::Value = serde_json::from_str(DEFAULT_POLICY_JSON).unwrap();
     for filter in policy.as_object_mut().unwrap().values_mut() {
         let rules = filter["filter"].as_array_mut().unwrap();
-        rules.retain(|r| {
-            !["mount_setattr", "quotactl_fd", "open_tree_attr"]
-                .contains(&r["syscall"].as_str().unwrap())
-        });
+        rules.retain(|r| !["mount_setattr", "quotactl_fd", "open_tree_attr"].contains(&r["syscall"].as_str().unwrap()));
     }
     let json = policy.to_string();
     let ours = compile_filters(&json, TargetArch::x86_64).unwrap();
@@ -407,11 +319,7 @@ fn first_non_allow_verdict_wins() {
             {"syscall": "getuid"}, {"syscall": "getpid"}]}
     }"#;
     let arch = native_arch().unwrap();
-    let audit = if arch == TargetArch::x86_64 {
-        AUDIT_ARCH_X86_64
-    } else {
-        AUDIT_ARCH_AARCH64
-    };
+    let audit = if arch == TargetArch::x86_64 { AUDIT_ARCH_X86_64 } else { AUDIT_ARCH_AARCH64 };
     let prog = compile(json, arch).unwrap();
     let run = |nr: i64| eval(&prog, audit, nr as u32, [0; 6]);
     assert_eq!(run(libc::SYS_getpid), SECCOMP_RET_ERRNO | 1, "a before b");
@@ -422,33 +330,22 @@ fn first_non_allow_verdict_wins() {
 #[test]
 fn policy_errors_are_explicit() {
     let err = |json: &str| SeccompFilter::from_json(json).unwrap_err().to_string();
-    let e = err(
-        r#"{"f": {"mismatch_action": "allow", "match_action": {"errno": 1}, "filter": [{"syscall": "mount2"}]}}"#,
-    );
-    assert!(
-        e.contains("unknown syscall \"mount2\"") && e.contains("syscalls.rs"),
-        "{e}"
-    );
+    let e =
+        err(r#"{"f": {"mismatch_action": "allow", "match_action": {"errno": 1}, "filter": [{"syscall": "mount2"}]}}"#);
+    assert!(e.contains("unknown syscall \"mount2\"") && e.contains("syscalls.rs"), "{e}");
     let e = err(r#"{"f": {"mismatch_action": "allow", "match_action": "allow", "filter": []}}"#);
     assert!(e.contains("\"f\""), "{e}");
-    let e =
-        err(r#"{"f": {"mismatch_action": "allow", "match_action": "trap", "filter": [], "x": 1}}"#);
+    let e = err(r#"{"f": {"mismatch_action": "allow", "match_action": "trap", "filter": [], "x": 1}}"#);
     assert!(e.contains("unknown field"), "{e}");
-    let e = err(
-        r#"{"f": {"mismatch_action": "allow", "match_action": "trap", "filter": []},
-                   "f": {"mismatch_action": "allow", "match_action": "trap", "filter": []}}"#,
-    );
+    let e = err(r#"{"f": {"mismatch_action": "allow", "match_action": "trap", "filter": []},
+                   "f": {"mismatch_action": "allow", "match_action": "trap", "filter": []}}"#);
     assert!(e.contains("duplicate filter name"), "{e}");
-    let e = err(
-        r#"{"f": {"mismatch_action": "allow", "match_action": "trap", "filter": [
+    let e = err(r#"{"f": {"mismatch_action": "allow", "match_action": "trap", "filter": [
         {"syscall": "mount"},
-        {"syscall": "mount", "args": [{"index": 0, "type": "dword", "op": "eq", "val": 1}]}]}}"#,
-    );
+        {"syscall": "mount", "args": [{"index": 0, "type": "dword", "op": "eq", "val": 1}]}]}}"#);
     assert!(e.contains("both with and without"), "{e}");
-    let e = err(
-        r#"{"f": {"mismatch_action": "allow", "match_action": "trap", "filter": [
-        {"syscall": "mount", "args": [{"index": 6, "type": "dword", "op": "eq", "val": 1}]}]}}"#,
-    );
+    let e = err(r#"{"f": {"mismatch_action": "allow", "match_action": "trap", "filter": [
+        {"syscall": "mount", "args": [{"index": 6, "type": "dword", "op": "eq", "val": 1}]}]}}"#);
     assert!(e.contains("cannot compile filter \"f\""), "{e}");
     assert!(err("{}").contains("no filters"));
 }

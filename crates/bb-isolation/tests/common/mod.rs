@@ -25,11 +25,7 @@ pub fn require_root() {
 /// A parent group unique to this test process and call, e.g. "bbtest-4242-3".
 pub fn unique_parent() -> String {
     static N: AtomicUsize = AtomicUsize::new(0);
-    format!(
-        "bbtest-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst)
-    )
+    format!("bbtest-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst))
 }
 
 /// Owns a parent group: on drop, destroys every group under it and removes it.
@@ -47,11 +43,7 @@ impl ParentGuard {
 
     /// The parent's directory in every hierarchy.
     pub fn parent_dirs(&self) -> Vec<PathBuf> {
-        self.layout
-            .roots()
-            .iter()
-            .map(|(_, r)| r.join(self.layout.parent()))
-            .collect()
+        self.layout.roots().iter().map(|(_, r)| r.join(self.layout.parent())).collect()
     }
 }
 
@@ -79,8 +71,7 @@ pub struct TestGroup {
 impl TestGroup {
     pub fn new(name: &str, limits: Limits) -> TestGroup {
         let guard = ParentGuard::new();
-        let cg = Cgroup::create(&guard.layout, name, &limits)
-            .unwrap_or_else(|e| panic!("creating cgroup {name}: {e}"));
+        let cg = Cgroup::create(&guard.layout, name, &limits).unwrap_or_else(|e| panic!("creating cgroup {name}: {e}"));
         TestGroup { cg, guard }
     }
 }
@@ -93,11 +84,8 @@ pub struct Pipe {
 
 pub fn new_pipe() -> Pipe {
     let (read, write) = pipe().expect("pipe");
-    nix::fcntl::fcntl(
-        read.as_raw_fd(),
-        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
-    )
-    .expect("O_NONBLOCK");
+    nix::fcntl::fcntl(read.as_raw_fd(), nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK))
+        .expect("O_NONBLOCK");
     Pipe { read, write }
 }
 
@@ -125,11 +113,7 @@ pub fn read_exact_timeout(fd: &OwnedFd, n: usize, timeout: Duration) -> Vec<u8> 
             Ok(0) => panic!("pipe closed after {} of {n} bytes (child died?)", out.len()),
             Ok(k) => out.extend_from_slice(&buf[..k]),
             Err(nix::errno::Errno::EAGAIN) => {
-                assert!(
-                    Instant::now() < deadline,
-                    "timed out reading {n} bytes, got {}",
-                    out.len()
-                );
+                assert!(Instant::now() < deadline, "timed out reading {n} bytes, got {}", out.len());
                 std::thread::sleep(Duration::from_millis(2));
             }
             Err(e) => panic!("read: {e}"),
@@ -181,11 +165,7 @@ pub fn fork_gated(body: impl FnOnce() -> i32) -> Child {
         }
         ForkResult::Parent { child } => {
             drop(gate_r);
-            Child {
-                pid: child,
-                gate: Some(gate_w),
-                reaped: false,
-            }
+            Child { pid: child, gate: Some(gate_w), reaped: false }
         }
     }
 }
@@ -204,8 +184,7 @@ impl Child {
     pub fn wait(&mut self, timeout: Duration) -> WaitStatus {
         let deadline = Instant::now() + timeout;
         loop {
-            let st =
-                waitpid(self.pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG)).expect("waitpid");
+            let st = waitpid(self.pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG)).expect("waitpid");
             if st != WaitStatus::StillAlive {
                 self.reaped = true;
                 return st;
@@ -214,10 +193,7 @@ impl Child {
                 let _ = nix::sys::signal::kill(self.pid, nix::sys::signal::Signal::SIGKILL);
                 let st = waitpid(self.pid, None);
                 self.reaped = true;
-                panic!(
-                    "child {} did not finish within {timeout:?} (then: {st:?})",
-                    self.pid
-                );
+                panic!("child {} did not finish within {timeout:?} (then: {st:?})", self.pid);
             }
             std::thread::sleep(Duration::from_millis(2));
         }

@@ -31,15 +31,7 @@ pub fn mount_image(store: &bb_layers::ImageStore, img: &bb_layers::Image, dir: &
     fs::create_dir_all(&merged).unwrap();
     let lower = store.lower_dirs(img);
     let t = std::time::Instant::now();
-    bb_layers::mount_overlay(
-        &bb_layers::OverlaySpec {
-            lower: &lower,
-            upper: &upper,
-            work: &work,
-        },
-        &merged,
-    )
-    .unwrap();
+    bb_layers::mount_overlay(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &merged).unwrap();
     eprintln!("overlay mount of {} layers: {:?}", lower.len(), t.elapsed());
     Mounted(merged)
 }
@@ -104,11 +96,7 @@ impl LayerTar {
     }
     /// `.wh.<name>` in `dir` ("" = root).
     pub fn whiteout(self, dir: &str, name: &str) -> Self {
-        let p = if dir.is_empty() {
-            format!(".wh.{name}")
-        } else {
-            format!("{dir}/.wh.{name}")
-        };
+        let p = if dir.is_empty() { format!(".wh.{name}") } else { format!("{dir}/.wh.{name}") };
         self.file(&p, "")
     }
     pub fn opaque(self, dir: &str) -> Self {
@@ -161,10 +149,7 @@ impl TestImage {
         }
     }
     pub fn diff_ids(&self) -> Vec<String> {
-        self.layers
-            .iter()
-            .map(|l| format!("sha256:{}", sha256_hex(l)))
-            .collect()
+        self.layers.iter().map(|l| format!("sha256:{}", sha256_hex(l))).collect()
     }
     pub fn config(&self, arch: &str) -> Vec<u8> {
         serde_json::to_vec(&json!({
@@ -308,18 +293,13 @@ pub fn tar_dir(dir: &Path, out: &Path) {
 
 /// Names of the layer dirs in a state dir.
 pub fn stored_layers(state: &Path) -> Vec<String> {
-    let mut v: Vec<String> = fs::read_dir(state.join("layers"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect();
+    let mut v: Vec<String> =
+        fs::read_dir(state.join("layers")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     v.sort();
     v
 }
 
 /// Entries of `<state>/tmp` (work dirs must be gone after every operation).
 pub fn tmp_entries(state: &Path) -> Vec<String> {
-    fs::read_dir(state.join("tmp"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .collect()
+    fs::read_dir(state.join("tmp")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect()
 }

@@ -35,7 +35,9 @@ pub fn resolve(sb: &Sandbox, req: &RunCommand) -> Result<Resolved> {
         (None, Some(args)) if !args.is_empty() => (args.clone(), args.join(" ")),
         (None, Some(_)) => return Err(RuntimeError::BadRequest("args is empty: give at least the program".into())),
         (Some(_), Some(_)) => return Err(RuntimeError::BadRequest("give either cmd or args, not both".into())),
-        (None, None) => return Err(RuntimeError::BadRequest("give cmd (a shell command line) or args (an argv list)".into())),
+        (None, None) => {
+            return Err(RuntimeError::BadRequest("give cmd (a shell command line) or args (an argv list)".into()))
+        }
     };
     let stdin = match (&req.stdin, &req.stdin_b64) {
         (Some(_), Some(_)) => return Err(RuntimeError::BadRequest("give either stdin or stdin_b64, not both".into())),
@@ -215,7 +217,8 @@ pub async fn run(sb: &Sandbox, req: &RunCommand, events: Option<mpsc::Sender<Com
         });
     }
     let (exited_tx, exited) = watch::channel(false);
-    let col = |is_err| Collector { buf: Vec::new(), truncated: false, carry: Vec::new(), events: events.clone(), is_err };
+    let col =
+        |is_err| Collector { buf: Vec::new(), truncated: false, carry: Vec::new(), events: events.clone(), is_err };
     let out_task = tokio::spawn(collect(receiver(out_r)?, col(false), exited.clone()));
     let err_task = tokio::spawn(collect(receiver(err_r)?, col(true), exited.clone()));
 
@@ -234,7 +237,8 @@ pub async fn run(sb: &Sandbox, req: &RunCommand, events: Option<mpsc::Sender<Com
             match tokio::time::timeout(t, &mut wait_exit).await {
                 Ok(s) => (s?, false),
                 Err(_) => {
-                    let _ = InitConn::call(&sb.dirs.sock(), &Request::Kill { pid, signal: libc::SIGKILL, group: true }).await;
+                    let _ = InitConn::call(&sb.dirs.sock(), &Request::Kill { pid, signal: libc::SIGKILL, group: true })
+                        .await;
                     let s = tokio::time::timeout(Duration::from_secs(5), &mut wait_exit)
                         .await
                         .unwrap_or(Ok(ExitStatus { code: None, signal: Some(libc::SIGKILL) }))?;
@@ -441,7 +445,11 @@ impl crate::Runtime {
                 _ = tx.closed() => return,
             };
             if let Err(e) = res {
-                let _ = tx.send(CommandEvent::Error { error: crate::model::ErrorBody { code: e.code().into(), message: e.to_string() } }).await;
+                let _ = tx
+                    .send(CommandEvent::Error {
+                        error: crate::model::ErrorBody { code: e.code().into(), message: e.to_string() },
+                    })
+                    .await;
             }
         });
         Ok(rx)

@@ -176,9 +176,7 @@ impl SandboxFs {
         let st = fstatat(Some(dir.as_raw_fd()), path.name(), AtFlags::AT_SYMLINK_NOFOLLOW)
             .map_err(|e| errno_to_error("stat", path, e))?;
         let target = if st.st_mode & SFlag::S_IFMT.bits() == SFlag::S_IFLNK.bits() {
-            nix::fcntl::readlinkat(Some(dir.as_raw_fd()), path.name())
-                .ok()
-                .map(|t| t.to_string_lossy().into_owned())
+            nix::fcntl::readlinkat(Some(dir.as_raw_fd()), path.name()).ok().map(|t| t.to_string_lossy().into_owned())
         } else {
             None
         };
@@ -236,11 +234,18 @@ impl SandboxFs {
             .unwrap_or(0o644)
             & 0o7777;
         let tmp = format!(".branchbox-upload-{}", uuid::Uuid::new_v4().simple());
-        let fd = openat2(dir.as_fd(), &tmp, libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL, 0o600, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
-            .map_err(|e| errno_to_error("create", path, sys_to_nix(e)))?;
+        let fd = openat2(
+            dir.as_fd(),
+            &tmp,
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
+            0o600,
+            RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS,
+        )
+        .map_err(|e| errno_to_error("create", path, sys_to_nix(e)))?;
         let up = Upload { file: Some(File::from(fd)), dir, tmp, dst: path.clone(), committed: false };
         let raw = up.file.as_ref().expect("set").as_raw_fd();
-        nix::unistd::fchown(raw, Some(self.uid.into()), Some(self.uid.into())).map_err(|e| errno_to_error("chown", path, e))?;
+        nix::unistd::fchown(raw, Some(self.uid.into()), Some(self.uid.into()))
+            .map_err(|e| errno_to_error("chown", path, e))?;
         nix::sys::stat::fchmod(raw, Mode::from_bits_truncate(mode)).map_err(|e| errno_to_error("chmod", path, e))?;
         Ok(up)
     }
@@ -299,7 +304,8 @@ impl SandboxFs {
 
     fn list_into(&self, dir: OwnedFd, path: &SbPath, depth: u32, out: &mut Vec<EntryInfo>) -> Result<()> {
         let raw = dir.as_raw_fd();
-        let mut d = nix::dir::Dir::from_fd(std::os::fd::IntoRawFd::into_raw_fd(dir)).map_err(|e| errno_to_error("list", path, e))?;
+        let mut d = nix::dir::Dir::from_fd(std::os::fd::IntoRawFd::into_raw_fd(dir))
+            .map_err(|e| errno_to_error("list", path, e))?;
         let mut names: Vec<String> = d
             .iter()
             .filter_map(|e| e.ok())
@@ -325,8 +331,9 @@ impl SandboxFs {
             let is_dir = info.kind == "dir";
             out.push(info);
             if is_dir && depth > 1 {
-                let sub = openat2(dirfd, &name, libc::O_RDONLY | libc::O_DIRECTORY, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
-                    .map_err(|e| errno_to_error("list", &child, sys_to_nix(e)))?;
+                let sub =
+                    openat2(dirfd, &name, libc::O_RDONLY | libc::O_DIRECTORY, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
+                        .map_err(|e| errno_to_error("list", &child, sys_to_nix(e)))?;
                 self.list_into(sub, &child, depth - 1, out)?;
             }
         }
@@ -342,8 +349,14 @@ impl SandboxFs {
         let info = self.stat_in(parent.as_fd(), path)?;
         if info.kind == "dir" {
             if recursive {
-                let dir = openat2(parent.as_fd(), path.name(), libc::O_RDONLY | libc::O_DIRECTORY, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
-                    .map_err(|e| errno_to_error("remove", path, sys_to_nix(e)))?;
+                let dir = openat2(
+                    parent.as_fd(),
+                    path.name(),
+                    libc::O_RDONLY | libc::O_DIRECTORY,
+                    0,
+                    RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS,
+                )
+                .map_err(|e| errno_to_error("remove", path, sys_to_nix(e)))?;
                 remove_contents(dir, path)?;
             }
             nix::unistd::unlinkat(Some(parent.as_raw_fd()), path.name(), nix::unistd::UnlinkatFlags::RemoveDir)
@@ -391,7 +404,11 @@ impl Upload {
 impl Drop for Upload {
     fn drop(&mut self) {
         if !self.committed {
-            let _ = nix::unistd::unlinkat(Some(self.dir.as_raw_fd()), self.tmp.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
+            let _ = nix::unistd::unlinkat(
+                Some(self.dir.as_raw_fd()),
+                self.tmp.as_str(),
+                nix::unistd::UnlinkatFlags::NoRemoveDir,
+            );
         }
     }
 }
@@ -399,7 +416,8 @@ impl Drop for Upload {
 /// Remove everything below an open directory without following symlinks.
 fn remove_contents(dir: OwnedFd, path: &SbPath) -> Result<()> {
     let raw = dir.as_raw_fd();
-    let mut d = nix::dir::Dir::from_fd(std::os::fd::IntoRawFd::into_raw_fd(dir)).map_err(|e| errno_to_error("remove", path, e))?;
+    let mut d = nix::dir::Dir::from_fd(std::os::fd::IntoRawFd::into_raw_fd(dir))
+        .map_err(|e| errno_to_error("remove", path, e))?;
     let entries: Vec<(String, bool)> = d
         .iter()
         .filter_map(|e| e.ok())
@@ -413,8 +431,9 @@ fn remove_contents(dir: OwnedFd, path: &SbPath) -> Result<()> {
     for (name, is_dir) in entries {
         let child = path.join(&name);
         if is_dir {
-            let sub = openat2(dirfd, &name, libc::O_RDONLY | libc::O_DIRECTORY, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
-                .map_err(|e| errno_to_error("remove", &child, sys_to_nix(e)))?;
+            let sub =
+                openat2(dirfd, &name, libc::O_RDONLY | libc::O_DIRECTORY, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
+                    .map_err(|e| errno_to_error("remove", &child, sys_to_nix(e)))?;
             remove_contents(sub, &child)?;
             nix::unistd::unlinkat(Some(raw), name.as_str(), nix::unistd::UnlinkatFlags::RemoveDir)
                 .map_err(|e| errno_to_error("remove", &child, e))?;

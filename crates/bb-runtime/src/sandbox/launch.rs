@@ -98,7 +98,8 @@ pub fn new_upper(cfg: &RuntimeConfig, dirs: &SandboxDirs, n: u64) -> Result<(Str
     std::fs::create_dir(&upper).map_err(|e| io("create writable layer", e))?;
     let base = cfg.idmap.host_base;
     std::os::unix::fs::chown(&upper, Some(base), Some(base)).map_err(|e| io("chown writable layer", e))?;
-    std::fs::set_permissions(&upper, std::fs::Permissions::from_mode(0o755)).map_err(|e| io("chmod writable layer", e))?;
+    std::fs::set_permissions(&upper, std::fs::Permissions::from_mode(0o755))
+        .map_err(|e| io("chmod writable layer", e))?;
     let work = dirs.dir.join(format!("work-{n}"));
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir(&work).map_err(|e| io("create overlay work dir", e))?;
@@ -263,8 +264,7 @@ pub fn launch(
     let devnull = std::fs::File::open("/dev/null").map_err(|e| io("/dev/null", e))?;
     let log = init_log(&dirs)?;
     let config = init_config(cfg, id, spec, &rootfs, false);
-    let program = CString::new(cfg.init_bin.as_os_str().as_encoded_bytes())
-        .map_err(|_| LaunchError::BadInitPath)?;
+    let program = CString::new(cfg.init_bin.as_os_str().as_encoded_bytes()).map_err(|_| LaunchError::BadInitPath)?;
     let argv = [CString::new("branchbox-init").expect("no NUL")];
     let envp = [CString::new(format!(
         "{}={}",
@@ -309,8 +309,7 @@ pub fn launch(
     let t_clone = t0.elapsed();
 
     wait_ready(status_r, &dirs)?;
-    let init_start = bb_sys::process::process_start_time(pid)
-        .ok_or(LaunchError::InitExited)?;
+    let init_start = bb_sys::process::process_start_time(pid).ok_or(LaunchError::InitExited)?;
     rb.armed = false;
     tracing::debug!(%id, ?t_mount, ?t_cgroup, ?t_clone, ready = ?t0.elapsed(), "sandbox launched");
     let cgroup = rb.cgroup.take().expect("set above");
@@ -342,8 +341,9 @@ pub fn launch_nested(
     let lower: Vec<PathBuf> = layer_paths.iter().rev().cloned().collect();
     let mnt = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &rootfs)
         .map_err(RuntimeError::from)?;
-    let host_view = bb_sys::ns::open_tree(mnt.as_fd(), Path::new(""), bb_sys::ns::OPEN_TREE_CLONE | bb_sys::ns::OPEN_TREE_CLOEXEC)
-        .map_err(|e| io("clone root mount", e))?;
+    let host_view =
+        bb_sys::ns::open_tree(mnt.as_fd(), Path::new(""), bb_sys::ns::OPEN_TREE_CLONE | bb_sys::ns::OPEN_TREE_CLOEXEC)
+            .map_err(|e| io("clone root mount", e))?;
     crate::sandbox::rootswap::attach_host_root(&rootfs, host_view)?;
     rb.mounted = true;
     make_cwd(cfg, spec, &rootfs)?;
@@ -359,13 +359,16 @@ pub fn launch_nested(
     let mut fds = vec![listener.as_raw_fd(), status_w.as_raw_fd(), mnt.as_raw_fd(), log.as_raw_fd()];
     fds.extend(procs.iter().map(|f| f.as_raw_fd()));
     let t_prepared = t0.elapsed();
-    let (resp, mut got) = crate::initconn::call_blocking(parent_sock, &bb_proto::Request::Nest { config }, &fds, Duration::from_secs(20))?;
+    let (resp, mut got) = crate::initconn::call_blocking(
+        parent_sock,
+        &bb_proto::Request::Nest { config },
+        &fds,
+        Duration::from_secs(20),
+    )?;
     drop((status_w, listener, mnt, procs));
     match resp {
         bb_proto::Response::Nested { .. } => {}
-        bb_proto::Response::Error { message, .. } => {
-            return Err(LaunchError::NestRefused(message).into())
-        }
+        bb_proto::Response::Error { message, .. } => return Err(LaunchError::NestRefused(message).into()),
         other => return Err(crate::initconn::unexpected(other)),
     }
     let pidfd = got.pop().ok_or(LaunchError::NoPidfd)?;
@@ -373,8 +376,7 @@ pub fn launch_nested(
     rb.pid = Some(pid);
     let t_nested = t0.elapsed();
     wait_ready(status_r, &dirs)?;
-    let init_start = bb_sys::process::process_start_time(pid)
-        .ok_or(LaunchError::InitExited)?;
+    let init_start = bb_sys::process::process_start_time(pid).ok_or(LaunchError::InitExited)?;
     rb.armed = false;
     tracing::debug!(%id, ?t_prepared, ?t_nested, ready = ?t0.elapsed(), "nested sandbox launched");
     let cgroup = rb.cgroup.take().expect("set above");

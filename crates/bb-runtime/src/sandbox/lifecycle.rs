@@ -8,10 +8,10 @@
 //! sandbox is gone.
 
 use crate::error::{Result, RuntimeError};
+use crate::layers::Generation;
 use crate::model::*;
 use crate::sandbox::launch::{self, SandboxDirs};
 use crate::sandbox::{store, Sandbox};
-use crate::layers::Generation;
 use crate::{now, Runtime};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -53,7 +53,10 @@ impl Runtime {
         }
         let memory_mb = req.memory_mb.unwrap_or(512);
         if !(16..=c.max_memory_mb).contains(&memory_mb) {
-            return Err(RuntimeError::BadRequest(format!("memory_mb must be in [16, {}]; got {memory_mb}", c.max_memory_mb)));
+            return Err(RuntimeError::BadRequest(format!(
+                "memory_mb must be in [16, {}]; got {memory_mb}",
+                c.max_memory_mb
+            )));
         }
         let pids = req.pids.unwrap_or(512);
         if !(8..=c.max_pids).contains(&pids) {
@@ -103,7 +106,8 @@ impl Runtime {
         // A ready sandbox from the warm pool if there is one; otherwise a cold start.
         let rt = self.clone();
         let s2 = spec.clone();
-        let pooled = tokio::task::spawn_blocking(move || rt.claim_pooled(&s2, timeout)).await.map_err(RuntimeError::Worker)?;
+        let pooled =
+            tokio::task::spawn_blocking(move || rt.claim_pooled(&s2, timeout)).await.map_err(RuntimeError::Worker)?;
         self.pool.wake.notify_one();
         match pooled {
             Some(Ok(sb)) => {
@@ -186,7 +190,8 @@ impl Runtime {
             expires_at,
             nest_parent: nest_parent.clone(),
         };
-        let recorded = self.snapshots.records().set_generation(&id, &gen).and_then(|()| self.sandboxes.records().insert(&row));
+        let recorded =
+            self.snapshots.records().set_generation(&id, &gen).and_then(|()| self.sandboxes.records().insert(&row));
         if let Err(e) = recorded {
             let _ = launch::teardown(&self.cfg, &self.cgroups, &id, Some((launched.init_pid, launched.init_start)));
             self.remove_layer_dir(&gen.upper);
@@ -234,9 +239,15 @@ impl Runtime {
     }
 
     pub fn list(&self, filter: &[(String, String)]) -> Vec<SandboxInfo> {
-        let mut v: Vec<SandboxInfo> = self.sandboxes.all().iter()
+        let mut v: Vec<SandboxInfo> = self
+            .sandboxes
+            .all()
+            .iter()
             .filter(|s| filter.iter().all(|(k, v)| s.spec.metadata.get(k) == Some(v)))
-            .filter(|s| !s.spec.metadata.contains_key(crate::recipes::TEMPLATE_KEY) || filter.iter().any(|(k, _)| k == crate::recipes::TEMPLATE_KEY))
+            .filter(|s| {
+                !s.spec.metadata.contains_key(crate::recipes::TEMPLATE_KEY)
+                    || filter.iter().any(|(k, _)| k == crate::recipes::TEMPLATE_KEY)
+            })
             .map(|s| s.info())
             .collect();
         v.sort_by(|a, b| a.created_at.total_cmp(&b.created_at));
@@ -346,7 +357,10 @@ impl Runtime {
     /// Kill every sandbox whose TTL has passed. Returns their ids.
     pub async fn reap_expired(self: &Arc<Self>) -> Vec<String> {
         let t = now();
-        let expired: Vec<String> = self.sandboxes.all().iter()
+        let expired: Vec<String> = self
+            .sandboxes
+            .all()
+            .iter()
             .filter(|s| s.expires_at.lock().is_some_and(|e| e <= t))
             .map(|s| s.id.clone())
             .collect();

@@ -10,13 +10,13 @@ pub mod rootswap;
 pub mod sessions;
 pub mod store;
 
-use crate::sandbox::launch::SandboxDirs;
 use crate::model::{SandboxInfo, SandboxSpec};
+use crate::sandbox::launch::SandboxDirs;
 use crate::session::Session;
 use bb_isolation::Cgroup;
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use parking_lot::Mutex;
 use std::sync::Arc;
 
 pub struct Sandbox {

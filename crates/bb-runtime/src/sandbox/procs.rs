@@ -51,7 +51,6 @@ pub(crate) fn kill_in_sandbox_procfs(sb: &Sandbox, keep: &HashSet<i32>, killed: 
     Ok(())
 }
 
-
 /// Processes of a sandbox survived every round of [`kill_members`].
 #[derive(Debug, thiserror::Error)]
 #[error("processes {pids:?} of sandbox {sandbox} survived SIGKILL")]
@@ -156,7 +155,10 @@ mod tests {
                 _ => self.alive.borrow_mut().retain(|p| *p != pid),
             }
             if let Some((parent, child)) = self.forks {
-                if pid == parent && !self.alive.borrow().contains(&child) && !self.log.borrow().iter().any(|l| l == &format!("kill {child}")) {
+                if pid == parent
+                    && !self.alive.borrow().contains(&child)
+                    && !self.log.borrow().iter().any(|l| l == &format!("kill {child}"))
+                {
                     self.alive.borrow_mut().push(child);
                 }
             }

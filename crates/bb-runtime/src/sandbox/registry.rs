@@ -19,7 +19,11 @@ pub struct Sandboxes {
 
 impl Sandboxes {
     pub fn open(db: &Path) -> DbResult<Sandboxes> {
-        Ok(Sandboxes { live: Default::default(), husks: Default::default(), records: Mutex::new(SandboxStore::open(db)?) })
+        Ok(Sandboxes {
+            live: Default::default(),
+            husks: Default::default(),
+            records: Mutex::new(SandboxStore::open(db)?),
+        })
     }
 
     /// The records in the state database.

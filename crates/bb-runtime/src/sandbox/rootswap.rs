@@ -52,7 +52,8 @@ fn err(what: impl Into<String>, e: impl Into<Box<dyn std::error::Error + Send + 
 /// can wait until the sandbox is thawed).
 pub fn swap_root(init_pid: i32, new_mnt: OwnedFd) -> Result<OwnedFd> {
     let t0 = std::time::Instant::now();
-    let mntns = fs::File::open(format!("/proc/{init_pid}/ns/mnt")).map_err(|e| err("open sandbox mount namespace", e))?;
+    let mntns =
+        fs::File::open(format!("/proc/{init_pid}/ns/mnt")).map_err(|e| err("open sandbox mount namespace", e))?;
     // A second mount of the same overlay instance for the host side.
     let host_clone = ns::open_tree(new_mnt.as_fd(), Path::new(""), ns::OPEN_TREE_CLONE | ns::OPEN_TREE_CLOEXEC)
         .map_err(|e| err("clone new root mount", e))?;
@@ -98,9 +99,9 @@ fn spawn_ns_worker() -> NsWorker {
         std::thread::Builder::new()
             .name("bb-mntns".into())
             .spawn(move || {
-                let setup = ns::unshare(libc::CLONE_FS)
-                    .map_err(|e| err("unshare fs context", e))
-                    .and_then(|()| fs::File::open("/proc/thread-self/ns/mnt").map_err(|e| err("open host mount namespace", e)));
+                let setup = ns::unshare(libc::CLONE_FS).map_err(|e| err("unshare fs context", e)).and_then(|()| {
+                    fs::File::open("/proc/thread-self/ns/mnt").map_err(|e| err("open host mount namespace", e))
+                });
                 for (target, job, reply) in rx {
                     let res = match &setup {
                         Err(e) => Err(err("set up the mount namespace worker", e.to_string())),
@@ -124,10 +125,7 @@ fn spawn_ns_worker() -> NsWorker {
 impl NsWorker {
     fn run(&self, target: OwnedFd, job: NsJob) -> Result<()> {
         let (reply_tx, reply_rx) = std::sync::mpsc::channel();
-        self.tx
-            .lock()
-            .send((target, job, reply_tx))
-            .map_err(|_| RootSwapError::WorkerGone)?;
+        self.tx.lock().send((target, job, reply_tx)).map_err(|_| RootSwapError::WorkerGone)?;
         reply_rx.recv().map_err(|_| RootSwapError::WorkerPanicked)?
     }
 }
@@ -169,7 +167,11 @@ fn root_submounts(pid: i32) -> std::io::Result<Vec<PathBuf>> {
     let Some(root_id) = rows.iter().rev().find(|r| r.2 == "/").map(|r| r.0) else {
         return Err(std::io::Error::other("no root mount in mountinfo"));
     };
-    Ok(rows.into_iter().filter(|r| r.1 == root_id && r.0 != root_id && r.2 != "/").map(|r| PathBuf::from(r.2)).collect())
+    Ok(rows
+        .into_iter()
+        .filter(|r| r.1 == root_id && r.0 != root_id && r.2 != "/")
+        .map(|r| PathBuf::from(r.2))
+        .collect())
 }
 
 fn unescape_mountinfo(s: &str) -> String {
@@ -251,7 +253,11 @@ pub fn stale_cwds(proc: &Path, pids: &[i32], ovl_dev: u64) -> Vec<(i32, PathBuf)
             let dev = fs::metadata(&cwd).ok()?.dev();
             (dev == ovl_dev).then_some(())?;
             let target = fs::read_link(&cwd).ok()?;
-            let path = if target == Path::new("/") { PathBuf::from("/") } else { PathBuf::from("/").join(sandbox_path(&target)?) };
+            let path = if target == Path::new("/") {
+                PathBuf::from("/")
+            } else {
+                PathBuf::from("/").join(sandbox_path(&target)?)
+            };
             Some((*pid, path))
         })
         .collect()
@@ -427,7 +433,11 @@ mod tests {
         use std::io::Write;
         held.write_all(b" after").unwrap();
         assert_eq!(fs::read(old.join("a/b/f")).unwrap(), b"before", "the frozen layer keeps the checkpoint content");
-        assert_eq!(fs::read(new.join("a/b/f")).unwrap(), b"before after", "writes through the old fd reach the live layer");
+        assert_eq!(
+            fs::read(new.join("a/b/f")).unwrap(),
+            b"before after",
+            "writes through the old fd reach the live layer"
+        );
         assert_eq!(fs::metadata(new.join("a")).unwrap().mode() & 0o7777, 0o750);
         // A stale inode number is ignored.
         assert_eq!(pin_open_files(&files[2..], &old, &new).unwrap().files, 0);

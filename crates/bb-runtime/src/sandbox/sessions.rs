@@ -5,8 +5,8 @@ use crate::error::{Result, RuntimeError};
 use crate::initconn::{init_error, unexpected, InitConn};
 use crate::model::*;
 use crate::sandbox::Sandbox;
-use crate::Runtime;
 use crate::session::{session_tag, Session, SessionError, SERVER_SOURCE, START_TIMEOUT};
+use crate::Runtime;
 use bb_proto::{Request, Response, SpawnRequest};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
@@ -86,7 +86,13 @@ impl Runtime {
 
 /// Record a process made by fork (not spawned by init) with init, and stash its channel there,
 /// so a restarted daemon finds it like any session (`tag`) and takes its channel back (`key`).
-pub async fn adopt(sb: &Sandbox, pid: i32, tag: String, key: String, chan: &std::os::unix::net::UnixStream) -> Result<()> {
+pub async fn adopt(
+    sb: &Sandbox,
+    pid: i32,
+    tag: String,
+    key: String,
+    chan: &std::os::unix::net::UnixStream,
+) -> Result<()> {
     let keep = chan.try_clone().map_err(SessionError::Channel)?;
     let conn = InitConn::connect(&sb.dirs.sock()).await?;
     conn.send(&Request::Adopt { pid, tag, stash: Some(key) }, &[keep.as_raw_fd()])?;
@@ -100,7 +106,14 @@ pub async fn adopt(sb: &Sandbox, pid: i32, tag: String, key: String, chan: &std:
 
 /// [`adopt`] after the answer to the operation that made the process (it only matters after a
 /// daemon restart); a sandbox killed meanwhile has nothing to register with.
-pub fn adopt_behind_answer(sb: Arc<Sandbox>, pid: i32, tag: String, key: String, chan: std::os::unix::net::UnixStream, what: &'static str) {
+pub fn adopt_behind_answer(
+    sb: Arc<Sandbox>,
+    pid: i32,
+    tag: String,
+    key: String,
+    chan: std::os::unix::net::UnixStream,
+    what: &'static str,
+) {
     tokio::spawn(async move {
         tokio::time::sleep(crate::activity::BEHIND_ANSWER).await;
         if let Err(e) = adopt(&sb, pid, tag, key, &chan).await {

@@ -58,9 +58,8 @@ impl SandboxStore {
             );",
         )?;
         // Added with nested forks; older databases get the column (NULL: not nested).
-        let has_nest: bool = conn
-            .prepare("SELECT 1 FROM pragma_table_info('sandboxes') WHERE name = 'nest_parent'")?
-            .exists([])?;
+        let has_nest: bool =
+            conn.prepare("SELECT 1 FROM pragma_table_info('sandboxes') WHERE name = 'nest_parent'")?.exists([])?;
         if !has_nest {
             conn.execute_batch("ALTER TABLE sandboxes ADD COLUMN nest_parent TEXT;")?;
         }
@@ -83,7 +82,12 @@ impl SandboxStore {
     pub fn husks(&self) -> DbResult<Vec<HuskRow>> {
         let mut stmt = self.conn.prepare("SELECT id, init_pid, init_start, nest_parent FROM husks")?;
         let rows = stmt.query_map([], |r| {
-            Ok(HuskRow { id: r.get(0)?, init_pid: r.get(1)?, init_start: r.get::<_, i64>(2)? as u64, nest_parent: r.get(3)? })
+            Ok(HuskRow {
+                id: r.get(0)?,
+                init_pid: r.get(1)?,
+                init_start: r.get::<_, i64>(2)? as u64,
+                nest_parent: r.get(3)?,
+            })
         })?;
         Ok(rows.collect::<std::result::Result<_, _>>()?)
     }
@@ -119,7 +123,15 @@ impl SandboxStore {
         for row in rows {
             let (id, spec, init_pid, init_start, created_at, expires_at, nest_parent) = row?;
             match serde_json::from_str(&spec) {
-                Ok(spec) => out.push(SandboxRow { id, spec, init_pid, init_start: init_start as u64, created_at, expires_at, nest_parent }),
+                Ok(spec) => out.push(SandboxRow {
+                    id,
+                    spec,
+                    init_pid,
+                    init_start: init_start as u64,
+                    created_at,
+                    expires_at,
+                    nest_parent,
+                }),
                 Err(e) => tracing::warn!(%id, "unreadable sandbox record ({e}); it will be reaped"),
             }
         }
@@ -185,7 +197,15 @@ mod tests {
                  init_start INTEGER NOT NULL, created_at REAL NOT NULL, expires_at REAL);",
             )
             .unwrap();
-        let row = SandboxRow { id: "sb-2".into(), spec: spec(), init_pid: 1, init_start: 1, created_at: 1.0, expires_at: None, nest_parent: None };
+        let row = SandboxRow {
+            id: "sb-2".into(),
+            spec: spec(),
+            init_pid: 1,
+            init_start: 1,
+            created_at: 1.0,
+            expires_at: None,
+            nest_parent: None,
+        };
         let store = SandboxStore::open(&db).unwrap();
         store.insert(&row).unwrap();
         assert_eq!(store.all().unwrap(), vec![row]);

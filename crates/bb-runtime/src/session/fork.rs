@@ -123,7 +123,9 @@ fn drive(
             Err(e) if e.errno() == libc::EBUSY && std::time::Instant::now() < deadline => {
                 std::thread::sleep(std::time::Duration::from_micros(500));
             }
-            Err(e) if e.errno() == libc::EBUSY => return Err(RuntimeError::Conflict("the session template is busy".into())),
+            Err(e) if e.errno() == libc::EBUSY => {
+                return Err(RuntimeError::Conflict("the session template is busy".into()))
+            }
             Err(e) => return Err(fail("seize template", e)),
         }
     };
@@ -132,7 +134,8 @@ fn drive(
     if let Ok(prep) = &prep {
         // Two threads for many children: the second drives a fork of the template (its own
         // memory map, so the page-table copies of both run in parallel).
-        let second = if may_split && expected >= PARALLEL_MIN && parallel() { prep.second_template(&mut t).ok() } else { None };
+        let second =
+            if may_split && expected >= PARALLEL_MIN && parallel() { prep.second_template(&mut t).ok() } else { None };
         std::thread::scope(|scope| {
             if let Some(pid) = second {
                 scope.spawn(move || drive_second(pid, expected, next, key, out));
@@ -171,7 +174,13 @@ fn parallel() -> bool {
 /// into targets from the shared queue, then kill it (its parent, the first template, ignores
 /// SIGCHLD meanwhile, so it is reaped at once). If it cannot be taken over, the first thread
 /// does all the work.
-fn drive_second(pid: i32, expected: usize, next: &(dyn Fn() -> Option<Target> + Sync), key: [u64; 2], out: &(dyn Fn(usize, Result<SessionCopy>) + Sync)) {
+fn drive_second(
+    pid: i32,
+    expected: usize,
+    next: &(dyn Fn() -> Option<Target> + Sync),
+    key: [u64; 2],
+    out: &(dyn Fn(usize, Result<SessionCopy>) + Sync),
+) {
     // It was resumed by the other thread: `drive` waits until it is back in its syscall.
     let _ = drive(pid, expected, next, key, out, false);
     // The copy of the template we made for this fork.
@@ -199,7 +208,8 @@ struct Prepared {
 
 impl Prepared {
     fn new(t: &mut Tracee, runner: u64) -> Result<Prepared> {
-        let w = |t: &Tracee, at: u64, b: &[u8]| t.write_mem(runner + at, b).map_err(|e| fail("write template memory", e));
+        let w =
+            |t: &Tracee, at: u64, b: &[u8]| t.write_mem(runner + at, b).map_err(|e| fail("write template memory", e));
         w(t, D_ACT, &sigaction_bytes(1 /* SIG_IGN */))?;
         let (hdr, data) = capset_bytes();
         w(t, D_CAPS, &hdr)?;
@@ -209,7 +219,10 @@ impl Prepared {
                 runner,
                 &[
                     (libc::SYS_rt_sigaction, [libc::SIGCHLD as u64, runner + D_ACT, runner + D_OLD_ACT, 8, 0, 0]),
-                    (libc::SYS_socketpair, [libc::AF_UNIX as u64, (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64, 0, runner + D_SV, 0, 0]),
+                    (
+                        libc::SYS_socketpair,
+                        [libc::AF_UNIX as u64, (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64, 0, runner + D_SV, 0, 0],
+                    ),
                 ],
             )
             .map_err(|e| fail("template set-up", e))?;
@@ -221,7 +234,8 @@ impl Prepared {
         }
         let mut sv = [0u8; 8];
         t.read_mem(runner + D_SV, &mut sv).map_err(|e| fail("read socketpair", e))?;
-        let (ns_fd, theirs) = (i32::from_ne_bytes(sv[..4].try_into().expect("4")), i32::from_ne_bytes(sv[4..].try_into().expect("4")));
+        let (ns_fd, theirs) =
+            (i32::from_ne_bytes(sv[..4].try_into().expect("4")), i32::from_ne_bytes(sv[4..].try_into().expect("4")));
         let taken = bb_sys::process::pidfd_open(t.pid()).and_then(|pidfd| bb_sys::process::pidfd_getfd(&pidfd, theirs));
         let _ = t.run_batch(runner, &[(libc::SYS_close, [theirs as u64, 0, 0, 0, 0, 0])]);
         let prep = |ns_sock| -> Result<Prepared> {
@@ -253,7 +267,9 @@ impl Prepared {
     fn second_template(&self, t: &mut Tracee) -> Result<i32> {
         let f = t.syscall(libc::SYS_fork, [0; 6]).map_err(|e| fail("fork second template", e))?;
         f.ok("fork").map_err(|e| fail("fork second template", e))?;
-        let mut c = t.child(f.child.ok_or_else(|| fail("fork second template", "no child"))?).map_err(|e| fail("second template", e))?;
+        let mut c = t
+            .child(f.child.ok_or_else(|| fail("fork second template", "no child"))?)
+            .map_err(|e| fail("second template", e))?;
         let cleaned = c
             .run_batch(self.runner, &[(libc::SYS_close, [self.ns_fd as u64, 0, 0, 0, 0, 0])])
             .and_then(|_| c.syscall(libc::SYS_munmap, [self.runner, RUNNER_BYTES, 0, 0, 0, 0]))

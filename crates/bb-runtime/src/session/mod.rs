@@ -77,7 +77,13 @@ pub fn parse_session_tag(tag: &str) -> Option<(String, String, bool)> {
 
 impl Session {
     /// A session whose process runs already, on a channel taken back from init (daemon restart).
-    pub fn attach(id: String, kind: String, pid: i32, created_at: f64, chan: std::os::unix::net::UnixStream) -> Result<Session> {
+    pub fn attach(
+        id: String,
+        kind: String,
+        pid: i32,
+        created_at: f64,
+        chan: std::os::unix::net::UnixStream,
+    ) -> Result<Session> {
         chan.set_nonblocking(true).map_err(SessionError::Channel)?;
         let stream = UnixStream::from_std(chan).map_err(SessionError::Channel)?;
         Ok(Session {
@@ -151,7 +157,11 @@ impl Session {
     }
 
     /// Send one request line and read one response line.
-    pub(crate) async fn request(&self, req: &serde_json::Value, timeout: Option<Duration>) -> Result<Option<serde_json::Value>> {
+    pub(crate) async fn request(
+        &self,
+        req: &serde_json::Value,
+        timeout: Option<Duration>,
+    ) -> Result<Option<serde_json::Value>> {
         self.request_fd(req, None, timeout).await
     }
 
@@ -220,9 +230,9 @@ impl Session {
                 self.alive.store(false, Ordering::SeqCst);
                 Ok(None)
             }
-            Some(Ok((n, resp))) if n > 0 && resp.ends_with(b"\n") => serde_json::from_slice(&resp)
-                .map(Some)
-                .map_err(|e| SessionError::Malformed(e).into()),
+            Some(Ok((n, resp))) if n > 0 && resp.ends_with(b"\n") => {
+                serde_json::from_slice(&resp).map(Some).map_err(|e| SessionError::Malformed(e).into())
+            }
             Some(_) => {
                 **guard = None;
                 self.alive.store(false, Ordering::SeqCst);
@@ -312,7 +322,10 @@ mod tests {
 
     /// A fake session server on the other end of `chan`: answers each request line with
     /// `answer(op)` (plus the request's id), reporting each op and whether an fd came with it.
-    fn fake_server(chan: StdStream, answer: fn(&str) -> serde_json::Value) -> std::thread::JoinHandle<Vec<(String, bool)>> {
+    fn fake_server(
+        chan: StdStream,
+        answer: fn(&str) -> serde_json::Value,
+    ) -> std::thread::JoinHandle<Vec<(String, bool)>> {
         std::thread::spawn(move || {
             let mut seen = Vec::new();
             let mut out = chan.try_clone().unwrap();
@@ -322,11 +335,18 @@ mod tests {
                 let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
                 let mut byte = [0u8; 1];
                 let mut iov = [std::io::IoSliceMut::new(&mut byte)];
-                let msg = nix::sys::socket::recvmsg::<()>(reader.get_ref().as_raw_fd(), &mut iov, Some(&mut space), nix::sys::socket::MsgFlags::MSG_PEEK).unwrap();
+                let msg = nix::sys::socket::recvmsg::<()>(
+                    reader.get_ref().as_raw_fd(),
+                    &mut iov,
+                    Some(&mut space),
+                    nix::sys::socket::MsgFlags::MSG_PEEK,
+                )
+                .unwrap();
                 if msg.bytes == 0 {
                     return seen;
                 }
-                let with_fd = msg.cmsgs().unwrap().any(|c| matches!(c, nix::sys::socket::ControlMessageOwned::ScmRights(_)));
+                let with_fd =
+                    msg.cmsgs().unwrap().any(|c| matches!(c, nix::sys::socket::ControlMessageOwned::ScmRights(_)));
                 let mut line = String::new();
                 if reader.read_line(&mut line).unwrap() == 0 {
                     return seen;
@@ -359,7 +379,8 @@ mod tests {
         s.request(&serde_json::json!({"op": "ping"}), Some(Duration::from_secs(5))).await.unwrap().unwrap();
         s.forget().await;
         let seen = server.join().unwrap();
-        let expect: Vec<(String, bool)> = vec![("restored".into(), true), ("ping".into(), false), ("ping".into(), false)];
+        let expect: Vec<(String, bool)> =
+            vec![("restored".into(), true), ("ping".into(), false), ("ping".into(), false)];
         assert_eq!(seen, expect);
         assert!(!s.is_alive());
     }
@@ -374,7 +395,10 @@ mod tests {
         let s = Session::attach("ss-2".into(), "python".into(), 7, 0.0, ours).unwrap();
         s.finish_later(log_file(), (0, 0));
         let err = s.request(&serde_json::json!({"op": "run", "code": "1"}), None).await.unwrap_err().to_string();
-        assert!(err.contains("ss-2") && err.contains("not a template") && err.contains("create a new session"), "{err}");
+        assert!(
+            err.contains("ss-2") && err.contains("not a template") && err.contains("create a new session"),
+            "{err}"
+        );
         assert!(!s.is_alive());
         // The channel was closed: the copy's server sees the end of file and exits.
         assert_eq!(server.join().unwrap(), vec![("restored".to_string(), true)]);

@@ -12,15 +12,15 @@
 //! Nothing changed since the last checkpoint or rollback (no dirty session, empty writable
 //! layer): the new snapshot shares that one's layers (`lightweight`).
 
-use crate::error::{Result, RuntimeError};
-use crate::session_templates::TEMPLATE_TAG;
-use crate::sandbox::launch::layer_dir;
-use crate::layers::dir_is_empty;
 use super::swap::Scan;
 use super::{legacy, ms, snapshot_id};
+use crate::error::{Result, RuntimeError};
+use crate::layers::dir_is_empty;
 use crate::model::*;
+use crate::sandbox::launch::layer_dir;
 use crate::sandbox::Sandbox;
 use crate::session::{self, Session};
+use crate::session_templates::TEMPLATE_TAG;
 use crate::snapshot::store::{Generation, SnapSession, SnapshotRow};
 use crate::{now, Runtime};
 use std::collections::HashSet;
@@ -49,7 +49,12 @@ impl Runtime {
     /// Take a snapshot of `sb` (caller holds `sb.ops`). `with_sessions = false` captures files
     /// only (evaluate). Returns the snapshot and whether it is new (false: an existing one was
     /// reused because nothing changed).
-    pub(crate) async fn checkpoint_locked(self: &Arc<Self>, sb: &Arc<Sandbox>, label: Option<String>, with_sessions: bool) -> Result<(SnapshotRow, bool)> {
+    pub(crate) async fn checkpoint_locked(
+        self: &Arc<Self>,
+        sb: &Arc<Sandbox>,
+        label: Option<String>,
+        with_sessions: bool,
+    ) -> Result<(SnapshotRow, bool)> {
         let gen = sb.gen.lock().clone().ok_or_else(|| legacy(&sb.id))?;
         let sessions_map = sb.sessions.lock().await;
         let default_id = sb.default_session.lock().await.clone();
@@ -108,7 +113,9 @@ impl Runtime {
                 let default = default_id.as_deref() == Some(s.id.as_str());
                 match s.fork_begin("template").await {
                     Ok(p) => pending.push((snap_sessions.len(), p)),
-                    Err(e) => tracing::warn!(sandbox = %sb.id, session = %s.id, "session did not fork; it will restart fresh on rollback: {e}"),
+                    Err(e) => {
+                        tracing::warn!(sandbox = %sb.id, session = %s.id, "session did not fork; it will restart fresh on rollback: {e}")
+                    }
                 }
                 snap_sessions.push(SnapSession { id: s.id.clone(), kind: s.kind.clone(), default, template: None });
             }
@@ -162,7 +169,11 @@ impl Runtime {
                 let chan = p.channel();
                 let keep = chan.try_clone().map_err(RuntimeError::io("socket"))?;
                 let key = format!("tp-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
-                Ok::<_, RuntimeError>((key.clone(), Session::attach(key, snap_sessions[i].kind.clone(), pid, now(), chan)?, keep))
+                Ok::<_, RuntimeError>((
+                    key.clone(),
+                    Session::attach(key, snap_sessions[i].kind.clone(), pid, now(), chan)?,
+                    keep,
+                ))
             })();
             match ready {
                 Ok((key, t, keep)) => {
@@ -206,7 +217,14 @@ impl Runtime {
         for (key, t, keep) in new_templates {
             spares.push(key.clone());
             // Registered with init off the critical path.
-            crate::sandbox::sessions::adopt_behind_answer(sb.clone(), t.pid, format!("{TEMPLATE_TAG}{key}:{}", t.kind), key.clone(), keep, "template");
+            crate::sandbox::sessions::adopt_behind_answer(
+                sb.clone(),
+                t.pid,
+                format!("{TEMPLATE_TAG}{key}:{}", t.kind),
+                key.clone(),
+                keep,
+                "template",
+            );
             evicted.extend(self.session_templates.insert(key, sb.id.clone(), t));
         }
         if !evicted.is_empty() {

@@ -7,12 +7,12 @@
 //! as the child exists. *Cold* fork otherwise (or `isolated`): independent sandboxes on the
 //! snapshot's chain whose sessions start fresh. All or none: a failed child kills the others.
 
-use crate::error::{Result, RuntimeError};
-use crate::session::fork as sessionfork;
-use crate::hugepages::COLLAPSE_MIN_FORK;
 use super::ms;
+use crate::error::{Result, RuntimeError};
+use crate::hugepages::COLLAPSE_MIN_FORK;
 use crate::model::*;
 use crate::sandbox::Sandbox;
+use crate::session::fork as sessionfork;
 use crate::session::{self, Session};
 use crate::snapshot::store::{SnapSession, SnapshotRow};
 use crate::{now, Runtime};
@@ -166,7 +166,12 @@ impl Runtime {
             .collect();
         let hosts = templates
             .iter()
-            .map(|(ss, t)| hosts.get(&t.pid).copied().ok_or_else(|| RuntimeError::Conflict(format!("template of session {} is gone", ss.id))))
+            .map(|(ss, t)| {
+                hosts
+                    .get(&t.pid)
+                    .copied()
+                    .ok_or_else(|| RuntimeError::Conflict(format!("template of session {} is gone", ss.id)))
+            })
             .collect::<Result<Vec<i32>>>()?;
         // No request may reach a template while it is driven from outside.
         let mut exclusive = Vec::new();
@@ -174,7 +179,8 @@ impl Runtime {
             exclusive.push(t.exclusive().await);
         }
         // One forking job per template, fed the children as they come.
-        let (res_tx, mut res_rx) = tokio::sync::mpsc::unbounded_channel::<(usize, usize, Result<sessionfork::SessionCopy>)>();
+        let (res_tx, mut res_rx) =
+            tokio::sync::mpsc::unbounded_channel::<(usize, usize, Result<sessionfork::SessionCopy>)>();
         let mut feeds = Vec::new();
         let mut jobs = Vec::new();
         for (ti, host) in hosts.iter().copied().enumerate() {
@@ -196,12 +202,21 @@ impl Runtime {
         for (i, shell) in shells.into_iter().enumerate() {
             let (rt, parent, snap, spec) = (self.clone(), parent.clone(), snap.clone(), spec.clone());
             making.push(Box::pin(async move {
-                let r = tokio::task::spawn_blocking(move || rt.claim_shell(shell, &parent, &snap, &spec, timeout)).await.map_err(RuntimeError::Worker).and_then(|r| r);
+                let r = tokio::task::spawn_blocking(move || rt.claim_shell(shell, &parent, &snap, &spec, timeout))
+                    .await
+                    .map_err(RuntimeError::Worker)
+                    .and_then(|r| r);
                 (i, r)
             }));
         }
         for i in claimed..n {
-            let fut = self.create_from(spec.clone(), snap.layers.clone(), Some(snap.id.clone()), timeout, Some(parent.clone()));
+            let fut = self.create_from(
+                spec.clone(),
+                snap.layers.clone(),
+                Some(snap.id.clone()),
+                timeout,
+                Some(parent.clone()),
+            );
             making.push(Box::pin(async move { (i, fut.await) }));
         }
         let mut children: Vec<Option<Arc<Sandbox>>> = vec![None; n];
@@ -308,7 +323,15 @@ impl Runtime {
             return Err(super::SnapshotError::CopyExited { session: ss.id.clone() }.into());
         };
         let keep = copy.chan.try_clone().map_err(RuntimeError::io("socket"))?;
-        if let Err(e) = crate::sandbox::sessions::adopt(child, ns_pid, session::session_tag(&ss.id, &ss.kind, ss.default), ss.id.clone(), &keep).await {
+        if let Err(e) = crate::sandbox::sessions::adopt(
+            child,
+            ns_pid,
+            session::session_tag(&ss.id, &ss.kind, ss.default),
+            ss.id.clone(),
+            &keep,
+        )
+        .await
+        {
             kill_copy();
             return Err(e);
         }
@@ -350,7 +373,13 @@ impl Runtime {
     }
 
     /// Start `n` independent sandboxes on `snap`'s layers with its sessions started fresh.
-    async fn fork_cold(self: &Arc<Self>, snap: &SnapshotRow, spec: &SandboxSpec, n: u32, timeout: Option<f64>) -> Result<Vec<Arc<Sandbox>>> {
+    async fn fork_cold(
+        self: &Arc<Self>,
+        snap: &SnapshotRow,
+        spec: &SandboxSpec,
+        n: u32,
+        timeout: Option<f64>,
+    ) -> Result<Vec<Arc<Sandbox>>> {
         let jobs = (0..n).map(|_| {
             let rt = self.clone();
             let (snap, spec) = (snap.clone(), spec.clone());
@@ -359,7 +388,15 @@ impl Runtime {
                 let res: Result<()> = async {
                     let mut map = child.sessions.lock().await;
                     for ss in &snap.sessions {
-                        let s = crate::sandbox::sessions::create_as(&child, Some(ss.id.clone()), &ss.kind, ss.default, None, &Default::default()).await?;
+                        let s = crate::sandbox::sessions::create_as(
+                            &child,
+                            Some(ss.id.clone()),
+                            &ss.kind,
+                            ss.default,
+                            None,
+                            &Default::default(),
+                        )
+                        .await?;
                         if ss.default {
                             *child.default_session.lock().await = Some(ss.id.clone());
                         }

@@ -82,11 +82,8 @@ pub(crate) fn legacy(id: &str) -> RuntimeError {
 
 impl Runtime {
     pub(crate) fn snapshot_info(&self, row: &SnapshotRow, children: Vec<String>) -> SnapshotInfo {
-        let size = row
-            .own_layer
-            .as_ref()
-            .and_then(|l| self.snapshots.records().layer_size(l).ok().flatten())
-            .unwrap_or(0);
+        let size =
+            row.own_layer.as_ref().and_then(|l| self.snapshots.records().layer_size(l).ok().flatten()).unwrap_or(0);
         SnapshotInfo {
             id: row.id.clone(),
             sandbox_id: row.sandbox_id.clone(),

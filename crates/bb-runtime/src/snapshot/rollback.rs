@@ -6,11 +6,11 @@
 //! over the snapshot's chain. A session whose template is gone starts fresh, and the answer
 //! says so (`sessions_restarted`).
 
-use crate::error::{Result, RuntimeError};
 use super::{legacy, ms};
+use crate::error::{Result, RuntimeError};
+use crate::layers::Generation;
 use crate::model::*;
 use crate::session::{self, Session};
-use crate::layers::Generation;
 use crate::{now, Runtime};
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -131,12 +131,27 @@ impl Runtime {
             let s = match r {
                 Some((s, keep)) => {
                     let tag = session::session_tag(&ss.id, &ss.kind, ss.default);
-                    crate::sandbox::sessions::adopt_behind_answer(sb.clone(), s.pid, tag, ss.id.clone(), keep, "restored session");
+                    crate::sandbox::sessions::adopt_behind_answer(
+                        sb.clone(),
+                        s.pid,
+                        tag,
+                        ss.id.clone(),
+                        keep,
+                        "restored session",
+                    );
                     s
                 }
                 None => {
                     restarted = true;
-                    crate::sandbox::sessions::create_as(&sb, Some(ss.id.clone()), &ss.kind, ss.default, None, &Default::default()).await?
+                    crate::sandbox::sessions::create_as(
+                        &sb,
+                        Some(ss.id.clone()),
+                        &ss.kind,
+                        ss.default,
+                        None,
+                        &Default::default(),
+                    )
+                    .await?
                 }
             };
             if ss.default {

@@ -42,7 +42,6 @@ pub struct SnapStore {
     conn: Connection,
 }
 
-
 impl SnapStore {
     fn write_tx(&self) -> Result<rusqlite::Transaction<'_>> {
         db::write_tx(&self.conn)
@@ -78,7 +77,11 @@ impl SnapStore {
         // meant only named templates (recipes); filled from the snapshots of a store made
         // before it existed.
         let table = |name: &str| -> Result<bool> {
-            Ok(conn.query_row("SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = ?1", [name], |r| r.get(0))?)
+            Ok(conn.query_row(
+                "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = ?1",
+                [name],
+                |r| r.get(0),
+            )?)
         };
         if table("snap_templates")? && !table("snapshot_session_templates")? {
             conn.execute_batch(
@@ -108,7 +111,9 @@ impl SnapStore {
 
     fn add_template_refs(&self, s: &SnapshotRow) -> Result<()> {
         for key in s.sessions.iter().filter_map(|ss| ss.template.as_deref()) {
-            self.conn.prepare_cached("INSERT OR IGNORE INTO snapshot_session_templates (key, snap_id) VALUES (?1, ?2)")?.execute(params![key, s.id])?;
+            self.conn
+                .prepare_cached("INSERT OR IGNORE INTO snapshot_session_templates (key, snap_id) VALUES (?1, ?2)")?
+                .execute(params![key, s.id])?;
         }
         Ok(())
     }
@@ -168,7 +173,8 @@ impl SnapStore {
 
     /// Ids of the snapshots whose parent is `id`, oldest first.
     pub fn children(&self, id: &str) -> Result<Vec<String>> {
-        let mut stmt = self.conn.prepare_cached("SELECT id FROM snapshots WHERE parent = ?1 ORDER BY created_at, rowid")?;
+        let mut stmt =
+            self.conn.prepare_cached("SELECT id FROM snapshots WHERE parent = ?1 ORDER BY created_at, rowid")?;
         let rows = stmt.query_map(params![id], |r| r.get(0))?;
         Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
@@ -219,7 +225,10 @@ impl SnapStore {
             // Parents are rewritten as we go: the one read here is the nearest that stays,
             // or one deleted later in this loop (skipped up too).
             let parent_of = |id: &str| -> Result<Option<String>> {
-                Ok(tx.query_row("SELECT parent FROM snapshots WHERE id = ?1", params![id], |r| r.get(0)).optional()?.flatten())
+                Ok(tx
+                    .query_row("SELECT parent FROM snapshots WHERE id = ?1", params![id], |r| r.get(0))
+                    .optional()?
+                    .flatten())
             };
             let mut p = parent_of(id)?;
             while let Some(up) = p.as_deref().filter(|up| ids.contains(*up)) {
@@ -236,7 +245,8 @@ impl SnapStore {
     /// Forget a template key everywhere (its process is gone).
     pub fn drop_template(&self, key: &str) -> Result<()> {
         let tx = self.write_tx()?;
-        let named = self.select("WHERE id IN (SELECT snap_id FROM snapshot_session_templates WHERE key = ?1)", params![key])?;
+        let named =
+            self.select("WHERE id IN (SELECT snap_id FROM snapshot_session_templates WHERE key = ?1)", params![key])?;
         for mut s in named {
             let mut changed = false;
             for ss in &mut s.sessions {
@@ -246,7 +256,8 @@ impl SnapStore {
                 }
             }
             if changed {
-                self.conn.execute("UPDATE snapshots SET sessions = ?2 WHERE id = ?1", params![s.id, json(&s.sessions)])?;
+                self.conn
+                    .execute("UPDATE snapshots SET sessions = ?2 WHERE id = ?1", params![s.id, json(&s.sessions)])?;
             }
         }
         self.conn.execute("DELETE FROM snapshot_session_templates WHERE key = ?1", params![key])?;
@@ -265,7 +276,8 @@ impl SnapStore {
         head.push(',');
         let tx = self.write_tx()?;
         let hits: Vec<(String, String)> = {
-            let mut stmt = tx.prepare_cached("SELECT id, layers FROM snapshots WHERE substr(layers, 1, length(?1)) = ?1")?;
+            let mut stmt =
+                tx.prepare_cached("SELECT id, layers FROM snapshots WHERE substr(layers, 1, length(?1)) = ?1")?;
             let rows = stmt.query_map(params![head], |r| Ok((r.get(0)?, r.get(1)?)))?;
             rows.collect::<rusqlite::Result<_>>()?
         };
@@ -415,7 +427,12 @@ mod tests {
             layers: layers.iter().map(|s| s.to_string()).collect(),
             own_layer: layers.last().map(|s| s.to_string()),
             spec: spec(),
-            sessions: vec![SnapSession { id: "s".into(), kind: "python".into(), default: true, template: Some("t1".into()) }],
+            sessions: vec![SnapSession {
+                id: "s".into(),
+                kind: "python".into(),
+                default: true,
+                template: Some("t1".into()),
+            }],
         }
     }
 
@@ -426,7 +443,12 @@ mod tests {
     #[test]
     fn tree_operations() {
         // a -> b -> c ; a -> d
-        let all = vec![row("a", None, &["1"]), row("b", Some("a"), &["1", "2"]), row("c", Some("b"), &["1", "2", "3"]), row("d", Some("a"), &["1", "4"])];
+        let all = vec![
+            row("a", None, &["1"]),
+            row("b", Some("a"), &["1", "2"]),
+            row("c", Some("b"), &["1", "2", "3"]),
+            row("d", Some("a"), &["1", "4"]),
+        ];
         let scope = set(&["a", "b", "c", "d"]);
         assert_eq!(unreachable(&all, &scope, &set(&["c"])), set(&["d"]));
         assert_eq!(unreachable(&all, &scope, &set(&[])), scope);
@@ -439,21 +461,47 @@ mod tests {
     fn store_round_trip_reparent_and_compaction() {
         let d = tempfile::tempdir().unwrap();
         let st = SnapStore::open(&d.path().join("db")).unwrap();
-        for r in [row("a", None, &["1"]), row("b", Some("a"), &["1", "2"]), row("c", Some("b"), &["1", "2", "3"]), row("e", Some("a"), &["1", "22", "5"])] {
+        for r in [
+            row("a", None, &["1"]),
+            row("b", Some("a"), &["1", "2"]),
+            row("c", Some("b"), &["1", "2", "3"]),
+            row("e", Some("a"), &["1", "22", "5"]),
+        ] {
             st.insert(&r).unwrap();
         }
         assert_eq!(st.get("b").unwrap().unwrap(), row("b", Some("a"), &["1", "2"]));
         st.delete(&set(&["b"])).unwrap();
-        assert_eq!(st.get("c").unwrap().unwrap().parent.as_deref(), Some("a"), "children move up to the deleted one's parent");
+        assert_eq!(
+            st.get("c").unwrap().unwrap().parent.as_deref(),
+            Some("a"),
+            "children move up to the deleted one's parent"
+        );
         assert_eq!(st.replace_prefix(&["1".into(), "2".into()], &["m".into()]).unwrap(), 1);
         assert_eq!(st.get("c").unwrap().unwrap().layers, vec!["m".to_string(), "3".into()]);
-        assert_eq!(st.get("a").unwrap().unwrap().layers, vec!["1".to_string()], "a chain that is only the prefix is unchanged");
-        assert_eq!(st.get("e").unwrap().unwrap().layers, vec!["1".to_string(), "22".into(), "5".into()], "a layer id that only starts like one of the prefix's is not part of it");
+        assert_eq!(
+            st.get("a").unwrap().unwrap().layers,
+            vec!["1".to_string()],
+            "a chain that is only the prefix is unchanged"
+        );
+        assert_eq!(
+            st.get("e").unwrap().unwrap().layers,
+            vec!["1".to_string(), "22".into(), "5".into()],
+            "a layer id that only starts like one of the prefix's is not part of it"
+        );
         st.drop_template("t").unwrap();
-        assert!(st.all().unwrap().iter().all(|s| s.sessions[0].template.as_deref() == Some("t1")), "a key that is a prefix of another drops nothing");
+        assert!(
+            st.all().unwrap().iter().all(|s| s.sessions[0].template.as_deref() == Some("t1")),
+            "a key that is a prefix of another drops nothing"
+        );
         st.drop_template("t1").unwrap();
         assert!(st.all().unwrap().iter().all(|s| s.sessions[0].template.is_none()));
-        let g = Generation { upper: "u".into(), chain: vec!["1".into()], mounted: vec!["1".into()], base: Some("a".into()), n: 3 };
+        let g = Generation {
+            upper: "u".into(),
+            chain: vec!["1".into()],
+            mounted: vec!["1".into()],
+            base: Some("a".into()),
+            n: 3,
+        };
         st.set_generation("sb", &g).unwrap();
         assert_eq!(st.generation("sb").unwrap(), Some(g));
         st.set_layer_size("3", 42).unwrap();
@@ -465,7 +513,13 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let st = SnapStore::open(&d.path().join("db")).unwrap();
         // a -> b -> c -> d ; b -> e ; f in another sandbox
-        for r in [row("a", None, &["1"]), row("b", Some("a"), &["2"]), row("c", Some("b"), &["3"]), row("d", Some("c"), &["4"]), row("e", Some("b"), &["5"])] {
+        for r in [
+            row("a", None, &["1"]),
+            row("b", Some("a"), &["2"]),
+            row("c", Some("b"), &["3"]),
+            row("d", Some("c"), &["4"]),
+            row("e", Some("b"), &["5"]),
+        ] {
             st.insert(&r).unwrap();
         }
         st.insert(&SnapshotRow { sandbox_id: "other".into(), ..row("f", None, &["6"]) }).unwrap();
@@ -513,8 +567,10 @@ mod tests {
                 .unwrap();
         }
         let st = SnapStore::open(&db).unwrap();
-        let old: bool =
-            st.conn.query_row("SELECT count(*) > 0 FROM sqlite_master WHERE name LIKE 'snap_templates%'", [], |r| r.get(0)).unwrap();
+        let old: bool = st
+            .conn
+            .query_row("SELECT count(*) > 0 FROM sqlite_master WHERE name LIKE 'snap_templates%'", [], |r| r.get(0))
+            .unwrap();
         assert!(!old, "the old table and its index are gone");
         st.drop_template("t1").unwrap();
         assert_eq!(st.get("a").unwrap().unwrap().sessions[0].template, None, "found through the renamed table");
@@ -524,7 +580,13 @@ mod tests {
     fn a_snapshot_and_its_generation_are_recorded_together_and_a_failed_insert_leaves_the_generation_alone() {
         let d = tempfile::tempdir().unwrap();
         let st = SnapStore::open(&d.path().join("db")).unwrap();
-        let g = |n: u64, base: &str| Generation { upper: format!("u{n}"), chain: vec!["1".into()], mounted: vec!["1".into()], base: Some(base.into()), n };
+        let g = |n: u64, base: &str| Generation {
+            upper: format!("u{n}"),
+            chain: vec!["1".into()],
+            mounted: vec!["1".into()],
+            base: Some(base.into()),
+            n,
+        };
         st.insert_with_generation(&row("a", None, &["1"]), "sb", &g(1, "a")).unwrap();
         assert_eq!(st.get("a").unwrap().unwrap(), row("a", None, &["1"]));
         assert_eq!(st.generation("sb").unwrap(), Some(g(1, "a")));

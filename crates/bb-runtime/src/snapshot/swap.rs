@@ -13,15 +13,15 @@
 //!    delete a discarded one, and compact a deep chain.
 
 use crate::error::{Result, RuntimeError};
+use crate::layers::du;
+use crate::layers::Generation;
 use crate::sandbox::launch::{layer_dir, new_upper};
 use crate::sandbox::procs::{kill_in_sandbox_procfs, ns_pid, own_pids, sandbox_proc};
-use crate::layers::du;
 use crate::sandbox::rootswap;
-use std::os::unix::fs::MetadataExt;
 use crate::sandbox::Sandbox;
-use crate::layers::Generation;
 use crate::Runtime;
 use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -131,7 +131,10 @@ impl Runtime {
         let (lid, upper, work) = new_upper(&self.cfg, &sb.dirs, n)?;
         let t_upper = t0.elapsed();
         let lower: Vec<PathBuf> = chain.iter().rev().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
-        let r = bb_layers::overlay_fd(&bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work }, &sb.dirs.rootfs_gen(n));
+        let r = bb_layers::overlay_fd(
+            &bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work },
+            &sb.dirs.rootfs_gen(n),
+        );
         tracing::debug!(?t_upper, layers = lower.len(), took = ?t0.elapsed(), "prepared");
         match r {
             Ok(mnt) => Ok(Prepared { lid, upper, mnt, chain, n }),
@@ -216,11 +219,14 @@ impl Runtime {
             let others: Vec<i32> = nspids.iter().copied().filter(|p| !scan.sessions.contains(p)).collect();
             let cwds = rootswap::stale_cwds(&proc, &others, dev);
             if !cwds.is_empty() {
-                let host: HashMap<i32, i32> = sb.cgroup.pids()?.into_iter().filter_map(|h| Some((ns_pid(h)?, h))).collect();
+                let host: HashMap<i32, i32> =
+                    sb.cgroup.pids()?.into_iter().filter_map(|h| Some((ns_pid(h)?, h))).collect();
                 for (ns, path) in cwds {
                     match host.get(&ns).map(|h| bb_sys::ptrace::PendingStop::request(*h)) {
                         Some(Ok(p)) => stale.push((p, path)),
-                        Some(Err(e)) => tracing::warn!(sandbox = %sb.id, pid = ns, "cannot move its working directory to the new root: {e}"),
+                        Some(Err(e)) => {
+                            tracing::warn!(sandbox = %sb.id, pid = ns, "cannot move its working directory to the new root: {e}")
+                        }
                         None => {}
                     }
                 }
@@ -240,7 +246,9 @@ impl Runtime {
         }
         let Prepared { lid, upper, mnt, chain, n } = prep;
         match rootswap::swap_root(sb.init_pid, mnt) {
-            Ok(host_clone) => Ok((Generation { upper: lid, mounted: chain.clone(), chain, base: None, n }, pinned, host_clone)),
+            Ok(host_clone) => {
+                Ok((Generation { upper: lid, mounted: chain.clone(), chain, base: None, n }, pinned, host_clone))
+            }
             Err(e) => {
                 if let Some(old_upper) = pin_from_upper {
                     rootswap::unpin(&pinned_files, old_upper, &upper);
@@ -254,7 +262,13 @@ impl Runtime {
     /// Background clean-up after a root swap: the old work dir goes (writes through stale
     /// references to the old root then fail instead of reaching a frozen layer), the frozen
     /// layer's size is measured, a discarded writable layer is deleted, deep chains compacted.
-    pub(crate) fn after_swap(self: &Arc<Self>, sb: &Arc<Sandbox>, old_n: u64, measure: Option<String>, discard: Option<String>) {
+    pub(crate) fn after_swap(
+        self: &Arc<Self>,
+        sb: &Arc<Sandbox>,
+        old_n: u64,
+        measure: Option<String>,
+        discard: Option<String>,
+    ) {
         let rt = self.clone();
         let dir = sb.dirs.dir.clone();
         let old_root = sb.dirs.rootfs_gen(old_n);

@@ -3,9 +3,9 @@
 //! nearest kept ancestor, drops the session templates only the deleted snapshots used, and
 //! collects the layers nothing stands on any more ([`crate::layers`]).
 
+use super::store;
 use crate::error::{Result, RuntimeError};
 use crate::layers::LAYER_GC_MIN_AGE;
-use super::store;
 use crate::model::*;
 use crate::snapshot::store::SnapshotRow;
 use crate::Runtime;
@@ -75,7 +75,11 @@ impl Runtime {
         let keep: BTreeSet<String> = req.keep.iter().cloned().collect();
         for k in &keep {
             if !all.iter().any(|s| &s.id == k) {
-                return Err(RuntimeError::NotFound { kind: "snapshot", id: k.clone(), hint: ": keep only existing snapshots" });
+                return Err(RuntimeError::NotFound {
+                    kind: "snapshot",
+                    id: k.clone(),
+                    hint: ": keep only existing snapshots",
+                });
             }
         }
         let scope: BTreeSet<String> = match &req.sandbox {
