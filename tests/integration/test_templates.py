@@ -118,7 +118,7 @@ def test_sandboxes_from_a_template_share_its_state_and_are_independent(built, ma
 def test_template_sandboxes_share_the_session_memory_copy_on_write(built, made):
     """A template sandbox's session is a copy-on-write copy: its private memory (host-side
     smaps of its cgroup's processes) is a fraction of a cold sandbox that ran the same code."""
-    from branchbox.bench_start import sandbox_memory_mb
+    from branchbox_bench.start import sandbox_memory_mb
 
     name, _, _ = built
     t = from_template(made, name)
