@@ -20,6 +20,7 @@ deps:
 	  echo "installing:$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 	@command -v $(CARGO) >/dev/null || { echo "cargo not found: install Rust (rustup) first"; exit 1; }
+	@CRIU_DEST=$(LIBDIR)/criu scripts/install-criu.sh
 	@if command -v rustup >/dev/null; then \
 	  for c in rustfmt clippy; do rustup component list --installed 2>/dev/null | grep -q "^$$c" || rustup component add $$c; done; \
 	fi
@@ -31,7 +32,7 @@ build: deps
 ## install: daemon + init under $(LIBDIR), the CLI/SDK in $(VENV); `branchbox` and `branchboxd` on PATH.
 install: build python
 	install -d $(LIBDIR)
-	install -m 0755 target/release/branchboxd target/release/branchbox-init $(LIBDIR)/
+	install -m 0755 target/release/branchboxd target/release/branchbox-init target/release/branchbox-criu-exec $(LIBDIR)/
 	ln -sf $(LIBDIR)/branchboxd $(PREFIX)/bin/branchboxd
 
 python:

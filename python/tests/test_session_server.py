@@ -521,9 +521,18 @@ def _fork(s: SessionProcess):
 
 
 def _gone(pid: int, timeout: float = 5.0) -> bool:
+    """Exited: reaped, or a zombie. Templates and restored sessions are children of the
+    server's parent (init in a sandbox, this test process here), which reaps them."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not os.path.exists("/proc/%d" % pid):
+        try:
+            with open("/proc/%d/stat" % pid) as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    os.waitpid(pid, os.WNOHANG)
+                    return True
+        except FileNotFoundError:
+            return True
+        except ChildProcessError:
             return True
         time.sleep(0.02)
     return False
@@ -674,6 +683,38 @@ def test_restore_twice_gives_independent_sessions(py: SessionProcess, forks) -> 
     _, grandchild, resp = forks(a, None)
     assert set(resp) == {"ok", "pid", "id"}
     assert grandchild.run("state")["result"] == "['base', 'a']"
+
+
+def test_template_and_restored_sessions_are_children_of_the_servers_parent(py: SessionProcess, forks) -> None:
+    # A session process never has another session process below it: a process image of a
+    # template then holds the template alone, and never a live session forked from it.
+    _, tmpl, _ = forks(py, "template")
+    tmpl_pid = tmpl.request({"op": "ping"})["pid"]
+    parent_resp, child, _ = forks(tmpl, "restore")
+    for pid in (tmpl_pid, parent_resp["child"]):
+        with open("/proc/%d/stat" % pid) as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        assert ppid == os.getpid(), (pid, ppid)
+    assert child.run("1 + 1")["result"] == "2"
+
+
+def test_rechannel_moves_the_channel_into_an_internal_pair(py: SessionProcess) -> None:
+    py.run("x = 41")
+    resp = py.request({"op": "rechannel"})
+    peer = resp["peer_fd"]
+    assert resp["ok"] is True and peer > 3
+    # The old channel is gone; the held end is the way in (what the daemon takes after a restore).
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(py.proc.pid) if hasattr(os, "pidfd_open") else libc.syscall(434, py.proc.pid, 0)
+    fd = libc.syscall(438, pidfd, peer, 0)
+    assert fd >= 0, ctypes.get_errno()
+    client = SessionClient(socket.socket(fileno=fd))
+    assert client.request({"op": "run", "code": "x + 1"})["result"] == "42"
+    # the held end was closed at that request: only our copy keeps the channel open
+    assert not os.path.exists("/proc/%d/fd/%d" % (py.proc.pid, peer))
+    client.close()
 
 
 def test_template_and_restored_sessions_have_own_process_groups(py: SessionProcess, forks) -> None:

@@ -105,6 +105,8 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         SnapshotSessionInfo,
         SnapshotList,
         RollbackResult,
+        RestartedSession,
+        ProcessImageStats,
         ForkResult,
         GcResult,
         PoolStats,
@@ -161,6 +163,7 @@ pub async fn health(State(rt): State<AppState>) -> Json<Health> {
         version: env!("CARGO_PKG_VERSION").into(),
         cgroup: rt.cgroups.version().to_string(),
         sandboxes: rt.count(),
+        process_images: rt.process_image_stats(),
     })
 }
 

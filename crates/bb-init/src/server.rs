@@ -257,7 +257,7 @@ impl Server {
                 },
                 Err(message) => self.reply(fd, &Response::Error { errno: libc::EIO, message }),
             },
-            Request::Reset { hostname, shm_bytes } => {
+            Request::Reset { hostname, shm_bytes, cgroupns } => {
                 // Every other process is dead (the daemon killed them with the cgroup frozen):
                 // reap them, forget them and their channels, drop other connections.
                 self.reap();
@@ -269,7 +269,7 @@ impl Server {
                 for c in others {
                     self.conns.remove(&c);
                 }
-                let resp = match crate::setup::reset(&hostname, shm_bytes) {
+                let resp = match crate::setup::reset(&hostname, shm_bytes, cgroupns) {
                     Ok(()) => Response::Ok,
                     Err(e) => Response::Error { errno: libc::EIO, message: format!("reset: {e}") },
                 };

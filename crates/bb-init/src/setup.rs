@@ -59,6 +59,10 @@ const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
 /// `proc_mnt`: a procfs mount to use as /proc (a nested sandbox's, made by its parent init)
 /// instead of mounting one.
 pub fn setup(config: &InitConfig, proc_mnt: Option<std::os::fd::OwnedFd>) -> Result<(), SetupError> {
+    if config.cgroupns {
+        // In its cgroup by now: the namespace is rooted there.
+        bb_sys::ns::unshare(libc::CLONE_NEWCGROUP)?;
+    }
     let root = PathBuf::from(&config.rootfs);
     // Nothing we mount may propagate back to the host.
     m("make / private", None, Path::new("/"), None, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None)?;
@@ -173,9 +177,11 @@ fn setup_dev(root: &Path, config: &InitConfig) -> Result<(), SetupError> {
 
 /// The namespace and mount part of a reset for reuse by another tenant (see
 /// `bb_proto::Request::Reset`): fresh network and IPC namespaces for every process started from
-/// now on (init's own move with it), loopback up, a fresh /dev/shm, the new hostname.
-pub fn reset(hostname: &str, shm_bytes: u64) -> Result<(), SetupError> {
-    bb_sys::ns::unshare(libc::CLONE_NEWNET | libc::CLONE_NEWIPC)?;
+/// now on (init's own move with it), loopback up, a fresh /dev/shm, the new hostname; with
+/// `cgroupns`, a cgroup namespace rooted in the cgroup init was just moved to.
+pub fn reset(hostname: &str, shm_bytes: u64, cgroupns: bool) -> Result<(), SetupError> {
+    let cgroup = if cgroupns { libc::CLONE_NEWCGROUP } else { 0 };
+    bb_sys::ns::unshare(libc::CLONE_NEWNET | libc::CLONE_NEWIPC | cgroup)?;
     bb_sys::process::loopback_up()?;
     let shm = Path::new("/dev/shm");
     nix::mount::umount2(shm, nix::mount::MntFlags::MNT_DETACH).map_err(|source| SetupError::Mount {

@@ -40,6 +40,12 @@ pub struct InitConfig {
     /// mount handed over with the request (`rootfs` is ignored).
     #[serde(default)]
     pub nested: bool,
+    /// Init makes its cgroup namespace itself, first thing, once it is in its cgroup (cgroup v1:
+    /// it is moved there after clone, and a namespace made at clone would be rooted in the
+    /// daemon's cgroup, so the sandbox would see paths like `/../../branchbox/<id>` and CRIU
+    /// could not dump its processes).
+    #[serde(default)]
+    pub cgroupns: bool,
 }
 
 /// Largest message either side will send or accept.
@@ -150,6 +156,9 @@ pub enum Request {
     Reset {
         hostname: String,
         shm_bytes: u64,
+        /// Also a fresh cgroup namespace (rooted in the cgroup init was moved to just before).
+        #[serde(default)]
+        cgroupns: bool,
     },
 }
 

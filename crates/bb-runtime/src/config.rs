@@ -23,6 +23,11 @@ pub struct RuntimeConfig {
     /// Snapshot layers stacked under a sandbox's writable layer before the oldest are merged
     /// (see [`crate::compaction::MAX_CHAIN`]).
     pub max_chain: usize,
+    /// CRIU, and the helper that runs it in a sandbox's namespaces (next to `init_bin`).
+    pub criu_bin: PathBuf,
+    pub criu_exec_bin: PathBuf,
+    /// Disk the process images may use (bytes).
+    pub max_image_bytes: u64,
     /// Lets the daemon's injected `setns` through the sandboxes' seccomp filters (see
     /// `bb_isolation::SetnsKey`). Loaded from `<state>/setns.key` by [`crate::Runtime::open`].
     pub setns_key: [u64; 2],
@@ -30,6 +35,7 @@ pub struct RuntimeConfig {
 
 impl RuntimeConfig {
     pub fn new(state_dir: PathBuf, init_bin: PathBuf) -> Self {
+        let criu_exec_bin = init_bin.with_file_name("branchbox-criu-exec");
         RuntimeConfig {
             state_dir,
             init_bin,
@@ -43,6 +49,9 @@ impl RuntimeConfig {
             max_templates: 64,
             max_chain: crate::compaction::MAX_CHAIN,
             setns_key: [0, 0],
+            criu_bin: PathBuf::from("/usr/local/lib/branchbox/criu"),
+            criu_exec_bin,
+            max_image_bytes: 8 << 30,
         }
     }
 }

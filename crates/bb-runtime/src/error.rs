@@ -10,6 +10,7 @@
 //! ├── Session(session::SessionError)           SessionFork(session::fork::SessionForkError)
 //! ├── RootSwap(sandbox::rootswap::RootSwapError)   Snapshot(snapshot::SnapshotError)
 //! ├── Pool(pool::PoolError)                    Files(sandbox::files::FilesError)
+//! ├── Image(process_images::ImageError)
 //! ├── Survivors(sandbox::procs::SurvivorsError)  Layers(bb_layers::LayersError)
 //! ├── Isolation(bb_isolation::IsolationError)  Sys(bb_sys::SysError)
 //! └── Io { what, source }                      Worker(tokio::task::JoinError)
@@ -79,6 +80,8 @@ pub enum RuntimeError {
     Pool(#[from] crate::pool::PoolError),
     #[error(transparent)]
     Files(#[from] crate::sandbox::files::FilesError),
+    #[error(transparent)]
+    Image(#[from] crate::process_images::ImageError),
     #[error(transparent)]
     Survivors(#[from] crate::sandbox::procs::SurvivorsError),
     /// Failures of the layer store itself; bad input to it is a `BadRequest` or `NotFound`.

@@ -13,6 +13,7 @@
 //! | session processes and their protocol; forking one into another sandbox | [`session`], [`session::fork`] |
 //! | checkpoint, rollback, fork, evaluate, the snapshot tree | [`snapshot`] |
 //! | session templates (frozen session processes) and their spares | [`session_templates`] |
+//! | process images (CRIU) of evicted session templates | [`process_images`], crate `bb_criu` |
 //! | layer directories and their collection | [`layers`] |
 //! | compaction of deep snapshot chains | [`compaction`] |
 //! | huge pages for session memory | [`hugepages`] |
@@ -38,6 +39,7 @@ pub mod initconn;
 pub mod layers;
 pub mod model;
 pub mod pool;
+pub mod process_images;
 pub mod recipes;
 pub mod recover;
 pub mod sandbox;
@@ -69,6 +71,7 @@ pub struct Runtime {
     /// Snapshot records and the layer generations of live sandboxes.
     snapshots: snapshot::Snapshots,
     session_templates: session_templates::SessionTemplates,
+    process_images: process_images::ProcessImages,
     fork_shells: fork_shells::ForkShells,
     pool: pool::WarmPool,
     hugepages: hugepages::HugePages,
@@ -93,6 +96,13 @@ impl Runtime {
         let sandboxes = sandbox::registry::Sandboxes::open(&db)?;
         statedir::check_idmap(&cfg.state_dir, &statedir::Settings::open(&db)?, cfg.idmap)?;
         let snapshots = snapshot::Snapshots::open(&db)?;
+        let process_images = process_images::ProcessImages::open(
+            &cfg.state_dir,
+            &db,
+            &cfg.criu_bin,
+            &cfg.criu_exec_bin,
+            cfg.max_image_bytes,
+        )?;
         let pool = pool::WarmPool::open(&db)?;
         // An image's layers may not be deleted while a sandbox or a pool shell stands on them.
         let pins = pool.pins();
@@ -104,6 +114,7 @@ impl Runtime {
             images: Arc::new(images),
             sandboxes,
             snapshots,
+            process_images,
             fork_shells: Default::default(),
             pool,
             hugepages: Default::default(),

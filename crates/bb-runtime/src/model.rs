@@ -293,6 +293,20 @@ pub struct Health {
     pub version: String,
     pub cgroup: String,
     pub sandboxes: usize,
+    /// Process images (CRIU): whether they are on, and the disk they use.
+    pub process_images: ProcessImageStats,
+}
+
+/// What the daemon keeps as process images (see `GET /v1/health`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+pub struct ProcessImageStats {
+    /// CRIU's version, or null when process images are off.
+    pub criu: Option<String>,
+    /// Why process images are off (null when on).
+    pub unavailable: Option<String>,
+    pub images: u64,
+    pub bytes: u64,
+    pub limit_bytes: u64,
 }
 
 // ---- snapshots ----
@@ -344,8 +358,14 @@ pub struct SnapshotSessionInfo {
     pub id: String,
     pub kind: String,
     pub default: bool,
-    /// A live template process holds this session's state (false: rollback/fork start it fresh).
+    /// A live template process holds this session's state.
     pub template: bool,
+    /// A process image on disk holds it (restored on rollback or fork when no template lives).
+    #[serde(default)]
+    pub image: bool,
+    /// Why neither does (rollback and fork start this session fresh).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lost: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -377,8 +397,11 @@ pub struct SnapshotList {
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct RollbackResult {
     pub snapshot: String,
-    /// Some session had no live template (evicted or died) and was started fresh.
+    /// Some session had neither a live template nor a process image and was started fresh.
     pub sessions_restarted: bool,
+    /// The sessions started fresh, and why.
+    #[serde(default)]
+    pub restarted: Vec<RestartedSession>,
     /// Pids of the non-session processes that were killed.
     pub killed: Vec<i32>,
     pub took_ms: f64,
@@ -390,7 +413,17 @@ pub struct ForkResult {
     pub sandboxes: Vec<SandboxInfo>,
     /// The children's sessions were started fresh (not live copies).
     pub sessions_restarted: bool,
+    /// Why, when they were.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_reason: Option<String>,
     pub took_ms: f64,
+}
+
+/// A session a rollback started fresh.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RestartedSession {
+    pub session: String,
+    pub reason: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

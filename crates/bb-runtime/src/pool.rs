@@ -14,10 +14,10 @@
 //!
 //! A killed sandbox is *recycled* into the pool when its image's pool is below `max`:
 //! 1. its cgroup is frozen and every process but init killed;
-//! 2. init forgets every process and channel, moves to fresh network and IPC namespaces (no
-//!    socket, SysV or POSIX IPC object survives), remounts /dev/shm and takes a new hostname
-//!    (`bb_proto::Request::Reset`);
-//! 3. init moves to a brand-new cgroup (counters and limits start from zero), the old one goes;
+//! 2. init moves to a brand-new cgroup (counters and limits start from zero), the old one goes;
+//! 3. init forgets every process and channel, moves to fresh network, IPC and cgroup namespaces
+//!    (no socket, SysV or POSIX IPC object survives; the cgroup namespace is rooted in the new
+//!    cgroup), remounts /dev/shm and takes a new hostname (`bb_proto::Request::Reset`);
 //! 4. its root is swapped onto the image with a new empty writable layer (the rollback pivot),
 //!    the old writable layer, logs and host-side mounts are deleted, and it gets a new id.
 //!
@@ -776,25 +776,26 @@ impl Runtime {
         let spec = shell_spec(&image);
         // 1. Nothing but init survives.
         crate::sandbox::procs::kill_members(sb, |p| p == sb.init_pid)?;
-        // 2. Init: fresh net and IPC namespaces, /dev/shm, hostname; it forgets everything.
+        // 2. A new cgroup.
         let new_id = crate::sandbox::lifecycle::new_sandbox_id();
+        let cgroup = bb_isolation::Cgroup::create(&self.cgroups, &new_id, &launch::limits(&spec))?;
+        let moved = cgroup.add_pid(sb.init_pid).and_then(|()| sb.cgroup.destroy());
+        if let Err(e) = moved {
+            let _ = cgroup.destroy();
+            return Err(e.into());
+        }
+        // 3. Init: fresh net, IPC and cgroup namespaces (rooted in the new cgroup), /dev/shm,
+        // hostname; it forgets everything.
         let shm = (spec.memory_mb * 1024 * 1024 / 2).max(1 << 20);
         match crate::initconn::call_blocking(
             &sb.dirs.sock(),
-            &bb_proto::Request::Reset { hostname: new_id.clone(), shm_bytes: shm },
+            &bb_proto::Request::Reset { hostname: new_id.clone(), shm_bytes: shm, cgroupns: true },
             &[],
             Duration::from_secs(10),
         )? {
             (bb_proto::Response::Ok, _) => {}
             (bb_proto::Response::Error { message, .. }, _) => return Err(PoolError::ResetRefused(message).into()),
             (other, _) => return Err(crate::initconn::unexpected(other)),
-        }
-        // 3. A new cgroup.
-        let cgroup = bb_isolation::Cgroup::create(&self.cgroups, &new_id, &launch::limits(&spec))?;
-        let moved = cgroup.add_pid(sb.init_pid).and_then(|()| sb.cgroup.destroy());
-        if let Err(e) = moved {
-            let _ = cgroup.destroy();
-            return Err(e.into());
         }
         // 4. A fresh root under the new id's directory.
         let old = SandboxDirs::new(&self.cfg.state_dir, &sb.id);

@@ -100,6 +100,9 @@ impl Runtime {
             }
         }
         // Nothing is being set up before the runtime serves: every unrecorded layer is garbage.
+        if let Err(e) = self.collect_images() {
+            tracing::warn!("process image clean-up at start failed: {e}");
+        }
         if let Err(e) = self.gc_layers(Duration::ZERO) {
             tracing::warn!("layer clean-up at start failed: {e}");
         }

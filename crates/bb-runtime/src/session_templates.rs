@@ -25,6 +25,17 @@ use std::time::Instant;
 /// Process tag of a template: `branchbox-template:<key>:<kind>`.
 pub const TEMPLATE_TAG: &str = "branchbox-template:";
 
+/// What happens to the snapshot records of templates that are dropped.
+#[derive(Clone, Copy)]
+enum Records<'a> {
+    /// Their snapshots are deleted: forget the keys.
+    Forget,
+    /// A process image holds their state: the records keep the keys.
+    Keep,
+    /// Their state is lost, for this reason.
+    Lost(&'a str),
+}
+
 /// One session template: a frozen fork of a session of sandbox `sandbox_id`.
 pub struct SessionTemplate {
     pub key: String,
@@ -43,6 +54,9 @@ pub(crate) type SpareSlot = Arc<tokio::sync::Mutex<Option<session::PendingFork>>
 /// resident memory).
 pub const MAX_SPARES: usize = 32;
 
+/// Dumps of an evicted template tried, when root swaps overlap them.
+const DUMP_ATTEMPTS: u32 = 5;
+
 /// Spares are made once the sandbox's checkpoints and rollbacks paused this long (a tree
 /// search's next step usually comes sooner), or after `SPARE_MAX_DEFER` at most.
 const SPARE_QUIET: std::time::Duration = std::time::Duration::from_millis(25);
@@ -56,11 +70,36 @@ struct Lru {
     cap: usize,
     map: HashMap<String, SessionTemplate>,
     pinned: HashSet<String>,
+    /// Templates out of the pool whose process is being dumped: (sandbox, pid), and a receiver
+    /// that changes once the dump is over.
+    evicting: HashMap<String, (String, i32, tokio::sync::watch::Receiver<bool>)>,
+}
+
+/// A template being dumped (see [`SessionTemplates::begin_evicting`]); dropping it ends that.
+pub(crate) struct Evicting {
+    rt: Arc<Runtime>,
+    key: String,
+    done: tokio::sync::watch::Sender<bool>,
+}
+
+impl Evicting {
+    /// Someone waits for this dump to end ([`SessionTemplates::wait_evicted`]).
+    fn has_waiters(&self) -> bool {
+        // One receiver is the registry's own.
+        self.done.receiver_count() > 1
+    }
+}
+
+impl Drop for Evicting {
+    fn drop(&mut self) {
+        self.rt.session_templates.0.lock().evicting.remove(&self.key);
+        let _ = self.done.send(true);
+    }
 }
 
 impl SessionTemplates {
     pub fn new(cap: usize) -> Self {
-        SessionTemplates(Mutex::new(Lru { cap, map: HashMap::new(), pinned: HashSet::new() }))
+        SessionTemplates(Mutex::new(Lru { cap, map: HashMap::new(), pinned: HashSet::new(), evicting: HashMap::new() }))
     }
 
     /// Add a template; returns the ones evicted to stay within the cap.
@@ -153,9 +192,28 @@ impl SessionTemplates {
 
     /// Pids (in the sandbox's pid namespace) of a sandbox's templates and their spares (a
     /// spare being made is not known yet).
+    /// The template `key` (process `pid` of `sandbox_id`) left the pool and is being dumped:
+    /// its pid stays spared by kill sweeps and rollbacks wait for the dump, until the guard
+    /// goes. Called before anything awaits after it left the pool: a rollback in between would
+    /// kill it.
+    pub(crate) fn begin_evicting(rt: &Arc<Runtime>, key: &str, sandbox_id: &str, pid: i32) -> Evicting {
+        let (done, rx) = tokio::sync::watch::channel(false);
+        rt.session_templates.0.lock().evicting.insert(key.to_string(), (sandbox_id.to_string(), pid, rx));
+        Evicting { rt: rt.clone(), key: key.to_string(), done }
+    }
+
+    /// Wait until a dump of template `key` in progress is over (at most `max`).
+    pub(crate) async fn wait_evicted(&self, key: &str, max: std::time::Duration) {
+        let rx = self.0.lock().evicting.get(key).map(|e| e.2.clone());
+        if let Some(mut rx) = rx {
+            let _ = tokio::time::timeout(max, rx.wait_for(|done| *done)).await;
+        }
+    }
+
     pub fn pids_of(&self, sandbox_id: &str) -> HashSet<i32> {
         let lru = self.0.lock();
-        let mut pids = HashSet::new();
+        let mut pids: HashSet<i32> =
+            lru.evicting.values().filter(|(sb, _, _)| sb == sandbox_id).map(|(_, pid, _)| *pid).collect();
         for t in lru.map.values().filter(|t| t.sandbox_id == sandbox_id) {
             pids.insert(t.session.pid);
             if let Some(p) = t.spare.try_lock().ok().and_then(|g| g.as_ref().map(|p| p.pid)) {
@@ -243,6 +301,21 @@ impl Runtime {
     /// (on a filesystem mounted with `discard`, tens of milliseconds a checkpoint's freeze
     /// would wait for).
     pub(crate) async fn drop_templates(&self, gone: Vec<SessionTemplate>) {
+        self.kill_templates(gone, Records::Forget).await
+    }
+
+    /// Kill templates whose state is in a process image; their snapshot records keep naming
+    /// them (a rollback restores them from the image).
+    async fn drop_templates_keeping_images(&self, gone: Vec<SessionTemplate>) {
+        self.kill_templates(gone, Records::Keep).await
+    }
+
+    /// Kill templates whose state is lost, recording why in their snapshots.
+    async fn drop_templates_lost(&self, gone: Vec<SessionTemplate>, reason: &str) {
+        self.kill_templates(gone, Records::Lost(reason)).await
+    }
+
+    async fn kill_templates(&self, gone: Vec<SessionTemplate>, records: Records<'_>) {
         let mut dying: Vec<(Arc<Sandbox>, i32)> = Vec::new();
         for t in gone {
             t.session.forget().await;
@@ -254,7 +327,14 @@ impl Runtime {
                     }
                 }
             }
-            let _ = self.snapshots.records().drop_template(&t.key);
+            let recorded = match records {
+                Records::Forget => self.snapshots.records().drop_template(&t.key),
+                Records::Lost(why) => self.snapshots.records().forget_template(&t.key, Some(why)),
+                Records::Keep => Ok(()),
+            };
+            if let Err(e) = recorded {
+                tracing::warn!(template = %t.key, "updating the snapshots of a dropped template: {e}");
+            }
             self.hugepages.forget_template(&t.key);
         }
         let deadline = Instant::now() + std::time::Duration::from_millis(500);
@@ -267,6 +347,219 @@ impl Runtime {
             }
             tokio::time::sleep(std::time::Duration::from_millis(2)).await;
         }
+    }
+
+    /// Templates the pool evicted: each is dumped to a process image (once: a template never
+    /// changes, so an image made before serves again) and then gone, in the background at low
+    /// priority; its snapshots keep its key and gain the image. Without CRIU, or if the dump
+    /// fails, it is killed and its sessions' state is lost, with the reason recorded.
+    /// Call it right where they left the pool, before awaiting anything: the dumps are
+    /// registered at once (see [`SessionTemplates::begin_evicting`]), the rest happens in the
+    /// background.
+    pub(crate) fn evict_templates(self: &Arc<Self>, gone: Vec<SessionTemplate>) {
+        if gone.is_empty() {
+            return;
+        }
+        let mut work = Vec::new();
+        for t in gone {
+            let dump = self.process_images.criu().is_some()
+                && self.get(&t.sandbox_id).is_ok_and(|sb| !sb.is_dead())
+                && self.snapshots.records().template_image(&t.key).ok().flatten().is_none();
+            let evicting = dump.then(|| SessionTemplates::begin_evicting(self, &t.key, &t.sandbox_id, t.session.pid));
+            work.push((t, evicting));
+        }
+        let rt = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(crate::activity::BEHIND_ANSWER).await;
+            rt.finish_evictions(work).await
+        });
+    }
+
+    async fn finish_evictions(self: &Arc<Self>, work: Vec<(SessionTemplate, Option<Evicting>)>) {
+        let mut lost = Vec::new();
+        let mut gone = Vec::new();
+        for (t, evicting) in work {
+            match evicting {
+                Some(ev) => {
+                    if let Some(spare) = t.spare.try_lock().ok().and_then(|mut g| g.take()) {
+                        drop(spare);
+                    }
+                    if let Ok(sb) = self.get(&t.sandbox_id) {
+                        let rt = self.clone();
+                        tokio::spawn(async move { rt.dump_template(sb, t, ev).await });
+                    } else {
+                        lost.push((t, "its sandbox is gone".to_string()));
+                    }
+                }
+                None => gone.push(t),
+            }
+        }
+        for t in gone {
+            let has_image = self.snapshots.records().template_image(&t.key).ok().flatten().is_some();
+            if has_image {
+                self.drop_templates_keeping_images(vec![t]).await;
+            } else {
+                let why = match self.process_images.unavailable() {
+                    Some(why) => why.to_string(),
+                    None => "its sandbox is gone".to_string(),
+                };
+                lost.push((t, why));
+            }
+        }
+        for (t, why) in lost {
+            let reason = format!("its template left memory and no process image was kept ({why})");
+            self.drop_templates_lost(vec![t], &reason).await;
+        }
+    }
+
+    /// Dump an evicted template into a process image (see [`Runtime::evict_templates`]).
+    async fn dump_template(self: Arc<Self>, sb: Arc<Sandbox>, t: SessionTemplate, evicting: Evicting) {
+        let t0 = Instant::now();
+        let res: crate::Result<(String, u64)> = async {
+            let channel_fd = t.session.rechannel().await?;
+            // CRIU reads the sandbox's mount table, which a root swap (checkpoint, rollback)
+            // rewrites: a dump that overlapped one is tried again once the sandbox's operations
+            // pause (the template waits, untouched), rather than holding them up.
+            let mut attempt = 0;
+            loop {
+                attempt += 1;
+                let swaps_before = sb.root_generation();
+                let (rt, sbc, key, pid) = (self.clone(), sb.clone(), t.key.clone(), t.session.pid);
+                let dumped = tokio::task::spawn_blocking(move || {
+                    let _nice = bb_sys::process::niced_thread(10);
+                    let host = crate::sandbox::procs::host_pid_of(&sbc, pid)
+                        .ok_or_else(|| crate::RuntimeError::Conflict(format!("template process {pid} is gone")))?;
+                    let root = bb_criu::Root { host_pid: host, ns_pid: pid };
+                    rt.process_images.dump(&sbc.criu_ref(), &sbc.id, root, "session-template", Some((&key, channel_fd)), false)
+                })
+                .await?;
+                match dumped {
+                    Ok((id, m)) => break Ok((id, m.bytes)),
+                    Err(e) if attempt < DUMP_ATTEMPTS && sb.root_generation() != swaps_before && !sb.is_dead() => {
+                        tracing::debug!(sandbox = %sb.id, template = %t.key, attempt, "a root swap overlapped the dump; trying again: {e}");
+                        // Until the sandbox's operations pause, or one of them waits for this
+                        // dump (it holds the sandbox's operation lock: no swap comes meanwhile).
+                        let t0 = Instant::now();
+                        while !evicting.has_waiters()
+                            && sb.ops_activity.quiet_for(Instant::now()).is_some_and(|q| q < SPARE_QUIET)
+                            && t0.elapsed() < SPARE_MAX_DEFER
+                        {
+                            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+                        }
+                    }
+                    Err(e) => break Err(e),
+                }
+            }
+        }
+        .await;
+        match res {
+            Ok((image, bytes)) => {
+                tracing::debug!(sandbox = %sb.id, template = %t.key, %image, bytes, took = ?t0.elapsed(), "template kept as a process image");
+                if let Err(e) = self.snapshots.records().set_template_image(&t.key, &image) {
+                    tracing::warn!(template = %t.key, "recording the process image: {e}");
+                }
+                self.hugepages.forget_template(&t.key);
+                self.enforce_image_limit(&image);
+            }
+            Err(e) => {
+                if !sb.is_dead() {
+                    tracing::warn!(sandbox = %sb.id, template = %t.key, pid = t.session.pid, "dumping an evicted template failed (its sessions restart fresh on rollback): {e}");
+                }
+                let reason = format!("its template left memory and dumping it failed: {e}");
+                self.drop_templates_lost(vec![t], &reason).await;
+            }
+        }
+    }
+
+    /// Delete the least recently used process images beyond the disk bound (never `keep`);
+    /// their snapshots' sessions lose their state, with the reason.
+    fn enforce_image_limit(&self, keep: &str) {
+        let gone = self.process_images.enforce_limit(&HashSet::from([keep.to_string()]));
+        for img in gone {
+            tracing::info!(image = %img.id, bytes = img.bytes, "process image deleted: --max-image-bytes reached");
+            if let Some(key) = &img.template {
+                let why = "its process image was deleted to stay within --max-image-bytes";
+                if let Err(e) = self.snapshots.records().drop_image(key, &img.id, why) {
+                    tracing::warn!(image = %img.id, "forgetting a deleted process image: {e}");
+                }
+            }
+        }
+    }
+
+    /// The live template (and its spare slot) that holds session `ss` of snapshot `snap_id`
+    /// for sandbox `sb`: the pool's, or one restored from its process image (waiting for a dump
+    /// in progress first). Err: why there is none (the session then starts fresh).
+    pub(crate) async fn ensure_template(
+        self: &Arc<Self>,
+        sb: &Arc<Sandbox>,
+        snap: &crate::snapshot::store::SnapshotRow,
+        ss: &crate::snapshot::store::SnapSession,
+    ) -> Result<(Arc<Session>, SpareSlot), String> {
+        let Some(key) = ss.template.as_deref() else {
+            return Err(ss.lost.clone().unwrap_or_else(|| "the session was not forked at the checkpoint".into()));
+        };
+        if let Some(t) = self.session_templates.get_with_spare(key, &sb.id) {
+            return Ok(t);
+        }
+        if snap.sandbox_id != sb.id {
+            return Err("the snapshot was taken in another sandbox: fork it to keep its sessions".into());
+        }
+        self.session_templates.wait_evicted(key, std::time::Duration::from_secs(60)).await;
+        // Read again: an eviction finished meanwhile records the image.
+        let fresh = self.snapshots.records().get(&snap.id).ok().flatten();
+        let ss = fresh.as_ref().and_then(|s| s.sessions.iter().find(|x| x.id == ss.id)).unwrap_or(ss);
+        if let Some(t) = self.session_templates.get_with_spare(key, &sb.id) {
+            return Ok(t);
+        }
+        let Some(image) = ss.image.clone() else {
+            return Err(ss.lost.clone().unwrap_or_else(|| "its template is gone and no process image was kept".into()));
+        };
+        match self.restore_template(sb, key, &ss.kind, &image).await {
+            Ok(()) => self
+                .session_templates
+                .get_with_spare(key, &sb.id)
+                .ok_or_else(|| "the restored template died at once".into()),
+            Err(e) => Err(format!("restoring its process image {image} failed: {e}")),
+        }
+    }
+
+    /// Restore template `key` from process image `image` into `sb`, register it with init and
+    /// put it back in the pool.
+    async fn restore_template(
+        self: &Arc<Self>,
+        sb: &Arc<Sandbox>,
+        key: &str,
+        kind: &str,
+        image: &str,
+    ) -> crate::Result<()> {
+        let t0 = Instant::now();
+        let row = self.process_images.get(image)?.ok_or_else(|| crate::RuntimeError::NotFound {
+            kind: "process image",
+            id: image.to_string(),
+            hint: "",
+        })?;
+        let channel_fd = row
+            .channel_fd
+            .ok_or_else(|| crate::RuntimeError::Conflict(format!("process image {image} holds no session")))?;
+        let (rt, sbc, id) = (self.clone(), sb.clone(), image.to_string());
+        let (ns_pid, chan) =
+            tokio::task::spawn_blocking(move || -> crate::Result<(i32, std::os::unix::net::UnixStream)> {
+                let m = rt.process_images.restore(&sbc.criu_ref(), &id)?;
+                let host = crate::sandbox::procs::host_pid_of(&sbc, m.root_ns_pid)
+                    .ok_or_else(|| crate::RuntimeError::Conflict("the restored template exited at once".into()))?;
+                let pidfd = bb_sys::process::pidfd_open(host)?;
+                let fd = bb_sys::process::pidfd_getfd(&pidfd, channel_fd)?;
+                Ok((m.root_ns_pid, std::os::unix::net::UnixStream::from(fd)))
+            })
+            .await??;
+        let keep = chan.try_clone().map_err(crate::RuntimeError::io("template channel"))?;
+        let session = Session::attach(key.to_string(), kind.to_string(), ns_pid, crate::now(), chan)?;
+        crate::sandbox::sessions::adopt(sb, ns_pid, format!("{TEMPLATE_TAG}{key}:{kind}"), key.to_string(), &keep)
+            .await?;
+        let evicted = self.session_templates.insert(key.to_string(), sb.id.clone(), Arc::new(session));
+        tracing::debug!(sandbox = %sb.id, template = %key, %image, took = ?t0.elapsed(), "template restored from its process image");
+        self.evict_templates(evicted);
+        Ok(())
     }
 }
 

@@ -44,6 +44,15 @@ struct Args {
     /// (its snapshots still roll back, with sessions restarted fresh)
     #[arg(long, default_value_t = 64)]
     max_templates: usize,
+    /// CRIU (4.1 or newer): session templates that leave the in-memory pool are kept as process
+    /// images, so a rollback to their snapshots restores the sessions. Without it (not found,
+    /// too old) the daemon runs without process images and says so at start and in `health`.
+    #[arg(long, env = "BRANCHBOX_CRIU", default_value = "/usr/local/lib/branchbox/criu")]
+    criu: PathBuf,
+    /// Disk the process images may use, in bytes; beyond it the least recently used are deleted
+    /// (their sessions restart fresh on rollback).
+    #[arg(long, default_value_t = 8 << 30)]
+    max_image_bytes: u64,
     /// Snapshot layers a sandbox's root may stack before the oldest are merged into one, in the
     /// background (compaction; snapshots keep their content). At least 2.
     #[arg(long, env = "BRANCHBOX_MAX_CHAIN", default_value_t = bb_runtime::compaction::MAX_CHAIN)]
@@ -91,6 +100,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     cfg.max_sandboxes = args.max_sandboxes;
     cfg.max_file_bytes = args.max_file_bytes;
     cfg.max_templates = args.max_templates.max(1);
+    cfg.criu_bin = args.criu.clone();
+    cfg.max_image_bytes = args.max_image_bytes;
     if args.max_chain < 2 {
         bail!("--max-chain must be at least 2 (got {}): compaction merges at least two layers", args.max_chain);
     }

@@ -293,21 +293,12 @@ fn log_paths(sb: &Sandbox, name: &str) -> (std::path::PathBuf, std::path::PathBu
     (sb.dirs.logs().join(format!("{name}.out")), sb.dirs.logs().join(format!("{name}.err")))
 }
 
-fn open_log(path: &std::path::Path) -> Result<std::fs::File> {
-    std::fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .truncate(true)
-        .open(path)
-        .map_err(RuntimeError::io("open process log"))
-}
-
 /// Start a background process; its output goes to log files kept by the daemon.
 pub async fn start_background(sb: &Sandbox, req: &RunCommand) -> Result<i32> {
     let mut r = resolve(sb, req)?;
     let tmp = format!("tmp-{}", uuid::Uuid::new_v4().simple());
     let (out_p, err_p) = log_paths(sb, &tmp);
-    let (out, err) = (open_log(&out_p)?, open_log(&err_p)?);
+    let (out, err) = (sb.open_log(&format!("{tmp}.out"), false)?, sb.open_log(&format!("{tmp}.err"), false)?);
     let stdin_pipe = match r.stdin {
         Some(_) => Some(pipe_pair()?),
         None => None,

@@ -199,7 +199,14 @@ fn init_log(dirs: &SandboxDirs) -> Result<std::fs::File> {
     std::fs::OpenOptions::new().create(true).append(true).open(dirs.init_log()).map_err(|e| io("init log", e))
 }
 
-fn init_config(cfg: &RuntimeConfig, id: &str, spec: &SandboxSpec, rootfs: &Path, nested: bool) -> InitConfig {
+fn init_config(
+    cfg: &RuntimeConfig,
+    id: &str,
+    spec: &SandboxSpec,
+    rootfs: &Path,
+    nested: bool,
+    cgroupns: bool,
+) -> InitConfig {
     InitConfig {
         rootfs: rootfs.to_string_lossy().into_owned(),
         hostname: id.to_string(),
@@ -207,6 +214,7 @@ fn init_config(cfg: &RuntimeConfig, id: &str, spec: &SandboxSpec, rootfs: &Path,
         shm_bytes: (spec.memory_mb * 1024 * 1024 / 2).max(1 << 20),
         setns_key: cfg.setns_key,
         nested,
+        cgroupns,
     }
 }
 
@@ -263,7 +271,9 @@ pub fn launch(
     let (status_r, status_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| io("pipe", e))?;
     let devnull = std::fs::File::open("/dev/null").map_err(|e| io("/dev/null", e))?;
     let log = init_log(&dirs)?;
-    let config = init_config(cfg, id, spec, &rootfs, false);
+    // cgroup v1: init is moved into its cgroup after clone and makes its cgroup namespace then.
+    let v1 = layout.version() == CgroupVersion::V1;
+    let config = init_config(cfg, id, spec, &rootfs, false, v1);
     let program = CString::new(cfg.init_bin.as_os_str().as_encoded_bytes()).map_err(|_| LaunchError::BadInitPath)?;
     let argv = [CString::new("branchbox-init").expect("no NUL")];
     let envp = [CString::new(format!(
@@ -285,7 +295,7 @@ pub fn launch(
         argv: &argv,
         envp: &envp,
         fds: &fds,
-        namespaces: NAMESPACES,
+        namespaces: if v1 { NAMESPACES & !(libc::CLONE_NEWCGROUP as u64) } else { NAMESPACES },
         cgroup_fd: cgroup_fd.as_ref().map(|f| f.as_raw_fd()),
         become_root: true,
     })?;
@@ -355,7 +365,7 @@ pub fn launch_nested(
     let listener = control_socket(&dirs)?;
     let (status_r, status_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| io("pipe", e))?;
     let log = init_log(&dirs)?;
-    let config = init_config(cfg, id, spec, Path::new(""), true);
+    let config = init_config(cfg, id, spec, Path::new(""), true, false);
     let mut fds = vec![listener.as_raw_fd(), status_w.as_raw_fd(), mnt.as_raw_fd(), log.as_raw_fd()];
     fds.extend(procs.iter().map(|f| f.as_raw_fd()));
     let t_prepared = t0.elapsed();

@@ -136,6 +136,36 @@ impl Sandbox {
         merged.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
     }
 
+    /// What CRIU needs to dump and restore this sandbox's processes ([`bb_criu::SandboxRef`]).
+    pub fn criu_ref(&self) -> bb_criu::SandboxRef {
+        bb_criu::SandboxRef {
+            init_pid: self.init_pid,
+            cgroup_procs: self.cgroup.paths().into_iter().map(|p| p.join("cgroup.procs")).collect(),
+        }
+    }
+
+    /// Open (create) log file `name` of the sandbox's processes, appended to or truncated. It
+    /// belongs to the sandbox's root user, like the sandbox dir: a process restored from a
+    /// process image reopens its stdout and stderr through /proc as that user.
+    pub fn open_log(&self, name: &str, append: bool) -> crate::Result<std::fs::File> {
+        use std::os::unix::fs::MetadataExt;
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(self.dirs.logs().join(name))
+            .map_err(crate::RuntimeError::io("open a log file"))?;
+        let owner = std::fs::metadata(&self.dirs.dir).map_err(crate::RuntimeError::io("sandbox dir"))?.uid();
+        std::os::unix::fs::fchown(&f, Some(owner), Some(owner)).map_err(crate::RuntimeError::io("chown a log file"))?;
+        Ok(f)
+    }
+
+    /// How many times the sandbox's root was swapped (checkpoints, rollbacks).
+    pub fn root_generation(&self) -> u64 {
+        self.gen.lock().as_ref().map(|g| g.n).unwrap_or(0)
+    }
+
     /// Host-side path of the sandbox's current root (the file API works there).
     pub fn rootfs(&self) -> std::path::PathBuf {
         let n = self.gen.lock().as_ref().map(|g| g.n).unwrap_or(0);

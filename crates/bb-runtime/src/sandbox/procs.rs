@@ -22,10 +22,13 @@ pub(crate) fn sandbox_proc(sb: &Sandbox) -> PathBuf {
 /// the sandbox's own procfs (returned too): `skip`ped ones (templates: dozens) cost nothing,
 /// where the cgroup's host pids each needed a `status` read to learn their pid inside.
 /// Processes of nested sandboxes (deeper pid namespaces, visible there too: a fork's pre-built
-/// shells) are left out. Err: no procfs of its own to read.
+/// shells) are left out, and so are the daemon's helpers working in the sandbox's pid
+/// namespace (CRIU dumping or restoring its processes: the host's user namespace). Err: no
+/// procfs of its own to read.
 pub(crate) fn own_pids(sb: &Sandbox, skip: &HashSet<i32>) -> std::io::Result<(PathBuf, Vec<i32>)> {
     let proc = sandbox_proc(sb);
     let own_ns = std::fs::read_link(format!("/proc/{}/ns/pid", sb.init_pid))?;
+    let own_user = std::fs::read_link(format!("/proc/{}/ns/user", sb.init_pid))?;
     if std::fs::read_link(proc.join("1/ns/pid"))? != own_ns {
         return Err(std::io::Error::other("the sandbox's /proc is not its own"));
     }
@@ -35,6 +38,8 @@ pub(crate) fn own_pids(sb: &Sandbox, skip: &HashSet<i32>) -> std::io::Result<(Pa
         .filter(|p| *p != 1 && !skip.contains(p))
         // A nested sandbox's, or gone.
         .filter(|p| std::fs::read_link(proc.join(format!("{p}/ns/pid"))).ok().as_ref() == Some(&own_ns))
+        // A helper of the daemon's, or gone.
+        .filter(|p| std::fs::read_link(proc.join(format!("{p}/ns/user"))).ok().as_ref() == Some(&own_user))
         .collect();
     Ok((proc, pids))
 }
@@ -49,6 +54,12 @@ pub(crate) fn kill_in_sandbox_procfs(sb: &Sandbox, keep: &HashSet<i32>, killed: 
         }
     }
     Ok(())
+}
+
+/// The host pid of the process that is `ns_pid` in `sb`'s pid namespace (a member of its
+/// cgroup), if it lives.
+pub(crate) fn host_pid_of(sb: &Sandbox, pid: i32) -> Option<i32> {
+    sb.cgroup.pids().ok()?.into_iter().find(|h| ns_pid(*h) == Some(pid))
 }
 
 /// Processes of a sandbox survived every round of [`kill_members`].

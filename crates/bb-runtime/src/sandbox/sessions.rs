@@ -149,11 +149,7 @@ pub async fn create_as(
     let id = id.unwrap_or_else(|| format!("ss-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]));
     sb.dirty.store(true, Ordering::SeqCst);
     let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(SessionError::Channel)?;
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(sb.dirs.logs().join(format!("{id}.log")))
-        .map_err(RuntimeError::io("session log"))?;
+    let log = sb.open_log(&format!("{id}.log"), true)?;
     let conn = InitConn::connect(&sb.dirs.sock()).await?;
     conn.send(
         &Request::Spawn(SpawnRequest {

@@ -138,6 +138,21 @@ impl Session {
         Ok(PendingFork { pid: child as i32, chan: ours })
     }
 
+    /// Before a process dump: the channel becomes an internal socket pair of the session
+    /// process (see the server's `rechannel`). Returns the fd at which the process holds the
+    /// pair's other end, for the daemon to take back after a restore (`pidfd_getfd`). This
+    /// session object is done with: its channel is gone.
+    pub async fn rechannel(&self) -> Result<i32> {
+        let resp = self
+            .request(&serde_json::json!({"op": "rechannel"}), Some(FORK_TIMEOUT))
+            .await?
+            .ok_or_else(|| SessionError::Protocol(format!("session {} did not answer a rechannel request", self.id)))?;
+        let fd = resp.get("peer_fd").and_then(|f| f.as_i64()).filter(|f| (0..=i32::MAX as i64).contains(f));
+        self.forget().await;
+        fd.map(|f| f as i32)
+            .ok_or_else(|| SessionError::Protocol(format!("session {} refused to rechannel: {resp}", self.id)).into())
+    }
+
     /// Hold the channel: no request reaches the session until the guard is dropped (the daemon
     /// drives the process from outside meanwhile, e.g. to fork a template).
     pub(crate) async fn exclusive(&self) -> tokio::sync::MutexGuard<'_, Option<BufReader<UnixStream>>> {

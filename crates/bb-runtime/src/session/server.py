@@ -31,6 +31,10 @@ request, in order.  A request's ``"id"`` (any JSON value) is echoed in its respo
                                   new channel (child, a new live session):
                                       {"ok":true,"pid":PID,"role":"restore"}
                                   the child's next non-fork answer carries "reopened":N
+    {"op":"rechannel"}         -> {"ok":true,"peer_fd":N}, then the channel is one end of a
+                                  socket pair made here whose other end is fd N of this
+                                  process (before a process dump: see op_rechannel); fd N is
+                                  closed at the next request
     bad JSON / not an object / unknown op / missing field / unknown fork role
                                -> {"error":{"name":"ProtocolError","value":"..."}}
     internal failure (e.g. memfd_create denied)
@@ -728,6 +732,55 @@ def _own_group(pid=0):
         pass
 
 
+_CLONE_PARENT = 0x00008000
+_SIGCHLD = 17
+_SYS_CLONE = {"x86_64": 56, "aarch64": 220}
+
+
+def _fork_beside():
+    """fork(), but the child's parent is ours (clone with CLONE_PARENT), with the interpreter's
+    fork hooks around it as os.fork() runs them."""
+    import ctypes
+    import platform
+
+    number = _SYS_CLONE.get(platform.machine())
+    if number is None:
+        return os.fork()
+    libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held, as in os.fork()
+    libc.syscall.restype = ctypes.c_long
+    api = ctypes.pythonapi
+    api.PyOS_BeforeFork()
+    pid = libc.syscall(ctypes.c_long(number), ctypes.c_ulong(_CLONE_PARENT | _SIGCHLD), ctypes.c_ulong(0),
+                       ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    if pid == 0:
+        # First thing, before any at-fork hook: a session (and so a process group) of its own
+        # (see _wait_own_group). Not the session of the process it was forked from, whose
+        # leader may be gone by the time it is dumped (CRIU wants a session's leader).
+        libc.setsid()
+        api.PyOS_AfterFork_Child()
+        return 0
+    errno = ctypes.get_errno()
+    api.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(errno, os.strerror(errno))
+    return pid
+
+
+def _wait_own_group(pid, patience=2.0):
+    """Wait until process ``pid`` (not our child) is the leader of a process group of its own,
+    or is gone (at most ``patience`` seconds)."""
+    import time
+
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        try:
+            if os.getpgid(pid) == pid:
+                return
+        except OSError:  # gone
+            return
+        os.sched_yield()
+
+
 def _fd_flags(fd):
     with io.open("/proc/self/fdinfo/%d" % fd) as f:  # not open(): user code may patch it
         for line in f:
@@ -865,6 +918,8 @@ class Server(object):
         self.rebase_cwd = None  # live session: chdir() here before the next request
         self.pending_restore = None  # restored session: (cwd, fds) to re-resolve before the next request
         self.strict_restore = False  # also close what could not be re-resolved (copy in another sandbox)
+        self.pending_rechannel = None  # (fd, peer fd): the channel to switch to after this answer
+        self.held_peer = None  # the peer of our channel, held for the daemon across a process dump
 
     def serve(self):
         while True:
@@ -893,8 +948,40 @@ class Server(object):
                 self.channel.write(data)
             except OSError:
                 return
+            if self.pending_rechannel is not None:
+                self._switch_channel(*self.pending_rechannel)
+
+    def op_rechannel(self):
+        """Before a process dump: the channel becomes one end of a socket pair made here, the
+        other end held in this process (a socket made by the daemon, outside the sandbox, could
+        not be dumped).  The answer, on the old channel, names the held end; the daemon takes it
+        (pidfd_getfd) after the restore, and it is closed here at the next request."""
+        if self.template:
+            # A template is non-dumpable (sandbox processes must not read or change it); the
+            # dump checks, as the sandbox's owner, that it may read the template's namespaces.
+            # Non-dumpable again at the first request after the restore.
+            _set_dumpable(1)
+        a, b = socket.socketpair()
+        fds = (a.detach(), b.detach())
+        for fd in fds:
+            os.set_inheritable(fd, False)
+        self.pending_rechannel = fds
+        return {"ok": True, "peer_fd": fds[1]}
+
+    def _switch_channel(self, fd, peer):
+        self.pending_rechannel = None
+        self.channel.close()
+        os.dup2(fd, CHANNEL_FD, inheritable=False)
+        os.close(fd)
+        self.channel = Channel(CHANNEL_FD)
+        self.held_peer = peer
 
     def handle(self, line, fds):
+        if self.held_peer is not None:  # the daemon has its own copy by now
+            _close_fds([self.held_peer])
+            self.held_peer = None
+            if self.template:
+                _set_dumpable(0)
         try:
             req = json.loads(line)
         except ValueError as exc:
@@ -910,7 +997,10 @@ class Server(object):
             # before its first request, but a daemon restarted in between does not know):
             # finish it now, closing what it shared with the template's sandbox.
             self.op_restored([], True)
-        if op == "restored":
+        if op == "rechannel":
+            _close_fds(fds)
+            resp = self.op_rechannel()
+        elif op == "restored":
             resp = self.op_restored(fds, bool(req.get("strict")), req.get("unmap"))
         elif op == "fork":
             # A copy of a restored session gets the restored files; the fd of this request is
@@ -965,7 +1055,10 @@ class Server(object):
         # the whole heap page by page in whichever process runs it.
         gc.freeze()
         try:
-            pid = os.fork()
+            # A template or a restored copy is a child of our parent (init), not ours: a
+            # session process never has another session process below it, so a template is a
+            # tree of its own (a process image of it holds it alone) and init reaps them all.
+            pid = _fork_beside() if role is not None else os.fork()
         except OSError as exc:
             os.close(new_fd)
             return {"error": {"name": "OSError", "value": "fork failed: %s" % exc}}
@@ -987,9 +1080,13 @@ class Server(object):
             return {"ok": True, "pid": os.getpid()}
         os.close(new_fd)
         if role is not None:
-            _own_group(pid)
+            # Not our child: the child moves itself; it must have before the daemon, told the
+            # child exists, may kill our process group.
+            _wait_own_group(pid)
         if cwd is not None:
             self.rebase_cwd = cwd
+        if role is not None:
+            return {"ok": True, "child": pid}
         self.children.add(pid)
         if not self.reaping:
             # Reap forked sessions as soon as they die, even while we idle in recvmsg.

@@ -117,7 +117,14 @@ impl Runtime {
                         tracing::warn!(sandbox = %sb.id, session = %s.id, "session did not fork; it will restart fresh on rollback: {e}")
                     }
                 }
-                snap_sessions.push(SnapSession { id: s.id.clone(), kind: s.kind.clone(), default, template: None });
+                snap_sessions.push(SnapSession {
+                    id: s.id.clone(),
+                    kind: s.kind.clone(),
+                    default,
+                    template: None,
+                    image: None,
+                    lost: None,
+                });
             }
         }
         let t_forked = t0.elapsed();
@@ -227,15 +234,9 @@ impl Runtime {
             );
             evicted.extend(self.session_templates.insert(key, sb.id.clone(), t));
         }
-        if !evicted.is_empty() {
-            // Out of the pool already (nothing forks them any more): their processes and records
-            // go after the answer.
-            let rt = self.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(crate::activity::BEHIND_ANSWER).await;
-                rt.drop_templates(evicted).await
-            });
-        }
+        // Out of the pool already (nothing forks them any more): dumped or dropped after the
+        // answer.
+        self.evict_templates(evicted);
         self.after_swap(sb, gen.n, Some(gen.upper.clone()), None);
         self.make_spares(sb, spares);
         tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, ?t_db, total = ?t0.elapsed(), "checkpoint");

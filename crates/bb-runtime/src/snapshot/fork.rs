@@ -60,21 +60,23 @@ impl Runtime {
                 self.checkpoint_locked(&sb, Some("fork".into()), true).await?.0
             }
         };
-        let (children, sessions_restarted) = if req.isolated {
-            (self.fork_cold(&snap, &snap.spec, n, timeout).await?, !snap.sessions.is_empty())
+        let (children, restart_reason) = if req.isolated {
+            let why = (!snap.sessions.is_empty()).then(|| "isolated children start fresh sessions".to_string());
+            (self.fork_cold(&snap, &snap.spec, n, timeout).await?, why)
         } else {
             self.fork_snapshot(&snap, &snap.spec, n, timeout).await?
         };
         Ok(ForkResult {
             snapshot: snap.id,
             sandboxes: children.iter().map(|c| c.info()).collect(),
-            sessions_restarted,
+            sessions_restarted: restart_reason.is_some(),
+            restart_reason,
             took_ms: ms(t0),
         })
     }
 
-    /// Start `n` sandboxes on `snap`'s layers with its sessions, all or none. Returns them and
-    /// whether their sessions were started fresh (`sessions_restarted`).
+    /// Start `n` sandboxes on `snap`'s layers with its sessions, all or none. Returns them and,
+    /// when their sessions were started fresh (`sessions_restarted`), why.
     ///
     /// When every session of the snapshot has a live template, the children are nested in the
     /// templates' sandbox and get live copies of the sessions ([`Runtime::fork_nested`]);
@@ -86,34 +88,52 @@ impl Runtime {
         spec: &SandboxSpec,
         n: u32,
         timeout: Option<f64>,
-    ) -> Result<(Vec<Arc<Sandbox>>, bool)> {
-        if let Some((parent, templates)) = self.live_templates(snap) {
-            match self.fork_nested(&parent, snap, spec, n, timeout, templates).await {
-                Ok(children) => return Ok((children, false)),
-                Err(e) => tracing::warn!(snapshot = %snap.id, "live fork failed, forking with fresh sessions: {e}"),
-            }
+    ) -> Result<(Vec<Arc<Sandbox>>, Option<String>)> {
+        if snap.sessions.is_empty() {
+            return Ok((self.fork_cold(snap, spec, n, timeout).await?, None));
         }
+        let why = match self.live_templates(snap).await {
+            Ok((parent, templates)) => match self.fork_nested(&parent, snap, spec, n, timeout, templates).await {
+                Ok(children) => return Ok((children, None)),
+                Err(e) => {
+                    tracing::warn!(snapshot = %snap.id, "live fork failed, forking with fresh sessions: {e}");
+                    format!("the live fork failed: {e}")
+                }
+            },
+            Err(why) => why,
+        };
         let children = self.fork_cold(snap, spec, n, timeout).await?;
-        Ok((children, !snap.sessions.is_empty()))
+        Ok((children, Some(why)))
     }
 
-    /// The snapshot's sandbox and a live template for each of its sessions, if it has sessions,
-    /// all templates are alive, and nesting is possible (architecture, depth).
-    fn live_templates(&self, snap: &SnapshotRow) -> Option<(Arc<Sandbox>, LiveTemplates)> {
-        if snap.sessions.is_empty() || !bb_sys::ptrace::SUPPORTED {
-            return None;
+    /// The snapshot's sandbox and a live template for each of its sessions (restored from their
+    /// process images where they left memory), if nesting is possible (architecture, depth).
+    /// Err: why not (the children then start fresh sessions).
+    async fn live_templates(self: &Arc<Self>, snap: &SnapshotRow) -> Result<(Arc<Sandbox>, LiveTemplates), String> {
+        if !bb_sys::ptrace::SUPPORTED {
+            return Err("live forks are not supported on this architecture".into());
         }
-        let parent = self.get(&snap.sandbox_id).ok().filter(|p| !p.is_dead())?;
+        let parent = self
+            .get(&snap.sandbox_id)
+            .ok()
+            .filter(|p| !p.is_dead())
+            .ok_or_else(|| "the snapshot's sandbox is gone (its sessions are forked from there)".to_string())?;
         if self.nest_depth(&parent) + 1 > MAX_NEST_DEPTH {
             tracing::info!(sandbox = %parent.id, "fork chain is {MAX_NEST_DEPTH} deep: children start fresh sessions");
-            return None;
+            return Err(format!("the fork chain is {MAX_NEST_DEPTH} deep"));
         }
-        let templates = snap
-            .sessions
-            .iter()
-            .map(|ss| Some((ss.clone(), self.session_templates.get(ss.template.as_deref()?, &parent.id)?)))
-            .collect::<Option<Vec<_>>>()?;
-        Some((parent, templates))
+        let alive = |ss: &SnapSession| ss.template.as_deref().is_some_and(|k| self.session_templates.contains(k));
+        // A template restored into the parent is not yet in the pool: no rollback of the parent
+        // may sweep it away meanwhile.
+        let holder = parent.clone();
+        let _op = if snap.sessions.iter().all(alive) { None } else { Some(holder.begin_op().await) };
+        let mut templates = Vec::new();
+        for ss in &snap.sessions {
+            let (t, _) =
+                self.ensure_template(&parent, snap, ss).await.map_err(|why| format!("session {}: {why}", ss.id))?;
+            templates.push((ss.clone(), t));
+        }
+        Ok((parent, templates))
     }
 
     /// How many sandboxes `sb` is nested in (0 for a sandbox the daemon started itself).
@@ -337,11 +357,7 @@ impl Runtime {
         }
         let runner = copy.runner;
         let s = Session::attach(ss.id.clone(), ss.kind.clone(), ns_pid, now(), copy.chan)?;
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(child.dirs.logs().join(format!("{}.log", ss.id)))
-            .map_err(RuntimeError::io("session log"))?;
+        let log = child.open_log(&format!("{}.log", ss.id), true)?;
         s.finish_later(log, runner);
         child.sessions.lock().await.insert(ss.id.clone(), Arc::new(s));
         if ss.default {

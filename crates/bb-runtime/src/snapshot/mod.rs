@@ -97,11 +97,16 @@ impl Runtime {
             sessions: row
                 .sessions
                 .iter()
-                .map(|s| SnapshotSessionInfo {
-                    id: s.id.clone(),
-                    kind: s.kind.clone(),
-                    default: s.default,
-                    template: s.template.as_deref().is_some_and(|k| self.session_templates.contains(k)),
+                .map(|s| {
+                    let template = s.template.as_deref().is_some_and(|k| self.session_templates.contains(k));
+                    SnapshotSessionInfo {
+                        id: s.id.clone(),
+                        kind: s.kind.clone(),
+                        default: s.default,
+                        template,
+                        image: s.image.is_some(),
+                        lost: (!template && s.image.is_none()).then(|| s.lost.clone()).flatten(),
+                    }
                 })
                 .collect(),
             took_ms: None,

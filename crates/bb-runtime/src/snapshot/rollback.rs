@@ -44,31 +44,37 @@ impl Runtime {
         };
         // Fork the templates first: the copies re-resolve their cwd and files by path on their
         // first request, after the swap below moved them (with everything else) to the new root.
-        // A spare copy made ahead is taken (waiting for one being made), else one is forked.
+        // A spare copy made ahead is taken (waiting for one being made), else one is forked. A
+        // template that left memory is restored from its process image first.
         let mut restored: Vec<Option<session::PendingFork>> = Vec::new();
+        let mut reasons: Vec<Option<String>> = Vec::new();
         for ss in &snap.sessions {
-            let tpl = ss.template.as_deref().and_then(|k| self.session_templates.get_with_spare(k, &sb.id));
-            let forked = match tpl {
-                Some((t, slot)) => {
+            let forked = match self.ensure_template(&sb, &snap, ss).await {
+                Ok((t, slot)) => {
                     let spare = slot.lock().await.take();
                     match spare {
                         Some(p) if !p.is_gone() => Ok(p),
-                        _ => t.fork_begin("restore").await,
+                        _ => t.fork_begin("restore").await.map_err(|e| format!("forking its template failed: {e}")),
                     }
                 }
-                None => Err(RuntimeError::Conflict("no live template".into())),
+                Err(why) => Err(why),
             };
-            restored.push(match forked {
-                Ok(x) => Some(x),
-                Err(e) => {
-                    tracing::debug!(sandbox = %sb.id, session = %ss.id, "session starts fresh: {e}");
-                    None
+            match forked {
+                Ok(x) => {
+                    restored.push(Some(x));
+                    reasons.push(None);
                 }
-            });
+                Err(why) => {
+                    tracing::debug!(sandbox = %sb.id, session = %ss.id, "session starts fresh: {why}");
+                    restored.push(None);
+                    reasons.push(Some(why));
+                }
+            }
         }
         let t_forked = t0.elapsed();
         let mut keep = self.session_templates.pids_of(&sb.id);
         keep.extend(restored.iter().flatten().map(|p| p.pid));
+        tracing::debug!(sandbox = %sb.id, ?keep, "rollback keeps");
         let gate = sb.fs_gate.write().await;
         let t_gate = t0.elapsed();
         let prep = prep.await;
@@ -126,8 +132,8 @@ impl Runtime {
         drop(guards);
         sessions_map.clear();
         *default = None;
-        let mut restarted = false;
-        for (ss, r) in snap.sessions.iter().zip(ready) {
+        let mut restarted = Vec::new();
+        for ((ss, r), why) in snap.sessions.iter().zip(ready).zip(reasons) {
             let s = match r {
                 Some((s, keep)) => {
                     let tag = session::session_tag(&ss.id, &ss.kind, ss.default);
@@ -142,7 +148,8 @@ impl Runtime {
                     s
                 }
                 None => {
-                    restarted = true;
+                    let reason = why.unwrap_or_else(|| "its restored copy did not start".into());
+                    restarted.push(RestartedSession { session: ss.id.clone(), reason });
                     crate::sandbox::sessions::create_as(
                         &sb,
                         Some(ss.id.clone()),
@@ -162,12 +169,18 @@ impl Runtime {
         drop(sessions_map);
         drop(default);
         // Sessions started fresh are not the snapshot's: the next checkpoint must not reuse it.
-        sb.dirty.store(restarted, Ordering::SeqCst);
+        sb.dirty.store(!restarted.is_empty(), Ordering::SeqCst);
         self.after_swap(&sb, gen.n, None, Some(gen.upper.clone()));
         self.make_spares(&sb, snap.sessions.iter().filter_map(|ss| ss.template.clone()).collect());
         let mut killed: Vec<i32> = killed.into_iter().filter(|p| !old_pids.contains(p)).collect();
         killed.sort_unstable();
         tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, total = ?t0.elapsed(), "rollback");
-        Ok(RollbackResult { snapshot: snap.id, sessions_restarted: restarted, killed, took_ms: ms(t0) })
+        Ok(RollbackResult {
+            snapshot: snap.id,
+            sessions_restarted: !restarted.is_empty(),
+            restarted,
+            killed,
+            took_ms: ms(t0),
+        })
     }
 }

@@ -9,7 +9,7 @@ use crate::db::{self, json, DbResult as Result};
 use crate::model::SandboxSpec;
 use rusqlite::{params, Connection, OptionalExtension};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 /// A session as a snapshot holds it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -17,8 +17,16 @@ pub struct SnapSession {
     pub id: String,
     pub kind: String,
     pub default: bool,
-    /// Key of the template process in the runtime's template pool (None: recreate fresh).
+    /// Key of the session's template (a frozen fork of it) in the runtime's session templates.
+    /// Kept while the template lives or its process image does (it is restored under this key).
     pub template: Option<String>,
+    /// The template's process image ([`crate::process_images`]): where its state is when the
+    /// template left memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// Why the session's state is gone (a rollback starts it fresh and says this).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lost: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -244,25 +252,80 @@ impl SnapStore {
 
     /// Forget a template key everywhere (its process is gone).
     pub fn drop_template(&self, key: &str) -> Result<()> {
+        self.forget_template(key, None)
+    }
+
+    /// The template `key` is gone with no process image: the sessions that named it lose their
+    /// state, for the reason `lost` says (kept with them, for the rollback's answer).
+    pub fn forget_template(&self, key: &str, lost: Option<&str>) -> Result<()> {
         let tx = self.write_tx()?;
+        self.update_sessions_of(key, |ss| {
+            ss.template = None;
+            if ss.image.is_none() {
+                ss.lost = lost.map(str::to_string);
+            }
+        })?;
+        self.conn.execute("DELETE FROM snapshot_session_templates WHERE key = ?1", params![key])?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// The template `key` left memory and its state is in process image `image`.
+    pub fn set_template_image(&self, key: &str, image: &str) -> Result<()> {
+        let tx = self.write_tx()?;
+        self.update_sessions_of(key, |ss| {
+            ss.image = Some(image.to_string());
+            ss.lost = None;
+        })?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Process image `image` of template `key` was deleted (disk bound): its sessions lose
+    /// their state unless the template is alive.
+    pub fn drop_image(&self, key: &str, image: &str, lost: &str) -> Result<()> {
+        let tx = self.write_tx()?;
+        self.update_sessions_of(key, |ss| {
+            if ss.image.as_deref() == Some(image) {
+                ss.image = None;
+                ss.lost = Some(lost.to_string());
+            }
+        })?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Apply `f` to every session naming template `key` (caller holds a write transaction).
+    fn update_sessions_of(&self, key: &str, mut f: impl FnMut(&mut SnapSession)) -> Result<()> {
         let named =
             self.select("WHERE id IN (SELECT snap_id FROM snapshot_session_templates WHERE key = ?1)", params![key])?;
         for mut s in named {
-            let mut changed = false;
-            for ss in &mut s.sessions {
-                if ss.template.as_deref() == Some(key) {
-                    ss.template = None;
-                    changed = true;
-                }
+            let before = s.sessions.clone();
+            for ss in s.sessions.iter_mut().filter(|ss| ss.template.as_deref() == Some(key)) {
+                f(ss);
             }
-            if changed {
+            if s.sessions != before {
                 self.conn
                     .execute("UPDATE snapshots SET sessions = ?2 WHERE id = ?1", params![s.id, json(&s.sessions)])?;
             }
         }
-        self.conn.execute("DELETE FROM snapshot_session_templates WHERE key = ?1", params![key])?;
-        tx.commit()?;
         Ok(())
+    }
+
+    /// The process image of template `key`, if one was kept.
+    pub fn template_image(&self, key: &str) -> Result<Option<String>> {
+        let named =
+            self.select("WHERE id IN (SELECT snap_id FROM snapshot_session_templates WHERE key = ?1)", params![key])?;
+        Ok(named
+            .into_iter()
+            .flat_map(|s| s.sessions)
+            .find(|ss| ss.template.as_deref() == Some(key) && ss.image.is_some())
+            .and_then(|ss| ss.image))
+    }
+
+    /// Process images any snapshot names.
+    pub fn images(&self) -> Result<HashSet<String>> {
+        Ok(self.all()?.into_iter().flat_map(|s| s.sessions.into_iter().filter_map(|ss| ss.image)).collect())
     }
 
     /// Replace the bottom `old` of every longer chain by `new` (compaction: `new` shows what
@@ -428,6 +491,8 @@ mod tests {
             own_layer: layers.last().map(|s| s.to_string()),
             spec: spec(),
             sessions: vec![SnapSession {
+                image: None,
+                lost: None,
                 id: "s".into(),
                 kind: "python".into(),
                 default: true,

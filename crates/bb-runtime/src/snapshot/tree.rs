@@ -118,6 +118,8 @@ impl Runtime {
         let gone = self.session_templates.remove(&dead_templates);
         self.drop_templates(gone).await;
         let rt = self.clone();
-        tokio::task::spawn_blocking(move || rt.gc_layers(LAYER_GC_MIN_AGE)).await.map_err(RuntimeError::Worker)?
+        tokio::task::spawn_blocking(move || Ok(rt.gc_layers(LAYER_GC_MIN_AGE)? + rt.collect_images()?))
+            .await
+            .map_err(RuntimeError::Worker)?
     }
 }

@@ -1,0 +1,101 @@
+//! `branchbox-criu-exec INIT_PID [--cgroup-procs FILE]... -- CRIU ARGS...`: run CRIU as host root
+//! inside a sandbox's pid, net, uts, ipc and cgroup namespaces.
+//!
+//! CRIU then sees the sandbox's processes in its own namespaces (it dumps none of those, and
+//! pids are the sandbox's), while keeping the host's user namespace (init-namespace
+//! capabilities: it must read and restore seccomp filters) and the host's files (a private copy
+//! of the host's mount namespace, with a procfs of the sandbox's pid namespace on /proc). Its
+//! user and mount namespaces are joined by CRIU itself on restore (`--join-ns`), see
+//! `bb_criu`. Restored tasks are children of CRIU inside the sandbox's pid namespace, so when it
+//! exits they are re-parented to the sandbox's init. With `--cgroup-procs`, CRIU first moves
+//! itself into the sandbox's cgroups, so restored tasks (and the memory they touch) are charged
+//! there.
+//!
+//! Single-threaded: forks after joining the pid namespace; the parent waits and exits with the
+//! child's status.
+
+use nix::mount::{mount, MsFlags};
+use std::ffi::CString;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+
+fn fail(what: &str, e: impl std::fmt::Display) -> ! {
+    eprintln!("branchbox-criu-exec: {what}: {e}");
+    std::process::exit(126)
+}
+
+fn main() {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let Some(sep) = args.iter().position(|a| a == "--") else {
+        fail("usage", "INIT_PID [--cgroup-procs FILE]... -- CRIU ARGS")
+    };
+    let (ours, criu) = (&args[..sep], &args[sep + 1..]);
+    let Some(init) = ours.first().and_then(|a| a.to_str()).and_then(|a| a.parse::<i32>().ok()) else {
+        fail("usage", "the first argument is the sandbox init's host pid")
+    };
+    let mut cgroup_procs = Vec::new();
+    let mut it = ours[1..].iter();
+    while let Some(a) = it.next() {
+        match (a.to_str(), it.next()) {
+            (Some("--cgroup-procs"), Some(f)) => cgroup_procs.push(f.clone()),
+            _ => fail("usage", format!("unknown argument {a:?}")),
+        }
+    }
+    if criu.is_empty() {
+        fail("usage", "no CRIU command given after --");
+    }
+    let ns: Vec<(libc::c_int, OwnedFd)> = [
+        ("pid", libc::CLONE_NEWPID),
+        ("net", libc::CLONE_NEWNET),
+        ("uts", libc::CLONE_NEWUTS),
+        ("ipc", libc::CLONE_NEWIPC),
+        ("cgroup", libc::CLONE_NEWCGROUP),
+    ]
+    .into_iter()
+    .map(|(name, flag)| match std::fs::File::open(format!("/proc/{init}/ns/{name}")) {
+        Ok(f) => (flag, OwnedFd::from(f)),
+        Err(e) => fail(&format!("open the sandbox's {name} namespace"), e),
+    })
+    .collect();
+    if let Err(e) = bb_sys::ns::unshare(libc::CLONE_NEWNS) {
+        fail("unshare the mount namespace", e);
+    }
+    if let Err(e) = mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>) {
+        fail("make the mount namespace private", e);
+    }
+    for f in &cgroup_procs {
+        if let Err(e) = std::fs::write(f, b"0") {
+            fail(&format!("join the sandbox's cgroup ({})", std::path::Path::new(f).display()), e);
+        }
+    }
+    for (flag, fd) in &ns {
+        if let Err(e) = bb_sys::ns::setns(fd.as_fd(), *flag) {
+            fail("join the sandbox's namespaces", e);
+        }
+    }
+    drop(ns);
+    // SAFETY: single-threaded program: the child may do anything before exec.
+    match unsafe { nix::unistd::fork() } {
+        Err(e) => fail("fork", e),
+        Ok(nix::unistd::ForkResult::Child) => {
+            // Now in the sandbox's pid namespace: a procfs of it, on this private /proc.
+            if let Err(e) = mount(Some("proc"), "/proc", Some("proc"), MsFlags::empty(), None::<&str>) {
+                fail("mount the sandbox's procfs", e);
+            }
+            let argv: Vec<CString> = criu
+                .iter()
+                .map(|a| CString::new(a.as_bytes()).unwrap_or_else(|_| fail("argument", "NUL byte")))
+                .collect();
+            let e = nix::unistd::execv(&argv[0], &argv).unwrap_err();
+            fail(&format!("exec {:?}", argv[0]), e)
+        }
+        Ok(nix::unistd::ForkResult::Parent { child }) => loop {
+            match nix::sys::wait::waitpid(child, None) {
+                Ok(nix::sys::wait::WaitStatus::Exited(_, code)) => std::process::exit(code),
+                Ok(nix::sys::wait::WaitStatus::Signaled(_, sig, _)) => std::process::exit(128 + sig as i32),
+                Ok(_) | Err(nix::Error::EINTR) => continue,
+                Err(e) => fail("wait for CRIU", e),
+            }
+        },
+    }
+}

@@ -1,0 +1,391 @@
+//! CRIU for branchbox: process trees of a running sandbox dumped into a directory of image files
+//! and restored into the same sandbox's namespaces.
+//!
+//! A *process image* is a plain directory: CRIU's image files, the logs of the dump and restore,
+//! and `manifest.json` ([`Manifest`]): which tree it holds (pids as the sandbox sees them), which
+//! files it needs from outside (below), the CRIU version, its size. Nothing in it depends on the
+//! host it was made on but the layer stack the sandbox stands on, so it can be copied elsewhere
+//! as it is.
+//!
+//! **Namespaces.** CRIU runs as host root in the sandbox's pid, net, uts, ipc and cgroup
+//! namespaces (`branchbox-criu-exec`), so it dumps none of those: they stay with the sandbox's
+//! init, which is never dumped. It keeps the host's user namespace (reading and restoring seccomp
+//! filters takes init-namespace capabilities) and the host's files. The tree's user and mount
+//! namespaces differ from CRIU's, so the dump records them; [`inventory`] then marks them as
+//! CRIU's own in the image, and the restore joins the sandbox's (`--join-ns user`, `mnt`) instead
+//! of making new ones. The result: restored processes are in the sandbox's namespaces and cgroup,
+//! children of its init, with their pids, creds and seccomp filters.
+//!
+//! **Files from outside** ([`External`]). After a root swap (checkpoint, rollback), processes
+//! that existed before it still map files (their binary, libraries) and may hold a cwd or open
+//! files on the *old* root, a detached mount CRIU cannot find. Log files the daemon opened are on
+//! the host. Each such file is marked external at dump (`--external file[mnt:ino]`) and, at
+//! restore, opened again by path — in the sandbox's current root, or on the host — and handed to
+//! CRIU (`--inherit-fd`). Layers never change, so the same path is the same file; a file that
+//! changed since is refused by CRIU's size and build-id checks, with the cause in the error.
+//!
+//! **Sockets.** A unix socket created outside the sandbox (a session's channel to the daemon)
+//! cannot be dumped; callers make such channels internal socket pairs of the dumped process
+//! first and take their end back after the restore (`pidfd_getfd`).
+
+mod externals;
+pub mod inventory;
+
+pub use externals::{External, Place};
+
+use serde::{Deserialize, Serialize};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use thiserror::Error;
+
+/// Oldest CRIU that works here (older ones fail on recent kernels' vDSO).
+pub const MIN_VERSION: (u32, u32) = (4, 1);
+/// Version of [`Manifest`]'s format.
+pub const MANIFEST_FORMAT: u32 = 1;
+/// Name of the manifest in an image directory.
+pub const MANIFEST: &str = "manifest.json";
+
+#[derive(Debug, Error)]
+pub enum CriuError {
+    #[error("CRIU not found at {0}: run `make install` (scripts/install-criu.sh builds CRIU {min}.{min2}), or pass --criu", min = MIN_VERSION.0, min2 = MIN_VERSION.1)]
+    NotInstalled(PathBuf),
+    #[error("CRIU at {path} is version {found}; branchbox needs {min}.{min2} or newer (scripts/install-criu.sh builds one)", min = MIN_VERSION.0, min2 = MIN_VERSION.1)]
+    TooOld { path: PathBuf, found: String },
+    #[error("helper {0} not found: build it (`make build`)")]
+    NoHelper(PathBuf),
+    #[error("criu {action} failed{}: {log}", status.map(|s| format!(" (exit {s})")).unwrap_or_default())]
+    Failed { action: &'static str, status: Option<i32>, log: String },
+    #[error("process image {dir}: {problem}")]
+    Image { dir: PathBuf, problem: String },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl CriuError {
+    fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> CriuError {
+        let what = what.into();
+        move |source| CriuError::Io { what, source }
+    }
+}
+
+pub type Result<T, E = CriuError> = std::result::Result<T, E>;
+
+/// An installed CRIU and the helper that runs it in a sandbox's namespaces.
+#[derive(Debug, Clone)]
+pub struct Criu {
+    bin: PathBuf,
+    exec_helper: PathBuf,
+    version: String,
+}
+
+/// The sandbox a tree belongs to.
+#[derive(Debug, Clone)]
+pub struct SandboxRef {
+    /// Host pid of the sandbox's init.
+    pub init_pid: i32,
+    /// `cgroup.procs` files of the sandbox's cgroup (one per v1 hierarchy, or the v2 one):
+    /// restored tasks are placed there.
+    pub cgroup_procs: Vec<PathBuf>,
+}
+
+/// The root of a tree to dump.
+#[derive(Debug, Clone, Copy)]
+pub struct Root {
+    pub host_pid: i32,
+    /// Its pid in the sandbox.
+    pub ns_pid: i32,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct DumpOptions {
+    /// Leave the tree running (a consistent copy); otherwise CRIU kills it once dumped.
+    pub leave_running: bool,
+    /// What the image holds, for the manifest (e.g. "session-template", "sandbox-tree").
+    pub kind: String,
+}
+
+/// What an image directory holds (`manifest.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: u32,
+    pub kind: String,
+    /// `criu --version` of the dump.
+    pub criu: String,
+    /// Pid of the tree's root in the sandbox; `tasks`: every process of the tree.
+    pub root_ns_pid: i32,
+    pub tasks: Vec<i32>,
+    pub externals: Vec<External>,
+    /// Bytes of the image files.
+    pub bytes: u64,
+    pub dump_ms: f64,
+    pub created_at: f64,
+}
+
+impl Manifest {
+    pub fn read(dir: &Path) -> Result<Manifest> {
+        let text = std::fs::read_to_string(dir.join(MANIFEST)).map_err(|e| CriuError::Image {
+            dir: dir.to_path_buf(),
+            problem: format!("no readable {MANIFEST} ({e}): a dump that did not finish"),
+        })?;
+        let m: Manifest = serde_json::from_str(&text)
+            .map_err(|e| CriuError::Image { dir: dir.to_path_buf(), problem: format!("{MANIFEST}: {e}") })?;
+        if m.format != MANIFEST_FORMAT {
+            return Err(CriuError::Image {
+                dir: dir.to_path_buf(),
+                problem: format!("format {} (this daemon reads {MANIFEST_FORMAT})", m.format),
+            });
+        }
+        Ok(m)
+    }
+
+    fn write(&self, dir: &Path) -> Result<()> {
+        let tmp = dir.join(format!("{MANIFEST}.tmp"));
+        let text = serde_json::to_vec_pretty(self).expect("manifest serializes");
+        std::fs::write(&tmp, text).map_err(CriuError::io("write the manifest"))?;
+        std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(CriuError::io("sync the manifest"))?;
+        std::fs::rename(&tmp, dir.join(MANIFEST)).map_err(CriuError::io("write the manifest"))
+    }
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+/// `(major, minor)` from `criu --version` output ("Version: 4.1.1").
+fn parse_version(text: &str) -> Option<(u32, u32, String)> {
+    let v = text.lines().find_map(|l| l.strip_prefix("Version:"))?.trim().to_string();
+    let mut parts = v.split('.');
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next().unwrap_or("0").parse().ok()?;
+    Some((major, minor, v))
+}
+
+/// The last error lines of a CRIU log (what it says went wrong), at most `n`.
+fn log_tail(log: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    // "Can't setup RLIMIT_NOFILE" is CRIU's own harmless complaint in a user namespace.
+    let errors: Vec<&str> = text.lines().filter(|l| l.contains("Error") && !l.contains("RLIMIT_NOFILE")).collect();
+    let lines = if errors.is_empty() {
+        text.lines().rev().take(n).collect::<Vec<_>>().into_iter().rev().collect()
+    } else {
+        errors
+    };
+    let start = lines.len().saturating_sub(n);
+    lines[start..].join(" | ")
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.blocks() * 512)
+        .sum()
+}
+
+impl Criu {
+    /// The CRIU at `bin` (>= [`MIN_VERSION`]) and the helper at `exec_helper`.
+    pub fn find(bin: &Path, exec_helper: &Path) -> Result<Criu> {
+        if !bin.is_file() {
+            return Err(CriuError::NotInstalled(bin.to_path_buf()));
+        }
+        if !exec_helper.is_file() {
+            return Err(CriuError::NoHelper(exec_helper.to_path_buf()));
+        }
+        let out = std::process::Command::new(bin)
+            .arg("--version")
+            .output()
+            .map_err(CriuError::io(format!("run {} --version", bin.display())))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let (major, minor, version) = parse_version(&text)
+            .ok_or_else(|| CriuError::TooOld { path: bin.to_path_buf(), found: text.trim().to_string() })?;
+        if (major, minor) < MIN_VERSION {
+            return Err(CriuError::TooOld { path: bin.to_path_buf(), found: version });
+        }
+        Ok(Criu { bin: bin.to_path_buf(), exec_helper: exec_helper.to_path_buf(), version })
+    }
+
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// Run CRIU with `args` in `sandbox`'s namespaces, `keep` fds inherited. Returns its exit
+    /// status.
+    fn run(&self, sandbox: &SandboxRef, join_cgroup: bool, args: &[String], keep: &[RawFd]) -> Result<Option<i32>> {
+        use std::os::unix::process::CommandExt;
+        let mut cmd = std::process::Command::new(&self.exec_helper);
+        cmd.arg(sandbox.init_pid.to_string());
+        if join_cgroup {
+            for f in &sandbox.cgroup_procs {
+                cmd.arg("--cgroup-procs").arg(f);
+            }
+        }
+        cmd.arg("--").arg(&self.bin).args(args);
+        cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
+        let keep = keep.to_vec();
+        // SAFETY: the closure only calls fcntl(2), which is async-signal-safe, on fds it borrows.
+        unsafe {
+            cmd.pre_exec(move || {
+                for fd in &keep {
+                    if libc::fcntl(*fd, libc::F_SETFD, 0) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        let out = cmd.output().map_err(CriuError::io(format!("run {}", self.exec_helper.display())))?;
+        if !out.status.success() && !out.stderr.is_empty() {
+            tracing::debug!("criu: {}", String::from_utf8_lossy(&out.stderr).trim());
+        }
+        Ok(out.status.code())
+    }
+
+    /// Dump the tree rooted at `root` of `sandbox` into `dir` (made here; it must not exist).
+    /// Unless `opts.leave_running`, the tree is gone afterwards (CRIU kills it once dumped).
+    pub fn dump(&self, sandbox: &SandboxRef, root: Root, dir: &Path, opts: &DumpOptions) -> Result<Manifest> {
+        let t0 = Instant::now();
+        let found = externals::collect(root.host_pid)?;
+        std::fs::create_dir(dir).map_err(CriuError::io(format!("create {}", dir.display())))?;
+        let mut args: Vec<String> = [
+            "dump",
+            "--tree",
+            &root.ns_pid.to_string(),
+            "--images-dir",
+            &dir.to_string_lossy(),
+            "--log-file",
+            "dump.log",
+            "-v4",
+            "--shell-job",
+            "--manage-cgroups=ignore",
+            "--external",
+            "mnt[]:sm",
+            "--tcp-established",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        if opts.leave_running {
+            args.push("--leave-running".into());
+        }
+        for e in &found.externals {
+            args.push("--external".into());
+            args.push(e.key.clone());
+        }
+        let status = self.run(sandbox, false, &args, &[])?;
+        if status != Some(0) {
+            return Err(CriuError::Failed { action: "dump", status, log: log_tail(&dir.join("dump.log"), 6) });
+        }
+        inventory::adopt_namespaces(dir, root.ns_pid)?;
+        let manifest = Manifest {
+            format: MANIFEST_FORMAT,
+            kind: opts.kind.clone(),
+            criu: self.version.clone(),
+            root_ns_pid: root.ns_pid,
+            tasks: found.ns_pids,
+            externals: found.externals,
+            bytes: dir_bytes(dir),
+            dump_ms: t0.elapsed().as_secs_f64() * 1000.0,
+            created_at: now(),
+        };
+        manifest.write(dir)?;
+        Ok(manifest)
+    }
+
+    /// Restore the tree imaged in `dir` into `sandbox` (its namespaces and cgroup; its init
+    /// becomes the tree root's parent). Files the image needs from outside are opened again by
+    /// path ([`External`]). The pids of the tree must be free in the sandbox.
+    pub fn restore(&self, sandbox: &SandboxRef, dir: &Path) -> Result<Manifest> {
+        let manifest = Manifest::read(dir)?;
+        let mut held: Vec<OwnedFd> = Vec::new();
+        let mut args: Vec<String> = [
+            "restore",
+            "--images-dir",
+            &dir.to_string_lossy(),
+            "--log-file",
+            "restore.log",
+            "-v4",
+            "--restore-detached",
+            "--shell-job",
+            "--manage-cgroups=ignore",
+            "--tcp-established",
+            // As root, but in a user namespace: socket buffer sizes without SO_*BUFFORCE.
+            "--unprivileged",
+            "--join-ns",
+            "user:1,0,0",
+            "--join-ns",
+            "mnt:1",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        for e in &manifest.externals {
+            let fd = e.open(sandbox.init_pid).map_err(|source| CriuError::Image {
+                dir: dir.to_path_buf(),
+                problem: format!("{} ({}) cannot be opened again: {source}", e.path.display(), e.place.describe()),
+            })?;
+            args.push("--inherit-fd".into());
+            args.push(format!("fd[{}]:{}", fd.as_raw_fd(), e.key));
+            held.push(fd);
+        }
+        let _ = std::fs::remove_file(dir.join("restore.log"));
+        let keep: Vec<RawFd> = held.iter().map(|f| f.as_raw_fd()).collect();
+        let status = self.run(sandbox, true, &args, &keep)?;
+        if status != Some(0) {
+            return Err(CriuError::Failed { action: "restore", status, log: log_tail(&dir.join("restore.log"), 6) });
+        }
+        Ok(manifest)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_are_read_from_criu_output() {
+        assert_eq!(parse_version("Version: 4.1.1\n"), Some((4, 1, "4.1.1".into())));
+        assert_eq!(parse_version("Version: 3.17\nGitID: x\n"), Some((3, 17, "3.17".into())));
+        assert_eq!(parse_version("nonsense"), None);
+    }
+
+    #[test]
+    fn a_missing_criu_says_how_to_get_one() {
+        let e = Criu::find(Path::new("/nonexistent/criu"), Path::new("/bin/true")).unwrap_err();
+        assert!(e.to_string().contains("install-criu.sh"), "{e}");
+    }
+
+    #[test]
+    fn the_log_tail_keeps_errors_but_not_the_rlimit_noise() {
+        let d = tempfile::tempdir().unwrap();
+        let log = d.path().join("x.log");
+        std::fs::write(&log, "(0.1) Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE\n(0.2) fine\n(0.3) Error (criu/files-reg.c:1): Can't open x\n").unwrap();
+        assert_eq!(log_tail(&log, 6), "(0.3) Error (criu/files-reg.c:1): Can't open x");
+    }
+
+    #[test]
+    fn a_manifest_round_trips_and_an_unfinished_image_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        assert!(Manifest::read(d.path()).unwrap_err().to_string().contains("did not finish"));
+        let m = Manifest {
+            format: MANIFEST_FORMAT,
+            kind: "session-template".into(),
+            criu: "4.1.1".into(),
+            root_ns_pid: 3,
+            tasks: vec![3],
+            externals: vec![],
+            bytes: 10,
+            dump_ms: 1.5,
+            created_at: 2.0,
+        };
+        m.write(d.path()).unwrap();
+        assert_eq!(Manifest::read(d.path()).unwrap(), m);
+    }
+}
