@@ -11,8 +11,16 @@ DEST=${CRIU_DEST:-/usr/local/lib/branchbox/criu}
 VERSION=4.1.1
 SHA256=f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe
 BUILD=${CRIU_BUILD_DIR:-/var/cache/branchbox/criu}
+# Fixes applied to the tarball: upstream commits released after 4.1.1 that this kernel needs (the
+# file names the commit) and our own fixes for bugs branchbox hits (the file says why). A build
+# records which patches it has; a different set rebuilds.
+PATCHES=$(cd "$(dirname "$0")/criu-patches" && pwd)
+STAMP=$(cat "$PATCHES"/*.patch | sha256sum | cut -c1-16)
 
-have() { [ -x "$DEST" ] && "$DEST" --version 2>/dev/null | grep -q "Version: $VERSION"; }
+have() {
+  [ -x "$DEST" ] && "$DEST" --version 2>/dev/null | grep -q "Version: $VERSION" &&
+    [ "$(cat "$DEST.patches" 2>/dev/null)" = "$STAMP" ]
+}
 if have; then
   exit 0
 fi
@@ -56,8 +64,12 @@ CONF
 fi
 rm -rf "criu-$VERSION"
 tar xf "$TARBALL"
+for p in "$PATCHES"/*.patch; do
+  patch -s -p1 -d "criu-$VERSION" <"$p" || { echo "criu: patch $(basename "$p") does not apply" >&2; exit 1; }
+done
 echo "criu: building $VERSION"
 make -s -C "criu-$VERSION" -j"$(nproc)" criu >build.log 2>&1 || { tail -30 build.log >&2; exit 1; }
 install -D -m 0755 "criu-$VERSION/criu/criu" "$DEST"
+echo "$STAMP" >"$DEST.patches"
 "$DEST" check >/dev/null 2>&1 || echo "criu: 'criu check' reports problems on this kernel; branchboxd runs without durable process images" >&2
 echo "criu: installed $("$DEST" --version | head -1) at $DEST"

@@ -31,6 +31,8 @@ from .models import (
     ImageProgress,
     PoolStats,
     ProcessInfo,
+    PauseResult,
+    ResumeResult,
     RollbackResult,
     SandboxInfo,
     SessionInfo,
@@ -354,6 +356,7 @@ def create_sandbox(
     network: Optional[str] = "none",
     metadata: Optional[Mapping[str, Any]] = None,
     template: Any = None,
+    lifecycle: Optional[Mapping[str, Any]] = None,
 ) -> Call:
     """``image=None`` means ``"base"``, or the template's image when ``template`` is given
     (the daemon refuses an image other than the template's)."""
@@ -372,6 +375,7 @@ def create_sandbox(
             "timeout": timeout,
             "network": network,
             "metadata": _env(metadata),
+            "lifecycle": dict(lifecycle) if lifecycle is not None else None,
         }
     )
     return Call("POST", "/v1/sandboxes", json=body, parse=SandboxInfo.from_dict)
@@ -390,6 +394,14 @@ def set_timeout(sandbox_id: str, seconds: float) -> Call:
     return Call(
         "POST", _sbx(sandbox_id) + "/timeout", json={"timeout": seconds}, parse=SandboxInfo.from_dict
     )
+
+
+def pause_sandbox(sandbox_id: str) -> Call:
+    return Call("POST", _sbx(sandbox_id) + "/pause", parse=PauseResult.from_dict)
+
+
+def resume_sandbox(sandbox_id: str, timeout: Optional[float] = None) -> Call:
+    return Call("POST", _sbx(sandbox_id) + "/resume", json=_compact({"timeout": timeout}), parse=ResumeResult.from_dict)
 
 
 def kill_sandbox(sandbox_id: str) -> Call:

@@ -25,6 +25,8 @@ __all__ = [
     "SnapshotSession",
     "SnapshotInfo",
     "RollbackResult",
+    "PauseResult",
+    "ResumeResult",
     "ForkResult",
     "GcResult",
     "PoolImageStats",
@@ -52,7 +54,7 @@ def _raw() -> Any:
 
 @dataclass
 class SandboxInfo(_Model):
-    """``GET /v1/sandboxes/{id}``. ``state`` is ``"running"`` or ``"dead"``."""
+    """``GET /v1/sandboxes/{id}``. ``state`` is ``"running"``, ``"paused"`` or ``"dead"``."""
 
     id: str = ""
     image: str = ""
@@ -72,11 +74,19 @@ class SandboxInfo(_Model):
     pids_current: Optional[int] = None
     #: A fork child whose sessions are live copies: the sandbox it is nested in.
     nested_in: Optional[str] = None
+    #: ``{"on_timeout": "kill" | "pause", "auto_resume": bool}``.
+    lifecycle: Dict[str, Any] = field(default_factory=dict)
+    #: When the sandbox was paused (state ``"paused"``).
+    paused_at: Optional[float] = None
     raw: Dict[str, Any] = _raw()
 
     @property
     def is_running(self) -> bool:
         return self.state == "running"
+
+    @property
+    def is_paused(self) -> bool:
+        return self.state == "paused"
 
 
 @dataclass
@@ -277,6 +287,42 @@ class SnapshotInfo(_Model):
         obj.sessions = [
             s if isinstance(s, SnapshotSession) else SnapshotSession.from_dict(s) for s in obj.sessions or []
         ]
+        return obj
+
+
+@dataclass
+class PauseResult(_Model):
+    """Result of ``sbx.pause()``: the sandbox's processes are in process images on disk."""
+
+    sandbox: Optional[SandboxInfo] = None
+    #: Process trees dumped (sessions, background commands, orphans).
+    processes: int = 0
+    sessions: int = 0
+    image_bytes: int = 0
+    took_ms: Optional[float] = None
+    raw: Dict[str, Any] = _raw()
+
+    @classmethod
+    def from_dict(cls, data: Optional[Dict[str, Any]]) -> "PauseResult":
+        obj = super().from_dict(data)
+        object.__setattr__(obj, "sandbox", SandboxInfo.from_dict(obj.sandbox) if obj.sandbox else None)
+        return obj
+
+
+@dataclass
+class ResumeResult(_Model):
+    """Result of ``sbx.resume()``: processes restored under their pids, sessions re-attached."""
+
+    sandbox: Optional[SandboxInfo] = None
+    processes: int = 0
+    sessions: int = 0
+    took_ms: Optional[float] = None
+    raw: Dict[str, Any] = _raw()
+
+    @classmethod
+    def from_dict(cls, data: Optional[Dict[str, Any]]) -> "ResumeResult":
+        obj = super().from_dict(data)
+        object.__setattr__(obj, "sandbox", SandboxInfo.from_dict(obj.sandbox) if obj.sandbox else None)
         return obj
 
 

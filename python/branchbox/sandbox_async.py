@@ -25,7 +25,9 @@ from .models import (
     ImageInfo,
     ImageProgress,
     PoolStats,
+    PauseResult,
     ProcessInfo,
+    ResumeResult,
     RollbackResult,
     SandboxInfo,
     SessionInfo,
@@ -173,6 +175,7 @@ class AsyncSandbox:
         network: str = "none",
         metadata: Optional[Mapping[str, str]] = None,
         template: Union[str, TemplateInfo, None] = None,
+        lifecycle: Optional[Mapping[str, Any]] = None,
         daemon: Optional[str] = None,
         token: Optional[str] = None,
         request_timeout: Optional[float] = 120,
@@ -182,7 +185,9 @@ class AsyncSandbox:
         http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
         try:
             info = await http.call(
-                _core.create_sandbox(image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template)
+                _core.create_sandbox(
+                    image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle
+                )
             )
         except BaseException:
             await http.close()
@@ -194,15 +199,24 @@ class AsyncSandbox:
         cls,
         sandbox_id: str,
         *,
+        timeout: Optional[float] = None,
+        resume: bool = True,
         daemon: Optional[str] = None,
         token: Optional[str] = None,
         request_timeout: Optional[float] = 120,
         transport: Optional[httpx.AsyncBaseTransport] = None,
     ) -> "AsyncSandbox":
-        """Attach to an existing sandbox (raises :class:`NotFoundError` if unknown)."""
+        """Attach to an existing sandbox (raises :class:`NotFoundError` if unknown). A paused
+        sandbox is resumed first (its timeout then restarts: ``timeout`` seconds, or the one it
+        was created with) unless ``resume=False``; on a running one, ``timeout`` restarts its
+        time to live."""
         http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
         try:
             info = await http.call(_core.get_sandbox(sandbox_id))
+            if info.state == "paused" and resume:
+                info = (await http.call(_core.resume_sandbox(sandbox_id, timeout))).sandbox or info
+            elif timeout is not None and info.state == "running":
+                info = await http.call(_core.set_timeout(sandbox_id, timeout))
         except BaseException:
             await http.close()
             raise
@@ -226,6 +240,23 @@ class AsyncSandbox:
         info = await self._http.call(_core.get_sandbox(self.id))
         self._info = info
         return info
+
+    async def pause(self) -> PauseResult:
+        """Pause the sandbox: every process (sessions, background commands) is dumped to disk
+        and freed; files stay. Its id stays; :meth:`resume` or :meth:`connect` brings it back
+        with its processes (same pids), sessions, files and env. Needs CRIU on the daemon."""
+        result = await self._http.call(_core.pause_sandbox(self.id))
+        if result.sandbox is not None:
+            self._info = result.sandbox
+        return result
+
+    async def resume(self, timeout: Optional[float] = None) -> ResumeResult:
+        """Resume a paused sandbox. ``timeout``: its new time to live in seconds (0 = none;
+        default: the one it was created with)."""
+        result = await self._http.call(_core.resume_sandbox(self.id, timeout))
+        if result.sandbox is not None:
+            self._info = result.sandbox
+        return result
 
     async def set_timeout(self, seconds: float) -> SandboxInfo:
         """Restart the time to live from now (0 = no TTL)."""

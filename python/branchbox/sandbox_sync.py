@@ -31,7 +31,9 @@ from .models import (
     ImageInfo,
     ImageProgress,
     PoolStats,
+    PauseResult,
     ProcessInfo,
+    ResumeResult,
     RollbackResult,
     SandboxInfo,
     SessionInfo,
@@ -372,6 +374,7 @@ class Sandbox:
         network: str = "none",
         metadata: Optional[Mapping[str, str]] = None,
         template: Union[str, TemplateInfo, None] = None,
+        lifecycle: Optional[Mapping[str, Any]] = None,
         daemon: Optional[str] = None,
         token: Optional[str] = None,
         request_timeout: Optional[float] = 120,
@@ -385,6 +388,11 @@ class Sandbox:
         ``metadata`` and ``timeout`` still apply, and ``image`` may only repeat the
         template's. A warm pool (:class:`Pool`) makes plain creates claim a ready sandbox.
 
+        ``lifecycle`` (as E2B's): ``{"on_timeout": "pause"}`` pauses the sandbox at its
+        timeout instead of killing it (see :meth:`pause`); with ``"auto_resume": True`` a
+        paused sandbox resumes by itself when a command, code, a file or a session request
+        reaches it.
+
         ``daemon``/``token`` default to ``$BRANCHBOX_URL``/``$BRANCHBOX_TOKEN``;
         ``request_timeout`` bounds each HTTP request; ``transport`` replaces the
         network transport (tests).
@@ -392,7 +400,9 @@ class Sandbox:
         http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
         try:
             info = http.call(
-                _core.create_sandbox(image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template)
+                _core.create_sandbox(
+                    image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle
+                )
             )
         except BaseException:
             http.close()
@@ -404,15 +414,24 @@ class Sandbox:
         cls,
         sandbox_id: str,
         *,
+        timeout: Optional[float] = None,
+        resume: bool = True,
         daemon: Optional[str] = None,
         token: Optional[str] = None,
         request_timeout: Optional[float] = 120,
         transport: Optional[httpx.BaseTransport] = None,
     ) -> "Sandbox":
-        """Attach to an existing sandbox (raises :class:`NotFoundError` if unknown)."""
+        """Attach to an existing sandbox (raises :class:`NotFoundError` if unknown). A paused
+        sandbox is resumed first (its timeout then restarts: ``timeout`` seconds, or the one it
+        was created with) unless ``resume=False``; on a running one, ``timeout`` restarts its
+        time to live."""
         http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
         try:
             info = http.call(_core.get_sandbox(sandbox_id))
+            if info.state == "paused" and resume:
+                info = (http.call(_core.resume_sandbox(sandbox_id, timeout))).sandbox or info
+            elif timeout is not None and info.state == "running":
+                info = http.call(_core.set_timeout(sandbox_id, timeout))
         except BaseException:
             http.close()
             raise
@@ -436,6 +455,23 @@ class Sandbox:
         info = self._http.call(_core.get_sandbox(self.id))
         self._info = info
         return info
+
+    def pause(self) -> PauseResult:
+        """Pause the sandbox: every process (sessions, background commands) is dumped to disk
+        and freed; files stay. Its id stays; :meth:`resume` or :meth:`connect` brings it back
+        with its processes (same pids), sessions, files and env. Needs CRIU on the daemon."""
+        result = self._http.call(_core.pause_sandbox(self.id))
+        if result.sandbox is not None:
+            self._info = result.sandbox
+        return result
+
+    def resume(self, timeout: Optional[float] = None) -> ResumeResult:
+        """Resume a paused sandbox. ``timeout``: its new time to live in seconds (0 = none;
+        default: the one it was created with)."""
+        result = self._http.call(_core.resume_sandbox(self.id, timeout))
+        if result.sandbox is not None:
+            self._info = result.sandbox
+        return result
 
     def set_timeout(self, seconds: float) -> SandboxInfo:
         """Restart the time to live from now (0 = no TTL)."""

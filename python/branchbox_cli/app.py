@@ -36,7 +36,7 @@ from branchbox import _core
 from branchbox._transport import DEFAULT_SOCKET
 from branchbox.sandbox_sync import health
 
-from .base import Ctx, cli_errors, ctx_of, err, fail, fmt_bytes, fmt_num, out, print_json
+from .base import Ctx, cli_errors, connected, ctx_of, err, fail, fmt_bytes, fmt_num, out, print_json
 from .bench import bench_app
 from .files import files_app
 
@@ -368,7 +368,7 @@ def sandbox_exec(
     if not cmd:
         raise typer.BadParameter("missing command", param_hint="CMD")
     data = sys.stdin.buffer.read() if stdin else None
-    sbx = Sandbox.connect(sandbox_id, **c.sdk())
+    sbx = Sandbox.connect(sandbox_id, resume=False, **c.sdk())
 
     def write(stream: Any) -> Callable[[str], None]:
         def cb(chunk: str) -> None:
@@ -417,7 +417,7 @@ def sandbox_ls(
         table.add_row(
             i.id,
             i.image,
-            Text(state, style="green" if i.state == "running" else "red"),
+            Text(state, style={"running": "green", "paused": "yellow"}.get(i.state, "red")),
             "-" if i.cpu is None else "%g" % i.cpu,
             "-" if i.memory_mb is None else "%d MiB" % i.memory_mb,
             fmt_duration(now - i.created_at) if i.created_at else "-",
@@ -431,7 +431,7 @@ def sandbox_ls(
 def sandbox_info(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metavar="ID")) -> None:
     """Print a sandbox's SandboxInfo JSON."""
     c = ctx_of(ctx)
-    sbx = Sandbox.connect(sandbox_id, **c.sdk())
+    sbx = Sandbox.connect(sandbox_id, resume=False, **c.sdk())
     sbx.close()
     info = sbx._info
     print_json(info.raw if info is not None else {"id": sandbox_id})
@@ -442,13 +442,52 @@ def sandbox_info(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metav
 def sandbox_kill(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metavar="ID")) -> None:
     """Kill a sandbox."""
     c = ctx_of(ctx)
-    sbx = Sandbox.connect(sandbox_id, **c.sdk())
+    sbx = Sandbox.connect(sandbox_id, resume=False, **c.sdk())
     try:
         if not sbx.kill():
             raise fail("sandbox %s not found" % sandbox_id)
     finally:
         sbx.close()
     out.print("killed %s" % sandbox_id)
+
+
+@sandbox_app.command("pause")
+@cli_errors
+def sandbox_pause(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    as_json: bool = typer.Option(False, "--json", help="Print the PauseResult JSON."),
+) -> None:
+    """Pause a sandbox: its processes go to disk and free their memory; `resume` brings them back."""
+    with connected(ctx, sandbox_id) as sbx:
+        r = sbx.pause()
+    if as_json:
+        print_json(r.raw)
+        return
+    out.print(
+        "paused %s: %d process tree(s), %d session(s), %s of process images, %s"
+        % (sandbox_id, r.processes, r.sessions, fmt_bytes(r.image_bytes), fmt_num(r.took_ms, " ms", "%.0f"))
+    )
+
+
+@sandbox_app.command("resume")
+@cli_errors
+def sandbox_resume(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="New time to live in seconds (0 = none; default: the sandbox's own)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the ResumeResult JSON."),
+) -> None:
+    """Resume a paused sandbox: its processes come back under their pids, with their sessions."""
+    with connected(ctx, sandbox_id) as sbx:
+        r = sbx.resume(timeout=timeout)
+    if as_json:
+        print_json(r.raw)
+        return
+    out.print(
+        "resumed %s: %d process tree(s), %d session(s), %s"
+        % (sandbox_id, r.processes, r.sessions, fmt_num(r.took_ms, " ms", "%.0f"))
+    )
 
 
 @sandbox_app.command("run-code")
@@ -463,7 +502,7 @@ def sandbox_run_code(
     c = ctx_of(ctx)
     if code == "-":
         code = sys.stdin.read()
-    sbx = Sandbox.connect(sandbox_id, **c.sdk())
+    sbx = Sandbox.connect(sandbox_id, resume=False, **c.sdk())
     try:
         ex = sbx.run_code(code, timeout=timeout)
     finally:
@@ -492,7 +531,7 @@ def sandbox_checkpoint(
 ) -> None:
     """Snapshot a sandbox (files and live sessions) and print the snapshot id."""
     c = ctx_of(ctx)
-    sbx = Sandbox.connect(sandbox_id, **c.sdk())
+    sbx = Sandbox.connect(sandbox_id, resume=False, **c.sdk())
     try:
         sid = sbx.checkpoint(label)
     finally:
@@ -522,7 +561,7 @@ def sandbox_rollback(
 ) -> None:
     """Return a sandbox to a snapshot (its other processes are killed)."""
     c = ctx_of(ctx)
-    sbx = Sandbox.connect(sandbox_id, **c.sdk())
+    sbx = Sandbox.connect(sandbox_id, resume=False, **c.sdk())
     try:
         result = sbx.rollback(snapshot)
     finally:
@@ -541,7 +580,7 @@ def sandbox_fork(
 ) -> None:
     """Start new sandboxes from a snapshot of ID; prints the child ids, one per line."""
     c = ctx_of(ctx)
-    sbx = Sandbox.connect(sandbox_id, **c.sdk())
+    sbx = Sandbox.connect(sandbox_id, resume=False, **c.sdk())
     try:
         children = sbx.fork(n, snapshot=snapshot, isolated=isolated)
     finally:

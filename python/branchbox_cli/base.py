@@ -80,8 +80,9 @@ def ctx_of(ctx: typer.Context) -> Ctx:
 
 @contextlib.contextmanager
 def connected(ctx: typer.Context, sandbox_id: str) -> Iterator[Sandbox]:
-    """The sandbox ``sandbox_id`` (NotFoundError when unknown), its connection closed after."""
-    sbx = Sandbox.connect(sandbox_id, **ctx_of(ctx).sdk())
+    """The sandbox ``sandbox_id`` (NotFoundError when unknown), its connection closed after. A
+    paused sandbox stays paused (requests to it are refused unless it resumes by itself)."""
+    sbx = Sandbox.connect(sandbox_id, resume=False, **ctx_of(ctx).sdk())
     try:
         yield sbx
     finally:

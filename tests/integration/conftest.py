@@ -105,7 +105,7 @@ def daemon():
     # Kill whatever the tests left, then stop.
     d.ensure_running()
     for info in Sandbox.list(daemon=URL):
-        Sandbox.connect(info.id, daemon=URL).kill()
+        Sandbox.connect(info.id, daemon=URL, resume=False).kill()
     d.stop()
     # Killed sandboxes must not leave their root filesystems mounted on the host.
     left = state_mounts(os.path.join(STATE, "sandboxes"))

@@ -29,6 +29,8 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         get_sandbox,
         kill_sandbox,
         set_timeout,
+        pause_sandbox,
+        resume_sandbox,
         run_command,
         stream_command,
         list_processes,
@@ -71,6 +73,11 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         SandboxInfo,
         SandboxList,
         SetTimeout,
+        Lifecycle,
+        OnTimeout,
+        ResumeSandbox,
+        PauseResult,
+        ResumeResult,
         RunCommand,
         CommandResult,
         Started,
@@ -206,6 +213,23 @@ pub async fn set_timeout(
     JsonBody(req): JsonBody<SetTimeout>,
 ) -> ApiResult<Json<SandboxInfo>> {
     Ok(Json(rt.set_timeout(&id, req.timeout)?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", params(("id" = String, Path, description = "sandbox id")),
+    responses((status = 200, body = PauseResult), (status = 404, body = ErrorResponse), (status = 409, body = ErrorResponse),
+    (status = 503, description = "CRIU is not available", body = ErrorResponse)))]
+pub async fn pause_sandbox(State(rt): State<AppState>, P(id): P<String>) -> ApiResult<Json<PauseResult>> {
+    Ok(Json(rt.pause(&id).await?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", params(("id" = String, Path, description = "sandbox id")),
+    request_body = ResumeSandbox, responses((status = 200, body = ResumeResult), (status = 404, body = ErrorResponse), (status = 409, body = ErrorResponse)))]
+pub async fn resume_sandbox(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    JsonBody(req): JsonBody<ResumeSandbox>,
+) -> ApiResult<Json<ResumeResult>> {
+    Ok(Json(rt.resume(&id, req).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/commands", params(("id" = String, Path, description = "sandbox id")), request_body = RunCommand,

@@ -39,6 +39,8 @@ pub fn router(rt: Arc<Runtime>, token: Option<String>) -> Router {
         .route("/v1/sandboxes", post(create_sandbox).get(list_sandboxes))
         .route("/v1/sandboxes/:id", get(get_sandbox).delete(kill_sandbox))
         .route("/v1/sandboxes/:id/timeout", post(set_timeout))
+        .route("/v1/sandboxes/:id/pause", post(pause_sandbox))
+        .route("/v1/sandboxes/:id/resume", post(resume_sandbox))
         .route("/v1/sandboxes/:id/commands", post(run_command).get(list_processes))
         .route("/v1/sandboxes/:id/commands/stream", post(stream_command))
         .route("/v1/sandboxes/:id/commands/:pid/wait", post(wait_process))

@@ -9,7 +9,12 @@ fn main() {
         bb_criu::SandboxRef { init_pid: a[1].parse().unwrap(), cgroup_procs: a[5..].iter().map(Into::into).collect() };
     let root = bb_criu::Root { host_pid: a[2].parse().unwrap(), ns_pid: a[3].parse().unwrap() };
     let t = std::time::Instant::now();
-    let m = criu.dump(&sb, root, a[4].as_ref(), &bb_criu::DumpOptions { leave_running: false, kind: "test".into() });
+    let m = criu.dump(
+        &sb,
+        root,
+        a[4].as_ref(),
+        &bb_criu::DumpOptions { leave_running: false, kind: "test".into(), frozen_cgroup: None },
+    );
     println!("dump {:?} {:?}", t.elapsed(), m.as_ref().map(|m| (m.bytes, m.externals.len())));
     m.unwrap();
     let t = std::time::Instant::now();

@@ -36,7 +36,7 @@ pub use externals::{External, Place};
 use serde::{Deserialize, Serialize};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use thiserror::Error;
 
 /// Oldest CRIU that works here (older ones fail on recent kernels' vDSO).
@@ -56,6 +56,8 @@ pub enum CriuError {
     NoHelper(PathBuf),
     #[error("criu {action} failed{}: {log}", status.map(|s| format!(" (exit {s})")).unwrap_or_default())]
     Failed { action: &'static str, status: Option<i32>, log: String },
+    #[error("criu {action} did not finish within {after:?} and was killed")]
+    TimedOut { action: String, after: Duration },
     #[error("process image {dir}: {problem}")]
     Image { dir: PathBuf, problem: String },
     #[error("{what}: {source}")]
@@ -81,7 +83,12 @@ pub struct Criu {
     bin: PathBuf,
     exec_helper: PathBuf,
     version: String,
+    /// A CRIU run that takes longer is killed and fails ([`CriuError::TimedOut`]).
+    timeout: Duration,
 }
+
+/// Default for how long one CRIU run may take ([`Criu::with_timeout`]).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The sandbox a tree belongs to.
 #[derive(Debug, Clone)]
@@ -107,6 +114,10 @@ pub struct DumpOptions {
     pub leave_running: bool,
     /// What the image holds, for the manifest (e.g. "session-template", "sandbox-tree").
     pub kind: String,
+    /// The caller froze the tree in this freezer cgroup (its directory), with the sandbox's
+    /// other processes: CRIU seizes the tree there and leaves the cgroup frozen, so several
+    /// trees dumped one after the other are one consistent state.
+    pub frozen_cgroup: Option<PathBuf>,
 }
 
 /// What an image directory holds (`manifest.json`).
@@ -122,6 +133,10 @@ pub struct Manifest {
     pub externals: Vec<External>,
     /// Bytes of the image files.
     pub bytes: u64,
+    /// Every image file (name in the directory) and its length: [`Manifest::verify`] refuses an
+    /// image whose files were lost or changed since the dump.
+    #[serde(default)]
+    pub files: std::collections::BTreeMap<String, u64>,
     pub dump_ms: f64,
     pub created_at: f64,
 }
@@ -141,6 +156,19 @@ impl Manifest {
             });
         }
         Ok(m)
+    }
+
+    /// Check that `dir` still holds every file of this image at its length.
+    pub fn verify(&self, dir: &Path) -> Result<()> {
+        for (name, len) in &self.files {
+            let problem = match std::fs::metadata(dir.join(name)) {
+                Ok(m) if m.len() == *len => continue,
+                Ok(m) => format!("{name} is {} bytes, the dump wrote {len}: the image is damaged", m.len()),
+                Err(e) => format!("{name} cannot be read ({e}): the image is incomplete"),
+            };
+            return Err(CriuError::Image { dir: dir.to_path_buf(), problem });
+        }
+        Ok(())
     }
 
     fn write(&self, dir: &Path) -> Result<()> {
@@ -179,6 +207,20 @@ fn log_tail(log: &Path, n: usize) -> String {
     lines[start..].join(" | ")
 }
 
+/// The image files CRIU wrote in `dir` (`*.img`) and their lengths.
+fn image_files(dir: &Path) -> Result<std::collections::BTreeMap<String, u64>> {
+    let mut files = std::collections::BTreeMap::new();
+    for e in std::fs::read_dir(dir).map_err(CriuError::io(format!("list {}", dir.display())))? {
+        let e = e.map_err(CriuError::io(format!("list {}", dir.display())))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".img") {
+            let len = e.metadata().map_err(CriuError::io(format!("stat {name}")))?.len();
+            files.insert(name, len);
+        }
+    }
+    Ok(files)
+}
+
 fn dir_bytes(dir: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     std::fs::read_dir(dir)
@@ -209,7 +251,12 @@ impl Criu {
         if (major, minor) < MIN_VERSION {
             return Err(CriuError::TooOld { path: bin.to_path_buf(), found: version });
         }
-        Ok(Criu { bin: bin.to_path_buf(), exec_helper: exec_helper.to_path_buf(), version })
+        Ok(Criu { bin: bin.to_path_buf(), exec_helper: exec_helper.to_path_buf(), version, timeout: DEFAULT_TIMEOUT })
+    }
+
+    /// The same CRIU, with runs killed after `timeout` instead of [`DEFAULT_TIMEOUT`].
+    pub fn with_timeout(self, timeout: Duration) -> Criu {
+        Criu { timeout, ..self }
     }
 
     pub fn version(&self) -> &str {
@@ -241,11 +288,35 @@ impl Criu {
                 Ok(())
             });
         }
-        let out = cmd.output().map_err(CriuError::io(format!("run {}", self.exec_helper.display())))?;
-        if !out.status.success() && !out.stderr.is_empty() {
-            tracing::debug!("criu: {}", String::from_utf8_lossy(&out.stderr).trim());
+        // Its own process group, so a CRIU that hangs is killed with the helper that started it.
+        cmd.process_group(0);
+        let mut child = cmd.spawn().map_err(CriuError::io(format!("run {}", self.exec_helper.display())))?;
+        let mut stderr = child.stderr.take().expect("stderr is piped");
+        let reader = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = std::io::Read::read_to_string(&mut stderr, &mut text);
+            text
+        });
+        let pid = child.id() as i32;
+        // A wait that cannot be set up counts as a timeout: the run is killed, never left behind.
+        let exited = bb_sys::process::pidfd_open(pid)
+            .and_then(|fd| bb_sys::process::pidfd_wait_exit(&fd, self.timeout))
+            .unwrap_or_else(|e| {
+                tracing::warn!("cannot wait for criu (pid {pid}): {e}");
+                false
+            });
+        if !exited {
+            let _ = bb_sys::process::kill_group(pid, libc::SIGKILL);
         }
-        Ok(out.status.code())
+        let status = child.wait().map_err(CriuError::io("wait for criu"))?;
+        let stderr = reader.join().unwrap_or_default();
+        if !status.success() && !stderr.is_empty() {
+            tracing::debug!("criu: {}", stderr.trim());
+        }
+        if !exited {
+            return Err(CriuError::TimedOut { action: args.first().cloned().unwrap_or_default(), after: self.timeout });
+        }
+        Ok(status.code())
     }
 
     /// Dump the tree rooted at `root` of `sandbox` into `dir` (made here; it must not exist).
@@ -275,6 +346,10 @@ impl Criu {
         if opts.leave_running {
             args.push("--leave-running".into());
         }
+        if let Some(cg) = &opts.frozen_cgroup {
+            args.push("--freeze-cgroup".into());
+            args.push(cg.to_string_lossy().into_owned());
+        }
         for e in &found.externals {
             args.push("--external".into());
             args.push(e.key.clone());
@@ -292,6 +367,7 @@ impl Criu {
             tasks: found.ns_pids,
             externals: found.externals,
             bytes: dir_bytes(dir),
+            files: image_files(dir)?,
             dump_ms: t0.elapsed().as_secs_f64() * 1000.0,
             created_at: now(),
         };
@@ -304,6 +380,7 @@ impl Criu {
     /// path ([`External`]). The pids of the tree must be free in the sandbox.
     pub fn restore(&self, sandbox: &SandboxRef, dir: &Path) -> Result<Manifest> {
         let manifest = Manifest::read(dir)?;
+        manifest.verify(dir)?;
         let mut held: Vec<OwnedFd> = Vec::new();
         let mut args: Vec<String> = [
             "restore",
@@ -382,10 +459,40 @@ mod tests {
             tasks: vec![3],
             externals: vec![],
             bytes: 10,
+            files: [("pages-1.img".to_string(), 4096)].into_iter().collect(),
             dump_ms: 1.5,
             created_at: 2.0,
         };
         m.write(d.path()).unwrap();
         assert_eq!(Manifest::read(d.path()).unwrap(), m);
+    }
+
+    #[test]
+    fn a_damaged_or_incomplete_image_is_refused_before_criu_runs() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("pages-1.img"), vec![0u8; 4096]).unwrap();
+        std::fs::write(d.path().join("core-3.img"), b"core").unwrap();
+        let files = image_files(d.path()).unwrap();
+        assert_eq!(files.len(), 2);
+        let m = Manifest {
+            format: MANIFEST_FORMAT,
+            kind: "sandbox-tree".into(),
+            criu: "4.1.1".into(),
+            root_ns_pid: 3,
+            tasks: vec![3],
+            externals: vec![],
+            bytes: 0,
+            files,
+            dump_ms: 0.0,
+            created_at: 0.0,
+        };
+        m.verify(d.path()).unwrap();
+        std::fs::write(d.path().join("pages-1.img"), vec![0u8; 100]).unwrap();
+        let e = m.verify(d.path()).unwrap_err().to_string();
+        assert!(e.contains("pages-1.img is 100 bytes, the dump wrote 4096"), "{e}");
+        std::fs::write(d.path().join("pages-1.img"), vec![0u8; 4096]).unwrap();
+        std::fs::remove_file(d.path().join("core-3.img")).unwrap();
+        let e = m.verify(d.path()).unwrap_err().to_string();
+        assert!(e.contains("core-3.img cannot be read") && e.contains("incomplete"), "{e}");
     }
 }

@@ -39,6 +39,10 @@ pub struct Server {
     stash: HashMap<String, (i32, OwnedFd)>,
     /// pidfds of adopted processes (not our children): readable once they exit.
     adopted: BTreeMap<i32, OwnedFd>,
+    /// Between `Suspend` and `Resume` (the sandbox's processes are being dumped and killed, to
+    /// be restored under the same pids): the exits seen meanwhile, recorded only for processes
+    /// that are not back at `Resume`.
+    suspended: Option<HashMap<i32, ExitStatus>>,
 }
 
 fn now() -> f64 {
@@ -66,6 +70,7 @@ impl Server {
             policy,
             stash: HashMap::new(),
             adopted: BTreeMap::new(),
+            suspended: None,
         }
     }
 
@@ -157,6 +162,9 @@ impl Server {
             Request::Ping => {
                 let procs = self.procs.values().filter(|p| p.exit.is_none()).count();
                 self.reply(fd, &Response::Pong { pid: std::process::id() as i32, procs });
+            }
+            Request::Spawn(_) | Request::Adopt { .. } if self.suspended.is_some() => {
+                self.reply(fd, &Response::Error { errno: libc::EBUSY, message: "the sandbox is being paused".into() })
             }
             Request::Spawn(spawn) => self.spawn(fd, spawn, fds),
             Request::Wait { pid } => match self.procs.get(&pid) {
@@ -265,6 +273,7 @@ impl Server {
                 self.exited_order.clear();
                 self.stash.clear();
                 self.adopted.clear();
+                self.suspended = None;
                 let others: Vec<RawFd> = self.conns.keys().copied().filter(|c| *c != fd).collect();
                 for c in others {
                     self.conns.remove(&c);
@@ -274,6 +283,36 @@ impl Server {
                     Err(e) => Response::Error { errno: libc::EIO, message: format!("reset: {e}") },
                 };
                 self.reply(fd, &resp);
+            }
+            Request::Suspend => {
+                let foreground: Vec<i32> =
+                    self.procs.iter().filter(|(_, p)| !p.background && p.exit.is_none()).map(|(pid, _)| *pid).collect();
+                let resp = if foreground.is_empty() {
+                    self.suspended.get_or_insert_with(HashMap::new);
+                    Response::Ok
+                } else {
+                    Response::Error {
+                        errno: libc::EBUSY,
+                        message: format!("foreground commands are running (pids {foreground:?})"),
+                    }
+                };
+                self.reply(fd, &resp);
+            }
+            Request::Resume => {
+                self.reap();
+                let held = self.suspended.take().unwrap_or_default();
+                let gone: Vec<i32> = self
+                    .procs
+                    .iter()
+                    .filter(|(pid, p)| p.exit.is_none() && bb_sys::process::kill(**pid, 0).is_err())
+                    .map(|(pid, _)| *pid)
+                    .collect();
+                for pid in gone {
+                    let status =
+                        held.get(&pid).copied().unwrap_or(ExitStatus { code: None, signal: Some(libc::SIGKILL) });
+                    self.exited(pid, status);
+                }
+                self.reply(fd, &Response::Ok);
             }
             Request::List => {
                 let procs = self
@@ -326,9 +365,14 @@ impl Server {
     }
 
     /// Record that `pid` exited (once): drop its stash and pidfd, answer whoever waits for it.
+    /// While suspended, only the stash and pidfd go: the process comes back under this pid.
     fn exited(&mut self, pid: i32, status: ExitStatus) {
         self.stash.retain(|_, (owner, _)| *owner != pid);
         self.adopted.remove(&pid);
+        if let Some(held) = self.suspended.as_mut() {
+            held.insert(pid, status);
+            return;
+        }
         let Some(p) = self.procs.get_mut(&pid) else { return };
         if p.exit.is_some() {
             return;

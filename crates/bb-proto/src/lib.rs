@@ -160,6 +160,15 @@ pub enum Request {
         #[serde(default)]
         cgroupns: bool,
     },
+    /// The sandbox is being paused: every process but init is about to be dumped and killed, to
+    /// be restored later under the same pids. Until `Resume`, init records no exit of the
+    /// processes it tracks (their waiters keep waiting) and refuses `Spawn` and `Adopt`.
+    /// `Error{EBUSY}` (nothing changes) while a foreground process runs: its output goes to a
+    /// daemon connection that a dump cannot keep.
+    Suspend,
+    /// The sandbox's processes were restored (or the pause was called off): tracked processes
+    /// that live are running again; those that do not are recorded as killed (SIGKILL).
+    Resume,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

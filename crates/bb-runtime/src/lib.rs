@@ -14,6 +14,7 @@
 //! | checkpoint, rollback, fork, evaluate, the snapshot tree | [`snapshot`] |
 //! | session templates (frozen session processes) and their spares | [`session_templates`] |
 //! | process images (CRIU) of evicted session templates | [`process_images`], crate `bb_criu` |
+//! | pause and resume of a whole sandbox | [`pause`] |
 //! | layer directories and their collection | [`layers`] |
 //! | compaction of deep snapshot chains | [`compaction`] |
 //! | huge pages for session memory | [`hugepages`] |
@@ -38,6 +39,7 @@ pub mod images;
 pub mod initconn;
 pub mod layers;
 pub mod model;
+pub mod pause;
 pub mod pool;
 pub mod process_images;
 pub mod recipes;

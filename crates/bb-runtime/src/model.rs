@@ -26,6 +26,33 @@ pub struct CreateSandbox {
     pub network: Option<String>,
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
+    /// What happens at the timeout, and whether a paused sandbox wakes on use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lifecycle: Option<Lifecycle>,
+}
+
+/// What happens when a sandbox's timeout passes.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OnTimeout {
+    /// The sandbox is killed (the default).
+    #[default]
+    Kill,
+    /// The sandbox is paused: its processes are dumped to disk and freed; `resume` (or
+    /// `connect`) brings them back.
+    Pause,
+}
+
+/// A sandbox's lifecycle settings (as E2B's `lifecycle`).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Lifecycle {
+    #[serde(default)]
+    pub on_timeout: OnTimeout,
+    /// A paused sandbox resumes by itself when a command, code, a file operation or a session
+    /// request reaches it (only with `on_timeout: "pause"`).
+    #[serde(default)]
+    pub auto_resume: bool,
 }
 
 /// What a sandbox was created with (persisted).
@@ -41,13 +68,18 @@ pub struct SandboxSpec {
     pub cwd: String,
     pub network: String,
     pub metadata: BTreeMap<String, String>,
+    /// Seconds of life a sandbox gets at creation and at each resume (None: no limit).
+    #[serde(default)]
+    pub timeout: Option<f64>,
+    #[serde(default)]
+    pub lifecycle: Lifecycle,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct SandboxInfo {
     pub id: String,
     pub image: String,
-    /// `running` or `dead`.
+    /// `running`, `paused` or `dead`.
     pub state: String,
     pub created_at: f64,
     pub expires_at: Option<f64>,
@@ -62,6 +94,10 @@ pub struct SandboxInfo {
     pub oom_killed: bool,
     pub memory_bytes: u64,
     pub pids_current: u64,
+    pub lifecycle: Lifecycle,
+    /// When the sandbox was paused (state `paused`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub paused_at: Option<f64>,
     /// Set on a fork child whose sessions are live copies: the sandbox whose namespaces it is
     /// nested in. It keeps running when that sandbox is killed, and that sandbox's processes can
     /// see its processes (as a parent process can see its children); see docs/ARCHITECTURE.md.
@@ -534,4 +570,35 @@ pub enum TemplateEvent {
     Progress { stage: String, message: String, done: Option<u64>, total: Option<u64> },
     Done { template: TemplateInfo },
     Error { error: ErrorBody },
+}
+
+/// `POST /v1/sandboxes/{id}/resume`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ResumeSandbox {
+    /// Seconds until the sandbox's timeout, from now (0 = no limit). Default: the timeout it was
+    /// created with.
+    pub timeout: Option<f64>,
+}
+
+/// A sandbox paused: its processes are in process images on disk, its memory is free.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct PauseResult {
+    pub sandbox: SandboxInfo,
+    /// Process trees dumped (sessions, background commands, orphans).
+    pub processes: usize,
+    pub sessions: usize,
+    /// Disk the process images take.
+    pub image_bytes: u64,
+    pub took_ms: f64,
+}
+
+/// A sandbox resumed: its processes restored under the same pids, its sessions re-attached.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ResumeResult {
+    pub sandbox: SandboxInfo,
+    /// Process trees restored.
+    pub processes: usize,
+    pub sessions: usize,
+    pub took_ms: f64,
 }

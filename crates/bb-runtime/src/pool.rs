@@ -65,6 +65,8 @@ fn shell_spec(image: &bb_layers::Image) -> SandboxSpec {
         cwd: "/".into(),
         network: "none".into(),
         metadata: Default::default(),
+        timeout: None,
+        lifecycle: Default::default(),
     }
 }
 

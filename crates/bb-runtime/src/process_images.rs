@@ -49,6 +49,48 @@ pub struct ProcessImages {
     dir: PathBuf,
     limit_bytes: u64,
     rows: Mutex<Connection>,
+    /// Images made but not yet named by the record that will keep them (a snapshot, a pause):
+    /// collection spares them until [`ProcessImages::settled`].
+    unsettled: Mutex<HashSet<String>>,
+}
+
+/// `kind` of an image of a session template.
+pub const TEMPLATE_KIND: &str = "session-template";
+/// `kind` of an image of one process tree of a paused sandbox.
+pub const PAUSED_TREE_KIND: &str = "sandbox-tree";
+/// How much of a failed CRIU run's log is kept (its end: where it failed), and how many such logs.
+const FAILURE_LOG_BYTES: u64 = 1 << 20;
+const FAILURE_LOGS: usize = 16;
+
+/// CRIU processes a previous daemon of this state dir left (killed during a dump or a restore):
+/// running one of `bins` on an image under `images` (other daemons' are theirs). Each is let
+/// finish, up to `patience` in all: a CRIU killed mid-dump would leave its parasite code in the
+/// process it was dumping (which a later dump then trips over). What is still running after
+/// that is killed; its mount namespaces go with it.
+fn settle_strays(bins: &[&Path], images: &Path, patience: std::time::Duration) {
+    let bins: Vec<PathBuf> = bins.iter().filter_map(|b| std::fs::canonicalize(b).ok()).collect();
+    let images = images.to_string_lossy().into_owned();
+    let deadline = std::time::Instant::now() + patience;
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        let Ok(exe) = std::fs::read_link(e.path().join("exe")) else { continue };
+        let exe = exe.to_string_lossy();
+        let exe = Path::new(exe.strip_suffix(" (deleted)").unwrap_or(&exe));
+        if !bins.iter().any(|b| b == exe) {
+            continue;
+        }
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        if !cmdline.split(|b| *b == 0).any(|arg| String::from_utf8_lossy(arg).starts_with(&images)) {
+            continue;
+        }
+        let Ok(pidfd) = bb_sys::process::pidfd_open(pid) else { continue };
+        tracing::warn!(pid, exe = %exe.display(), "a CRIU process a previous daemon left is still running: letting it finish");
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if !bb_sys::process::pidfd_wait_exit(&pidfd, left).unwrap_or(false) {
+            tracing::warn!(pid, "killing a CRIU process a previous daemon left: it did not finish in {patience:?}");
+            let _ = bb_sys::process::pidfd_send_signal(&pidfd, libc::SIGKILL);
+        }
+    }
 }
 
 fn new_image_id() -> String {
@@ -97,7 +139,15 @@ impl ProcessImages {
             use std::os::unix::fs::PermissionsExt;
             let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
         }
-        let images = ProcessImages { criu, unavailable, dir, limit_bytes, rows: Mutex::new(conn) };
+        let images = ProcessImages {
+            criu,
+            unavailable,
+            dir,
+            limit_bytes,
+            rows: Mutex::new(conn),
+            unsettled: Default::default(),
+        };
+        settle_strays(&[criu_bin, criu_exec], &images.dir, bb_criu::DEFAULT_TIMEOUT);
         images.recover()?;
         Ok(images)
     }
@@ -168,32 +218,33 @@ impl ProcessImages {
         }
     }
 
-    /// Dump the tree at `root` of `sandbox` into a new image (blocking). The tree is gone after
-    /// a successful dump unless `leave_running`.
+    /// Dump the tree at `root` of `sandbox` into a new image (blocking), as `opts` say (the tree
+    /// is gone after a successful dump unless `opts.leave_running`); `template`: the session
+    /// template it holds and that session's channel fd. The image is spared by collection until
+    /// the caller recorded it somewhere and said so ([`ProcessImages::settled`]).
     pub fn dump(
         &self,
         sandbox: &bb_criu::SandboxRef,
         sandbox_id: &str,
         root: bb_criu::Root,
-        kind: &str,
         template: Option<(&str, i32)>,
-        leave_running: bool,
+        opts: &bb_criu::DumpOptions,
     ) -> crate::Result<(String, bb_criu::Manifest)> {
         let criu =
             self.criu.as_ref().ok_or_else(|| ImageError::Unavailable(self.unavailable.clone().unwrap_or_default()))?;
         let id = new_image_id();
         let tmp = self.dir.join(format!(".tmp-{id}"));
-        let opts = bb_criu::DumpOptions { leave_running, kind: kind.to_string() };
-        let manifest = match criu.dump(sandbox, root, &tmp, &opts) {
+        let kind = opts.kind.as_str();
+        let manifest = match criu.dump(sandbox, root, &tmp, opts) {
             Ok(m) => m,
             Err(e) => {
-                // The whole log of the last failed dump stays, for whoever looks into it.
-                let _ = std::fs::rename(tmp.join("dump.log"), self.dir.join(format!("failed-dump-{sandbox_id}.log")));
+                self.keep_failure_log(&tmp.join("dump.log"), &format!("failed-dump-{sandbox_id}.log"));
                 let _ = std::fs::remove_dir_all(&tmp);
                 return Err(ImageError::Criu(e).into());
             }
         };
         std::fs::rename(&tmp, self.path(&id)).map_err(crate::RuntimeError::io("keep a process image"))?;
+        self.unsettled.lock().insert(id.clone());
         let now = crate::now();
         self.rows.lock().execute(
             "INSERT INTO process_images (id, kind, sandbox_id, template, channel_fd, bytes, created_at, last_used) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
@@ -207,12 +258,44 @@ impl ProcessImages {
     pub fn restore(&self, sandbox: &bb_criu::SandboxRef, id: &str) -> crate::Result<bb_criu::Manifest> {
         let criu =
             self.criu.as_ref().ok_or_else(|| ImageError::Unavailable(self.unavailable.clone().unwrap_or_default()))?;
-        let m = criu.restore(sandbox, &self.path(id)).map_err(ImageError::Criu)?;
+        let m = criu.restore(sandbox, &self.path(id)).map_err(|e| {
+            self.keep_failure_log(&self.path(id).join("restore.log"), &format!("failed-restore-{id}.log"));
+            ImageError::Criu(e)
+        })?;
         let _ = self
             .rows
             .lock()
             .execute("UPDATE process_images SET last_used = ?2 WHERE id = ?1", params![id, crate::now()]);
         Ok(m)
+    }
+
+    /// Keep the end of a failed CRIU run's log beside the images (the image may go with its
+    /// sandbox or snapshot), for whoever looks into it: at most [`FAILURE_LOG_BYTES`] of it, and
+    /// the newest [`FAILURE_LOGS`] such logs.
+    fn keep_failure_log(&self, log: &Path, name: &str) {
+        use std::io::{Read, Seek, SeekFrom};
+        let Ok(mut f) = std::fs::File::open(log) else { return };
+        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+        let _ = f.seek(SeekFrom::Start(len.saturating_sub(FAILURE_LOG_BYTES)));
+        let mut tail = Vec::new();
+        let _ = f.take(FAILURE_LOG_BYTES).read_to_end(&mut tail);
+        let _ = std::fs::write(self.dir.join(name), tail);
+        let mut logs: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(&self.dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("failed-"))
+            .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+            .collect();
+        logs.sort();
+        for (_, old) in logs.iter().rev().skip(FAILURE_LOGS) {
+            let _ = std::fs::remove_file(old);
+        }
+    }
+
+    /// Image `id` is named by the record that keeps it (or deleted): collection may judge it.
+    pub fn settled(&self, id: &str) {
+        self.unsettled.lock().remove(id);
     }
 
     pub fn get(&self, id: &str) -> DbResult<Option<ImageRow>> {
@@ -227,6 +310,7 @@ impl ProcessImages {
     /// Delete images (dirs and records).
     pub fn delete(&self, ids: &[String]) {
         for id in ids {
+            self.settled(id);
             let _ = std::fs::remove_dir_all(self.path(id));
             if let Err(e) = self.forget(id) {
                 tracing::warn!(image = %id, "forgetting a process image: {e}");
@@ -234,8 +318,9 @@ impl ProcessImages {
         }
     }
 
-    /// Delete least recently used images until they fit the disk bound, sparing `keep`.
-    /// Returns the deleted ones.
+    /// Delete least recently used images of session templates until all images fit the disk
+    /// bound, sparing `keep`. Images of paused sandboxes count but are never deleted (they are
+    /// those sandboxes' processes). Returns the deleted ones.
     pub fn enforce_limit(&self, keep: &HashSet<String>) -> Vec<ImageRow> {
         let Ok(all) = self.all() else { return Vec::new() };
         let mut total: u64 = all.iter().map(|r| r.bytes).sum();
@@ -244,7 +329,7 @@ impl ProcessImages {
             if total <= self.limit_bytes {
                 break;
             }
-            if keep.contains(&r.id) {
+            if keep.contains(&r.id) || r.kind != TEMPLATE_KIND {
                 continue;
             }
             total -= r.bytes;
@@ -257,7 +342,9 @@ impl ProcessImages {
     /// Delete every image no id in `referenced` names. Returns how many bytes went.
     pub fn collect(&self, referenced: &HashSet<String>) -> u64 {
         let Ok(all) = self.all() else { return 0 };
-        let unused: Vec<&ImageRow> = all.iter().filter(|r| !referenced.contains(&r.id)).collect();
+        let unsettled = self.unsettled.lock().clone();
+        let unused: Vec<&ImageRow> =
+            all.iter().filter(|r| !referenced.contains(&r.id) && !unsettled.contains(&r.id)).collect();
         let bytes = unused.iter().map(|r| r.bytes).sum();
         self.delete(&unused.iter().map(|r| r.id.clone()).collect::<Vec<_>>());
         bytes
@@ -270,9 +357,11 @@ impl crate::Runtime {
         self.process_images.stats()
     }
 
-    /// Delete the process images no snapshot names any more. Returns the bytes freed.
+    /// Delete the process images no snapshot and no paused sandbox names any more. Returns the
+    /// bytes freed.
     pub(crate) fn collect_images(&self) -> crate::Result<u64> {
-        let referenced = self.snapshots.records().images()?;
+        let mut referenced = self.snapshots.records().images()?;
+        referenced.extend(self.sandboxes.records().paused_images()?);
         Ok(self.process_images.collect(&referenced))
     }
 }

@@ -1,7 +1,8 @@
 //! Crash recovery: what a daemon does with the state a previous daemon left.
 //!
 //! Every sandbox whose init still runs (same pid and start time) and answers on its socket is
-//! re-attached, with its live sessions and session templates (their channels are kept by init).
+//! re-attached, with its live sessions and session templates (their channels are kept by init),
+//! and a pause or resume it was in is finished ([`crate::pause`]).
 //! Everything else is reaped: sandboxes that did not survive, husks nothing is nested in,
 //! directories, cgroups and mounts with no record, generations of gone sandboxes, and layers
 //! nothing uses.
@@ -24,8 +25,15 @@ impl Runtime {
         let mut kept = std::collections::HashSet::new();
         for row in rows {
             let dirs = SandboxDirs::new(&self.cfg.state_dir, &row.id);
-            let alive = bb_sys::process::process_start_time(row.init_pid) == Some(row.init_start)
-                && ping_blocking(&dirs.sock());
+            let started = bb_sys::process::process_start_time(row.init_pid) == Some(row.init_start);
+            if started {
+                // A daemon killed inside a frozen window (a checkpoint's root swap, a pause's
+                // dumps) left the cgroup frozen, init too: nothing else thaws it.
+                if let Ok(cg) = Cgroup::open(&self.cgroups, &row.id) {
+                    let _ = cg.thaw();
+                }
+            }
+            let alive = started && ping_blocking(&dirs.sock());
             let cgroup = if alive { Cgroup::open(&self.cgroups, &row.id).ok() } else { None };
             match cgroup {
                 Some(cgroup) => {
@@ -49,6 +57,12 @@ impl Runtime {
                         for (key, t) in reattach_sessions(&sb) {
                             let _ = self.session_templates.insert(key, sb.id.clone(), Arc::new(t));
                         }
+                    }
+                    let paused = self.sandboxes.records().paused(&row.id);
+                    match paused {
+                        Ok(Some(paused)) => self.recover_pause(&sb, paused),
+                        Ok(None) => {}
+                        Err(e) => tracing::warn!(id = %row.id, "unreadable pause record: {e}"),
                     }
                     kept.insert(row.id.clone());
                     self.sandboxes.insert(sb);

@@ -54,8 +54,11 @@ pub(crate) type SpareSlot = Arc<tokio::sync::Mutex<Option<session::PendingFork>>
 /// resident memory).
 pub const MAX_SPARES: usize = 32;
 
-/// Dumps of an evicted template tried, when root swaps overlap them.
-const DUMP_ATTEMPTS: u32 = 5;
+/// Share of a sandbox's memory limit its processes' anonymous memory may reach before its
+/// templates leave the pool (see [`Runtime::relieve_memory`]).
+const TEMPLATE_MEMORY_WATERMARK: f64 = 0.5;
+/// Dumps of a sandbox's templates under way for that relief, at most.
+const MAX_RELIEF_DUMPS: usize = 2;
 
 /// Spares are made once the sandbox's checkpoints and rollbacks paused this long (a tree
 /// search's next step usually comes sooner), or after `SPARE_MAX_DEFER` at most.
@@ -127,6 +130,24 @@ impl SessionTemplates {
             evicted.extend(lru.map.remove(&oldest));
         }
         evicted
+    }
+
+    /// Keys of `sandbox_id`'s templates being dumped.
+    pub fn evicting_keys(&self, sandbox_id: &str) -> Vec<String> {
+        self.0.lock().evicting.iter().filter(|(_, (sb, _, _))| sb == sandbox_id).map(|(k, _)| k.clone()).collect()
+    }
+
+    /// Pids of `sandbox_id`'s templates being dumped.
+    pub fn evicting_pids(&self, sandbox_id: &str) -> Vec<i32> {
+        self.0.lock().evicting.values().filter(|(sb, _, _)| sb == sandbox_id).map(|(_, pid, _)| *pid).collect()
+    }
+
+    /// Keys of `sandbox_id`'s templates in the pool, least recently used first.
+    pub fn keys_by_age(&self, sandbox_id: &str) -> Vec<String> {
+        let lru = self.0.lock();
+        let mut ts: Vec<&SessionTemplate> = lru.map.values().filter(|t| t.sandbox_id == sandbox_id).collect();
+        ts.sort_by_key(|t| t.last_used);
+        ts.into_iter().map(|t| t.key.clone()).collect()
     }
 
     /// Never evict the templates of `sandbox_id` (it backs a named template).
@@ -225,6 +246,14 @@ impl SessionTemplates {
 
     pub fn remove(&self, keys: &BTreeSet<String>) -> Vec<SessionTemplate> {
         let mut lru = self.0.lock();
+        keys.iter().filter_map(|k| lru.map.remove(k)).collect()
+    }
+
+    /// Take every template of a sandbox out of the pool (it is being paused).
+    pub fn take_sandbox(&self, sandbox_id: &str) -> Vec<SessionTemplate> {
+        let mut lru = self.0.lock();
+        let keys: Vec<String> =
+            lru.map.values().filter(|t| t.sandbox_id == sandbox_id).map(|t| t.key.clone()).collect();
         keys.iter().filter_map(|k| lru.map.remove(k)).collect()
     }
 
@@ -360,6 +389,22 @@ impl Runtime {
         if gone.is_empty() {
             return;
         }
+        let work = self.begin_evictions(gone);
+        let rt = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(crate::activity::BEHIND_ANSWER).await;
+            rt.finish_evictions(work, false).await
+        });
+    }
+
+    /// [`evict_templates`](Self::evict_templates), done before returning (a pause).
+    pub(crate) async fn evict_templates_now(self: &Arc<Self>, gone: Vec<SessionTemplate>) {
+        let work = self.begin_evictions(gone);
+        self.finish_evictions(work, true).await
+    }
+
+    /// Register the dumps of templates that left the pool (see [`SessionTemplates::begin_evicting`]).
+    fn begin_evictions(self: &Arc<Self>, gone: Vec<SessionTemplate>) -> Vec<(SessionTemplate, Option<Evicting>)> {
         let mut work = Vec::new();
         for t in gone {
             let dump = self.process_images.criu().is_some()
@@ -368,14 +413,12 @@ impl Runtime {
             let evicting = dump.then(|| SessionTemplates::begin_evicting(self, &t.key, &t.sandbox_id, t.session.pid));
             work.push((t, evicting));
         }
-        let rt = self.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(crate::activity::BEHIND_ANSWER).await;
-            rt.finish_evictions(work).await
-        });
+        work
     }
 
-    async fn finish_evictions(self: &Arc<Self>, work: Vec<(SessionTemplate, Option<Evicting>)>) {
+    /// Dump (in the background, or before returning when `wait`) or drop templates whose
+    /// evictions [`begin_evictions`](Self::begin_evictions) registered.
+    async fn finish_evictions(self: &Arc<Self>, work: Vec<(SessionTemplate, Option<Evicting>)>, wait: bool) {
         let mut lost = Vec::new();
         let mut gone = Vec::new();
         for (t, evicting) in work {
@@ -386,7 +429,11 @@ impl Runtime {
                     }
                     if let Ok(sb) = self.get(&t.sandbox_id) {
                         let rt = self.clone();
-                        tokio::spawn(async move { rt.dump_template(sb, t, ev).await });
+                        if wait {
+                            rt.dump_template(sb, t, ev).await;
+                        } else {
+                            tokio::spawn(async move { rt.dump_template(sb, t, ev).await });
+                        }
                     } else {
                         lost.push((t, "its sandbox is gone".to_string()));
                     }
@@ -417,39 +464,31 @@ impl Runtime {
         let t0 = Instant::now();
         let res: crate::Result<(String, u64)> = async {
             let channel_fd = t.session.rechannel().await?;
-            // CRIU reads the sandbox's mount table, which a root swap (checkpoint, rollback)
-            // rewrites: a dump that overlapped one is tried again once the sandbox's operations
-            // pause (the template waits, untouched), rather than holding them up.
-            let mut attempt = 0;
-            loop {
-                attempt += 1;
-                let swaps_before = sb.root_generation();
-                let (rt, sbc, key, pid) = (self.clone(), sb.clone(), t.key.clone(), t.session.pid);
-                let dumped = tokio::task::spawn_blocking(move || {
-                    let _nice = bb_sys::process::niced_thread(10);
-                    let host = crate::sandbox::procs::host_pid_of(&sbc, pid)
-                        .ok_or_else(|| crate::RuntimeError::Conflict(format!("template process {pid} is gone")))?;
-                    let root = bb_criu::Root { host_pid: host, ns_pid: pid };
-                    rt.process_images.dump(&sbc.criu_ref(), &sbc.id, root, "session-template", Some((&key, channel_fd)), false)
-                })
-                .await?;
-                match dumped {
-                    Ok((id, m)) => break Ok((id, m.bytes)),
-                    Err(e) if attempt < DUMP_ATTEMPTS && sb.root_generation() != swaps_before && !sb.is_dead() => {
-                        tracing::debug!(sandbox = %sb.id, template = %t.key, attempt, "a root swap overlapped the dump; trying again: {e}");
-                        // Until the sandbox's operations pause, or one of them waits for this
-                        // dump (it holds the sandbox's operation lock: no swap comes meanwhile).
-                        let t0 = Instant::now();
-                        while !evicting.has_waiters()
-                            && sb.ops_activity.quiet_for(Instant::now()).is_some_and(|q| q < SPARE_QUIET)
-                            && t0.elapsed() < SPARE_MAX_DEFER
-                        {
-                            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
-                        }
-                    }
-                    Err(e) => break Err(e),
-                }
+            // Once the sandbox's checkpoints and rollbacks pause (or one of them waits for this
+            // dump), so that their root swaps, which wait for a dump, seldom have to.
+            let t0 = Instant::now();
+            while !evicting.has_waiters()
+                && sb.ops_activity.quiet_for(Instant::now()).is_some_and(|q| q < SPARE_QUIET)
+                && t0.elapsed() < SPARE_MAX_DEFER
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(2)).await;
             }
+            let _mounts = sb.mounts.lock().await;
+            let (rt, sbc, key, pid) = (self.clone(), sb.clone(), t.key.clone(), t.session.pid);
+            let (id, m) = tokio::task::spawn_blocking(move || {
+                let _nice = bb_sys::process::niced_thread(10);
+                let host = crate::sandbox::procs::host_pid_of(&sbc, pid)
+                    .ok_or_else(|| crate::RuntimeError::Conflict(format!("template process {pid} is gone")))?;
+                let root = bb_criu::Root { host_pid: host, ns_pid: pid };
+                let opts = bb_criu::DumpOptions {
+                    leave_running: false,
+                    kind: crate::process_images::TEMPLATE_KIND.into(),
+                    frozen_cgroup: None,
+                };
+                rt.process_images.dump(&sbc.criu_ref(), &sbc.id, root, Some((&key, channel_fd)), &opts)
+            })
+            .await??;
+            Ok((id, m.bytes))
         }
         .await;
         match res {
@@ -458,6 +497,7 @@ impl Runtime {
                 if let Err(e) = self.snapshots.records().set_template_image(&t.key, &image) {
                     tracing::warn!(template = %t.key, "recording the process image: {e}");
                 }
+                self.process_images.settled(&image);
                 self.hugepages.forget_template(&t.key);
                 self.enforce_image_limit(&image);
             }
@@ -504,6 +544,9 @@ impl Runtime {
         if snap.sandbox_id != sb.id {
             return Err("the snapshot was taken in another sandbox: fork it to keep its sessions".into());
         }
+        if sb.is_paused() {
+            return Err(format!("sandbox {} it was taken in is paused: resume it to keep its sessions", sb.id));
+        }
         self.session_templates.wait_evicted(key, std::time::Duration::from_secs(60)).await;
         // Read again: an eviction finished meanwhile records the image.
         let fresh = self.snapshots.records().get(&snap.id).ok().flatten();
@@ -542,6 +585,7 @@ impl Runtime {
             .channel_fd
             .ok_or_else(|| crate::RuntimeError::Conflict(format!("process image {image} holds no session")))?;
         let (rt, sbc, id) = (self.clone(), sb.clone(), image.to_string());
+        let mounts = sb.mounts.lock().await;
         let (ns_pid, chan) =
             tokio::task::spawn_blocking(move || -> crate::Result<(i32, std::os::unix::net::UnixStream)> {
                 let m = rt.process_images.restore(&sbc.criu_ref(), &id)?;
@@ -552,6 +596,7 @@ impl Runtime {
                 Ok((m.root_ns_pid, std::os::unix::net::UnixStream::from(fd)))
             })
             .await??;
+        drop(mounts);
         let keep = chan.try_clone().map_err(crate::RuntimeError::io("template channel"))?;
         let session = Session::attach(key.to_string(), kind.to_string(), ns_pid, crate::now(), chan)?;
         crate::sandbox::sessions::adopt(sb, ns_pid, format!("{TEMPLATE_TAG}{key}:{kind}"), key.to_string(), &keep)
@@ -559,7 +604,77 @@ impl Runtime {
         let evicted = self.session_templates.insert(key.to_string(), sb.id.clone(), Arc::new(session));
         tracing::debug!(sandbox = %sb.id, template = %key, %image, took = ?t0.elapsed(), "template restored from its process image");
         self.evict_templates(evicted);
+        self.relieve_memory(sb, Some(key)).await;
         Ok(())
+    }
+
+    /// Before a checkpoint (which adds templates) of a sandbox whose templates could not all be
+    /// let go at the last look ([`Runtime::relieve_memory`]): wait for its templates' dumps under
+    /// way, which give their memory back, and look again. Checkpoints then keep pace with the
+    /// dumps instead of driving the sandbox into its OOM killer.
+    pub(crate) async fn memory_backpressure(self: &Arc<Self>, sb: &Arc<Sandbox>) {
+        if !sb.memory_tight.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        let t0 = Instant::now();
+        for key in self.session_templates.evicting_keys(&sb.id) {
+            self.session_templates.wait_evicted(&key, bb_criu::DEFAULT_TIMEOUT).await;
+        }
+        self.relieve_memory(sb, None).await;
+        tracing::debug!(sandbox = %sb.id, waited = ?t0.elapsed(), "checkpoint waited for template dumps: the sandbox's memory is near its limit");
+    }
+
+    /// Templates are charged to their sandbox's memory: each one's private pages (a forked
+    /// template shares its pages with its source until either writes, which Python's reference
+    /// counting soon does; a restored one shares none). Left alone, the pool could drive the
+    /// sandbox into its OOM killer, which picks the largest process — maybe the user's. While
+    /// the sandbox's anonymous memory, less what templates being dumped will give back, is above
+    /// [`TEMPLATE_MEMORY_WATERMARK`] of its limit, its least recently used templates (all but
+    /// `keep`) leave the pool: at once when a process image holds them, after a dump otherwise.
+    /// Nothing is lost: a rollback to them restores them.
+    pub(crate) async fn relieve_memory(self: &Arc<Self>, sb: &Arc<Sandbox>, keep: Option<&str>) {
+        let limit = ((sb.spec.memory_mb << 20) as f64 * TEMPLATE_MEMORY_WATERMARK) as i64;
+        let Ok(anon) = sb.cgroup.anon_memory() else { return };
+        let proc = sandbox_proc(sb);
+        let private = |pid: i32| -> i64 {
+            // statm: size resident shared text lib data dt, in pages.
+            let text = std::fs::read_to_string(proc.join(pid.to_string()).join("statm")).unwrap_or_default();
+            let f: Vec<i64> = text.split_whitespace().filter_map(|v| v.parse().ok()).collect();
+            f.get(1).zip(f.get(2)).map(|(r, sh)| (r - sh).max(0) * 4096).unwrap_or(0)
+        };
+        let mut excess = anon as i64 - limit;
+        if excess <= 0 {
+            sb.memory_tight.store(false, std::sync::atomic::Ordering::SeqCst);
+            return;
+        }
+        // Dumps give memory back only once done (they queue on the sandbox's mount table): a
+        // few at a time, the rest of the relief comes from templates an image already holds.
+        let mut dumps_left = MAX_RELIEF_DUMPS.saturating_sub(self.session_templates.evicting_pids(&sb.id).len());
+        let (mut dropped, mut dumped) = (Vec::new(), Vec::new());
+        for key in self.session_templates.keys_by_age(&sb.id) {
+            if excess <= 0 {
+                break;
+            }
+            if keep == Some(key.as_str()) {
+                continue;
+            }
+            let imaged = self.snapshots.records().template_image(&key).ok().flatten().is_some();
+            if !imaged && dumps_left == 0 {
+                continue;
+            }
+            let Some(t) = self.session_templates.remove(&BTreeSet::from([key.clone()])).pop() else { continue };
+            excess -= private(t.session.pid);
+            if imaged {
+                dropped.push(t);
+            } else {
+                dumps_left -= 1;
+                dumped.push(t);
+            }
+        }
+        sb.memory_tight.store(excess > 0, std::sync::atomic::Ordering::SeqCst);
+        tracing::debug!(sandbox = %sb.id, anon, dropped = dropped.len(), dumped = dumped.len(), "templates leave the pool: the sandbox's memory is near its limit");
+        self.evict_templates(dumped);
+        self.drop_templates_keeping_images(dropped).await;
     }
 }
 

@@ -260,6 +260,38 @@ pub fn pidfd_open(pid: i32) -> SysResult<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// Wait at most `timeout` for the process of `pidfd` to exit (its pidfd becomes readable).
+/// Returns whether it has; it is not reaped.
+pub fn pidfd_wait_exit(pidfd: &OwnedFd, timeout: std::time::Duration) -> SysResult<bool> {
+    let mut pfd = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let ms = left.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd for the duration of the call.
+        let ret = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if ret > 0 {
+            return Ok(true);
+        }
+        if ret == 0 {
+            return Ok(false);
+        }
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EINTR) {
+            return Err(SysError { call: "poll(pidfd)", source: err });
+        }
+    }
+}
+
+/// pidfd_send_signal(2): send `sig` to the process of `pidfd` (never another that took its pid).
+pub fn pidfd_send_signal(pidfd: &OwnedFd, sig: i32) -> SysResult<()> {
+    // SAFETY: pidfd_send_signal with a pidfd we hold for the call, no siginfo, no flags.
+    let ret = unsafe {
+        libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), sig, std::ptr::null::<libc::siginfo_t>(), 0)
+    };
+    check("pidfd_send_signal", ret).map(drop)
+}
+
 /// Send `sig` to the process whose procfs directory is `proc_dir` (`/proc/<pid>` of any
 /// procfs instance, e.g. one mounted in a sandbox's pid namespace): pidfd_send_signal(2) takes
 /// such a directory fd, so no pid is translated between namespaces.

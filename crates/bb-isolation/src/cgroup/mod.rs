@@ -544,6 +544,46 @@ impl Cgroup {
         cgfs::write(&file, thawed)
     }
 
+    /// The group's directory in the hierarchy that freezes it (v1 `freezer`, v2 the unified
+    /// one), e.g. for a checkpointer that seizes a group the caller froze.
+    pub fn freezer_dir(&self) -> Result<PathBuf> {
+        match self.layout.version {
+            CgroupVersion::V1 => self.dir_for("freezer", "freezer_dir"),
+            CgroupVersion::V2 => self.dir_for("unified", "freezer_dir"),
+        }
+    }
+
+    /// Ask the kernel to reclaim what it can of the group's memory (page cache, and anonymous
+    /// memory where there is swap): v1 `memory.force_empty`, v2 `memory.reclaim`. What cannot be
+    /// reclaimed stays (the kernel answers EBUSY or EAGAIN then, not an error here).
+    pub fn reclaim(&self) -> Result<()> {
+        let mem = self.dir_for("memory", "reclaim")?;
+        let (file, value) = match self.layout.version {
+            CgroupVersion::V1 => (mem.join("memory.force_empty"), "0".to_string()),
+            CgroupVersion::V2 => (mem.join("memory.reclaim"), self.stats()?.memory_bytes.to_string()),
+        };
+        match cgfs::write(&file, &value) {
+            Err(IsolationError::Write { source, .. })
+                if matches!(source.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN)) =>
+            {
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    /// Anonymous memory of the group's processes (their heaps and stacks: what only their exit
+    /// gives back), without page cache: v1 `total_rss` of memory.stat, v2 `anon`.
+    pub fn anon_memory(&self) -> Result<u64> {
+        let mem = self.dir_for("memory", "memory stats")?;
+        let stat = cgfs::read(&mem.join("memory.stat"))?;
+        let key = match self.layout.version {
+            CgroupVersion::V1 => "total_rss",
+            CgroupVersion::V2 => "anon",
+        };
+        Ok(cgfs::keyed(&stat, key).unwrap_or(0))
+    }
+
     /// The freeze control file and the value that freezes (`true`) or thaws (`false`).
     fn freeze_file(&self, freeze: bool) -> Result<(PathBuf, &'static str)> {
         Ok(match self.layout.version {

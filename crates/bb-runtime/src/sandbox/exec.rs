@@ -7,6 +7,7 @@ use crate::sandbox::Sandbox;
 use base64::Engine;
 use bb_proto::{ExitStatus, Request, Response, SpawnRequest};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
 use tokio::net::unix::pipe;
@@ -417,15 +418,15 @@ pub async fn kill(sb: &Sandbox, pid: i32, signal: i32) -> Result<()> {
 }
 
 impl crate::Runtime {
-    pub async fn run_command(&self, id: &str, req: RunCommand) -> Result<CommandResult> {
-        let sb = self.live(id)?;
+    pub async fn run_command(self: &Arc<Self>, id: &str, req: RunCommand) -> Result<CommandResult> {
+        let sb = self.ready(id).await?;
         let _busy = self.activity.busy();
         run(&sb, &req, None).await
     }
 
     /// Start a foreground command whose events arrive on the returned channel.
-    pub async fn stream_command(&self, id: &str, req: RunCommand) -> Result<mpsc::Receiver<CommandEvent>> {
-        let sb = self.live(id)?;
+    pub async fn stream_command(self: &Arc<Self>, id: &str, req: RunCommand) -> Result<mpsc::Receiver<CommandEvent>> {
+        let sb = self.ready(id).await?;
         resolve(&sb, &req)?; // report bad input as an HTTP error, before the stream starts
         let (tx, rx) = mpsc::channel(64);
         tokio::spawn(async move {
@@ -446,23 +447,23 @@ impl crate::Runtime {
         Ok(rx)
     }
 
-    pub async fn start_background(&self, id: &str, req: RunCommand) -> Result<crate::model::Started> {
-        let sb = self.live(id)?;
+    pub async fn start_background(self: &Arc<Self>, id: &str, req: RunCommand) -> Result<crate::model::Started> {
+        let sb = self.ready(id).await?;
         Ok(crate::model::Started { pid: start_background(&sb, &req).await? })
     }
 
-    pub async fn list_processes(&self, id: &str) -> Result<crate::model::ProcessList> {
-        let sb = self.live(id)?;
+    pub async fn list_processes(self: &Arc<Self>, id: &str) -> Result<crate::model::ProcessList> {
+        let sb = self.ready(id).await?;
         Ok(crate::model::ProcessList { processes: list(&sb).await? })
     }
 
-    pub async fn wait_process(&self, id: &str, pid: i32, timeout: Option<f64>) -> Result<CommandResult> {
-        let sb = self.live(id)?;
+    pub async fn wait_process(self: &Arc<Self>, id: &str, pid: i32, timeout: Option<f64>) -> Result<CommandResult> {
+        let sb = self.ready(id).await?;
         wait(&sb, pid, timeout).await
     }
 
-    pub async fn kill_process(&self, id: &str, pid: i32, signal: Option<i32>) -> Result<()> {
-        let sb = self.live(id)?;
+    pub async fn kill_process(self: &Arc<Self>, id: &str, pid: i32, signal: Option<i32>) -> Result<()> {
+        let sb = self.ready(id).await?;
         kill(&sb, pid, signal.unwrap_or(libc::SIGKILL)).await
     }
 }

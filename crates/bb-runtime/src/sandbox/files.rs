@@ -447,10 +447,11 @@ fn remove_contents(dir: OwnedFd, path: &SbPath) -> Result<()> {
 }
 
 use std::os::unix::fs::OpenOptionsExt;
+use std::sync::Arc;
 
 impl crate::Runtime {
-    pub async fn fs(&self, id: &str) -> Result<SandboxFs> {
-        let sb = self.live(id)?;
+    pub async fn fs(self: &Arc<Self>, id: &str) -> Result<SandboxFs> {
+        let sb = self.ready(id).await?;
         let gate = sb.fs_gate.clone().read_owned().await;
         SandboxFs::open_gated(&sb.rootfs(), self.cfg.idmap.host_base, gate)
     }

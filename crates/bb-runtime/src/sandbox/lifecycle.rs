@@ -31,7 +31,7 @@ impl Runtime {
         self.sandboxes.get(id).ok_or_else(|| RuntimeError::sandbox(id))
     }
 
-    /// Like [`get`](Self::get) but refuses a sandbox whose init has died.
+    /// Like [`get`](Self::get) but refuses a sandbox whose init has died, or that is paused.
     pub(crate) fn live(&self, id: &str) -> Result<Arc<Sandbox>> {
         let sb = self.get(id)?;
         if sb.is_dead() {
@@ -40,7 +40,27 @@ impl Runtime {
                 "sandbox {id} is dead{why}: kill it and create a new one, with more memory_mb if needed"
             )));
         }
+        if sb.is_paused() {
+            return Err(RuntimeError::Conflict(format!(
+                "sandbox {id} is paused: resume it first (sbx.resume(), Sandbox.connect(id), or POST /v1/sandboxes/{id}/resume)"
+            )));
+        }
         Ok(sb)
+    }
+
+    /// [`live`](Self::live), resuming a paused sandbox first when its lifecycle says so
+    /// (`auto_resume`). For the requests that use a sandbox: commands, code, files, sessions.
+    pub(crate) async fn ready(self: &Arc<Self>, id: &str) -> Result<Arc<Sandbox>> {
+        let sb = self.get(id)?;
+        if sb.spec.lifecycle.auto_resume && sb.is_paused() && !sb.is_dead() {
+            // A resume waits for a pause under way. Conflict: resumed by a request that came at
+            // the same time, or it cannot be (`live` says how it stands).
+            match self.resume(id, crate::model::ResumeSandbox::default()).await {
+                Ok(_) | Err(RuntimeError::Conflict(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.live(id)
     }
 
     pub(crate) fn validate(&self, req: CreateSandbox) -> Result<(SandboxSpec, Option<f64>, Vec<PathBuf>)> {
@@ -81,6 +101,19 @@ impl Runtime {
         if !cwd.starts_with('/') {
             return Err(RuntimeError::BadRequest(format!("cwd {cwd:?} must be an absolute path")));
         }
+        let lifecycle = req.lifecycle.unwrap_or_default();
+        if lifecycle.auto_resume && lifecycle.on_timeout != OnTimeout::Pause {
+            return Err(RuntimeError::BadRequest(
+                "lifecycle.auto_resume needs lifecycle.on_timeout \"pause\" (a killed sandbox cannot resume)".into(),
+            ));
+        }
+        if lifecycle.on_timeout == OnTimeout::Pause {
+            if let Some(why) = self.process_images.unavailable() {
+                return Err(RuntimeError::Unavailable(format!(
+                    "lifecycle.on_timeout \"pause\" needs CRIU, which this daemon cannot use ({why})"
+                )));
+            }
+        }
         let layer_paths = image.layers.iter().map(|l| self.images.layer_path(l)).collect();
         let spec = SandboxSpec {
             image: image.name.clone(),
@@ -93,6 +126,8 @@ impl Runtime {
             cwd,
             network,
             metadata: req.metadata,
+            timeout: (timeout > 0.0).then_some(timeout),
+            lifecycle,
         };
         Ok((spec, (timeout > 0.0).then_some(timeout), layer_paths))
     }
@@ -287,6 +322,11 @@ impl Runtime {
         let id = id.to_string();
         let gone_templates = self.session_templates.remove_sandbox(&id);
         sb.released.notify_one();
+        let paused = self.sandboxes.records().paused(&id);
+        let pause_images: Vec<String> = match paused {
+            Ok(Some(row)) => row.trees.into_iter().filter_map(|t| t.image).collect(),
+            _ => Vec::new(),
+        };
         tokio::task::spawn_blocking(move || {
             rt.drop_shells(&id);
             if rt.sandboxes.has_nested(&id) {
@@ -308,6 +348,7 @@ impl Runtime {
                 rt.remove_layer_dir(&u);
             }
             rt.sandboxes.records().delete(&id)?;
+            rt.process_images.delete(&pause_images);
             rt.collect_husks();
             Ok(())
         })
@@ -354,21 +395,31 @@ impl Runtime {
         }
     }
 
-    /// Kill every sandbox whose TTL has passed. Returns their ids.
+    /// Kill every sandbox whose TTL has passed, or pause it when its lifecycle says so. Returns
+    /// the ids of those killed.
     pub async fn reap_expired(self: &Arc<Self>) -> Vec<String> {
         let t = now();
-        let expired: Vec<String> = self
+        let (to_pause, expired): (Vec<Arc<Sandbox>>, Vec<Arc<Sandbox>>) = self
             .sandboxes
             .all()
-            .iter()
-            .filter(|s| s.expires_at.lock().is_some_and(|e| e <= t))
-            .map(|s| s.id.clone())
-            .collect();
+            .into_iter()
+            .filter(|s| !s.is_paused() && s.expires_at.lock().is_some_and(|e| e <= t))
+            .partition(|s| s.spec.lifecycle.on_timeout == OnTimeout::Pause && !s.is_dead());
+        let expired: Vec<String> = expired.into_iter().map(|s| s.id.clone()).collect();
         for id in &expired {
             match self.kill(id).await {
                 Ok(()) => tracing::info!(%id, "sandbox reached its timeout and was killed"),
                 Err(e) => tracing::warn!(%id, "reaping expired sandbox failed: {e}"),
             }
+        }
+        if !to_pause.is_empty() {
+            // Pauses take a while: they must not hold up the kills of the next round.
+            let rt = self.clone();
+            for sb in &to_pause {
+                // Not again while this one is under way.
+                *sb.expires_at.lock() = None;
+            }
+            tokio::spawn(async move { rt.pause_expired(to_pause.into_iter().map(|s| s.id.clone()).collect()).await });
         }
         expired
     }

@@ -46,9 +46,47 @@ pub struct Sandbox {
     pub dirty: AtomicBool,
     /// The sandbox whose user and pid namespaces this one is nested in (see `store::SandboxRow`).
     pub nest_parent: Option<String>,
+    /// Set while the sandbox is paused, being paused or being resumed (see [`crate::pause`]).
+    pub paused: Mutex<Option<Paused>>,
     /// Notified when the daemon lets go of the sandbox (killed or recycled): stops the watcher
     /// of its init, which may live on in the warm pool.
     pub released: tokio::sync::Notify,
+    /// Held by whatever changes the sandbox's mount table (a root swap) or needs it to hold
+    /// still (CRIU, which reads it, opens mount points and mounts scratch directories in it
+    /// while it dumps or restores): the two never overlap.
+    pub(crate) mounts: tokio::sync::Mutex<()>,
+    /// Its templates hold more memory than the pool could let go at once (see
+    /// [`crate::Runtime::relieve_memory`]): its next checkpoint waits for the dumps under way.
+    pub(crate) memory_tight: AtomicBool,
+}
+
+/// Where a paused sandbox is (see [`crate::pause`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Paused {
+    /// When the pause started.
+    pub at: f64,
+    pub stage: PauseStage,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseStage {
+    /// Its processes are being dumped.
+    Pausing,
+    /// Only its init runs; its processes are in process images.
+    Paused,
+    /// Its processes are being restored.
+    Resuming,
+}
+
+impl PauseStage {
+    /// The sandbox's `state` in the API.
+    pub fn state(self) -> &'static str {
+        match self {
+            PauseStage::Pausing => "pausing",
+            PauseStage::Paused => "paused",
+            PauseStage::Resuming => "resuming",
+        }
+    }
 }
 
 /// Environment every command starts with, before the image's and the caller's.
@@ -107,7 +145,10 @@ impl Sandbox {
             fs_gate: Default::default(),
             dirty: AtomicBool::new(true),
             nest_parent: None,
+            paused: Mutex::new(None),
             released: tokio::sync::Notify::new(),
+            mounts: Default::default(),
+            memory_tight: AtomicBool::new(false),
         }
     }
 
@@ -161,11 +202,6 @@ impl Sandbox {
         Ok(f)
     }
 
-    /// How many times the sandbox's root was swapped (checkpoints, rollbacks).
-    pub fn root_generation(&self) -> u64 {
-        self.gen.lock().as_ref().map(|g| g.n).unwrap_or(0)
-    }
-
     /// Host-side path of the sandbox's current root (the file API works there).
     pub fn rootfs(&self) -> std::path::PathBuf {
         let n = self.gen.lock().as_ref().map(|g| g.n).unwrap_or(0);
@@ -189,16 +225,35 @@ impl Sandbox {
         self.dead.load(Ordering::SeqCst)
     }
 
+    /// Paused, or being paused or resumed.
+    pub fn is_paused(&self) -> bool {
+        self.paused.lock().is_some()
+    }
+
+    /// Move a paused sandbox to `stage` (no-op when it is not paused).
+    pub(crate) fn set_pause_stage(&self, stage: PauseStage) {
+        if let Some(p) = self.paused.lock().as_mut() {
+            p.stage = stage;
+        }
+    }
+
     pub fn info(&self) -> SandboxInfo {
         let stats = self.cgroup.stats().ok();
         if let Some(s) = &stats {
             self.oom_seen.fetch_max(s.oom_kills, Ordering::SeqCst);
         }
         let dead = self.is_dead();
+        let paused = *self.paused.lock();
+        let paused_at = paused.map(|p| p.at);
+        let state = match (dead, paused) {
+            (true, _) => "dead",
+            (false, Some(p)) => p.stage.state(),
+            (false, None) => "running",
+        };
         SandboxInfo {
             id: self.id.clone(),
             image: self.spec.image.clone(),
-            state: if dead { "dead" } else { "running" }.into(),
+            state: state.into(),
             created_at: self.created_at,
             expires_at: *self.expires_at.lock(),
             cpu: self.spec.cpu,
@@ -213,6 +268,8 @@ impl Sandbox {
             memory_bytes: stats.as_ref().map(|s| s.memory_bytes).unwrap_or(0),
             pids_current: stats.as_ref().map(|s| s.pids_current).unwrap_or(0),
             nested_in: self.nest_parent.clone(),
+            lifecycle: self.spec.lifecycle,
+            paused_at,
         }
     }
 }

@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 impl Runtime {
-    pub async fn create_session(&self, id: &str, req: CreateSession) -> Result<SessionInfo> {
-        let sb = self.live(id)?;
+    pub async fn create_session(self: &Arc<Self>, id: &str, req: CreateSession) -> Result<SessionInfo> {
+        let sb = self.ready(id).await?;
         let kind = req.kind.unwrap_or_else(|| "python".into());
         let s = Arc::new(create(&sb, &kind, false, req.cwd, &req.env).await?);
         let info = s.info();
@@ -38,8 +38,8 @@ impl Runtime {
         })
     }
 
-    pub async fn run_session(&self, id: &str, sid: &str, req: RunCode) -> Result<SessionResult> {
-        let sb = self.live(id)?;
+    pub async fn run_session(self: &Arc<Self>, id: &str, sid: &str, req: RunCode) -> Result<SessionResult> {
+        let sb = self.ready(id).await?;
         let s = self.session(&sb, sid).await?;
         let _busy = self.activity.busy();
         run(&sb, &s, &req.code, crate::sandbox::exec::timeout_of(req.timeout)?).await
@@ -56,13 +56,13 @@ impl Runtime {
     }
 
     /// Run python code in the sandbox's default session (created on first use or after it died).
-    pub async fn run_code(&self, id: &str, req: RunCode) -> Result<SessionResult> {
+    pub async fn run_code(self: &Arc<Self>, id: &str, req: RunCode) -> Result<SessionResult> {
         if let Some(lang) = req.language.as_deref() {
             if lang != "python" {
                 return Err(RuntimeError::BadRequest(format!("language {lang:?} is not supported: use \"python\"")));
             }
         }
-        let sb = self.live(id)?;
+        let sb = self.ready(id).await?;
         let _busy = self.activity.busy();
         let s = {
             let mut default = sb.default_session.lock().await;

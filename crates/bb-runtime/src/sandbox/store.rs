@@ -3,13 +3,18 @@
 //! A row is written once the sandbox's init reported ready and deleted once it is fully torn down,
 //! so after a crash every row names a sandbox to re-attach to or to reap.
 //!
+//! A paused sandbox also has a row in `paused` ([`PausedRow`]): the process images its processes
+//! were dumped to, written before the dump starts (state `pausing`) and committed once every
+//! tree is dumped (state `paused`).
+//!
 //! A *husk* is what is left of a killed sandbox whose init must live on because sandboxes forked
 //! from it are nested in its pid namespace (killing that init would kill them): only the init, in
 //! its cgroup; everything else is gone. It is torn down with its last nested sandbox.
 
 use crate::db::{self, DbResult};
 use crate::model::SandboxSpec;
-use rusqlite::{params, Connection};
+use rusqlite::{params, Connection, OptionalExtension};
+use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -34,6 +39,47 @@ pub struct HuskRow {
     pub nest_parent: Option<String>,
 }
 
+/// Where a pause of a sandbox is: `Pausing` until every process tree is dumped (a crash then
+/// calls the pause off: the processes still run), `Paused` once committed (a crash then leaves
+/// the sandbox paused: its processes are killed and restored from the images on resume).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PauseState {
+    Pausing,
+    Paused,
+}
+
+/// One process tree of a paused sandbox (a child of its init and everything below it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PausedTree {
+    /// Pid of the tree's root in the sandbox (restored under the same pid).
+    pub root: i32,
+    /// Its process image, once dumped.
+    pub image: Option<String>,
+    /// The session whose server is the root, if it is one.
+    pub session: Option<PausedSession>,
+}
+
+/// A session of a paused sandbox: what the daemon needs to take it back after a restore.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PausedSession {
+    pub id: String,
+    pub kind: String,
+    pub default: bool,
+    pub created_at: f64,
+    /// The fd at which the session process holds the other end of its channel (see the
+    /// session server's `rechannel`).
+    pub channel_fd: i32,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct PausedRow {
+    pub id: String,
+    pub state: PauseState,
+    pub paused_at: f64,
+    pub trees: Vec<PausedTree>,
+}
+
 pub struct SandboxStore {
     conn: Connection,
 }
@@ -55,6 +101,12 @@ impl SandboxStore {
                 init_pid INTEGER NOT NULL,
                 init_start INTEGER NOT NULL,
                 nest_parent TEXT
+            );
+            CREATE TABLE IF NOT EXISTS paused (
+                id TEXT PRIMARY KEY,
+                state TEXT NOT NULL,
+                paused_at REAL NOT NULL,
+                trees TEXT NOT NULL
             );",
         )?;
         // Added with nested forks; older databases get the column (NULL: not nested).
@@ -64,6 +116,49 @@ impl SandboxStore {
             conn.execute_batch("ALTER TABLE sandboxes ADD COLUMN nest_parent TEXT;")?;
         }
         Ok(SandboxStore { conn })
+    }
+
+    /// Write (or replace) the pause record of a sandbox.
+    pub fn set_paused(&self, row: &PausedRow) -> DbResult<()> {
+        self.conn.execute(
+            "INSERT OR REPLACE INTO paused (id, state, paused_at, trees) VALUES (?1, ?2, ?3, ?4)",
+            params![row.id, db::json(&row.state), row.paused_at, db::json(&row.trees)],
+        )?;
+        Ok(())
+    }
+
+    pub fn paused(&self, id: &str) -> DbResult<Option<PausedRow>> {
+        let row = self
+            .conn
+            .query_row("SELECT id, state, paused_at, trees FROM paused WHERE id = ?1", params![id], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, f64>(2)?, r.get::<_, String>(3)?))
+            })
+            .optional()?;
+        let Some((id, state, paused_at, trees)) = row else { return Ok(None) };
+        let parsed = serde_json::from_str(&state).and_then(|s| Ok((s, serde_json::from_str(&trees)?)));
+        match parsed {
+            Ok((state, trees)) => Ok(Some(PausedRow { id, state, paused_at, trees })),
+            Err(source) => Err(db::DbError::Record { what: "pause", id, source }),
+        }
+    }
+
+    /// The process images every pause record names.
+    pub fn paused_images(&self) -> DbResult<Vec<String>> {
+        let mut stmt = self.conn.prepare("SELECT id, trees FROM paused")?;
+        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (id, trees) = row?;
+            let trees: Vec<PausedTree> =
+                serde_json::from_str(&trees).map_err(|source| db::DbError::Record { what: "pause", id, source })?;
+            out.extend(trees.into_iter().filter_map(|t| t.image));
+        }
+        Ok(out)
+    }
+
+    pub fn clear_paused(&self, id: &str) -> DbResult<()> {
+        self.conn.execute("DELETE FROM paused WHERE id = ?1", params![id])?;
+        Ok(())
     }
 
     pub fn insert_husk(&self, row: &HuskRow) -> DbResult<()> {
@@ -108,6 +203,7 @@ impl SandboxStore {
 
     pub fn delete(&self, id: &str) -> DbResult<()> {
         self.conn.execute("DELETE FROM sandboxes WHERE id = ?1", params![id])?;
+        self.conn.execute("DELETE FROM paused WHERE id = ?1", params![id])?;
         Ok(())
     }
 
@@ -155,6 +251,8 @@ mod tests {
             cwd: "/root".into(),
             network: "none".into(),
             metadata: [("k".to_string(), "v".to_string())].into(),
+            timeout: None,
+            lifecycle: Default::default(),
         }
     }
 
@@ -184,6 +282,33 @@ mod tests {
         assert_eq!(SandboxStore::open(&db).unwrap().husks().unwrap(), vec![husk]);
         store.delete_husk("sb-0").unwrap();
         assert!(store.husks().unwrap().is_empty());
+    }
+
+    #[test]
+    fn pause_records_round_trip_and_go_with_their_sandbox() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("b.db");
+        let store = SandboxStore::open(&db).unwrap();
+        assert_eq!(store.paused("sb-1").unwrap(), None);
+        let session =
+            PausedSession { id: "ss-1".into(), kind: "python".into(), default: true, created_at: 2.0, channel_fd: 5 };
+        let mut row = PausedRow {
+            id: "sb-1".into(),
+            state: PauseState::Pausing,
+            paused_at: 3.0,
+            trees: vec![
+                PausedTree { root: 2, image: None, session: None },
+                PausedTree { root: 4, image: None, session: Some(session) },
+            ],
+        };
+        store.set_paused(&row).unwrap();
+        row.state = PauseState::Paused;
+        row.trees[0].image = Some("pi-1".into());
+        store.set_paused(&row).unwrap();
+        assert_eq!(SandboxStore::open(&db).unwrap().paused("sb-1").unwrap(), Some(row));
+        assert_eq!(store.paused_images().unwrap(), vec!["pi-1".to_string()]);
+        store.delete("sb-1").unwrap();
+        assert_eq!(store.paused("sb-1").unwrap(), None, "a deleted sandbox's pause record goes with it");
     }
 
     #[test]

@@ -36,6 +36,7 @@ impl Runtime {
         }
         let sb = self.live(id)?;
         let _op = sb.begin_op().await;
+        self.memory_backpressure(&sb).await;
         let t_locked = t0.elapsed();
         let (row, _) = self.checkpoint_locked(&sb, req.label, true).await?;
         let t_done = t0.elapsed();
@@ -138,6 +139,7 @@ impl Runtime {
         };
         // Files: freeze, pin open files, swap the root onto the fresh writable layer.
         // File operations wait until the new root is recorded (they open `sb.rootfs()`).
+        let mounts = sb.mounts.lock().await;
         let gate = sb.fs_gate.write().await;
         let swapped = match prep.await.map_err(RuntimeError::Worker).and_then(|p| p) {
             Ok(prep) => {
@@ -211,6 +213,7 @@ impl Runtime {
         self.record_snapshot(sb, &row, Generation { base, ..new_gen })?;
         let t_db = t0.elapsed();
         drop(gate);
+        drop(mounts);
         sb.dirty.store(false, Ordering::SeqCst);
         drop(guards);
         drop(sessions_map);
@@ -239,6 +242,8 @@ impl Runtime {
         self.evict_templates(evicted);
         self.after_swap(sb, gen.n, Some(gen.upper.clone()), None);
         self.make_spares(sb, spares);
+        let (rt, sbc) = (self.clone(), sb.clone());
+        tokio::spawn(async move { rt.relieve_memory(&sbc, None).await });
         tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, ?t_db, total = ?t0.elapsed(), "checkpoint");
         Ok((row, true))
     }

@@ -75,10 +75,13 @@ impl Runtime {
         let mut keep = self.session_templates.pids_of(&sb.id);
         keep.extend(restored.iter().flatten().map(|p| p.pid));
         tracing::debug!(sandbox = %sb.id, ?keep, "rollback keeps");
+        let t_mounts = Instant::now();
+        let mounts = sb.mounts.lock().await;
+        let mounts_wait = t_mounts.elapsed();
         let gate = sb.fs_gate.write().await;
         let t_gate = t0.elapsed();
         let prep = prep.await;
-        tracing::debug!(?t_gate, t_prep = ?t0.elapsed(), "rollback prep");
+        tracing::debug!(?t_forked, ?mounts_wait, ?t_gate, t_prep = ?t0.elapsed(), "rollback prep");
         let swapped = match prep.map_err(RuntimeError::Worker).and_then(|p| p) {
             Ok(prep) => {
                 let (rt, sbc) = (self.clone(), sb.clone());
@@ -126,6 +129,7 @@ impl Runtime {
         }
         self.set_gen(&sb, Generation { base: Some(snap.id.clone()), ..new_gen })?;
         drop(gate);
+        drop(mounts);
         for s in &old {
             s.forget().await;
         }

@@ -477,6 +477,8 @@ mod tests {
             cwd: "/root".into(),
             network: "none".into(),
             metadata: Default::default(),
+            timeout: None,
+            lifecycle: Default::default(),
         }
     }
 

@@ -1,0 +1,483 @@
+//! Pause and resume: a sandbox's processes dumped to process images and freed, then restored
+//! under the same pids, with its files, sessions and env as they were.
+//!
+//! **Pause.** With the sandbox's operation lock and file gate held: its session templates are
+//! evicted (dumped, [`crate::session_templates`]); init is told to hold the exits it sees
+//! (`Suspend`: refused while a foreground command runs); each session's channel moves into its
+//! own process (`rechannel`); the pause record is written (`pausing`); the cgroup is frozen and
+//! every child of init (each a *tree*: a session, a background command, an orphan) is dumped
+//! from the frozen cgroup, so the trees are one consistent state; the record is committed
+//! (`paused`); every process but init is killed; the cgroup's page cache is reclaimed. What
+//! stays: init (which keeps the namespaces, the mounts and the writable layer) and the images.
+//! Any failure before the commit calls the pause off: the cgroup is thawed and everything runs
+//! on as before.
+//!
+//! **Resume.** Each tree is restored into the sandbox (CRIU joins its namespaces; pids are free
+//! since only init runs), init takes the processes back (`Resume`), and each session is
+//! re-attached through the channel end its process held (`pidfd_getfd`). A tree that cannot be
+//! restored kills the ones restored so far: the sandbox stays paused with its images, and the
+//! error names the cause.
+//!
+//! **Crashes** (the daemon killed at any point): at start, a `pausing` record is called off (the
+//! processes were never killed), a `paused` one is made whole again (every process but init
+//! killed: a resume that was under way starts over). See [`Runtime::recover_pause`].
+
+use crate::error::{Result, RuntimeError};
+use crate::initconn::{init_error, unexpected, InitConn};
+use crate::model::{PauseResult, ResumeResult, ResumeSandbox};
+use crate::sandbox::store::{PauseState, PausedRow, PausedSession, PausedTree};
+use crate::sandbox::{PauseStage, Paused, Sandbox};
+use crate::session::{session_tag, Session};
+use crate::{now, Runtime};
+use bb_proto::{Request, Response};
+use std::collections::HashSet;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::Instant;
+
+fn ms(t0: Instant) -> f64 {
+    t0.elapsed().as_secs_f64() * 1000.0
+}
+
+/// Pids (in the sandbox) of the children of its init, and of processes whose parent is outside
+/// its pid namespace (session copies forked into a nested sandbox), from its own procfs: the
+/// roots of the trees a pause dumps. Read with the cgroup frozen, so the set cannot change.
+fn tree_roots(sb: &Sandbox) -> Result<Vec<i32>> {
+    let (proc, pids) = crate::sandbox::procs::own_pids(sb, &HashSet::new())
+        .map_err(|e| RuntimeError::Conflict(format!("cannot list the processes of sandbox {}: {e}", sb.id)))?;
+    let mut roots: Vec<i32> = pids
+        .into_iter()
+        .filter(|p| {
+            std::fs::read_to_string(proc.join(format!("{p}/stat")))
+                .ok()
+                .as_deref()
+                .and_then(parent_pid)
+                .is_some_and(|pp| pp <= 1)
+        })
+        .collect();
+    roots.sort_unstable();
+    Ok(roots)
+}
+
+/// The parent pid in a `/proc/<pid>/stat` line (the field after the state, past the command
+/// name, which may hold spaces and parentheses).
+fn parent_pid(stat: &str) -> Option<i32> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Take back the channel of a session process whose other end it holds at `channel_fd`, and
+/// register it with init again (tag and stash, as for any session).
+async fn reattach(sb: &Sandbox, root: i32, s: &PausedSession) -> Result<Arc<Session>> {
+    let host = crate::sandbox::procs::host_pid_of(sb, root)
+        .ok_or_else(|| RuntimeError::Conflict(format!("session {} (pid {root}) is gone", s.id)))?;
+    let pidfd = bb_sys::process::pidfd_open(host)?;
+    let chan = UnixStream::from(bb_sys::process::pidfd_getfd(&pidfd, s.channel_fd)?);
+    let keep = chan.try_clone().map_err(RuntimeError::io("session channel"))?;
+    let session = Session::attach(s.id.clone(), s.kind.clone(), root, s.created_at, chan)?;
+    crate::sandbox::sessions::adopt(sb, root, session_tag(&s.id, &s.kind, s.default), s.id.clone(), &keep).await?;
+    Ok(Arc::new(session))
+}
+
+async fn init_call(sb: &Sandbox, req: Request) -> Result<()> {
+    match InitConn::call(&sb.dirs.sock(), &req).await? {
+        Response::Ok => Ok(()),
+        Response::Error { errno: libc::EBUSY, message } => Err(RuntimeError::Conflict(format!(
+            "sandbox {} cannot be paused now: {message}; wait for them or kill them, then pause again",
+            sb.id
+        ))),
+        Response::Error { errno, message } => Err(init_error(errno, message)),
+        other => Err(unexpected(other)),
+    }
+}
+
+/// What a pause has done so far, to call it off.
+#[derive(Default)]
+struct Undo {
+    suspended: bool,
+    /// Sessions whose channel moved into their process: (root pid, session).
+    rechanneled: Vec<(i32, PausedSession)>,
+    frozen: bool,
+    images: Vec<String>,
+    recorded: bool,
+}
+
+impl Runtime {
+    /// Pause sandbox `id` (see the module docs).
+    pub async fn pause(self: &Arc<Self>, id: &str) -> Result<PauseResult> {
+        let t0 = Instant::now();
+        let sb = self.get(id)?;
+        if sb.is_paused() {
+            return Err(RuntimeError::Conflict(format!("sandbox {id} is already paused")));
+        }
+        let sb = self.live(id)?;
+        if let Some(why) = self.process_images.unavailable() {
+            return Err(RuntimeError::Unavailable(format!("pausing needs CRIU, which this daemon cannot use ({why})")));
+        }
+        if let Some(t) = self.recipe_of(id) {
+            return Err(RuntimeError::Conflict(format!(
+                "sandbox {id} holds template {t:?}: it cannot be paused (sandboxes made from it can)"
+            )));
+        }
+        let _op = sb.begin_op().await;
+        let _files = sb.fs_gate.clone().write_owned().await;
+        {
+            let mut paused = sb.paused.lock();
+            if paused.is_some() {
+                return Err(RuntimeError::Conflict(format!("sandbox {id} is already paused")));
+            }
+            *paused = Some(Paused { at: now(), stage: PauseStage::Pausing });
+        }
+        let mut undo = Undo::default();
+        match self.pause_locked(&sb, &mut undo).await {
+            Ok((trees, image_bytes, sessions)) => {
+                *sb.expires_at.lock() = None;
+                if let Err(e) = self.sandboxes.records().set_expiry(id, None) {
+                    tracing::warn!(sandbox = %id, "clearing the timeout of a paused sandbox: {e}");
+                }
+                let took_ms = ms(t0);
+                tracing::info!(sandbox = %id, trees, sessions, image_bytes, took_ms, "sandbox paused");
+                Ok(PauseResult { sandbox: sb.info(), processes: trees, sessions, image_bytes, took_ms })
+            }
+            Err(e) => {
+                self.call_off_pause(&sb, undo).await;
+                *sb.paused.lock() = None;
+                Err(e)
+            }
+        }
+    }
+
+    /// The pause itself, its locks held. Returns (trees, image bytes, sessions).
+    async fn pause_locked(self: &Arc<Self>, sb: &Arc<Sandbox>, undo: &mut Undo) -> Result<(usize, u64, usize)> {
+        let paused_at = sb.paused.lock().map(|p| p.at).unwrap_or_else(now);
+        let mut sessions = sb.sessions.lock().await;
+        let live: Vec<Arc<Session>> = sessions.values().filter(|s| s.is_alive()).cloned().collect();
+        let mut held = Vec::new();
+        for s in &live {
+            match s.op_lock.try_lock() {
+                Ok(g) => held.push(g),
+                Err(_) => {
+                    return Err(RuntimeError::Conflict(format!(
+                        "session {} of sandbox {} is running code: wait for it (or interrupt it), then pause again",
+                        s.id, sb.id
+                    )))
+                }
+            }
+        }
+        init_call(sb, Request::Suspend).await?;
+        undo.suspended = true;
+        // Templates first (each is dumped on its own, as when the pool evicts it): they are
+        // frozen copies the trees below must not include.
+        self.evict_sandbox_templates(sb).await;
+        self.drop_shells(&sb.id);
+        let default = sb.default_session.lock().await.clone();
+        for s in &live {
+            let channel_fd = s.rechannel().await?;
+            undo.rechanneled.push((
+                s.pid,
+                PausedSession {
+                    id: s.id.clone(),
+                    kind: s.kind.clone(),
+                    default: default.as_deref() == Some(s.id.as_str()),
+                    created_at: s.created_at,
+                    channel_fd,
+                },
+            ));
+        }
+        let mut row = PausedRow {
+            id: sb.id.clone(),
+            state: PauseState::Pausing,
+            paused_at,
+            trees: undo
+                .rechanneled
+                .iter()
+                .map(|(root, s)| PausedTree { root: *root, image: None, session: Some(s.clone()) })
+                .collect(),
+        };
+        self.sandboxes.records().set_paused(&row)?;
+        undo.recorded = true;
+
+        let sbc = sb.clone();
+        let mut trees = row.trees.clone();
+        undo.frozen = true;
+        row.trees = tokio::task::spawn_blocking(move || -> Result<Vec<PausedTree>> {
+            sbc.cgroup.freeze()?;
+            let roots = tree_roots(&sbc)?;
+            trees.retain(|t| roots.contains(&t.root));
+            for root in roots {
+                if !trees.iter().any(|t| t.root == root) {
+                    trees.push(PausedTree { root, image: None, session: None });
+                }
+            }
+            Ok(trees)
+        })
+        .await??;
+        self.sandboxes.records().set_paused(&row)?;
+        let freezer = sb.cgroup.freezer_dir()?;
+        let mounts = sb.mounts.lock().await;
+        let mut image_bytes = 0;
+        for i in 0..row.trees.len() {
+            let root = row.trees[i].root;
+            let (rt, sbc, fz) = (self.clone(), sb.clone(), freezer.clone());
+            let (image, m) = tokio::task::spawn_blocking(move || {
+                let host = crate::sandbox::procs::host_pid_of(&sbc, root)
+                    .ok_or_else(|| RuntimeError::Conflict(format!("process {root} is gone")))?;
+                let r = bb_criu::Root { host_pid: host, ns_pid: root };
+                let opts = bb_criu::DumpOptions {
+                    leave_running: true,
+                    kind: crate::process_images::PAUSED_TREE_KIND.into(),
+                    frozen_cgroup: Some(fz),
+                };
+                rt.process_images.dump(&sbc.criu_ref(), &sbc.id, r, None, &opts)
+            })
+            .await?
+            .map_err(|e| {
+                RuntimeError::Conflict(format!(
+                    "sandbox {} cannot be paused: dumping its process {root} failed ({e}); it runs on as before",
+                    sb.id
+                ))
+            })?;
+            undo.images.push(image.clone());
+            image_bytes += m.bytes;
+            row.trees[i].image = Some(image.clone());
+            self.sandboxes.records().set_paused(&row)?;
+            self.process_images.settled(&image);
+        }
+        drop(mounts);
+        // The commit: from here on the images are the sandbox's processes.
+        row.state = PauseState::Paused;
+        self.sandboxes.records().set_paused(&row)?;
+        let sbc = sb.clone();
+        tokio::task::spawn_blocking(move || -> Result<()> {
+            crate::sandbox::procs::kill_members(&sbc, |p| p == sbc.init_pid)?;
+            if let Err(e) = sbc.cgroup.reclaim() {
+                tracing::debug!(sandbox = %sbc.id, "reclaiming a paused sandbox's memory: {e}");
+            }
+            Ok(())
+        })
+        .await??;
+        sb.set_pause_stage(PauseStage::Paused);
+        let n_sessions = undo.rechanneled.len();
+        sessions.clear();
+        drop(held);
+        Ok((row.trees.len(), image_bytes, n_sessions))
+    }
+
+    /// Undo what a failed pause did: everything runs on as before.
+    async fn call_off_pause(self: &Arc<Self>, sb: &Arc<Sandbox>, undo: Undo) {
+        if undo.frozen {
+            if let Err(e) = sb.cgroup.thaw() {
+                tracing::warn!(sandbox = %sb.id, "thawing after a failed pause: {e}");
+            }
+        }
+        self.process_images.delete(&undo.images);
+        if undo.recorded {
+            if let Err(e) = self.sandboxes.records().clear_paused(&sb.id) {
+                tracing::warn!(sandbox = %sb.id, "clearing the record of a failed pause: {e}");
+            }
+        }
+        if undo.suspended {
+            if let Err(e) = init_call(sb, Request::Resume).await {
+                tracing::warn!(sandbox = %sb.id, "init did not take its processes back after a failed pause: {e}");
+            }
+        }
+        let mut sessions = sb.sessions.lock().await;
+        for (root, s) in &undo.rechanneled {
+            match reattach(sb, *root, s).await {
+                Ok(session) => {
+                    sessions.insert(s.id.clone(), session);
+                }
+                Err(e) => tracing::warn!(sandbox = %sb.id, session = %s.id, "session lost after a failed pause: {e}"),
+            }
+        }
+    }
+
+    /// Evict every session template of `sb` now (each dumped to a process image unless it has
+    /// one), and wait until they are gone.
+    async fn evict_sandbox_templates(self: &Arc<Self>, sb: &Arc<Sandbox>) {
+        self.evict_templates_now(self.session_templates.take_sandbox(&sb.id)).await
+    }
+
+    /// Resume paused sandbox `id` (see the module docs).
+    pub async fn resume(self: &Arc<Self>, id: &str, req: ResumeSandbox) -> Result<ResumeResult> {
+        let t0 = Instant::now();
+        let timeout = crate::sandbox::exec::timeout_of(req.timeout.or(Some(0.0)))?;
+        let sb = self.get(id)?;
+        if sb.is_dead() {
+            return Err(RuntimeError::Conflict(format!("sandbox {id} is dead: kill it and create a new one")));
+        }
+        let _op = sb.begin_op().await;
+        let _files = sb.fs_gate.clone().write_owned().await;
+        if sb.paused.lock().map(|p| p.stage) != Some(PauseStage::Paused) {
+            return Err(RuntimeError::Conflict(format!("sandbox {id} is not paused")));
+        }
+        let row = self.sandboxes.records().paused(id)?.filter(|r| r.state == PauseState::Paused).ok_or_else(|| {
+            RuntimeError::Conflict(format!("sandbox {id} has no committed pause record: kill it and create a new one"))
+        })?;
+        sb.set_pause_stage(PauseStage::Resuming);
+        let mounts = sb.mounts.lock().await;
+        let restored = self.restore_trees(&sb, &row).await;
+        drop(mounts);
+        let restored = match restored {
+            Ok(n) => n,
+            Err(e) => {
+                sb.set_pause_stage(PauseStage::Paused);
+                return Err(e);
+            }
+        };
+        init_call(&sb, Request::Resume).await?;
+        let mut sessions = sb.sessions.lock().await;
+        let mut n_sessions = 0;
+        for tree in &row.trees {
+            let Some(s) = &tree.session else { continue };
+            match reattach(&sb, tree.root, s).await {
+                Ok(session) => {
+                    sessions.insert(s.id.clone(), session);
+                    if s.default {
+                        *sb.default_session.lock().await = Some(s.id.clone());
+                    }
+                    n_sessions += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, session = %s.id, "a resumed session could not be re-attached: {e}");
+                    let _ = crate::sandbox::sessions::kill_process(&sb, tree.root).await;
+                }
+            }
+        }
+        drop(sessions);
+        self.sandboxes.records().clear_paused(id)?;
+        self.process_images.delete(&row.trees.iter().filter_map(|t| t.image.clone()).collect::<Vec<_>>());
+        let timeout = match req.timeout {
+            Some(_) => timeout.map(|d| d.as_secs_f64()),
+            None => sb.spec.timeout,
+        };
+        let exp = timeout.map(|t| now() + t);
+        *sb.expires_at.lock() = exp;
+        self.sandboxes.records().set_expiry(id, exp)?;
+        *sb.paused.lock() = None;
+        let took_ms = ms(t0);
+        tracing::info!(sandbox = %id, trees = restored, sessions = n_sessions, took_ms, "sandbox resumed");
+        Ok(ResumeResult { sandbox: sb.info(), processes: restored, sessions: n_sessions, took_ms })
+    }
+
+    /// Restore every tree of a paused sandbox; all or none (those restored are killed again
+    /// when one fails). Returns how many.
+    async fn restore_trees(self: &Arc<Self>, sb: &Arc<Sandbox>, row: &PausedRow) -> Result<usize> {
+        for tree in &row.trees {
+            let res = match tree.image.clone() {
+                Some(image) => {
+                    let (rt, sbc, img) = (self.clone(), sb.clone(), image.clone());
+                    tokio::task::spawn_blocking(move || rt.process_images.restore(&sbc.criu_ref(), &img))
+                        .await?
+                        .map_err(|e| format!("restoring it from image {image} failed ({e})"))
+                }
+                None => Err("it has no process image".to_string()),
+            };
+            if let Err(why) = res {
+                let sbc = sb.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    crate::sandbox::procs::kill_members(&sbc, |p| p == sbc.init_pid)
+                })
+                .await;
+                return Err(RuntimeError::Conflict(format!(
+                    "sandbox {} cannot be resumed: process {}: {why}; it stays paused with its files and images: fix the \
+                     cause and resume again, or kill it",
+                    sb.id, tree.root
+                )));
+            }
+        }
+        Ok(row.trees.len())
+    }
+
+    /// After a daemon restart: finish what a pause or resume of `sb` left (see the module docs).
+    /// Blocking; runs before the runtime serves.
+    pub(crate) fn recover_pause(&self, sb: &Sandbox, row: PausedRow) {
+        let sock = sb.dirs.sock();
+        let call = |req: &Request, fds: &[std::os::fd::RawFd]| {
+            crate::initconn::call_blocking(&sock, req, fds, std::time::Duration::from_secs(2))
+        };
+        match row.state {
+            PauseState::Pausing => {
+                tracing::warn!(sandbox = %sb.id, "a pause was under way when the daemon stopped: calling it off");
+                let _ = sb.cgroup.thaw();
+                self.process_images.delete(&row.trees.iter().filter_map(|t| t.image.clone()).collect::<Vec<_>>());
+                let _ = call(&Request::Resume, &[]);
+                if tokio::runtime::Handle::try_current().is_ok() {
+                    let mut sessions = sb.sessions.try_lock().ok();
+                    for tree in &row.trees {
+                        let Some(s) = &tree.session else { continue };
+                        let res = (|| -> Result<Session> {
+                            let host = crate::sandbox::procs::host_pid_of(sb, tree.root)
+                                .ok_or_else(|| RuntimeError::Conflict("gone".into()))?;
+                            let pidfd = bb_sys::process::pidfd_open(host)?;
+                            let chan = UnixStream::from(bb_sys::process::pidfd_getfd(&pidfd, s.channel_fd)?);
+                            use std::os::fd::AsRawFd;
+                            let keep = chan.try_clone().map_err(RuntimeError::io("session channel"))?;
+                            let adopt = Request::Adopt {
+                                pid: tree.root,
+                                tag: session_tag(&s.id, &s.kind, s.default),
+                                stash: Some(s.id.clone()),
+                            };
+                            call(&adopt, &[keep.as_raw_fd()])?;
+                            Session::attach(s.id.clone(), s.kind.clone(), tree.root, s.created_at, chan)
+                        })();
+                        match res {
+                            Ok(session) => {
+                                if let Some(map) = sessions.as_mut() {
+                                    map.insert(s.id.clone(), Arc::new(session));
+                                }
+                            }
+                            Err(e) => tracing::warn!(sandbox = %sb.id, session = %s.id, "session lost: {e}"),
+                        }
+                    }
+                }
+                let _ = self.sandboxes.records().clear_paused(&sb.id);
+            }
+            PauseState::Paused => {
+                // A resume may have been under way: whatever it restored goes again.
+                let _ = call(&Request::Suspend, &[]);
+                if let Err(e) = crate::sandbox::procs::kill_members(sb, |p| p == sb.init_pid) {
+                    tracing::warn!(sandbox = %sb.id, "killing the processes of a paused sandbox: {e}");
+                }
+                let _ = sb.cgroup.thaw();
+                // Until init reaped them (the pids counter counts zombies).
+                let deadline = Instant::now() + std::time::Duration::from_secs(2);
+                while sb.cgroup.stats().is_ok_and(|s| s.pids_current > 1) && Instant::now() < deadline {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                if let Ok(mut s) = sb.sessions.try_lock() {
+                    s.clear();
+                }
+                *sb.paused.lock() = Some(Paused { at: row.paused_at, stage: PauseStage::Paused });
+            }
+        }
+    }
+
+    /// Pause sandboxes whose timeout passed and whose lifecycle says so.
+    pub(crate) async fn pause_expired(self: &Arc<Self>, ids: Vec<String>) {
+        for id in ids {
+            match self.pause(&id).await {
+                Ok(r) => tracing::info!(%id, took_ms = r.took_ms, "sandbox reached its timeout and was paused"),
+                Err(e) => {
+                    // Tried again in a minute (a command in the foreground, a busy session).
+                    tracing::warn!(%id, "pausing a sandbox at its timeout failed (trying again in 60 s): {e}");
+                    if let Ok(sb) = self.get(&id) {
+                        *sb.expires_at.lock() = Some(now() + 60.0);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_parent_pid_is_read_past_any_command_name() {
+        assert_eq!(parent_pid("12 (python3) S 1 12 12 0"), Some(1));
+        assert_eq!(parent_pid("7 (a) b) c) R 5 7 7 0"), Some(5));
+        assert_eq!(parent_pid("garbage"), None);
+    }
+}

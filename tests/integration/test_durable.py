@@ -1,0 +1,351 @@
+"""Durable sandboxes with real CRIU: evicted session templates restored from process images,
+pause/resume (manual, at the timeout, across daemon restarts and crashes), and what happens
+when CRIU is missing or an image is broken.
+
+Tests that restart the daemon with other flags put it back as the suite runs it.
+"""
+import glob
+import hashlib
+import os
+import random
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from branchbox import ConflictError, Sandbox
+from branchbox.sandbox_sync import health
+from helpers import SOCKET, STATE, URL, wait_until
+
+
+@pytest.fixture(scope="module", autouse=True)
+def criu_present(daemon):
+    pi = health(daemon=URL).get("process_images") or {}
+    if not pi.get("criu"):
+        if os.environ.get("MUST_WORK"):
+            pytest.fail("CRIU is not available to the daemon (make deps installs it): %r" % pi)
+        pytest.skip("CRIU is not available: %r" % pi)
+
+
+@pytest.fixture
+def restarted(daemon):
+    """``restarted(extra_flags)``: the suite's daemon restarted with these flags; put back after."""
+    changed = []
+
+    def restart(extra=()):
+        daemon.stop()
+        daemon.start(extra=list(extra))
+        changed.append(True)
+
+    yield restart
+    if changed:
+        daemon.stop()
+        daemon.start()
+
+
+def sha(text):
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def tree_search(sbx, nodes, seed):
+    """An MCTS-shaped search: one checkpoint per node, a rollback to a random node before each
+    expansion; every rollback must bring back the node's exact session variables and files."""
+    rng = random.Random(seed)
+    sbx.files.write("/root/work/log.txt", "")
+    sbx.run_code("import hashlib\npath = []\nblob = bytes(range(256)) * 4096")
+    root = sbx.checkpoint()
+    expected = {root: ([], "")}
+    restarted = []
+    for i in range(nodes):
+        target = rng.choice(list(expected))
+        r = sbx.rollback(target)
+        if r.sessions_restarted:
+            restarted.append((i, target, r.raw.get("restarted")))
+        path, log = expected[target]
+        got = sbx.run_code("path, hashlib.sha256(blob).hexdigest()[:8]").result
+        assert got == repr((path, hashlib.sha256(bytes(range(256)) * 4096).hexdigest()[:8])), (i, target, got)
+        assert sha(sbx.files.read("/root/work/log.txt")) == sha(log), (i, target)
+        step = rng.randrange(10_000)
+        sbx.run_code("path.append(%d)" % step)
+        log = log + "%d\n" % step
+        sbx.files.write("/root/work/log.txt", log)
+        expected[sbx.checkpoint()] = (path + [step], log)
+    assert not restarted, "sessions restarted on %d of %d rollbacks: %r" % (len(restarted), nodes, restarted[:5])
+
+
+def test_tree_search_with_8_templates_keeps_every_session(restarted, make_sandbox):
+    restarted(["--max-templates", "8"])
+    sbx = make_sandbox(timeout=0)
+    tree_search(sbx, 300, seed=15)
+    stats = health(daemon=URL)["process_images"]
+    assert stats["images"] > 0 and stats["bytes"] > 0, stats
+
+
+def test_tree_search_at_the_default_cap_keeps_every_session(make_sandbox):
+    sbx = make_sandbox(timeout=0)
+    tree_search(sbx, 300, seed=16)
+
+
+HTTP_CHECK = (
+    "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8765/hello.txt').read().decode())\""
+)
+
+
+def start_server(sbx):
+    sbx.files.write("/srv/hello.txt", "hello from inside")
+    h = sbx.commands.run("cd /srv && exec python3 -m http.server 8765 --bind 127.0.0.1", background=True)
+    wait_until(lambda: sbx.commands.run(HTTP_CHECK).stdout.strip() == "hello from inside", timeout=20, what="server")
+    # A session with state and a kept-alive connection to the server.
+    sbx.run_code(
+        "import http.client\nconn = http.client.HTTPConnection('127.0.0.1', 8765)\n"
+        "conn.request('GET', '/hello.txt'); first = conn.getresponse().read().decode()\ncounter = 41"
+    )
+    return h.pid
+
+
+def check_server(sbx, pid):
+    assert sbx.commands.run(HTTP_CHECK).stdout.strip() == "hello from inside"
+    procs = {p.pid: p for p in sbx.commands.list()}
+    assert pid in procs and procs[pid].running, procs
+    assert "http.server" in sbx.commands.run("tr '\\0' ' ' < /proc/%d/cmdline" % pid).stdout
+    # The session's state, and its connection to the server, are as they were.
+    assert sbx.run_code("counter += 1\ncounter").result == "42"
+    assert sbx.run_code("conn.request('GET', '/hello.txt'); conn.getresponse().read().decode()").result == repr(
+        "hello from inside"
+    )
+
+
+def test_pause_frees_the_sandbox_and_resume_brings_back_a_server_with_its_pid(make_sandbox, raw):
+    sbx = make_sandbox(timeout=0)
+    pid = start_server(sbx)
+    before = sbx.info()
+    r = sbx.pause()
+    assert r.processes >= 2 and r.sessions == 1 and r.image_bytes > 0, r.raw
+    info = sbx.info()
+    assert info.state == "paused" and info.paused_at and info.init_pid == before.init_pid
+    assert info.memory_bytes < 4 << 20, "a paused sandbox still holds %d bytes" % info.memory_bytes
+    assert info.pids_current == 1, "only init runs while paused"
+    assert sbx.id in {i.id: i for i in Sandbox.list(daemon=URL)} and Sandbox.list(daemon=URL)
+    # Requests to a paused sandbox are refused, saying how to resume.
+    resp = raw.post("/v1/sandboxes/%s/commands" % sbx.id, json={"cmd": "true"})
+    assert resp.status_code == 409 and "resume" in resp.json()["error"]["message"], resp.text
+    with pytest.raises(ConflictError, match="already paused"):
+        sbx.pause()
+    r = sbx.resume()
+    assert r.processes >= 2 and r.sessions == 1 and r.sandbox.state == "running", r.raw
+    check_server(sbx, pid)
+    with pytest.raises(ConflictError, match="not paused"):
+        sbx.resume()
+
+
+def test_paused_sandbox_survives_a_daemon_crash(daemon, make_sandbox):
+    sbx = make_sandbox(timeout=0)
+    pid = start_server(sbx)
+    sbx.files.write("/root/note.txt", "written before the pause")
+    sbx.pause()
+    daemon.stop(signal.SIGKILL)
+    daemon.start()
+    listed = {i.id: i for i in Sandbox.list(daemon=URL)}
+    assert listed[sbx.id].state == "paused", listed.get(sbx.id)
+    again = Sandbox.connect(sbx.id, daemon=URL)  # resumes
+    assert again.info().state == "running"
+    check_server(again, pid)
+    assert again.files.read("/root/note.txt") == "written before the pause"
+
+
+def test_twenty_pause_resume_cycles_lose_nothing(make_sandbox):
+    """Manual pauses and pauses at the timeout alternate; between them files and session
+    variables change; after every resume everything written before is there."""
+    sbx = make_sandbox(timeout=0, lifecycle={"on_timeout": "pause"})
+    sbx.run_code("seen = []")
+    bg = sbx.commands.run("i=0; while true; do i=$((i+1)); echo $i > /root/ticks; sleep 0.05; done", background=True)
+    for cycle in range(20):
+        sbx.files.write("/root/cycle-%02d.txt" % cycle, "cycle %d" % cycle)
+        sbx.run_code("seen.append(%d)" % cycle)
+        if cycle % 2:
+            sbx.pause()
+        else:
+            sbx.set_timeout(0.5)
+            wait_until(lambda: sbx.info().state == "paused", timeout=30, what="pause at the timeout")
+        assert sbx.info().pids_current == 1
+        ticks = int(sbx_ticks_after_resume(sbx))
+        assert ticks > 0
+        assert sbx.run_code("seen").result == repr(list(range(cycle + 1)))
+        for c in range(cycle + 1):
+            assert sbx.files.read("/root/cycle-%02d.txt" % c) == "cycle %d" % c, (cycle, c)
+        procs = {p.pid: p for p in sbx.commands.list()}
+        assert procs[bg.pid].running, (cycle, procs)
+    sbx.set_timeout(0)
+    # The background loop kept ticking from where it was.
+    first = int(sbx.files.read("/root/ticks"))
+    wait_until(lambda: int(sbx.files.read("/root/ticks")) > first, timeout=10, what="ticks after resume")
+
+
+def sbx_ticks_after_resume(sbx):
+    r = sbx.resume(timeout=0)
+    assert r.sandbox.state == "running" and r.sandbox.expires_at is None, r.raw
+    return sbx.files.read("/root/ticks").strip()
+
+
+def test_auto_resume_wakes_a_paused_sandbox_on_use(make_sandbox):
+    sbx = make_sandbox(timeout=1, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    sbx.run_code("x = 'kept'")
+    wait_until(lambda: sbx.info().state == "paused", timeout=30, what="pause at the timeout")
+    assert sbx.run_code("x").result == "'kept'"
+    assert sbx.info().state == "running"
+
+
+def test_pause_is_refused_cleanly_while_work_is_in_flight(make_sandbox):
+    sbx = make_sandbox(timeout=0)
+    sbx.run_code("v = 7")
+    # A foreground command: its output goes to a daemon connection a dump cannot keep.
+    results = {}
+    t = threading.Thread(target=lambda: results.setdefault("r", sbx.commands.run("sleep 2; echo done", timeout=30)))
+    t.start()
+    time.sleep(0.5)
+    with pytest.raises(ConflictError, match="foreground"):
+        sbx.pause()
+    t.join()
+    assert results["r"].stdout.strip() == "done" and results["r"].exit_code == 0
+    # A session running code.
+    t = threading.Thread(target=lambda: results.setdefault("c", sbx.run_code("import time; time.sleep(2); v + 1")))
+    t.start()
+    time.sleep(0.5)
+    with pytest.raises(ConflictError, match="running code"):
+        sbx.pause()
+    t.join()
+    assert results["c"].result == "8"
+    # Nothing was disturbed: the sandbox runs on and can be paused now.
+    assert sbx.info().state == "running" and sbx.run_code("v").result == "7"
+    sbx.pause()
+    sbx.resume()
+    assert sbx.run_code("v").result == "7"
+
+
+def test_lifecycle_input_is_checked(daemon, raw):
+    resp = raw.post("/v1/sandboxes", json={"lifecycle": {"on_timeout": "kill", "auto_resume": True}})
+    assert resp.status_code == 400 and "on_timeout" in resp.text, resp.text
+    resp = raw.post("/v1/sandboxes", json={"lifecycle": {"on_timeout": "sleep"}})
+    assert resp.status_code == 400 and "on_timeout" in resp.text, resp.text
+    resp = raw.post("/v1/sandboxes/sb-nope/pause")
+    assert resp.status_code == 404, resp.text
+    resp = raw.post("/v1/sandboxes/sb-nope/resume", json={"timeout": -1})
+    assert resp.status_code in (400, 404), resp.text
+
+
+def big_sandbox(make_sandbox, mib):
+    sbx = make_sandbox(timeout=0, memory_mb=mib + 256)
+    sbx.run_code("import os\nblob = bytearray(os.urandom(1 << 20)) * %d\nmark = 'kept'" % mib)
+    return sbx
+
+
+def no_leftovers():
+    tmp = glob.glob(os.path.join(STATE, "images", ".tmp-*"))
+    assert not tmp, "half-written images remain: %r" % tmp
+    for p in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            cmd = open(p, "rb").read().split(b"\0")
+        except OSError:
+            continue
+        assert not any(a.startswith(os.path.join(STATE, "images").encode()) for a in cmd), \
+            "a CRIU process of this daemon survived its restart: %r" % cmd
+
+
+@pytest.mark.parametrize("when", [0.15, 0.6])
+def test_daemon_killed_during_a_pause_loses_nothing(daemon, make_sandbox, when):
+    sbx = big_sandbox(make_sandbox, 200)
+    sbx.files.write("/root/kept.txt", "kept")
+    errors = []
+    t = threading.Thread(target=lambda: _try(lambda: sbx.pause(), errors))
+    t.start()
+    time.sleep(when)
+    daemon.stop(signal.SIGKILL)
+    t.join()
+    daemon.start()
+    no_leftovers()
+    s = Sandbox.connect(sbx.id, daemon=URL)  # resumes it if the pause was committed
+    assert s.info().state == "running"
+    assert s.run_code("mark, len(blob)").result == repr(("kept", 200 << 20))
+    assert s.files.read("/root/kept.txt") == "kept"
+    s.pause()
+    s.resume()
+    assert s.run_code("mark").result == "'kept'"
+
+
+def test_daemon_killed_during_a_resume_loses_nothing(daemon, make_sandbox):
+    sbx = big_sandbox(make_sandbox, 200)
+    sbx.pause()
+    errors = []
+    t = threading.Thread(target=lambda: _try(lambda: sbx.resume(), errors))
+    t.start()
+    time.sleep(0.1)
+    daemon.stop(signal.SIGKILL)
+    t.join()
+    daemon.start()
+    no_leftovers()
+    s = Sandbox.connect(sbx.id, daemon=URL, resume=False)
+    if s.info().state == "paused":
+        assert s.info().pids_current == 1, "a resume cut short left processes behind"
+        s.resume()
+    assert s.run_code("mark, len(blob)").result == repr(("kept", 200 << 20))
+
+
+def _try(fn, errors):
+    try:
+        fn()
+    except Exception as e:  # the daemon died under the request
+        errors.append(e)
+
+
+def test_a_broken_image_fails_the_resume_clearly_and_keeps_the_sandbox_paused(make_sandbox):
+    sbx = make_sandbox(timeout=0)
+    sbx.run_code("x = 1")
+    sbx.pause()
+    image = sorted(glob.glob(os.path.join(STATE, "images", "pi-*")), key=os.path.getmtime)[-1]
+    pages = glob.glob(os.path.join(image, "pages-*.img"))
+    cores = glob.glob(os.path.join(image, "core-*.img"))
+    assert pages and cores
+    saved = {p: open(p, "rb").read() for p in pages + cores}
+
+    def resume_fails(match):
+        with pytest.raises(ConflictError, match=match):
+            sbx.resume()
+        info = sbx.info()
+        assert info.state == "paused" and info.pids_current == 1, "a half-restored sandbox was left running"
+
+    # Truncated: the manifest's file lengths refuse it before CRIU runs.
+    for p in pages:
+        os.truncate(p, 100)
+    resume_fails("cannot be resumed.*pages-.*the dump wrote.*stays paused")
+    # Same length, wrong bytes: CRIU itself fails, and says so.
+    for p, data in saved.items():
+        open(p, "wb").write(data)
+    for p in cores:
+        open(p, "wb").write(bytes(len(saved[p])))
+    resume_fails("cannot be resumed.*criu restore failed.*stays paused")
+    for p, data in saved.items():
+        open(p, "wb").write(data)
+    sbx.resume()
+    assert sbx.run_code("x").result == "1"
+
+
+def test_without_criu_the_daemon_runs_degraded_and_says_why(restarted, make_sandbox, raw):
+    restarted(["--criu", "/nonexistent/criu", "--max-templates", "1"])
+    pi = health(daemon=URL)["process_images"]
+    assert pi["criu"] is None and "install-criu.sh" in pi["unavailable"], pi
+    sbx = make_sandbox(timeout=0)
+    sbx.run_code("x = 1")
+    first = sbx.checkpoint()
+    sbx.run_code("x = 2")
+    sbx.checkpoint()  # evicts the first snapshot's template (behind the answer): no image is kept
+    time.sleep(0.5)
+    r = sbx.rollback(first)
+    assert r.sessions_restarted
+    why = " ".join(x["reason"] for x in r.raw["restarted"])
+    assert "no process image" in why and "criu" in why.lower(), r.raw
+    resp = raw.post("/v1/sandboxes/%s/pause" % sbx.id)
+    assert resp.status_code == 503 and "CRIU" in resp.text, resp.text
+    resp = raw.post("/v1/sandboxes", json={"lifecycle": {"on_timeout": "pause"}})
+    assert resp.status_code == 503 and "CRIU" in resp.text, resp.text
