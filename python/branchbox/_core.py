@@ -32,6 +32,7 @@ from .models import (
     PoolStats,
     ProcessInfo,
     PauseResult,
+    OffloadResult,
     ResumeResult,
     RollbackResult,
     SandboxInfo,
@@ -792,6 +793,10 @@ def delete_snapshot(sid: Any, subtree: bool = False) -> Call:
         params={"subtree": "true" if subtree else "false"},
         parse=_flag("removed"),
     )
+
+
+def offload_snapshot(sid: Any) -> Call:
+    return Call("POST", _snap(sid) + "/offload", parse=OffloadResult.from_dict, unbounded=True)
 
 
 def gc_snapshots(keep: Any, sandbox: Any = None) -> Call:

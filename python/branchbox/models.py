@@ -26,6 +26,7 @@ __all__ = [
     "SnapshotInfo",
     "RollbackResult",
     "PauseResult",
+    "OffloadResult",
     "ResumeResult",
     "ForkResult",
     "GcResult",
@@ -288,6 +289,23 @@ class SnapshotInfo(_Model):
             s if isinstance(s, SnapshotSession) else SnapshotSession.from_dict(s) for s in obj.sessions or []
         ]
         return obj
+
+
+@dataclass
+class OffloadResult(_Model):
+    """Result of ``snapshots.offload(sid)``: the snapshot's session templates are in process
+    images on disk; a rollback or fork to it restores them."""
+
+    snapshot: str = ""
+    #: Templates that were in memory and were dumped by this call.
+    offloaded: int = 0
+    #: The snapshot's sessions a process image holds.
+    images: int = 0
+    image_bytes: int = 0
+    #: Sessions whose state is lost, each "<session id>: <why>".
+    lost: List[str] = field(default_factory=list)
+    took_ms: Optional[float] = None
+    raw: Dict[str, Any] = _raw()
 
 
 @dataclass

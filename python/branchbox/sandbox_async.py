@@ -26,6 +26,7 @@ from .models import (
     ImageProgress,
     PoolStats,
     PauseResult,
+    OffloadResult,
     ProcessInfo,
     ResumeResult,
     RollbackResult,
@@ -691,6 +692,11 @@ class AsyncSnapshots(_AsyncDaemonClient):
     async def delete(self, sid: Union[str, SnapshotInfo], subtree: bool = False) -> bool:
         """Delete a snapshot; ``subtree=True`` also deletes its descendants."""
         return await self._http.call(_core.delete_snapshot(sid, subtree))
+
+    async def offload(self, sid: Union[str, SnapshotInfo]) -> OffloadResult:
+        """Move the snapshot's live sessions into process images on disk now (see the sync
+        ``Snapshots.offload``)."""
+        return await self._http.call(_core.offload_snapshot(sid))
 
     async def gc(
         self, keep: Sequence[Union[str, SnapshotInfo]], sandbox: Union[str, AsyncSandbox, None] = None

@@ -32,6 +32,7 @@ from .models import (
     ImageProgress,
     PoolStats,
     PauseResult,
+    OffloadResult,
     ProcessInfo,
     ResumeResult,
     RollbackResult,
@@ -907,6 +908,11 @@ class Snapshots(_DaemonClient):
     def delete(self, sid: Union[str, SnapshotInfo], subtree: bool = False) -> bool:
         """Delete a snapshot; ``subtree=True`` also deletes its descendants."""
         return self._http.call(_core.delete_snapshot(sid, subtree))
+
+    def offload(self, sid: Union[str, SnapshotInfo]) -> OffloadResult:
+        """Move the snapshot's live sessions (held in memory) into process images on disk now,
+        giving their memory back; a rollback or fork to it restores them. Needs CRIU."""
+        return self._http.call(_core.offload_snapshot(sid))
 
     def gc(
         self, keep: Sequence[Union[str, SnapshotInfo]], sandbox: Union[str, Sandbox, None] = None

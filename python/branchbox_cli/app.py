@@ -693,6 +693,28 @@ def snapshot_rm(
     out.print("removed snapshot %s%s" % (sid, " and its descendants" if subtree else ""))
 
 
+@snapshot_app.command("offload")
+@cli_errors
+def snapshot_offload(
+    ctx: typer.Context,
+    sid: str = typer.Argument(..., metavar="SID", help="Snapshot id."),
+    as_json: bool = typer.Option(False, "--json", help="Print the raw JSON result."),
+) -> None:
+    """Move a snapshot's live sessions out of memory into process images (needs CRIU)."""
+    c = ctx_of(ctx)
+    with Snapshots(**c.sdk()) as snaps:
+        r = snaps.offload(sid)
+    if as_json:
+        print_json(r.raw)
+        return
+    out.print(
+        "snapshot %s: %d session%s in process images (%s), %d dumped now, in %.0f ms"
+        % (sid, r.images, "" if r.images == 1 else "s", fmt_bytes(r.image_bytes), r.offloaded, r.took_ms or 0)
+    )
+    for why in r.lost:
+        out.print("[yellow]lost[/yellow] " + why)
+
+
 @snapshot_app.command("gc")
 @cli_errors
 def snapshot_gc(

@@ -172,3 +172,41 @@ def bench_start(
         result = bs.run_start_bench(cfg, progress=lambda m: status.update("bench start: " + m))
     summary = result.summary()
     _report("branchbox bench start (ms)", result.rows(), bs.report_lines(summary), summary, as_json)
+
+
+@bench_app.command("durable")
+@cli_errors
+def bench_durable(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Only print the JSON summary line."),
+    n: int = typer.Option(10, "--n", min=1, help="Samples of the evicted-template metrics."),
+    heap_mb: int = typer.Option(50, "--heap-mb", min=1, help="Session heap for the template metrics and the small pause."),
+    big_mb: int = typer.Option(500, "--big-mb", min=1, help="Session heap for the large pause."),
+    pause_n: int = typer.Option(5, "--pause-n", min=1, help="Pause/resume cycles of the small sandbox (the large one: about half)."),
+    state_dir: str = typer.Option("/var/lib/branchbox", "--state-dir", help="The daemon's state dir (CRIU's restore logs are read there)."),
+) -> None:
+    """Process images: rollback to an evicted template, dumps, pause/resume at 50 and 500 MiB.
+
+    Needs a daemon with CRIU. The last line of stdout is always the JSON summary.
+    """
+    from branchbox_bench import durable
+
+    c = ctx_of(ctx)
+    with err.status("benchmarking") as status:
+        result = durable.run_durable_bench(
+            n=n, heap_mb=heap_mb, big_mb=big_mb, pause_n=pause_n, daemon=c.daemon, token=c.token,
+            state_dir=state_dir, progress=lambda m: status.update("bench durable: " + m),
+        )
+    summary = result.summary()
+    lines = [
+        "rollback to an evicted template: %s p50 (in memory: %s; CRIU's own restore: %s)"
+        % tuple(fmt_num(summary.get(k), " ms", "%.1f") for k in ("restore_evicted_ms_p50", "template_rollback_ms_p50", "criu_plain_restore_ms_p50")),
+        "pause / resume 500 MiB: %s / %s (cold start %s); paused sandbox holds %s"
+        % (
+            fmt_num(summary.get("pause_500mib_ms_p50"), " ms", "%.0f"),
+            fmt_num(summary.get("resume_500mib_ms_p50"), " ms", "%.0f"),
+            fmt_num(summary.get("cold_start_ms_p50"), " ms", "%.0f"),
+            fmt_num(summary.get("paused_host_mb"), " MiB", "%.2f"),
+        ),
+    ] + summary_tail_lines(summary)
+    _report("branchbox bench durable (heap %d MiB, ms)" % heap_mb, result.rows(), lines, summary, as_json)

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from branchbox import ConflictError, Sandbox
+from branchbox import ConflictError, NotFoundError, Sandbox, Snapshots
 from branchbox.sandbox_sync import health
 from helpers import SOCKET, STATE, URL, wait_until
 
@@ -297,6 +297,23 @@ def _try(fn, errors):
         fn()
     except Exception as e:  # the daemon died under the request
         errors.append(e)
+
+
+def test_offload_moves_a_snapshots_sessions_to_disk_and_a_rollback_brings_them_back(make_sandbox):
+    sbx = make_sandbox(timeout=0)
+    sbx.run_code("x = 41\nblob = bytes(range(256)) * 8192")
+    snap = sbx.checkpoint()
+    sbx.run_code("x = 0")
+    with Snapshots(daemon=URL) as snaps:
+        r = snaps.offload(snap)
+        assert r.offloaded == 1 and r.images == 1 and r.image_bytes > 2 << 20 and not r.lost, r.raw
+        again = snaps.offload(snap)  # nothing left in memory: the image stays
+        assert again.offloaded == 0 and again.images == 1, again.raw
+        with pytest.raises(NotFoundError, match="snapshot"):
+            snaps.offload("sn-000000000000")
+    back = sbx.rollback(snap)
+    assert not back.sessions_restarted, back.raw
+    assert sbx.run_code("x, len(blob)").result == "(41, 2097152)"
 
 
 def test_a_broken_image_fails_the_resume_clearly_and_keeps_the_sandbox_paused(make_sandbox):

@@ -60,6 +60,7 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         list_snapshots,
         get_snapshot,
         delete_snapshot,
+        offload_snapshot,
         gc_snapshots,
         get_pool,
         set_pool,
@@ -78,6 +79,7 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         ResumeSandbox,
         PauseResult,
         ResumeResult,
+        OffloadResult,
         RunCommand,
         CommandResult,
         Started,
@@ -601,6 +603,13 @@ pub async fn delete_snapshot(
 ) -> ApiResult<Json<Done>> {
     rt.delete_snapshot(&sid, q.subtree.unwrap_or(false)).await?;
     Ok(removed())
+}
+
+#[utoipa::path(post, path = "/v1/snapshots/{sid}/offload", params(("sid" = String, Path, description = "snapshot id")),
+    responses((status = 200, body = OffloadResult), (status = 404, body = ErrorResponse),
+    (status = 503, description = "CRIU is not available", body = ErrorResponse)))]
+pub async fn offload_snapshot(State(rt): State<AppState>, P(sid): P<String>) -> ApiResult<Json<OffloadResult>> {
+    Ok(Json(rt.offload_snapshot(&sid).await?))
 }
 
 #[utoipa::path(post, path = "/v1/snapshots/gc", request_body = GcRequest, responses((status = 200, body = GcResult), (status = 404, body = ErrorResponse)))]

@@ -61,6 +61,7 @@ pub fn router(rt: Arc<Runtime>, token: Option<String>) -> Router {
         .route("/v1/snapshots", get(list_snapshots))
         .route("/v1/snapshots/gc", post(gc_snapshots))
         .route("/v1/snapshots/:sid", get(get_snapshot).delete(delete_snapshot))
+        .route("/v1/snapshots/:sid/offload", post(offload_snapshot))
         .route("/v1/templates", post(build_template).get(list_templates))
         .route("/v1/templates/:name", get(get_template).delete(remove_template))
         .route("/v1/pool", get(get_pool))

@@ -593,6 +593,20 @@ pub struct PauseResult {
     pub took_ms: f64,
 }
 
+/// A snapshot's session templates moved out of memory into process images.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct OffloadResult {
+    pub snapshot: String,
+    /// Templates that were in memory and were dumped now.
+    pub offloaded: usize,
+    /// The snapshot's sessions a process image holds (after this call).
+    pub images: usize,
+    pub image_bytes: u64,
+    /// Sessions of the snapshot whose state is lost (never forked, or dropped), with why.
+    pub lost: Vec<String>,
+    pub took_ms: f64,
+}
+
 /// A sandbox resumed: its processes restored under the same pids, its sessions re-attached.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct ResumeResult {

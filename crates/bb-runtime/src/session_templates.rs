@@ -608,6 +608,58 @@ impl Runtime {
         Ok(())
     }
 
+    /// Move the session templates of snapshot `snap_id` out of memory into process images now
+    /// (an agent that will not come back to a branch soon gives its memory back); a rollback or
+    /// fork to it restores them. Returns once the dumps are done.
+    pub async fn offload_snapshot(self: &Arc<Self>, snap_id: &str) -> crate::Result<crate::model::OffloadResult> {
+        let t0 = Instant::now();
+        let snap = self.snapshots.records().get(snap_id)?.ok_or_else(|| crate::RuntimeError::NotFound {
+            kind: "snapshot",
+            id: snap_id.to_string(),
+            hint: ": list snapshots with `branchbox snapshot ls`",
+        })?;
+        if let Some(why) = self.process_images.unavailable() {
+            return Err(crate::RuntimeError::Unavailable(format!(
+                "offloading needs CRIU, which this daemon cannot use ({why})"
+            )));
+        }
+        let keys: BTreeSet<String> = snap.sessions.iter().filter_map(|s| s.template.clone()).collect();
+        let gone = self.session_templates.remove(&keys);
+        let offloaded = gone.len();
+        self.evict_templates_now(gone).await;
+        for key in &keys {
+            // One being dumped in the background already.
+            self.session_templates.wait_evicted(key, bb_criu::DEFAULT_TIMEOUT).await;
+        }
+        let snap = self.snapshots.records().get(snap_id)?.unwrap_or(snap);
+        let (mut images, mut image_bytes, mut lost) = (0, 0, Vec::new());
+        for ss in &snap.sessions {
+            let image = match ss.template.as_deref() {
+                Some(key) => self.snapshots.records().template_image(key)?,
+                None => None,
+            };
+            match image.and_then(|i| self.process_images.get(&i).ok().flatten()) {
+                Some(row) => {
+                    images += 1;
+                    image_bytes += row.bytes;
+                }
+                None => lost.push(format!(
+                    "{}: {}",
+                    ss.id,
+                    ss.lost.clone().unwrap_or_else(|| "no process image holds it".to_string())
+                )),
+            }
+        }
+        Ok(crate::model::OffloadResult {
+            snapshot: snap_id.to_string(),
+            offloaded,
+            images,
+            image_bytes,
+            lost,
+            took_ms: t0.elapsed().as_secs_f64() * 1000.0,
+        })
+    }
+
     /// Before a checkpoint (which adds templates) of a sandbox whose templates could not all be
     /// let go at the last look ([`Runtime::relieve_memory`]): wait for its templates' dumps under
     /// way, which give their memory back, and look again. Checkpoints then keep pace with the
