@@ -726,11 +726,17 @@ def _snap(sid: Any) -> str:
     return "/v1/snapshots/" + _seg(snapshot_id(sid))
 
 
-def checkpoint(sandbox_id: str, label: Optional[str] = None) -> Call:
+def checkpoint(sandbox_id: str, label: Optional[str] = None, processes: Optional[str] = None) -> Call:
     if label is not None and not isinstance(label, str):
         raise exc.InvalidArgumentError("label must be a string, not %s" % type(label).__name__)
+    if processes not in (None, "sessions", "all"):
+        raise exc.InvalidArgumentError('processes must be "sessions" or "all", not %r' % (processes,))
     return Call(
-        "POST", _sbx(sandbox_id) + "/checkpoint", json=_compact({"label": label}), parse=SnapshotInfo.from_dict
+        "POST",
+        _sbx(sandbox_id) + "/checkpoint",
+        json=_compact({"label": label, "processes": processes}),
+        parse=SnapshotInfo.from_dict,
+        unbounded=processes == "all",
     )
 
 

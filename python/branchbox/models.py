@@ -278,6 +278,8 @@ class SnapshotInfo(_Model):
     depth: int = 0
     lightweight: bool = False
     sessions: List[SnapshotSession] = field(default_factory=list)
+    #: Background processes kept (``processes="all"``): ``{"pid": ..., "cmd": ...}`` each.
+    processes: List[Dict[str, Any]] = field(default_factory=list)
     took_ms: Optional[float] = None
     raw: Dict[str, Any] = _raw()
 
@@ -355,6 +357,10 @@ class RollbackResult(_Model):
     snapshot: str = ""
     sessions_restarted: bool = False
     killed: List[int] = field(default_factory=list)
+    #: Background processes the snapshot kept, restored under their pids.
+    restored_processes: List[int] = field(default_factory=list)
+    #: Those that could not be, each "<pid> (<command>): <why>".
+    processes_not_restored: List[str] = field(default_factory=list)
     took_ms: Optional[float] = None
     raw: Dict[str, Any] = _raw()
 

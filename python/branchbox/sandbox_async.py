@@ -284,17 +284,19 @@ class AsyncSandbox:
 
     # -- snapshots
 
-    async def checkpoint(self, label: Optional[str] = None) -> str:
-        """Snapshot the sandbox (filesystem and live sessions); returns the snapshot id."""
-        return (await self.checkpoint_info(label)).id
+    async def checkpoint(self, label: Optional[str] = None, processes: Optional[str] = None) -> str:
+        """Snapshot the sandbox (filesystem and live sessions; ``processes="all"``: background
+        processes too); returns the snapshot id."""
+        return (await self.checkpoint_info(label, processes)).id
 
-    async def checkpoint_info(self, label: Optional[str] = None) -> SnapshotInfo:
+    async def checkpoint_info(self, label: Optional[str] = None, processes: Optional[str] = None) -> SnapshotInfo:
         """:meth:`checkpoint`, returning the whole :class:`SnapshotInfo` (see
         :meth:`branchbox.Sandbox.checkpoint_info`)."""
-        return await self._http.call(_core.checkpoint(self.id, label))
+        return await self._http.call(_core.checkpoint(self.id, label, processes))
 
     async def rollback(self, snapshot: Union[str, SnapshotInfo]) -> RollbackResult:
-        """Return the sandbox to ``snapshot``; non-session processes are killed."""
+        """Return the sandbox to ``snapshot``; non-session processes are killed, and those the
+        snapshot kept (``processes="all"``) come back."""
         return await self._http.call(_core.rollback(self.id, snapshot))
 
     async def fork(

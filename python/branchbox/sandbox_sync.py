@@ -499,17 +499,20 @@ class Sandbox:
 
     # -- snapshots
 
-    def checkpoint(self, label: Optional[str] = None) -> str:
-        """Snapshot the sandbox (filesystem and live sessions); returns the snapshot id."""
-        return self.checkpoint_info(label).id
+    def checkpoint(self, label: Optional[str] = None, processes: Optional[str] = None) -> str:
+        """Snapshot the sandbox (filesystem and live sessions); returns the snapshot id.
+        ``processes="all"`` also keeps background processes (servers, watchers, a build) as
+        process images, restored by a rollback to it (needs CRIU; slower: they are dumped)."""
+        return self.checkpoint_info(label, processes).id
 
-    def checkpoint_info(self, label: Optional[str] = None) -> SnapshotInfo:
+    def checkpoint_info(self, label: Optional[str] = None, processes: Optional[str] = None) -> SnapshotInfo:
         """:meth:`checkpoint`, returning the daemon's whole answer: the new snapshot's
         :class:`SnapshotInfo`, whose ``took_ms`` is the time the checkpoint took in the daemon."""
-        return self._http.call(_core.checkpoint(self.id, label))
+        return self._http.call(_core.checkpoint(self.id, label, processes))
 
     def rollback(self, snapshot: Union[str, SnapshotInfo]) -> RollbackResult:
-        """Return the sandbox to ``snapshot``; non-session processes are killed."""
+        """Return the sandbox to ``snapshot``; non-session processes are killed, and those the
+        snapshot kept (``processes="all"``) come back."""
         return self._http.call(_core.rollback(self.id, snapshot))
 
     def fork(

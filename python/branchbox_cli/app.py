@@ -528,12 +528,13 @@ def sandbox_checkpoint(
     ctx: typer.Context,
     sandbox_id: str = typer.Argument(..., metavar="ID"),
     label: Optional[str] = typer.Option(None, "--label", "-l", help="Label shown in `snapshot ls`."),
+    processes: str = typer.Option("sessions", "--processes", help='"sessions", or "all": background processes too (CRIU).'),
 ) -> None:
     """Snapshot a sandbox (files and live sessions) and print the snapshot id."""
     c = ctx_of(ctx)
     sbx = Sandbox.connect(sandbox_id, resume=False, **c.sdk())
     try:
-        sid = sbx.checkpoint(label)
+        sid = sbx.checkpoint(label, processes=None if processes == "sessions" else processes)
     finally:
         sbx.close()
     out.print(sid)
@@ -543,13 +544,18 @@ def rollback_summary(sandbox_id: str, result: RollbackResult) -> str:
     """One line: where the sandbox went, whether sessions restarted, which pids were killed."""
     took = (" in %.1f ms" % result.took_ms) if result.took_ms is not None else ""
     killed = ", ".join(str(p) for p in result.killed) if result.killed else "none"
-    return "rolled back %s to %s%s (sessions restarted: %s, killed pids: %s)" % (
+    line = "rolled back %s to %s%s (sessions restarted: %s, killed pids: %s)" % (
         sandbox_id,
         result.snapshot,
         took,
         "yes" if result.sessions_restarted else "no",
         killed,
     )
+    if result.restored_processes:
+        line += ", restored pids: " + ", ".join(str(p) for p in result.restored_processes)
+    for why in result.processes_not_restored:
+        line += "; not restored: " + why
+    return line
 
 
 @sandbox_app.command("rollback")

@@ -430,7 +430,7 @@ def test_sandbox_snapshot_signatures() -> None:
 
 def test_snapshots_clients_mirror() -> None:
     s, a = _public(Snapshots), _public(AsyncSnapshots)
-    assert set(s) == set(a) == {"list", "get", "delete", "gc"}
+    assert set(s) == set(a) == {"list", "get", "delete", "gc", "offload"}
     for name in s:
         assert list(inspect.signature(s[name]).parameters) == list(inspect.signature(a[name]).parameters), name
         assert inspect.iscoroutinefunction(a[name]), name

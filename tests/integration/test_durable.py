@@ -366,3 +366,40 @@ def test_without_criu_the_daemon_runs_degraded_and_says_why(restarted, make_sand
     assert resp.status_code == 503 and "CRIU" in resp.text, resp.text
     resp = raw.post("/v1/sandboxes", json={"lifecycle": {"on_timeout": "pause"}})
     assert resp.status_code == 503 and "CRIU" in resp.text, resp.text
+    resp = raw.post("/v1/sandboxes/%s/checkpoint" % sbx.id, json={"processes": "all"})
+    assert resp.status_code == 503 and "CRIU" in resp.text and "sessions" in resp.text, resp.text
+    resp = raw.post("/v1/sandboxes/%s/checkpoint" % sbx.id, json={"processes": "some"})
+    assert resp.status_code == 400 and "processes" in resp.text, resp.text
+
+
+def test_rollback_with_processes_all_brings_back_a_writer_holding_its_file(make_sandbox):
+    # A background process counts into a file it holds open; a checkpoint with
+    # processes="all" keeps it; after a rollback the same pid counts on from where the
+    # snapshot was (its counter and file offset both), and the file holds exactly the
+    # snapshot's lines followed by the new ones.
+    sbx = make_sandbox(timeout=0)
+    sbx.run_code("x = 7")
+    writer = "exec 3>/root/count.txt; i=0; while :; do echo $i >&3; i=$((i+1)); sleep 0.02; done"
+    h = sbx.commands.run(["sh", "-c", writer], background=True)
+    wait_until(lambda: len(sbx.files.read("/root/count.txt").split()) > 5, what="the writer to start")
+    info = sbx.checkpoint_info(processes="all")
+    assert [p["pid"] for p in info.processes] == [h.pid], info.raw
+    time.sleep(0.3)
+    sbx.run_code("x = 8")
+    r = sbx.rollback(info.id)
+    assert r.restored_processes == [h.pid] and not r.processes_not_restored, r.raw
+    assert not r.sessions_restarted and sbx.run_code("x").result == "7"
+    lines = sbx.files.read("/root/count.txt").split()
+    n0 = len(lines)
+    wait_until(lambda: len(sbx.files.read("/root/count.txt").split()) > n0 + 5, what="the restored writer to go on")
+    lines = [int(v) for v in sbx.files.read("/root/count.txt").split()]
+    assert lines == list(range(len(lines))), "the count restarted or skipped: %r" % lines
+    procs = {p.pid: p for p in sbx.commands.list()}
+    assert procs[h.pid].running, procs
+    # A plain checkpoint keeps no processes: a rollback to it kills the writer.
+    plain = sbx.checkpoint()
+    r2 = sbx.rollback(plain)
+    assert h.pid in r2.killed and not r2.restored_processes, r2.raw
+    # Rolling back to the processes="all" snapshot again brings it back again.
+    r3 = sbx.rollback(info.id)
+    assert r3.restored_processes == [h.pid], r3.raw

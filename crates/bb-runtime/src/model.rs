@@ -352,6 +352,30 @@ pub struct ProcessImageStats {
 pub struct CheckpointRequest {
     /// Free-form label shown in snapshot listings.
     pub label: Option<String>,
+    /// What of the processes the snapshot keeps: `sessions` (the default, the fast path) or
+    /// `all` (background processes too, as process images: a rollback to it restores them).
+    #[serde(default)]
+    pub processes: Processes,
+}
+
+/// Which processes a checkpoint keeps.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Processes {
+    /// Sessions only, as live templates (background processes are killed by a rollback).
+    #[default]
+    Sessions,
+    /// Sessions, and every background process tree as a process image (needs CRIU).
+    All,
+}
+
+/// A background process a snapshot keeps in a process image.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct SnapshotProcessInfo {
+    /// Its pid in the sandbox (it comes back with it).
+    pub pid: i32,
+    /// Its command, as `commands list` shows it.
+    pub cmd: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -420,6 +444,9 @@ pub struct SnapshotInfo {
     /// Nothing changed since the previous snapshot: this one shares its state.
     pub lightweight: bool,
     pub sessions: Vec<SnapshotSessionInfo>,
+    /// Background processes kept (`processes: "all"` checkpoints).
+    #[serde(default)]
+    pub processes: Vec<SnapshotProcessInfo>,
     /// How long the checkpoint took (only in the checkpoint response).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub took_ms: Option<f64>,
@@ -440,6 +467,12 @@ pub struct RollbackResult {
     pub restarted: Vec<RestartedSession>,
     /// Pids of the non-session processes that were killed.
     pub killed: Vec<i32>,
+    /// Background processes the snapshot kept, restored (same pids).
+    #[serde(default)]
+    pub restored_processes: Vec<i32>,
+    /// Background processes the snapshot kept that could not be restored, and why.
+    #[serde(default)]
+    pub processes_not_restored: Vec<String>,
     pub took_ms: f64,
 }
 

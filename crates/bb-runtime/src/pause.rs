@@ -42,7 +42,7 @@ fn ms(t0: Instant) -> f64 {
 /// Pids (in the sandbox) of the children of its init, and of processes whose parent is outside
 /// its pid namespace (session copies forked into a nested sandbox), from its own procfs: the
 /// roots of the trees a pause dumps. Read with the cgroup frozen, so the set cannot change.
-fn tree_roots(sb: &Sandbox) -> Result<Vec<i32>> {
+pub(crate) fn tree_roots(sb: &Sandbox) -> Result<Vec<i32>> {
     let (proc, pids) = crate::sandbox::procs::own_pids(sb, &HashSet::new())
         .map_err(|e| RuntimeError::Conflict(format!("cannot list the processes of sandbox {}: {e}", sb.id)))?;
     let mut roots: Vec<i32> = pids

@@ -56,6 +56,8 @@ pub struct ProcessImages {
 
 /// `kind` of an image of a session template.
 pub const TEMPLATE_KIND: &str = "session-template";
+/// `kind` of an image of a background process tree a snapshot keeps (`processes: "all"`).
+pub const SNAPSHOT_TREE_KIND: &str = "snapshot-tree";
 /// `kind` of an image of one process tree of a paused sandbox.
 pub const PAUSED_TREE_KIND: &str = "sandbox-tree";
 /// How much of a failed CRIU run's log is kept (its end: where it failed), and how many such logs.
@@ -291,6 +293,11 @@ impl ProcessImages {
         for (_, old) in logs.iter().rev().skip(FAILURE_LOGS) {
             let _ = std::fs::remove_file(old);
         }
+    }
+
+    /// The manifest of image `id`, if it is readable.
+    pub fn manifest(&self, id: &str) -> Option<bb_criu::Manifest> {
+        bb_criu::Manifest::read(&self.path(id)).ok()
     }
 
     /// Image `id` is named by the record that keeps it (or deleted): collection may judge it.

@@ -304,8 +304,12 @@ impl Runtime {
                 )));
             }
             next(tx, "snapshot", "checkpointing the live session".into());
-            let snap =
-                self.checkpoint(&sid, CheckpointRequest { label: Some(format!("template {}", req.name)) }).await?;
+            let snap = self
+                .checkpoint(
+                    &sid,
+                    CheckpointRequest { label: Some(format!("template {}", req.name)), ..Default::default() },
+                )
+                .await?;
             // Nothing but the frozen templates (and init) stays in the template's sandbox.
             let sb = self.get(&sid)?;
             self.session_templates.pin_sandbox(&sid);

@@ -374,6 +374,25 @@ pub async fn wait(sb: &Sandbox, pid: i32, timeout: Option<f64>) -> Result<Comman
     Ok(result)
 }
 
+/// The tag (command) init keeps for each running process it tracks, by pid.
+pub(crate) async fn tags(sb: &Sandbox) -> Result<std::collections::HashMap<i32, String>> {
+    match InitConn::call(&sb.dirs.sock(), &Request::List).await? {
+        Response::Procs { procs } => {
+            Ok(procs.into_iter().filter(|p| p.exit.is_none()).map(|p| (p.pid, p.tag)).collect())
+        }
+        other => Err(unexpected(other)),
+    }
+}
+
+/// Register a restored process with init as a background process tagged `tag`.
+pub(crate) async fn adopt_background(sb: &Sandbox, pid: i32, tag: String) -> Result<()> {
+    match InitConn::call(&sb.dirs.sock(), &Request::Adopt { pid, tag, stash: None }).await? {
+        Response::Ok => Ok(()),
+        Response::Error { errno, message } => Err(init_error(errno, message)),
+        other => Err(unexpected(other)),
+    }
+}
+
 pub async fn list(sb: &Sandbox) -> Result<Vec<ProcessInfo>> {
     match InitConn::call(&sb.dirs.sock(), &Request::List).await? {
         Response::Procs { procs } => Ok(procs

@@ -23,7 +23,7 @@ use crate::session::{self, Session};
 use crate::session_templates::TEMPLATE_TAG;
 use crate::snapshot::store::{Generation, SnapSession, SnapshotRow};
 use crate::{now, Runtime};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -38,7 +38,15 @@ impl Runtime {
         let _op = sb.begin_op().await;
         self.memory_backpressure(&sb).await;
         let t_locked = t0.elapsed();
-        let (row, _) = self.checkpoint_locked(&sb, req.label, true).await?;
+        let all = req.processes == crate::model::Processes::All;
+        if all {
+            if let Some(why) = self.process_images.unavailable() {
+                return Err(RuntimeError::Unavailable(format!(
+                    "processes \"all\" needs CRIU, which this daemon cannot use ({why}): checkpoint with processes \"sessions\""
+                )));
+            }
+        }
+        let (row, _) = self.checkpoint_locked(&sb, req.label, true, all).await?;
         let t_done = t0.elapsed();
         // A new snapshot has no children yet: no need to read the others.
         let mut info = self.snapshot_info(&row, Vec::new());
@@ -48,13 +56,15 @@ impl Runtime {
     }
 
     /// Take a snapshot of `sb` (caller holds `sb.ops`). `with_sessions = false` captures files
-    /// only (evaluate). Returns the snapshot and whether it is new (false: an existing one was
+    /// only (evaluate); `all_processes`: background process trees too, as process images dumped
+    /// in the frozen window of the root swap (one consistent state with the files). Returns the snapshot and whether it is new (false: an existing one was
     /// reused because nothing changed).
     pub(crate) async fn checkpoint_locked(
         self: &Arc<Self>,
         sb: &Arc<Sandbox>,
         label: Option<String>,
         with_sessions: bool,
+        all_processes: bool,
     ) -> Result<(SnapshotRow, bool)> {
         let gen = sb.gen.lock().clone().ok_or_else(|| legacy(&sb.id))?;
         let sessions_map = sb.sessions.lock().await;
@@ -70,7 +80,8 @@ impl Runtime {
         let upper_dir = layer_dir(&self.cfg, &self.images, &gen.upper);
 
         // Nothing changed since the last checkpoint or rollback: share that snapshot.
-        if !sb.dirty.load(Ordering::SeqCst) && dir_is_empty(&upper_dir) {
+        // (Background processes do not mark the sandbox dirty: with them, always a new one.)
+        if !all_processes && !sb.dirty.load(Ordering::SeqCst) && dir_is_empty(&upper_dir) {
             if let Some(base) = gen.base.as_deref().and_then(|b| self.snapshots.records().get(b).ok().flatten()) {
                 let same: Vec<&str> = base.sessions.iter().map(|s| s.id.as_str()).collect();
                 let now_ids: Vec<&str> = sessions.iter().map(|s| s.id.as_str()).collect();
@@ -90,6 +101,7 @@ impl Runtime {
                         own_layer: None,
                         spec: sb.spec.clone(),
                         sessions: base.sessions.clone(),
+                        processes: Vec::new(),
                     };
                     self.record_snapshot(sb, &row, Generation { base: Some(row.id.clone()), ..gen })?;
                     return Ok((row, true));
@@ -139,6 +151,8 @@ impl Runtime {
         };
         // Files: freeze, pin open files, swap the root onto the fresh writable layer.
         // File operations wait until the new root is recorded (they open `sb.rootfs()`).
+        // Background processes' commands, asked of init before it is frozen with the rest.
+        let tags = if all_processes { crate::sandbox::exec::tags(sb).await? } else { HashMap::new() };
         let mounts = sb.mounts.lock().await;
         let gate = sb.fs_gate.write().await;
         let swapped = match prep.await.map_err(RuntimeError::Worker).and_then(|p| p) {
@@ -146,13 +160,28 @@ impl Runtime {
                 let (rt, sbc, old) = (self.clone(), sb.clone(), upper_dir.clone());
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 tokio::task::spawn_blocking(move || {
+                    let kept = if all_processes {
+                        let mut skip = spare.0.clone();
+                        skip.extend(&spare.1);
+                        match rt.dump_background_frozen(&sbc, &skip, &tags) {
+                            Ok(k) => k,
+                            Err(e) => {
+                                rt.discard_prepared(prep);
+                                let _ = tx.send(Err(e));
+                                return;
+                            }
+                        }
+                    } else {
+                        Vec::new()
+                    };
                     let scan = Scan { old_upper: &old, templates: &spare.0, sessions: &spare.1 };
                     match rt.swap_prepared(&sbc, prep, Some(&scan), None) {
                         Ok((gen, pinned, stragglers)) => {
-                            let _ = tx.send(Ok((gen, pinned)));
+                            let _ = tx.send(Ok((gen, pinned, kept)));
                             drop(stragglers); // on this thread, their tracer
                         }
                         Err(e) => {
+                            rt.process_images.delete(&kept.iter().map(|k| k.image.clone()).collect::<Vec<_>>());
                             let _ = tx.send(Err(e));
                         }
                     }
@@ -161,7 +190,7 @@ impl Runtime {
             }
             Err(e) => Err(e),
         };
-        let (new_gen, pinned) = match swapped {
+        let (new_gen, pinned, kept) = match swapped {
             Ok(x) => x,
             Err(e) => {
                 for (_, p) in pending {
@@ -208,9 +237,13 @@ impl Runtime {
             own_layer: Some(gen.upper.clone()),
             spec: sb.spec.clone(),
             sessions: snap_sessions,
+            processes: kept,
         };
         let base = with_sessions.then(|| row.id.clone());
         self.record_snapshot(sb, &row, Generation { base, ..new_gen })?;
+        for p in &row.processes {
+            self.process_images.settled(&p.image);
+        }
         let t_db = t0.elapsed();
         drop(gate);
         drop(mounts);

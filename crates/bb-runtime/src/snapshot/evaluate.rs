@@ -20,7 +20,7 @@ impl Runtime {
         self.check_capacity(1)?;
         let (snap, created) = {
             let _op = sb.begin_op().await;
-            self.checkpoint_locked(&sb, Some("evaluate".into()), false).await?
+            self.checkpoint_locked(&sb, Some("evaluate".into()), false, false).await?
         };
         let child = self.create_from(snap.spec.clone(), snap.layers.clone(), None, Some(600.0), None).await;
         if created {

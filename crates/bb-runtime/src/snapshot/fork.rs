@@ -57,7 +57,7 @@ impl Runtime {
             None => {
                 let sb = self.live(id)?;
                 let _op = sb.begin_op().await;
-                self.checkpoint_locked(&sb, Some("fork".into()), true).await?.0
+                self.checkpoint_locked(&sb, Some("fork".into()), true, false).await?.0
             }
         };
         let (children, restart_reason) = if req.isolated {

@@ -109,6 +109,11 @@ impl Runtime {
                     }
                 })
                 .collect(),
+            processes: row
+                .processes
+                .iter()
+                .map(|p| crate::model::SnapshotProcessInfo { pid: p.pid, cmd: p.tag.clone() })
+                .collect(),
             took_ms: None,
         }
     }

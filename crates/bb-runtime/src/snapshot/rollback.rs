@@ -172,11 +172,13 @@ impl Runtime {
         }
         drop(sessions_map);
         drop(default);
+        let (restored_processes, processes_not_restored) = self.restore_snapshot_processes(&sb, &snap).await;
         // Sessions started fresh are not the snapshot's: the next checkpoint must not reuse it.
         sb.dirty.store(!restarted.is_empty(), Ordering::SeqCst);
         self.after_swap(&sb, gen.n, None, Some(gen.upper.clone()));
         self.make_spares(&sb, snap.sessions.iter().filter_map(|ss| ss.template.clone()).collect());
-        let mut killed: Vec<i32> = killed.into_iter().filter(|p| !old_pids.contains(p)).collect();
+        let mut killed: Vec<i32> =
+            killed.into_iter().filter(|p| !old_pids.contains(p) && !restored_processes.contains(p)).collect();
         killed.sort_unstable();
         tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, total = ?t0.elapsed(), "rollback");
         Ok(RollbackResult {
@@ -184,7 +186,65 @@ impl Runtime {
             sessions_restarted: !restarted.is_empty(),
             restarted,
             killed,
+            restored_processes,
+            processes_not_restored,
             took_ms: ms(t0),
         })
     }
+
+    /// Restore the background process trees `snap` keeps (`processes: "all"`) into `sb`, after
+    /// its root swap (the processes the rollback killed are gone first: the trees come back
+    /// under the same pids), and register them with init under their commands. Returns the
+    /// restored roots, and why the others were not.
+    async fn restore_snapshot_processes(
+        self: &Arc<Self>,
+        sb: &Arc<crate::sandbox::Sandbox>,
+        snap: &super::store::SnapshotRow,
+    ) -> (Vec<i32>, Vec<String>) {
+        let (mut restored, mut failed) = (Vec::new(), Vec::new());
+        if snap.processes.is_empty() {
+            return (restored, failed);
+        }
+        if snap.sandbox_id != sb.id {
+            for p in &snap.processes {
+                failed.push(format!(
+                    "{} ({}): the snapshot was taken in sandbox {}; background processes come back only there",
+                    p.pid, p.tag, snap.sandbox_id
+                ));
+            }
+            return (restored, failed);
+        }
+        let _mounts = sb.mounts.lock().await;
+        let proc = crate::sandbox::procs::sandbox_proc(sb);
+        for p in &snap.processes {
+            // Killed at the swap, they die at the thaw and init reaps them.
+            let tasks = self.process_images.manifest(&p.image).map(|m| m.tasks).unwrap_or_else(|| vec![p.pid]);
+            let deadline = Instant::now() + PIDS_FREE_PATIENCE;
+            while tasks.iter().any(|t| proc.join(t.to_string()).exists()) && Instant::now() < deadline {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+            let (rt, sbc, img) = (self.clone(), sb.clone(), p.image.clone());
+            let res = tokio::task::spawn_blocking(move || rt.process_images.restore(&sbc.criu_ref(), &img))
+                .await
+                .map_err(RuntimeError::Worker)
+                .and_then(|r| r);
+            let res = match res {
+                Ok(_) => crate::sandbox::exec::adopt_background(sb, p.pid, p.tag.clone()).await,
+                Err(e) => Err(e),
+            };
+            match res {
+                Ok(()) => restored.push(p.pid),
+                Err(e) => {
+                    tracing::warn!(sandbox = %sb.id, pid = p.pid, image = %p.image, "a background process of the snapshot was not restored: {e}");
+                    let _ = crate::sandbox::sessions::kill_process(sb, p.pid).await;
+                    failed.push(format!("{} ({}): {e}", p.pid, p.tag));
+                }
+            }
+        }
+        (restored, failed)
+    }
 }
+
+/// How long a rollback waits for the processes it killed to be gone before it restores the
+/// snapshot's background processes under their pids.
+const PIDS_FREE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(2);

@@ -29,6 +29,15 @@ pub struct SnapSession {
     pub lost: Option<String>,
 }
 
+/// A background process tree a snapshot keeps (`processes: "all"`): its root's pid in the
+/// sandbox, its command (init's tag) and the process image holding it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SnapProcess {
+    pub pid: i32,
+    pub tag: String,
+    pub image: String,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SnapshotRow {
     pub id: String,
@@ -42,6 +51,8 @@ pub struct SnapshotRow {
     pub own_layer: Option<String>,
     pub spec: SandboxSpec,
     pub sessions: Vec<SnapSession>,
+    /// Background process trees kept as process images (`processes: "all"`).
+    pub processes: Vec<SnapProcess>,
 }
 
 pub use crate::layers::Generation;
@@ -106,6 +117,14 @@ impl SnapStore {
             ) WITHOUT ROWID;
             CREATE INDEX IF NOT EXISTS session_templates_by_snap ON snapshot_session_templates(snap_id);",
         )?;
+        let has_processes: bool = conn.query_row(
+            "SELECT count(*) > 0 FROM pragma_table_info('snapshots') WHERE name = 'processes'",
+            [],
+            |r| r.get(0),
+        )?;
+        if !has_processes {
+            conn.execute_batch("ALTER TABLE snapshots ADD COLUMN processes TEXT NOT NULL DEFAULT '[]'")?;
+        }
         let store = SnapStore { conn };
         if !had_refs {
             let tx = store.write_tx()?;
@@ -135,8 +154,8 @@ impl SnapStore {
 
     fn insert_row(&self, s: &SnapshotRow) -> Result<()> {
         self.conn.execute(
-            "INSERT INTO snapshots (id, sandbox_id, parent, created_at, label, layers, own_layer, spec, sessions)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+            "INSERT INTO snapshots (id, sandbox_id, parent, created_at, label, layers, own_layer, spec, sessions, processes)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
             params![
                 s.id,
                 s.sandbox_id,
@@ -146,7 +165,8 @@ impl SnapStore {
                 json(&s.layers),
                 s.own_layer,
                 json(&s.spec),
-                json(&s.sessions)
+                json(&s.sessions),
+                json(&s.processes)
             ],
         )?;
         if let Some(l) = &s.own_layer {
@@ -190,7 +210,7 @@ impl SnapStore {
     /// Snapshot records matching `clause` (appended to the SELECT); unreadable ones are skipped.
     fn select(&self, clause: &str, args: impl rusqlite::Params) -> Result<Vec<SnapshotRow>> {
         let mut stmt = self.conn.prepare_cached(&format!(
-            "SELECT id, sandbox_id, parent, created_at, label, layers, own_layer, spec, sessions FROM snapshots {clause}"
+            "SELECT id, sandbox_id, parent, created_at, label, layers, own_layer, spec, sessions, processes FROM snapshots {clause}"
         ))?;
         let rows = stmt.query_map(args, |r| {
             Ok((
@@ -203,13 +223,19 @@ impl SnapStore {
                 r.get::<_, Option<String>>(6)?,
                 r.get::<_, String>(7)?,
                 r.get::<_, String>(8)?,
+                r.get::<_, String>(9)?,
             ))
         })?;
         let mut out = Vec::new();
         for row in rows {
-            let (id, sandbox_id, parent, created_at, label, layers, own_layer, spec, sessions) = row?;
-            match (serde_json::from_str(&layers), serde_json::from_str(&spec), serde_json::from_str(&sessions)) {
-                (Ok(layers), Ok(spec), Ok(sessions)) => out.push(SnapshotRow {
+            let (id, sandbox_id, parent, created_at, label, layers, own_layer, spec, sessions, processes) = row?;
+            match (
+                serde_json::from_str(&layers),
+                serde_json::from_str(&spec),
+                serde_json::from_str(&sessions),
+                serde_json::from_str(&processes),
+            ) {
+                (Ok(layers), Ok(spec), Ok(sessions), Ok(processes)) => out.push(SnapshotRow {
                     id,
                     sandbox_id,
                     parent,
@@ -219,6 +245,7 @@ impl SnapStore {
                     own_layer,
                     spec,
                     sessions,
+                    processes,
                 }),
                 _ => tracing::warn!(%id, "unreadable snapshot record; ignored"),
             }
@@ -325,7 +352,13 @@ impl SnapStore {
 
     /// Process images any snapshot names.
     pub fn images(&self) -> Result<HashSet<String>> {
-        Ok(self.all()?.into_iter().flat_map(|s| s.sessions.into_iter().filter_map(|ss| ss.image)).collect())
+        Ok(self
+            .all()?
+            .into_iter()
+            .flat_map(|s| {
+                s.sessions.into_iter().filter_map(|ss| ss.image).chain(s.processes.into_iter().map(|p| p.image))
+            })
+            .collect())
     }
 
     /// Replace the bottom `old` of every longer chain by `new` (compaction: `new` shows what
@@ -492,6 +525,7 @@ mod tests {
             layers: layers.iter().map(|s| s.to_string()).collect(),
             own_layer: layers.last().map(|s| s.to_string()),
             spec: spec(),
+            processes: Vec::new(),
             sessions: vec![SnapSession {
                 image: None,
                 lost: None,

@@ -145,6 +145,57 @@ impl Runtime {
         }
     }
 
+    /// Undo [`Runtime::prepare`] when the swap will not happen.
+    pub(crate) fn discard_prepared(&self, prep: Prepared) {
+        let Prepared { lid, mnt, .. } = prep;
+        drop(mnt);
+        self.remove_layer_dir(&lid);
+    }
+
+    /// Freeze `sb` and dump each of its background process trees (children of init, but those
+    /// in `skip`: sessions, templates, spares) into a process image, leaving them running and the
+    /// sandbox frozen for the root swap that follows (one consistent state with the files). On
+    /// failure the sandbox is thawed and the images made are deleted.
+    pub(crate) fn dump_background_frozen(
+        &self,
+        sb: &Sandbox,
+        skip: &HashSet<i32>,
+        tags: &HashMap<i32, String>,
+    ) -> Result<Vec<crate::snapshot::store::SnapProcess>> {
+        sb.cgroup.freeze()?;
+        let mut kept: Vec<crate::snapshot::store::SnapProcess> = Vec::new();
+        let res = (|| -> Result<()> {
+            let freezer = sb.cgroup.freezer_dir()?;
+            for root in crate::pause::tree_roots(sb)?.into_iter().filter(|p| !skip.contains(p)) {
+                let tag = tags.get(&root).cloned().unwrap_or_default();
+                let fail = |why: String| {
+                    RuntimeError::Conflict(format!(
+                        "process {root} ({tag}) cannot be kept by the checkpoint: {why}; checkpoint with processes \"sessions\" (a rollback then kills it), or stop it first"
+                    ))
+                };
+                let host = crate::sandbox::procs::host_pid_of(sb, root).ok_or_else(|| fail("it is gone".into()))?;
+                let opts = bb_criu::DumpOptions {
+                    leave_running: true,
+                    kind: crate::process_images::SNAPSHOT_TREE_KIND.into(),
+                    frozen_cgroup: Some(freezer.clone()),
+                };
+                let root_ref = bb_criu::Root { host_pid: host, ns_pid: root };
+                let (image, _) = self
+                    .process_images
+                    .dump(&sb.criu_ref(), &sb.id, root_ref, None, &opts)
+                    .map_err(|e| fail(e.to_string()))?;
+                kept.push(crate::snapshot::store::SnapProcess { pid: root, tag, image });
+            }
+            Ok(())
+        })();
+        if let Err(e) = res {
+            let _ = sb.cgroup.thaw();
+            self.process_images.delete(&kept.iter().map(|k| k.image.clone()).collect::<Vec<_>>());
+            return Err(e);
+        }
+        Ok(kept)
+    }
+
     /// With the sandbox frozen: kill every process but init and `kill`'s keep-set (namespace
     /// pids; the killed ones are appended), or move files open for writing out of `pin_from`
     /// (the writable layer being frozen); then swap the root onto `prep`, and thaw.
