@@ -160,7 +160,10 @@ def test_twenty_pause_resume_cycles_lose_nothing(make_sandbox):
     variables change; after every resume everything written before is there."""
     sbx = make_sandbox(timeout=0, lifecycle={"on_timeout": "pause"})
     sbx.run_code("seen = []")
-    bg = sbx.commands.run("i=0; while true; do i=$((i+1)); echo $i > /root/ticks; sleep 0.05; done", background=True)
+    # Each tick replaces the file whole (a rename), so a read never sees it half-written.
+    tick = "i=0; while true; do i=$((i+1)); echo $i > /root/ticks.new; mv /root/ticks.new /root/ticks; sleep 0.05; done"
+    bg = sbx.commands.run(tick, background=True)
+    wait_until(lambda: sbx.files.exists("/root/ticks"), what="the first tick")
     for cycle in range(20):
         sbx.files.write("/root/cycle-%02d.txt" % cycle, "cycle %d" % cycle)
         sbx.run_code("seen.append(%d)" % cycle)
@@ -381,7 +384,16 @@ def test_rollback_with_processes_all_brings_back_a_writer_holding_its_file(make_
     sbx.run_code("x = 7")
     writer = "exec 3>/root/count.txt; i=0; while :; do echo $i >&3; i=$((i+1)); sleep 0.02; done"
     h = sbx.commands.run(["sh", "-c", writer], background=True)
-    wait_until(lambda: len(sbx.files.read("/root/count.txt").split()) > 5, what="the writer to start")
+
+    def counted():
+        # Whole lines only: the writer may be halfway through one (or not have made the file).
+        try:
+            text = sbx.files.read("/root/count.txt")
+        except NotFoundError:
+            return []
+        return [int(v) for v in text.split("\n")[:-1]]
+
+    wait_until(lambda: len(counted()) > 5, what="the writer to start")
     info = sbx.checkpoint_info(processes="all")
     assert [p["pid"] for p in info.processes] == [h.pid], info.raw
     time.sleep(0.3)
@@ -389,10 +401,9 @@ def test_rollback_with_processes_all_brings_back_a_writer_holding_its_file(make_
     r = sbx.rollback(info.id)
     assert r.restored_processes == [h.pid] and not r.processes_not_restored, r.raw
     assert not r.sessions_restarted and sbx.run_code("x").result == "7"
-    lines = sbx.files.read("/root/count.txt").split()
-    n0 = len(lines)
-    wait_until(lambda: len(sbx.files.read("/root/count.txt").split()) > n0 + 5, what="the restored writer to go on")
-    lines = [int(v) for v in sbx.files.read("/root/count.txt").split()]
+    n0 = len(counted())
+    wait_until(lambda: len(counted()) > n0 + 5, what="the restored writer to go on")
+    lines = counted()
     assert lines == list(range(len(lines))), "the count restarted or skipped: %r" % lines
     procs = {p.pid: p for p in sbx.commands.list()}
     assert procs[h.pid].running, procs
@@ -403,3 +414,17 @@ def test_rollback_with_processes_all_brings_back_a_writer_holding_its_file(make_
     # Rolling back to the processes="all" snapshot again brings it back again.
     r3 = sbx.rollback(info.id)
     assert r3.restored_processes == [h.pid], r3.raw
+
+
+def test_pause_of_a_sandbox_busy_starting_commands(make_sandbox):
+    # A shell starting commands in a tight loop (vfork + exec, hundreds a second) while the CPU
+    # is contended: a pause must neither meet a shell in vfork (CRIU hung 10 s on it) nor a
+    # session whose channel switch has not run yet (its dump found the daemon's socket).
+    sbx = make_sandbox(timeout=0)
+    loop = sbx.commands.run(["sh", "-c", "while :; do /bin/true; done"], background=True)
+    sbx.run_code("x = 5")
+    for _ in range(6):
+        sbx.pause()
+        sbx.resume()
+        assert sbx.run_code("x").result == "5"
+    assert {p.pid: p for p in sbx.commands.list()}[loop.pid].running

@@ -59,6 +59,30 @@ pub(crate) fn tree_roots(sb: &Sandbox) -> Result<Vec<i32>> {
     Ok(roots)
 }
 
+/// Freeze `sb`'s cgroup for CRIU (`--freeze-cgroup`) at a moment when none of its processes
+/// waits in vfork() for its child to exec or exit: CRIU seizes every process of the cgroup and
+/// waits for each to stop, and such a parent reports no stop while its seized child cannot run
+/// (CRIU then hangs until its own timeout). Such a moment lasts microseconds (a shell's vfork and
+/// exec): the group is thawed 1 ms and frozen again, [`VFORK_ATTEMPTS`] times at most.
+pub(crate) fn freeze_for_criu(sb: &Sandbox) -> Result<()> {
+    for _ in 0..VFORK_ATTEMPTS {
+        sb.cgroup.freeze()?;
+        let in_vfork = sb.cgroup.pids()?.into_iter().any(|p| {
+            // A vfork parent sleeps in kernel_clone (no other fork sleeps there).
+            std::fs::read_to_string(format!("/proc/{p}/wchan")).is_ok_and(|w| w.trim() == "kernel_clone")
+        });
+        if !in_vfork {
+            return Ok(());
+        }
+        sb.cgroup.thaw()?;
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    Ok(sb.cgroup.freeze()?)
+}
+
+/// Freezes [`freeze_for_criu`] tries before it lets CRIU meet a vfork.
+const VFORK_ATTEMPTS: usize = 100;
+
 /// The parent pid in a `/proc/<pid>/stat` line (the field after the state, past the command
 /// name, which may hold spaces and parentheses).
 fn parent_pid(stat: &str) -> Option<i32> {
@@ -201,7 +225,7 @@ impl Runtime {
         let mut trees = row.trees.clone();
         undo.frozen = true;
         row.trees = tokio::task::spawn_blocking(move || -> Result<Vec<PausedTree>> {
-            sbc.cgroup.freeze()?;
+            freeze_for_criu(&sbc)?;
             let roots = tree_roots(&sbc)?;
             trees.retain(|t| roots.contains(&t.root));
             for root in roots {

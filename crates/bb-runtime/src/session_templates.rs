@@ -604,7 +604,9 @@ impl Runtime {
         let evicted = self.session_templates.insert(key.to_string(), sb.id.clone(), Arc::new(session));
         tracing::debug!(sandbox = %sb.id, template = %key, %image, took = ?t0.elapsed(), "template restored from its process image");
         self.evict_templates(evicted);
-        self.relieve_memory(sb, Some(key)).await;
+        // Off the rollback's path (killing a large template takes milliseconds).
+        let (rt, sbc, key) = (self.clone(), sb.clone(), key.to_string());
+        tokio::spawn(async move { rt.relieve_memory(&sbc, Some(&key)).await });
         Ok(())
     }
 

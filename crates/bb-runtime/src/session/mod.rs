@@ -148,9 +148,25 @@ impl Session {
             .await?
             .ok_or_else(|| SessionError::Protocol(format!("session {} did not answer a rechannel request", self.id)))?;
         let fd = resp.get("peer_fd").and_then(|f| f.as_i64()).filter(|f| (0..=i32::MAX as i64).contains(f));
-        self.forget().await;
-        fd.map(|f| f as i32)
-            .ok_or_else(|| SessionError::Protocol(format!("session {} refused to rechannel: {resp}", self.id)).into())
+        let old = self.chan.lock().await.take();
+        self.alive.store(false, Ordering::SeqCst);
+        let fd = fd
+            .map(|f| f as i32)
+            .ok_or_else(|| SessionError::Protocol(format!("session {} refused to rechannel: {resp}", self.id)))?;
+        // The session switches channels right after its answer, closing the old one: until
+        // then its process still holds our socket, which a dump cannot take.
+        if let Some(mut old) = old {
+            use tokio::io::AsyncReadExt;
+            let mut buf = [0u8; 512];
+            let closed = tokio::time::timeout(FORK_TIMEOUT, async {
+                while matches!(old.read(&mut buf).await, Ok(n) if n > 0) {}
+            })
+            .await;
+            if closed.is_err() {
+                return Err(SessionError::Protocol(format!("session {} did not switch channels", self.id)).into());
+            }
+        }
+        Ok(fd)
     }
 
     /// Hold the channel: no request reaches the session until the guard is dropped (the daemon

@@ -162,7 +162,7 @@ impl Runtime {
         skip: &HashSet<i32>,
         tags: &HashMap<i32, String>,
     ) -> Result<Vec<crate::snapshot::store::SnapProcess>> {
-        sb.cgroup.freeze()?;
+        crate::pause::freeze_for_criu(sb)?;
         let mut kept: Vec<crate::snapshot::store::SnapProcess> = Vec::new();
         let res = (|| -> Result<()> {
             let freezer = sb.cgroup.freezer_dir()?;
