@@ -604,9 +604,13 @@ impl Runtime {
         let evicted = self.session_templates.insert(key.to_string(), sb.id.clone(), Arc::new(session));
         tracing::debug!(sandbox = %sb.id, template = %key, %image, took = ?t0.elapsed(), "template restored from its process image");
         self.evict_templates(evicted);
-        // Off the rollback's path (killing a large template takes milliseconds).
+        // Off the rollback's path (killing a large template takes milliseconds), once it is over:
+        // it may still fork other templates of the sandbox.
         let (rt, sbc, key) = (self.clone(), sb.clone(), key.to_string());
-        tokio::spawn(async move { rt.relieve_memory(&sbc, Some(&key)).await });
+        tokio::spawn(async move {
+            let _ops = sbc.ops.lock().await;
+            rt.relieve_memory(&sbc, Some(&key)).await
+        });
         Ok(())
     }
 
@@ -685,7 +689,8 @@ impl Runtime {
     /// the sandbox's anonymous memory, less what templates being dumped will give back, is above
     /// [`TEMPLATE_MEMORY_WATERMARK`] of its limit, its least recently used templates (all but
     /// `keep`) leave the pool: at once when a process image holds them, after a dump otherwise.
-    /// Nothing is lost: a rollback to them restores them.
+    /// Nothing is lost: a rollback to them restores them. The caller holds the sandbox's
+    /// operation lock (an operation may be forking any template of it).
     pub(crate) async fn relieve_memory(self: &Arc<Self>, sb: &Arc<Sandbox>, keep: Option<&str>) {
         let limit = ((sb.spec.memory_mb << 20) as f64 * TEMPLATE_MEMORY_WATERMARK) as i64;
         let Ok(anon) = sb.cgroup.anon_memory() else { return };

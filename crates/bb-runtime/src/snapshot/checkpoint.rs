@@ -276,7 +276,11 @@ impl Runtime {
         self.after_swap(sb, gen.n, Some(gen.upper.clone()), None);
         self.make_spares(sb, spares);
         let (rt, sbc) = (self.clone(), sb.clone());
-        tokio::spawn(async move { rt.relieve_memory(&sbc, None).await });
+        // Between the sandbox's operations: a rollback may be forking any of its templates.
+        tokio::spawn(async move {
+            let _ops = sbc.ops.lock().await;
+            rt.relieve_memory(&sbc, None).await
+        });
         tracing::debug!(sandbox = %sb.id, ?t_forked, ?t_swapped, ?t_db, total = ?t0.elapsed(), "checkpoint");
         Ok((row, true))
     }
