@@ -411,6 +411,11 @@ def test_rollback_with_processes_all_brings_back_a_writer_holding_its_file(make_
     plain = sbx.checkpoint()
     r2 = sbx.rollback(plain)
     assert h.pid in r2.killed and not r2.restored_processes, r2.raw
+    # Right after that rollback (its victims may not be reaped yet) a processes="all"
+    # checkpoint keeps what lives and nothing that died.
+    other = sbx.commands.run(["sleep", "600"], background=True)
+    kept = sbx.checkpoint_info(processes="all")
+    assert [p["pid"] for p in kept.processes] == [other.pid], kept.raw
     # Rolling back to the processes="all" snapshot again brings it back again.
     r3 = sbx.rollback(info.id)
     assert r3.restored_processes == [h.pid], r3.raw

@@ -48,11 +48,13 @@ pub(crate) fn tree_roots(sb: &Sandbox) -> Result<Vec<i32>> {
     let mut roots: Vec<i32> = pids
         .into_iter()
         .filter(|p| {
+            // Dead ones (a zombie init has not reaped yet, e.g. just killed by a rollback) have
+            // nothing to dump.
             std::fs::read_to_string(proc.join(format!("{p}/stat")))
                 .ok()
                 .as_deref()
-                .and_then(parent_pid)
-                .is_some_and(|pp| pp <= 1)
+                .and_then(|stat| Some((parent_pid(stat)?, state(stat)?)))
+                .is_some_and(|(pp, st)| pp <= 1 && st != 'Z' && st != 'X')
         })
         .collect();
     roots.sort_unstable();
@@ -82,6 +84,11 @@ pub(crate) fn freeze_for_criu(sb: &Sandbox) -> Result<()> {
 
 /// Freezes [`freeze_for_criu`] tries before it lets CRIU meet a vfork.
 const VFORK_ATTEMPTS: usize = 100;
+
+/// The state letter in a `/proc/<pid>/stat` line (`R`, `S`, `Z`...).
+fn state(stat: &str) -> Option<char> {
+    stat[stat.rfind(')')? + 1..].split_whitespace().next()?.chars().next()
+}
 
 /// The parent pid in a `/proc/<pid>/stat` line (the field after the state, past the command
 /// name, which may hold spaces and parentheses).
@@ -503,5 +510,8 @@ mod tests {
         assert_eq!(parent_pid("12 (python3) S 1 12 12 0"), Some(1));
         assert_eq!(parent_pid("7 (a) b) c) R 5 7 7 0"), Some(5));
         assert_eq!(parent_pid("garbage"), None);
+        assert_eq!(state("12 (sh) Z 1 12 12 0"), Some('Z'));
+        assert_eq!(state("7 (a) b) c) R 5 7 7 0"), Some('R'));
+        assert_eq!(state("garbage"), None);
     }
 }

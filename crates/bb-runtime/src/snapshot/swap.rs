@@ -173,7 +173,8 @@ impl Runtime {
                         "process {root} ({tag}) cannot be kept by the checkpoint: {why}; checkpoint with processes \"sessions\" (a rollback then kills it), or stop it first"
                     ))
                 };
-                let host = crate::sandbox::procs::host_pid_of(sb, root).ok_or_else(|| fail("it is gone".into()))?;
+                // Gone since the listing (it died): nothing to keep.
+                let Some(host) = crate::sandbox::procs::host_pid_of(sb, root) else { continue };
                 let opts = bb_criu::DumpOptions {
                     leave_running: true,
                     kind: crate::process_images::SNAPSHOT_TREE_KIND.into(),
