@@ -47,15 +47,9 @@ pub(crate) fn tree_roots(sb: &Sandbox) -> Result<Vec<i32>> {
         .map_err(|e| RuntimeError::Conflict(format!("cannot list the processes of sandbox {}: {e}", sb.id)))?;
     let mut roots: Vec<i32> = pids
         .into_iter()
-        .filter(|p| {
-            // Dead ones (a zombie init has not reaped yet, e.g. just killed by a rollback) have
-            // nothing to dump.
-            std::fs::read_to_string(proc.join(format!("{p}/stat")))
-                .ok()
-                .as_deref()
-                .and_then(|stat| Some((parent_pid(stat)?, state(stat)?)))
-                .is_some_and(|(pp, st)| pp <= 1 && st != 'Z' && st != 'X')
-        })
+        // Dead ones (a zombie init has not reaped yet, e.g. just killed by a rollback) have
+        // nothing to dump.
+        .filter(|p| bb_sys::process::live_parent_pid(&proc.join(p.to_string())).is_some_and(|pp| pp <= 1))
         .collect();
     roots.sort_unstable();
     Ok(roots)
@@ -84,18 +78,6 @@ pub(crate) fn freeze_for_criu(sb: &Sandbox) -> Result<()> {
 
 /// Freezes [`freeze_for_criu`] tries before it lets CRIU meet a vfork.
 const VFORK_ATTEMPTS: usize = 100;
-
-/// The state letter in a `/proc/<pid>/stat` line (`R`, `S`, `Z`...).
-fn state(stat: &str) -> Option<char> {
-    stat[stat.rfind(')')? + 1..].split_whitespace().next()?.chars().next()
-}
-
-/// The parent pid in a `/proc/<pid>/stat` line (the field after the state, past the command
-/// name, which may hold spaces and parentheses).
-fn parent_pid(stat: &str) -> Option<i32> {
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
-}
 
 /// Take back the channel of a session process whose other end it holds at `channel_fd`, and
 /// register it with init again (tag and stash, as for any session).
@@ -498,20 +480,5 @@ impl Runtime {
                 }
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_parent_pid_is_read_past_any_command_name() {
-        assert_eq!(parent_pid("12 (python3) S 1 12 12 0"), Some(1));
-        assert_eq!(parent_pid("7 (a) b) c) R 5 7 7 0"), Some(5));
-        assert_eq!(parent_pid("garbage"), None);
-        assert_eq!(state("12 (sh) Z 1 12 12 0"), Some('Z'));
-        assert_eq!(state("7 (a) b) c) R 5 7 7 0"), Some('R'));
-        assert_eq!(state("garbage"), None);
     }
 }

@@ -185,6 +185,21 @@ pub fn process_start_time(pid: i32) -> Option<u64> {
     stat_fields(std::path::Path::new(&format!("/proc/{pid}")))?.get(19)?.parse().ok()
 }
 
+/// The parent pid of the process whose procfs directory is `proc_dir` (pids as that procfs
+/// sees them), or None when it is gone or dead (a zombie waiting to be reaped).
+pub fn live_parent_pid(proc_dir: &std::path::Path) -> Option<i32> {
+    live_parent_in(&std::fs::read_to_string(proc_dir.join("stat")).ok()?)
+}
+
+/// [`live_parent_pid`] of a `stat` line (state and parent follow the last ')').
+fn live_parent_in(stat: &str) -> Option<i32> {
+    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
+    match fields.next()? {
+        "Z" | "X" => None,
+        _ => fields.next()?.parse().ok(),
+    }
+}
+
 /// Whether the process whose procfs directory is `proc_dir` still holds what it owns (memory,
 /// files, mounts): it exists and is not a zombie (or dead) waiting to be reaped.
 pub fn proc_dir_holds_resources(proc_dir: &std::path::Path) -> bool {
@@ -341,10 +356,7 @@ pub fn kill_group(pgid: i32, sig: i32) -> SysResult<()> {
 /// child (ECHILD).
 pub fn reap_child(pid: i32, timeout: std::time::Duration) -> bool {
     if let Ok(fd) = pidfd_open(pid) {
-        let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd for the duration of the call.
-        unsafe { libc::poll(&mut pfd, 1, ms) };
+        let _ = pidfd_wait_exit(&fd, timeout);
     }
     // SAFETY: non-blocking waitpid on a specific pid, no status wanted.
     unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) == pid }
@@ -443,6 +455,15 @@ pub fn close_fds_from(first: u32) -> SysResult<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_live_parent_is_read_past_any_command_name_and_not_of_a_zombie() {
+        assert_eq!(super::live_parent_in("12 (python3) S 1 12 12 0"), Some(1));
+        assert_eq!(super::live_parent_in("7 (a) b) c) R 5 7 7 0"), Some(5));
+        assert_eq!(super::live_parent_in("garbage"), None);
+        assert_eq!(super::live_parent_in("12 (sh) Z 1 12 12 0"), None);
+        assert_eq!(super::live_parent_in("12 (sh) X 1 12 12 0"), None);
+    }
+
     use super::*;
 
     #[test]
