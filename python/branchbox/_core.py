@@ -740,8 +740,10 @@ def checkpoint(sandbox_id: str, label: Optional[str] = None, processes: Optional
     )
 
 
-def rollback(sandbox_id: str, snapshot: Any) -> Call:
-    body = {"snapshot": snapshot_id(snapshot)}
+def rollback(sandbox_id: str, snapshot: Any, lazy_pages: Optional[bool] = None) -> Call:
+    if lazy_pages is not None and not isinstance(lazy_pages, bool):
+        raise exc.InvalidArgumentError("lazy_pages must be True, False or None, not %r" % (lazy_pages,))
+    body = _compact({"snapshot": snapshot_id(snapshot), "lazy_pages": lazy_pages})
     return Call("POST", _sbx(sandbox_id) + "/rollback", json=body, parse=RollbackResult.from_dict)
 
 

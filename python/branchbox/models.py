@@ -337,6 +337,8 @@ class ResumeResult(_Model):
     processes: int = 0
     sessions: int = 0
     took_ms: Optional[float] = None
+    #: The processes ran before their memory was all copied in (it follows in the background).
+    lazy_pages: bool = False
     raw: Dict[str, Any] = _raw()
 
     @classmethod

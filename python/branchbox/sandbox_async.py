@@ -294,10 +294,15 @@ class AsyncSandbox:
         :meth:`branchbox.Sandbox.checkpoint_info`)."""
         return await self._http.call(_core.checkpoint(self.id, label, processes))
 
-    async def rollback(self, snapshot: Union[str, SnapshotInfo]) -> RollbackResult:
+    async def rollback(
+        self, snapshot: Union[str, SnapshotInfo], lazy_pages: Optional[bool] = None
+    ) -> RollbackResult:
         """Return the sandbox to ``snapshot``; non-session processes are killed, and those the
-        snapshot kept (``processes="all"``) come back."""
-        return await self._http.call(_core.rollback(self.id, snapshot))
+        snapshot kept (``processes="all"``) come back.
+
+        Processes restored from process images run before their memory is copied in (lazy
+        pages, the daemon's default where it can); ``lazy_pages=False`` reads it all first."""
+        return await self._http.call(_core.rollback(self.id, snapshot, lazy_pages))
 
     async def fork(
         self,

@@ -510,10 +510,15 @@ class Sandbox:
         :class:`SnapshotInfo`, whose ``took_ms`` is the time the checkpoint took in the daemon."""
         return self._http.call(_core.checkpoint(self.id, label, processes))
 
-    def rollback(self, snapshot: Union[str, SnapshotInfo]) -> RollbackResult:
+    def rollback(
+        self, snapshot: Union[str, SnapshotInfo], lazy_pages: Optional[bool] = None
+    ) -> RollbackResult:
         """Return the sandbox to ``snapshot``; non-session processes are killed, and those the
-        snapshot kept (``processes="all"``) come back."""
-        return self._http.call(_core.rollback(self.id, snapshot))
+        snapshot kept (``processes="all"``) come back.
+
+        Processes restored from process images run before their memory is copied in (lazy
+        pages, the daemon's default where it can); ``lazy_pages=False`` reads it all first."""
+        return self._http.call(_core.rollback(self.id, snapshot, lazy_pages))
 
     def fork(
         self,

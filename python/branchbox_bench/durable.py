@@ -7,9 +7,13 @@ Measured in one run against the running daemon (which must have CRIU):
 - ``evict_dump``: the dump of that template into a process image (``snapshots.offload``, which
   runs the same dump an eviction runs in the background);
 - ``restore_evicted``: rollback to the same snapshot once its template left memory: the
-  session is restored from the image, then forked; the session's state is checked after each;
-- ``criu_plain_restore``: CRIU's own time for that restore (the elapsed time its restore log
-  ends with), without the daemon's work around it;
+  session is restored from the image (lazy pages: its memory is copied in after the rollback
+  returns), then forked; the session's state is checked after each;
+- ``restore_evicted_eager``: the same rollback after the template left memory again, with
+  ``lazy_pages=False`` (all memory read before the rollback returns): the baseline lazy pages
+  are measured against;
+- ``criu_plain_restore`` / ``criu_lazy_restore``: CRIU's own time for those two restores (the
+  elapsed time their restore logs end with), without the daemon's work around them;
 - ``evict_blocking``: how much slower a session request (``run_code``) and a rollback of the
   same sandbox are while a template of it is being dumped, against the same requests without a
   dump (p50 difference, 0 when not slower);
@@ -40,7 +44,9 @@ SUMMARY_KEYS = (
     "restore_evicted_ms_p50",
     "restore_evicted_ms_p99",
     "template_rollback_ms_p50",
+    "restore_evicted_eager_ms_p50",
     "criu_plain_restore_ms_p50",
+    "criu_lazy_restore_ms_p50",
     "evict_dump_ms_p50",
     "evict_blocking_ms_p50",
     "evict_blocking_rollback_ms_p50",
@@ -51,6 +57,7 @@ SUMMARY_KEYS = (
     "paused_host_mb",
     "cold_start_ms_p50",
     "restore_evicted_vs_template_ratio",
+    "restore_evicted_vs_eager_ratio",
     "resume_500mib_vs_cold_start_ratio",
     "heap_mb",
     "n",
@@ -58,7 +65,9 @@ SUMMARY_KEYS = (
 METRICS = (
     "template_rollback",
     "restore_evicted",
+    "restore_evicted_eager",
     "criu_plain_restore",
+    "criu_lazy_restore",
     "evict_dump",
     "run_code_idle",
     "run_code_during_dump",
@@ -120,7 +129,9 @@ class DurableResult:
             "restore_evicted_ms_p50": r(self.p50("restore_evicted")),
             "restore_evicted_ms_p99": r(self.p99("restore_evicted")),
             "template_rollback_ms_p50": r(self.p50("template_rollback")),
+            "restore_evicted_eager_ms_p50": r(self.p50("restore_evicted_eager")),
             "criu_plain_restore_ms_p50": r(self.p50("criu_plain_restore")),
+            "criu_lazy_restore_ms_p50": r(self.p50("criu_lazy_restore")),
             "evict_dump_ms_p50": r(self.p50("evict_dump")),
             "evict_blocking_ms_p50": r(slower("run_code_during_dump", "run_code_idle")),
             "evict_blocking_rollback_ms_p50": r(slower("rollback_during_dump", "rollback_idle")),
@@ -131,6 +142,7 @@ class DurableResult:
             "paused_host_mb": r(self.paused_host_mb),
             "cold_start_ms_p50": r(self.p50("cold_start")),
             "restore_evicted_vs_template_ratio": ratio(self.p50("restore_evicted"), self.p50("template_rollback")),
+            "restore_evicted_vs_eager_ratio": ratio(self.p50("restore_evicted"), self.p50("restore_evicted_eager")),
             "resume_500mib_vs_cold_start_ratio": ratio(self.p50("resume_500mib"), self.p50("cold_start")),
             "heap_mb": self.heap_mb,
             "n": self.n,
@@ -212,6 +224,19 @@ def run_durable_bench(
                 t0 = time.perf_counter()
                 r = sbx.rollback(snap)
                 res.add("restore_evicted", _ms(t0))
+                if r.sessions_restarted:
+                    raise BenchError("bench: a session restarted: %r" % r.raw.get("restarted"))
+                _check(sbx, i)
+                lazy = _newest_image_log(state_dir, since)
+                if lazy is not None:
+                    res.add("criu_lazy_restore", lazy)
+                # The baseline: the same restore with all memory read first.
+                snaps.offload(snap)
+                sbx.run_code("mark = -1")
+                since = time.time() - 1
+                t0 = time.perf_counter()
+                r = sbx.rollback(snap, lazy_pages=False)
+                res.add("restore_evicted_eager", _ms(t0))
                 if r.sessions_restarted:
                     raise BenchError("bench: a session restarted: %r" % r.raw.get("restarted"))
                 _check(sbx, i)

@@ -199,8 +199,18 @@ def bench_durable(
         )
     summary = result.summary()
     lines = [
-        "rollback to an evicted template: %s p50 (in memory: %s; CRIU's own restore: %s)"
-        % tuple(fmt_num(summary.get(k), " ms", "%.1f") for k in ("restore_evicted_ms_p50", "template_rollback_ms_p50", "criu_plain_restore_ms_p50")),
+        "rollback to an evicted template: %s p50 (all memory read first: %s; in memory: %s; "
+        "CRIU's own restore: %s lazy, %s eager)"
+        % tuple(
+            fmt_num(summary.get(k), " ms", "%.1f")
+            for k in (
+                "restore_evicted_ms_p50",
+                "restore_evicted_eager_ms_p50",
+                "template_rollback_ms_p50",
+                "criu_lazy_restore_ms_p50",
+                "criu_plain_restore_ms_p50",
+            )
+        ),
         "pause / resume 500 MiB: %s / %s (cold start %s); paused sandbox holds %s"
         % (
             fmt_num(summary.get("pause_500mib_ms_p50"), " ms", "%.0f"),

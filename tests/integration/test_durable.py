@@ -238,8 +238,8 @@ def test_lifecycle_input_is_checked(daemon, raw):
     assert resp.status_code in (400, 404), resp.text
 
 
-def big_sandbox(make_sandbox, mib):
-    sbx = make_sandbox(timeout=0, memory_mb=mib + 256)
+def big_sandbox(make_sandbox, mib, memory_mb=None):
+    sbx = make_sandbox(timeout=0, memory_mb=memory_mb or mib + 256)
     sbx.run_code("import os\nblob = bytearray(os.urandom(1 << 20)) * %d\nmark = 'kept'" % mib)
     return sbx
 
@@ -433,3 +433,90 @@ def test_pause_of_a_sandbox_busy_starting_commands(make_sandbox):
         sbx.resume()
         assert sbx.run_code("x").result == "5"
     assert {p.pid: p for p in sbx.commands.list()}[loop.pid].running
+
+
+FORK_AND_HASH = """
+import hashlib
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(w, hashlib.sha256(blob).hexdigest().encode())
+    os._exit(0)
+mine = hashlib.sha256(blob).hexdigest()
+os.waitpid(pid, 0)
+(mine, os.read(r, 64).decode())
+"""
+
+HELD_USERFAULTFDS = """
+held = []
+for p in os.listdir('/proc'):
+    if p.isdigit():
+        try:
+            fds = os.listdir('/proc/%s/fd' % p)
+        except OSError:
+            continue
+        for f in fds:
+            try:
+                link = os.readlink('/proc/%s/fd/%s' % (p, f))
+            except OSError:
+                continue
+            if 'userfaultfd' in link:
+                held.append((p, f, link))
+held
+"""
+
+
+def test_a_lazy_resume_gives_the_process_and_a_child_it_forks_at_once_all_their_memory(make_sandbox):
+    # Resumed lazily, the session runs before its 300 MiB are copied in. Its first act is a
+    # fork: the child must get the pages the parent has not received yet from the image
+    # (UFFD_FEATURE_EVENT_FORK), not zeroes. No process of the sandbox keeps a userfaultfd or
+    # the /dev/userfaultfd CRIU used to make one.
+    pi = health(daemon=URL)["process_images"]
+    assert pi["lazy_pages"] and pi["lazy_unavailable"] is None, pi
+    sbx = big_sandbox(make_sandbox, 300, memory_mb=1024)
+    want = sbx.run_code("import hashlib\nhashlib.sha256(blob).hexdigest()").result.strip("'")
+    for _ in range(2):
+        sbx.pause()
+        assert sbx.resume().lazy_pages
+        assert sbx.run_code(FORK_AND_HASH, timeout=120).result == repr((want, want))
+        assert sbx.run_code(HELD_USERFAULTFDS).result == "[]"
+    assert sbx.run_code("mark").result == "'kept'"
+
+
+def test_a_resume_without_room_for_a_second_copy_reads_all_memory_first(make_sandbox):
+    # 300 MiB under a 556 MiB limit: a fork during a lazy copy could need 600.
+    sbx = big_sandbox(make_sandbox, 300)
+    sbx.pause()
+    r = sbx.resume()
+    assert not r.lazy_pages, r.raw
+    assert sbx.run_code("mark, len(blob)").result == repr(("kept", 300 << 20))
+
+
+def test_a_rollback_may_read_all_memory_first(make_sandbox, raw):
+    sbx = make_sandbox(timeout=0)
+    sbx.run_code("import hashlib\nx = 41\nblob = bytes(range(256)) * 65536\nd = hashlib.sha256(blob).hexdigest()")
+    snap = sbx.checkpoint()
+    with Snapshots(daemon=URL) as snaps:
+        for lazy in (False, True, None):
+            sbx.run_code("x = 0")
+            assert snaps.offload(snap).images == 1
+            r = sbx.rollback(snap, lazy_pages=lazy)
+            assert not r.sessions_restarted, r.raw
+            assert sbx.run_code("x, hashlib.sha256(blob).hexdigest() == d").result == "(41, True)"
+    resp = raw.post("/v1/sandboxes/%s/rollback" % sbx.id, json={"snapshot": snap, "lazy_pages": "yes"})
+    assert resp.status_code == 400 and "lazy_pages" in resp.text, resp.text
+
+
+def test_daemon_killed_right_after_a_lazy_resume_loses_no_memory(daemon, make_sandbox):
+    # The lazy-pages server is outside the daemon's process group: killing the daemon while it
+    # still copies 400 MiB in leaves it finishing, and the next start waits for it.
+    sbx = big_sandbox(make_sandbox, 400, memory_mb=1200)
+    want = sbx.run_code("import hashlib\nhashlib.sha256(blob).hexdigest()").result
+    sbx.pause()
+    assert sbx.resume().lazy_pages
+    daemon.stop(signal.SIGKILL)
+    daemon.start()
+    no_leftovers()
+    s = Sandbox.connect(sbx.id, daemon=URL)
+    assert s.run_code("hashlib.sha256(blob).hexdigest()", timeout=120).result == want
+    assert s.run_code("mark").result == "'kept'"

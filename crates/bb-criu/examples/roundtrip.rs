@@ -1,5 +1,5 @@
 //! Manual check: dump a process tree of a running sandbox and restore it in place.
-//! `roundtrip INIT_PID ROOT_HOST_PID ROOT_NS_PID DIR CGROUP_PROCS...`
+//! `roundtrip INIT_PID ROOT_HOST_PID ROOT_NS_PID DIR CGROUP_PROCS...` (`LAZY=1`: a lazy restore)
 fn main() {
     let a: Vec<String> = std::env::args().collect();
     let criu =
@@ -18,6 +18,9 @@ fn main() {
     println!("dump {:?} {:?}", t.elapsed(), m.as_ref().map(|m| (m.bytes, m.externals.len())));
     m.unwrap();
     let t = std::time::Instant::now();
-    let r = criu.restore(&sb, a[4].as_ref());
-    println!("restore {:?} {:?}", t.elapsed(), r.map(|m| m.tasks));
+    let r = criu.restore(&sb, a[4].as_ref(), std::env::var_os("LAZY").is_some());
+    println!("restore {:?} {:?}", t.elapsed(), r.as_ref().map(|r| &r.manifest.tasks));
+    if let Some(server) = r.ok().and_then(|r| r.lazy) {
+        println!("lazy pages {:?} after {:?}", server.wait(std::time::Duration::from_secs(60)), server.took());
+    }
 }

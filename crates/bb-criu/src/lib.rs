@@ -30,8 +30,10 @@
 
 mod externals;
 pub mod inventory;
+pub mod lazy;
 
 pub use externals::{External, Place};
+pub use lazy::LazyPages;
 
 use serde::{Deserialize, Serialize};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -87,6 +89,33 @@ pub struct Criu {
     timeout: Duration,
 }
 
+/// Where CRIU caches what it probed of the kernel (`criu.kdat`; scripts/install-criu.sh builds
+/// CRIU with it as its run dir). Without the cache every run probes again (~20 ms here: it makes
+/// a veth pair in a new network namespace, among others). CRIU keeps it only on a tmpfs, so the
+/// cache goes with a reboot (a new kernel): [`Criu::find`] mounts one there when `/run` is not.
+pub const KDAT_DIR: &str = "/run/branchbox-criu";
+/// Cache of the runs with `--unprivileged` (restores), which CRIU keeps in `$XDG_RUNTIME_DIR`.
+const KDAT_UNPRIVILEGED: &str = "/run/branchbox-criu/unprivileged";
+
+/// Make [`KDAT_DIR`] a tmpfs directory (see there).
+fn prepare_kdat_dir() -> std::result::Result<(), String> {
+    use nix::sys::statfs::{statfs, TMPFS_MAGIC};
+    let dir = Path::new(KDAT_DIR);
+    std::fs::create_dir_all(dir).map_err(|e| format!("create {KDAT_DIR}: {e}"))?;
+    let fs = statfs(dir).map_err(|e| format!("statfs {KDAT_DIR}: {e}"))?;
+    if fs.filesystem_type() != TMPFS_MAGIC {
+        nix::mount::mount(
+            Some("tmpfs"),
+            dir,
+            Some("tmpfs"),
+            nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV | nix::mount::MsFlags::MS_NOEXEC,
+            Some("size=4m,mode=0700"),
+        )
+        .map_err(|e| format!("mount a tmpfs on {KDAT_DIR}: {e}"))?;
+    }
+    std::fs::create_dir_all(KDAT_UNPRIVILEGED).map_err(|e| format!("create {KDAT_UNPRIVILEGED}: {e}"))
+}
+
 /// Default for how long one CRIU run may take ([`Criu::with_timeout`]).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -118,6 +147,14 @@ pub struct DumpOptions {
     /// other processes: CRIU seizes the tree there and leaves the cgroup frozen, so several
     /// trees dumped one after the other are one consistent state.
     pub frozen_cgroup: Option<PathBuf>,
+}
+
+/// A restored tree: its image's manifest and, when restored lazily, the server filling its
+/// memory.
+#[derive(Debug)]
+pub struct Restored {
+    pub manifest: Manifest,
+    pub lazy: Option<LazyPages>,
 }
 
 /// What an image directory holds (`manifest.json`).
@@ -251,6 +288,9 @@ impl Criu {
         if (major, minor) < MIN_VERSION {
             return Err(CriuError::TooOld { path: bin.to_path_buf(), found: version });
         }
+        if let Err(e) = prepare_kdat_dir() {
+            tracing::warn!("CRIU will probe the kernel on every run (slower): {e}");
+        }
         Ok(Criu { bin: bin.to_path_buf(), exec_helper: exec_helper.to_path_buf(), version, timeout: DEFAULT_TIMEOUT })
     }
 
@@ -275,6 +315,7 @@ impl Criu {
             }
         }
         cmd.arg("--").arg(&self.bin).args(args);
+        cmd.env("XDG_RUNTIME_DIR", KDAT_UNPRIVILEGED);
         cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
         let keep = keep.to_vec();
         // SAFETY: the closure only calls fcntl(2), which is async-signal-safe, on fds it borrows.
@@ -377,8 +418,9 @@ impl Criu {
 
     /// Restore the tree imaged in `dir` into `sandbox` (its namespaces and cgroup; its init
     /// becomes the tree root's parent). Files the image needs from outside are opened again by
-    /// path ([`External`]). The pids of the tree must be free in the sandbox.
-    pub fn restore(&self, sandbox: &SandboxRef, dir: &Path) -> Result<Manifest> {
+    /// path ([`External`]). The pids of the tree must be free in the sandbox. With `lazy`, the
+    /// tree runs before its memory is copied in ([`lazy`]): the returned server fills it.
+    pub fn restore(&self, sandbox: &SandboxRef, dir: &Path, lazy: bool) -> Result<Restored> {
         let manifest = Manifest::read(dir)?;
         manifest.verify(dir)?;
         let mut held: Vec<OwnedFd> = Vec::new();
@@ -413,12 +455,27 @@ impl Criu {
             held.push(fd);
         }
         let _ = std::fs::remove_file(dir.join("restore.log"));
+        let t0 = Instant::now();
+        let server = if lazy {
+            args.push("--lazy-pages".into());
+            Some(LazyPages::start(&self.bin, dir)?)
+        } else {
+            None
+        };
+        let t_server = t0.elapsed();
         let keep: Vec<RawFd> = held.iter().map(|f| f.as_raw_fd()).collect();
-        let status = self.run(sandbox, true, &args, &keep)?;
+        let status = self.run(sandbox, true, &args, &keep);
+        tracing::debug!(?t_server, t_restore = ?t0.elapsed() - t_server, lazy, "criu restore");
+        if !matches!(status, Ok(Some(0))) {
+            if let Some(s) = &server {
+                s.kill();
+            }
+        }
+        let status = status?;
         if status != Some(0) {
             return Err(CriuError::Failed { action: "restore", status, log: log_tail(&dir.join("restore.log"), 6) });
         }
-        Ok(manifest)
+        Ok(Restored { manifest, lazy: server })
     }
 }
 

@@ -28,6 +28,8 @@ pub struct RuntimeConfig {
     pub criu_exec_bin: PathBuf,
     /// Disk the process images may use (bytes).
     pub max_image_bytes: u64,
+    /// Restore process images lazily where the kernel allows ([`bb_criu::lazy`]).
+    pub lazy_pages: bool,
     /// Lets the daemon's injected `setns` through the sandboxes' seccomp filters (see
     /// `bb_isolation::SetnsKey`). Loaded from `<state>/setns.key` by [`crate::Runtime::open`].
     pub setns_key: [u64; 2],
@@ -52,6 +54,7 @@ impl RuntimeConfig {
             criu_bin: PathBuf::from("/usr/local/lib/branchbox/criu"),
             criu_exec_bin,
             max_image_bytes: 8 << 30,
+            lazy_pages: true,
         }
     }
 }

@@ -104,6 +104,7 @@ impl Runtime {
             &cfg.criu_bin,
             &cfg.criu_exec_bin,
             cfg.max_image_bytes,
+            cfg.lazy_pages,
         )?;
         let pool = pool::WarmPool::open(&db)?;
         // An image's layers may not be deleted while a sandbox or a pool shell stands on them.

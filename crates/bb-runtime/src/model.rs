@@ -343,6 +343,15 @@ pub struct ProcessImageStats {
     pub images: u64,
     pub bytes: u64,
     pub limit_bytes: u64,
+    /// Whether restores are lazy: processes run at once, their memory copied in after.
+    #[serde(default)]
+    pub lazy_pages: bool,
+    /// Why restores read all memory up front (null when lazy).
+    #[serde(default)]
+    pub lazy_unavailable: Option<String>,
+    /// Restored trees whose memory is still being copied in.
+    #[serde(default)]
+    pub lazy_serving: u64,
 }
 
 // ---- snapshots ----
@@ -383,6 +392,12 @@ pub struct SnapshotProcessInfo {
 pub struct RollbackRequest {
     /// Snapshot id to return to.
     pub snapshot: String,
+    /// Processes restored from process images (evicted session templates, `processes: "all"`
+    /// trees) run before their memory is copied in, which then follows in the background
+    /// (default: true where the daemon can, see `health.process_images.lazy_pages`). false: their
+    /// memory is read in full before the rollback returns.
+    #[serde(default)]
+    pub lazy_pages: Option<bool>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
@@ -648,4 +663,8 @@ pub struct ResumeResult {
     pub processes: usize,
     pub sessions: usize,
     pub took_ms: f64,
+    /// The processes run before their memory was all copied in, which follows in the
+    /// background (lazy pages; false: it was read in full first).
+    #[serde(default)]
+    pub lazy_pages: bool,
 }

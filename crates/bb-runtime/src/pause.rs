@@ -331,8 +331,8 @@ impl Runtime {
         let mounts = sb.mounts.lock().await;
         let restored = self.restore_trees(&sb, &row).await;
         drop(mounts);
-        let restored = match restored {
-            Ok(n) => n,
+        let (restored, lazy_pages) = match restored {
+            Ok(r) => r,
             Err(e) => {
                 sb.set_pause_stage(PauseStage::Paused);
                 return Err(e);
@@ -369,24 +369,32 @@ impl Runtime {
         self.sandboxes.records().set_expiry(id, exp)?;
         *sb.paused.lock() = None;
         let took_ms = ms(t0);
-        tracing::info!(sandbox = %id, trees = restored, sessions = n_sessions, took_ms, "sandbox resumed");
-        Ok(ResumeResult { sandbox: sb.info(), processes: restored, sessions: n_sessions, took_ms })
+        tracing::info!(sandbox = %id, trees = restored, sessions = n_sessions, took_ms, lazy_pages, "sandbox resumed");
+        Ok(ResumeResult { sandbox: sb.info(), processes: restored, sessions: n_sessions, took_ms, lazy_pages })
     }
 
     /// Restore every tree of a paused sandbox; all or none (those restored are killed again
-    /// when one fails). Returns how many.
-    async fn restore_trees(self: &Arc<Self>, sb: &Arc<Sandbox>, row: &PausedRow) -> Result<usize> {
+    /// when one fails). Returns how many, and whether any was restored lazily.
+    async fn restore_trees(self: &Arc<Self>, sb: &Arc<Sandbox>, row: &PausedRow) -> Result<(usize, bool)> {
+        let mut lazy = false;
         for tree in &row.trees {
             let res = match tree.image.clone() {
                 Some(image) => {
                     let (rt, sbc, img) = (self.clone(), sb.clone(), image.clone());
-                    tokio::task::spawn_blocking(move || rt.process_images.restore(&sbc.criu_ref(), &img))
+                    tokio::task::spawn_blocking(move || rt.process_images.restore(&sbc, &img, false))
                         .await?
                         .map_err(|e| format!("restoring it from image {image} failed ({e})"))
                 }
                 None => Err("it has no process image".to_string()),
             };
-            if let Err(why) = res {
+            let why = match res {
+                Ok((_, l)) => {
+                    lazy |= l;
+                    continue;
+                }
+                Err(why) => why,
+            };
+            {
                 let sbc = sb.clone();
                 let _ = tokio::task::spawn_blocking(move || {
                     crate::sandbox::procs::kill_members(&sbc, |p| p == sbc.init_pid)
@@ -399,7 +407,7 @@ impl Runtime {
                 )));
             }
         }
-        Ok(row.trees.len())
+        Ok((row.trees.len(), lazy))
     }
 
     /// After a daemon restart: finish what a pause or resume of `sb` left (see the module docs).

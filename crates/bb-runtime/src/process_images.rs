@@ -52,6 +52,10 @@ pub struct ProcessImages {
     /// Images made but not yet named by the record that will keep them (a snapshot, a pause):
     /// collection spares them until [`ProcessImages::settled`].
     unsettled: Mutex<HashSet<String>>,
+    /// Why restores read all memory up front (null: they are lazy, [`bb_criu::lazy`]).
+    lazy_unavailable: Option<String>,
+    /// Lazy-pages servers still filling restored trees: (sandbox, image, server).
+    serving: Mutex<Vec<(String, String, bb_criu::LazyPages)>>,
 }
 
 /// `kind` of an image of a session template.
@@ -107,6 +111,7 @@ impl ProcessImages {
         criu_bin: &Path,
         criu_exec: &Path,
         limit_bytes: u64,
+        lazy_pages: bool,
     ) -> DbResult<ProcessImages> {
         let conn = db::open(db_path)?;
         conn.execute_batch(
@@ -141,6 +146,16 @@ impl ProcessImages {
             use std::os::unix::fs::PermissionsExt;
             let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
         }
+        let lazy_unavailable = if !lazy_pages {
+            Some("turned off (--no-lazy-pages)".to_string())
+        } else if criu.is_none() {
+            Some("no CRIU".to_string())
+        } else {
+            bb_criu::lazy::supported().err()
+        };
+        if let (Some(_), Some(why)) = (&criu, &lazy_unavailable) {
+            tracing::info!("process images are restored with all their memory up front: lazy pages {why}");
+        }
         let images = ProcessImages {
             criu,
             unavailable,
@@ -148,6 +163,8 @@ impl ProcessImages {
             limit_bytes,
             rows: Mutex::new(conn),
             unsettled: Default::default(),
+            lazy_unavailable,
+            serving: Default::default(),
         };
         settle_strays(&[criu_bin, criu_exec], &images.dir, bb_criu::DEFAULT_TIMEOUT);
         images.recover()?;
@@ -217,6 +234,9 @@ impl ProcessImages {
             images: all.len() as u64,
             bytes: all.iter().map(|r| r.bytes).sum(),
             limit_bytes: self.limit_bytes,
+            lazy_pages: self.lazy_unavailable.is_none(),
+            lazy_unavailable: self.lazy_unavailable.clone(),
+            lazy_serving: self.lazy_serving() as u64,
         }
     }
 
@@ -234,6 +254,8 @@ impl ProcessImages {
     ) -> crate::Result<(String, bb_criu::Manifest)> {
         let criu =
             self.criu.as_ref().ok_or_else(|| ImageError::Unavailable(self.unavailable.clone().unwrap_or_default()))?;
+        // Memory a lazy restore has not copied in yet would be read through its server, slowly.
+        self.settle_lazy(|sb, _| sb == sandbox_id);
         let id = new_image_id();
         let tmp = self.dir.join(format!(".tmp-{id}"));
         let kind = opts.kind.as_str();
@@ -256,19 +278,43 @@ impl ProcessImages {
         Ok((id, manifest))
     }
 
-    /// Restore image `id` into `sandbox` (blocking).
-    pub fn restore(&self, sandbox: &bb_criu::SandboxRef, id: &str) -> crate::Result<bb_criu::Manifest> {
+    /// Restore image `id` into sandbox `sb` (blocking): lazily (its memory copied in after it
+    /// runs) unless `eager`, lazy pages are unavailable or the sandbox lacks the room below.
+    /// Returns the image's manifest and whether the restore was lazy.
+    ///
+    /// Room: a process that forks before its memory is all copied in makes a child whose
+    /// missing pages are copied in separately (the kernel cannot share what neither has yet),
+    /// where an eager restore's child would share them. A restore is lazy only when the sandbox
+    /// can hold the image's memory twice below its limit, so that copy cannot drive it into its
+    /// OOM killer where an eager restore would not have.
+    pub fn restore(
+        &self,
+        sb: &crate::sandbox::Sandbox,
+        id: &str,
+        eager: bool,
+    ) -> crate::Result<(bb_criu::Manifest, bool)> {
         let criu =
             self.criu.as_ref().ok_or_else(|| ImageError::Unavailable(self.unavailable.clone().unwrap_or_default()))?;
-        let m = criu.restore(sandbox, &self.path(id)).map_err(|e| {
+        // One server per image directory at a time (its socket is there).
+        self.settle_lazy(|_, image| image == id);
+        let room = sb.cgroup.anon_memory().map(|used| (sb.spec.memory_mb << 20).saturating_sub(used)).unwrap_or(0);
+        let bytes = self.manifest(id).map(|m| m.bytes).unwrap_or(u64::MAX);
+        let lazy = !eager && self.lazy_unavailable.is_none() && bytes.saturating_mul(2) <= room;
+        let restored = criu.restore(&sb.criu_ref(), &self.path(id), lazy).map_err(|e| {
             self.keep_failure_log(&self.path(id).join("restore.log"), &format!("failed-restore-{id}.log"));
             ImageError::Criu(e)
         })?;
+        if let Some(server) = restored.lazy {
+            let mut serving = self.serving.lock();
+            serving.retain(|(_, _, s)| s.outcome().is_none());
+            serving.push((sb.id.clone(), id.to_string(), server));
+        }
+        let m = restored.manifest;
         let _ = self
             .rows
             .lock()
             .execute("UPDATE process_images SET last_used = ?2 WHERE id = ?1", params![id, crate::now()]);
-        Ok(m)
+        Ok((m, lazy))
     }
 
     /// Keep the end of a failed CRIU run's log beside the images (the image may go with its
@@ -314,13 +360,67 @@ impl ProcessImages {
         Ok(())
     }
 
-    /// Delete images (dirs and records).
+    /// Wait for the lazy-pages servers `which(sandbox, image)` picks to fill their trees (at
+    /// most CRIU's timeout each; one still running after it is left to finish and logged).
+    fn settle_lazy(&self, which: impl Fn(&str, &str) -> bool) {
+        let picked: Vec<(String, bb_criu::LazyPages)> = self
+            .serving
+            .lock()
+            .iter()
+            .filter(|(sb, image, s)| which(sb, image) && s.outcome().is_none())
+            .map(|(sb, _, s)| (sb.clone(), s.clone()))
+            .collect();
+        for (sb, server) in picked {
+            if server.wait(bb_criu::DEFAULT_TIMEOUT).is_none() {
+                tracing::warn!(sandbox = %sb, pid = server.pid(), "a lazy-pages server is still copying memory after {:?}", bb_criu::DEFAULT_TIMEOUT);
+            }
+        }
+    }
+
+    /// Wait for the lazy-pages servers filling processes of sandbox `sandbox_id` (blocking).
+    pub fn wait_lazy(&self, sandbox_id: &str) {
+        self.settle_lazy(|sb, _| sb == sandbox_id);
+    }
+
+    /// Whether a lazy-pages server still fills processes of sandbox `sandbox_id`.
+    pub fn lazy_serving_in(&self, sandbox_id: &str) -> bool {
+        self.serving.lock().iter().any(|(sb, _, s)| sb == sandbox_id && s.outcome().is_none())
+    }
+
+    /// Lazy-pages servers still copying memory in.
+    pub fn lazy_serving(&self) -> usize {
+        self.serving.lock().iter().filter(|(_, _, s)| s.outcome().is_none()).count()
+    }
+
+    /// Delete images (records now; dirs once no lazy-pages server reads them any more, off the
+    /// caller's path: a resume deletes the images it restored from).
     pub fn delete(&self, ids: &[String]) {
         for id in ids {
             self.settled(id);
-            let _ = std::fs::remove_dir_all(self.path(id));
             if let Err(e) = self.forget(id) {
                 tracing::warn!(image = %id, "forgetting a process image: {e}");
+            }
+            let dir = self.path(id);
+            let reader = self
+                .serving
+                .lock()
+                .iter()
+                .find(|(_, image, s)| image == id && s.outcome().is_none())
+                .map(|(_, _, s)| s.clone());
+            let Some(server) = reader else {
+                let _ = std::fs::remove_dir_all(&dir);
+                continue;
+            };
+            let spawned = std::thread::Builder::new().name("image-delete".into()).spawn(move || {
+                if server.wait(bb_criu::DEFAULT_TIMEOUT).is_some() {
+                    let _ = std::fs::remove_dir_all(&dir);
+                } else {
+                    // The next start deletes it (a dir without a record), after its server.
+                    tracing::warn!(dir = %dir.display(), "a lazy-pages server still reads a deleted image");
+                }
+            });
+            if let Err(e) = spawned {
+                tracing::warn!(image = %id, "cannot delete a process image in the background: {e}");
             }
         }
     }

@@ -295,6 +295,12 @@ impl Runtime {
             // template's page tables) would otherwise slow the session's fork of the next
             // checkpoint.
             for key in keys {
+                if rt.process_images.lazy_serving_in(&sb.id) {
+                    // A template restored lazily: a spare forked now would get its own copy of
+                    // every page not copied in yet, where one forked after shares them.
+                    let (rt, id) = (rt.clone(), sb.id.clone());
+                    let _ = tokio::task::spawn_blocking(move || rt.process_images.wait_lazy(&id)).await;
+                }
                 sb.ops_activity.wait_for_quiet(SPARE_QUIET, SPARE_MAX_DEFER).await;
                 // Made as an operation of the sandbox: a rollback's sweep must not kill a spare
                 // whose pid is not known yet (and report it as a background process).
@@ -528,12 +534,14 @@ impl Runtime {
 
     /// The live template (and its spare slot) that holds session `ss` of snapshot `snap_id`
     /// for sandbox `sb`: the pool's, or one restored from its process image (waiting for a dump
-    /// in progress first). Err: why there is none (the session then starts fresh).
+    /// in progress first; `eager` as for [`Self::restore_template`]). Err: why there is none
+    /// (the session then starts fresh).
     pub(crate) async fn ensure_template(
         self: &Arc<Self>,
         sb: &Arc<Sandbox>,
         snap: &crate::snapshot::store::SnapshotRow,
         ss: &crate::snapshot::store::SnapSession,
+        eager: bool,
     ) -> Result<(Arc<Session>, SpareSlot), String> {
         let Some(key) = ss.template.as_deref() else {
             return Err(ss.lost.clone().unwrap_or_else(|| "the session was not forked at the checkpoint".into()));
@@ -557,7 +565,7 @@ impl Runtime {
         let Some(image) = ss.image.clone() else {
             return Err(ss.lost.clone().unwrap_or_else(|| "its template is gone and no process image was kept".into()));
         };
-        match self.restore_template(sb, key, &ss.kind, &image).await {
+        match self.restore_template(sb, key, &ss.kind, &image, eager).await {
             Ok(()) => self
                 .session_templates
                 .get_with_spare(key, &sb.id)
@@ -566,14 +574,15 @@ impl Runtime {
         }
     }
 
-    /// Restore template `key` from process image `image` into `sb`, register it with init and
-    /// put it back in the pool.
+    /// Restore template `key` from process image `image` into `sb` (`eager`: its memory read in
+    /// full first, else lazily), register it with init and put it back in the pool.
     async fn restore_template(
         self: &Arc<Self>,
         sb: &Arc<Sandbox>,
         key: &str,
         kind: &str,
         image: &str,
+        eager: bool,
     ) -> crate::Result<()> {
         let t0 = Instant::now();
         let row = self.process_images.get(image)?.ok_or_else(|| crate::RuntimeError::NotFound {
@@ -588,7 +597,7 @@ impl Runtime {
         let mounts = sb.mounts.lock().await;
         let (ns_pid, chan) =
             tokio::task::spawn_blocking(move || -> crate::Result<(i32, std::os::unix::net::UnixStream)> {
-                let m = rt.process_images.restore(&sbc.criu_ref(), &id)?;
+                let (m, _) = rt.process_images.restore(&sbc, &id, eager)?;
                 let host = crate::sandbox::procs::host_pid_of(&sbc, m.root_ns_pid)
                     .ok_or_else(|| crate::RuntimeError::Conflict("the restored template exited at once".into()))?;
                 let pidfd = bb_sys::process::pidfd_open(host)?;

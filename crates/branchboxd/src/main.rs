@@ -53,6 +53,10 @@ struct Args {
     /// (their sessions restart fresh on rollback).
     #[arg(long, default_value_t = 8 << 30)]
     max_image_bytes: u64,
+    /// Restore process images with all their memory read up front, instead of lazily (processes
+    /// run at once and their memory is copied in after, through userfaultfd).
+    #[arg(long)]
+    no_lazy_pages: bool,
     /// Snapshot layers a sandbox's root may stack before the oldest are merged into one, in the
     /// background (compaction; snapshots keep their content). At least 2.
     #[arg(long, env = "BRANCHBOX_MAX_CHAIN", default_value_t = bb_runtime::compaction::MAX_CHAIN)]
@@ -102,6 +106,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     cfg.max_templates = args.max_templates.max(1);
     cfg.criu_bin = args.criu.clone();
     cfg.max_image_bytes = args.max_image_bytes;
+    cfg.lazy_pages = !args.no_lazy_pages;
     if args.max_chain < 2 {
         bail!("--max-chain must be at least 2 (got {}): compaction merges at least two layers", args.max_chain);
     }

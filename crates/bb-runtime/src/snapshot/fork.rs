@@ -129,8 +129,10 @@ impl Runtime {
         let _op = if snap.sessions.iter().all(alive) { None } else { Some(holder.begin_op().await) };
         let mut templates = Vec::new();
         for ss in &snap.sessions {
-            let (t, _) =
-                self.ensure_template(&parent, snap, ss).await.map_err(|why| format!("session {}: {why}", ss.id))?;
+            let (t, _) = self
+                .ensure_template(&parent, snap, ss, false)
+                .await
+                .map_err(|why| format!("session {}: {why}", ss.id))?;
             templates.push((ss.clone(), t));
         }
         Ok((parent, templates))

@@ -28,6 +28,7 @@ impl Runtime {
                 snap.id, snap.spec.image, sb.spec.image
             )));
         }
+        let eager = req.lazy_pages == Some(false);
         let _op = sb.begin_op().await;
         let gen = sb.gen.lock().clone().ok_or_else(|| legacy(&sb.id))?;
         let mut sessions_map = sb.sessions.lock().await;
@@ -49,7 +50,7 @@ impl Runtime {
         let mut restored: Vec<Option<session::PendingFork>> = Vec::new();
         let mut reasons: Vec<Option<String>> = Vec::new();
         for ss in &snap.sessions {
-            let forked = match self.ensure_template(&sb, &snap, ss).await {
+            let forked = match self.ensure_template(&sb, &snap, ss, eager).await {
                 Ok((t, slot)) => {
                     let spare = slot.lock().await.take();
                     match spare {
@@ -172,7 +173,7 @@ impl Runtime {
         }
         drop(sessions_map);
         drop(default);
-        let (restored_processes, processes_not_restored) = self.restore_snapshot_processes(&sb, &snap).await;
+        let (restored_processes, processes_not_restored) = self.restore_snapshot_processes(&sb, &snap, eager).await;
         // Sessions started fresh are not the snapshot's: the next checkpoint must not reuse it.
         sb.dirty.store(!restarted.is_empty(), Ordering::SeqCst);
         self.after_swap(&sb, gen.n, None, Some(gen.upper.clone()));
@@ -195,11 +196,12 @@ impl Runtime {
     /// Restore the background process trees `snap` keeps (`processes: "all"`) into `sb`, after
     /// its root swap (the processes the rollback killed are gone first: the trees come back
     /// under the same pids), and register them with init under their commands. Returns the
-    /// restored roots, and why the others were not.
+    /// restored roots, and why the others were not. `eager`: their memory is read in full first.
     async fn restore_snapshot_processes(
         self: &Arc<Self>,
         sb: &Arc<crate::sandbox::Sandbox>,
         snap: &super::store::SnapshotRow,
+        eager: bool,
     ) -> (Vec<i32>, Vec<String>) {
         let (mut restored, mut failed) = (Vec::new(), Vec::new());
         if snap.processes.is_empty() {
@@ -224,7 +226,7 @@ impl Runtime {
                 tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             }
             let (rt, sbc, img) = (self.clone(), sb.clone(), p.image.clone());
-            let res = tokio::task::spawn_blocking(move || rt.process_images.restore(&sbc.criu_ref(), &img))
+            let res = tokio::task::spawn_blocking(move || rt.process_images.restore(&sbc, &img, eager))
                 .await
                 .map_err(RuntimeError::Worker)
                 .and_then(|r| r);
