@@ -300,6 +300,7 @@ impl ProcessImages {
         let room = sb.cgroup.anon_memory().map(|used| (sb.spec.memory_mb << 20).saturating_sub(used)).unwrap_or(0);
         let bytes = self.manifest(id).map(|m| m.bytes).unwrap_or(u64::MAX);
         let lazy = !eager && self.lazy_unavailable.is_none() && bytes.saturating_mul(2) <= room;
+        tracing::debug!(sandbox = %sb.id, image = %id, bytes, room, eager, lazy, "restoring a process image");
         let restored = criu.restore(&sb.criu_ref(), &self.path(id), lazy).map_err(|e| {
             self.keep_failure_log(&self.path(id).join("restore.log"), &format!("failed-restore-{id}.log"));
             ImageError::Criu(e)
