@@ -170,9 +170,8 @@ mod tests {
     /// A stand-in for `criu lazy-pages`: runs `body` with `$FD` the status fd.
     fn fake_criu(dir: &Path, body: &str) -> PathBuf {
         let bin = dir.join("criu");
-        let script = format!(
-            "#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = --status-fd ] && FD=$2; shift; done\n{body}\n"
-        );
+        let script =
+            format!("#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = --status-fd ] && FD=$2; shift; done\n{body}\n");
         std::fs::write(&bin, script).unwrap();
         std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
         bin
@@ -181,7 +180,8 @@ mod tests {
     #[test]
     fn a_server_that_never_listens_fails_the_start_with_its_log() {
         let d = tempfile::tempdir().unwrap();
-        let bin = fake_criu(d.path(), &format!("echo 'Error (uffd.c): no uffd' > {}/{LAZY_LOG}; exit 1", d.path().display()));
+        let bin =
+            fake_criu(d.path(), &format!("echo 'Error (uffd.c): no uffd' > {}/{LAZY_LOG}; exit 1", d.path().display()));
         let e = LazyPages::start(&bin, d.path()).unwrap_err().to_string();
         assert!(e.contains("lazy-pages") && e.contains("no uffd"), "{e}");
     }
