@@ -52,9 +52,48 @@ pub struct LazyPages {
     state: Arc<(Mutex<State>, Condvar)>,
 }
 
+/// A server just started: [`Starting::ready`] says whether it listens for the restore (which
+/// may be started meanwhile: it waits for the server's socket, CRIU patch 0004).
+pub(crate) struct Starting {
+    server: LazyPages,
+    ready: std::os::fd::OwnedFd,
+}
+
+impl Starting {
+    /// Wait until the server listens (up to a few seconds); Err: what its log says instead.
+    pub(crate) fn ready(self) -> Result<LazyPages> {
+        let mut byte = [0u8; 1];
+        let fds = &mut [nix::poll::PollFd::new(self.ready.as_fd(), nix::poll::PollFlags::POLLIN)];
+        let timeout = nix::poll::PollTimeout::try_from(START_TIMEOUT).unwrap_or(nix::poll::PollTimeout::MAX);
+        let got = match nix::poll::poll(fds, timeout) {
+            Ok(n) if n > 0 => nix::unistd::read(self.ready.as_raw_fd(), &mut byte).unwrap_or(0),
+            _ => 0,
+        };
+        if got == 1 {
+            return Ok(self.server);
+        }
+        self.server.kill();
+        let _ = self.server.wait(Duration::from_secs(5));
+        Err(CriuError::Failed { action: "lazy-pages", status: None, log: log_tail(&self.server.dir.join(LAZY_LOG), 6) })
+    }
+
+    /// Stop it (the restore it was for failed). Returns why it had failed itself, if it had.
+    pub(crate) fn kill(self) -> Option<String> {
+        let failed = self.server.outcome().and_then(|o| o.err());
+        self.server.kill();
+        failed
+    }
+}
+
 impl LazyPages {
-    /// Start a server for the image in `dir`; returns once it listens for the restore.
-    pub(crate) fn start(bin: &Path, dir: &Path) -> Result<LazyPages> {
+    /// Start a server for the image in `dir` and wait until it listens.
+    #[cfg(test)]
+    fn start(bin: &Path, dir: &Path) -> Result<LazyPages> {
+        LazyPages::spawn(bin, dir)?.ready()
+    }
+
+    /// Start a server for the image in `dir`.
+    pub(crate) fn spawn(bin: &Path, dir: &Path) -> Result<Starting> {
         use std::os::unix::process::CommandExt;
         let _ = std::fs::remove_file(dir.join("lazy-pages.socket"));
         let _ = std::fs::remove_file(dir.join(LAZY_LOG));
@@ -104,24 +143,7 @@ impl LazyPages {
                 st.1.notify_all();
             })
             .map_err(CriuError::io("start a thread"))?;
-        let server = LazyPages { pid, dir: dir.to_path_buf(), state };
-        let mut ready = [0u8; 1];
-        let fds = &mut [nix::poll::PollFd::new(ready_r.as_fd(), nix::poll::PollFlags::POLLIN)];
-        let timeout = nix::poll::PollTimeout::try_from(START_TIMEOUT).unwrap_or(nix::poll::PollTimeout::MAX);
-        let got = match nix::poll::poll(fds, timeout) {
-            Ok(n) if n > 0 => nix::unistd::read(ready_r.as_raw_fd(), &mut ready).unwrap_or(0),
-            _ => 0,
-        };
-        if got != 1 {
-            server.kill();
-            let _ = server.wait(Duration::from_secs(5));
-            return Err(CriuError::Failed {
-                action: "lazy-pages",
-                status: None,
-                log: log_tail(&dir.join(LAZY_LOG), 6),
-            });
-        }
-        Ok(server)
+        Ok(Starting { server: LazyPages { pid, dir: dir.to_path_buf(), state }, ready: ready_r })
     }
 
     pub fn pid(&self) -> i32 {

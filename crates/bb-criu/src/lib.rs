@@ -456,26 +456,33 @@ impl Criu {
         }
         let _ = std::fs::remove_file(dir.join("restore.log"));
         let t0 = Instant::now();
+        // Started together: the restore waits for the server's socket.
         let server = if lazy {
             args.push("--lazy-pages".into());
-            Some(LazyPages::start(&self.bin, dir)?)
+            Some(LazyPages::spawn(&self.bin, dir)?)
         } else {
             None
         };
-        let t_server = t0.elapsed();
         let keep: Vec<RawFd> = held.iter().map(|f| f.as_raw_fd()).collect();
         let status = self.run(sandbox, true, &args, &keep);
-        tracing::debug!(?t_server, t_restore = ?t0.elapsed() - t_server, lazy, "criu restore");
-        if !matches!(status, Ok(Some(0))) {
-            if let Some(s) = &server {
-                s.kill();
+        tracing::debug!(took = ?t0.elapsed(), lazy, "criu restore");
+        let restored = match status {
+            Ok(Some(0)) => None,
+            Ok(status) => {
+                Some(CriuError::Failed { action: "restore", status, log: log_tail(&dir.join("restore.log"), 6) })
             }
+            Err(e) => Some(e),
+        };
+        match (server, restored) {
+            (None, None) => Ok(Restored { manifest, lazy: None }),
+            (None, Some(e)) => Err(e),
+            (Some(s), None) => Ok(Restored { manifest, lazy: Some(s.ready()?) }),
+            (Some(s), Some(e)) => match s.kill() {
+                // The restore could not reach it: what the server said is the cause.
+                Some(why) => Err(CriuError::Failed { action: "lazy-pages", status: None, log: why }),
+                None => Err(e),
+            },
         }
-        let status = status?;
-        if status != Some(0) {
-            return Err(CriuError::Failed { action: "restore", status, log: log_tail(&dir.join("restore.log"), 6) });
-        }
-        Ok(Restored { manifest, lazy: server })
     }
 }
 

@@ -606,12 +606,13 @@ impl Runtime {
             })
             .await??;
         drop(mounts);
+        let t_restore = t0.elapsed();
         let keep = chan.try_clone().map_err(crate::RuntimeError::io("template channel"))?;
         let session = Session::attach(key.to_string(), kind.to_string(), ns_pid, crate::now(), chan)?;
         crate::sandbox::sessions::adopt(sb, ns_pid, format!("{TEMPLATE_TAG}{key}:{kind}"), key.to_string(), &keep)
             .await?;
         let evicted = self.session_templates.insert(key.to_string(), sb.id.clone(), Arc::new(session));
-        tracing::debug!(sandbox = %sb.id, template = %key, %image, took = ?t0.elapsed(), "template restored from its process image");
+        tracing::debug!(sandbox = %sb.id, template = %key, %image, ?t_restore, took = ?t0.elapsed(), "template restored from its process image");
         self.evict_templates(evicted);
         // Off the rollback's path (killing a large template takes milliseconds), once it is over:
         // it may still fork other templates of the sandbox.
