@@ -21,6 +21,7 @@ deps:
 	fi
 	@command -v $(CARGO) >/dev/null || { echo "cargo not found: install Rust (rustup) first"; exit 1; }
 	@CRIU_DEST=$(LIBDIR)/criu scripts/install-criu.sh
+	@MINIO_DEST=$(LIBDIR)/minio scripts/install-minio.sh
 	@if command -v rustup >/dev/null; then \
 	  for c in rustfmt clippy; do rustup component list --installed 2>/dev/null | grep -q "^$$c" || rustup component add $$c; done; \
 	fi
