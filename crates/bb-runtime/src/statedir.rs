@@ -181,31 +181,9 @@ fn spread_directories(state_dir: &Path) {
 /// The daemon's setns key: 16 random bytes in `<state>/setns.key` (0600), made on first start.
 /// It must outlive restarts: sandboxes started earlier have it compiled into their filters.
 pub fn load_setns_key(state_dir: &Path) -> Result<[u64; 2], StateDirError> {
-    use std::io::{Read, Write};
-    use std::os::unix::fs::OpenOptionsExt;
     let path = state_dir.join("setns.key");
-    let mut buf = [0u8; 16];
-    match std::fs::File::open(&path) {
-        Ok(mut f) => f
-            .read_exact(&mut buf)
-            .map_err(|e| StateDirError::SetnsKey { path: path.clone(), problem: format!("unreadable ({e})") })?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            std::fs::File::open("/dev/urandom")
-                .and_then(|mut r| r.read_exact(&mut buf))
-                .map_err(io_at(Path::new("/dev/urandom")))?;
-            let tmp = state_dir.join("setns.key.tmp");
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&tmp)
-                .map_err(io_at(&tmp))?;
-            f.write_all(&buf).and_then(|()| f.sync_all()).map_err(io_at(&tmp))?;
-            std::fs::rename(&tmp, &path).map_err(io_at(&path))?;
-        }
-        Err(e) => return Err(io_at(&path)(e)),
-    }
+    let buf = bb_sys::secret::load_or_create(&path, 16)
+        .map_err(|e| StateDirError::SetnsKey { path: path.clone(), problem: e.to_string() })?;
     let key = [
         u64::from_ne_bytes(buf[..8].try_into().expect("8 bytes")),
         u64::from_ne_bytes(buf[8..].try_into().expect("8 bytes")),

@@ -548,7 +548,7 @@ mod tests {
         assert!(Keys::load_or_create(&p).unwrap_err().to_string().contains("chmod 600"));
         std::fs::write(&p, b"short").unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
-        assert!(Keys::load_or_create(&p).unwrap_err().to_string().contains("5 bytes"));
+        assert!(Keys::load_or_create(&p).unwrap_err().to_string().contains("5 bytes, not 32"));
     }
 
     #[test]

@@ -10,6 +10,7 @@ pub mod mount_api;
 pub mod ns;
 pub mod process;
 pub mod ptrace;
+pub mod secret;
 pub mod signaller;
 
 use std::io;
