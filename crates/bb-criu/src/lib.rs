@@ -477,10 +477,12 @@ impl Criu {
             (None, None) => Ok(Restored { manifest, lazy: None }),
             (None, Some(e)) => Err(e),
             (Some(s), None) => Ok(Restored { manifest, lazy: Some(s.ready()?) }),
-            (Some(s), Some(e)) => match s.kill() {
-                // The restore could not reach it: what the server said is the cause.
-                Some(why) => Err(CriuError::Failed { action: "lazy-pages", status: None, log: why }),
-                None => Err(e),
+            // What the server said, if it failed too (the cause, or a consequence).
+            (Some(s), Some(e)) => match (s.kill(), e) {
+                (Some(why), CriuError::Failed { action, status, log }) => {
+                    Err(CriuError::Failed { action, status, log: format!("{log} | lazy-pages server: {why}") })
+                }
+                (_, e) => Err(e),
             },
         }
     }

@@ -210,10 +210,13 @@ impl Runtime {
         self.sandboxes.records().set_paused(&row)?;
         undo.recorded = true;
 
-        let sbc = sb.clone();
+        let (rt, sbc) = (self.clone(), sb.clone());
         let mut trees = row.trees.clone();
         undo.frozen = true;
         row.trees = tokio::task::spawn_blocking(move || -> Result<Vec<PausedTree>> {
+            // Memory a lazy restore is still copying in: the dumps wait for it, better before
+            // the freeze than in it.
+            rt.process_images.wait_lazy(&sbc.id);
             freeze_for_criu(&sbc)?;
             let roots = tree_roots(&sbc)?;
             trees.retain(|t| roots.contains(&t.root));

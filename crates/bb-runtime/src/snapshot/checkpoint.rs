@@ -153,6 +153,14 @@ impl Runtime {
         // File operations wait until the new root is recorded (they open `sb.rootfs()`).
         // Background processes' commands, asked of init before it is frozen with the rest.
         let tags = if all_processes { crate::sandbox::exec::tags(sb).await? } else { HashMap::new() };
+        if all_processes && self.process_images.lazy_serving_in(&sb.id) {
+            // Memory a lazy restore is still copying in: the dumps below wait for it, better
+            // before the freeze than in it.
+            let (rt, id) = (self.clone(), sb.id.clone());
+            tokio::task::spawn_blocking(move || rt.process_images.wait_lazy(&id))
+                .await
+                .map_err(RuntimeError::Worker)?;
+        }
         let mounts = sb.mounts.lock().await;
         let gate = sb.fs_gate.write().await;
         let swapped = match prep.await.map_err(RuntimeError::Worker).and_then(|p| p) {
