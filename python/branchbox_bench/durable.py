@@ -181,6 +181,25 @@ def _newest_image_log(state_dir: str, since: float) -> Optional[float]:
         return restore_log_ms(f.read())
 
 
+def _restore_evicted(
+    sbx: Sandbox, snap: str, mark: int, lazy_pages: Optional[bool], res: DurableResult, metric: str,
+    criu_metric: str, state_dir: str,
+) -> None:
+    """Change the session, roll back to ``snap`` (its template in a process image), check the
+    session came back; ``metric``: the rollback's time, ``criu_metric``: CRIU's own."""
+    sbx.run_code("mark = -1")
+    since = time.time() - 1
+    t0 = time.perf_counter()
+    r = sbx.rollback(snap, lazy_pages=lazy_pages)
+    res.add(metric, _ms(t0))
+    if r.sessions_restarted:
+        raise BenchError("bench: a session restarted: %r" % r.raw.get("restarted"))
+    _check(sbx, mark)
+    criu = _newest_image_log(state_dir, since)
+    if criu is not None:
+        res.add(criu_metric, criu)
+
+
 def run_durable_bench(
     n: int = 10,
     heap_mb: int = 50,
@@ -219,30 +238,10 @@ def run_durable_bench(
                     raise BenchError("bench: the snapshot's session was not kept in an image: %r" % off.raw)
                 if off.offloaded:
                     res.add("evict_dump", off.took_ms or 0.0)
-                sbx.run_code("mark = -1")
-                since = time.time() - 1
-                t0 = time.perf_counter()
-                r = sbx.rollback(snap)
-                res.add("restore_evicted", _ms(t0))
-                if r.sessions_restarted:
-                    raise BenchError("bench: a session restarted: %r" % r.raw.get("restarted"))
-                _check(sbx, i)
-                lazy = _newest_image_log(state_dir, since)
-                if lazy is not None:
-                    res.add("criu_lazy_restore", lazy)
+                _restore_evicted(sbx, snap, i, None, res, "restore_evicted", "criu_lazy_restore", state_dir)
                 # The baseline: the same restore with all memory read first.
                 snaps.offload(snap)
-                sbx.run_code("mark = -1")
-                since = time.time() - 1
-                t0 = time.perf_counter()
-                r = sbx.rollback(snap, lazy_pages=False)
-                res.add("restore_evicted_eager", _ms(t0))
-                if r.sessions_restarted:
-                    raise BenchError("bench: a session restarted: %r" % r.raw.get("restarted"))
-                _check(sbx, i)
-                plain = _newest_image_log(state_dir, since)
-                if plain is not None:
-                    res.add("criu_plain_restore", plain)
+                _restore_evicted(sbx, snap, i, False, res, "restore_evicted_eager", "criu_plain_restore", state_dir)
             # Requests of the same sandbox while one of its templates is dumped.
             progress("requests during a dump")
             base = sbx.checkpoint()

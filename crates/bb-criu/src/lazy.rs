@@ -15,7 +15,7 @@
 //! their userfaultfd through `/dev/userfaultfd`, opened by CRIU as root (our CRIU patch 0004), so
 //! the host keeps `vm.unprivileged_userfaultfd = 0`.
 
-use crate::{log_tail, CriuError, Result};
+use crate::{inherit_fds, log_tail, CriuError, Result};
 use parking_lot::{Condvar, Mutex};
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
@@ -110,15 +110,7 @@ impl LazyPages {
             .stderr(std::process::Stdio::null())
             // Not in the daemon's group: a daemon killed with SIGKILL must leave it copying.
             .process_group(0);
-        // SAFETY: the closure only calls fcntl(2), which is async-signal-safe, on a borrowed fd.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::fcntl(status_fd, libc::F_SETFD, 0) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        inherit_fds(&mut cmd, &[status_fd]);
         let t0 = Instant::now();
         let mut child = cmd.spawn().map_err(CriuError::io(format!("run {} lazy-pages", bin.display())))?;
         drop(ready_w);
@@ -148,10 +140,6 @@ impl LazyPages {
 
     pub fn pid(&self) -> i32 {
         self.pid
-    }
-
-    pub fn dir(&self) -> &Path {
-        &self.dir
     }
 
     /// `None` while it copies; then whether every page was copied in.

@@ -116,6 +116,23 @@ fn prepare_kdat_dir() -> std::result::Result<(), String> {
     std::fs::create_dir_all(KDAT_UNPRIVILEGED).map_err(|e| format!("create {KDAT_UNPRIVILEGED}: {e}"))
 }
 
+/// Let the program `cmd` runs inherit `fds` (their close-on-exec flag cleared in the child).
+fn inherit_fds(cmd: &mut std::process::Command, fds: &[RawFd]) {
+    use std::os::unix::process::CommandExt;
+    let fds = fds.to_vec();
+    // SAFETY: the closure only calls fcntl(2), which is async-signal-safe, on fds it borrows.
+    unsafe {
+        cmd.pre_exec(move || {
+            for fd in &fds {
+                if libc::fcntl(*fd, libc::F_SETFD, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Default for how long one CRIU run may take ([`Criu::with_timeout`]).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -317,18 +334,7 @@ impl Criu {
         cmd.arg("--").arg(&self.bin).args(args);
         cmd.env("XDG_RUNTIME_DIR", KDAT_UNPRIVILEGED);
         cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
-        let keep = keep.to_vec();
-        // SAFETY: the closure only calls fcntl(2), which is async-signal-safe, on fds it borrows.
-        unsafe {
-            cmd.pre_exec(move || {
-                for fd in &keep {
-                    if libc::fcntl(*fd, libc::F_SETFD, 0) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
+        inherit_fds(&mut cmd, keep);
         // Its own process group, so a CRIU that hangs is killed with the helper that started it.
         cmd.process_group(0);
         let mut child = cmd.spawn().map_err(CriuError::io(format!("run {}", self.exec_helper.display())))?;
