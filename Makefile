@@ -22,6 +22,7 @@ deps:
 	@command -v $(CARGO) >/dev/null || { echo "cargo not found: install Rust (rustup) first"; exit 1; }
 	@CRIU_DEST=$(LIBDIR)/criu scripts/install-criu.sh
 	@MINIO_DEST=$(LIBDIR)/minio scripts/install-minio.sh
+	@scripts/install-postgres.sh
 	@if command -v rustup >/dev/null; then \
 	  for c in rustfmt clippy; do rustup component list --installed 2>/dev/null | grep -q "^$$c" || rustup component add $$c; done; \
 	fi

@@ -33,6 +33,10 @@ from .models import (
     ProcessInfo,
     PauseResult,
     OffloadResult,
+    PullResult,
+    PushResult,
+    RemoteSnapshotInfo,
+    StoreGcResult,
     ResumeResult,
     RollbackResult,
     SandboxInfo,
@@ -358,16 +362,22 @@ def create_sandbox(
     metadata: Optional[Mapping[str, Any]] = None,
     template: Any = None,
     lifecycle: Optional[Mapping[str, Any]] = None,
+    snapshot: Any = None,
 ) -> Call:
     """``image=None`` means ``"base"``, or the template's image when ``template`` is given
-    (the daemon refuses an image other than the template's)."""
+    (the daemon refuses an image other than the template's); with ``snapshot``, the
+    snapshot's image, limits and cwd are kept (giving them is an error)."""
     name = template_name(template) if template is not None else None
-    if image is None and name is None:
+    sid = snapshot_id(snapshot) if snapshot is not None else None
+    if image is None and name is None and sid is None:
         image = "base"
+    if sid is not None and network == "none":
+        network = None
     body = _compact(
         {
             "image": image,
             "template": name,
+            "snapshot": sid,
             "cpu": cpu,
             "memory_mb": memory_mb,
             "pids": pids,
@@ -805,6 +815,29 @@ def delete_snapshot(sid: Any, subtree: bool = False) -> Call:
 
 def offload_snapshot(sid: Any) -> Call:
     return Call("POST", _snap(sid) + "/offload", parse=OffloadResult.from_dict, unbounded=True)
+
+
+def push_snapshot(sid: Any) -> Call:
+    return Call("POST", _snap(sid) + "/push", parse=PushResult.from_dict, unbounded=True)
+
+
+def pull_snapshot(sid: Any) -> Call:
+    return Call("POST", _snap(sid) + "/pull", parse=PullResult.from_dict, unbounded=True)
+
+
+def list_remote_snapshots() -> Call:
+    return Call("GET", "/v1/remote/snapshots", parse=_list_of("snapshots", RemoteSnapshotInfo))
+
+
+def delete_remote_snapshot(sid: Any) -> Call:
+    return Call("DELETE", "/v1/remote/snapshots/" + _seg(snapshot_id(sid)), parse=_flag("removed"))
+
+
+def store_gc(grace_seconds: Optional[float] = None) -> Call:
+    if grace_seconds is not None and (not isinstance(grace_seconds, (int, float)) or grace_seconds < 0):
+        raise exc.InvalidArgumentError("grace_seconds must be a number >= 0")
+    body = _compact({"grace_seconds": grace_seconds})
+    return Call("POST", "/v1/remote/gc", json=body, parse=StoreGcResult.from_dict, unbounded=True)
 
 
 def gc_snapshots(keep: Any, sandbox: Any = None) -> Call:

@@ -280,6 +280,9 @@ class SnapshotInfo(_Model):
     sessions: List[SnapshotSession] = field(default_factory=list)
     #: Background processes kept (``processes="all"``): ``{"pid": ..., "cmd": ...}`` each.
     processes: List[Dict[str, Any]] = field(default_factory=list)
+    #: ``"node-local"`` (on this node's disk) or ``"durable"`` (pushed: in the object store
+    #: and the metadata store, it outlives this node).
+    durability: str = "node-local"
     took_ms: Optional[float] = None
     raw: Dict[str, Any] = _raw()
 
@@ -306,6 +309,74 @@ class OffloadResult(_Model):
     image_bytes: int = 0
     #: Sessions whose state is lost, each "<session id>: <why>".
     lost: List[str] = field(default_factory=list)
+    took_ms: Optional[float] = None
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class PushResult(_Model):
+    """Result of ``snapshots.push(sid)``: the snapshot is durable (its layers and process
+    images in the object store, its record in the metadata store)."""
+
+    snapshot: str = ""
+    durability: str = "durable"
+    #: It was pushed before: nothing was uploaded.
+    already: bool = False
+    layers_pushed: int = 0
+    images_pushed: int = 0
+    #: Bytes written to the object store (compressed, encrypted) and file bytes read.
+    uploaded_bytes: int = 0
+    read_bytes: int = 0
+    #: Sessions whose state the snapshot does not hold, each "<session id>: <why>".
+    lost: List[str] = field(default_factory=list)
+    took_ms: Optional[float] = None
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class PullResult(_Model):
+    """Result of ``snapshots.pull(sid)``: a pushed snapshot is now on this daemon."""
+
+    snapshot: str = ""
+    #: The daemon had it already.
+    already: bool = False
+    layers_pulled: int = 0
+    images_pulled: int = 0
+    downloaded_bytes: int = 0
+    took_ms: Optional[float] = None
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class RemoteSnapshotInfo(_Model):
+    """A snapshot recorded in the metadata store (``snapshots.list_remote()``)."""
+
+    id: str = ""
+    sandbox_id: str = ""
+    parent: Optional[str] = None
+    label: Optional[str] = None
+    created_at: Optional[float] = None
+    pushed_at: Optional[float] = None
+    #: The daemon that pushed it.
+    node: str = ""
+    image: str = ""
+    sessions: List[str] = field(default_factory=list)
+    bytes: int = 0
+    #: This daemon has it (taken here, or pulled).
+    local: bool = False
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class StoreGcResult(_Model):
+    """Result of ``snapshots.store_gc()``: objects no snapshot record reaches, deleted."""
+
+    objects: int = 0
+    reachable: int = 0
+    deleted: int = 0
+    deleted_bytes: int = 0
+    #: Unreachable objects kept because they are younger than the grace period.
+    young: int = 0
     took_ms: Optional[float] = None
     raw: Dict[str, Any] = _raw()
 

@@ -27,6 +27,10 @@ from .models import (
     PoolStats,
     PauseResult,
     OffloadResult,
+    PullResult,
+    PushResult,
+    RemoteSnapshotInfo,
+    StoreGcResult,
     ProcessInfo,
     ResumeResult,
     RollbackResult,
@@ -177,6 +181,7 @@ class AsyncSandbox:
         metadata: Optional[Mapping[str, str]] = None,
         template: Union[str, TemplateInfo, None] = None,
         lifecycle: Optional[Mapping[str, Any]] = None,
+        snapshot: Union[str, SnapshotInfo, None] = None,
         daemon: Optional[str] = None,
         token: Optional[str] = None,
         request_timeout: Optional[float] = 120,
@@ -187,7 +192,7 @@ class AsyncSandbox:
         try:
             info = await http.call(
                 _core.create_sandbox(
-                    image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle
+                    image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot
                 )
             )
         except BaseException:
@@ -704,6 +709,33 @@ class AsyncSnapshots(_AsyncDaemonClient):
         """Move the snapshot's live sessions into process images on disk now (see the sync
         ``Snapshots.offload``)."""
         return await self._http.call(_core.offload_snapshot(sid))
+
+    async def push(self, sid: Union[str, SnapshotInfo]) -> PushResult:
+        """Make the snapshot durable: its layers and session state (process images; live
+        sessions are dumped first, as :meth:`offload` does) go to the daemon's object store,
+        deduplicated against what is there, and its record to the metadata store. Any daemon
+        sharing both can then ``pull`` it or ``Sandbox.create(snapshot=sid)`` from it. Pushing
+        again is a no-op."""
+        return await self._http.call(_core.push_snapshot(sid))
+
+    async def pull(self, sid: Union[str, SnapshotInfo]) -> PullResult:
+        """Bring a pushed snapshot onto this daemon (``Sandbox.create(snapshot=sid)`` does
+        this by itself)."""
+        return await self._http.call(_core.pull_snapshot(sid))
+
+    async def list_remote(self) -> List[RemoteSnapshotInfo]:
+        """The snapshots recorded in the metadata store (pushed by any daemon)."""
+        return await self._http.call(_core.list_remote_snapshots())
+
+    async def delete_remote(self, sid: Union[str, SnapshotInfo]) -> bool:
+        """Delete a pushed snapshot's record; its objects go with the next :meth:`store_gc`.
+        A local copy stays (node-local again)."""
+        return await self._http.call(_core.delete_remote_snapshot(sid))
+
+    async def store_gc(self, grace_seconds: Optional[float] = None) -> StoreGcResult:
+        """Delete the object store's objects no snapshot record reaches and that are older
+        than ``grace_seconds`` (default: the daemon's ``--store-gc-grace``)."""
+        return await self._http.call(_core.store_gc(grace_seconds))
 
     async def gc(
         self, keep: Sequence[Union[str, SnapshotInfo]], sandbox: Union[str, AsyncSandbox, None] = None

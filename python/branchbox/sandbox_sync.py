@@ -33,6 +33,10 @@ from .models import (
     PoolStats,
     PauseResult,
     OffloadResult,
+    PullResult,
+    PushResult,
+    RemoteSnapshotInfo,
+    StoreGcResult,
     ProcessInfo,
     ResumeResult,
     RollbackResult,
@@ -376,6 +380,7 @@ class Sandbox:
         metadata: Optional[Mapping[str, str]] = None,
         template: Union[str, TemplateInfo, None] = None,
         lifecycle: Optional[Mapping[str, Any]] = None,
+        snapshot: Union[str, SnapshotInfo, None] = None,
         daemon: Optional[str] = None,
         token: Optional[str] = None,
         request_timeout: Optional[float] = 120,
@@ -388,6 +393,12 @@ class Sandbox:
         (e.g. imported modules) are there from the start; limits, ``env``, ``cwd``,
         ``metadata`` and ``timeout`` still apply, and ``image`` may only repeat the
         template's. A warm pool (:class:`Pool`) makes plain creates claim a ready sandbox.
+
+        With ``snapshot=sid`` the sandbox starts from a snapshot: its files and its
+        sessions' state (restored from their templates or process images). A snapshot pushed
+        by another daemon sharing this one's object store and metadata store is pulled first.
+        The snapshot's image, limits and cwd are kept; ``env``, ``metadata`` and ``timeout``
+        apply.
 
         ``lifecycle`` (as E2B's): ``{"on_timeout": "pause"}`` pauses the sandbox at its
         timeout instead of killing it (see :meth:`pause`); with ``"auto_resume": True`` a
@@ -402,7 +413,7 @@ class Sandbox:
         try:
             info = http.call(
                 _core.create_sandbox(
-                    image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle
+                    image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot
                 )
             )
         except BaseException:
@@ -921,6 +932,33 @@ class Snapshots(_DaemonClient):
         """Move the snapshot's live sessions (held in memory) into process images on disk now,
         giving their memory back; a rollback or fork to it restores them. Needs CRIU."""
         return self._http.call(_core.offload_snapshot(sid))
+
+    def push(self, sid: Union[str, SnapshotInfo]) -> PushResult:
+        """Make the snapshot durable: its layers and session state (process images; live
+        sessions are dumped first, as :meth:`offload` does) go to the daemon's object store,
+        deduplicated against what is there, and its record to the metadata store. Any daemon
+        sharing both can then ``pull`` it or ``Sandbox.create(snapshot=sid)`` from it. Pushing
+        again is a no-op."""
+        return self._http.call(_core.push_snapshot(sid))
+
+    def pull(self, sid: Union[str, SnapshotInfo]) -> PullResult:
+        """Bring a pushed snapshot onto this daemon (``Sandbox.create(snapshot=sid)`` does
+        this by itself)."""
+        return self._http.call(_core.pull_snapshot(sid))
+
+    def list_remote(self) -> List[RemoteSnapshotInfo]:
+        """The snapshots recorded in the metadata store (pushed by any daemon)."""
+        return self._http.call(_core.list_remote_snapshots())
+
+    def delete_remote(self, sid: Union[str, SnapshotInfo]) -> bool:
+        """Delete a pushed snapshot's record; its objects go with the next :meth:`store_gc`.
+        A local copy stays (node-local again)."""
+        return self._http.call(_core.delete_remote_snapshot(sid))
+
+    def store_gc(self, grace_seconds: Optional[float] = None) -> StoreGcResult:
+        """Delete the object store's objects no snapshot record reaches and that are older
+        than ``grace_seconds`` (default: the daemon's ``--store-gc-grace``)."""
+        return self._http.call(_core.store_gc(grace_seconds))
 
     def gc(
         self, keep: Sequence[Union[str, SnapshotInfo]], sandbox: Union[str, Sandbox, None] = None

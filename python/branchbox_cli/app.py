@@ -57,12 +57,14 @@ image_app = typer.Typer(help="Manage root filesystem images.", no_args_is_help=T
 snapshot_app = typer.Typer(help="Inspect and clean up sandbox snapshots.", no_args_is_help=True)
 template_app = typer.Typer(help="Build and manage warm templates (sandboxes pre-built from a recipe).", no_args_is_help=True)
 pool_app = typer.Typer(help="The warm pool: sandboxes kept ready per image.", no_args_is_help=True)
+store_app = typer.Typer(help="The object store of pushed snapshots.", no_args_is_help=True)
 app.add_typer(daemon_app, name="daemon")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(image_app, name="image")
 app.add_typer(snapshot_app, name="snapshot")
 app.add_typer(template_app, name="template")
 app.add_typer(pool_app, name="pool")
+app.add_typer(store_app, name="store")
 app.add_typer(bench_app, name="bench")
 app.add_typer(files_app, name="files")
 
@@ -317,6 +319,9 @@ def sandbox_create(
     ctx: typer.Context,
     image: Optional[str] = typer.Option(None, "--image", help="Image name (default base, or the template's)."),
     template: Optional[str] = typer.Option(None, "--template", "-t", help="Start as a live fork of this template (`template ls`)."),
+    snapshot: Optional[str] = typer.Option(
+        None, "--snapshot", "-s", help="Start from this snapshot (local, or pushed by any daemon: pulled first)."
+    ),
     memory_mb: Optional[int] = typer.Option(None, "--memory-mb", help="Memory limit (MiB)."),
     cpu: Optional[float] = typer.Option(None, "--cpu", help="CPU limit (cores)."),
     pids: Optional[int] = typer.Option(None, "--pids", help="Max number of processes."),
@@ -338,6 +343,7 @@ def sandbox_create(
         timeout=timeout,
         metadata=parse_env(metadata, "--metadata") or None,
         template=template,
+        snapshot=snapshot,
         **c.sdk(),
     )
     sbx.close()
@@ -669,10 +675,27 @@ def snapshot_tree(snapshots: List[SnapshotInfo], title: str = "snapshots", now: 
 def snapshot_ls(
     ctx: typer.Context,
     sandbox: Optional[str] = typer.Option(None, "--sandbox", help="Only the tree this sandbox belongs to."),
+    remote: bool = typer.Option(False, "--remote", help="The snapshots pushed to the metadata store (by any daemon)."),
     as_json: bool = typer.Option(False, "--json", help="Print the raw JSON list."),
 ) -> None:
-    """Show snapshots as a tree (id, label, age, size)."""
+    """Show snapshots as a tree (id, label, age, size); with --remote, the pushed ones."""
     c = ctx_of(ctx)
+    if remote:
+        with Snapshots(**c.sdk()) as snaps:
+            pushed = snaps.list_remote()
+        if as_json:
+            print_json([i.raw for i in pushed])
+            return
+        if not pushed:
+            out.print("no pushed snapshots")
+            return
+        table = Table("ID", "LABEL", "NODE", "IMAGE", "SESSIONS", "SIZE", "HERE", box=None)
+        for i in pushed:
+            table.add_row(
+                i.id, i.label or "", i.node, i.image, str(len(i.sessions)), fmt_bytes(i.bytes), "yes" if i.local else ""
+            )
+        out.print(table)
+        return
     with Snapshots(**c.sdk()) as snaps:
         infos = snaps.list(sandbox=sandbox)
     if as_json:
@@ -691,9 +714,17 @@ def snapshot_rm(
     ctx: typer.Context,
     sid: str = typer.Argument(..., metavar="SID", help="Snapshot id."),
     subtree: bool = typer.Option(False, "--subtree", help="Also delete every descendant."),
+    remote: bool = typer.Option(
+        False, "--remote", help="Delete its record in the metadata store instead (objects go with `store gc`)."
+    ),
 ) -> None:
-    """Delete a snapshot."""
+    """Delete a snapshot (or, with --remote, its pushed record)."""
     c = ctx_of(ctx)
+    if remote:
+        with Snapshots(**c.sdk()) as snaps:
+            snaps.delete_remote(sid)
+        out.print("removed the pushed record of snapshot %s (a local copy stays)" % sid)
+        return
     with Snapshots(**c.sdk()) as snaps:
         snaps.delete(sid, subtree=subtree)
     out.print("removed snapshot %s%s" % (sid, " and its descendants" if subtree else ""))
@@ -721,6 +752,72 @@ def snapshot_offload(
         out.print("[yellow]lost[/yellow] " + why)
 
 
+@snapshot_app.command("push")
+@cli_errors
+def snapshot_push(
+    ctx: typer.Context,
+    sid: str = typer.Argument(..., metavar="SID", help="Snapshot id."),
+    as_json: bool = typer.Option(False, "--json", help="Print the raw JSON result."),
+) -> None:
+    """Make a snapshot durable: its layers and session state to the object store, its record to
+    the metadata store (deduplicated; pushing again is a no-op)."""
+    c = ctx_of(ctx)
+    with Snapshots(**c.sdk()) as snaps:
+        r = snaps.push(sid)
+    if as_json:
+        print_json(r.raw)
+        return
+    if r.already:
+        out.print("snapshot %s was pushed before: durable" % sid)
+        return
+    out.print(
+        "snapshot %s durable: %d layer%s and %d process image%s pushed, %s uploaded (%s read), in %.0f ms"
+        % (
+            sid,
+            r.layers_pushed,
+            "" if r.layers_pushed == 1 else "s",
+            r.images_pushed,
+            "" if r.images_pushed == 1 else "s",
+            fmt_bytes(r.uploaded_bytes),
+            fmt_bytes(r.read_bytes),
+            r.took_ms or 0,
+        )
+    )
+    for why in r.lost:
+        out.print("[yellow]not kept[/yellow] " + why)
+
+
+@snapshot_app.command("pull")
+@cli_errors
+def snapshot_pull(
+    ctx: typer.Context,
+    sid: str = typer.Argument(..., metavar="SID", help="Snapshot id (see `snapshot ls --remote`)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the raw JSON result."),
+) -> None:
+    """Bring a pushed snapshot onto this daemon (creating a sandbox from it does this too)."""
+    c = ctx_of(ctx)
+    with Snapshots(**c.sdk()) as snaps:
+        r = snaps.pull(sid)
+    if as_json:
+        print_json(r.raw)
+        return
+    if r.already:
+        out.print("snapshot %s is here already" % sid)
+        return
+    out.print(
+        "snapshot %s pulled: %d layer%s, %d process image%s, %s downloaded, in %.0f ms"
+        % (
+            sid,
+            r.layers_pulled,
+            "" if r.layers_pulled == 1 else "s",
+            r.images_pulled,
+            "" if r.images_pulled == 1 else "s",
+            fmt_bytes(r.downloaded_bytes),
+            r.took_ms or 0,
+        )
+    )
+
+
 @snapshot_app.command("gc")
 @cli_errors
 def snapshot_gc(
@@ -737,6 +834,29 @@ def snapshot_gc(
     if result.deleted:
         line += ": " + " ".join(result.deleted)
     out.print(line)
+
+
+@store_app.command("gc")
+@cli_errors
+def store_gc(
+    ctx: typer.Context,
+    grace: Optional[float] = typer.Option(
+        None, "--grace", help="Keep unreachable objects younger than this many seconds (default: the daemon's)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the raw JSON result."),
+) -> None:
+    """Delete the objects no pushed snapshot reaches (safe while other daemons push: it waits for
+    none, and refuses while a push runs)."""
+    c = ctx_of(ctx)
+    with Snapshots(**c.sdk()) as snaps:
+        r = snaps.store_gc(grace)
+    if as_json:
+        print_json(r.raw)
+        return
+    out.print(
+        "%d objects, %d reachable: deleted %d (%s), kept %d younger than the grace period, in %.0f ms"
+        % (r.objects, r.reachable, r.deleted, fmt_bytes(r.deleted_bytes), r.young, r.took_ms or 0)
+    )
 
 
 # ----------------------------------------------------------------------------- images

@@ -434,7 +434,49 @@ def test_sandbox_snapshot_signatures() -> None:
 
 def test_snapshots_clients_mirror() -> None:
     s, a = _public(Snapshots), _public(AsyncSnapshots)
-    assert set(s) == set(a) == {"list", "get", "delete", "gc", "offload"}
+    assert set(s) == set(a) == {"list", "get", "delete", "gc", "offload", "push", "pull", "list_remote", "delete_remote", "store_gc"}
     for name in s:
         assert list(inspect.signature(s[name]).parameters) == list(inspect.signature(a[name]).parameters), name
         assert inspect.iscoroutinefunction(a[name]), name
+
+
+# ----------------------------------------------------------------------------- durable snapshots
+
+
+def test_remote_call_shapes() -> None:
+    info = SnapshotInfo.from_dict(SNAP)
+    cases = [
+        (_core.push_snapshot(SN1), "POST", "/v1/snapshots/" + SN1 + "/push", None),
+        (_core.push_snapshot(info), "POST", "/v1/snapshots/" + SN1 + "/push", None),
+        (_core.pull_snapshot(SN1), "POST", "/v1/snapshots/" + SN1 + "/pull", None),
+        (_core.list_remote_snapshots(), "GET", "/v1/remote/snapshots", None),
+        (_core.delete_remote_snapshot(SN1), "DELETE", "/v1/remote/snapshots/" + SN1, None),
+        (_core.store_gc(), "POST", "/v1/remote/gc", {}),
+        (_core.store_gc(0), "POST", "/v1/remote/gc", {"grace_seconds": 0}),
+        (_core.create_sandbox(None, snapshot=SN1), "POST", "/v1/sandboxes", {"snapshot": SN1, "timeout": 300}),
+    ]
+    for call, method, path, body in cases:
+        assert (call.method, call.path, call.json) == (method, path, body)
+    # Pushes and pulls move data: no read timeout.
+    assert _core.push_snapshot(SN1).unbounded and _core.pull_snapshot(SN1).unbounded
+    with pytest.raises(InvalidArgumentError):
+        _core.store_gc(-1)
+    with pytest.raises(InvalidArgumentError):
+        _core.push_snapshot("")
+
+
+def test_remote_results_parse(fake: FakeDaemon) -> None:
+    push = {"snapshot": SN1, "durability": "durable", "already": False, "layers_pushed": 2, "images_pushed": 1,
+            "uploaded_bytes": 1000, "read_bytes": 5000, "lost": [], "took_ms": 12.0}
+    remote = {"snapshots": [{"id": SN1, "sandbox_id": SID, "parent": None, "label": "x", "created_at": 1.0,
+                             "pushed_at": 2.0, "node": "a", "image": "base", "sessions": ["ss-1"], "bytes": 10,
+                             "local": False}], "store": "file:///s", "metadata": "sqlite:///m"}
+    fake.on("POST", "/v1/snapshots/" + SN1 + "/push", push)
+    fake.on("GET", "/v1/remote/snapshots", remote)
+    snaps = Snapshots(transport=fake.transport())
+    r = snaps.push(SN1)
+    assert r.durability == "durable" and r.layers_pushed == 2 and r.uploaded_bytes == 1000 and not r.already
+    (one,) = snaps.list_remote()
+    assert one.id == SN1 and one.node == "a" and one.sessions == ["ss-1"] and one.local is False
+    assert SnapshotInfo.from_dict(SNAP).durability == "node-local"
+    assert SnapshotInfo.from_dict(dict(SNAP, durability="durable")).durability == "durable"

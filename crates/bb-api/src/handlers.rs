@@ -61,6 +61,11 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         get_snapshot,
         delete_snapshot,
         offload_snapshot,
+        push_snapshot,
+        pull_snapshot,
+        list_remote_snapshots,
+        delete_remote_snapshot,
+        store_gc,
         gc_snapshots,
         get_pool,
         set_pool,
@@ -80,6 +85,12 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         PauseResult,
         ResumeResult,
         OffloadResult,
+        PushResult,
+        PullResult,
+        RemoteSnapshotInfo,
+        RemoteSnapshotList,
+        StoreGcRequest,
+        StoreGcResult,
         RunCommand,
         CommandResult,
         Started,
@@ -173,6 +184,8 @@ pub async fn health(State(rt): State<AppState>) -> Json<Health> {
         cgroup: rt.cgroups.version().to_string(),
         sandboxes: rt.count(),
         process_images: rt.process_image_stats(),
+        store: rt.store_urls().0,
+        metadata: rt.store_urls().1,
     })
 }
 
@@ -610,6 +623,45 @@ pub async fn delete_snapshot(
     (status = 503, description = "CRIU is not available", body = ErrorResponse)))]
 pub async fn offload_snapshot(State(rt): State<AppState>, P(sid): P<String>) -> ApiResult<Json<OffloadResult>> {
     Ok(Json(rt.offload_snapshot(&sid).await?))
+}
+
+#[utoipa::path(post, path = "/v1/snapshots/{sid}/push", params(("sid" = String, Path, description = "snapshot id")),
+    responses((status = 200, description = "durable: in the object store and the metadata store", body = PushResult),
+    (status = 404, body = ErrorResponse), (status = 409, body = ErrorResponse),
+    (status = 503, description = "the object store or metadata store is unreachable (the local snapshot is intact; push again)", body = ErrorResponse)))]
+pub async fn push_snapshot(State(rt): State<AppState>, P(sid): P<String>) -> ApiResult<Json<PushResult>> {
+    Ok(Json(rt.push_snapshot(&sid).await?))
+}
+
+#[utoipa::path(post, path = "/v1/snapshots/{sid}/pull", params(("sid" = String, Path, description = "snapshot id")),
+    responses((status = 200, body = PullResult), (status = 404, body = ErrorResponse),
+    (status = 503, description = "the object store or metadata store is unreachable", body = ErrorResponse)))]
+pub async fn pull_snapshot(State(rt): State<AppState>, P(sid): P<String>) -> ApiResult<Json<PullResult>> {
+    Ok(Json(rt.pull_snapshot(&sid).await?))
+}
+
+#[utoipa::path(get, path = "/v1/remote/snapshots", responses((status = 200, body = RemoteSnapshotList),
+    (status = 503, description = "the metadata store is unreachable", body = ErrorResponse)))]
+pub async fn list_remote_snapshots(State(rt): State<AppState>) -> ApiResult<Json<RemoteSnapshotList>> {
+    Ok(Json(rt.list_remote().await?))
+}
+
+#[utoipa::path(delete, path = "/v1/remote/snapshots/{sid}", params(("sid" = String, Path, description = "snapshot id")),
+    responses((status = 200, description = "its record is gone; its objects go with the next `POST /v1/remote/gc`", body = Done),
+    (status = 404, body = ErrorResponse), (status = 503, body = ErrorResponse)))]
+pub async fn delete_remote_snapshot(State(rt): State<AppState>, P(sid): P<String>) -> ApiResult<Json<Done>> {
+    rt.delete_remote(&sid).await?;
+    Ok(removed())
+}
+
+#[utoipa::path(post, path = "/v1/remote/gc", request_body = StoreGcRequest,
+    responses((status = 200, body = StoreGcResult), (status = 409, description = "a push or collection is under way", body = ErrorResponse),
+    (status = 503, body = ErrorResponse)))]
+pub async fn store_gc(
+    State(rt): State<AppState>,
+    JsonBody(req): JsonBody<StoreGcRequest>,
+) -> ApiResult<Json<StoreGcResult>> {
+    Ok(Json(rt.store_gc(req).await?))
 }
 
 #[utoipa::path(post, path = "/v1/snapshots/gc", request_body = GcRequest, responses((status = 200, body = GcResult), (status = 404, body = ErrorResponse)))]

@@ -37,7 +37,7 @@ mod store;
 
 pub use flatten::{flatten, flatten_onto, FlattenStats};
 pub use overlay::{mount_overlay, new_writable, overlay_fd, supports_reflink, unmount, OverlaySpec};
-pub use store::ImageStore;
+pub use store::{valid_layer_id, ImageStore};
 
 use bb_sys::SysError;
 use serde::{Deserialize, Serialize};

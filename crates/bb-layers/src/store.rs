@@ -36,7 +36,7 @@ pub(crate) enum Commit {
 }
 
 /// `sha256:<64 lowercase hex>` or `local:<32 lowercase hex>`.
-pub(crate) fn valid_layer_id(id: &str) -> bool {
+pub fn valid_layer_id(id: &str) -> bool {
     let hexok = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
     id.strip_prefix("sha256:").is_some_and(|h| hexok(h, 64)) || id.strip_prefix("local:").is_some_and(|h| hexok(h, 32))
 }

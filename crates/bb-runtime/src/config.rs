@@ -33,6 +33,24 @@ pub struct RuntimeConfig {
     /// Lets the daemon's injected `setns` through the sandboxes' seccomp filters (see
     /// `bb_isolation::SetnsKey`). Loaded from `<state>/setns.key` by [`crate::Runtime::open`].
     pub setns_key: [u64; 2],
+    /// Where the setns key is kept (default `<state>/setns.key`).
+    pub setns_key_file: Option<PathBuf>,
+    /// Where pushed snapshots go ([`crate::remote`]): `file:///dir` or
+    /// `s3://bucket/prefix?endpoint=...&region=...` (S3 credentials from the daemon's
+    /// environment). Default: `<state>/store`.
+    pub store_url: Option<String>,
+    /// S3 access key id and secret (the daemon took them from its environment at start).
+    pub store_credentials: Option<(String, String)>,
+    /// The metadata store shared by the daemons of one store: `postgres://...`, or a SQLite
+    /// file. Default: this daemon's own database (then only it sees its pushes).
+    pub metadata_url: Option<String>,
+    /// The deployment's store key (32 bytes; made, mode 0600, if missing). Every daemon sharing
+    /// a store needs the same one. Default: `<state>/store.key`.
+    pub store_key_file: Option<PathBuf>,
+    /// This daemon's name in the records it pushes. Default: the host name.
+    pub node_name: Option<String>,
+    /// Unreachable objects younger than this are kept by the store's collection.
+    pub store_gc_grace: std::time::Duration,
 }
 
 impl RuntimeConfig {
@@ -51,10 +69,17 @@ impl RuntimeConfig {
             max_templates: 64,
             max_chain: crate::compaction::MAX_CHAIN,
             setns_key: [0, 0],
+            setns_key_file: None,
             criu_bin: PathBuf::from("/usr/local/lib/branchbox/criu"),
             criu_exec_bin,
             max_image_bytes: 8 << 30,
             lazy_pages: true,
+            store_url: None,
+            store_credentials: None,
+            metadata_url: None,
+            store_key_file: None,
+            node_name: None,
+            store_gc_grace: std::time::Duration::from_secs(3600),
         }
     }
 }

@@ -10,7 +10,7 @@
 //! ├── Session(session::SessionError)           SessionFork(session::fork::SessionForkError)
 //! ├── RootSwap(sandbox::rootswap::RootSwapError)   Snapshot(snapshot::SnapshotError)
 //! ├── Pool(pool::PoolError)                    Files(sandbox::files::FilesError)
-//! ├── Image(process_images::ImageError)
+//! ├── Image(process_images::ImageError)       Remote(remote::RemoteError)
 //! ├── Survivors(sandbox::procs::SurvivorsError)  Layers(bb_layers::LayersError)
 //! ├── Isolation(bb_isolation::IsolationError)  Sys(bb_sys::SysError)
 //! └── Io { what, source }                      Worker(tokio::task::JoinError)
@@ -84,6 +84,8 @@ pub enum RuntimeError {
     Image(#[from] crate::process_images::ImageError),
     #[error(transparent)]
     Survivors(#[from] crate::sandbox::procs::SurvivorsError),
+    #[error(transparent)]
+    Remote(#[from] crate::remote::RemoteError),
     /// Failures of the layer store itself; bad input to it is a `BadRequest` or `NotFound`.
     #[error("layers: {0}")]
     Layers(bb_layers::LayersError),
@@ -111,6 +113,7 @@ impl RuntimeError {
             RuntimeError::TooLarge(_) => ErrorKind::TooLarge,
             RuntimeError::Unavailable(_) => ErrorKind::Unavailable,
             RuntimeError::Init(e) => e.kind(),
+            RuntimeError::Remote(e) if e.unavailable() => ErrorKind::Unavailable,
             _ => ErrorKind::Internal,
         }
     }

@@ -44,6 +44,7 @@ pub mod pool;
 pub mod process_images;
 pub mod recipes;
 pub mod recover;
+pub mod remote;
 pub mod sandbox;
 pub mod session;
 pub mod session_templates;
@@ -80,6 +81,10 @@ pub struct Runtime {
     compaction: compaction::Compaction,
     /// Requests that run code in sandboxes, for background work that waits for a pause.
     activity: activity::Activity,
+    /// The object store and metadata store of durable snapshots.
+    remote: remote::Remote,
+    /// One pull at a time (two pulls of one snapshot would download it twice).
+    pulls: tokio::sync::Mutex<()>,
 }
 
 impl Runtime {
@@ -89,7 +94,8 @@ impl Runtime {
         if !cfg.init_bin.is_file() {
             return Err(statedir::StateDirError::InitBinary(cfg.init_bin.clone()).into());
         }
-        cfg.setns_key = statedir::load_setns_key(&cfg.state_dir)?;
+        cfg.setns_key =
+            statedir::load_setns_key(&cfg.setns_key_file.clone().unwrap_or_else(|| cfg.state_dir.join("setns.key")))?;
         let cgroups = CgroupLayout::detect(&cfg.cgroup_parent)?;
         if let Err(e) = cgroups.pin_freezer() {
             tracing::warn!("could not pin the cgroup v1 freezer (every freeze will cost more): {e}");
@@ -107,6 +113,7 @@ impl Runtime {
             cfg.lazy_pages,
         )?;
         let pool = pool::WarmPool::open(&db)?;
+        let remote = remote::Remote::new(&cfg, &db)?;
         // An image's layers may not be deleted while a sandbox or a pool shell stands on them.
         let pins = pool.pins();
         images.set_layer_in_use_check(move |layer| images::layer_in_use(&db, &pins, layer));
@@ -123,6 +130,8 @@ impl Runtime {
             hugepages: Default::default(),
             compaction: Default::default(),
             activity: Default::default(),
+            remote,
+            pulls: Default::default(),
         });
         rt.recover()?;
         Ok(rt)

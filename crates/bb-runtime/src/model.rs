@@ -13,6 +13,12 @@ pub struct CreateSandbox {
     /// in the template's sandbox. Limits, env, cwd, metadata and timeout still apply.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub template: Option<String>,
+    /// Start from this snapshot (taken here, or pushed by any daemon sharing the object store
+    /// and metadata store: pulled first): its files, and its sessions restored from their
+    /// templates or process images. The snapshot's image and limits are kept; env, metadata and
+    /// timeout of the request apply.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
     /// CPUs (1.0 = one core).
     pub cpu: Option<f64>,
     pub memory_mb: Option<u64>,
@@ -331,6 +337,12 @@ pub struct Health {
     pub sandboxes: usize,
     /// Process images (CRIU): whether they are on, and the disk they use.
     pub process_images: ProcessImageStats,
+    /// Where pushed snapshots go (`--store-url`) and where they are recorded
+    /// (`--metadata-url`), credentials left out.
+    #[serde(default)]
+    pub store: String,
+    #[serde(default)]
+    pub metadata: String,
 }
 
 /// What the daemon keeps as process images (see `GET /v1/health`).
@@ -462,9 +474,17 @@ pub struct SnapshotInfo {
     /// Background processes kept (`processes: "all"` checkpoints).
     #[serde(default)]
     pub processes: Vec<SnapshotProcessInfo>,
+    /// `node-local` (on this node's disk) or `durable` (pushed: in the object store and the
+    /// metadata store, it survives the loss of this node).
+    #[serde(default = "node_local")]
+    pub durability: String,
     /// How long the checkpoint took (only in the checkpoint response).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub took_ms: Option<f64>,
+}
+
+fn node_local() -> String {
+    "node-local".into()
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -667,4 +687,88 @@ pub struct ResumeResult {
     /// background (lazy pages; false: it was read in full first).
     #[serde(default)]
     pub lazy_pages: bool,
+}
+
+/// A snapshot made durable: its layers and process images in the object store, its record in
+/// the metadata store (`durable`: it survives the loss of this node).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct PushResult {
+    pub snapshot: String,
+    /// `durable` once pushed.
+    pub durability: String,
+    /// It was pushed before: nothing was uploaded.
+    pub already: bool,
+    /// Layers and process images uploaded now (the others were in the store already).
+    pub layers_pushed: usize,
+    pub images_pushed: usize,
+    /// Bytes written to the object store (sealed, compressed), and file bytes read to make them.
+    pub uploaded_bytes: u64,
+    pub read_bytes: u64,
+    /// Sessions whose state the snapshot does not hold (they start fresh where it is restored).
+    pub lost: Vec<String>,
+    pub took_ms: f64,
+}
+
+/// A pushed snapshot brought into this daemon's state (layers and images it lacked downloaded).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct PullResult {
+    pub snapshot: String,
+    /// The snapshot was here already (taken or pulled before): nothing was downloaded.
+    pub already: bool,
+    pub layers_pulled: usize,
+    pub images_pulled: usize,
+    /// Bytes read from the object store (sealed, compressed).
+    pub downloaded_bytes: u64,
+    pub took_ms: f64,
+}
+
+/// A snapshot record in the metadata store (what `snapshot ls --remote` shows).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RemoteSnapshotInfo {
+    pub id: String,
+    /// Sandbox it was taken in (on the daemon that pushed it).
+    pub sandbox_id: String,
+    pub parent: Option<String>,
+    pub label: Option<String>,
+    pub created_at: f64,
+    pub pushed_at: f64,
+    /// The daemon that pushed it (`--node-name`).
+    pub node: String,
+    /// Image name of the sandbox it was taken in.
+    pub image: String,
+    pub sessions: Vec<String>,
+    /// File bytes of its layers and process images.
+    pub bytes: u64,
+    /// This daemon has it (taken here, or pulled).
+    pub local: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RemoteSnapshotList {
+    pub snapshots: Vec<RemoteSnapshotInfo>,
+    /// The object store and the metadata store (credentials left out).
+    pub store: String,
+    pub metadata: String,
+}
+
+/// `POST /v1/remote/gc`: collect objects of the object store that no snapshot record reaches.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StoreGcRequest {
+    /// Objects younger than this many seconds are kept even when unreachable (an upload in
+    /// flight on another daemon). Default: the daemon's `--store-gc-grace`.
+    pub grace_seconds: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct StoreGcResult {
+    /// Objects in the store before, and those reached from a record.
+    pub objects: usize,
+    pub reachable: usize,
+    /// Unreachable objects deleted, and their bytes.
+    pub deleted: usize,
+    pub deleted_bytes: u64,
+    /// Unreachable objects kept because they are younger than the grace period.
+    pub young: usize,
+    pub took_ms: f64,
 }

@@ -99,6 +99,11 @@ fn settle_strays(bins: &[&Path], images: &Path, patience: std::time::Duration) {
     }
 }
 
+/// `pi-` and 12 lowercase hex digits (what [`new_image_id`] makes): no path can hide in one.
+pub fn valid_image_id(id: &str) -> bool {
+    id.strip_prefix("pi-").is_some_and(|h| h.len() == 12 && h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+}
+
 fn new_image_id() -> String {
     format!("pi-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
 }
@@ -345,6 +350,32 @@ impl ProcessImages {
     /// The manifest of image `id`, if it is readable.
     pub fn manifest(&self, id: &str) -> Option<bb_criu::Manifest> {
         bb_criu::Manifest::read(&self.path(id)).ok()
+    }
+
+    /// Where an image pulled from the object store is written before [`ProcessImages::adopt`]
+    /// takes it in (a temp dir: a crash leaves nothing that looks like an image).
+    pub fn staging(&self, id: &str) -> PathBuf {
+        self.dir.join(format!(".tmp-{id}"))
+    }
+
+    /// Take in an image written to [`ProcessImages::staging`] under `row.id`, with its record.
+    /// Spared by collection until [`ProcessImages::settled`], like a fresh dump.
+    pub fn adopt(&self, row: &ImageRow) -> crate::Result<()> {
+        if !valid_image_id(&row.id) {
+            return Err(crate::RuntimeError::BadRequest(format!("{:?} is not a process image id", row.id)));
+        }
+        std::fs::rename(self.staging(&row.id), self.path(&row.id))
+            .map_err(crate::RuntimeError::io("keep a pulled process image"))?;
+        self.unsettled.lock().insert(row.id.clone());
+        self.rows
+            .lock()
+            .execute(
+                "INSERT OR IGNORE INTO process_images (id, kind, sandbox_id, template, channel_fd, bytes, created_at, last_used)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
+                params![row.id, row.kind, row.sandbox_id, row.template, row.channel_fd, row.bytes as i64, crate::now()],
+            )
+            .map_err(crate::db::DbError::from)?;
+        Ok(())
     }
 
     /// Image `id` is named by the record that keeps it (or deleted): collection may judge it.

@@ -227,6 +227,7 @@ impl Runtime {
             network: None,
             metadata,
             template: None,
+            snapshot: None,
             lifecycle: None,
         }
     }

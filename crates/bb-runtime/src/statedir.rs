@@ -178,10 +178,12 @@ fn spread_directories(state_dir: &Path) {
     }
 }
 
-/// The daemon's setns key: 16 random bytes in `<state>/setns.key` (0600), made on first start.
-/// It must outlive restarts: sandboxes started earlier have it compiled into their filters.
-pub fn load_setns_key(state_dir: &Path) -> Result<[u64; 2], StateDirError> {
-    let path = state_dir.join("setns.key");
+/// The daemon's setns key: 16 random bytes in `path` (default `<state>/setns.key`, 0600), made
+/// on first start. It must outlive restarts: sandboxes started earlier have it compiled into
+/// their filters, and so do processes restored from their images, on any daemon: daemons that
+/// share an object store share this file too (`--setns-key-file`).
+pub fn load_setns_key(path: &Path) -> Result<[u64; 2], StateDirError> {
+    let path = path.to_path_buf();
     let buf = bb_sys::secret::load_or_create(&path, 16)
         .map_err(|e| StateDirError::SetnsKey { path: path.clone(), problem: e.to_string() })?;
     let key = [

@@ -19,14 +19,21 @@
 //! Objects are never overwritten (`PutMode::Create`): a chunk already there is skipped, which is
 //! also how a second daemon pushing the same content costs nothing. A pack's index is written
 //! after the pack, so no index names a pack that is not all there.
+//!
+//! **Trees** ([`tree`]): a directory (an overlayfs layer, a CRIU image directory) is stored as
+//! its files' chunks plus a manifest (one entry per path: type, mode, owner, mtime, xattrs,
+//! symlink target, hard link, chunk list), itself stored as chunks; [`TreeRef`] names it by a
+//! keyed hash of its content, so pushing an unchanged tree twice writes nothing.
 
 mod keys;
 mod pack;
 pub mod seal;
+pub mod tree;
 mod url;
 
 pub use keys::Keys;
 pub use pack::{PackId, Packer};
+pub use tree::{TreeRef, TreeStats};
 pub use url::StoreUrl;
 
 use futures::{StreamExt, TryStreamExt};
@@ -37,10 +44,53 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use thiserror::Error;
 
-/// Smallest, average and largest chunk (bytes): a file smaller than `MIN_CHUNK` is one chunk.
+/// Smallest, average and largest chunk (bytes) by default ([`ChunkSizes::DEFAULT`]): a file
+/// smaller than `MIN_CHUNK` is one chunk. Chunks under `MIN_CHUNK` go into packs; no chunk is
+/// ever larger than `MAX_CHUNK`.
 pub const MIN_CHUNK: u32 = 256 << 10;
 pub const AVG_CHUNK: u32 = 1 << 20;
 pub const MAX_CHUNK: u32 = 4 << 20;
+
+/// Where FastCDC may cut a file (bytes): never before `min`, about every `avg`, at `max` at the
+/// latest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkSizes {
+    pub min: u32,
+    pub avg: u32,
+    pub max: u32,
+}
+
+impl ChunkSizes {
+    /// For most files: 256 KiB .. 1 MiB .. 4 MiB.
+    pub const DEFAULT: ChunkSizes = ChunkSizes { min: MIN_CHUNK, avg: AVG_CHUNK, max: MAX_CHUNK };
+    /// For CRIU page files (`pages-*.img`): 16 KiB .. 64 KiB .. 256 KiB. Two dumps of one process
+    /// differ in scattered pages; with 1 MiB chunks every changed page re-uploads ~1-3 MiB around
+    /// it, with these ~100 KiB. The chunks are under [`MIN_CHUNK`], so they are packed: a 1 GiB
+    /// image is ~64 pack objects, not 16,000.
+    pub const PAGES: ChunkSizes = ChunkSizes { min: 16 << 10, avg: 64 << 10, max: 256 << 10 };
+
+    /// The sizes for a file named `name`.
+    pub fn for_file(name: &std::ffi::OsStr) -> ChunkSizes {
+        use std::os::unix::ffi::OsStrExt;
+        let n = name.as_bytes();
+        if n.starts_with(b"pages-") && n.ends_with(b".img") {
+            ChunkSizes::PAGES
+        } else {
+            ChunkSizes::DEFAULT
+        }
+    }
+
+    /// Within FastCDC's bounds and at most [`MAX_CHUNK`].
+    fn valid(&self) -> bool {
+        use fastcdc::v2020 as f;
+        let (min, avg, max) = (self.min as usize, self.avg as usize, self.max as usize);
+        (f::MINIMUM_MIN..=f::MINIMUM_MAX).contains(&min)
+            && (f::AVERAGE_MIN..=f::AVERAGE_MAX).contains(&avg)
+            && (f::MAXIMUM_MIN..=(MAX_CHUNK as usize).min(f::MAXIMUM_MAX)).contains(&max)
+            && min <= avg
+            && avg <= max
+    }
+}
 /// Uploads or downloads of one call in flight at once (default).
 pub const DEFAULT_CONCURRENCY: usize = 8;
 
@@ -60,6 +110,8 @@ pub enum StoreError {
     Missing { store: String, key: String },
     #[error("store key file {path}: {why}")]
     KeyFile { path: PathBuf, why: String },
+    #[error("tree {tree}: {why}")]
+    BadTree { tree: String, why: String },
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -77,9 +129,60 @@ impl StoreError {
 
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
-/// A chunk's name: the keyed BLAKE3 hash of its plaintext.
+/// A chunk's name: the keyed BLAKE3 hash of its plaintext. Serialized as hex in human-readable
+/// formats (JSON), as 32 bytes in binary ones.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ChunkId(pub [u8; 32]);
+
+impl serde::Serialize for ChunkId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        ids::serialize(&self.0, s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ChunkId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        ids::deserialize(d).map(ChunkId)
+    }
+}
+
+/// Fixed-size ids: hex strings where a format is read by people, bytes elsewhere.
+pub(crate) mod ids {
+    use serde::de::{Error, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(id: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        if s.is_human_readable() {
+            s.serialize_str(&hex::encode(id))
+        } else {
+            s.serialize_bytes(id)
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>, const N: usize>(d: D) -> Result<[u8; N], D::Error> {
+        struct Id<const N: usize>;
+        impl<const N: usize> Visitor<'_> for Id<N> {
+            type Value = [u8; N];
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                write!(f, "{N} bytes or {} hex digits", 2 * N)
+            }
+            fn visit_str<E: Error>(self, v: &str) -> Result<[u8; N], E> {
+                let mut out = [0u8; N];
+                hex::decode_to_slice(v, &mut out)
+                    .map_err(|_| E::invalid_value(serde::de::Unexpected::Str(v), &self))?;
+                Ok(out)
+            }
+            fn visit_bytes<E: Error>(self, v: &[u8]) -> Result<[u8; N], E> {
+                v.try_into().map_err(|_| E::invalid_length(v.len(), &self))
+            }
+        }
+        if d.is_human_readable() {
+            d.deserialize_str(Id::<N>)
+        } else {
+            d.deserialize_bytes(Id::<N>)
+        }
+    }
+}
 
 impl std::fmt::Display for ChunkId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -96,7 +199,7 @@ impl ChunkId {
 }
 
 /// A chunk of a file: its name, plaintext length and where it is stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct ChunkRef {
     pub id: ChunkId,
     pub len: u32,
@@ -104,7 +207,7 @@ pub struct ChunkRef {
 }
 
 /// Where a chunk's sealed bytes are.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Location {
     /// Its own object ([`ChunkId::key`]).
     Own,
@@ -270,26 +373,41 @@ impl Store {
     /// those under [`MIN_CHUNK`] go to `packer`, whose [`Packer::finish`] must succeed before
     /// the references are used). Returns its chunks in order.
     pub async fn put_file(&self, path: &Path, packer: &Packer) -> Result<Vec<ChunkRef>> {
+        self.put_file_with(path, packer, ChunkSizes::DEFAULT).await
+    }
+
+    /// [`Store::put_file`] cutting at `sizes` (e.g. [`ChunkSizes::for_file`]).
+    pub async fn put_file_with(&self, path: &Path, packer: &Packer, sizes: ChunkSizes) -> Result<Vec<ChunkRef>> {
+        let file = std::fs::File::open(path).map_err(StoreError::io(format!("open {}", path.display())))?;
+        self.put_open_file(file, path.display().to_string(), packer, sizes).await
+    }
+
+    /// [`Store::put_file_with`] for an open file (`name` for messages).
+    pub(crate) async fn put_open_file(
+        &self,
+        file: std::fs::File,
+        name: String,
+        packer: &Packer,
+        sizes: ChunkSizes,
+    ) -> Result<Vec<ChunkRef>> {
+        if !sizes.valid() {
+            return Err(StoreError::Io {
+                what: format!("chunking {name}"),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("chunk sizes {sizes:?}")),
+            });
+        }
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>>>(self.concurrency);
-        let src = path.to_path_buf();
         // Reading and cutting are blocking work; uploads overlap them.
         let reader = tokio::task::spawn_blocking(move || {
-            let file = match std::fs::File::open(&src) {
-                Ok(f) => f,
-                Err(e) => {
-                    let _ = tx.blocking_send(Err(StoreError::io(format!("open {}", src.display()))(e)));
-                    return;
-                }
-            };
             let cuts = fastcdc::v2020::StreamCDC::new(
                 std::io::BufReader::new(file),
-                MIN_CHUNK as usize,
-                AVG_CHUNK as usize,
-                MAX_CHUNK as usize,
+                sizes.min as usize,
+                sizes.avg as usize,
+                sizes.max as usize,
             );
             for cut in cuts {
                 let item = cut.map(|c| c.data).map_err(|e| StoreError::Io {
-                    what: format!("read {}", src.display()),
+                    what: format!("read {name}"),
                     source: std::io::Error::other(e.to_string()),
                 });
                 let stop = item.is_err();

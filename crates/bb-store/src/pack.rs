@@ -21,9 +21,21 @@ pub const MULTIPART_PART: usize = 8 << 20;
 /// Bytes of one index entry.
 pub const INDEX_ENTRY: usize = 32 + 8 + 4 + 4;
 
-/// A pack's name.
+/// A pack's name (hex in human-readable formats, 16 bytes in binary ones).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PackId(pub [u8; 16]);
+
+impl serde::Serialize for PackId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        crate::ids::serialize(&self.0, s)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for PackId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        crate::ids::deserialize(d).map(PackId)
+    }
+}
 
 impl std::fmt::Display for PackId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -43,7 +55,8 @@ impl PackId {
         format!("packs/{}/{h}", &h[..2])
     }
 
-    fn index_key(&self) -> String {
+    /// Its index object's key.
+    pub fn index_key(&self) -> String {
         format!("{}.idx", self.key())
     }
 }

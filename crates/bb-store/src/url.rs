@@ -79,7 +79,7 @@ impl StoreUrl {
                 let retry = RetryConfig {
                     backoff: BackoffConfig::default(),
                     max_retries: 6,
-                    retry_timeout: Duration::from_secs(60),
+                    retry_timeout: Duration::from_secs(20),
                 };
                 let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket).with_region(region).with_retry(retry);
                 if let Some((id, secret)) = credentials {

@@ -74,13 +74,53 @@ struct Args {
     /// Kill every sandbox when the daemon exits (default: they survive and are re-attached).
     #[arg(long)]
     kill_on_exit: bool,
+    /// Object store for pushed snapshots: `file:///dir` or
+    /// `s3://bucket/prefix?endpoint=http://host:port&region=...` (S3 credentials from
+    /// AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the daemon's environment; never passed to a
+    /// sandbox). Default: `<state-dir>/store`.
+    #[arg(long, env = "BRANCHBOX_STORE_URL")]
+    store_url: Option<String>,
+    /// Metadata store shared by the daemons of one object store: `postgres://user:pw@host/db`
+    /// or a SQLite file. Default: the daemon's own database (only it sees its pushes).
+    #[arg(long, env = "BRANCHBOX_METADATA_URL")]
+    metadata_url: Option<String>,
+    /// The deployment's store key (32 bytes, made with mode 0600 if missing); every daemon of
+    /// one object store needs the same key. Default: `<state-dir>/store.key`.
+    #[arg(long, env = "BRANCHBOX_STORE_KEY_FILE")]
+    store_key_file: Option<PathBuf>,
+    /// The key that lets this daemon's injected `setns` through sandbox seccomp filters (16
+    /// bytes, made with mode 0600 if missing). Processes restored from process images carry the
+    /// key of the daemon that started them: daemons sharing an object store share this file,
+    /// or live forks of pulled snapshots start fresh sessions. Default: `<state-dir>/setns.key`.
+    #[arg(long, env = "BRANCHBOX_SETNS_KEY_FILE")]
+    setns_key_file: Option<PathBuf>,
+    /// This daemon's name in the snapshot records it pushes. Default: the host name.
+    #[arg(long)]
+    node_name: Option<String>,
+    /// Seconds an unreachable object of the object store is kept before `store gc` deletes it
+    /// (uploads in flight on other daemons are younger).
+    #[arg(long, default_value_t = 3600)]
+    store_gc_grace: u64,
     /// Print the OpenAPI document and exit.
     #[arg(long)]
     print_openapi: bool,
 }
 
+/// S3 credentials from the environment, which is then cleared of them (and of the metadata URL,
+/// which may hold a password): no child the daemon starts (CRIU, a sandbox's init) inherits
+/// them. Runs before any thread exists.
+fn take_secrets() -> Option<(String, String)> {
+    let id = std::env::var("AWS_ACCESS_KEY_ID").ok();
+    let secret = std::env::var("AWS_SECRET_ACCESS_KEY").ok();
+    for k in ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "BRANCHBOX_METADATA_URL"] {
+        std::env::remove_var(k);
+    }
+    id.zip(secret)
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let store_credentials = take_secrets();
     if args.print_openapi {
         print!("{}", bb_api::openapi_json());
         return Ok(());
@@ -88,10 +128,14 @@ fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("BRANCHBOX_LOG").unwrap_or_else(|_| "info".into()))
         .init();
-    tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("branchboxd").build()?.block_on(run(args))
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("branchboxd")
+        .build()?
+        .block_on(run(args, store_credentials))
 }
 
-async fn run(args: Args) -> anyhow::Result<()> {
+async fn run(args: Args, store_credentials: Option<(String, String)>) -> anyhow::Result<()> {
     if args.listen.is_some() && args.token.as_deref().unwrap_or("").is_empty() {
         bail!("--listen needs --token (or BRANCHBOX_TOKEN): the TCP API must not be open to anyone");
     }
@@ -112,6 +156,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     cfg.max_chain = args.max_chain;
     cfg.idmap.host_base = args.uid_base;
+    cfg.store_url = args.store_url;
+    cfg.store_credentials = store_credentials;
+    cfg.metadata_url = args.metadata_url;
+    cfg.store_key_file = args.store_key_file;
+    cfg.setns_key_file = args.setns_key_file;
+    cfg.node_name = args.node_name;
+    cfg.store_gc_grace = Duration::from_secs(args.store_gc_grace);
     // One daemon per state dir: a second one would re-run recovery over the first one's live
     // sandboxes. The lock is held (by this open fd) for the daemon's lifetime.
     std::fs::create_dir_all(&args.state_dir).with_context(|| format!("creating {}", args.state_dir.display()))?;

@@ -134,6 +134,12 @@ impl Runtime {
 
     pub async fn create(self: &Arc<Self>, req: CreateSandbox) -> Result<SandboxInfo> {
         self.check_capacity(1)?;
+        if let Some(sid) = req.snapshot.clone() {
+            if req.template.is_some() {
+                return Err(RuntimeError::BadRequest("give a template or a snapshot to create from, not both".into()));
+            }
+            return self.create_from_snapshot(&sid, req).await;
+        }
         if let Some(name) = req.template.clone() {
             return self.create_from_template(&name, req).await;
         }

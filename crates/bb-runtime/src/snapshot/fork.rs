@@ -437,3 +437,114 @@ impl Runtime {
         self.all_or_none(futures::future::join_all(jobs).await).await
     }
 }
+
+impl Runtime {
+    /// `Sandbox.create(snapshot=...)`: a new sandbox with the snapshot's files and sessions. A
+    /// snapshot this daemon lacks is pulled from the metadata and object stores first
+    /// ([`crate::remote`]).
+    ///
+    /// When the snapshot's sandbox runs here, this is a fork of one child (live session copies).
+    /// Otherwise (a pulled snapshot, or its sandbox is gone) the new sandbox *adopts* the
+    /// snapshot: its session templates are restored from their process images into it and
+    /// the snapshot is recorded as its, so later forks of the snapshot are live copies nested in
+    /// it and rollbacks in it restore the sessions; each session is forked from its template.
+    /// The snapshot's image, limits and cwd are kept; the request's env is added, its metadata
+    /// and timeout apply.
+    pub(crate) async fn create_from_snapshot(self: &Arc<Self>, sid: &str, req: CreateSandbox) -> Result<SandboxInfo> {
+        if req.image.is_some()
+            || req.cpu.is_some()
+            || req.memory_mb.is_some()
+            || req.pids.is_some()
+            || req.cwd.is_some()
+        {
+            return Err(RuntimeError::BadRequest(
+                "a sandbox created from a snapshot keeps the snapshot's image, cpu, memory_mb, pids and cwd: leave them out"
+                    .into(),
+            ));
+        }
+        let timeout = match req.timeout {
+            None => Some(300.0),
+            Some(t) if t >= 0.0 && t.is_finite() => (t > 0.0).then_some(t),
+            Some(_) => return Err(RuntimeError::BadRequest("timeout must be >= 0 seconds (0 = no limit)".into())),
+        };
+        if self.snapshots.records().get(sid)?.is_none() {
+            self.pull_snapshot(sid).await?;
+        }
+        let _adopting = self.pulls.lock().await;
+        let snap = self.snapshot_row(sid)?;
+        let mut spec = snap.spec.clone();
+        spec.env.extend(req.env);
+        if !req.metadata.is_empty() {
+            spec.metadata = req.metadata;
+        }
+        spec.timeout = timeout;
+        if let Some(l) = req.lifecycle {
+            spec.lifecycle = l;
+        }
+        if self.get(&snap.sandbox_id).is_ok_and(|p| !p.is_dead()) {
+            let (mut children, why) = self.fork_snapshot(&snap, &spec, 1, timeout).await?;
+            if let Some(why) = why {
+                tracing::info!(snapshot = %sid, "sandbox created from a snapshot with fresh sessions: {why}");
+            }
+            return Ok(children.remove(0).info());
+        }
+        let child = self.create_from(spec, snap.layers.clone(), Some(snap.id.clone()), timeout, None).await?;
+        let res: Result<()> = async {
+            self.snapshots.records().set_sandbox(&snap.id, &child.id)?;
+            let snap = SnapshotRow { sandbox_id: child.id.clone(), ..snap.clone() };
+            let _op = child.begin_op().await;
+            let mut sessions = child.sessions.lock().await;
+            let mut restarted = false;
+            for ss in &snap.sessions {
+                let copy = match self.ensure_template(&child, &snap, ss, false).await {
+                    Ok((t, _)) => {
+                        t.fork_begin("restore").await.map_err(|e| format!("forking its template failed: {e}"))
+                    }
+                    Err(why) => Err(why),
+                };
+                let s = match copy {
+                    Ok(p) => {
+                        let pid = p.pid;
+                        let chan = p.channel();
+                        let keep = chan.try_clone().map_err(RuntimeError::io("socket"))?;
+                        let s = Session::attach(ss.id.clone(), ss.kind.clone(), pid, now(), chan)?;
+                        let tag = session::session_tag(&ss.id, &ss.kind, ss.default);
+                        crate::sandbox::sessions::adopt(&child, pid, tag, ss.id.clone(), &keep).await?;
+                        s
+                    }
+                    Err(why) => {
+                        tracing::info!(snapshot = %sid, session = %ss.id, "session starts fresh: {why}");
+                        restarted = true;
+                        crate::sandbox::sessions::create_as(
+                            &child,
+                            Some(ss.id.clone()),
+                            &ss.kind,
+                            ss.default,
+                            None,
+                            &Default::default(),
+                        )
+                        .await?
+                    }
+                };
+                if ss.default {
+                    *child.default_session.lock().await = Some(ss.id.clone());
+                }
+                sessions.insert(ss.id.clone(), Arc::new(s));
+            }
+            drop(sessions);
+            let (_, not_restored) = self.restore_snapshot_processes(&child, &snap, false).await;
+            for why in not_restored {
+                tracing::warn!(snapshot = %sid, sandbox = %child.id, "a background process was not restored: {why}");
+            }
+            child.dirty.store(restarted, Ordering::SeqCst);
+            self.make_spares(&child, snap.sessions.iter().filter_map(|ss| ss.template.clone()).collect());
+            Ok(())
+        }
+        .await;
+        if let Err(e) = res {
+            let _ = self.kill(&child.id).await;
+            return Err(e);
+        }
+        Ok(child.info())
+    }
+}

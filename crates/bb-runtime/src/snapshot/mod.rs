@@ -114,6 +114,11 @@ impl Runtime {
                 .iter()
                 .map(|p| crate::model::SnapshotProcessInfo { pid: p.pid, cmd: p.tag.clone() })
                 .collect(),
+            durability: if self.snapshots.records().is_durable(&row.id).unwrap_or(false) {
+                "durable".into()
+            } else {
+                "node-local".into()
+            },
             took_ms: None,
         }
     }

@@ -197,7 +197,7 @@ impl Runtime {
     /// its root swap (the processes the rollback killed are gone first: the trees come back
     /// under the same pids), and register them with init under their commands. Returns the
     /// restored roots, and why the others were not. `eager`: their memory is read in full first.
-    async fn restore_snapshot_processes(
+    pub(crate) async fn restore_snapshot_processes(
         self: &Arc<Self>,
         sb: &Arc<crate::sandbox::Sandbox>,
         snap: &super::store::SnapshotRow,

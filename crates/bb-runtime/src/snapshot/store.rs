@@ -88,6 +88,10 @@ impl SnapStore {
                 sandbox_id TEXT PRIMARY KEY,
                 gen TEXT NOT NULL
             );
+            CREATE TABLE IF NOT EXISTS durable_snapshots (
+                id TEXT PRIMARY KEY,
+                at REAL NOT NULL
+            );
             CREATE INDEX IF NOT EXISTS snapshots_by_parent ON snapshots(parent);
             CREATE INDEX IF NOT EXISTS snapshots_by_sandbox ON snapshots(sandbox_id);",
         )?;
@@ -272,6 +276,7 @@ impl SnapStore {
             tx.execute("UPDATE snapshots SET parent = ?2 WHERE parent = ?1", params![id, p])?;
             tx.execute("DELETE FROM snapshots WHERE id = ?1", params![id])?;
             tx.execute("DELETE FROM snapshot_session_templates WHERE snap_id = ?1", params![id])?;
+            tx.execute("DELETE FROM durable_snapshots WHERE id = ?1", params![id])?;
         }
         tx.commit()?;
         Ok(())
@@ -392,6 +397,33 @@ impl SnapStore {
         }
         tx.commit()?;
         Ok(n)
+    }
+
+    /// Snapshot `id` is in the object store and recorded in the metadata store (pushed here, or
+    /// pulled): its durability is `durable`.
+    pub fn set_durable(&self, id: &str) -> Result<()> {
+        self.conn
+            .execute("INSERT OR IGNORE INTO durable_snapshots (id, at) VALUES (?1, ?2)", params![id, crate::now()])?;
+        Ok(())
+    }
+
+    pub fn is_durable(&self, id: &str) -> Result<bool> {
+        Ok(self
+            .conn
+            .query_row("SELECT count(*) > 0 FROM durable_snapshots WHERE id = ?1", params![id], |r| r.get(0))?)
+    }
+
+    /// Its record left the metadata store (deleted there): node-local again.
+    pub fn clear_durable(&self, id: &str) -> Result<()> {
+        self.conn.execute("DELETE FROM durable_snapshots WHERE id = ?1", params![id])?;
+        Ok(())
+    }
+
+    /// The sandbox whose namespaces hold snapshot `id`'s session templates is now `sandbox_id`
+    /// (a pulled snapshot is adopted by the first sandbox made from it here).
+    pub fn set_sandbox(&self, id: &str, sandbox_id: &str) -> Result<()> {
+        self.conn.execute("UPDATE snapshots SET sandbox_id = ?2 WHERE id = ?1", params![id, sandbox_id])?;
+        Ok(())
     }
 
     pub fn layer_size(&self, id: &str) -> Result<Option<u64>> {
