@@ -35,6 +35,7 @@ from .models import (
     OffloadResult,
     PullResult,
     PushResult,
+    RemotePausedInfo,
     RemoteSnapshotInfo,
     StoreGcResult,
     ResumeResult,
@@ -407,8 +408,11 @@ def set_timeout(sandbox_id: str, seconds: float) -> Call:
     )
 
 
-def pause_sandbox(sandbox_id: str) -> Call:
-    return Call("POST", _sbx(sandbox_id) + "/pause", parse=PauseResult.from_dict)
+def pause_sandbox(sandbox_id: str, push: bool = False) -> Call:
+    if not isinstance(push, bool):
+        raise exc.InvalidArgumentError("push must be True or False, not %r" % (push,))
+    body = {"push": True} if push else None
+    return Call("POST", _sbx(sandbox_id) + "/pause", json=body, parse=PauseResult.from_dict, unbounded=push)
 
 
 def resume_sandbox(sandbox_id: str, timeout: Optional[float] = None) -> Call:
@@ -827,6 +831,10 @@ def pull_snapshot(sid: Any) -> Call:
 
 def list_remote_snapshots() -> Call:
     return Call("GET", "/v1/remote/snapshots", parse=_list_of("snapshots", RemoteSnapshotInfo))
+
+
+def list_remote_paused() -> Call:
+    return Call("GET", "/v1/remote/snapshots", parse=_list_of("paused", RemotePausedInfo))
 
 
 def delete_remote_snapshot(sid: Any) -> Call:

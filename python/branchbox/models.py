@@ -368,6 +368,19 @@ class RemoteSnapshotInfo(_Model):
 
 
 @dataclass
+class RemotePausedInfo(_Model):
+    """A sandbox paused with ``pause(push=True)``: any daemon sharing the stores resumes it
+    under its id (``Sandbox.connect(id)``)."""
+
+    id: str = ""
+    snapshot: str = ""
+    image: str = ""
+    paused_at: Optional[float] = None
+    node: str = ""
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
 class StoreGcResult(_Model):
     """Result of ``snapshots.store_gc()``: objects no snapshot record reaches, deleted."""
 
@@ -391,6 +404,10 @@ class PauseResult(_Model):
     sessions: int = 0
     image_bytes: int = 0
     took_ms: Optional[float] = None
+    #: ``"node-local"`` (kept on the daemon's disk) or ``"durable"`` (``pause(push=True)``).
+    durability: str = "node-local"
+    #: With ``push=True``: the snapshot holding the sandbox's state.
+    snapshot: Optional[str] = None
     raw: Dict[str, Any] = _raw()
 
     @classmethod

@@ -29,6 +29,7 @@ from .models import (
     OffloadResult,
     PullResult,
     PushResult,
+    RemotePausedInfo,
     RemoteSnapshotInfo,
     StoreGcResult,
     ProcessInfo,
@@ -213,12 +214,19 @@ class AsyncSandbox:
         transport: Optional[httpx.AsyncBaseTransport] = None,
     ) -> "AsyncSandbox":
         """Attach to an existing sandbox (raises :class:`NotFoundError` if unknown). A paused
-        sandbox is resumed first (its timeout then restarts: ``timeout`` seconds, or the one it
+        sandbox (here, or paused into the object store by any daemon sharing it) is resumed first (its timeout then restarts: ``timeout`` seconds, or the one it
         was created with) unless ``resume=False``; on a running one, ``timeout`` restarts its
         time to live."""
         http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
         try:
-            info = await http.call(_core.get_sandbox(sandbox_id))
+            try:
+                info = await http.call(_core.get_sandbox(sandbox_id))
+            except NotFoundError:
+                if not resume:
+                    raise
+                # Not on this daemon: maybe paused into the object store by another
+                # (``pause(push=True)``); the daemon resumes it here, or says not found.
+                info = (await http.call(_core.resume_sandbox(sandbox_id, timeout))).sandbox
             if info.state == "paused" and resume:
                 info = (await http.call(_core.resume_sandbox(sandbox_id, timeout))).sandbox or info
             elif timeout is not None and info.state == "running":
@@ -247,11 +255,17 @@ class AsyncSandbox:
         self._info = info
         return info
 
-    async def pause(self) -> PauseResult:
+    async def pause(self, push: bool = False) -> PauseResult:
         """Pause the sandbox: every process (sessions, background commands) is dumped to disk
         and freed; files stay. Its id stays; :meth:`resume` or :meth:`connect` brings it back
-        with its processes (same pids), sessions, files and env. Needs CRIU on the daemon."""
-        result = await self._http.call(_core.pause_sandbox(self.id))
+        with its processes (same pids), sessions, files and env. Needs CRIU on the daemon.
+
+        ``push=True`` makes it durable and frees the daemon of it: its state (files, sessions,
+        background processes) is checkpointed and pushed to the daemon's object store, and
+        any daemon sharing that store and metadata store resumes it under the same id
+        (``Sandbox.connect(id, daemon=...)``), with its sessions' state; background processes
+        come back with their state too (under new pids)."""
+        result = await self._http.call(_core.pause_sandbox(self.id, push))
         if result.sandbox is not None:
             self._info = result.sandbox
         return result
@@ -726,6 +740,10 @@ class AsyncSnapshots(_AsyncDaemonClient):
     async def list_remote(self) -> List[RemoteSnapshotInfo]:
         """The snapshots recorded in the metadata store (pushed by any daemon)."""
         return await self._http.call(_core.list_remote_snapshots())
+
+    async def list_paused_remote(self) -> List[RemotePausedInfo]:
+        """The sandboxes paused with ``pause(push=True)`` on any daemon, waiting to be resumed."""
+        return await self._http.call(_core.list_remote_paused())
 
     async def delete_remote(self, sid: Union[str, SnapshotInfo]) -> bool:
         """Delete a pushed snapshot's record; its objects go with the next :meth:`store_gc`.

@@ -35,6 +35,7 @@ from .models import (
     OffloadResult,
     PullResult,
     PushResult,
+    RemotePausedInfo,
     RemoteSnapshotInfo,
     StoreGcResult,
     ProcessInfo,
@@ -434,12 +435,19 @@ class Sandbox:
         transport: Optional[httpx.BaseTransport] = None,
     ) -> "Sandbox":
         """Attach to an existing sandbox (raises :class:`NotFoundError` if unknown). A paused
-        sandbox is resumed first (its timeout then restarts: ``timeout`` seconds, or the one it
+        sandbox (here, or paused into the object store by any daemon sharing it) is resumed first (its timeout then restarts: ``timeout`` seconds, or the one it
         was created with) unless ``resume=False``; on a running one, ``timeout`` restarts its
         time to live."""
         http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
         try:
-            info = http.call(_core.get_sandbox(sandbox_id))
+            try:
+                info = http.call(_core.get_sandbox(sandbox_id))
+            except NotFoundError:
+                if not resume:
+                    raise
+                # Not on this daemon: maybe paused into the object store by another
+                # (``pause(push=True)``); the daemon resumes it here, or says not found.
+                info = (http.call(_core.resume_sandbox(sandbox_id, timeout))).sandbox
             if info.state == "paused" and resume:
                 info = (http.call(_core.resume_sandbox(sandbox_id, timeout))).sandbox or info
             elif timeout is not None and info.state == "running":
@@ -468,11 +476,17 @@ class Sandbox:
         self._info = info
         return info
 
-    def pause(self) -> PauseResult:
+    def pause(self, push: bool = False) -> PauseResult:
         """Pause the sandbox: every process (sessions, background commands) is dumped to disk
         and freed; files stay. Its id stays; :meth:`resume` or :meth:`connect` brings it back
-        with its processes (same pids), sessions, files and env. Needs CRIU on the daemon."""
-        result = self._http.call(_core.pause_sandbox(self.id))
+        with its processes (same pids), sessions, files and env. Needs CRIU on the daemon.
+
+        ``push=True`` makes it durable and frees the daemon of it: its state (files, sessions,
+        background processes) is checkpointed and pushed to the daemon's object store, and
+        any daemon sharing that store and metadata store resumes it under the same id
+        (``Sandbox.connect(id, daemon=...)``), with its sessions' state; background processes
+        come back with their state too (under new pids)."""
+        result = self._http.call(_core.pause_sandbox(self.id, push))
         if result.sandbox is not None:
             self._info = result.sandbox
         return result
@@ -949,6 +963,10 @@ class Snapshots(_DaemonClient):
     def list_remote(self) -> List[RemoteSnapshotInfo]:
         """The snapshots recorded in the metadata store (pushed by any daemon)."""
         return self._http.call(_core.list_remote_snapshots())
+
+    def list_paused_remote(self) -> List[RemotePausedInfo]:
+        """The sandboxes paused with ``pause(push=True)`` on any daemon, waiting to be resumed."""
+        return self._http.call(_core.list_remote_paused())
 
     def delete_remote(self, sid: Union[str, SnapshotInfo]) -> bool:
         """Delete a pushed snapshot's record; its objects go with the next :meth:`store_gc`.

@@ -220,3 +220,43 @@ def bench_durable(
         ),
     ] + summary_tail_lines(summary)
     _report("branchbox bench durable (heap %d MiB, ms)" % heap_mb, result.rows(), lines, summary, as_json)
+
+
+def store_report_lines(s: Dict[str, Any]) -> List[str]:
+    """Human-readable summary lines of a ``bench store`` JSON summary."""
+    mb_s = lambda k: fmt_num(s.get(k), " MB/s", "%.0f")  # noqa: E731
+    ratio = lambda k: fmt_num(s.get(k), "", "%.2f")  # noqa: E731
+    return [
+        "push %s vs raw multipart upload %s (ratio %s); pull %s vs raw download %s (ratio %s); %s MiB"
+        % (mb_s("push_mb_s"), mb_s("raw_put_mb_s"), ratio("push_vs_raw_ratio"), mb_s("pull_mb_s"),
+           mb_s("raw_get_mb_s"), ratio("pull_vs_raw_ratio"), s.get("throughput_mb")),
+        "push again (unchanged): %s worst, %s p50; first push %s (%s)"
+        % (fmt_num(s.get("push_again_ms"), " ms", "%.1f"), fmt_num(s.get("push_again_ms_p50"), " ms", "%.1f"),
+           fmt_num(s.get("first_push_ms"), " ms", "%.0f"), fmt_bytes(s.get("first_push_uploaded_bytes"))),
+        "child snapshot with 1 MiB of files + 1 MiB of session memory changed uploads %s (%sx 2 MiB)"
+        % (fmt_bytes(s.get("delta_push_bytes_p50")), ratio("delta_push_ratio")),
+        "restore of a %s MiB session on a fresh daemon: %s p50, on the daemon that has it: %s (metadata: %s)"
+        % (s.get("session_mb"), fmt_num(s.get("cross_daemon_restore_ms_p50"), " ms", "%.0f"),
+           fmt_num(s.get("local_restore_ms_p50"), " ms", "%.0f"), s.get("metadata")),
+    ] + summary_tail_lines(s)
+
+
+@bench_app.command("store")
+@cli_errors
+def bench_store(
+    as_json: bool = typer.Option(False, "--json", help="Only print the JSON summary line."),
+    n: int = typer.Option(5, "--n", min=1, help="Samples (throughput rounds, delta pushes, restores)."),
+    mb: int = typer.Option(64, "--mb", min=1, help="MiB of files for the throughput part."),
+    session_mb: int = typer.Option(50, "--session-mb", min=1, help="MiB of python session memory to restore."),
+) -> None:
+    """Durable snapshots over S3: push/pull against raw transfers, deltas, cross-daemon restores.
+
+    Starts its own MinIO, PostgreSQL and daemons (as root; the first run builds the base image
+    for its daemon A). The last line of stdout is always the JSON summary.
+    """
+    from branchbox_bench import store
+
+    with err.status("benchmarking") as status:
+        result = store.run_store_bench(n=n, mb=mb, session_mb=session_mb, progress=lambda m: status.update("bench store: " + m))
+    summary = result.summary()
+    _report("branchbox bench store (ms)", result.rows(), store_report_lines(summary), summary, as_json)

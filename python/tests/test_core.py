@@ -45,6 +45,7 @@ EXPECTED_ALL = {
     "OffloadResult",
     "PullResult",
     "PushResult",
+    "RemotePausedInfo",
     "RemoteSnapshotInfo",
     "StoreGcResult",
     "templates",

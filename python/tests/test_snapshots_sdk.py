@@ -434,7 +434,7 @@ def test_sandbox_snapshot_signatures() -> None:
 
 def test_snapshots_clients_mirror() -> None:
     s, a = _public(Snapshots), _public(AsyncSnapshots)
-    assert set(s) == set(a) == {"list", "get", "delete", "gc", "offload", "push", "pull", "list_remote", "delete_remote", "store_gc"}
+    assert set(s) == set(a) == {"list", "get", "delete", "gc", "offload", "push", "pull", "list_remote", "delete_remote", "store_gc", "list_paused_remote"}
     for name in s:
         assert list(inspect.signature(s[name]).parameters) == list(inspect.signature(a[name]).parameters), name
         assert inspect.iscoroutinefunction(a[name]), name

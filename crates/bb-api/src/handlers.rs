@@ -83,6 +83,8 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         OnTimeout,
         ResumeSandbox,
         PauseResult,
+        PauseSandbox,
+        RemotePausedInfo,
         ResumeResult,
         OffloadResult,
         PushResult,
@@ -230,11 +232,15 @@ pub async fn set_timeout(
     Ok(Json(rt.set_timeout(&id, req.timeout)?))
 }
 
-#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", params(("id" = String, Path, description = "sandbox id")),
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", params(("id" = String, Path, description = "sandbox id")), request_body = PauseSandbox,
     responses((status = 200, body = PauseResult), (status = 404, body = ErrorResponse), (status = 409, body = ErrorResponse),
     (status = 503, description = "CRIU is not available", body = ErrorResponse)))]
-pub async fn pause_sandbox(State(rt): State<AppState>, P(id): P<String>) -> ApiResult<Json<PauseResult>> {
-    Ok(Json(rt.pause(&id).await?))
+pub async fn pause_sandbox(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    JsonBody(req): JsonBody<PauseSandbox>,
+) -> ApiResult<Json<PauseResult>> {
+    Ok(Json(rt.pause_with(&id, req).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", params(("id" = String, Path, description = "sandbox id")),

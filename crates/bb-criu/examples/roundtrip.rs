@@ -5,8 +5,11 @@ fn main() {
     let criu =
         bb_criu::Criu::find("/usr/local/lib/branchbox/criu".as_ref(), "target/release/branchbox-criu-exec".as_ref())
             .unwrap();
-    let sb =
-        bb_criu::SandboxRef { init_pid: a[1].parse().unwrap(), cgroup_procs: a[5..].iter().map(Into::into).collect() };
+    let sb = bb_criu::SandboxRef {
+        init_pid: a[1].parse().unwrap(),
+        cgroup_procs: a[5..].iter().map(Into::into).collect(),
+        host_dir: None,
+    };
     let root = bb_criu::Root { host_pid: a[2].parse().unwrap(), ns_pid: a[3].parse().unwrap() };
     let t = std::time::Instant::now();
     let m = criu.dump(

@@ -41,11 +41,27 @@ pub struct External {
 }
 
 impl External {
-    /// Open the file again for a restore into the sandbox whose init is `init_pid`.
-    pub(crate) fn open(&self, init_pid: i32) -> std::io::Result<OwnedFd> {
+    /// Open the file again for a restore into the sandbox whose init is `init_pid`. `moved`:
+    /// (the dumped sandbox's host dir, this one's): a host file under the first is opened at
+    /// the same place under the second, made (empty, with the owner of that dir) if missing.
+    pub(crate) fn open_moved(&self, init_pid: i32, moved: Option<(&Path, &Path)>) -> std::io::Result<OwnedFd> {
         use std::os::unix::fs::OpenOptionsExt;
+        let relocated = match (self.place, moved) {
+            (Place::Host, Some((from, to))) => self.path.strip_prefix(from).ok().map(|rest| (to, to.join(rest))),
+            _ => None,
+        };
+        if let Some((to, path)) = &relocated {
+            if !self.dir && !path.exists() {
+                let owner = std::fs::metadata(to)?;
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent)?;
+                }
+                let f = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(path)?;
+                std::os::unix::fs::fchown(&f, Some(owner.uid()), Some(owner.gid()))?;
+            }
+        }
         let path = match self.place {
-            Place::Host => self.path.clone(),
+            Place::Host => relocated.map(|(_, p)| p).unwrap_or_else(|| self.path.clone()),
             // Resolved in the sandbox's root, whatever it is now: /proc/<pid>/root is a magic link.
             Place::Sandbox => {
                 Path::new(&format!("/proc/{init_pid}/root")).join(self.path.strip_prefix("/").unwrap_or(&self.path))
@@ -182,7 +198,7 @@ mod tests {
             flags: libc::O_WRONLY | libc::O_APPEND,
             dir: false,
         };
-        let fd = e.open(1).unwrap();
+        let fd = e.open_moved(1, None).unwrap();
         let mut f = std::fs::File::from(fd);
         std::io::Write::write_all(&mut f, b"y").unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), b"xy", "appended");

@@ -144,6 +144,9 @@ pub struct SandboxRef {
     /// `cgroup.procs` files of the sandbox's cgroup (one per v1 hierarchy, or the v2 one):
     /// restored tasks are placed there.
     pub cgroup_procs: Vec<PathBuf>,
+    /// The sandbox's own directory on the host (its logs): files the daemon opened there for a
+    /// tree of another sandbox are opened again here when it is restored into this one.
+    pub host_dir: Option<PathBuf>,
 }
 
 /// The root of a tree to dump.
@@ -193,6 +196,9 @@ pub struct Manifest {
     pub files: std::collections::BTreeMap<String, u64>,
     pub dump_ms: f64,
     pub created_at: f64,
+    /// The dumped sandbox's directory on the host ([`SandboxRef::host_dir`]).
+    #[serde(default)]
+    pub host_dir: Option<PathBuf>,
 }
 
 impl Manifest {
@@ -417,6 +423,7 @@ impl Criu {
             files: image_files(dir)?,
             dump_ms: t0.elapsed().as_secs_f64() * 1000.0,
             created_at: now(),
+            host_dir: sandbox.host_dir.clone(),
         };
         manifest.write(dir)?;
         Ok(manifest)
@@ -451,8 +458,14 @@ impl Criu {
         .iter()
         .map(|s| s.to_string())
         .collect();
+        // A tree of another sandbox (a pulled image, a fork's restore): what the daemon opened
+        // in that sandbox's dir is opened again in this one's.
+        let moved = match (&manifest.host_dir, &sandbox.host_dir) {
+            (Some(from), Some(to)) if from != to => Some((from.as_path(), to.as_path())),
+            _ => None,
+        };
         for e in &manifest.externals {
-            let fd = e.open(sandbox.init_pid).map_err(|source| CriuError::Image {
+            let fd = e.open_moved(sandbox.init_pid, moved).map_err(|source| CriuError::Image {
                 dir: dir.to_path_buf(),
                 problem: format!("{} ({}) cannot be opened again: {source}", e.path.display(), e.place.describe()),
             })?;
@@ -534,6 +547,7 @@ mod tests {
             files: [("pages-1.img".to_string(), 4096)].into_iter().collect(),
             dump_ms: 1.5,
             created_at: 2.0,
+            host_dir: None,
         };
         m.write(d.path()).unwrap();
         assert_eq!(Manifest::read(d.path()).unwrap(), m);
@@ -557,6 +571,7 @@ mod tests {
             files,
             dump_ms: 0.0,
             created_at: 0.0,
+            host_dir: None,
         };
         m.verify(d.path()).unwrap();
         std::fs::write(d.path().join("pages-1.img"), vec![0u8; 100]).unwrap();

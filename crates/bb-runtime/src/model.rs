@@ -649,6 +649,18 @@ pub struct ResumeSandbox {
     pub timeout: Option<f64>,
 }
 
+/// `POST /v1/sandboxes/{id}/pause`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PauseSandbox {
+    /// Make the paused sandbox durable and free this node of it: its state (files, sessions,
+    /// background processes) is checkpointed and pushed to the object store, recorded in the
+    /// metadata store, and the sandbox leaves this daemon. Any daemon sharing both resumes it,
+    /// under the same id (`resume`, or `connect`).
+    #[serde(default)]
+    pub push: bool,
+}
+
 /// A sandbox paused: its processes are in process images on disk, its memory is free.
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct PauseResult {
@@ -659,6 +671,12 @@ pub struct PauseResult {
     /// Disk the process images take.
     pub image_bytes: u64,
     pub took_ms: f64,
+    /// `node-local` (kept on this node's disk) or `durable` (pushed: it outlives this node).
+    #[serde(default = "node_local")]
+    pub durability: String,
+    /// With `push`: the snapshot that holds its state (any daemon resumes the sandbox from it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
 }
 
 /// A snapshot's session templates moved out of memory into process images.
@@ -743,9 +761,25 @@ pub struct RemoteSnapshotInfo {
     pub local: bool,
 }
 
+/// A sandbox paused with `push` (`snapshot ls --remote` lists them): any daemon sharing the
+/// stores resumes it under its id.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct RemotePausedInfo {
+    pub id: String,
+    /// The snapshot holding its state.
+    pub snapshot: String,
+    pub image: String,
+    pub paused_at: f64,
+    /// The daemon that paused it.
+    pub node: String,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub struct RemoteSnapshotList {
     pub snapshots: Vec<RemoteSnapshotInfo>,
+    /// Sandboxes paused with `push`, waiting to be resumed on any daemon.
+    #[serde(default)]
+    pub paused: Vec<RemotePausedInfo>,
     /// The object store and the metadata store (credentials left out).
     pub store: String,
     pub metadata: String,

@@ -150,7 +150,15 @@ impl Runtime {
                 }
                 let took_ms = ms(t0);
                 tracing::info!(sandbox = %id, trees, sessions, image_bytes, took_ms, "sandbox paused");
-                Ok(PauseResult { sandbox: sb.info(), processes: trees, sessions, image_bytes, took_ms })
+                Ok(PauseResult {
+                    sandbox: sb.info(),
+                    processes: trees,
+                    sessions,
+                    image_bytes,
+                    took_ms,
+                    durability: "node-local".into(),
+                    snapshot: None,
+                })
             }
             Err(e) => {
                 self.call_off_pause(&sb, undo).await;
@@ -318,7 +326,11 @@ impl Runtime {
     pub async fn resume(self: &Arc<Self>, id: &str, req: ResumeSandbox) -> Result<ResumeResult> {
         let t0 = Instant::now();
         let timeout = crate::sandbox::exec::timeout_of(req.timeout.or(Some(0.0)))?;
-        let sb = self.get(id)?;
+        let sb = match self.get(id) {
+            Ok(sb) => sb,
+            Err(RuntimeError::NotFound { .. }) => return self.resume_pushed(id, req).await,
+            Err(e) => return Err(e),
+        };
         if sb.is_dead() {
             return Err(RuntimeError::Conflict(format!("sandbox {id} is dead: kill it and create a new one")));
         }

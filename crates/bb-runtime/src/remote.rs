@@ -68,6 +68,19 @@ const PUSH_TTL: Duration = Duration::from_secs(300);
 const GC_WAIT: Duration = Duration::from_secs(60);
 /// `kind` of snapshot records.
 const SNAPSHOT_RECORD: &str = "snapshot";
+/// `kind` of the records of sandboxes paused with `push` (id: the sandbox's).
+const PAUSED_RECORD: &str = "paused";
+/// How long a daemon resuming a pushed paused sandbox holds it (a second daemon's resume is
+/// refused meanwhile; after a crash, another daemon may take it once this passed).
+const RESUME_LEASE: Duration = Duration::from_secs(120);
+
+/// The body of a pushed paused sandbox's record.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PushedPause {
+    snapshot: String,
+    image: String,
+    paused_at: f64,
+}
 
 /// A process image as a record holds it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -465,9 +478,124 @@ impl Runtime {
         Ok(res)
     }
 
-    /// The snapshot records in the metadata store.
+    /// Pause sandbox `id` as `req` says: locally, or (`push`) into the object store: its state
+    /// is checkpointed (`processes: "all"`: files, sessions, background processes) and pushed,
+    /// a paused record names that snapshot, and the sandbox leaves this daemon. Any daemon
+    /// sharing the stores resumes it under its id ([`Runtime::resume`]).
+    pub async fn pause_with(self: &Arc<Self>, id: &str, req: PauseSandbox) -> Result<PauseResult> {
+        if !req.push {
+            return self.pause(id).await;
+        }
+        let t0 = Instant::now();
+        let sb = self.live(id)?;
+        if let Some(why) = self.process_images.unavailable() {
+            return Err(RuntimeError::Unavailable(format!("pausing needs CRIU, which this daemon cannot use ({why})")));
+        }
+        if let Some(t) = self.recipe_of(id) {
+            return Err(RuntimeError::Conflict(format!(
+                "sandbox {id} holds template {t:?}: it cannot be paused (sandboxes made from it can)"
+            )));
+        }
+        let o = self.remote.open().await?;
+        let snap =
+            self.checkpoint(id, CheckpointRequest { label: Some("paused".into()), processes: Processes::All }).await?;
+        let pushed = self.push_snapshot(&snap.id).await?;
+        let record = bb_meta::Record {
+            id: id.to_string(),
+            kind: PAUSED_RECORD.into(),
+            node: self.remote.node.clone(),
+            created_at: now(),
+            body: serde_json::to_string(&PushedPause {
+                snapshot: snap.id.clone(),
+                image: sb.spec.image.clone(),
+                paused_at: now(),
+            })
+            .expect("a paused record serializes"),
+        };
+        meta(&o.meta, move |m| m.put_record(&record)).await?;
+        let mut info = sb.info();
+        self.kill(id).await?;
+        info.state = "paused".into();
+        let res = PauseResult {
+            sandbox: info,
+            processes: snap.processes.len() + snap.sessions.len(),
+            sessions: snap.sessions.len(),
+            image_bytes: pushed.read_bytes,
+            took_ms: ms(t0),
+            durability: "durable".into(),
+            snapshot: Some(snap.id),
+        };
+        tracing::info!(sandbox = %id, snapshot = ?res.snapshot, took_ms = res.took_ms, "sandbox paused into the object store");
+        Ok(res)
+    }
+
+    /// Resume a sandbox paused with `push` (on any daemon) here, under its id: the daemon
+    /// takes a lease on it (a second resume elsewhere is refused), creates it from its
+    /// snapshot, then deletes the paused record. A failure keeps the record: resume again.
+    pub(crate) async fn resume_pushed(self: &Arc<Self>, id: &str, req: ResumeSandbox) -> Result<ResumeResult> {
+        let t0 = Instant::now();
+        let o = self.remote.open().await.map_err(|e| {
+            tracing::debug!(sandbox = %id, "no metadata store to look for a pushed sandbox in: {e}");
+            RuntimeError::sandbox(id)
+        })?;
+        let rid = id.to_string();
+        let record = meta(&o.meta, move |m| m.get_record(&rid))
+            .await?
+            .filter(|r| r.kind == PAUSED_RECORD)
+            .ok_or_else(|| RuntimeError::sandbox(id))?;
+        let body: PushedPause = serde_json::from_str(&record.body)
+            .map_err(|e| RemoteError::BadRecord { id: id.into(), why: e.to_string() })?;
+        let (lease, holder) =
+            (format!("sandbox/{id}"), format!("{}:{}", self.remote.node, uuid::Uuid::new_v4().simple()));
+        let (l, h) = (lease.clone(), holder.clone());
+        if !meta(&o.meta, move |m| m.acquire_lease(&l, &h, RESUME_LEASE)).await? {
+            return Err(RuntimeError::Conflict(format!("sandbox {id} is being resumed by another daemon")));
+        }
+        let create =
+            CreateSandbox { timeout: req.timeout, snapshot: Some(body.snapshot.clone()), ..Default::default() };
+        let res = self.create_from_snapshot(&body.snapshot, create, Some(id.to_string())).await;
+        let (l, h) = (lease.clone(), holder.clone());
+        let released = move |m: Arc<bb_meta::Meta>| m.release_lease(&l, &h);
+        let sb = match res {
+            Ok(sb) => sb,
+            Err(e) => {
+                let _ = meta(&o.meta, released).await;
+                return Err(e);
+            }
+        };
+        let rid = id.to_string();
+        meta(&o.meta, move |m| m.delete_record(&rid)).await?;
+        let _ = meta(&o.meta, released).await;
+        let sessions = sb.sessions.lock().await.len();
+        let snap = self.snapshot_row(&body.snapshot)?;
+        let res = ResumeResult {
+            sandbox: sb.info(),
+            processes: snap.processes.len() + sessions,
+            sessions,
+            took_ms: ms(t0),
+            lazy_pages: false,
+        };
+        tracing::info!(sandbox = %id, snapshot = %body.snapshot, from = %record.node, took_ms = res.took_ms, "pushed sandbox resumed");
+        Ok(res)
+    }
+
+    /// The snapshot records in the metadata store, and the sandboxes paused into it.
     pub async fn list_remote(self: &Arc<Self>) -> Result<RemoteSnapshotList> {
         let o = self.remote.open().await?;
+        let paused = meta(&o.meta, |m| m.list_records(Some(PAUSED_RECORD)))
+            .await?
+            .into_iter()
+            .filter_map(|r| {
+                let b: PushedPause = serde_json::from_str(&r.body).ok()?;
+                Some(RemotePausedInfo {
+                    id: r.id,
+                    snapshot: b.snapshot,
+                    image: b.image,
+                    paused_at: b.paused_at,
+                    node: r.node,
+                })
+            })
+            .collect();
         let records = meta(&o.meta, |m| m.list_records(Some(SNAPSHOT_RECORD))).await?;
         let mut snapshots = Vec::new();
         for r in records {
@@ -493,13 +621,22 @@ impl Runtime {
             });
         }
         let (store, metadata) = self.remote.describe();
-        Ok(RemoteSnapshotList { snapshots, store, metadata })
+        Ok(RemoteSnapshotList { snapshots, paused, store, metadata })
     }
 
     /// Delete snapshot `sid`'s record from the metadata store (its objects go with the next
     /// collection); a local copy stays, node-local again.
     pub async fn delete_remote(self: &Arc<Self>, sid: &str) -> Result<()> {
         let o = self.remote.open().await?;
+        let paused = meta(&o.meta, |m| m.list_records(Some(PAUSED_RECORD))).await?;
+        if let Some(p) =
+            paused.iter().find(|r| serde_json::from_str::<PushedPause>(&r.body).is_ok_and(|b| b.snapshot == sid))
+        {
+            return Err(RuntimeError::Conflict(format!(
+                "snapshot {sid} holds sandbox {} paused into the store: resume (or kill) it first",
+                p.id
+            )));
+        }
         let id = sid.to_string();
         if !meta(&o.meta, move |m| m.delete_record(&id)).await? {
             return Err(RuntimeError::NotFound {
@@ -540,7 +677,7 @@ impl Runtime {
     }
 
     async fn store_gc_locked(&self, o: &Opened, grace: Duration) -> Result<StoreGcResult> {
-        let records = meta(&o.meta, |m| m.list_records(None)).await?;
+        let records = meta(&o.meta, |m| m.list_records(Some(SNAPSHOT_RECORD))).await?;
         let mut trees: BTreeMap<String, TreeRef> = BTreeMap::new();
         for r in &records {
             // An unreadable record keeps the whole store: nothing is collected.

@@ -138,7 +138,7 @@ impl Runtime {
             if req.template.is_some() {
                 return Err(RuntimeError::BadRequest("give a template or a snapshot to create from, not both".into()));
             }
-            return self.create_from_snapshot(&sid, req).await;
+            return Ok(self.create_from_snapshot(&sid, req, None).await?.info());
         }
         if let Some(name) = req.template.clone() {
             return self.create_from_template(&name, req).await;
@@ -184,8 +184,22 @@ impl Runtime {
         timeout: Option<f64>,
         nest_in: Option<Arc<Sandbox>>,
     ) -> Result<Arc<Sandbox>> {
+        self.create_from_as(None, spec, chain, base, timeout, nest_in).await
+    }
+
+    /// [`Runtime::create_from`] under id `id` (a pushed paused sandbox resumed here keeps its
+    /// id) or a new one.
+    pub(crate) async fn create_from_as(
+        self: &Arc<Self>,
+        id: Option<String>,
+        spec: SandboxSpec,
+        chain: Vec<String>,
+        base: Option<String>,
+        timeout: Option<f64>,
+        nest_in: Option<Arc<Sandbox>>,
+    ) -> Result<Arc<Sandbox>> {
         let t0 = std::time::Instant::now();
-        let id = new_sandbox_id();
+        let id = id.unwrap_or_else(new_sandbox_id);
         let rt = self.clone();
         let sb = tokio::task::spawn_blocking(move || -> Result<Arc<Sandbox>> {
             let layer_paths: Vec<PathBuf> = chain.iter().map(|l| launch::layer_dir(&rt.cfg, &rt.images, l)).collect();

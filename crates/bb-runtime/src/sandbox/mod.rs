@@ -182,6 +182,7 @@ impl Sandbox {
         bb_criu::SandboxRef {
             init_pid: self.init_pid,
             cgroup_procs: self.cgroup.paths().into_iter().map(|p| p.join("cgroup.procs")).collect(),
+            host_dir: Some(self.dirs.dir.clone()),
         }
     }
 

@@ -450,7 +450,13 @@ impl Runtime {
     /// it and rollbacks in it restore the sessions; each session is forked from its template.
     /// The snapshot's image, limits and cwd are kept; the request's env is added, its metadata
     /// and timeout apply.
-    pub(crate) async fn create_from_snapshot(self: &Arc<Self>, sid: &str, req: CreateSandbox) -> Result<SandboxInfo> {
+    /// `id`: the sandbox's id (a pushed paused sandbox resumed here keeps its own), else a new one.
+    pub(crate) async fn create_from_snapshot(
+        self: &Arc<Self>,
+        sid: &str,
+        req: CreateSandbox,
+        id: Option<String>,
+    ) -> Result<Arc<Sandbox>> {
         if req.image.is_some()
             || req.cpu.is_some()
             || req.memory_mb.is_some()
@@ -481,14 +487,14 @@ impl Runtime {
         if let Some(l) = req.lifecycle {
             spec.lifecycle = l;
         }
-        if self.get(&snap.sandbox_id).is_ok_and(|p| !p.is_dead()) {
+        if id.is_none() && self.get(&snap.sandbox_id).is_ok_and(|p| !p.is_dead()) {
             let (mut children, why) = self.fork_snapshot(&snap, &spec, 1, timeout).await?;
             if let Some(why) = why {
                 tracing::info!(snapshot = %sid, "sandbox created from a snapshot with fresh sessions: {why}");
             }
-            return Ok(children.remove(0).info());
+            return Ok(children.remove(0));
         }
-        let child = self.create_from(spec, snap.layers.clone(), Some(snap.id.clone()), timeout, None).await?;
+        let child = self.create_from_as(id, spec, snap.layers.clone(), Some(snap.id.clone()), timeout, None).await?;
         let res: Result<()> = async {
             self.snapshots.records().set_sandbox(&snap.id, &child.id)?;
             let snap = SnapshotRow { sandbox_id: child.id.clone(), ..snap.clone() };
@@ -545,6 +551,6 @@ impl Runtime {
             let _ = self.kill(&child.id).await;
             return Err(e);
         }
-        Ok(child.info())
+        Ok(child)
     }
 }
