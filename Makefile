@@ -34,7 +34,7 @@ build: deps
 ## install: daemon + init under $(LIBDIR), the CLI/SDK in $(VENV); `branchbox` and `branchboxd` on PATH.
 install: build python
 	install -d $(LIBDIR)
-	install -m 0755 target/release/branchboxd target/release/branchbox-init target/release/branchbox-criu-exec $(LIBDIR)/
+	install -m 0755 target/release/branchboxd target/release/branchbox-init target/release/branchbox-criu-exec target/release/branchbox-store-bench $(LIBDIR)/
 	ln -sf $(LIBDIR)/branchboxd $(PREFIX)/bin/branchboxd
 
 python:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -68,6 +69,8 @@ SUMMARY_KEYS = (
     "delta_push_bytes_p50",
     "cross_daemon_restore_ms_p50",
     "cross_daemon_restore_ms_p99",
+    "cross_daemon_pull_ms_p50",
+    "cross_daemon_pull_bytes",
     "local_restore_ms_p50",
     "cross_vs_local_restore_ratio",
     "metadata",
@@ -82,7 +85,7 @@ TARGETS = {
     "push_again": ("push_again_ms", "below", 50.0),
     "delta_push": ("delta_push_ratio", "max", 2.0),
 }
-METRICS = ("first_push", "push_again", "delta_push", "local_restore", "cross_daemon_restore")
+METRICS = ("first_push", "push_again", "delta_push", "local_restore", "cross_daemon_restore", "cross_daemon_pull")
 
 
 class BenchError(RuntimeError):
@@ -101,6 +104,8 @@ class StoreResult:
     #: Bytes uploaded by each delta push, and by the first push.
     delta_bytes: List[int] = field(default_factory=list)
     first_push_bytes: Optional[int] = None
+    #: Bytes daemon B downloaded for the restored snapshot (its log's pull line).
+    pull_bytes: Optional[int] = None
     notes: List[str] = field(default_factory=list)
 
     def add(self, metric: str, ms: float) -> None:
@@ -133,6 +138,8 @@ class StoreResult:
             "delta_push_bytes_p50": None if delta is None else int(delta),
             "cross_daemon_restore_ms_p50": r(cross),
             "cross_daemon_restore_ms_p99": r(self.p("cross_daemon_restore", 99)),
+            "cross_daemon_pull_ms_p50": r(self.p("cross_daemon_pull")),
+            "cross_daemon_pull_bytes": self.pull_bytes,
             "local_restore_ms_p50": r(local),
             "cross_vs_local_restore_ratio": None if cross is None or not local else round(cross / local, 2),
             "metadata": self.metadata,
@@ -167,6 +174,19 @@ def find_tool(name: str, env: str, also: Optional[List[str]] = None) -> Optional
         if p and os.path.exists(p):
             return p
     return shutil.which(name)
+
+
+def pulled_from_log(text: str) -> Optional[Dict[str, float]]:
+    """The last "snapshot pulled" line of a daemon's log: ``{"took_ms", "downloaded"}``."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    lines = [line for line in plain.splitlines() if "snapshot pulled" in line]
+    if not lines:
+        return None
+    fields = dict(re.findall(r"(\w+)=(\S+)", lines[-1]))
+    try:
+        return {"took_ms": float(fields["took_ms"]), "downloaded": float(fields["downloaded"])}
+    except (KeyError, ValueError):
+        return None
 
 
 def free_port() -> int:
@@ -456,15 +476,20 @@ def run_store_bench(
             for i in range(n):
                 progress("cross-daemon restore %d/%d" % (i + 1, n))
                 state = os.path.join(root, "b-%d" % i)
-                b = Daemon(daemon_bin, "b%d" % i, state, flags, env, os.path.join(root, "daemon-b.log"))
+                b = Daemon(daemon_bin, "b%d" % i, state, flags, env, os.path.join(root, "daemon-b%d.log" % i))
                 try:
                     res.add("cross_daemon_restore", _restore(b.url, sid, expect))
                 finally:
                     _quiet(b.stop)
                     shutil.rmtree(state, ignore_errors=True)
+                pulled = pulled_from_log(_tail(b.log, 1 << 20))
+                if pulled:
+                    res.add("cross_daemon_pull", pulled["took_ms"])
+                    res.pull_bytes = int(pulled["downloaded"])
     finally:
         signal.signal(signal.SIGTERM, old_term)
     if mb != 64 or session_mb != 50:
         res.notes.append("sizes differ from the issue's 64 MiB throughput / 50 MiB session")
-    res.notes.append("local restore: Sandbox.create(snapshot=sid) on daemon A, which took and pushed the snapshot")
+    res.notes.append("local restore: Sandbox.create(snapshot=sid) on daemon A, which took and pushed the snapshot; "
+                     "cross-daemon pull: the part of the restore daemon B spent pulling (its log)")
     return res

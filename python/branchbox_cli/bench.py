@@ -235,8 +235,10 @@ def store_report_lines(s: Dict[str, Any]) -> List[str]:
            fmt_num(s.get("first_push_ms"), " ms", "%.0f"), fmt_bytes(s.get("first_push_uploaded_bytes"))),
         "child snapshot with 1 MiB of files + 1 MiB of session memory changed uploads %s (%sx 2 MiB)"
         % (fmt_bytes(s.get("delta_push_bytes_p50")), ratio("delta_push_ratio")),
-        "restore of a %s MiB session on a fresh daemon: %s p50, on the daemon that has it: %s (metadata: %s)"
+        "restore of a %s MiB session on a fresh daemon: %s p50 (of which pulling %s: %s), on the daemon that has "
+        "it: %s (metadata: %s)"
         % (s.get("session_mb"), fmt_num(s.get("cross_daemon_restore_ms_p50"), " ms", "%.0f"),
+           fmt_bytes(s.get("cross_daemon_pull_bytes")), fmt_num(s.get("cross_daemon_pull_ms_p50"), " ms", "%.0f"),
            fmt_num(s.get("local_restore_ms_p50"), " ms", "%.0f"), s.get("metadata")),
     ] + summary_tail_lines(s)
 

@@ -2,7 +2,7 @@
 
 import json
 
-from branchbox_bench.store import MIB, SUMMARY_KEYS, StoreResult, find_tool, met
+from branchbox_bench.store import MIB, SUMMARY_KEYS, StoreResult, find_tool, met, pulled_from_log
 
 THROUGHPUT = {
     "push_mb_s": 150.0, "raw_put_mb_s": 200.0, "pull_mb_s": 100.0, "raw_get_mb_s": 250.0,
@@ -47,3 +47,14 @@ def test_targets_are_bounds_met_inclusive_and_tools_are_found_by_env_then_path(m
     monkeypatch.delenv("BB_TEST_TOOL")
     assert find_tool("nope", "BB_TEST_TOOL", ["/missing", str(tool)]) == str(tool)
     assert find_tool("nope-not-on-path", "BB_TEST_TOOL", ["/missing"]) is None
+
+
+def test_the_pull_time_is_read_from_the_daemons_last_pull_line():
+    log = (
+        "\x1b[2m2026-11-26T07:29:06Z\x1b[0m \x1b[32m INFO\x1b[0m bb_runtime::remote: snapshot pulled "
+        "\x1b[3msnapshot\x1b[0m\x1b[2m=\x1b[0msn-1 \x1b[3mdownloaded\x1b[0m\x1b[2m=\x1b[0m100 took_ms=5.5\n"
+        "INFO bb_runtime::remote: snapshot pulled snapshot=sn-2 layers_pulled=2 downloaded=165370877 took_ms=12578.43\n"
+        "INFO other line took_ms=1\n"
+    )
+    assert pulled_from_log(log) == {"took_ms": 12578.43, "downloaded": 165370877.0}
+    assert pulled_from_log("no pull here") is None

@@ -126,15 +126,21 @@ class Store:
 
     def objects(self):
         """Keys of the store's chunk and pack objects."""
+        return sorted(self.sizes())
+
+    def sizes(self):
+        """{key: bytes} of the store's chunk and pack objects."""
         if self.kind == "local":
             base = os.path.join(self.root, "objects")
-            return sorted(os.path.relpath(os.path.join(d, f), base) for d, _, fs in os.walk(base) for f in fs)
+            return {os.path.relpath(os.path.join(d, f), base): os.path.getsize(os.path.join(d, f))
+                    for d, _, fs in os.walk(base) for f in fs if not f.startswith(".")}
         out = subprocess.run(
             ["curl", "-sf", "--aws-sigv4", "aws:amz:us-east-1:s3", "--user", "%s:%s" % (S3_USER, S3_SECRET),
              "http://127.0.0.1:%d/bbtest?list-type=2&max-keys=100000" % self.minio.port],
             check=True, capture_output=True, text=True).stdout
         import re
-        return sorted(k[len("snaps/"):] for k in re.findall(r"<Key>([^<]+)</Key>", out) if k.startswith("snaps/"))
+        found = re.findall(r"<Key>([^<]+)</Key>.*?<Size>(\d+)</Size>", out)
+        return {k[len("snaps/"):]: int(n) for k, n in found if k.startswith("snaps/")}
 
     def read(self, key):
         if self.kind == "local":
@@ -485,3 +491,51 @@ def test_a_sandbox_paused_into_the_store_resumes_on_another_daemon(world):
     with pytest.raises(NotFoundError):
         Sandbox.connect(s.id, daemon=c.url)
     sb.kill()
+
+
+def test_kill_9_during_push_and_pull_leaves_nothing_half_recorded(world, daemon):
+    store, peer = world
+    snaps_s = Snapshots(daemon=URL)
+    s = Sandbox.create(daemon=URL, timeout=0)
+    s.commands.run("head -c 200000000 /dev/urandom > /root/huge.bin")
+    want = digest(s, "/root/huge.bin")
+    sid = s.checkpoint("huge")
+    before = len(store.objects())
+    pushing = threading.Thread(target=lambda: pytest.raises(Exception, snaps_s.push, sid))
+    pushing.start()
+    # Killed once the push has written part of it.
+    wait_until(lambda: len(store.objects()) > before + 20, timeout=60, interval=0.01, what="the push to write objects")
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait()
+    pushing.join()
+    saved = dict(os.environ)
+    os.environ.update(store.env)
+    try:
+        daemon.start(extra=store.flags + ["--node-name", "s"])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    # Nothing recorded: the snapshot is not durable, and no daemon can find it.
+    assert snaps_s.get(sid).durability == "node-local"
+    assert sid not in [i.id for i in snaps_s.list_remote()]
+    # Pushing again resumes: what was written is not written again.
+    written = store.sizes()
+    r = snaps_s.push(sid)
+    total = store.sizes()
+    assert r.durability == "durable", r
+    assert all(total[k] == n for k, n in written.items()), "an object written before the kill changed"
+    new_bytes = sum(n for k, n in total.items() if k not in written)
+    assert sum(written.values()) > 0 and r.uploaded_bytes <= new_bytes, (r, new_bytes)
+    # A pull killed half-way leaves nothing behind that a later pull trips over.
+    b = peer("k")
+    pulling = threading.Thread(target=lambda: pytest.raises(Exception, b.snapshots().pull, sid))
+    pulling.start()
+    time.sleep(0.5)
+    b.proc.send_signal(signal.SIGKILL)
+    b.proc.wait()
+    pulling.join()
+    b.start()
+    sb = b.create(snapshot=sid)
+    assert digest(sb, "/root/huge.bin") == want
+    sb.kill()
+    Sandbox.connect(s.id, daemon=URL).kill()

@@ -139,6 +139,12 @@ impl Remote {
             Some(u) => u.parse().map_err(|e: bb_meta::MetaError| bad("--metadata-url", e.to_string()))?,
             None => bb_meta::MetaUrl::Sqlite(db.to_path_buf()),
         };
+        // Pulls a killed daemon left half-done (nothing names them).
+        if let Ok(rd) = std::fs::read_dir(cfg.state_dir.join("tmp")) {
+            for e in rd.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("pull-")) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
         let node = cfg.node_name.clone().unwrap_or_else(|| {
             nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "node".into())
         });
@@ -409,7 +415,9 @@ impl Runtime {
                 .ok_or_else(|| RemoteError::BadRecord { id: sid.into(), why: format!("no tree for layer {l}") })?;
             let tmp = staging.join(format!("pull-{}", uuid::Uuid::new_v4().simple()));
             std::fs::create_dir(&tmp).map_err(RuntimeError::io("make a pull dir"))?;
+            let t = Instant::now();
             let got = o.store.get_tree(tree, &tmp).await;
+            tracing::debug!(snapshot = %sid, layer = %l, files = tree.files, bytes = tree.bytes, took = ?t.elapsed(), "layer pulled");
             if let Err(e) = got {
                 let _ = std::fs::remove_dir_all(&tmp);
                 return Err(RemoteError::from(e).into());
@@ -439,10 +447,12 @@ impl Runtime {
             let tmp = self.process_images.staging(img);
             let _ = std::fs::remove_dir_all(&tmp);
             std::fs::create_dir_all(&tmp).map_err(RuntimeError::io("make a pull dir"))?;
+            let t = Instant::now();
             if let Err(e) = o.store.get_tree(&p.tree, &tmp).await {
                 let _ = std::fs::remove_dir_all(&tmp);
                 return Err(RemoteError::from(e).into());
             }
+            tracing::debug!(snapshot = %sid, image = %img, bytes = p.tree.bytes, took = ?t.elapsed(), "process image pulled");
             self.process_images.adopt(&ImageRow {
                 id: img.clone(),
                 kind: p.kind.clone(),

@@ -358,11 +358,42 @@ impl Store {
         };
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
         self.counters.get_bytes.fetch_add(sealed.len() as u64, Ordering::Relaxed);
+        self.open_chunk(chunk, &sealed)
+    }
+
+    /// Read `end - start` bytes at `start` of pack `pack` (several chunks at once; see
+    /// [`Store::open_chunk`]). A pack cut short is `Tampered`.
+    pub async fn get_pack_range(&self, pack: PackId, start: u64, end: u64) -> Result<bytes::Bytes> {
+        let object = pack.key();
+        let got = self.inner.get_range(&ObjectPath::from(object.as_str()), start..end).await;
+        let bytes = match got {
+            Ok(b) if b.len() as u64 == end - start => b,
+            Ok(_) => return Err(StoreError::Tampered { store: self.name.clone(), key: object }),
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(StoreError::Missing { store: self.name.clone(), key: object })
+            }
+            Err(e) if e.to_string().to_lowercase().contains("range") => {
+                return Err(StoreError::Tampered { store: self.name.clone(), key: object })
+            }
+            Err(e) => return Err(self.backend(e)),
+        };
+        self.counters.gets.fetch_add(1, Ordering::Relaxed);
+        self.counters.get_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        Ok(bytes)
+    }
+
+    /// The plaintext of `chunk` from its sealed bytes: authenticated, and checked against its
+    /// name and length.
+    pub fn open_chunk(&self, chunk: &ChunkRef, sealed: &[u8]) -> Result<Vec<u8>> {
+        let key = chunk.id.key();
         let tampered = || StoreError::Tampered {
             store: self.name.clone(),
-            key: if chunk.at == Location::Own { key.clone() } else { format!("{object} (chunk {})", chunk.id) },
+            key: match chunk.at {
+                Location::Own => key.clone(),
+                Location::Pack { pack, .. } => format!("{} (chunk {})", pack.key(), chunk.id),
+            },
         };
-        let data = seal::open(&self.keys, &key, &sealed, MAX_CHUNK as usize).ok_or_else(tampered)?;
+        let data = seal::open(&self.keys, &key, sealed, MAX_CHUNK as usize).ok_or_else(tampered)?;
         if data.len() != chunk.len as usize || self.keys.chunk_id(&data) != chunk.id {
             return Err(tampered());
         }

@@ -34,6 +34,21 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+/// A chunk to write: entry index, offset in its file, the chunk.
+type Job = (usize, u64, ChunkRef);
+/// Packed chunks closer than this in their pack are read with one range read.
+const SPAN_GAP: u64 = 1 << 20;
+/// Largest range read of a pack.
+const SPAN_MAX: u64 = 32 << 20;
+
+/// Where a packed chunk's sealed bytes are in its pack: [start, end).
+fn pack_span(c: &ChunkRef) -> (u64, u64) {
+    match c.at {
+        Location::Pack { offset, sealed_len, .. } => (offset, offset + sealed_len as u64),
+        Location::Own => (0, 0),
+    }
+}
+
 /// Version of the manifest encoding.
 pub const FORMAT: u32 = 1;
 
@@ -576,19 +591,65 @@ impl Store {
                 }
             }
         }
-        futures::stream::iter(jobs)
-            .map(|(i, offset, chunk)| {
+        // Packed chunks are read a span of their pack at a time (one range read for many small
+        // files, not one each); a span ends at a gap of more than `SPAN_GAP` or at `SPAN_MAX`.
+        let mut units: Vec<Vec<Job>> = Vec::new();
+        let mut by_pack: HashMap<crate::PackId, Vec<Job>> = HashMap::new();
+        for job in jobs {
+            match job.2.at {
+                Location::Own => units.push(vec![job]),
+                Location::Pack { pack, .. } => by_pack.entry(pack).or_default().push(job),
+            }
+        }
+        for (_, mut js) in by_pack {
+            js.sort_by_key(|j| pack_span(&j.2).0);
+            let mut cur: Vec<Job> = Vec::new();
+            for j in js {
+                let (start, end) = pack_span(&j.2);
+                if let (Some(first), Some(last)) = (cur.first(), cur.last()) {
+                    if start > pack_span(&last.2).1 + SPAN_GAP || end - pack_span(&first.2).0 > SPAN_MAX {
+                        units.push(std::mem::take(&mut cur));
+                    }
+                }
+                cur.push(j);
+            }
+            if !cur.is_empty() {
+                units.push(cur);
+            }
+        }
+        futures::stream::iter(units)
+            .map(|unit| {
                 let (root, dest, m) = (root.clone(), dest.clone(), manifest.clone());
                 async move {
-                    let data = self.get_chunk(&chunk).await?;
+                    let mut data = Vec::with_capacity(unit.len());
+                    match unit[0].2.at {
+                        Location::Own => data.push(self.get_chunk(&unit[0].2).await?),
+                        Location::Pack { pack, .. } => {
+                            let start = pack_span(&unit[0].2).0;
+                            let end = unit.iter().map(|j| pack_span(&j.2).1).max().unwrap_or(start);
+                            let bytes = self.get_pack_range(pack, start, end).await?;
+                            for j in &unit {
+                                let (s, e) = pack_span(&j.2);
+                                data.push(self.open_chunk(&j.2, &bytes[(s - start) as usize..(e - start) as usize])?);
+                            }
+                        }
+                    }
                     tokio::task::spawn_blocking(move || {
-                        let path = &m.entries[i].path;
-                        let err = |what| restore_err(&dest, what, path);
-                        let fd = open_beneath(&root, path, OFlags::WRONLY | OFlags::NOFOLLOW).map_err(err("open"))?;
-                        std::fs::File::from(fd).write_all_at(&data, offset).map_err(|e| StoreError::Io {
-                            what: format!("restore into {}: write /{}", dest.display(), String::from_utf8_lossy(path)),
-                            source: e,
-                        })
+                        for ((i, offset, _), data) in unit.iter().zip(data) {
+                            let path = &m.entries[*i].path;
+                            let err = |what| restore_err(&dest, what, path);
+                            let fd =
+                                open_beneath(&root, path, OFlags::WRONLY | OFlags::NOFOLLOW).map_err(err("open"))?;
+                            std::fs::File::from(fd).write_all_at(&data, *offset).map_err(|e| StoreError::Io {
+                                what: format!(
+                                    "restore into {}: write /{}",
+                                    dest.display(),
+                                    String::from_utf8_lossy(path)
+                                ),
+                                source: e,
+                            })?;
+                        }
+                        Ok::<(), StoreError>(())
                     })
                     .await
                     .map_err(|e| StoreError::io("write file contents")(std::io::Error::other(e)))?
