@@ -539,3 +539,24 @@ def test_kill_9_during_push_and_pull_leaves_nothing_half_recorded(world, daemon)
     assert digest(sb, "/root/huge.bin") == want
     sb.kill()
     Sandbox.connect(s.id, daemon=URL).kill()
+
+
+def test_a_push_after_a_collection_does_not_name_collected_packs(world):
+    store, peer = world
+    snaps_s = Snapshots(daemon=URL)
+    s = Sandbox.create(daemon=URL, timeout=600)
+    # Small files: their chunks go into packs, which this daemon's store remembers.
+    s.commands.run("mkdir /root/small && for i in $(seq 1 40); do head -c 3000 /dev/urandom > /root/small/$i; done")
+    want = s.commands.run("cat /root/small/* | sha256sum").stdout
+    first = s.checkpoint("first")
+    snaps_s.push(first)
+    snaps_s.delete_remote(first)
+    r = snaps_s.store_gc(grace_seconds=0)
+    assert r.deleted > 0, r
+    # The same layer again, under a new snapshot: its packs must be written again, not named.
+    s.commands.run("echo more > /root/more")
+    second = s.checkpoint("second")
+    snaps_s.push(second)
+    sb = peer("r").create(snapshot=second)
+    assert sb.commands.run("cat /root/small/* | sha256sum").stdout == want
+    s.kill()

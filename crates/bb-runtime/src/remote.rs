@@ -70,6 +70,9 @@ const GC_WAIT: Duration = Duration::from_secs(60);
 const SNAPSHOT_RECORD: &str = "snapshot";
 /// `kind` of the records of sandboxes paused with `push` (id: the sandbox's).
 const PAUSED_RECORD: &str = "paused";
+/// The head a collection that deleted objects moves (its version counts them): a daemon whose
+/// store remembers packs from before forgets them on its next push.
+const GC_HEAD: &str = "store/collections";
 /// How long a daemon resuming a pushed paused sandbox holds it (a second daemon's resume is
 /// refused meanwhile; after a crash, another daemon may take it once this passed).
 const RESUME_LEASE: Duration = Duration::from_secs(120);
@@ -126,6 +129,8 @@ pub struct Remote {
     node: String,
     grace: Duration,
     opened: tokio::sync::OnceCell<Arc<Opened>>,
+    /// [`GC_HEAD`]'s version when this daemon's store last knew its packs.
+    collections_seen: std::sync::atomic::AtomicI64,
 }
 
 impl Remote {
@@ -156,6 +161,7 @@ impl Remote {
             node,
             grace: cfg.store_gc_grace,
             opened: tokio::sync::OnceCell::new(),
+            collections_seen: std::sync::atomic::AtomicI64::new(-1),
         })
     }
 
@@ -212,6 +218,21 @@ struct PushIntent {
     holder: String,
 }
 
+impl PushIntent {
+    /// Keep the intent alive (between the trees of a long push). A push whose intent expired
+    /// stops: a collection may have run meanwhile and deleted what it counted on.
+    async fn renew(&self) -> Result<()> {
+        let h = self.holder.clone();
+        if meta(&self.meta, move |m| m.begin_push(&h, PUSH_TTL)).await? {
+            Ok(())
+        } else {
+            Err(RuntimeError::Conflict(
+                "the push took longer than its hold on the object store and a collection started: push again".into(),
+            ))
+        }
+    }
+}
+
 impl Drop for PushIntent {
     fn drop(&mut self) {
         let (m, h) = (self.meta.clone(), self.holder.clone());
@@ -240,7 +261,14 @@ impl Runtime {
         loop {
             let h = holder.clone();
             if meta(&o.meta, move |m| m.begin_push(&h, PUSH_TTL)).await? {
-                return Ok(PushIntent { meta: o.meta.clone(), holder });
+                let intent = PushIntent { meta: o.meta.clone(), holder };
+                // No collection runs while the intent lives: packs known now stay.
+                let seen = meta(&o.meta, |m| m.head(GC_HEAD)).await?.map_or(0, |h| h.version);
+                let before = self.remote.collections_seen.swap(seen, std::sync::atomic::Ordering::SeqCst);
+                if before != seen {
+                    o.store.forget_packed();
+                }
+                return Ok(intent);
             }
             if t0.elapsed() > GC_WAIT {
                 return Err(RuntimeError::Unavailable(format!(
@@ -290,6 +318,7 @@ impl Runtime {
         let (mut layers, mut layer_sizes, mut images) = (BTreeMap::new(), BTreeMap::new(), BTreeMap::new());
         let (mut layers_pushed, mut images_pushed, mut read_bytes) = (0, 0, 0);
         for l in &snap.layers {
+            intent.renew().await?;
             let (tree, pushed) = self.push_tree(&o, &format!("layer/{l}"), &self.layer_path(l)).await?;
             if pushed {
                 layers_pushed += 1;
@@ -310,6 +339,7 @@ impl Runtime {
             let row = self.process_images.get(&img)?.ok_or_else(|| {
                 RuntimeError::Conflict(format!("process image {img} of snapshot {sid} is gone: take a new snapshot"))
             })?;
+            intent.renew().await?;
             let (tree, pushed) = self.push_tree(&o, &format!("image/{img}"), &self.process_images.path(&img)).await?;
             if pushed {
                 images_pushed += 1;
@@ -334,7 +364,13 @@ impl Runtime {
             created_at: snap.created_at,
             body: serde_json::to_string(&body).expect("a snapshot record serializes"),
         };
-        meta(&o.meta, move |m| m.put_record(&record)).await?;
+        match meta(&o.meta, move |m| m.put_record(&record)).await {
+            Ok(()) => {}
+            // Another push of the same snapshot (here or on a daemon that pulled it) recorded
+            // it first: it is durable all the same.
+            Err(RuntimeError::Remote(RemoteError::Meta(bb_meta::MetaError::Conflict { .. }))) => {}
+            Err(e) => return Err(e),
+        }
         drop(intent);
         self.snapshots.records().set_durable(sid)?;
         let after = o.store.stats();
@@ -720,6 +756,11 @@ impl Runtime {
             }
             doomed.push(key.clone());
             doomed_bytes += size;
+        }
+        if !doomed.is_empty() {
+            // Before deleting: a daemon that pushes next learns its remembered packs may be gone.
+            let cur = meta(&o.meta, |m| m.head(GC_HEAD)).await?.map(|h| h.version);
+            meta(&o.meta, move |m| m.cas_head(GC_HEAD, cur, "")).await?;
         }
         let deleted = o.store.delete_objects(&doomed).await.map_err(RemoteError::from)? as usize;
         Ok(StoreGcResult {

@@ -282,6 +282,13 @@ impl Store {
         Store { concurrency: n.max(1), ..self }
     }
 
+    /// Forget which packs hold which chunks (learnt from this store's pushes and loaded
+    /// indexes): after a collection on any daemon, a pack it remembers may be gone, and a push
+    /// must not name a chunk in it.
+    pub fn forget_packed(&self) {
+        self.packed.lock().clear();
+    }
+
     pub fn stats(&self) -> StoreStats {
         let c = &self.counters;
         StoreStats {
