@@ -211,11 +211,13 @@ fn parse_record(r: &bb_meta::Record) -> Result<PushedSnapshot> {
     serde_json::from_str(&r.body).map_err(|e| RemoteError::BadRecord { id: r.id.clone(), why: e.to_string() }.into())
 }
 
-/// Holds a push intent in the metadata store (collection waits while it lives); released on
-/// drop, in the background.
+/// Holds a push intent in the metadata store (collection waits while it lives): ended by
+/// [`PushIntent::end`] when the push is done (a collection right after it is not refused), or
+/// on drop, in the background, when the push failed.
 struct PushIntent {
     meta: Arc<bb_meta::Meta>,
     holder: String,
+    ended: bool,
 }
 
 impl PushIntent {
@@ -233,8 +235,21 @@ impl PushIntent {
     }
 }
 
+impl PushIntent {
+    async fn end(mut self) {
+        self.ended = true;
+        let h = self.holder.clone();
+        if let Err(e) = meta(&self.meta, move |m| m.end_push(&h)).await {
+            tracing::warn!(holder = %self.holder, "ending a push in the metadata store (it expires by itself): {e}");
+        }
+    }
+}
+
 impl Drop for PushIntent {
     fn drop(&mut self) {
+        if self.ended {
+            return;
+        }
         let (m, h) = (self.meta.clone(), self.holder.clone());
         std::thread::spawn(move || {
             if let Err(e) = m.end_push(&h) {
@@ -261,7 +276,7 @@ impl Runtime {
         loop {
             let h = holder.clone();
             if meta(&o.meta, move |m| m.begin_push(&h, PUSH_TTL)).await? {
-                let intent = PushIntent { meta: o.meta.clone(), holder };
+                let intent = PushIntent { meta: o.meta.clone(), holder, ended: false };
                 // No collection runs while the intent lives: packs known now stay.
                 let seen = meta(&o.meta, |m| m.head(GC_HEAD)).await?.map_or(0, |h| h.version);
                 let before = self.remote.collections_seen.swap(seen, std::sync::atomic::Ordering::SeqCst);
@@ -371,7 +386,7 @@ impl Runtime {
             Err(RuntimeError::Remote(RemoteError::Meta(bb_meta::MetaError::Conflict { .. }))) => {}
             Err(e) => return Err(e),
         }
-        drop(intent);
+        intent.end().await;
         self.snapshots.records().set_durable(sid)?;
         let after = o.store.stats();
         let res = PushResult {
