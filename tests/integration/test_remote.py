@@ -226,13 +226,8 @@ class Peer:
         return Sandbox.create(daemon=self.url, **kw)
 
 
-@pytest.fixture(scope="module", params=["local", "s3"])
-def world(request, daemon):
-    root = tempfile.mkdtemp(prefix="bb-remote-", dir="/var/tmp")
-    os.chmod(root, 0o755)  # the sandboxes' root (a mapped uid) walks to its state dir
-    store = Store(request.param, root)
-    # The suite's daemon, sharing the store (it has the base image).
-    daemon.stop()
+def start_s(daemon, store):
+    """The suite's daemon ("S") started sharing `store` (its credentials in its environment)."""
     saved = dict(os.environ)
     os.environ.update(store.env)
     try:
@@ -240,6 +235,16 @@ def world(request, daemon):
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture(scope="module", params=["local", "s3"])
+def world(request, daemon):
+    root = tempfile.mkdtemp(prefix="bb-remote-", dir="/var/tmp")
+    os.chmod(root, 0o755)  # the sandboxes' root (a mapped uid) walks to its state dir
+    store = Store(request.param, root)
+    # The suite's daemon, sharing the store (it has the base image).
+    daemon.stop()
+    start_s(daemon, store)
     peers = []
 
     def peer(name):
@@ -508,13 +513,7 @@ def test_kill_9_during_push_and_pull_leaves_nothing_half_recorded(world, daemon)
     daemon.proc.send_signal(signal.SIGKILL)
     daemon.proc.wait()
     pushing.join()
-    saved = dict(os.environ)
-    os.environ.update(store.env)
-    try:
-        daemon.start(extra=store.flags + ["--node-name", "s"])
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    start_s(daemon, store)
     # Nothing recorded: the snapshot is not durable, and no daemon can find it.
     assert snaps_s.get(sid).durability == "node-local"
     assert sid not in [i.id for i in snaps_s.list_remote()]

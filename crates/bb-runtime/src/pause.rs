@@ -116,13 +116,8 @@ struct Undo {
 }
 
 impl Runtime {
-    /// Pause sandbox `id` (see the module docs).
-    pub async fn pause(self: &Arc<Self>, id: &str) -> Result<PauseResult> {
-        let t0 = Instant::now();
-        let sb = self.get(id)?;
-        if sb.is_paused() {
-            return Err(RuntimeError::Conflict(format!("sandbox {id} is already paused")));
-        }
+    /// Sandbox `id` if it runs and may be paused (CRIU is there; it holds no named template).
+    pub(crate) fn pausable(&self, id: &str) -> Result<Arc<Sandbox>> {
         let sb = self.live(id)?;
         if let Some(why) = self.process_images.unavailable() {
             return Err(RuntimeError::Unavailable(format!("pausing needs CRIU, which this daemon cannot use ({why})")));
@@ -132,6 +127,17 @@ impl Runtime {
                 "sandbox {id} holds template {t:?}: it cannot be paused (sandboxes made from it can)"
             )));
         }
+        Ok(sb)
+    }
+
+    /// Pause sandbox `id` (see the module docs).
+    pub async fn pause(self: &Arc<Self>, id: &str) -> Result<PauseResult> {
+        let t0 = Instant::now();
+        let sb = self.get(id)?;
+        if sb.is_paused() {
+            return Err(RuntimeError::Conflict(format!("sandbox {id} is already paused")));
+        }
+        let sb = self.pausable(id)?;
         let _op = sb.begin_op().await;
         let _files = sb.fs_gate.clone().write_owned().await;
         {

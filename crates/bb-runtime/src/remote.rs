@@ -548,15 +548,7 @@ impl Runtime {
             return self.pause(id).await;
         }
         let t0 = Instant::now();
-        let sb = self.live(id)?;
-        if let Some(why) = self.process_images.unavailable() {
-            return Err(RuntimeError::Unavailable(format!("pausing needs CRIU, which this daemon cannot use ({why})")));
-        }
-        if let Some(t) = self.recipe_of(id) {
-            return Err(RuntimeError::Conflict(format!(
-                "sandbox {id} holds template {t:?}: it cannot be paused (sandboxes made from it can)"
-            )));
-        }
+        let sb = self.pausable(id)?;
         let o = self.remote.open().await?;
         let snap =
             self.checkpoint(id, CheckpointRequest { label: Some("paused".into()), processes: Processes::All }).await?;
