@@ -132,8 +132,17 @@ class Store:
         """{key: bytes} of the store's chunk and pack objects."""
         if self.kind == "local":
             base = os.path.join(self.root, "objects")
-            return {os.path.relpath(os.path.join(d, f), base): os.path.getsize(os.path.join(d, f))
-                    for d, _, fs in os.walk(base) for f in fs if not f.startswith(".")}
+            out = {}
+            for d, _, fs in os.walk(base):
+                for f in fs:
+                    # object_store writes `<name>#<n>` and renames it: a file may go while we look.
+                    if "#" in f or f.startswith("."):
+                        continue
+                    try:
+                        out[os.path.relpath(os.path.join(d, f), base)] = os.path.getsize(os.path.join(d, f))
+                    except FileNotFoundError:
+                        pass
+            return out
         out = subprocess.run(
             ["curl", "-sf", "--aws-sigv4", "aws:amz:us-east-1:s3", "--user", "%s:%s" % (S3_USER, S3_SECRET),
              "http://127.0.0.1:%d/bbtest?list-type=2&max-keys=100000" % self.minio.port],
