@@ -454,6 +454,28 @@ impl Meta {
         self.tx(|tx| tx.exec("DELETE FROM push_intents WHERE holder = $1", &[Val::text(holder)])).map(drop)
     }
 
+    /// End every push intent and collection held by a holder named `prefix...`: a daemon that
+    /// restarted after a crash lets go of what its previous run held, instead of blocking
+    /// collection until it expires.
+    pub fn release_holders(&self, prefix: &str) -> Result<()> {
+        self.tx(|tx| {
+            let p = Val::text(prefix);
+            let starts = "substr({col}, 1, length(CAST($1 AS TEXT))) = CAST($1 AS TEXT)";
+            tx.exec(
+                &format!("DELETE FROM push_intents WHERE {}", starts.replace("{col}", "holder")),
+                std::slice::from_ref(&p),
+            )?;
+            tx.exec(
+                &format!(
+                    "UPDATE store_lock SET gc_holder = NULL, gc_expires = NULL WHERE {}",
+                    starts.replace("{col}", "gc_holder")
+                ),
+                &[p],
+            )?;
+            Ok(())
+        })
+    }
+
     /// Takes (or renews) the store for garbage collection for `ttl`; false while a live push
     /// intent or another holder's live GC exists. Expired ones are removed.
     pub fn begin_gc(&self, holder: &str, ttl: Duration) -> Result<bool> {
@@ -612,6 +634,16 @@ mod tests {
         assert!(!m.begin_gc("gc2", Duration::from_secs(60)).unwrap());
         m.end_gc("gc").unwrap();
         assert!(m.begin_push("p1", Duration::from_secs(60)).unwrap());
+        // A restarted daemon lets go of its own holds (named by its prefix), not another's.
+        assert!(m.begin_push("node-a@1:x", Duration::from_secs(60)).unwrap());
+        m.end_push("p1").unwrap();
+        m.release_holders("node-b@1:").unwrap();
+        assert!(!m.begin_gc("node-b@1:gc", Duration::from_secs(60)).unwrap());
+        m.release_holders("node-a@1:").unwrap();
+        assert!(m.begin_gc("node-a@1:gc", Duration::from_secs(60)).unwrap());
+        m.release_holders("node-a@1:").unwrap();
+        assert!(m.begin_gc("node-b@1:gc", Duration::from_secs(60)).unwrap());
+        m.end_gc("node-b@1:gc").unwrap();
         drop(m);
         // Reopening runs no migration again.
         let m = Meta::open(&url).unwrap();

@@ -127,6 +127,9 @@ pub struct Remote {
     key_file: PathBuf,
     credentials: Option<(String, String)>,
     node: String,
+    /// What this daemon's holds (push intents, collections) are named with: its node name and
+    /// its state dir, so a restart lets go of what the killed run held, and only that.
+    holder_prefix: String,
     grace: Duration,
     opened: tokio::sync::OnceCell<Arc<Opened>>,
     /// [`GC_HEAD`]'s version when this daemon's store last knew its packs.
@@ -153,7 +156,10 @@ impl Remote {
         let node = cfg.node_name.clone().unwrap_or_else(|| {
             nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "node".into())
         });
+        let dir_hash = blake3::hash(cfg.state_dir.as_os_str().as_encoded_bytes()).to_hex();
+        let holder_prefix = format!("{node}@{}:", &dir_hash[..8]);
         Ok(Remote {
+            holder_prefix,
             store_url,
             meta_url,
             key_file: cfg.store_key_file.clone().unwrap_or_else(|| cfg.state_dir.join("store.key")),
@@ -177,11 +183,14 @@ impl Remote {
                 let (store_url, meta_url, key_file) =
                     (self.store_url.clone(), self.meta_url.clone(), self.key_file.clone());
                 let credentials = self.credentials.clone();
+                let prefix = self.holder_prefix.clone();
                 tokio::task::spawn_blocking(move || -> Result<Arc<Opened>, RemoteError> {
                     let keys = bb_store::Keys::load_or_create(&key_file)?;
                     let creds = credentials.as_ref().map(|(i, s)| (i.as_str(), s.as_str()));
                     let store = bb_store::Store::open_with(&store_url, keys, creds)?;
                     let meta = Arc::new(bb_meta::Meta::open(&meta_url)?);
+                    // A push or collection of this daemon's previous run (killed) holds nothing now.
+                    meta.release_holders(&prefix)?;
                     Ok(Arc::new(Opened { store, meta }))
                 })
                 .await
@@ -271,7 +280,7 @@ impl Runtime {
 
     /// Wait until no collection runs, then record this push's intent.
     async fn begin_push(&self, o: &Opened) -> Result<PushIntent> {
-        let holder = format!("{}:{}", self.remote.node, uuid::Uuid::new_v4().simple());
+        let holder = format!("{}{}", self.remote.holder_prefix, uuid::Uuid::new_v4().simple());
         let t0 = Instant::now();
         loop {
             let h = holder.clone();
@@ -711,7 +720,7 @@ impl Runtime {
             Some(_) => return Err(RuntimeError::BadRequest("grace_seconds must be >= 0".into())),
         };
         let o = self.remote.open().await?;
-        let holder = format!("{}:gc:{}", self.remote.node, uuid::Uuid::new_v4().simple());
+        let holder = format!("{}gc-{}", self.remote.holder_prefix, uuid::Uuid::new_v4().simple());
         let h = holder.clone();
         if !meta(&o.meta, move |m| m.begin_gc(&h, PUSH_TTL)).await? {
             return Err(RuntimeError::Conflict(
