@@ -20,6 +20,7 @@ from .exceptions import (
     NotFoundError,
     PathEscapeError,
     PayloadTooLargeError,
+    QuotaExceededError,
     SandboxError,
     TimeoutError,
 )
@@ -51,6 +52,9 @@ from .models import (
     SnapshotSession,
     TemplateInfo,
     TemplateProgress,
+    VolumeInfo,
+    VolumeMount,
+    VolumeSnapshotInfo,
 )
 from .sandbox_async import (
     AsyncByteStream,
@@ -61,8 +65,9 @@ from .sandbox_async import (
     AsyncSession,
     AsyncSnapshots,
     AsyncTemplates,
+    AsyncVolume,
 )
-from .sandbox_sync import ByteStream, CommandHandle, Images, Pool, Sandbox, Session, Snapshots, Templates
+from .sandbox_sync import ByteStream, CommandHandle, Images, Pool, Sandbox, Session, Snapshots, Templates, Volume
 
 __all__ = [
     # sandboxes
@@ -81,6 +86,9 @@ __all__ = [
     # snapshots
     "Snapshots",
     "AsyncSnapshots",
+    # volumes
+    "Volume",
+    "AsyncVolume",
     # templates and the warm pool
     "templates",
     "Templates",
@@ -116,6 +124,9 @@ __all__ = [
     "PoolImageStats",
     "TemplateInfo",
     "TemplateProgress",
+    "VolumeInfo",
+    "VolumeSnapshotInfo",
+    "VolumeMount",
     # exceptions
     "SandboxError",
     "NotFoundError",
@@ -124,6 +135,7 @@ __all__ = [
     "AuthenticationError",
     "ConflictError",
     "PayloadTooLargeError",
+    "QuotaExceededError",
     "TimeoutError",
     "DaemonUnavailableError",
     "CommandExitError",

@@ -46,6 +46,9 @@ from .models import (
     SnapshotInfo,
     TemplateInfo,
     TemplateProgress,
+    VolumeInfo,
+    VolumeMount,
+    VolumeSnapshotInfo,
 )
 
 # Extra seconds the HTTP read timeout allows beyond an operation's own timeout, so the
@@ -62,6 +65,8 @@ TEMPLATE_STEP_TIMEOUT = 600.0
 
 StdinT = Union[str, bytes, None]
 CmdT = Union[str, Sequence[str]]
+#: ``Sandbox.create(volumes=...)``: ``{path: volume}`` or a list of mounts (:func:`volume_mounts`).
+VolumesT = Union[Mapping[str, Any], Sequence[Any], None]
 Callback = Callable[[str], Any]
 
 
@@ -364,10 +369,12 @@ def create_sandbox(
     template: Any = None,
     lifecycle: Optional[Mapping[str, Any]] = None,
     snapshot: Any = None,
+    volumes: VolumesT = None,
 ) -> Call:
     """``image=None`` means ``"base"``, or the template's image when ``template`` is given
     (the daemon refuses an image other than the template's); with ``snapshot``, the
-    snapshot's image, limits and cwd are kept (giving them is an error)."""
+    snapshot's image, limits and cwd are kept (giving them is an error). ``volumes`` (see
+    :func:`volume_mounts`) is sent only when given."""
     name = template_name(template) if template is not None else None
     sid = snapshot_id(snapshot) if snapshot is not None else None
     if image is None and name is None and sid is None:
@@ -388,6 +395,7 @@ def create_sandbox(
             "network": network,
             "metadata": _env(metadata),
             "lifecycle": dict(lifecycle) if lifecycle is not None else None,
+            "volumes": volume_mounts(volumes) if volumes is not None else None,
         }
     )
     return Call("POST", "/v1/sandboxes", json=body, parse=SandboxInfo.from_dict)
@@ -564,18 +572,26 @@ def run_code(
 
 # ----------------------------------------------------------------------------- files
 
+# The file builders take the files API's URL prefix (:func:`sandbox_files` or
+# :func:`volume_files`): sandboxes and volumes share its shapes and query parameters.
 
-def read_file(sandbox_id: str, path: str) -> Call:
+
+def sandbox_files(sandbox_id: str) -> str:
+    """URL prefix of a sandbox's files API."""
+    return _sbx(sandbox_id) + "/files"
+
+
+def read_file(files: str, path: str) -> Call:
     return Call(
         "GET",
-        _sbx(sandbox_id) + "/files",
+        files,
         params={"path": path},
         headers={"Accept": "application/octet-stream"},
     )
 
 
 def write_file(
-    sandbox_id: str, path: str, content: Any, mode: Union[int, str, None] = None, length: Optional[int] = None
+    files: str, path: str, content: Any, mode: Union[int, str, None] = None, length: Optional[int] = None
 ) -> Call:
     params = {"path": path}
     m = format_mode(mode)
@@ -586,7 +602,7 @@ def write_file(
         headers["Content-Length"] = str(length)
     return Call(
         "PUT",
-        _sbx(sandbox_id) + "/files",
+        files,
         params=params,
         headers=headers,
         content=content,
@@ -594,41 +610,41 @@ def write_file(
     )
 
 
-def list_dir(sandbox_id: str, path: str, depth: int = 1) -> Call:
+def list_dir(files: str, path: str, depth: int = 1) -> Call:
     return Call(
         "GET",
-        _sbx(sandbox_id) + "/files/list",
+        files + "/list",
         params={"path": path, "depth": int(depth)},
         parse=_list_of("entries", EntryInfo),
     )
 
 
-def stat(sandbox_id: str, path: str) -> Call:
-    return Call("GET", _sbx(sandbox_id) + "/files/stat", params={"path": path}, parse=EntryInfo.from_dict)
+def stat(files: str, path: str) -> Call:
+    return Call("GET", files + "/stat", params={"path": path}, parse=EntryInfo.from_dict)
 
 
-def make_dir(sandbox_id: str, path: str, parents: bool = True) -> Call:
+def make_dir(files: str, path: str, parents: bool = True) -> Call:
     return Call(
         "POST",
-        _sbx(sandbox_id) + "/files/mkdir",
+        files + "/mkdir",
         json={"path": path, "parents": bool(parents)},
         parse=EntryInfo.from_dict,
     )
 
 
-def rename(sandbox_id: str, src: str, dst: str) -> Call:
+def rename(files: str, src: str, dst: str) -> Call:
     return Call(
         "POST",
-        _sbx(sandbox_id) + "/files/rename",
+        files + "/rename",
         json={"from": src, "to": dst},
         parse=EntryInfo.from_dict,
     )
 
 
-def remove(sandbox_id: str, path: str, recursive: bool = False) -> Call:
+def remove(files: str, path: str, recursive: bool = False) -> Call:
     return Call(
         "DELETE",
-        _sbx(sandbox_id) + "/files",
+        files,
         params={"path": path, "recursive": "true" if recursive else "false"},
         parse=_flag("removed"),
     )
@@ -709,31 +725,31 @@ def remove_image(name: str) -> Call:
 # ----------------------------------------------------------------------------- snapshots
 
 
+def _id_string(value: Any, what: str, expected: str) -> str:
+    """``value`` if it is a non-blank string; ``expected`` says what else it may have been."""
+    if not isinstance(value, str):
+        raise exc.InvalidArgumentError("%s must be %s, not %s" % (what, expected, type(value).__name__))
+    if not value.strip():
+        raise exc.InvalidArgumentError("%s id must not be empty" % what)
+    return value
+
+
 def snapshot_id(snapshot: Any, what: str = "snapshot") -> str:
     """The id of ``snapshot`` (an id string or a :class:`SnapshotInfo`)."""
     if isinstance(snapshot, SnapshotInfo):
         snapshot = snapshot.id
-    if not isinstance(snapshot, str):
-        raise exc.InvalidArgumentError(
-            "%s must be a snapshot id (str) or a SnapshotInfo, not %s" % (what, type(snapshot).__name__)
-        )
-    if not snapshot.strip():
-        raise exc.InvalidArgumentError("%s id must not be empty" % what)
-    return snapshot
+    return _id_string(snapshot, what, "a snapshot id (str) or a SnapshotInfo")
+
+
+def _own_id(obj: Any) -> Any:
+    """``obj.id`` when it is a string (a client object or an info model), else ``obj``."""
+    oid = getattr(obj, "id", None)
+    return oid if isinstance(oid, str) else obj
 
 
 def sandbox_ref(sandbox: Any, what: str = "sandbox") -> str:
     """The id of ``sandbox`` (an id string, a Sandbox/AsyncSandbox or a SandboxInfo)."""
-    if not isinstance(sandbox, str):
-        sid = getattr(sandbox, "id", None)
-        if not isinstance(sid, str):
-            raise exc.InvalidArgumentError(
-                "%s must be a sandbox id (str) or a Sandbox, not %s" % (what, type(sandbox).__name__)
-            )
-        sandbox = sid
-    if not sandbox.strip():
-        raise exc.InvalidArgumentError("%s id must not be empty" % what)
-    return sandbox
+    return _id_string(_own_id(sandbox), what, "a sandbox id (str) or a Sandbox")
 
 
 def _snap(sid: Any) -> str:
@@ -991,3 +1007,150 @@ def get_template(template: Any) -> Call:
 
 def remove_template(template: Any) -> Call:
     return Call("DELETE", "/v1/templates/" + _seg(template_name(template)), parse=_flag("removed"))
+
+
+# ----------------------------------------------------------------------------- volumes
+
+#: A volume's access modes: mounted by one sandbox at a time ("rwo"), or by any number,
+#: read-only ("rox").
+VOLUME_ACCESS = ("rwo", "rox")
+_MOUNT_KEYS = ("volume", "path", "read_only", "branch")
+
+
+def volume_ref(volume: Any, what: str = "volume") -> str:
+    """The id (or name) of ``volume``: a string, a Volume/AsyncVolume or a VolumeInfo."""
+    return _id_string(_own_id(volume), what, "a volume id or name (str) or a Volume")
+
+
+def volume_snapshot_id(snapshot: Any, what: str = "snapshot") -> str:
+    """The id of a volume snapshot (an id string or a :class:`VolumeSnapshotInfo`)."""
+    if isinstance(snapshot, VolumeSnapshotInfo):
+        snapshot = snapshot.id
+    return _id_string(snapshot, what, "a volume snapshot id (str) or a VolumeSnapshotInfo")
+
+
+def _vol(volume: Any) -> str:
+    return "/v1/volumes/" + _seg(volume_ref(volume))
+
+
+def volume_files(volume: Any) -> str:
+    """URL prefix of a volume's files API (the sandbox files API's shapes)."""
+    return _vol(volume) + "/files"
+
+
+def _volume_name(name: Optional[str]) -> Optional[str]:
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise exc.InvalidArgumentError("a volume name must be a non-empty string, not %r" % (name,))
+    return name
+
+
+def _mount(volume: Any, path: Any, read_only: Any = False, branch: Any = True) -> Dict[str, Any]:
+    """One entry of a create body's ``volumes``."""
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise exc.InvalidArgumentError("a volume's mount path must be an absolute path, not %r" % (path,))
+    for key, value in (("read_only", read_only), ("branch", branch)):
+        if not isinstance(value, bool):
+            raise exc.InvalidArgumentError("%s of the mount at %s must be True or False, not %r" % (key, path, value))
+    return {"volume": volume_ref(volume, "volume (mounted at %s)" % path), "path": path, "read_only": read_only, "branch": branch}
+
+
+def _mount_at(path: Any, volume: Any) -> Dict[str, Any]:
+    """``{path: volume}``: a VolumeMount's own path, when set, must be ``path``."""
+    if not isinstance(volume, VolumeMount):
+        return _mount(volume, path)
+    if volume.path and volume.path != path:
+        raise exc.InvalidArgumentError("the VolumeMount under %r says path %r: give one path" % (path, volume.path))
+    return _mount(volume.volume, path, volume.read_only, volume.branch)
+
+
+def _mount_item(item: Any) -> Dict[str, Any]:
+    """One item of a list of mounts: a VolumeMount, or a dict of its keys (``volume`` and
+    ``path`` required)."""
+    if isinstance(item, VolumeMount):
+        return _mount(item.volume, item.path, item.read_only, item.branch)
+    if not isinstance(item, Mapping):
+        raise exc.InvalidArgumentError("a mount must be a VolumeMount or a dict, not %s" % type(item).__name__)
+    unknown = sorted(set(item) - set(_MOUNT_KEYS))
+    if unknown or "volume" not in item or "path" not in item:
+        raise exc.InvalidArgumentError(
+            "a mount dict has the keys volume, path (both required), read_only and branch; got %s" % sorted(item)
+        )
+    return _mount(item["volume"], item["path"], item.get("read_only", False), item.get("branch", True))
+
+
+def volume_mounts(volumes: Any) -> List[Dict[str, Any]]:
+    """The ``volumes`` of a sandbox create body from ``{path: volume}`` (a Volume, an id or
+    name, a VolumeInfo or a :class:`VolumeMount`) or from a list of VolumeMount / dicts of its
+    keys. Mounts are read-write (``read_only=False``) and ``branch=True`` unless they say
+    otherwise; two mounts at one path are an error."""
+    if isinstance(volumes, Mapping):
+        mounts = [_mount_at(path, volume) for path, volume in volumes.items()]
+    elif isinstance(volumes, (list, tuple)):
+        mounts = [_mount_item(item) for item in volumes]
+    else:
+        raise exc.InvalidArgumentError(
+            "volumes must be a {path: volume} dict or a list of VolumeMount, not %s" % type(volumes).__name__
+        )
+    paths = [m["path"] for m in mounts]
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        raise exc.InvalidArgumentError("more than one volume mounted at %s" % ", ".join(twice))
+    return mounts
+
+
+def create_volume(name: Optional[str] = None, access: str = "rwo", quota_mb: Optional[int] = None) -> Call:
+    if access not in VOLUME_ACCESS:
+        raise exc.InvalidArgumentError(
+            'access must be "rwo" (one sandbox mounts it at a time) or "rox" (read-only mounts), not %r' % (access,)
+        )
+    if quota_mb is not None and (isinstance(quota_mb, bool) or not isinstance(quota_mb, int) or quota_mb < 1):
+        raise exc.InvalidArgumentError("quota_mb must be an int >= 1 (MiB) or None (no quota), not %r" % (quota_mb,))
+    body = _compact({"name": _volume_name(name), "access": access, "quota_mb": quota_mb})
+    return Call("POST", "/v1/volumes", json=body, parse=VolumeInfo.from_dict)
+
+
+def list_volumes() -> Call:
+    return Call("GET", "/v1/volumes", parse=_list_of("volumes", VolumeInfo))
+
+
+def get_volume(volume: Any) -> Call:
+    return Call("GET", _vol(volume), parse=VolumeInfo.from_dict)
+
+
+def delete_volume(volume: Any) -> Call:
+    return Call("DELETE", _vol(volume), parse=_flag("removed"))
+
+
+def volume_snapshot(volume: Any, label: Optional[str] = None) -> Call:
+    if label is not None and not isinstance(label, str):
+        raise exc.InvalidArgumentError("label must be a string, not %s" % type(label).__name__)
+    return Call("POST", _vol(volume) + "/snapshots", json=_compact({"label": label}), parse=VolumeSnapshotInfo.from_dict)
+
+
+def list_volume_snapshots(volume: Any) -> Call:
+    return Call("GET", _vol(volume) + "/snapshots", parse=_list_of("snapshots", VolumeSnapshotInfo))
+
+
+def delete_volume_snapshot(volume: Any, snapshot: Any) -> Call:
+    path = "%s/snapshots/%s" % (_vol(volume), _seg(volume_snapshot_id(snapshot)))
+    return Call("DELETE", path, parse=_flag("removed"))
+
+
+def restore_volume(volume: Any, snapshot: Any) -> Call:
+    body = {"snapshot": volume_snapshot_id(snapshot)}
+    return Call("POST", _vol(volume) + "/restore", json=body, parse=VolumeInfo.from_dict)
+
+
+def fork_volume(volume: Any, name: Optional[str] = None, snapshot: Any = None) -> Call:
+    body = _compact(
+        {
+            "name": _volume_name(name),
+            "snapshot": volume_snapshot_id(snapshot) if snapshot is not None else None,
+        }
+    )
+    return Call("POST", _vol(volume) + "/fork", json=body, parse=VolumeInfo.from_dict)
+
+
+def sync_volume(volume: Any) -> Call:
+    # Uploads everything written since the last sync: no read timeout.
+    return Call("POST", _vol(volume) + "/sync", parse=VolumeInfo.from_dict, unbounded=True)

@@ -10,6 +10,7 @@ stable JSON error ``code``::
     ├── AuthenticationError           unauthorized       401
     ├── ConflictError                 conflict           409
     ├── PayloadTooLargeError          payload_too_large  413
+    ├── QuotaExceededError            quota_exceeded     507
     ├── TimeoutError                  timeout            408, or the client-side request timeout
     ├── DaemonUnavailableError        unavailable        503, or the daemon cannot be reached
     └── CommandExitError              CommandResult.check() on a nonzero exit
@@ -33,6 +34,7 @@ __all__ = [
     "AuthenticationError",
     "ConflictError",
     "PayloadTooLargeError",
+    "QuotaExceededError",
     "TimeoutError",
     "DaemonUnavailableError",
     "CommandExitError",
@@ -101,6 +103,12 @@ class PayloadTooLargeError(SandboxError):
     default_code = "payload_too_large"
 
 
+class QuotaExceededError(SandboxError):
+    """A write would take a volume beyond its ``quota_mb`` (507)."""
+
+    default_code = "quota_exceeded"
+
+
 class TimeoutError(SandboxError):  # noqa: A001 - deliberately shadows the builtin name
     """The HTTP request to the daemon timed out (client side) or the daemon answered 408."""
 
@@ -152,6 +160,7 @@ _BY_CODE: Dict[str, Type[SandboxError]] = {
     "not_found": NotFoundError,
     "conflict": ConflictError,
     "payload_too_large": PayloadTooLargeError,
+    "quota_exceeded": QuotaExceededError,
     "timeout": TimeoutError,
     "unavailable": DaemonUnavailableError,
     "internal": SandboxError,
@@ -166,6 +175,7 @@ _BY_STATUS: Dict[int, str] = {
     409: "conflict",
     413: "payload_too_large",
     503: "unavailable",
+    507: "quota_exceeded",
 }
 
 

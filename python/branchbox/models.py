@@ -34,6 +34,9 @@ __all__ = [
     "PoolStats",
     "TemplateInfo",
     "TemplateProgress",
+    "VolumeMount",
+    "VolumeInfo",
+    "VolumeSnapshotInfo",
 ]
 
 T = TypeVar("T", bound="_Model")
@@ -51,6 +54,26 @@ class _Model:
 
 def _raw() -> Any:
     return field(default_factory=dict, repr=False, compare=False)
+
+
+@dataclass
+class VolumeMount(_Model):
+    """A volume mounted in a sandbox: an entry of ``Sandbox.create(volumes=[...])``, of
+    :attr:`SandboxInfo.volumes` and of :attr:`VolumeInfo.mounts`.
+
+    ``volume`` is the volume's id (a name is accepted in a create) and ``path`` an absolute
+    path in the sandbox. With ``branch`` (the default) the volume branches with the sandbox: a
+    checkpoint snapshots it, a rollback restores it, a fork gives each child a copy-on-write
+    fork of it; ``branch=False`` shares it as it is (e.g. a cache). ``sandbox`` is set in
+    :attr:`VolumeInfo.mounts` only: the sandbox that mounts it.
+    """
+
+    volume: str = ""
+    path: str = ""
+    read_only: bool = False
+    branch: bool = True
+    sandbox: Optional[str] = None
+    raw: Dict[str, Any] = _raw()
 
 
 @dataclass
@@ -79,7 +102,15 @@ class SandboxInfo(_Model):
     lifecycle: Dict[str, Any] = field(default_factory=dict)
     #: When the sandbox was paused (state ``"paused"``).
     paused_at: Optional[float] = None
+    #: The volumes mounted in it (``Sandbox.create(volumes=...)``).
+    volumes: List[VolumeMount] = field(default_factory=list)
     raw: Dict[str, Any] = _raw()
+
+    @classmethod
+    def from_dict(cls, data: Optional[Dict[str, Any]]) -> "SandboxInfo":
+        obj = super().from_dict(data)
+        obj.volumes = [m if isinstance(m, VolumeMount) else VolumeMount.from_dict(m) for m in obj.volumes or []]
+        return obj
 
     @property
     def is_running(self) -> bool:
@@ -559,3 +590,55 @@ class TemplateInfo(_Model):
 class TemplateProgress(ImageProgress):
     """One progress event of a template build (``stage``: create, run, code, snapshot,
     shells; ``message`` names the recipe command being run)."""
+
+
+@dataclass
+class VolumeInfo(_Model):
+    """A persistent volume (``vol-<16 hex>``): files that outlive the sandboxes mounting them.
+
+    ``access`` is ``"rwo"`` (mounted by one sandbox at a time) or ``"rox"`` (by any number,
+    read-only; written through the files API while none mounts it); ``quota_mb`` (None: no
+    quota) bounds the MiB it may hold beyond what it was created or forked with.
+    ``size_bytes`` is what it takes on the daemon's disk. ``mounts`` lists the sandboxes mounting it now (each
+    mount's ``volume`` is this volume's id). ``version`` is the head committed in the metadata
+    store (0: never synced); ``durability`` is ``"durable"`` when nothing changed since the
+    last ``sync()``, else ``"node-local"``, with ``backlog_bytes`` written since then (not yet
+    in the object store). ``source`` is the volume it was forked from.
+    """
+
+    id: str = ""
+    name: Optional[str] = None
+    access: str = "rwo"
+    quota_mb: Optional[int] = None
+    created_at: Optional[float] = None
+    size_bytes: int = 0
+    layers: int = 0
+    snapshots: int = 0
+    mounts: List[VolumeMount] = field(default_factory=list)
+    version: int = 0
+    durability: str = "node-local"
+    backlog_bytes: int = 0
+    source: Optional[str] = None
+    raw: Dict[str, Any] = _raw()
+
+    @classmethod
+    def from_dict(cls, data: Optional[Dict[str, Any]]) -> "VolumeInfo":
+        obj = super().from_dict(data)
+        mounts = [m if isinstance(m, VolumeMount) else VolumeMount.from_dict(m) for m in obj.mounts or []]
+        for m in mounts:
+            m.volume = m.volume or obj.id
+        obj.mounts = mounts
+        return obj
+
+
+@dataclass
+class VolumeSnapshotInfo(_Model):
+    """A snapshot of a volume (``vs-...``, ``vol.snapshot()``): its files at that moment, for
+    ``vol.restore()`` and ``vol.fork(snapshot=...)``. ``layers`` is the length of its chain."""
+
+    id: str = ""
+    volume: str = ""
+    created_at: Optional[float] = None
+    layers: int = 0
+    label: Optional[str] = None
+    raw: Dict[str, Any] = _raw()

@@ -41,6 +41,8 @@ from .models import (
     SnapshotInfo,
     TemplateInfo,
     TemplateProgress,
+    VolumeInfo,
+    VolumeSnapshotInfo,
 )
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "AsyncSession",
     "AsyncImages",
     "AsyncSnapshots",
+    "AsyncVolume",
     "AsyncTemplates",
     "AsyncPool",
     "health",
@@ -159,7 +162,7 @@ class AsyncSandbox:
         self._http = _http
         self._info = info
         self.commands = AsyncCommands(self)
-        self.files = AsyncFiles(self)
+        self.files = AsyncFiles(_http, _core.sandbox_files(sandbox_id))
         self.sessions = AsyncSessions(self)
 
     @property
@@ -183,6 +186,7 @@ class AsyncSandbox:
         template: Union[str, TemplateInfo, None] = None,
         lifecycle: Optional[Mapping[str, Any]] = None,
         snapshot: Union[str, SnapshotInfo, None] = None,
+        volumes: _core.VolumesT = None,
         daemon: Optional[str] = None,
         token: Optional[str] = None,
         request_timeout: Optional[float] = 120,
@@ -193,7 +197,8 @@ class AsyncSandbox:
         try:
             info = await http.call(
                 _core.create_sandbox(
-                    image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot
+                    image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot,
+                    volumes,
                 )
             )
         except BaseException:
@@ -511,18 +516,18 @@ async def _aiter_chunks(data: Any) -> AsyncIterator[bytes]:
 
 
 class AsyncFiles:
-    """``sbx.files`` (async)."""
+    """``sbx.files`` / ``vol.files`` (async; see :class:`branchbox.sandbox_sync.Files`)."""
 
-    def __init__(self, sandbox: AsyncSandbox) -> None:
-        self._sbx = sandbox
+    def __init__(self, http: _AsyncHTTP, prefix: str) -> None:
+        self._http = http
+        self._prefix = prefix
 
     async def read(self, path: str, format: str = "text") -> Any:
         """Content as ``str`` (``"text"``), ``bytes`` or an :class:`AsyncByteStream`."""
         if format not in ("text", "bytes", "stream"):
             raise InvalidArgumentError("format must be 'text', 'bytes' or 'stream'")
-        http = self._sbx._http
-        response = await http.send(_core.read_file(self._sbx.id, path), stream=True)
-        stream = AsyncByteStream(response, http)
+        response = await self._http.send(_core.read_file(self._prefix, path), stream=True)
+        stream = AsyncByteStream(response, self._http)
         if format == "stream":
             return stream
         async with stream:
@@ -541,13 +546,13 @@ class AsyncFiles:
             content, length = _aiter_chunks(data), None
         else:
             raise InvalidArgumentError("data must be str, bytes, a file object or an iterable of bytes")
-        return await self._sbx._http.call(_core.write_file(self._sbx.id, path, content, mode, length))
+        return await self._http.call(_core.write_file(self._prefix, path, content, mode, length))
 
     async def list(self, path: str = "/", depth: int = 1) -> List[EntryInfo]:
-        return await self._sbx._http.call(_core.list_dir(self._sbx.id, path, depth))
+        return await self._http.call(_core.list_dir(self._prefix, path, depth))
 
     async def stat(self, path: str) -> EntryInfo:
-        return await self._sbx._http.call(_core.stat(self._sbx.id, path))
+        return await self._http.call(_core.stat(self._prefix, path))
 
     async def exists(self, path: str) -> bool:
         try:
@@ -557,21 +562,21 @@ class AsyncFiles:
         return True
 
     async def make_dir(self, path: str, parents: bool = True) -> EntryInfo:
-        return await self._sbx._http.call(_core.make_dir(self._sbx.id, path, parents))
+        return await self._http.call(_core.make_dir(self._prefix, path, parents))
 
     async def remove(self, path: str, recursive: bool = False) -> bool:
-        return await self._sbx._http.call(_core.remove(self._sbx.id, path, recursive))
+        return await self._http.call(_core.remove(self._prefix, path, recursive))
 
     async def rename(self, src: str, dst: str) -> EntryInfo:
-        return await self._sbx._http.call(_core.rename(self._sbx.id, src, dst))
+        return await self._http.call(_core.rename(self._prefix, src, dst))
 
     async def upload(self, local_path: Union[str, "os.PathLike[str]"], remote_path: str, mode: Union[int, str, None] = None) -> EntryInfo:
-        """Stream a local file into the sandbox."""
+        """Stream a local file to ``remote_path``."""
         with open(local_path, "rb") as f:
             return await self.write(remote_path, f, mode=mode)
 
     async def download(self, remote_path: str, local_path: Union[str, "os.PathLike[str]"]) -> str:
-        """Stream a sandbox file to ``local_path``; returns the local path."""
+        """Stream ``remote_path`` to ``local_path``; returns the local path."""
         stream = await self.read(remote_path, format="stream")
         async with stream:
             with open(local_path, "wb") as f:
@@ -631,6 +636,128 @@ class AsyncSessions:
 
     async def list(self) -> List[SessionInfo]:
         return await self._sbx._http.call(_core.list_sessions(self._sbx.id))
+
+
+# ----------------------------------------------------------------------------- volumes
+
+
+class AsyncVolume:
+    """A persistent volume (the async mirror of :class:`branchbox.Volume`)::
+
+        async with await AsyncVolume.create("ws") as vol:
+            await vol.files.write("/notes.txt", "hi")
+    """
+
+    def __init__(self, volume_id: str, *, _http: _AsyncHTTP, info: Optional[VolumeInfo] = None) -> None:
+        self.id = volume_id
+        self._http = _http
+        self._info = info
+        self.files = AsyncFiles(_http, _core.volume_files(volume_id))
+
+    @classmethod
+    async def create(
+        cls,
+        name: Optional[str] = None,
+        access: str = "rwo",
+        quota_mb: Optional[int] = None,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.AsyncBaseTransport] = None,
+    ) -> "AsyncVolume":
+        """Create an empty volume (see :meth:`branchbox.Volume.create`)."""
+        http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+        try:
+            info = await http.call(_core.create_volume(name, access, quota_mb))
+        except BaseException:
+            await http.close()
+            raise
+        return cls(info.id, _http=http, info=info)
+
+    @classmethod
+    async def connect(
+        cls,
+        id_or_name: str,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.AsyncBaseTransport] = None,
+    ) -> "AsyncVolume":
+        """Attach to an existing volume by id or name (:class:`NotFoundError` if unknown)."""
+        http = _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+        try:
+            info = await http.call(_core.get_volume(id_or_name))
+        except BaseException:
+            await http.close()
+            raise
+        return cls(info.id or id_or_name, _http=http, info=info)
+
+    @classmethod
+    async def list(
+        cls,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.AsyncBaseTransport] = None,
+    ) -> List[VolumeInfo]:
+        """All volumes."""
+        async with _AsyncHTTP(ConnectionConfig(daemon, token, request_timeout, transport)) as http:
+            return await http.call(_core.list_volumes())
+
+    async def info(self) -> VolumeInfo:
+        info = await self._http.call(_core.get_volume(self.id))
+        self._info = info
+        return info
+
+    async def delete(self) -> bool:
+        """Delete the volume and its snapshots (:class:`ConflictError` while it is mounted)."""
+        return await self._http.call(_core.delete_volume(self.id))
+
+    async def snapshot(self, label: Optional[str] = None) -> VolumeSnapshotInfo:
+        """Record the volume's files as they are now (metadata only: no file is copied)."""
+        return await self._http.call(_core.volume_snapshot(self.id, label))
+
+    async def snapshots(self) -> List[VolumeSnapshotInfo]:
+        return await self._http.call(_core.list_volume_snapshots(self.id))
+
+    async def delete_snapshot(self, snapshot: Union[str, VolumeSnapshotInfo]) -> bool:
+        return await self._http.call(_core.delete_volume_snapshot(self.id, snapshot))
+
+    async def restore(self, snapshot: Union[str, VolumeSnapshotInfo]) -> VolumeInfo:
+        """Return the volume's files to ``snapshot``."""
+        info = await self._http.call(_core.restore_volume(self.id, snapshot))
+        self._info = info
+        return info
+
+    async def fork(
+        self, name: Optional[str] = None, snapshot: Union[str, VolumeSnapshotInfo, None] = None
+    ) -> "AsyncVolume":
+        """A copy-on-write copy of the volume (see :meth:`branchbox.Volume.fork`), with its own
+        connection: close it when done."""
+        info = await self._http.call(_core.fork_volume(self.id, name, snapshot))
+        return AsyncVolume(info.id, _http=_AsyncHTTP(self._http.config), info=info)
+
+    async def sync(self) -> VolumeInfo:
+        """Make what was written so far durable (see :meth:`branchbox.Volume.sync`)."""
+        info = await self._http.call(_core.sync_volume(self.id))
+        self._info = info
+        return info
+
+    async def close(self) -> None:
+        """Release the HTTP connection (the volume stays)."""
+        await self._http.close()
+
+    async def __aenter__(self) -> "AsyncVolume":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return "AsyncVolume(id=%r)" % self.id
 
 
 # ----------------------------------------------------------------------------- daemon-wide clients

@@ -47,6 +47,8 @@ from .models import (
     SnapshotInfo,
     TemplateInfo,
     TemplateProgress,
+    VolumeInfo,
+    VolumeSnapshotInfo,
 )
 
 __all__ = [
@@ -59,6 +61,7 @@ __all__ = [
     "Session",
     "Images",
     "Snapshots",
+    "Volume",
     "Templates",
     "Pool",
     "health",
@@ -358,7 +361,7 @@ class Sandbox:
         self._http = _http
         self._info = info
         self.commands = Commands(self)
-        self.files = Files(self)
+        self.files = Files(_http, _core.sandbox_files(sandbox_id))
         self.sessions = Sessions(self)
 
     @property
@@ -382,6 +385,7 @@ class Sandbox:
         template: Union[str, TemplateInfo, None] = None,
         lifecycle: Optional[Mapping[str, Any]] = None,
         snapshot: Union[str, SnapshotInfo, None] = None,
+        volumes: _core.VolumesT = None,
         daemon: Optional[str] = None,
         token: Optional[str] = None,
         request_timeout: Optional[float] = 120,
@@ -406,6 +410,11 @@ class Sandbox:
         paused sandbox resumes by itself when a command, code, a file or a session request
         reaches it.
 
+        ``volumes`` mounts persistent volumes (:class:`Volume`): ``{"/workspace": vol}`` where
+        ``vol`` is a Volume, a volume id or name, or a :class:`VolumeMount` (to set
+        ``read_only``, or ``branch=False`` for a volume that does not branch with the sandbox's
+        checkpoints, rollbacks and forks); or a list of VolumeMount (or dicts of its keys).
+
         ``daemon``/``token`` default to ``$BRANCHBOX_URL``/``$BRANCHBOX_TOKEN``;
         ``request_timeout`` bounds each HTTP request; ``transport`` replaces the
         network transport (tests).
@@ -414,7 +423,8 @@ class Sandbox:
         try:
             info = http.call(
                 _core.create_sandbox(
-                    image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot
+                    image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot,
+                    volumes,
                 )
             )
         except BaseException:
@@ -728,18 +738,19 @@ class ByteStream:
 
 
 class Files:
-    """``sbx.files``: the sandbox filesystem (paths are resolved inside the sandbox root)."""
+    """A filesystem reached through the daemon's files API: ``sbx.files`` (a sandbox's, paths
+    resolved inside the sandbox root) or ``vol.files`` (a volume's, paths inside the volume)."""
 
-    def __init__(self, sandbox: Sandbox) -> None:
-        self._sbx = sandbox
+    def __init__(self, http: _HTTP, prefix: str) -> None:
+        self._http = http
+        self._prefix = prefix
 
     def read(self, path: str, format: str = "text") -> Any:
         """Content of ``path`` as ``str`` (``"text"``), ``bytes`` or a :class:`ByteStream`."""
         if format not in ("text", "bytes", "stream"):
             raise InvalidArgumentError("format must be 'text', 'bytes' or 'stream'")
-        http = self._sbx._http
-        response = http.send(_core.read_file(self._sbx.id, path), stream=True)
-        stream = ByteStream(response, http)
+        response = self._http.send(_core.read_file(self._prefix, path), stream=True)
+        stream = ByteStream(response, self._http)
         if format == "stream":
             return stream
         with stream:
@@ -761,13 +772,13 @@ class Files:
             content, length = _core.iter_chunks(data), None
         else:
             raise InvalidArgumentError("data must be str, bytes, a file object or an iterable of bytes")
-        return self._sbx._http.call(_core.write_file(self._sbx.id, path, content, mode, length))
+        return self._http.call(_core.write_file(self._prefix, path, content, mode, length))
 
     def list(self, path: str = "/", depth: int = 1) -> List[EntryInfo]:
-        return self._sbx._http.call(_core.list_dir(self._sbx.id, path, depth))
+        return self._http.call(_core.list_dir(self._prefix, path, depth))
 
     def stat(self, path: str) -> EntryInfo:
-        return self._sbx._http.call(_core.stat(self._sbx.id, path))
+        return self._http.call(_core.stat(self._prefix, path))
 
     def exists(self, path: str) -> bool:
         try:
@@ -777,21 +788,21 @@ class Files:
         return True
 
     def make_dir(self, path: str, parents: bool = True) -> EntryInfo:
-        return self._sbx._http.call(_core.make_dir(self._sbx.id, path, parents))
+        return self._http.call(_core.make_dir(self._prefix, path, parents))
 
     def remove(self, path: str, recursive: bool = False) -> bool:
-        return self._sbx._http.call(_core.remove(self._sbx.id, path, recursive))
+        return self._http.call(_core.remove(self._prefix, path, recursive))
 
     def rename(self, src: str, dst: str) -> EntryInfo:
-        return self._sbx._http.call(_core.rename(self._sbx.id, src, dst))
+        return self._http.call(_core.rename(self._prefix, src, dst))
 
     def upload(self, local_path: Union[str, "os.PathLike[str]"], remote_path: str, mode: Union[int, str, None] = None) -> EntryInfo:
-        """Stream a local file into the sandbox."""
+        """Stream a local file to ``remote_path``."""
         with open(local_path, "rb") as f:
             return self.write(remote_path, f, mode=mode)
 
     def download(self, remote_path: str, local_path: Union[str, "os.PathLike[str]"]) -> str:
-        """Stream a sandbox file to ``local_path``; returns the local path."""
+        """Stream ``remote_path`` to ``local_path``; returns the local path."""
         with self.read(remote_path, format="stream") as stream, open(local_path, "wb") as f:
             for chunk in stream:
                 f.write(chunk)
@@ -851,6 +862,134 @@ class Sessions:
 
     def list(self) -> List[SessionInfo]:
         return self._sbx._http.call(_core.list_sessions(self._sbx.id))
+
+
+# ----------------------------------------------------------------------------- volumes
+
+
+class Volume:
+    """A persistent volume: files that outlive sandboxes, mounted with
+    ``Sandbox.create(volumes={"/workspace": vol})`` and reached directly through
+    :attr:`files`. Create with :meth:`create`, attach with :meth:`connect`.
+
+    Writes are node-local (on the daemon's disk) until :meth:`sync` makes them durable (in
+    the object store, the head recorded in the metadata store). Used as a context manager the
+    connection is released on exit; the volume stays (:meth:`delete` removes it).
+    """
+
+    def __init__(self, volume_id: str, *, _http: _HTTP, info: Optional[VolumeInfo] = None) -> None:
+        self.id = volume_id
+        self._http = _http
+        self._info = info
+        self.files = Files(_http, _core.volume_files(volume_id))
+
+    @classmethod
+    def create(
+        cls,
+        name: Optional[str] = None,
+        access: str = "rwo",
+        quota_mb: Optional[int] = None,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.BaseTransport] = None,
+    ) -> "Volume":
+        """Create an empty volume. ``name`` (optional, unique) may stand for its id anywhere;
+        ``access`` is ``"rwo"`` (mounted by one sandbox at a time) or ``"rox"`` (by any number,
+        read-only; written through :attr:`files` while none mounts it); ``quota_mb`` bounds
+        what it may hold (writes beyond fail with :class:`QuotaExceededError`). Connection
+        arguments as :meth:`Sandbox.create`'s."""
+        http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+        try:
+            info = http.call(_core.create_volume(name, access, quota_mb))
+        except BaseException:
+            http.close()
+            raise
+        return cls(info.id, _http=http, info=info)
+
+    @classmethod
+    def connect(
+        cls,
+        id_or_name: str,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.BaseTransport] = None,
+    ) -> "Volume":
+        """Attach to an existing volume by id or name (:class:`NotFoundError` if unknown)."""
+        http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))
+        try:
+            info = http.call(_core.get_volume(id_or_name))
+        except BaseException:
+            http.close()
+            raise
+        return cls(info.id or id_or_name, _http=http, info=info)
+
+    @classmethod
+    def list(
+        cls,
+        *,
+        daemon: Optional[str] = None,
+        token: Optional[str] = None,
+        request_timeout: Optional[float] = 120,
+        transport: Optional[httpx.BaseTransport] = None,
+    ) -> List[VolumeInfo]:
+        """All volumes."""
+        with _HTTP(ConnectionConfig(daemon, token, request_timeout, transport)) as http:
+            return http.call(_core.list_volumes())
+
+    def info(self) -> VolumeInfo:
+        info = self._http.call(_core.get_volume(self.id))
+        self._info = info
+        return info
+
+    def delete(self) -> bool:
+        """Delete the volume and its snapshots (:class:`ConflictError` while it is mounted)."""
+        return self._http.call(_core.delete_volume(self.id))
+
+    def snapshot(self, label: Optional[str] = None) -> VolumeSnapshotInfo:
+        """Record the volume's files as they are now (metadata only: no file is copied)."""
+        return self._http.call(_core.volume_snapshot(self.id, label))
+
+    def snapshots(self) -> List[VolumeSnapshotInfo]:
+        return self._http.call(_core.list_volume_snapshots(self.id))
+
+    def delete_snapshot(self, snapshot: Union[str, VolumeSnapshotInfo]) -> bool:
+        return self._http.call(_core.delete_volume_snapshot(self.id, snapshot))
+
+    def restore(self, snapshot: Union[str, VolumeSnapshotInfo]) -> VolumeInfo:
+        """Return the volume's files to ``snapshot``."""
+        info = self._http.call(_core.restore_volume(self.id, snapshot))
+        self._info = info
+        return info
+
+    def fork(self, name: Optional[str] = None, snapshot: Union[str, VolumeSnapshotInfo, None] = None) -> "Volume":
+        """A new volume with this one's files now (or ``snapshot``'s), copy-on-write: the two
+        change independently. It has its own connection with this volume's settings."""
+        info = self._http.call(_core.fork_volume(self.id, name, snapshot))
+        return Volume(info.id, _http=_HTTP(self._http.config), info=info)
+
+    def sync(self) -> VolumeInfo:
+        """Make what was written so far durable: uploaded to the object store and committed
+        as the volume's head in the metadata store (``durability`` is then ``"durable"``)."""
+        info = self._http.call(_core.sync_volume(self.id))
+        self._info = info
+        return info
+
+    def close(self) -> None:
+        """Release the HTTP connection (the volume stays)."""
+        self._http.close()
+
+    def __enter__(self) -> "Volume":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return "Volume(id=%r)" % self.id
 
 
 # ----------------------------------------------------------------------------- daemon-wide clients

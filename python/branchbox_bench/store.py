@@ -34,16 +34,31 @@ import socket
 import subprocess
 import tempfile
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from branchbox import Images, Sandbox, Snapshots
 from branchbox.sandbox_sync import health
 
 from .stats import percentile, stats_rows
 
-__all__ = ["BenchError", "StoreResult", "run_store_bench", "SUMMARY_KEYS", "TARGETS", "find_tool"]
+__all__ = [
+    "BenchError",
+    "StoreResult",
+    "run_store_bench",
+    "SUMMARY_KEYS",
+    "TARGETS",
+    "find_tool",
+    "Minio",
+    "Daemon",
+    "daemon_binary",
+    "store_bench_tool",
+    "raw_transfers",
+    "ensure_base",
+    "sigterm_unwinds",
+    "quiet",
+]
 
 MIB = 1 << 20
 LIBDIR = "/usr/local/lib/branchbox"
@@ -51,6 +66,8 @@ A_STATE = "/var/lib/branchbox-bench-store/a"
 RUN_DIR = "/run/branchbox-bench"
 DEMO_CACHE = "/var/lib/branchbox/cache/debootstrap"
 S3_USER, S3_SECRET = "bbbench", "bbbench-secret-" + os.urandom(8).hex()
+#: The environment giving a daemon (or ``branchbox-store-bench``) the MinIO's credentials.
+S3_ENV = {"AWS_ACCESS_KEY_ID": S3_USER, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
 BUCKET = "bench"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -199,7 +216,7 @@ def _wait(ok: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not ok():
         if time.monotonic() > deadline:
-            raise BenchError("bench store: timed out waiting for " + what)
+            raise BenchError("bench: timed out waiting for " + what)
         time.sleep(0.05)
 
 
@@ -219,7 +236,7 @@ class Minio:
     def __init__(self, root: str) -> None:
         binary = find_tool("minio", "BRANCHBOX_MINIO", [os.path.join(LIBDIR, "minio")])
         if not binary:
-            raise BenchError("bench store needs MinIO (%s/minio; scripts/install-minio.sh installs it)" % LIBDIR)
+            raise BenchError("bench: MinIO is needed (%s/minio; scripts/install-minio.sh installs it)" % LIBDIR)
         self.port = free_port()
         self.log = os.path.join(root, "minio.log")
         env = dict(os.environ, MINIO_ROOT_USER=S3_USER, MINIO_ROOT_PASSWORD=S3_SECRET, MINIO_BROWSER="off")
@@ -232,14 +249,14 @@ class Minio:
                   "MinIO to serve")
             if not self._curl(["-X", "PUT", "--aws-sigv4", "aws:amz:us-east-1:s3", "--user",
                                "%s:%s" % (S3_USER, S3_SECRET), "http://127.0.0.1:%d/%s" % (self.port, BUCKET)]):
-                raise BenchError("bench store: could not create bucket %s in MinIO" % BUCKET)
+                raise BenchError("bench: could not create bucket %s in MinIO" % BUCKET)
         except BaseException:
             self.stop()
             raise
 
     def _alive(self) -> bool:
         if self.proc.poll() is not None:
-            raise BenchError("bench store: MinIO exited: " + _tail(self.log))
+            raise BenchError("bench: MinIO exited: " + _tail(self.log))
         return True
 
     @staticmethod
@@ -292,7 +309,7 @@ class Daemon:
 
     def _healthy(self) -> bool:
         if self.proc.poll() is not None:
-            raise BenchError("bench store: daemon %s exited: %s" % (self.name, _tail(self.log)))
+            raise BenchError("bench: daemon %s exited: %s" % (self.name, _tail(self.log)))
         try:
             health(daemon=self.url, request_timeout=2)
             return True
@@ -336,7 +353,17 @@ def _interrupt(*_: Any) -> None:
     raise KeyboardInterrupt()
 
 
-def _quiet(f: Callable[[], Any]) -> None:
+@contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """While it runs, SIGTERM unwinds like Ctrl-C, so everything a bench started is stopped."""
+    old_term = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+
+
+def quiet(f: Callable[[], Any]) -> None:
     """Clean-up: ``f()``, whose failure must not hide the run's own error (or stop the rest)."""
     try:
         f()
@@ -344,16 +371,54 @@ def _quiet(f: Callable[[], Any]) -> None:
         pass
 
 
-def _ensure_base(a: Daemon, res: StoreResult, progress: Callable[[str], None]) -> None:
-    if any(i.name == "base" for i in Images(daemon=a.url).list()):
+def daemon_binary() -> str:
+    """The branchboxd the bench daemons run (PATH or ``$BRANCHBOX_DAEMON_BIN``)."""
+    binary = find_tool("branchboxd", "BRANCHBOX_DAEMON_BIN")
+    if not binary:
+        raise BenchError("bench: branchboxd not found (PATH or BRANCHBOX_DAEMON_BIN)")
+    return binary
+
+
+def store_bench_tool(daemon_bin: str) -> str:
+    """``branchbox-store-bench``: next to ``daemon_bin``, in the lib dir, ``$BRANCHBOX_STORE_BENCH_BIN``
+    or on PATH."""
+    daemon_dir = os.path.dirname(os.path.realpath(daemon_bin))
+    tool = find_tool("branchbox-store-bench", "BRANCHBOX_STORE_BENCH_BIN",
+                     [os.path.join(daemon_dir, "branchbox-store-bench"), os.path.join(LIBDIR, "branchbox-store-bench")])
+    if not tool:
+        raise BenchError("bench: branchbox-store-bench not found (next to branchboxd, %s, PATH or "
+                         "BRANCHBOX_STORE_BENCH_BIN)" % LIBDIR)
+    return tool
+
+
+def raw_transfers(tool: str, url: str, rounds: int, work: str, mb: Optional[int] = None,
+                  src: Optional[str] = None) -> Dict[str, Any]:
+    """The JSON line of ``branchbox-store-bench`` against the MinIO at ``url``: the store's
+    push/pull beside a plain multipart upload (``raw_put_mb_s``) and ranged download
+    (``raw_get_mb_s``) of the files of directory ``src``, or of ``mb`` MiB of incompressible
+    files it makes; ``rounds`` rounds, medians."""
+    data = ["--dir", src] if src is not None else ["--mb", str(mb)]
+    out = subprocess.run([tool, "--url", url, "--rounds", str(rounds), "--work", work] + data,
+                         capture_output=True, text=True, env=dict(os.environ, **S3_ENV))
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        raise BenchError("bench: %s failed: %s" % (tool, out.stderr.strip()[-1500:]))
+    return json.loads(lines[-1])
+
+
+def ensure_base(d: Daemon, notes: List[str], progress: Callable[[str], None]) -> None:
+    """Build the "base" image on daemon ``d`` unless it has it (once: it stays in its state dir;
+    the demo daemon's package cache is copied in first when present)."""
+    if any(i.name == "base" for i in Images(daemon=d.url).list()):
         return
-    cache = os.path.join(A_STATE, "cache", "debootstrap")
+    cache = os.path.join(d.state, "cache", "debootstrap")
     if os.path.isdir(DEMO_CACHE) and not os.path.isdir(cache):
         shutil.copytree(DEMO_CACHE, cache)
-    progress("building the base image in %s (once)" % A_STATE)
+    progress("building the base image in %s (once)" % d.state)
     t0 = time.perf_counter()
-    Images(daemon=a.url, request_timeout=3600).build("base")
-    res.notes.append("built the base image for daemon A in %.0f s (kept in %s for later runs)" % (_ms(t0) / 1000, A_STATE))
+    Images(daemon=d.url, request_timeout=3600).build("base")
+    notes.append("built the base image for daemon %s in %.0f s (kept in %s for later runs)"
+                 % (d.name, _ms(t0) / 1000, d.state))
 
 
 def _session_code(mb: int) -> str:
@@ -388,15 +453,8 @@ def run_store_bench(
 ) -> StoreResult:
     if os.geteuid() != 0:
         raise BenchError("bench store starts daemons: run it as root")
-    daemon_bin = find_tool("branchboxd", "BRANCHBOX_DAEMON_BIN")
-    if not daemon_bin:
-        raise BenchError("bench store: branchboxd not found (PATH or BRANCHBOX_DAEMON_BIN)")
-    daemon_dir = os.path.dirname(os.path.realpath(daemon_bin))
-    tool = find_tool("branchbox-store-bench", "BRANCHBOX_STORE_BENCH_BIN",
-                     [os.path.join(daemon_dir, "branchbox-store-bench"), os.path.join(LIBDIR, "branchbox-store-bench")])
-    if not tool:
-        raise BenchError("bench store: branchbox-store-bench not found (next to branchboxd, %s, PATH or "
-                         "BRANCHBOX_STORE_BENCH_BIN)" % LIBDIR)
+    daemon_bin = daemon_binary()
+    tool = store_bench_tool(daemon_bin)
     res = StoreResult(n=n, throughput_mb=mb, session_mb=session_mb)
     memory_mb = max(1024, session_mb * 8)
     expect = repr((session_mb * MIB, True))
@@ -404,90 +462,79 @@ def run_store_bench(
     os.makedirs(A_STATE, exist_ok=True)
     root = tempfile.mkdtemp(prefix="bb-bench-store-", dir="/var/tmp")
     os.chmod(root, 0o755)  # the sandboxes' root (a mapped uid) walks to B's state dirs
-    # SIGTERM unwinds like Ctrl-C, so everything started is stopped.
-    old_term = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        with ExitStack() as stack:
-            stack.callback(shutil.rmtree, root, True)
-            progress("starting MinIO and PostgreSQL")
-            minio = Minio(root)
-            stack.callback(_quiet, minio.stop)
-            meta = start_postgres(root, stack)
-            if meta is None:
-                meta = os.path.join(root, "meta.db")
-                res.metadata = "sqlite"
-                res.notes.append("PostgreSQL unavailable (scripts/pg-test-server.sh or its server): metadata in a "
-                                 "shared SQLite file")
-            env = {"AWS_ACCESS_KEY_ID": S3_USER, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
+    with sigterm_unwinds(), ExitStack() as stack:
+        stack.callback(shutil.rmtree, root, True)
+        progress("starting MinIO and PostgreSQL")
+        minio = Minio(root)
+        stack.callback(quiet, minio.stop)
+        meta = start_postgres(root, stack)
+        if meta is None:
+            meta = os.path.join(root, "meta.db")
+            res.metadata = "sqlite"
+            res.notes.append("PostgreSQL unavailable (scripts/pg-test-server.sh or its server): metadata in a "
+                             "shared SQLite file")
 
-            progress("throughput: %d MiB, store against raw transfers" % mb)
-            out = subprocess.run([tool, "--url", minio.url("throughput"), "--mb", str(mb), "--rounds", str(n),
-                                  "--work", root], capture_output=True, text=True, env=dict(os.environ, **env))
-            lines = out.stdout.strip().splitlines()
-            if out.returncode != 0 or not lines:
-                raise BenchError("bench store: %s failed: %s" % (tool, out.stderr.strip()[-1500:]))
-            res.throughput = json.loads(lines[-1])
+        progress("throughput: %d MiB, store against raw transfers" % mb)
+        res.throughput = raw_transfers(tool, minio.url("throughput"), n, root, mb=mb)
 
-            flags = ["--store-url", minio.url("snaps"), "--metadata-url", meta,
-                     "--store-key-file", os.path.join(root, "store.key"),
-                     "--setns-key-file", os.path.join(A_STATE, "setns.key")]
-            progress("starting daemon A")
-            a = Daemon(daemon_bin, "a", A_STATE, flags, env, os.path.join(root, "daemon-a.log"))
-            stack.callback(_quiet, a.stop)
-            a.kill_sandboxes()  # left by an interrupted run
-            _ensure_base(a, res, progress)
+        flags = ["--store-url", minio.url("snaps"), "--metadata-url", meta,
+                 "--store-key-file", os.path.join(root, "store.key"),
+                 "--setns-key-file", os.path.join(A_STATE, "setns.key")]
+        progress("starting daemon A")
+        a = Daemon(daemon_bin, "a", A_STATE, flags, S3_ENV, os.path.join(root, "daemon-a.log"))
+        stack.callback(quiet, a.stop)
+        a.kill_sandboxes()  # left by an interrupted run
+        ensure_base(a, res.notes, progress)
 
-            snaps = stack.enter_context(Snapshots(daemon=a.url, request_timeout=600))
-            made: List[str] = []  # the bench's snapshots on A (kept in its state dir otherwise)
-            stack.callback(_quiet, lambda: made and snaps.delete(made[0], subtree=True))
-            sbx = Sandbox.create(daemon=a.url, timeout=0, memory_mb=memory_mb, request_timeout=600)
-            stack.callback(sbx.close)
-            stack.callback(_quiet, sbx.kill)
-            progress("session of %d MiB on daemon A" % session_mb)
-            sbx.run_code(_session_code(session_mb), timeout=300)
-            sbx.commands.run("mkdir -p /root/work && head -c %d /dev/urandom > /root/work/base.bin" % MIB)
-            sid = sbx.checkpoint("bench-store base")
-            made.append(sid)
+        snaps = stack.enter_context(Snapshots(daemon=a.url, request_timeout=600))
+        made: List[str] = []  # the bench's snapshots on A (kept in its state dir otherwise)
+        stack.callback(quiet, lambda: made and snaps.delete(made[0], subtree=True))
+        sbx = Sandbox.create(daemon=a.url, timeout=0, memory_mb=memory_mb, request_timeout=600)
+        stack.callback(sbx.close)
+        stack.callback(quiet, sbx.kill)
+        progress("session of %d MiB on daemon A" % session_mb)
+        sbx.run_code(_session_code(session_mb), timeout=300)
+        sbx.commands.run("mkdir -p /root/work && head -c %d /dev/urandom > /root/work/base.bin" % MIB)
+        sid = sbx.checkpoint("bench-store base")
+        made.append(sid)
+        t0 = time.perf_counter()
+        first = snaps.push(sid)
+        res.add("first_push", _ms(t0))
+        res.first_push_bytes = first.uploaded_bytes
+        for _ in range(max(n, 5)):
             t0 = time.perf_counter()
-            first = snaps.push(sid)
-            res.add("first_push", _ms(t0))
-            res.first_push_bytes = first.uploaded_bytes
-            for _ in range(max(n, 5)):
-                t0 = time.perf_counter()
-                again = snaps.push(sid)
-                res.add("push_again", _ms(t0))
-                if not again.already or again.uploaded_bytes:
-                    raise BenchError("bench store: pushing again uploaded something: %r" % again.raw)
+            again = snaps.push(sid)
+            res.add("push_again", _ms(t0))
+            if not again.already or again.uploaded_bytes:
+                raise BenchError("bench store: pushing again uploaded something: %r" % again.raw)
 
-            for i in range(n):
-                progress("delta push %d/%d" % (i + 1, n))
-                sbx.run_code("off = (%d * %d) %% (len(heap) - %d)\nheap[off:off + %d] = os.urandom(%d)\n"
-                             "digest = hashlib.sha256(heap).hexdigest()" % (i, 7 * MIB + 4096, MIB, MIB, MIB))
-                sbx.commands.run("head -c %d /dev/urandom > /root/work/delta-%d.bin" % (MIB, i))
-                child = sbx.checkpoint("bench-store delta %d" % i)
-                t0 = time.perf_counter()
-                r = snaps.push(child)
-                res.add("delta_push", _ms(t0))
-                res.delta_bytes.append(r.uploaded_bytes)
+        for i in range(n):
+            progress("delta push %d/%d" % (i + 1, n))
+            sbx.run_code("off = (%d * %d) %% (len(heap) - %d)\nheap[off:off + %d] = os.urandom(%d)\n"
+                         "digest = hashlib.sha256(heap).hexdigest()" % (i, 7 * MIB + 4096, MIB, MIB, MIB))
+            sbx.commands.run("head -c %d /dev/urandom > /root/work/delta-%d.bin" % (MIB, i))
+            child = sbx.checkpoint("bench-store delta %d" % i)
+            t0 = time.perf_counter()
+            r = snaps.push(child)
+            res.add("delta_push", _ms(t0))
+            res.delta_bytes.append(r.uploaded_bytes)
 
-            for i in range(n):
-                progress("local restore %d/%d" % (i + 1, n))
-                res.add("local_restore", _restore(a.url, sid, expect))
-            for i in range(n):
-                progress("cross-daemon restore %d/%d" % (i + 1, n))
-                state = os.path.join(root, "b-%d" % i)
-                b = Daemon(daemon_bin, "b%d" % i, state, flags, env, os.path.join(root, "daemon-b%d.log" % i))
-                try:
-                    res.add("cross_daemon_restore", _restore(b.url, sid, expect))
-                finally:
-                    _quiet(b.stop)
-                    shutil.rmtree(state, ignore_errors=True)
-                pulled = pulled_from_log(_tail(b.log, 1 << 20))
-                if pulled:
-                    res.add("cross_daemon_pull", pulled["took_ms"])
-                    res.pull_bytes = int(pulled["downloaded"])
-    finally:
-        signal.signal(signal.SIGTERM, old_term)
+        for i in range(n):
+            progress("local restore %d/%d" % (i + 1, n))
+            res.add("local_restore", _restore(a.url, sid, expect))
+        for i in range(n):
+            progress("cross-daemon restore %d/%d" % (i + 1, n))
+            state = os.path.join(root, "b-%d" % i)
+            b = Daemon(daemon_bin, "b%d" % i, state, flags, S3_ENV, os.path.join(root, "daemon-b%d.log" % i))
+            try:
+                res.add("cross_daemon_restore", _restore(b.url, sid, expect))
+            finally:
+                quiet(b.stop)
+                shutil.rmtree(state, ignore_errors=True)
+            pulled = pulled_from_log(_tail(b.log, 1 << 20))
+            if pulled:
+                res.add("cross_daemon_pull", pulled["took_ms"])
+                res.pull_bytes = int(pulled["downloaded"])
     if mb != 64 or session_mb != 50:
         res.notes.append("sizes differ from the issue's 64 MiB throughput / 50 MiB session")
     res.notes.append("local restore: Sandbox.create(snapshot=sid) on daemon A, which took and pushed the snapshot; "

@@ -36,9 +36,10 @@ from branchbox import _core
 from branchbox._transport import DEFAULT_SOCKET
 from branchbox.sandbox_sync import health
 
-from .base import Ctx, cli_errors, connected, ctx_of, err, fail, fmt_bytes, fmt_num, out, print_json
+from .base import Ctx, cli_errors, connected, ctx_of, err, fail, fmt_bytes, fmt_duration, fmt_num, out, print_json
 from .bench import bench_app
 from .files import files_app
+from .volumes import VOLUME_FLAG, parse_volume_flags, volume_app
 
 DEFAULT_STATE_DIR = "/var/lib/branchbox"
 DEFAULT_PIDFILE = "/run/branchbox/branchboxd.pid"
@@ -67,6 +68,7 @@ app.add_typer(pool_app, name="pool")
 app.add_typer(store_app, name="store")
 app.add_typer(bench_app, name="bench")
 app.add_typer(files_app, name="files")
+app.add_typer(volume_app, name="volume")
 
 
 def parse_env(items: Optional[List[str]], what: str = "--env") -> Dict[str, str]:
@@ -89,18 +91,6 @@ def exit_code_of(result: Any) -> int:
     if result.signal:
         return 128 + int(result.signal)
     return 1
-
-
-def fmt_duration(seconds: float) -> str:
-    """Compact duration: 45s, 4m59s, 2h03m, 3d04h."""
-    s = int(max(seconds, 0))
-    if s < 60:
-        return "%ds" % s
-    if s < 3600:
-        return "%dm%02ds" % (s // 60, s % 60)
-    if s < 86400:
-        return "%dh%02dm" % (s // 3600, (s % 3600) // 60)
-    return "%dd%02dh" % (s // 86400, (s % 86400) // 3600)
 
 
 @app.callback()
@@ -329,6 +319,11 @@ def sandbox_create(
     env: Optional[List[str]] = typer.Option(None, "--env", "-e", help="KEY=VALUE (repeatable)."),
     cwd: Optional[str] = typer.Option(None, "--cwd", help="Working directory."),
     metadata: Optional[List[str]] = typer.Option(None, "--metadata", "-m", help="KEY=VALUE (repeatable)."),
+    volume: Optional[List[str]] = typer.Option(
+        None, "--volume", "-v",
+        help="Mount a volume (id or name): %s (repeatable; ro: read-only, nobranch: not snapshotted, rolled "
+        "back or forked with the sandbox)." % VOLUME_FLAG,
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the SandboxInfo JSON."),
 ) -> None:
     """Create a sandbox and print its id."""
@@ -344,6 +339,7 @@ def sandbox_create(
         metadata=parse_env(metadata, "--metadata") or None,
         template=template,
         snapshot=snapshot,
+        volumes=parse_volume_flags(volume) or None,
         **c.sdk(),
     )
     sbx.close()

@@ -100,6 +100,18 @@ def fmt_bytes(n: Optional[float]) -> str:
     return str(n)
 
 
+def fmt_duration(seconds: float) -> str:
+    """Compact duration: 45s, 4m59s, 2h03m, 3d04h."""
+    s = int(max(seconds, 0))
+    if s < 60:
+        return "%ds" % s
+    if s < 3600:
+        return "%dm%02ds" % (s // 60, s % 60)
+    if s < 86400:
+        return "%dh%02dm" % (s // 3600, (s % 3600) // 60)
+    return "%dd%02dh" % (s // 86400, (s % 86400) // 3600)
+
+
 def fmt_num(v: Any, unit: str = "", spec: str = "%.2f") -> str:
     return "-" if v is None else (spec % v) + unit
 

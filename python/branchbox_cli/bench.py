@@ -262,3 +262,79 @@ def bench_store(
         result = store.run_store_bench(n=n, mb=mb, session_mb=session_mb, progress=lambda m: status.update("bench store: " + m))
     summary = result.summary()
     _report("branchbox bench store (ms)", result.rows(), store_report_lines(summary), summary, as_json)
+
+
+def volume_report_lines(s: Dict[str, Any]) -> List[str]:
+    """Human-readable summary lines of a ``bench volume`` JSON summary."""
+    ratio = lambda k: fmt_num(s.get(k), "", "%.2f")  # noqa: E731
+    lines = []
+    for backend, sets in (s.get("files") or {}).items():
+        for label, targets in sets.items():
+            local, vol = targets.get("local", {}), targets.get("volume", {})
+            parts = [
+                "%s %s vs %s ops/s, p95 %s vs %s"
+                % (
+                    phase,
+                    fmt_num(vol.get(phase, {}).get("ops_s"), "", "%.0f"),
+                    fmt_num(local.get(phase, {}).get("ops_s"), "", "%.0f"),
+                    fmt_num(vol.get(phase, {}).get("p95_ms"), " ms", "%.3f"),
+                    fmt_num(local.get(phase, {}).get("p95_ms"), " ms", "%.3f"),
+                )
+                for phase in ("write", "read", "liststat")
+            ]
+            lines.append("%s, %s, volume vs sandbox disk: %s" % (backend, label, "; ".join(parts)))
+    lines += [
+        "ratios volume/local, 4 KiB files: write %s, read %s, list+stat %s (MinIO store: %s, %s, %s); "
+        "256 B: %s, %s, %s (MinIO: %s, %s, %s)"
+        % tuple(
+            ratio(small + s3 + phase + "_ratio")
+            for small in ("", "small_")
+            for s3 in ("", "s3_")
+            for phase in ("write", "read", "liststat")
+        ),
+        "snapshot p50 %s (1k files), %s (100k); fork p50 %s (1k), %s (100k): fork size ratio %s"
+        % (
+            fmt_num(s.get("snapshot_ms_p50_1k"), " ms", "%.1f"),
+            fmt_num(s.get("snapshot_ms_p50_100k"), " ms", "%.1f"),
+            fmt_num(s.get("fork_ms_p50_1k"), " ms", "%.1f"),
+            fmt_num(s.get("fork_ms_p50_100k"), " ms", "%.1f"),
+            ratio("fork_size_ratio"),
+        ),
+        "sync %s vs raw multipart upload %s (ratio %s), %s MiB of new files"
+        % (
+            fmt_num(s.get("sync_mb_s"), " MB/s", "%.0f"),
+            fmt_num(s.get("raw_mb_s"), " MB/s", "%.0f"),
+            ratio("sync_vs_raw_ratio"),
+            s.get("sync_mb"),
+        ),
+    ]
+    return lines + summary_tail_lines(s)
+
+
+@bench_app.command("volume")
+@cli_errors
+def bench_volume(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Only print the JSON summary line."),
+    rounds: int = typer.Option(5, "--rounds", min=1, help="Rounds of the file benchmark and of the sync."),
+    samples: int = typer.Option(7, "--samples", min=1, help="Snapshots and forks timed per volume size."),
+    sync_mb: int = typer.Option(64, "--sync-mb", min=1, help="MiB of new files each sync uploads."),
+    image: str = typer.Option("base", "--image", help="Image for the sandboxes."),
+    s3: bool = typer.Option(True, "--s3/--no-s3", help="Also measure on a daemon with a MinIO store (started here, as root)."),
+) -> None:
+    """Volumes against the sandbox's own disk (files), snapshots and forks by volume size, sync against a raw upload.
+
+    Uses the running daemon (its local-directory store) and starts MinIO and a daemon on it (as
+    root; the first run builds that daemon's base image). The last line of stdout is always the
+    JSON summary.
+    """
+    from branchbox_bench import volume
+
+    c = ctx_of(ctx)
+    cfg = volume.VolumeConfig(
+        daemon=c.daemon, token=c.token, image=image, rounds=rounds, samples=samples, sync_mb=sync_mb, s3=s3
+    )
+    with err.status("benchmarking") as status:
+        result = volume.run_volume_bench(cfg, progress=lambda m: status.update("bench volume: " + m))
+    summary = result.summary()
+    _report("branchbox bench volume (ms)", result.rows(), volume_report_lines(summary), summary, as_json)

@@ -72,7 +72,24 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         build_template,
         list_templates,
         get_template,
-        remove_template
+        remove_template,
+        create_volume,
+        list_volumes,
+        get_volume,
+        delete_volume,
+        snapshot_volume,
+        list_volume_snapshots,
+        delete_volume_snapshot,
+        restore_volume,
+        fork_volume,
+        sync_volume,
+        volume_read_file,
+        volume_write_file,
+        volume_remove_file,
+        volume_list_files,
+        volume_stat_file,
+        volume_make_dir,
+        volume_rename_file
     ),
     components(schemas(
         CreateSandbox,
@@ -137,7 +154,18 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         BuildTemplate,
         TemplateInfo,
         TemplateList,
-        TemplateEvent
+        TemplateEvent,
+        Access,
+        CreateVolume,
+        VolumeMount,
+        VolumeInfo,
+        VolumeMountInfo,
+        VolumeList,
+        VolumeSnapshotRequest,
+        VolumeSnapshotInfo,
+        VolumeSnapshotList,
+        RestoreVolume,
+        ForkVolume
     ))
 )]
 pub struct ApiDoc;
@@ -382,6 +410,22 @@ pub struct RemoveQuery {
     pub recursive: Option<bool>,
 }
 
+/// Whose files a file request reaches: a sandbox's (its root) or a volume's.
+enum FsOf {
+    Sandbox(String),
+    Volume(String),
+}
+
+impl FsOf {
+    /// `write`: the request changes files.
+    async fn open(&self, rt: &AppState, write: bool) -> ApiResult<bb_runtime::sandbox::files::SandboxFs> {
+        Ok(match self {
+            FsOf::Sandbox(id) => rt.fs(id).await?,
+            FsOf::Volume(vid) => rt.volume_fs(vid, write).await?,
+        })
+    }
+}
+
 /// Run blocking filesystem work off the async threads.
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, bb_runtime::RuntimeError> + Send + 'static,
@@ -396,8 +440,12 @@ async fn blocking<T: Send + 'static>(
     responses((status = 200, description = "file content", content_type = "application/octet-stream", body = Vec<u8>),
     (status = 400, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
 pub async fn read_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<PathQuery>) -> ApiResult<Response> {
+    read_in(rt, FsOf::Sandbox(id), q).await
+}
+
+async fn read_in(rt: AppState, of: FsOf, q: PathQuery) -> ApiResult<Response> {
     let path = SbPath::parse(&q.path)?;
-    let fs = rt.fs(&id).await?;
+    let fs = of.open(&rt, false).await?;
     let (file, size) = blocking(move || fs.open_read(&path)).await?;
     let stream = tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 256 * 1024);
     Ok(Response::builder()
@@ -416,6 +464,10 @@ pub async fn write_file(
     Q(q): Q<WriteQuery>,
     body: Body,
 ) -> ApiResult<Json<EntryInfo>> {
+    write_in(rt, FsOf::Sandbox(id), q, body).await
+}
+
+async fn write_in(rt: AppState, of: FsOf, q: WriteQuery, body: Body) -> ApiResult<Json<EntryInfo>> {
     use tokio::io::AsyncWriteExt;
     let path = SbPath::parse(&q.path)?;
     let mode = match q.mode.as_deref() {
@@ -428,7 +480,7 @@ pub async fn write_file(
         ),
     };
     let limit = rt.cfg.max_file_bytes;
-    let fs = std::sync::Arc::new(rt.fs(&id).await?);
+    let fs = std::sync::Arc::new(of.open(&rt, true).await?);
     let fs2 = fs.clone();
     let mut upload = blocking(move || fs2.begin_write(&path, mode)).await?;
     let mut file = tokio::fs::File::from_std(upload.take_file());
@@ -454,8 +506,12 @@ pub async fn write_file(
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}/files", params(("id" = String, Path, description = "sandbox id"), RemoveQuery),
     responses((status = 200, body = Done), (status = 404, body = ErrorResponse), (status = 409, body = ErrorResponse)))]
 pub async fn remove_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<RemoveQuery>) -> ApiResult<Json<Done>> {
+    remove_in(rt, FsOf::Sandbox(id), q).await
+}
+
+async fn remove_in(rt: AppState, of: FsOf, q: RemoveQuery) -> ApiResult<Json<Done>> {
     let path = SbPath::parse(&q.path)?;
-    let fs = rt.fs(&id).await?;
+    let fs = of.open(&rt, true).await?;
     blocking(move || fs.remove(&path, q.recursive.unwrap_or(false))).await?;
     Ok(removed())
 }
@@ -467,8 +523,12 @@ pub async fn list_files(
     P(id): P<String>,
     Q(q): Q<ListQuery>,
 ) -> ApiResult<Json<EntryList>> {
+    list_in(rt, FsOf::Sandbox(id), q).await
+}
+
+async fn list_in(rt: AppState, of: FsOf, q: ListQuery) -> ApiResult<Json<EntryList>> {
     let path = SbPath::parse(&q.path)?;
-    let fs = rt.fs(&id).await?;
+    let fs = of.open(&rt, false).await?;
     let depth = q.depth.unwrap_or(1);
     if depth > 64 {
         return Err(ApiError::bad_request("depth must be at most 64"));
@@ -479,8 +539,12 @@ pub async fn list_files(
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/files/stat", params(("id" = String, Path, description = "sandbox id"), PathQuery),
     responses((status = 200, body = EntryInfo), (status = 404, body = ErrorResponse)))]
 pub async fn stat_file(State(rt): State<AppState>, P(id): P<String>, Q(q): Q<PathQuery>) -> ApiResult<Json<EntryInfo>> {
+    stat_in(rt, FsOf::Sandbox(id), q).await
+}
+
+async fn stat_in(rt: AppState, of: FsOf, q: PathQuery) -> ApiResult<Json<EntryInfo>> {
     let path = SbPath::parse(&q.path)?;
-    let fs = rt.fs(&id).await?;
+    let fs = of.open(&rt, false).await?;
     Ok(Json(blocking(move || fs.stat(&path)).await?))
 }
 
@@ -491,8 +555,12 @@ pub async fn make_dir(
     P(id): P<String>,
     JsonBody(req): JsonBody<MakeDir>,
 ) -> ApiResult<Json<EntryInfo>> {
+    mkdir_in(rt, FsOf::Sandbox(id), req).await
+}
+
+async fn mkdir_in(rt: AppState, of: FsOf, req: MakeDir) -> ApiResult<Json<EntryInfo>> {
     let path = SbPath::parse(&req.path)?;
-    let fs = rt.fs(&id).await?;
+    let fs = of.open(&rt, true).await?;
     Ok(Json(blocking(move || fs.mkdir(&path, req.parents)).await?))
 }
 
@@ -503,8 +571,12 @@ pub async fn rename_file(
     P(id): P<String>,
     JsonBody(req): JsonBody<Rename>,
 ) -> ApiResult<Json<EntryInfo>> {
+    rename_in(rt, FsOf::Sandbox(id), req).await
+}
+
+async fn rename_in(rt: AppState, of: FsOf, req: Rename) -> ApiResult<Json<EntryInfo>> {
     let (from, to) = (SbPath::parse(&req.from)?, SbPath::parse(&req.to)?);
-    let fs = rt.fs(&id).await?;
+    let fs = of.open(&rt, true).await?;
     Ok(Json(blocking(move || fs.rename(&from, &to)).await?))
 }
 
@@ -715,4 +787,174 @@ pub async fn get_template(State(rt): State<AppState>, P(name): P<String>) -> Api
 pub async fn remove_template(State(rt): State<AppState>, P(name): P<String>) -> ApiResult<Json<Done>> {
     rt.remove_template(&name).await?;
     Ok(removed())
+}
+
+// --- volumes ---
+
+#[utoipa::path(post, path = "/v1/volumes", request_body = CreateVolume,
+    responses((status = 200, body = VolumeInfo), (status = 400, body = ErrorResponse), (status = 409, body = ErrorResponse)))]
+pub async fn create_volume(
+    State(rt): State<AppState>,
+    JsonBody(req): JsonBody<CreateVolume>,
+) -> ApiResult<Json<VolumeInfo>> {
+    Ok(Json(rt.create_volume(req).await?))
+}
+
+#[utoipa::path(get, path = "/v1/volumes", responses((status = 200, body = VolumeList)))]
+pub async fn list_volumes(State(rt): State<AppState>) -> ApiResult<Json<VolumeList>> {
+    let rt2 = rt.clone();
+    Ok(Json(blocking(move || rt2.list_volumes()).await?))
+}
+
+#[utoipa::path(get, path = "/v1/volumes/{vid}", params(("vid" = String, Path, description = "volume id or name")),
+    responses((status = 200, body = VolumeInfo), (status = 404, body = ErrorResponse)))]
+pub async fn get_volume(State(rt): State<AppState>, P(vid): P<String>) -> ApiResult<Json<VolumeInfo>> {
+    let rt2 = rt.clone();
+    Ok(Json(blocking(move || rt2.volume_info(&vid)).await?))
+}
+
+#[utoipa::path(delete, path = "/v1/volumes/{vid}", params(("vid" = String, Path, description = "volume id or name")),
+    responses((status = 200, body = Done), (status = 404, body = ErrorResponse),
+    (status = 409, description = "a sandbox mounts it", body = ErrorResponse)))]
+pub async fn delete_volume(State(rt): State<AppState>, P(vid): P<String>) -> ApiResult<Json<Done>> {
+    rt.delete_volume(&vid).await?;
+    Ok(removed())
+}
+
+#[utoipa::path(post, path = "/v1/volumes/{vid}/snapshots", params(("vid" = String, Path, description = "volume id or name")),
+    request_body = VolumeSnapshotRequest,
+    responses((status = 200, description = "node-local (sync the volume to make it durable)", body = VolumeSnapshotInfo),
+    (status = 404, body = ErrorResponse)))]
+pub async fn snapshot_volume(
+    State(rt): State<AppState>,
+    P(vid): P<String>,
+    JsonBody(req): JsonBody<VolumeSnapshotRequest>,
+) -> ApiResult<Json<VolumeSnapshotInfo>> {
+    Ok(Json(rt.snapshot_volume(&vid, req).await?))
+}
+
+#[utoipa::path(get, path = "/v1/volumes/{vid}/snapshots", params(("vid" = String, Path, description = "volume id or name")),
+    responses((status = 200, body = VolumeSnapshotList), (status = 404, body = ErrorResponse)))]
+pub async fn list_volume_snapshots(
+    State(rt): State<AppState>,
+    P(vid): P<String>,
+) -> ApiResult<Json<VolumeSnapshotList>> {
+    let rt2 = rt.clone();
+    Ok(Json(blocking(move || rt2.volume_snapshots(&vid)).await?))
+}
+
+#[utoipa::path(delete, path = "/v1/volumes/{vid}/snapshots/{vsid}",
+    params(("vid" = String, Path, description = "volume id or name"), ("vsid" = String, Path, description = "volume snapshot id")),
+    responses((status = 200, body = Done), (status = 404, body = ErrorResponse)))]
+pub async fn delete_volume_snapshot(
+    State(rt): State<AppState>,
+    P((vid, vsid)): P<(String, String)>,
+) -> ApiResult<Json<Done>> {
+    let rt2 = rt.clone();
+    blocking(move || rt2.delete_volume_snapshot(&vid, &vsid)).await?;
+    Ok(removed())
+}
+
+#[utoipa::path(post, path = "/v1/volumes/{vid}/restore", params(("vid" = String, Path, description = "volume id or name")),
+    request_body = RestoreVolume,
+    responses((status = 200, body = VolumeInfo), (status = 404, body = ErrorResponse),
+    (status = 409, description = "a sandbox mounts it", body = ErrorResponse)))]
+pub async fn restore_volume(
+    State(rt): State<AppState>,
+    P(vid): P<String>,
+    JsonBody(req): JsonBody<RestoreVolume>,
+) -> ApiResult<Json<VolumeInfo>> {
+    Ok(Json(rt.restore_volume(&vid, req).await?))
+}
+
+#[utoipa::path(post, path = "/v1/volumes/{vid}/fork", params(("vid" = String, Path, description = "volume id or name")),
+    request_body = ForkVolume,
+    responses((status = 200, description = "the new volume", body = VolumeInfo), (status = 404, body = ErrorResponse)))]
+pub async fn fork_volume(
+    State(rt): State<AppState>,
+    P(vid): P<String>,
+    JsonBody(req): JsonBody<ForkVolume>,
+) -> ApiResult<Json<VolumeInfo>> {
+    Ok(Json(rt.fork_volume(&vid, req).await?))
+}
+
+#[utoipa::path(post, path = "/v1/volumes/{vid}/sync", params(("vid" = String, Path, description = "volume id or name")),
+    responses((status = 200, description = "durable: in the object store, head committed in the metadata store", body = VolumeInfo),
+    (status = 404, body = ErrorResponse), (status = 409, description = "another daemon committed the volume", body = ErrorResponse),
+    (status = 503, description = "the object store or metadata store is unreachable (nothing is lost: sync again)", body = ErrorResponse)))]
+pub async fn sync_volume(State(rt): State<AppState>, P(vid): P<String>) -> ApiResult<Json<VolumeInfo>> {
+    Ok(Json(rt.sync_volume(&vid).await?))
+}
+
+#[utoipa::path(get, path = "/v1/volumes/{vid}/files", params(("vid" = String, Path, description = "volume id or name"), PathQuery),
+    responses((status = 200, description = "file content", content_type = "application/octet-stream", body = Vec<u8>),
+    (status = 400, body = ErrorResponse), (status = 404, body = ErrorResponse)))]
+pub async fn volume_read_file(
+    State(rt): State<AppState>,
+    P(vid): P<String>,
+    Q(q): Q<PathQuery>,
+) -> ApiResult<Response> {
+    read_in(rt, FsOf::Volume(vid), q).await
+}
+
+#[utoipa::path(put, path = "/v1/volumes/{vid}/files", params(("vid" = String, Path, description = "volume id or name"), WriteQuery),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses((status = 200, body = EntryInfo), (status = 400, body = ErrorResponse), (status = 409, body = ErrorResponse), (status = 413, body = ErrorResponse)))]
+pub async fn volume_write_file(
+    State(rt): State<AppState>,
+    P(vid): P<String>,
+    Q(q): Q<WriteQuery>,
+    body: Body,
+) -> ApiResult<Json<EntryInfo>> {
+    write_in(rt, FsOf::Volume(vid), q, body).await
+}
+
+#[utoipa::path(delete, path = "/v1/volumes/{vid}/files", params(("vid" = String, Path, description = "volume id or name"), RemoveQuery),
+    responses((status = 200, body = Done), (status = 404, body = ErrorResponse)))]
+pub async fn volume_remove_file(
+    State(rt): State<AppState>,
+    P(vid): P<String>,
+    Q(q): Q<RemoveQuery>,
+) -> ApiResult<Json<Done>> {
+    remove_in(rt, FsOf::Volume(vid), q).await
+}
+
+#[utoipa::path(get, path = "/v1/volumes/{vid}/files/list", params(("vid" = String, Path, description = "volume id or name"), ListQuery),
+    responses((status = 200, body = EntryList), (status = 404, body = ErrorResponse)))]
+pub async fn volume_list_files(
+    State(rt): State<AppState>,
+    P(vid): P<String>,
+    Q(q): Q<ListQuery>,
+) -> ApiResult<Json<EntryList>> {
+    list_in(rt, FsOf::Volume(vid), q).await
+}
+
+#[utoipa::path(get, path = "/v1/volumes/{vid}/files/stat", params(("vid" = String, Path, description = "volume id or name"), PathQuery),
+    responses((status = 200, body = EntryInfo), (status = 404, body = ErrorResponse)))]
+pub async fn volume_stat_file(
+    State(rt): State<AppState>,
+    P(vid): P<String>,
+    Q(q): Q<PathQuery>,
+) -> ApiResult<Json<EntryInfo>> {
+    stat_in(rt, FsOf::Volume(vid), q).await
+}
+
+#[utoipa::path(post, path = "/v1/volumes/{vid}/files/mkdir", params(("vid" = String, Path, description = "volume id or name")), request_body = MakeDir,
+    responses((status = 200, body = EntryInfo), (status = 409, body = ErrorResponse)))]
+pub async fn volume_make_dir(
+    State(rt): State<AppState>,
+    P(vid): P<String>,
+    JsonBody(req): JsonBody<MakeDir>,
+) -> ApiResult<Json<EntryInfo>> {
+    mkdir_in(rt, FsOf::Volume(vid), req).await
+}
+
+#[utoipa::path(post, path = "/v1/volumes/{vid}/files/rename", params(("vid" = String, Path, description = "volume id or name")), request_body = Rename,
+    responses((status = 200, body = EntryInfo), (status = 404, body = ErrorResponse)))]
+pub async fn volume_rename_file(
+    State(rt): State<AppState>,
+    P(vid): P<String>,
+    JsonBody(req): JsonBody<Rename>,
+) -> ApiResult<Json<EntryInfo>> {
+    rename_in(rt, FsOf::Volume(vid), req).await
 }

@@ -355,6 +355,24 @@ impl Meta {
         }
     }
 
+    /// Every head whose name starts with `prefix`, by name.
+    pub fn list_heads(&self, prefix: &str) -> Result<Vec<Head>> {
+        let rows = self.read(|tx| {
+            let sql = "SELECT name, version, value FROM heads
+                       WHERE substr(name, 1, length(CAST($1 AS TEXT))) = CAST($1 AS TEXT)";
+            tx.query(sql, &[Val::text(prefix)])
+        })?;
+        let mut out = rows
+            .into_iter()
+            .map(|row| match <[Val; 3]>::try_from(row) {
+                Ok([Val::Text(name), Val::Int(version), Val::Text(value)]) => Ok(Head { name, version, value }),
+                other => Err(self.unexpected(format!("a malformed head row {other:?}"))),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
     /// Sets head `name` to `value` if it is at version `expected` (`None`: if it does not exist,
     /// creating version 1); the new head has the next version. Otherwise `HeadMoved`.
     pub fn cas_head(&self, name: &str, expected: Option<i64>, value: &str) -> Result<Head> {

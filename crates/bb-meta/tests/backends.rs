@@ -127,6 +127,13 @@ fn exercise(url: &MetaUrl) {
     assert!(matches!(m.cas_head("other", Some(3), "x"), Err(MetaError::HeadMoved { found: None, .. })));
     let h = m.head("main").unwrap().unwrap();
     assert_eq!((h.version, h.value.as_str()), (2, "v2"));
+    m.cas_head("volume/a", None, "va").unwrap();
+    m.cas_head("Volume/b", None, "vb").unwrap();
+    let listed: Vec<(String, i64)> =
+        m.list_heads("volume/").unwrap().into_iter().map(|h| (h.name, h.version)).collect();
+    assert_eq!(listed, vec![("volume/a".to_string(), 1)], "prefix match is exact and case-sensitive");
+    m.delete_head("volume/a", 1).unwrap();
+    m.delete_head("Volume/b", 1).unwrap();
     assert!(matches!(m.delete_head("main", 1), Err(MetaError::HeadMoved { found: Some(2), .. })));
     m.delete_head("main", 2).unwrap();
     assert_eq!(m.head("main").unwrap(), None);

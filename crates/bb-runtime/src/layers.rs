@@ -82,6 +82,7 @@ impl Runtime {
             used.insert(g.upper);
         }
         drop(snaps);
+        used.extend(self.volumes.layers_in_use()?);
         // Writable layers of ready sandboxes in the warm pools (not recorded anywhere), and
         // layers compactions are writing.
         used.extend(self.pooled_uppers());

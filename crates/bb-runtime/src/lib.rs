@@ -15,6 +15,7 @@
 //! | session templates (frozen session processes) and their spares | [`session_templates`] |
 //! | process images (CRIU) of evicted session templates | [`process_images`], crate `bb_criu` |
 //! | pause and resume of a whole sandbox | [`pause`] |
+//! | persistent volumes: records, mounts in sandboxes, snapshots, forks, sync | [`volumes`] |
 //! | layer directories and their collection | [`layers`] |
 //! | compaction of deep snapshot chains | [`compaction`] |
 //! | huge pages for session memory | [`hugepages`] |
@@ -25,8 +26,8 @@
 //! | state directory checks; crash recovery | [`statedir`], [`recover`] |
 //! | requests in flight, for background work | [`activity`] |
 //!
-//! Storage that outlives a node (object store, volumes) comes as crates of their own that this
-//! runtime uses, not as modules here.
+//! Storage that outlives a node (object store, metadata store) comes as crates of their own
+//! (`bb_store`, `bb_meta`) that [`remote`] and [`volumes`] use.
 
 pub mod activity;
 pub mod compaction;
@@ -50,6 +51,7 @@ pub mod session;
 pub mod session_templates;
 pub mod snapshot;
 pub mod statedir;
+pub mod volumes;
 
 pub use config::RuntimeConfig;
 pub use error::{Result, RuntimeError};
@@ -83,6 +85,8 @@ pub struct Runtime {
     activity: activity::Activity,
     /// The object store and metadata store of durable snapshots.
     remote: remote::Remote,
+    /// Persistent volumes mounted into sandboxes.
+    volumes: volumes::Volumes,
     /// One pull at a time (two pulls of one snapshot would download it twice).
     pulls: tokio::sync::Mutex<()>,
 }
@@ -114,6 +118,7 @@ impl Runtime {
         )?;
         let pool = pool::WarmPool::open(&db)?;
         let remote = remote::Remote::new(&cfg, &db)?;
+        let volumes = volumes::Volumes::open(&db)?;
         // An image's layers may not be deleted while a sandbox or a pool shell stands on them.
         let pins = pool.pins();
         images.set_layer_in_use_check(move |layer| images::layer_in_use(&db, &pins, layer));
@@ -131,6 +136,7 @@ impl Runtime {
             compaction: Default::default(),
             activity: Default::default(),
             remote,
+            volumes,
             pulls: Default::default(),
         });
         rt.recover()?;

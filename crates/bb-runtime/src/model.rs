@@ -35,6 +35,9 @@ pub struct CreateSandbox {
     /// What happens at the timeout, and whether a paused sandbox wakes on use.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lifecycle: Option<Lifecycle>,
+    /// Volumes to mount (`POST /v1/volumes`), each at its own path.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
 }
 
 /// What happens when a sandbox's timeout passes.
@@ -109,6 +112,9 @@ pub struct SandboxInfo {
     /// see its processes (as a parent process can see its children); see docs/ARCHITECTURE.md.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nested_in: Option<String>,
+    /// Volumes mounted in the sandbox (by id).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<VolumeMount>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -805,4 +811,120 @@ pub struct StoreGcResult {
     /// Unreachable objects kept because they are younger than the grace period.
     pub young: usize,
     pub took_ms: f64,
+}
+
+/// Who may mount a volume: `rwo` (one sandbox at a time, read-write or read-only) or `rox`
+/// (any number of sandboxes, read-only; written through the file API while no sandbox mounts it).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Access {
+    #[default]
+    Rwo,
+    Rox,
+}
+
+/// `POST /v1/volumes`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVolume {
+    /// Unique name (letters, digits, `-`, `_`, `.`; at most 63); the API accepts it wherever
+    /// it takes the volume's id.
+    pub name: Option<String>,
+    #[serde(default)]
+    pub access: Access,
+    /// Most bytes (MiB) the volume may hold beyond what it was created or forked with.
+    pub quota_mb: Option<u64>,
+}
+
+/// A volume mounted in a sandbox (in `CreateSandbox.volumes` and `SandboxInfo.volumes`).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeMount {
+    /// Volume id or name.
+    pub volume: String,
+    /// Absolute path in the sandbox (created if missing; not `/`, `/proc`, `/dev` or `/sys`).
+    pub path: String,
+    #[serde(default)]
+    pub read_only: bool,
+    /// The volume branches with the sandbox: a checkpoint snapshots it, a rollback restores it,
+    /// a fork gives each child a copy-on-write fork of it. False for a shared cache.
+    #[serde(default = "yes")]
+    pub branch: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct VolumeInfo {
+    pub id: String,
+    pub name: Option<String>,
+    pub access: Access,
+    pub quota_mb: Option<u64>,
+    pub created_at: f64,
+    /// Bytes on this node's disk: frozen layers (measured when frozen) and the writable layer.
+    pub size_bytes: u64,
+    /// Frozen layers under the writable one.
+    pub layers: usize,
+    pub snapshots: usize,
+    pub mounts: Vec<VolumeMountInfo>,
+    /// Version of the volume's committed head in the metadata store (0: never synced).
+    pub version: i64,
+    /// `durable` when everything is in the object store (nothing written since the last sync),
+    /// else `node-local` (on this node's disk; an fsync'd write survives a daemon or node
+    /// restart, not the loss of the node).
+    pub durability: String,
+    /// Bytes written since the last sync: what `sync` would upload at most.
+    pub backlog_bytes: u64,
+    /// The volume this one was forked from.
+    pub source: Option<String>,
+}
+
+/// Where a volume is mounted.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct VolumeMountInfo {
+    pub sandbox: String,
+    pub path: String,
+    pub read_only: bool,
+    pub branch: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct VolumeList {
+    pub volumes: Vec<VolumeInfo>,
+}
+
+/// `POST /v1/volumes/{vid}/snapshots`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeSnapshotRequest {
+    pub label: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct VolumeSnapshotInfo {
+    pub id: String,
+    pub volume: String,
+    pub created_at: f64,
+    pub label: Option<String>,
+    /// Frozen layers the snapshot stands on.
+    pub layers: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct VolumeSnapshotList {
+    pub snapshots: Vec<VolumeSnapshotInfo>,
+}
+
+/// `POST /v1/volumes/{vid}/restore`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreVolume {
+    pub snapshot: String,
+}
+
+/// `POST /v1/volumes/{vid}/fork`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkVolume {
+    pub name: Option<String>,
+    /// Fork this snapshot of the volume instead of its current state.
+    pub snapshot: Option<String>,
 }

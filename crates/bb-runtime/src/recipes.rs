@@ -229,6 +229,7 @@ impl Runtime {
             template: None,
             snapshot: None,
             lifecycle: None,
+            volumes: Vec::new(),
         }
     }
 

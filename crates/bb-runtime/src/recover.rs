@@ -74,6 +74,7 @@ impl Runtime {
                 }
             }
         }
+        self.recover_volumes()?;
         // Husks: kept while a live sandbox is nested in them (directly or through other husks).
         let husk_rows = self.sandboxes.records().husks()?;
         for h in husk_rows {

@@ -48,6 +48,10 @@ pub enum RemoteError {
     Meta(#[from] bb_meta::MetaError),
     #[error("the record of snapshot {id} in the metadata store is unreadable ({why}): delete it with `branchbox snapshot rm --remote {id}` and push it again")]
     BadRecord { id: String, why: String },
+    #[error(
+        "head {name} in the metadata store is unreadable ({why}): nothing is collected until it is mended or deleted"
+    )]
+    BadHead { name: String, why: String },
 }
 
 impl RemoteError {
@@ -56,7 +60,7 @@ impl RemoteError {
         match self {
             RemoteError::Store(e) => matches!(e, bb_store::StoreError::Backend { .. }),
             RemoteError::Meta(e) => matches!(e, bb_meta::MetaError::Unreachable { .. }),
-            RemoteError::BadRecord { .. } => false,
+            RemoteError::BadRecord { .. } | RemoteError::BadHead { .. } => false,
         }
     }
 }
@@ -112,6 +116,24 @@ impl PushedSnapshot {
     fn trees(&self) -> impl Iterator<Item = &TreeRef> {
         self.layers.values().chain(self.images.values().map(|i| &i.tree))
     }
+}
+
+/// Heads of volumes in the metadata store are named this plus the volume id.
+pub(crate) const VOLUME_HEAD_PREFIX: &str = "volume/";
+
+/// A volume's committed state: its layers as trees, bottom first.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct VolumeHead {
+    pub name: Option<String>,
+    pub access: Access,
+    pub quota_mb: Option<u64>,
+    pub layers: Vec<VolumeHeadLayer>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct VolumeHeadLayer {
+    pub layer: String,
+    pub tree: TreeRef,
 }
 
 struct Opened {
@@ -274,7 +296,7 @@ impl Runtime {
         self.remote.describe()
     }
 
-    fn layer_path(&self, id: &str) -> PathBuf {
+    pub(crate) fn layer_path(&self, id: &str) -> PathBuf {
         crate::sandbox::launch::layer_dir(&self.cfg, &self.images, id)
     }
 
@@ -411,6 +433,47 @@ impl Runtime {
         };
         tracing::info!(snapshot = %sid, layers_pushed, images_pushed, uploaded = res.uploaded_bytes, took_ms = res.took_ms, "snapshot pushed");
         Ok(res)
+    }
+
+    /// Push the layers of volume `row` that are not in the object store yet and move its head
+    /// (`volume/<id>`) from version `expected` (None: no head yet) to its chain by
+    /// compare-and-swap. Returns the new version.
+    pub(crate) async fn commit_volume(
+        &self,
+        row: &crate::volumes::store::VolumeRow,
+        expected: Option<i64>,
+    ) -> Result<i64> {
+        let t0 = Instant::now();
+        let o = self.remote.open().await?;
+        let intent = self.begin_push(&o).await?;
+        let mut layers = Vec::new();
+        let mut pushed_layers = 0;
+        for l in &row.chain {
+            intent.renew().await?;
+            let (tree, pushed) = self.push_tree(&o, &format!("layer/{l}"), &self.layer_path(l)).await?;
+            pushed_layers += usize::from(pushed);
+            layers.push(VolumeHeadLayer { layer: l.clone(), tree });
+        }
+        let head = VolumeHead { name: row.name.clone(), access: row.access, quota_mb: row.quota_mb, layers };
+        let (name, value) =
+            (format!("{VOLUME_HEAD_PREFIX}{}", row.id), serde_json::to_string(&head).expect("a head serializes"));
+        let committed = meta(&o.meta, move |m| m.cas_head(&name, expected, &value)).await;
+        intent.end().await;
+        let version = match committed {
+            Ok(h) => h.version,
+            Err(RuntimeError::Remote(RemoteError::Meta(bb_meta::MetaError::HeadMoved { found, .. }))) => {
+                return Err(RuntimeError::Conflict(format!(
+                    "volume {} was committed elsewhere since this node last synced it (head at version {}, this node \
+                     expected {}): another daemon writes it; fork it here to keep this node's changes",
+                    row.id,
+                    found.map_or("deleted".into(), |v| v.to_string()),
+                    expected.unwrap_or(0)
+                )))
+            }
+            Err(e) => return Err(e),
+        };
+        tracing::info!(volume = %row.id, version, pushed_layers, took_ms = ms(t0), "volume synced");
+        Ok(version)
     }
 
     /// The tree named `name` in the metadata store, or `dir` written as one and named so.
@@ -745,6 +808,13 @@ impl Runtime {
             // An unreadable record keeps the whole store: nothing is collected.
             for t in parse_record(r)?.trees() {
                 trees.insert(t.id.clone(), t.clone());
+            }
+        }
+        for h in meta(&o.meta, |m| m.list_heads(VOLUME_HEAD_PREFIX)).await? {
+            let head: VolumeHead = serde_json::from_str(&h.value)
+                .map_err(|e| RemoteError::BadHead { name: h.name.clone(), why: e.to_string() })?;
+            for l in head.layers {
+                trees.insert(l.tree.id.clone(), l.tree);
             }
         }
         // Names of trees no record reaches go first: a later push must not skip writing one.

@@ -186,6 +186,34 @@ pub fn fsmount(fd: BorrowedFd<'_>, flags: u32, attr_flags: u32) -> SysResult<Own
     owned_fd("fsmount", ret)
 }
 
+/// `struct mount_attr` (linux/mount.h, version 0: 32 bytes).
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+/// `mount_setattr(fd, "", AT_EMPTY_PATH, {attr_set})`: set `MOUNT_ATTR_*` flags on the mount
+/// `fd` refers to (a detached one from `open_tree(OPEN_TREE_CLONE)` included), that mount only.
+pub fn mount_setattr(fd: BorrowedFd<'_>, attr_set: u32) -> SysResult<()> {
+    let attr = MountAttr { attr_set: attr_set as u64, attr_clr: 0, propagation: 0, userns_fd: 0 };
+    let empty = c"";
+    // SAFETY: `empty` and `attr` outlive the call and the size passed is `attr`'s; fd is borrowed.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            fd.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_EMPTY_PATH,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    check("mount_setattr", ret).map(drop)
+}
+
 /// `move_mount(fd, "", AT_FDCWD, target, MOVE_MOUNT_F_EMPTY_PATH)`: attach a detached mount (from
 /// [`fsmount`] or `open_tree`) at `target` (relative paths are relative to the cwd).
 pub fn move_mount_to(fd: BorrowedFd<'_>, target: &Path) -> SysResult<()> {

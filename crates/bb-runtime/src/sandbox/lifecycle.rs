@@ -132,8 +132,40 @@ impl Runtime {
         Ok((spec, (timeout > 0.0).then_some(timeout), layer_paths))
     }
 
-    pub async fn create(self: &Arc<Self>, req: CreateSandbox) -> Result<SandboxInfo> {
+    pub async fn create(self: &Arc<Self>, mut req: CreateSandbox) -> Result<SandboxInfo> {
         self.check_capacity(1)?;
+        let mounts = std::mem::take(&mut req.volumes);
+        if mounts.is_empty() {
+            let from = req.snapshot.clone();
+            let info = self.create_unmounted(req).await?;
+            // From a sandbox snapshot: copy-on-write forks of the volumes that branched with it.
+            if let Some(sid) = from {
+                let sb = self.get(&info.id)?;
+                if let Err(e) = self.fork_volumes_into(&sid, std::slice::from_ref(&sb)).await {
+                    let _ = self.kill_unchecked(&sb.id).await;
+                    return Err(e);
+                }
+                return Ok(sb.info());
+            }
+            return Ok(info);
+        }
+        let claims = self.claim_volumes(&mounts)?;
+        let info = self.create_unmounted(req).await?;
+        let sb = self.get(&info.id)?;
+        let rt = self.clone();
+        let sbc = sb.clone();
+        let attached = tokio::task::spawn_blocking(move || rt.attach_volumes(&sbc, claims))
+            .await
+            .map_err(RuntimeError::Worker)
+            .and_then(|r| r);
+        if let Err(e) = attached {
+            let _ = self.kill_unchecked(&sb.id).await;
+            return Err(e);
+        }
+        Ok(sb.info())
+    }
+
+    async fn create_unmounted(self: &Arc<Self>, req: CreateSandbox) -> Result<SandboxInfo> {
         if let Some(sid) = req.snapshot.clone() {
             if req.template.is_some() {
                 return Err(RuntimeError::BadRequest("give a template or a snapshot to create from, not both".into()));
@@ -351,7 +383,9 @@ impl Runtime {
             rt.drop_shells(&id);
             if rt.sandboxes.has_nested(&id) {
                 rt.make_husk(&sb)?;
-            } else if let Some(slot) = was_alive.then(|| rt.reserve_recycle(&sb)).flatten() {
+            } else if let Some(slot) =
+                (was_alive && sb.volumes.lock().is_empty()).then(|| rt.reserve_recycle(&sb)).flatten()
+            {
                 if let Err(e) = rt.recycle(&sb, slot) {
                     tracing::warn!(%id, "recycling into the warm pool failed ({e}); tearing down");
                     launch::teardown(&rt.cfg, &rt.cgroups, &id, Some((sb.init_pid, sb.init_start)))?;
@@ -368,6 +402,7 @@ impl Runtime {
                 rt.remove_layer_dir(&u);
             }
             rt.sandboxes.records().delete(&id)?;
+            rt.release_volumes(&sb)?;
             rt.process_images.delete(&pause_images);
             rt.collect_husks();
             Ok(())

@@ -58,6 +58,8 @@ pub struct Sandbox {
     /// Its templates hold more memory than the pool could let go at once (see
     /// [`crate::Runtime::relieve_memory`]): its next checkpoint waits for the dumps under way.
     pub(crate) memory_tight: AtomicBool,
+    /// Volumes mounted in it (`crate::volumes`).
+    pub(crate) volumes: Mutex<Vec<crate::model::VolumeMount>>,
 }
 
 /// Where a paused sandbox is (see [`crate::pause`]).
@@ -149,6 +151,7 @@ impl Sandbox {
             released: tokio::sync::Notify::new(),
             mounts: Default::default(),
             memory_tight: AtomicBool::new(false),
+            volumes: Default::default(),
         }
     }
 
@@ -269,6 +272,7 @@ impl Sandbox {
             memory_bytes: stats.as_ref().map(|s| s.memory_bytes).unwrap_or(0),
             pids_current: stats.as_ref().map(|s| s.pids_current).unwrap_or(0),
             nested_in: self.nest_parent.clone(),
+            volumes: self.volumes.lock().clone(),
             lifecycle: self.spec.lifecycle,
             paused_at,
         }

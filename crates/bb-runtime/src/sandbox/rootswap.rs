@@ -71,6 +71,25 @@ pub fn attach_host_root(host_rootfs: &Path, host_clone: OwnedFd) -> Result<()> {
         .map_err(|e| err("attach new host-side root", e))
 }
 
+/// Attach the detached mount `mnt` at `path` (absolute, an existing directory) inside the
+/// sandbox of pid `init_pid`; with `replace`, whatever is mounted at `path` is detached first
+/// (the sandbox is frozen then: nothing sees the path in between). Used for volumes.
+pub fn mount_in_sandbox(init_pid: i32, mnt: OwnedFd, path: &Path, replace: bool) -> Result<()> {
+    let mntns =
+        fs::File::open(format!("/proc/{init_pid}/ns/mnt")).map_err(|e| err("open sandbox mount namespace", e))?;
+    let path = path.to_path_buf();
+    ns_worker().run(
+        mntns.into(),
+        Box::new(move || {
+            if replace {
+                ns::umount2(&path, libc::MNT_DETACH).map_err(|e| err(format!("detach {}", path.display()), e))?;
+            }
+            ns::move_mount(Some(mnt.as_fd()), Path::new(""), None, &path, ns::MOVE_MOUNT_F_EMPTY_PATH)
+                .map_err(|e| err(format!("mount at {}", path.display()), e))
+        }),
+    )
+}
+
 type NsJob = Box<dyn FnOnce() -> Result<()> + Send>;
 
 /// Long-lived threads that enter sandbox mount namespaces on request. `setns(CLONE_NEWNS)`

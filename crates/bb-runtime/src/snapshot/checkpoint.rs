@@ -77,11 +77,18 @@ impl Runtime {
             guards.push(s.op_lock.lock().await);
         }
         let t_sessions_idle = t_enter.elapsed();
+        // Volumes that branch with the sandbox are snapshotted in the same frozen window.
+        let vmounts = self.branch_mounts(sb);
+        let _vlocks = self.lock_branch_volumes(&vmounts).await;
         let upper_dir = layer_dir(&self.cfg, &self.images, &gen.upper);
 
         // Nothing changed since the last checkpoint or rollback: share that snapshot.
         // (Background processes do not mark the sandbox dirty: with them, always a new one.)
-        if !all_processes && !sb.dirty.load(Ordering::SeqCst) && dir_is_empty(&upper_dir) {
+        if !all_processes
+            && !sb.dirty.load(Ordering::SeqCst)
+            && dir_is_empty(&upper_dir)
+            && self.branch_volumes_unchanged(sb)
+        {
             if let Some(base) = gen.base.as_deref().and_then(|b| self.snapshots.records().get(b).ok().flatten()) {
                 let same: Vec<&str> = base.sessions.iter().map(|s| s.id.as_str()).collect();
                 let now_ids: Vec<&str> = sessions.iter().map(|s| s.id.as_str()).collect();
@@ -104,6 +111,7 @@ impl Runtime {
                         processes: Vec::new(),
                     };
                     self.record_snapshot(sb, &row, Generation { base: Some(row.id.clone()), ..gen })?;
+                    self.record_checkpoint_volumes(&row.id, &self.volume_states(&vmounts)?)?;
                     return Ok((row, true));
                 }
             }
@@ -163,11 +171,21 @@ impl Runtime {
         }
         let mounts = sb.mounts.lock().await;
         let gate = sb.fs_gate.write().await;
+        let vgates = self.gate_branch_volumes(&vmounts).await;
         let swapped = match prep.await.map_err(RuntimeError::Worker).and_then(|p| p) {
-            Ok(prep) => {
+            Ok(mut prep) => {
                 let (rt, sbc, old) = (self.clone(), sb.clone(), upper_dir.clone());
+                let vm = vmounts.clone();
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 tokio::task::spawn_blocking(move || {
+                    match rt.prepare_volume_checkpoint(&vm) {
+                        Ok(v) => prep.volumes = v,
+                        Err(e) => {
+                            rt.discard_prepared(prep);
+                            let _ = tx.send(Err(e));
+                            return;
+                        }
+                    }
                     let kept = if all_processes {
                         let mut skip = spare.0.clone();
                         skip.extend(&spare.1);
@@ -184,9 +202,9 @@ impl Runtime {
                     };
                     let scan = Scan { old_upper: &old, templates: &spare.0, sessions: &spare.1 };
                     match rt.swap_prepared(&sbc, prep, Some(&scan), None) {
-                        Ok((gen, pinned, stragglers)) => {
-                            let _ = tx.send(Ok((gen, pinned, kept)));
-                            drop(stragglers); // on this thread, their tracer
+                        Ok(sw) => {
+                            let _ = tx.send(Ok((sw.gen, sw.pinned, kept, sw.volumes)));
+                            drop(sw.stragglers); // on this thread, their tracer
                         }
                         Err(e) => {
                             rt.process_images.delete(&kept.iter().map(|k| k.image.clone()).collect::<Vec<_>>());
@@ -198,7 +216,7 @@ impl Runtime {
             }
             Err(e) => Err(e),
         };
-        let (new_gen, pinned, kept) = match swapped {
+        let (new_gen, pinned, kept, volume_states) = match swapped {
             Ok(x) => x,
             Err(e) => {
                 for (_, p) in pending {
@@ -249,10 +267,12 @@ impl Runtime {
         };
         let base = with_sessions.then(|| row.id.clone());
         self.record_snapshot(sb, &row, Generation { base, ..new_gen })?;
+        self.record_checkpoint_volumes(&row.id, &volume_states)?;
         for p in &row.processes {
             self.process_images.settled(&p.image);
         }
         let t_db = t0.elapsed();
+        drop(vgates);
         drop(gate);
         drop(mounts);
         sb.dirty.store(false, Ordering::SeqCst);

@@ -66,6 +66,13 @@ impl Runtime {
         } else {
             self.fork_snapshot(&snap, &snap.spec, n, timeout).await?
         };
+        // Each child gets copy-on-write forks of the volumes that branched with the snapshot.
+        if let Err(e) = self.fork_volumes_into(&snap.id, &children).await {
+            for c in &children {
+                let _ = self.kill_unchecked(&c.id).await;
+            }
+            return Err(e);
+        }
         Ok(ForkResult {
             snapshot: snap.id,
             sandboxes: children.iter().map(|c| c.info()).collect(),

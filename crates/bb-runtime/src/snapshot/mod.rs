@@ -28,7 +28,7 @@ mod evaluate;
 pub mod fork;
 mod rollback;
 pub mod store;
-mod swap;
+pub(crate) mod swap;
 mod tree;
 
 use crate::error::{Result, RuntimeError};

@@ -39,6 +39,9 @@ impl Runtime {
             guards.push(s.op_lock.lock().await);
         }
         let old_pids: HashSet<i32> = old.iter().map(|s| s.pid).collect();
+        // Volumes that branch with the sandbox go back to the snapshot's state in the same window.
+        let vmounts = self.branch_mounts(&sb);
+        let _vlocks = self.lock_branch_volumes(&vmounts).await;
         let prep = {
             let (rt, sbc, n, chain) = (self.clone(), sb.clone(), gen.n + 1, snap.layers.clone());
             tokio::task::spawn_blocking(move || rt.prepare(&sbc, n, chain))
@@ -80,15 +83,23 @@ impl Runtime {
         let mounts = sb.mounts.lock().await;
         let mounts_wait = t_mounts.elapsed();
         let gate = sb.fs_gate.write().await;
+        let vgates = self.gate_branch_volumes(&vmounts).await;
         let t_gate = t0.elapsed();
         let prep = prep.await;
         tracing::debug!(?t_forked, ?mounts_wait, ?t_gate, t_prep = ?t0.elapsed(), "rollback prep");
         let swapped = match prep.map_err(RuntimeError::Worker).and_then(|p| p) {
-            Ok(prep) => {
-                let (rt, sbc) = (self.clone(), sb.clone());
+            Ok(mut prep) => {
+                let (rt, sbc, sid) = (self.clone(), sb.clone(), snap.id.clone());
                 tokio::task::spawn_blocking(move || {
+                    match rt.prepare_volume_rollback(&sbc, &sid) {
+                        Ok(v) => prep.volumes = v,
+                        Err(e) => {
+                            rt.discard_prepared(prep);
+                            return Err(e);
+                        }
+                    }
                     let mut killed = Vec::new();
-                    rt.swap_prepared(&sbc, prep, None, Some((&keep, &mut killed))).map(|(g, _, _)| (g, killed))
+                    rt.swap_prepared(&sbc, prep, None, Some((&keep, &mut killed))).map(|sw| (sw.gen, killed))
                 })
                 .await
                 .map_err(RuntimeError::Worker)
@@ -129,6 +140,7 @@ impl Runtime {
             });
         }
         self.set_gen(&sb, Generation { base: Some(snap.id.clone()), ..new_gen })?;
+        drop(vgates);
         drop(gate);
         drop(mounts);
         for s in &old {

@@ -41,7 +41,7 @@ pub(crate) struct Scan<'a> {
 
 /// How long a checkpoint waits for the processes it moves to a new working directory to stop;
 /// the rest are moved after the answer (see [`Stragglers`]).
-const REBASE_PATIENCE: std::time::Duration = std::time::Duration::from_millis(200);
+pub(crate) const REBASE_PATIENCE: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Processes stopped at the thaw to get a working directory in the new root (see
 /// `stale_cwds`), with that directory.
@@ -73,7 +73,7 @@ pub(crate) fn rebase_cwds(mut pending: StaleCwds, until: Option<Instant>) -> Sta
 /// Processes a checkpoint asked to stop that had not stopped when it answered. ptrace ties
 /// them to the thread that asked: dropping this waits for them and moves them, so drop it on
 /// that thread, after the answer.
-pub(crate) struct Stragglers(StaleCwds);
+pub(crate) struct Stragglers(pub(crate) StaleCwds);
 
 impl Drop for Stragglers {
     fn drop(&mut self) {
@@ -105,6 +105,25 @@ pub(crate) fn rebase_cwd(pid: i32, taken: bb_sys::SysResult<bb_sys::ptrace::Trac
     }
 }
 
+/// Ask each process of `cwds` (pids in the sandbox, with their working directory) to stop at
+/// the thaw, to be moved by [`rebase_cwds`]. The sandbox is frozen.
+pub(crate) fn request_rebase(sb: &Sandbox, cwds: Vec<(i32, PathBuf)>, stale: &mut StaleCwds) -> Result<()> {
+    if cwds.is_empty() {
+        return Ok(());
+    }
+    let host: HashMap<i32, i32> = sb.cgroup.pids()?.into_iter().filter_map(|h| Some((ns_pid(h)?, h))).collect();
+    for (ns, path) in cwds {
+        match host.get(&ns).map(|h| bb_sys::ptrace::PendingStop::request(*h)) {
+            Some(Ok(p)) => stale.push((p, path)),
+            Some(Err(e)) => {
+                tracing::warn!(sandbox = %sb.id, pid = ns, "cannot move its working directory to the new root: {e}")
+            }
+            None => {}
+        }
+    }
+    Ok(())
+}
+
 /// The next root of a sandbox, built before the frozen window.
 pub(crate) struct Prepared {
     lid: String,
@@ -112,6 +131,17 @@ pub(crate) struct Prepared {
     mnt: std::os::fd::OwnedFd,
     chain: Vec<String>,
     n: u64,
+    /// Volumes mounted in the sandbox that branch with it, swapped in the same frozen window.
+    pub(crate) volumes: Vec<crate::volumes::PreparedVolume>,
+}
+
+/// What a root swap did.
+pub(crate) struct Swapped {
+    pub(crate) gen: Generation,
+    pub(crate) pinned: rootswap::PinStats,
+    pub(crate) stragglers: Stragglers,
+    /// Each branching volume's mount and the chain it stands on after the swap.
+    pub(crate) volumes: Vec<(crate::model::VolumeMount, Vec<String>)>,
 }
 
 impl Runtime {
@@ -137,7 +167,7 @@ impl Runtime {
         );
         tracing::debug!(?t_upper, layers = lower.len(), took = ?t0.elapsed(), "prepared");
         match r {
-            Ok(mnt) => Ok(Prepared { lid, upper, mnt, chain, n }),
+            Ok(mnt) => Ok(Prepared { lid, upper, mnt, chain, n, volumes: Vec::new() }),
             Err(e) => {
                 self.remove_layer_dir(&lid);
                 Err(RuntimeError::from(e))
@@ -147,9 +177,10 @@ impl Runtime {
 
     /// Undo [`Runtime::prepare`] when the swap will not happen.
     pub(crate) fn discard_prepared(&self, prep: Prepared) {
-        let Prepared { lid, mnt, .. } = prep;
+        let Prepared { lid, mnt, volumes, .. } = prep;
         drop(mnt);
         self.remove_layer_dir(&lid);
+        self.discard_prepared_volumes(volumes);
     }
 
     /// Freeze `sb` and dump each of its background process trees (children of init, but those
@@ -206,16 +237,25 @@ impl Runtime {
         prep: Prepared,
         pin_from: Option<&Scan<'_>>,
         kill: Option<(&HashSet<i32>, &mut Vec<i32>)>,
-    ) -> Result<(Generation, rootswap::PinStats, Stragglers)> {
+    ) -> Result<Swapped> {
         let t0 = Instant::now();
-        sb.cgroup.freeze()?;
+        let kill_mode = kill.is_some();
+        let mut prep = prep;
+        let mut volumes = std::mem::take(&mut prep.volumes);
+        if let Err(e) = sb.cgroup.freeze() {
+            self.discard_prepared(prep);
+            self.discard_prepared_volumes(volumes);
+            return Err(e.into());
+        }
         let t_frozen = t0.elapsed();
         let mut stale = Vec::new();
-        let res = self.swap_frozen(sb, prep, pin_from, kill, &mut stale);
+        let res = self.swap_frozen(sb, prep, pin_from, kill, &mut volumes, &mut stale);
         let thawed = sb.cgroup.thaw();
         let t_thawed = t0.elapsed();
         // Processes that kept a working directory in the old root stop at the thaw: move them.
         let stragglers = Stragglers(rebase_cwds(stale, Some(Instant::now() + REBASE_PATIENCE)));
+        // Volume mounts swapped in the window get their host-side views; the others are undone.
+        let volumes = self.finish_volume_swaps(volumes, kill_mode);
         // The host-side mount (file API) is swapped after the thaw; the caller holds the file gate.
         let (gen, pinned, host_clone) = res?;
         let target = sb.dirs.rootfs_gen(gen.n);
@@ -223,7 +263,7 @@ impl Runtime {
         rootswap::attach_host_root(&target, host_clone)?;
         tracing::debug!(sandbox = %sb.id, ?t_frozen, ?t_thawed, total = ?t0.elapsed(), "root swapped");
         thawed?;
-        Ok((gen, pinned, stragglers))
+        Ok(Swapped { gen, pinned, stragglers, volumes })
     }
 
     pub(crate) fn swap_frozen(
@@ -232,6 +272,7 @@ impl Runtime {
         prep: Prepared,
         pin_from: Option<&Scan<'_>>,
         kill: Option<(&HashSet<i32>, &mut Vec<i32>)>,
+        volumes: &mut [crate::volumes::PreparedVolume],
         stale: &mut Vec<(bb_sys::ptrace::PendingStop, PathBuf)>,
     ) -> Result<(Generation, rootswap::PinStats, std::os::fd::OwnedFd)> {
         let tq = Instant::now();
@@ -269,20 +310,7 @@ impl Runtime {
             });
             let files = rootswap::written_files(&proc, &nspids, dev);
             let others: Vec<i32> = nspids.iter().copied().filter(|p| !scan.sessions.contains(p)).collect();
-            let cwds = rootswap::stale_cwds(&proc, &others, dev);
-            if !cwds.is_empty() {
-                let host: HashMap<i32, i32> =
-                    sb.cgroup.pids()?.into_iter().filter_map(|h| Some((ns_pid(h)?, h))).collect();
-                for (ns, path) in cwds {
-                    match host.get(&ns).map(|h| bb_sys::ptrace::PendingStop::request(*h)) {
-                        Some(Ok(p)) => stale.push((p, path)),
-                        Some(Err(e)) => {
-                            tracing::warn!(sandbox = %sb.id, pid = ns, "cannot move its working directory to the new root: {e}")
-                        }
-                        None => {}
-                    }
-                }
-            }
+            request_rebase(sb, rootswap::stale_cwds(&proc, &others, dev), stale)?;
             tracing::debug!(sandbox = %sb.id, processes = nspids.len(), took = ?tq.elapsed(), "frozen scan");
             match rootswap::pin_open_files(&files, old_upper, &prep.upper) {
                 Ok(p) => {
@@ -296,8 +324,13 @@ impl Runtime {
                 }
             }
         }
-        let Prepared { lid, upper, mnt, chain, n } = prep;
-        match rootswap::swap_root(sb.init_pid, mnt) {
+        let Prepared { lid, upper, mnt, chain, n, .. } = prep;
+        // Volumes first: the root's pivot moves their new mounts along.
+        let templates = pin_from.map(|s| s.templates.clone()).unwrap_or_default();
+        let swapped = self
+            .swap_volumes_frozen(sb, volumes, &templates, stale)
+            .and_then(|()| rootswap::swap_root(sb.init_pid, mnt));
+        match swapped {
             Ok(host_clone) => {
                 Ok((Generation { upper: lid, mounted: chain.clone(), chain, base: None, n }, pinned, host_clone))
             }

@@ -1,0 +1,325 @@
+//! Volumes branch with the sandbox that mounts them: a checkpoint freezes each branching
+//! volume in the root swap's frozen window (its mount is replaced before the root pivots, so
+//! the new mount moves along), a rollback puts it back to the chain the snapshot recorded, and
+//! a fork gives each child a copy-on-write fork of it ([`crate::snapshot`] calls these).
+
+use super::new_id;
+use super::store::{self, VolumeRow, VolumeSnapRow};
+use crate::error::{Result, RuntimeError};
+use crate::layers::{dir_is_empty, du};
+use crate::model::VolumeMount;
+use crate::sandbox::rootswap;
+use crate::sandbox::Sandbox;
+use crate::snapshot::swap::request_rebase;
+use crate::{now, Runtime};
+use std::collections::HashSet;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::sync::Arc;
+
+/// A mounted volume's part in a sandbox checkpoint or rollback, built before the frozen window
+/// ([`Runtime::prepare_volume_checkpoint`], [`Runtime::prepare_volume_rollback`]).
+pub(crate) struct PreparedVolume {
+    pub(crate) mount: VolumeMount,
+    /// The volume's record after the operation (`chain` is what a checkpoint snapshots).
+    next: VolumeRow,
+    /// The writable layer it had (frozen by a checkpoint, discarded by a rollback).
+    old_upper: String,
+    /// None: nothing to swap (a checkpoint of a volume nothing wrote since its last freeze).
+    swap: Option<VolumeSwap>,
+}
+
+struct VolumeSwap {
+    /// The new instance, for the sandbox (taken by the swap) and for the host-side view.
+    sandbox_mnt: Option<OwnedFd>,
+    host_mnt: OwnedFd,
+    /// Device of the old instance: files and working directories on it are moved.
+    dev: u64,
+    /// Checkpoint: files open for writing keep writing into the new layer (a rollback kills
+    /// every writer first).
+    pin: bool,
+    done: bool,
+}
+
+/// Held by a sandbox operation that branches its volumes: their operation locks, then their
+/// file gates ([`Runtime::lock_branch_volumes`], [`Runtime::gate_branch_volumes`]).
+pub(crate) struct BranchLocks {
+    _ops: Vec<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+pub(crate) struct BranchGates {
+    _gates: Vec<tokio::sync::OwnedRwLockWriteGuard<()>>,
+}
+
+impl Runtime {
+    /// The volumes of `sb` that branch with it (by volume id, the order locks are taken in).
+    pub(crate) fn branch_mounts(&self, sb: &Sandbox) -> Vec<VolumeMount> {
+        let mut v: Vec<VolumeMount> = sb.volumes.lock().iter().filter(|m| m.branch).cloned().collect();
+        v.sort_by(|a, b| a.volume.cmp(&b.volume));
+        v
+    }
+
+    pub(crate) async fn lock_branch_volumes(&self, mounts: &[VolumeMount]) -> BranchLocks {
+        let mut ops = Vec::with_capacity(mounts.len());
+        for m in mounts {
+            ops.push(self.volumes.op(&m.volume).lock_owned().await);
+        }
+        BranchLocks { _ops: ops }
+    }
+
+    pub(crate) async fn gate_branch_volumes(&self, mounts: &[VolumeMount]) -> BranchGates {
+        let mut gates = Vec::with_capacity(mounts.len());
+        for m in mounts {
+            gates.push(self.volumes.gate(&m.volume).write_owned().await);
+        }
+        BranchGates { _gates: gates }
+    }
+
+    /// True if a checkpoint would snapshot each branching volume of `sb` as it was at the last
+    /// one (nothing written since).
+    pub(crate) fn branch_volumes_unchanged(&self, sb: &Sandbox) -> bool {
+        self.branch_mounts(sb).iter().all(|m| {
+            self.volumes
+                .records()
+                .get(&m.volume)
+                .ok()
+                .flatten()
+                .is_none_or(|r| dir_is_empty(&self.layer_path(&r.upper)))
+        })
+    }
+
+    fn prepare_swap(&self, row: &VolumeRow, next: &VolumeRow, m: &VolumeMount, pin: bool) -> Result<VolumeSwap> {
+        let root = self.ensure_volume_mounted(row)?;
+        let dev = std::fs::metadata(&root).map_err(RuntimeError::io("stat a volume"))?.dev();
+        let fd = self.volume_instance(next)?;
+        let host_mnt = bb_sys::ns::open_tree(
+            fd.as_fd(),
+            Path::new(""),
+            bb_sys::ns::OPEN_TREE_CLONE | bb_sys::ns::OPEN_TREE_CLOEXEC,
+        )?;
+        if m.read_only {
+            bb_sys::mount_api::mount_setattr(fd.as_fd(), bb_sys::mount_api::MOUNT_ATTR_RDONLY)?;
+        }
+        Ok(VolumeSwap { sandbox_mnt: Some(fd), host_mnt, dev, pin, done: false })
+    }
+
+    /// Checkpoint: each branching volume's writable layer is frozen (if anything was written).
+    pub(crate) fn prepare_volume_checkpoint(&self, mounts: &[VolumeMount]) -> Result<Vec<PreparedVolume>> {
+        let mut out = Vec::new();
+        let res = (|| -> Result<()> {
+            for m in mounts {
+                let row = self.volume_row(&m.volume)?;
+                if dir_is_empty(&self.layer_path(&row.upper)) {
+                    out.push(PreparedVolume { mount: m.clone(), old_upper: row.upper.clone(), next: row, swap: None });
+                    continue;
+                }
+                let n = row.n + 1;
+                let lid = self.volume_upper(&row.id, n)?;
+                let mut next = row.clone();
+                next.chain.push(row.upper.clone());
+                next.upper = lid;
+                next.n = n;
+                // Listed before the swap is built: a failure discards its new layer too.
+                out.push(PreparedVolume {
+                    mount: m.clone(),
+                    old_upper: row.upper.clone(),
+                    next: next.clone(),
+                    swap: None,
+                });
+                out.last_mut().expect("pushed").swap = Some(self.prepare_swap(&row, &next, m, true)?);
+            }
+            Ok(())
+        })();
+        if let Err(e) = res {
+            self.discard_prepared_volumes(out);
+            return Err(e);
+        }
+        Ok(out)
+    }
+
+    /// Rollback to sandbox snapshot `sid`: each branching volume of `sb` that the snapshot
+    /// recorded (matched by mount path) goes back to that chain under a fresh writable layer.
+    pub(crate) fn prepare_volume_rollback(&self, sb: &Sandbox, sid: &str) -> Result<Vec<PreparedVolume>> {
+        let snaps = self.volumes.records().snapshots(None)?;
+        let mut out = Vec::new();
+        let res = (|| -> Result<()> {
+            for m in self.branch_mounts(sb) {
+                let Some(vs) =
+                    snaps.iter().find(|s| s.checkpoint.as_ref().is_some_and(|c| c.snapshot == sid && c.path == m.path))
+                else {
+                    continue;
+                };
+                let row = self.volume_row(&m.volume)?;
+                if row.chain == vs.chain && dir_is_empty(&self.layer_path(&row.upper)) {
+                    continue;
+                }
+                let n = row.n + 1;
+                let lid = self.volume_upper(&row.id, n)?;
+                let next = VolumeRow { chain: vs.chain.clone(), upper: lid, n, ..row.clone() };
+                out.push(PreparedVolume {
+                    mount: m.clone(),
+                    old_upper: row.upper.clone(),
+                    next: next.clone(),
+                    swap: None,
+                });
+                out.last_mut().expect("pushed").swap = Some(self.prepare_swap(&row, &next, &m, false)?);
+            }
+            Ok(())
+        })();
+        if let Err(e) = res {
+            self.discard_prepared_volumes(out);
+            return Err(e);
+        }
+        Ok(out)
+    }
+
+    /// Undo a preparation whose swap did not happen.
+    pub(crate) fn discard_prepared_volumes(&self, prepared: Vec<PreparedVolume>) {
+        for p in prepared {
+            if p.next.upper != p.old_upper {
+                self.remove_layer_dir(&p.next.upper);
+                let _ = std::fs::remove_dir_all(self.volume_dir(&p.next.id).join(format!("work-{}", p.next.n)));
+            }
+        }
+    }
+
+    /// In the frozen window of a root swap (before the root moves, so the new volume mounts move
+    /// with it): replace each prepared volume's mount in `sb`. Checkpoint (`pin`): files open for
+    /// writing in the old instance are pinned into the new writable layer and processes but
+    /// `templates` with a working directory in it are moved after the thaw (into `stale`).
+    pub(crate) fn swap_volumes_frozen(
+        &self,
+        sb: &Sandbox,
+        prepared: &mut [PreparedVolume],
+        templates: &HashSet<i32>,
+        stale: &mut crate::snapshot::swap::StaleCwds,
+    ) -> Result<()> {
+        if prepared.iter().all(|p| p.swap.is_none()) {
+            return Ok(());
+        }
+        let (proc, nspids) = crate::sandbox::procs::own_pids(sb, templates)
+            .unwrap_or_else(|_| (crate::sandbox::procs::sandbox_proc(sb), Vec::new()));
+        for p in prepared.iter_mut() {
+            let Some(s) = p.swap.as_mut() else { continue };
+            let old_upper = self.layer_path(&p.old_upper);
+            let new_upper = self.layer_path(&p.next.upper);
+            let mut files = Vec::new();
+            if s.pin {
+                let at = Path::new(p.mount.path.trim_start_matches('/'));
+                files = rootswap::written_files(&proc, &nspids, s.dev)
+                    .into_iter()
+                    .filter_map(|f| {
+                        Some(rootswap::WrittenFile { path: f.path.strip_prefix(at).ok()?.to_path_buf(), ino: f.ino })
+                    })
+                    .filter(|f| !f.path.as_os_str().is_empty())
+                    .collect();
+                request_rebase(sb, rootswap::stale_cwds(&proc, &nspids, s.dev), stale)?;
+                if let Err(e) = rootswap::pin_open_files(&files, &old_upper, &new_upper) {
+                    rootswap::unpin(&files, &old_upper, &new_upper);
+                    return Err(e);
+                }
+            }
+            let mnt = s.sandbox_mnt.take().expect("a prepared volume swaps once");
+            if let Err(e) = rootswap::mount_in_sandbox(sb.init_pid, mnt, Path::new(&p.mount.path), true) {
+                rootswap::unpin(&files, &old_upper, &new_upper);
+                return Err(e);
+            }
+            s.done = true;
+        }
+        Ok(())
+    }
+
+    /// After the thaw: the host-side views follow, the volumes' records are updated, and what
+    /// each branching volume stands on now is returned (mount, chain). Swaps that did not
+    /// happen (the root swap failed) are undone instead. Returns the states.
+    pub(crate) fn finish_volume_swaps(
+        &self,
+        prepared: Vec<PreparedVolume>,
+        rollback: bool,
+    ) -> Vec<(VolumeMount, Vec<String>)> {
+        let mut out = Vec::new();
+        for p in prepared {
+            let Some(s) = p.swap else {
+                out.push((p.mount, p.next.chain));
+                continue;
+            };
+            if !s.done {
+                self.discard_prepared_volumes(vec![PreparedVolume { swap: None, ..p }]);
+                continue;
+            }
+            let root = self.volume_root(&p.next.id);
+            {
+                let _m = self.volumes.mounting.lock();
+                let _ = bb_layers::unmount(&root);
+                if let Err(e) = bb_sys::mount_api::move_mount_to(s.host_mnt.as_fd(), &root) {
+                    tracing::warn!(volume = %p.next.id, "the file API's view of the volume is remounted on next use: {e}");
+                }
+            }
+            if let Err(e) = self.volumes.records().update(&p.next) {
+                tracing::error!(volume = %p.next.id, "recording the volume's new layers failed: {e}");
+            }
+            let _ = std::fs::remove_dir_all(self.volume_dir(&p.next.id).join(format!("work-{}", p.next.n - 1)));
+            if rollback {
+                self.remove_layer_dir(&p.old_upper);
+            } else {
+                let size = du(&self.layer_path(&p.old_upper));
+                let _ = self.snapshots.records().set_layer_size(&p.old_upper, size);
+            }
+            out.push((p.mount, p.next.chain));
+        }
+        out
+    }
+
+    /// Record the volumes' states a sandbox checkpoint (snapshot `sid`) took.
+    pub(crate) fn record_checkpoint_volumes(&self, sid: &str, states: &[(VolumeMount, Vec<String>)]) -> Result<()> {
+        for (m, chain) in states {
+            self.volumes.records().insert_snapshot(&VolumeSnapRow {
+                id: new_id("vs"),
+                volume: m.volume.clone(),
+                created_at: now(),
+                label: Some(format!("checkpoint {sid}")),
+                chain: chain.clone(),
+                checkpoint: Some(store::CheckpointOf { snapshot: sid.to_string(), path: m.path.clone() }),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Give each fork child a copy-on-write fork of the volumes sandbox snapshot `sid` recorded,
+    /// mounted where they were. All or nothing per child.
+    pub(crate) async fn fork_volumes_into(self: &Arc<Self>, sid: &str, children: &[Arc<Sandbox>]) -> Result<()> {
+        let snaps: Vec<VolumeSnapRow> = self
+            .volumes
+            .records()
+            .snapshots(None)?
+            .into_iter()
+            .filter(|s| s.checkpoint.as_ref().is_some_and(|c| c.snapshot == sid))
+            .collect();
+        if snaps.is_empty() {
+            return Ok(());
+        }
+        for child in children {
+            let mut mounts = Vec::new();
+            for vs in &snaps {
+                let c = vs.checkpoint.as_ref().expect("filtered");
+                let source = self.volume_row(&vs.volume)?;
+                let info = self.new_volume_on(&source, vs.chain.clone(), None).await?;
+                mounts.push(VolumeMount { volume: info.id, path: c.path.clone(), read_only: false, branch: true });
+            }
+            let claims = self.claim_volumes(&mounts)?;
+            let (rt, c) = (self.clone(), child.clone());
+            tokio::task::spawn_blocking(move || rt.attach_volumes(&c, claims))
+                .await
+                .map_err(RuntimeError::Worker)??;
+        }
+        Ok(())
+    }
+}
+
+impl Runtime {
+    /// Each mount's volume chain as it stands (volumes nothing wrote since their last freeze).
+    pub(crate) fn volume_states(&self, mounts: &[VolumeMount]) -> Result<Vec<(VolumeMount, Vec<String>)>> {
+        mounts.iter().map(|m| Ok((m.clone(), self.volume_row(&m.volume)?.chain))).collect()
+    }
+}

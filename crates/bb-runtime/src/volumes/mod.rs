@@ -1,0 +1,835 @@
+//! Persistent volumes: named, mutable file trees that outlive sandboxes, mounted into them at
+//! local-disk speed, with metadata-only snapshots, restores and copy-on-write forks.
+//!
+//! A volume is what a sandbox root is: a chain of frozen layers (`<state>/snaplayers/sl-*`,
+//! shared with forks and snapshots) under one writable layer, as one overlay instance. The
+//! daemon keeps that instance mounted at `<state>/volumes/<id>/root` (the file API's view) and
+//! attaches clones of it in sandboxes (`rootswap::mount_in_sandbox`): a sandbox writes to
+//! node-local disk through the kernel's overlayfs, with nothing in between, and an fsync in the
+//! sandbox is an fsync of the node's disk.
+//!
+//! - **freeze** (`freeze`): the writable layer becomes a frozen layer and a fresh one goes on
+//!   top; a sandbox that mounts the volume is frozen for the mount replacement, its files open
+//!   for writing are pinned into the new layer and its processes with a working directory in
+//!   the volume moved, as a root swap does ([`crate::snapshot::swap`]). Its cost does not depend
+//!   on the volume's size.
+//! - **snapshot** = freeze + a record of the chain; **restore** = the chain of a snapshot under a
+//!   fresh writable layer (refused while a sandbox mounts it); **fork** = a new volume on the same
+//!   chain (frozen first) with an empty writable layer.
+//! - **sync** = freeze, push each layer not yet in the object store as a tree (`remote.rs`), then
+//!   move the volume's head in the metadata store by compare-and-swap: two daemons never both
+//!   commit on one head.
+//! - **access**: `rwo` volumes are mounted by one sandbox at a time; `rox` volumes by any number,
+//!   read-only, and written through the file API only while none mounts them.
+
+mod branch;
+pub mod store;
+
+pub(crate) use branch::PreparedVolume;
+
+use crate::error::{Result, RuntimeError};
+use crate::layers::{dir_is_empty, du};
+use crate::model::{
+    Access, CreateVolume, ForkVolume, RestoreVolume, VolumeInfo, VolumeList, VolumeMount, VolumeMountInfo,
+    VolumeSnapshotInfo, VolumeSnapshotList, VolumeSnapshotRequest,
+};
+use crate::sandbox::files::{SandboxFs, SbPath};
+use crate::sandbox::rootswap;
+use crate::sandbox::Sandbox;
+use crate::snapshot::swap::{rebase_cwds, request_rebase, Stragglers, REBASE_PATIENCE};
+use crate::{now, Runtime};
+use parking_lot::Mutex;
+use std::collections::{HashMap, HashSet};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use store::{MountRow, VolumeRow, VolumeSnapRow, VolumeStore};
+
+/// Most volumes one sandbox mounts.
+pub const MAX_MOUNTS: usize = 16;
+
+/// Volume bookkeeping of the runtime: records, and per volume an operation lock and the gate of
+/// its file API (shared by file operations, exclusive while its mount is replaced).
+pub struct Volumes {
+    records: Mutex<VolumeStore>,
+    ops: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    gates: Mutex<HashMap<String, Arc<tokio::sync::RwLock<()>>>>,
+    /// Volumes claimed by sandboxes being created (not in any sandbox's list yet).
+    pending: Mutex<HashMap<String, usize>>,
+    /// Serialises mounting of the host-side views.
+    mounting: Mutex<()>,
+}
+
+impl Volumes {
+    pub(crate) fn open(db: &Path) -> Result<Volumes> {
+        Ok(Volumes {
+            records: Mutex::new(VolumeStore::open(db)?),
+            ops: Default::default(),
+            gates: Default::default(),
+            pending: Default::default(),
+            mounting: Default::default(),
+        })
+    }
+
+    pub(crate) fn records(&self) -> parking_lot::MutexGuard<'_, VolumeStore> {
+        self.records.lock()
+    }
+
+    fn op(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.ops.lock().entry(id.to_string()).or_default().clone()
+    }
+
+    fn gate(&self, id: &str) -> Arc<tokio::sync::RwLock<()>> {
+        self.gates.lock().entry(id.to_string()).or_default().clone()
+    }
+
+    /// Every layer a volume or a volume snapshot stands on (kept by layer collection).
+    pub(crate) fn layers_in_use(&self) -> Result<HashSet<String>> {
+        let r = self.records();
+        let mut used = HashSet::new();
+        for v in r.all()? {
+            used.extend(v.chain);
+            used.insert(v.upper);
+        }
+        for s in r.snapshots(None)? {
+            used.extend(s.chain);
+        }
+        Ok(used)
+    }
+}
+
+/// Volumes claimed for a sandbox being created: released on drop unless attached.
+pub(crate) struct Claims {
+    rt: Arc<Runtime>,
+    mounts: Vec<(VolumeRow, VolumeMount)>,
+}
+
+impl Drop for Claims {
+    fn drop(&mut self) {
+        let mut p = self.rt.volumes.pending.lock();
+        for (row, _) in &self.mounts {
+            if let Some(n) = p.get_mut(&row.id) {
+                *n -= 1;
+                if *n == 0 {
+                    p.remove(&row.id);
+                }
+            }
+        }
+    }
+}
+
+fn new_id(prefix: &str) -> String {
+    format!("{prefix}-{}", &uuid::Uuid::new_v4().simple().to_string()[..16])
+}
+
+fn valid_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b[0].is_ascii_alphanumeric()
+        && b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+        && !name.starts_with("vol-")
+}
+
+/// The normalised mount path of `m`, or why it cannot be one.
+fn mount_path(m: &VolumeMount) -> Result<String> {
+    if !m.path.starts_with('/') {
+        return Err(RuntimeError::BadRequest(format!(
+            "volume mount path {:?} is not absolute: give a path such as /workspace",
+            m.path
+        )));
+    }
+    let p = SbPath::parse(&m.path)?;
+    let shown = p.display();
+    let top = shown.split('/').nth(1).unwrap_or("");
+    if p.is_root() || matches!(top, "proc" | "dev" | "sys") {
+        return Err(RuntimeError::BadRequest(format!(
+            "a volume cannot be mounted at {shown}: choose a path outside /, /proc, /dev and /sys, such as /workspace"
+        )));
+    }
+    Ok(shown)
+}
+
+fn nested(a: &str, b: &str) -> bool {
+    a == b || b.starts_with(&format!("{a}/")) || a.starts_with(&format!("{b}/"))
+}
+
+fn is_mountpoint(p: &Path) -> bool {
+    match (std::fs::metadata(p), p.parent().map(std::fs::metadata)) {
+        (Ok(m), Some(Ok(parent))) => m.dev() != parent.dev(),
+        _ => false,
+    }
+}
+
+impl Runtime {
+    fn volumes_dir(&self) -> PathBuf {
+        self.cfg.state_dir.join("volumes")
+    }
+
+    fn volume_dir(&self, id: &str) -> PathBuf {
+        self.volumes_dir().join(id)
+    }
+
+    fn volume_root(&self, id: &str) -> PathBuf {
+        self.volume_dir(id).join("root")
+    }
+
+    pub(crate) fn volume_row(&self, id_or_name: &str) -> Result<VolumeRow> {
+        self.volumes.records().get(id_or_name)?.ok_or_else(|| RuntimeError::NotFound {
+            kind: "volume",
+            id: id_or_name.into(),
+            hint: ": list volumes with `branchbox volume ls`",
+        })
+    }
+
+    /// A fresh, empty writable layer for a volume (owned by the sandbox root, like a sandbox's)
+    /// and the work dir of mount generation `n`.
+    fn volume_upper(&self, id: &str, n: u64) -> Result<String> {
+        let lid = format!("sl-{}", uuid::Uuid::new_v4().simple());
+        let layers = crate::sandbox::launch::snaplayers_dir(&self.cfg.state_dir);
+        std::fs::create_dir_all(&layers).map_err(RuntimeError::io("create the layers dir"))?;
+        let upper = layers.join(&lid);
+        std::fs::create_dir(&upper).map_err(RuntimeError::io("create a volume's writable layer"))?;
+        let base = self.cfg.idmap.host_base;
+        std::os::unix::fs::chown(&upper, Some(base), Some(base)).map_err(RuntimeError::io("chown a writable layer"))?;
+        std::fs::set_permissions(&upper, std::fs::Permissions::from_mode(0o755))
+            .map_err(RuntimeError::io("chmod a writable layer"))?;
+        let work = self.volume_dir(id).join(format!("work-{n}"));
+        let _ = std::fs::remove_dir_all(&work);
+        std::fs::create_dir_all(&work).map_err(RuntimeError::io("create a volume's work dir"))?;
+        std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o700))
+            .map_err(RuntimeError::io("chmod a work dir"))?;
+        Ok(lid)
+    }
+
+    /// A new overlay instance of `row` (detached).
+    fn volume_instance(&self, row: &VolumeRow) -> Result<OwnedFd> {
+        let mut lower: Vec<PathBuf> = row.chain.iter().rev().map(|l| self.layer_path(l)).collect();
+        if lower.is_empty() {
+            let empty = self.volumes_dir().join(".empty");
+            std::fs::create_dir_all(&empty).map_err(RuntimeError::io("create the empty layer"))?;
+            lower.push(empty);
+        }
+        let upper = self.layer_path(&row.upper);
+        let work = self.volume_dir(&row.id).join(format!("work-{}", row.n));
+        std::fs::create_dir_all(&work).map_err(RuntimeError::io("create a volume's work dir"))?;
+        Ok(bb_layers::overlay_fd(
+            &bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work },
+            &self.volume_root(&row.id),
+        )?)
+    }
+
+    /// Mount the host-side view of `row` unless it is (a daemon killed earlier leaves it
+    /// mounted: the same instance its sandboxes still use).
+    fn ensure_volume_mounted(&self, row: &VolumeRow) -> Result<PathBuf> {
+        let _m = self.volumes.mounting.lock();
+        let root = self.volume_root(&row.id);
+        if is_mountpoint(&root) {
+            return Ok(root);
+        }
+        std::fs::create_dir_all(&root).map_err(RuntimeError::io("create a volume's mount point"))?;
+        let fd = self.volume_instance(row)?;
+        bb_sys::mount_api::move_mount_to(fd.as_fd(), &root).map_err(RuntimeError::from)?;
+        Ok(root)
+    }
+
+    fn unmount_volume_view(&self, id: &str) {
+        let _m = self.volumes.mounting.lock();
+        let root = self.volume_root(id);
+        while is_mountpoint(&root) {
+            if bb_layers::unmount(&root).is_err() {
+                break;
+            }
+        }
+    }
+
+    /// The sandbox that mounts volume `id`, and where (an `rwo` volume has at most one).
+    fn volume_holders(&self, id: &str) -> Vec<(Arc<Sandbox>, VolumeMount)> {
+        let mut out = Vec::new();
+        for sb in self.sandboxes.all() {
+            for m in sb.volumes.lock().iter() {
+                if m.volume == id {
+                    out.push((sb.clone(), m.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    fn volume_info_of(&self, row: &VolumeRow) -> Result<VolumeInfo> {
+        let snaps = self.volumes.records().snapshots(Some(&row.id))?.len();
+        let upper_dir = self.layer_path(&row.upper);
+        let upper_bytes = du(&upper_dir);
+        let records = self.snapshots.records();
+        let mut size = upper_bytes;
+        let mut backlog = upper_bytes;
+        let synced: HashSet<&String> = row.synced.iter().flat_map(|s| s.chain.iter()).collect();
+        for l in &row.chain {
+            let b = records.layer_size(l)?.unwrap_or(0);
+            size += b;
+            if !synced.contains(l) {
+                backlog += b;
+            }
+        }
+        drop(records);
+        let durable = row.synced.as_ref().is_some_and(|s| s.chain == row.chain) && dir_is_empty(&upper_dir);
+        Ok(VolumeInfo {
+            id: row.id.clone(),
+            name: row.name.clone(),
+            access: row.access,
+            quota_mb: row.quota_mb,
+            created_at: row.created_at,
+            size_bytes: size,
+            layers: row.chain.len(),
+            snapshots: snaps,
+            mounts: self
+                .volume_holders(&row.id)
+                .into_iter()
+                .map(|(sb, m)| VolumeMountInfo {
+                    sandbox: sb.id.clone(),
+                    path: m.path,
+                    read_only: m.read_only,
+                    branch: m.branch,
+                })
+                .collect(),
+            version: row.synced.as_ref().map_or(0, |s| s.version),
+            durability: if durable { "durable" } else { "node-local" }.into(),
+            backlog_bytes: if durable { 0 } else { backlog },
+            source: row.source.clone(),
+        })
+    }
+
+    pub async fn create_volume(self: &Arc<Self>, req: CreateVolume) -> Result<VolumeInfo> {
+        if let Some(n) = &req.name {
+            if !valid_name(n) {
+                return Err(RuntimeError::BadRequest(format!(
+                    "volume name {n:?}: use 1-63 letters, digits, '-', '_' or '.', starting with a letter or digit, not 'vol-'"
+                )));
+            }
+        }
+        if req.quota_mb == Some(0) {
+            return Err(RuntimeError::BadRequest("quota_mb must be at least 1 (leave it out for no quota)".into()));
+        }
+        let rt = self.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Some(n) = &req.name {
+                if rt.volumes.records().get(n)?.is_some() {
+                    return Err(RuntimeError::Conflict(format!("a volume named {n:?} exists: choose another name")));
+                }
+            }
+            let id = new_id("vol");
+            let upper = rt.volume_upper(&id, 0)?;
+            let row = VolumeRow {
+                id: id.clone(),
+                name: req.name,
+                access: req.access,
+                quota_mb: req.quota_mb,
+                created_at: now(),
+                chain: Vec::new(),
+                upper,
+                n: 0,
+                source: None,
+                synced: None,
+            };
+            if let Err(e) = rt.volumes.records().insert(&row) {
+                rt.remove_layer_dir(&row.upper);
+                let _ = std::fs::remove_dir_all(rt.volume_dir(&id));
+                return Err(if row.name.is_some() && e.to_string().contains("UNIQUE") {
+                    RuntimeError::Conflict(format!("a volume named {:?} exists: choose another name", row.name))
+                } else {
+                    e.into()
+                });
+            }
+            tracing::info!(volume = %id, name = ?row.name, "volume created");
+            rt.volume_info_of(&row)
+        })
+        .await
+        .map_err(RuntimeError::Worker)?
+    }
+
+    pub fn list_volumes(&self) -> Result<VolumeList> {
+        let rows = self.volumes.records().all()?;
+        Ok(VolumeList { volumes: rows.iter().map(|r| self.volume_info_of(r)).collect::<Result<_>>()? })
+    }
+
+    pub fn volume_info(&self, vid: &str) -> Result<VolumeInfo> {
+        self.volume_info_of(&self.volume_row(vid)?)
+    }
+
+    /// Delete a volume and its snapshots (refused while a sandbox mounts it). Its layers go
+    /// with the next layer collection unless a fork or another volume's snapshot stands on them.
+    pub async fn delete_volume(self: &Arc<Self>, vid: &str) -> Result<()> {
+        let row = self.volume_row(vid)?;
+        let op = self.volumes.op(&row.id);
+        let _op = op.lock().await;
+        self.refuse_mounted(&row, "delete it")?;
+        let gate = self.volumes.gate(&row.id);
+        let _gate = gate.write().await;
+        let rt = self.clone();
+        tokio::task::spawn_blocking(move || {
+            rt.unmount_volume_view(&row.id);
+            rt.volumes.records().delete(&row.id)?;
+            rt.remove_layer_dir(&row.upper);
+            let _ = std::fs::remove_dir_all(rt.volume_dir(&row.id));
+            let used = rt.volumes.layers_in_use()?;
+            let snaps = rt.snapshots.records().all()?;
+            let in_snapshots: HashSet<&String> = snaps.iter().flat_map(|s| s.layers.iter()).collect();
+            for l in row.chain.iter().filter(|l| !used.contains(*l) && !in_snapshots.contains(l)) {
+                rt.remove_layer_dir(l);
+                let _ = rt.snapshots.records().forget_layer(l);
+            }
+            tracing::info!(volume = %row.id, "volume deleted");
+            Ok(())
+        })
+        .await
+        .map_err(RuntimeError::Worker)?
+    }
+
+    fn refuse_mounted(&self, row: &VolumeRow, what: &str) -> Result<()> {
+        let holders = self.volume_holders(&row.id);
+        let pending = self.volumes.pending.lock().get(&row.id).copied().unwrap_or(0);
+        if let Some((sb, m)) = holders.first() {
+            return Err(RuntimeError::Conflict(format!(
+                "volume {} is mounted in sandbox {} at {}: kill that sandbox first, then {what}",
+                row.id, sb.id, m.path
+            )));
+        }
+        if pending > 0 {
+            return Err(RuntimeError::Conflict(format!(
+                "volume {} is being mounted in a sandbox that is starting: kill it first, then {what}",
+                row.id
+            )));
+        }
+        Ok(())
+    }
+
+    /// Freeze volume `id`'s writable layer into its chain (see the module docs); returns the
+    /// row after it. Holds the volume's operation lock and its file gate; mounts of the sandbox
+    /// that holds it are held still.
+    async fn freeze_volume(self: &Arc<Self>, id: &str) -> Result<VolumeRow> {
+        let row = self.volume_row(id)?;
+        let holder = self.volume_holders(&row.id).into_iter().next();
+        let held = holder.as_ref().map(|(sb, _)| sb.clone());
+        let _mounts = match &held {
+            Some(sb) => Some(sb.mounts.lock().await),
+            None => None,
+        };
+        let gate = self.volumes.gate(&row.id);
+        let _gate = gate.write().await;
+        let rt = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let row = rt.volume_row(&row.id)?;
+            rt.freeze_blocking(row, holder)
+        })
+        .await
+        .map_err(RuntimeError::Worker)?
+    }
+
+    fn freeze_blocking(&self, row: VolumeRow, holder: Option<(Arc<Sandbox>, VolumeMount)>) -> Result<VolumeRow> {
+        let t0 = std::time::Instant::now();
+        let old_upper = self.layer_path(&row.upper);
+        if dir_is_empty(&old_upper) {
+            return Ok(row);
+        }
+        let n = row.n + 1;
+        let lid = self.volume_upper(&row.id, n)?;
+        let mut next = row.clone();
+        next.chain.push(row.upper.clone());
+        next.upper = lid.clone();
+        next.n = n;
+        let res = (|| -> Result<()> {
+            match holder.filter(|(sb, _)| !sb.is_dead()) {
+                Some((sb, m)) => {
+                    let root = self.ensure_volume_mounted(&row)?;
+                    let dev = std::fs::metadata(&root).map_err(RuntimeError::io("stat a volume"))?.dev();
+                    let fd = self.volume_instance(&next)?;
+                    let host = bb_sys::ns::open_tree(
+                        fd.as_fd(),
+                        Path::new(""),
+                        bb_sys::ns::OPEN_TREE_CLONE | bb_sys::ns::OPEN_TREE_CLOEXEC,
+                    )?;
+                    if m.read_only {
+                        bb_sys::mount_api::mount_setattr(fd.as_fd(), bb_sys::mount_api::MOUNT_ATTR_RDONLY)?;
+                    }
+                    let new_upper = self.layer_path(&lid);
+                    let stragglers = self.replace_volume_in(&sb, &m.path, fd, dev, &old_upper, &new_upper)?;
+                    drop(stragglers);
+                    let _m = self.volumes.mounting.lock();
+                    let _ = bb_layers::unmount(&root);
+                    bb_sys::mount_api::move_mount_to(host.as_fd(), &root)?;
+                    Ok(())
+                }
+                None => {
+                    self.unmount_volume_view(&row.id);
+                    Ok(())
+                }
+            }
+        })();
+        if let Err(e) = res {
+            self.remove_layer_dir(&lid);
+            return Err(e);
+        }
+        self.volumes.records().update(&next)?;
+        let _ = std::fs::remove_dir_all(self.volume_dir(&row.id).join(format!("work-{}", row.n)));
+        let size = du(&old_upper);
+        let _ = self.snapshots.records().set_layer_size(&row.upper, size);
+        tracing::debug!(volume = %row.id, layers = next.chain.len(), took = ?t0.elapsed(), "volume frozen");
+        Ok(next)
+    }
+
+    /// Replace the volume mounted at `path` in `sb` by `mnt` (a new instance over the old one's
+    /// layers): frozen, files open for writing in the old instance (device `dev`) are pinned into
+    /// `new_upper`, processes with a working directory in it are moved after the thaw.
+    fn replace_volume_in(
+        &self,
+        sb: &Sandbox,
+        path: &str,
+        mnt: OwnedFd,
+        dev: u64,
+        old_upper: &Path,
+        new_upper: &Path,
+    ) -> Result<Stragglers> {
+        let templates = self.session_templates.pids_of(&sb.id);
+        sb.cgroup.freeze()?;
+        let mut stale = Vec::new();
+        let res = (|| -> Result<()> {
+            let (proc, nspids) = crate::sandbox::procs::own_pids(sb, &templates)
+                .unwrap_or_else(|_| (crate::sandbox::procs::sandbox_proc(sb), Vec::new()));
+            // Paths in the sandbox, made relative to the volume's root (its layers' root).
+            let at = Path::new(path.trim_start_matches('/'));
+            let files: Vec<rootswap::WrittenFile> = rootswap::written_files(&proc, &nspids, dev)
+                .into_iter()
+                .filter_map(|f| {
+                    Some(rootswap::WrittenFile { path: f.path.strip_prefix(at).ok()?.to_path_buf(), ino: f.ino })
+                })
+                .filter(|f| !f.path.as_os_str().is_empty())
+                .collect();
+            request_rebase(sb, rootswap::stale_cwds(&proc, &nspids, dev), &mut stale)?;
+            if let Err(e) = rootswap::pin_open_files(&files, old_upper, new_upper) {
+                rootswap::unpin(&files, old_upper, new_upper);
+                return Err(e);
+            }
+            if let Err(e) = rootswap::mount_in_sandbox(sb.init_pid, mnt, Path::new(path), true) {
+                rootswap::unpin(&files, old_upper, new_upper);
+                return Err(e);
+            }
+            Ok(())
+        })();
+        let thawed = sb.cgroup.thaw();
+        let stragglers = Stragglers(rebase_cwds(stale, Some(std::time::Instant::now() + REBASE_PATIENCE)));
+        res?;
+        thawed?;
+        Ok(stragglers)
+    }
+
+    pub async fn snapshot_volume(
+        self: &Arc<Self>,
+        vid: &str,
+        req: VolumeSnapshotRequest,
+    ) -> Result<VolumeSnapshotInfo> {
+        let id = self.volume_row(vid)?.id;
+        let op = self.volumes.op(&id);
+        let _op = op.lock().await;
+        let row = self.freeze_volume(&id).await?;
+        let snap = VolumeSnapRow {
+            id: new_id("vs"),
+            volume: id,
+            created_at: now(),
+            label: req.label,
+            chain: row.chain,
+            checkpoint: None,
+        };
+        self.volumes.records().insert_snapshot(&snap)?;
+        Ok(snap_info(&snap))
+    }
+
+    pub fn volume_snapshots(&self, vid: &str) -> Result<VolumeSnapshotList> {
+        let id = self.volume_row(vid)?.id;
+        Ok(VolumeSnapshotList {
+            snapshots: self.volumes.records().snapshots(Some(&id))?.iter().map(snap_info).collect(),
+        })
+    }
+
+    fn volume_snapshot_of(&self, volume: &str, vsid: &str) -> Result<VolumeSnapRow> {
+        match self.volumes.records().snapshot(vsid)? {
+            Some(s) if s.volume == volume => Ok(s),
+            _ => Err(RuntimeError::NotFound {
+                kind: "volume snapshot",
+                id: vsid.into(),
+                hint: ": list the volume's snapshots with `branchbox volume snapshots VOLUME`",
+            }),
+        }
+    }
+
+    pub fn delete_volume_snapshot(&self, vid: &str, vsid: &str) -> Result<()> {
+        let id = self.volume_row(vid)?.id;
+        self.volume_snapshot_of(&id, vsid)?;
+        self.volumes.records().delete_snapshot(vsid)?;
+        Ok(())
+    }
+
+    /// Put volume `vid` back to snapshot `req.snapshot`: what was written since is discarded.
+    /// Refused while a sandbox mounts it (roll the sandbox back instead).
+    pub async fn restore_volume(self: &Arc<Self>, vid: &str, req: RestoreVolume) -> Result<VolumeInfo> {
+        let id = self.volume_row(vid)?.id;
+        let op = self.volumes.op(&id);
+        let _op = op.lock().await;
+        let row = self.volume_row(&id)?;
+        let snap = self.volume_snapshot_of(&id, &req.snapshot)?;
+        self.refuse_mounted(&row, "restore it (or roll that sandbox back to a checkpoint)")?;
+        let gate = self.volumes.gate(&id);
+        let _gate = gate.write().await;
+        let rt = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let n = row.n + 1;
+            let upper = rt.volume_upper(&row.id, n)?;
+            rt.unmount_volume_view(&row.id);
+            let next = VolumeRow { chain: snap.chain.clone(), upper, n, ..row.clone() };
+            if let Err(e) = rt.volumes.records().update(&next) {
+                rt.remove_layer_dir(&next.upper);
+                return Err(e.into());
+            }
+            rt.remove_layer_dir(&row.upper);
+            let _ = std::fs::remove_dir_all(rt.volume_dir(&row.id).join(format!("work-{}", row.n)));
+            tracing::info!(volume = %row.id, snapshot = %snap.id, "volume restored");
+            rt.volume_info_of(&next)
+        })
+        .await
+        .map_err(RuntimeError::Worker)?
+    }
+
+    /// A new volume sharing `vid`'s layers (its current state, frozen first, or a snapshot's):
+    /// no data is copied.
+    pub async fn fork_volume(self: &Arc<Self>, vid: &str, req: ForkVolume) -> Result<VolumeInfo> {
+        if let Some(n) = &req.name {
+            if !valid_name(n) {
+                return Err(RuntimeError::BadRequest(format!(
+                    "volume name {n:?}: use 1-63 letters, digits, '-', '_' or '.', starting with a letter or digit, not 'vol-'"
+                )));
+            }
+            if self.volumes.records().get(n)?.is_some() {
+                return Err(RuntimeError::Conflict(format!("a volume named {n:?} exists: choose another name")));
+            }
+        }
+        let source = self.volume_row(vid)?;
+        let chain = match &req.snapshot {
+            Some(s) => self.volume_snapshot_of(&source.id, s)?.chain,
+            None => {
+                let op = self.volumes.op(&source.id);
+                let _op = op.lock().await;
+                self.freeze_volume(&source.id).await?.chain
+            }
+        };
+        self.new_volume_on(&source, chain, req.name).await
+    }
+
+    /// A new volume on `chain` with `source`'s settings and an empty writable layer.
+    async fn new_volume_on(
+        self: &Arc<Self>,
+        source: &VolumeRow,
+        chain: Vec<String>,
+        name: Option<String>,
+    ) -> Result<VolumeInfo> {
+        let rt = self.clone();
+        let source = source.clone();
+        tokio::task::spawn_blocking(move || {
+            let id = new_id("vol");
+            let upper = rt.volume_upper(&id, 0)?;
+            let row = VolumeRow {
+                id: id.clone(),
+                name,
+                access: source.access,
+                quota_mb: source.quota_mb,
+                created_at: now(),
+                chain,
+                upper,
+                n: 0,
+                source: Some(source.id.clone()),
+                synced: None,
+            };
+            if let Err(e) = rt.volumes.records().insert(&row) {
+                rt.remove_layer_dir(&row.upper);
+                let _ = std::fs::remove_dir_all(rt.volume_dir(&id));
+                return Err(e.into());
+            }
+            tracing::info!(volume = %id, source = %source.id, layers = row.chain.len(), "volume forked");
+            rt.volume_info_of(&row)
+        })
+        .await
+        .map_err(RuntimeError::Worker)?
+    }
+
+    /// Make volume `vid` durable: freeze, push its layers to the object store, commit its head.
+    pub async fn sync_volume(self: &Arc<Self>, vid: &str) -> Result<VolumeInfo> {
+        let id = self.volume_row(vid)?.id;
+        let op = self.volumes.op(&id);
+        let _op = op.lock().await;
+        let row = self.freeze_volume(&id).await?;
+        if row.synced.as_ref().is_some_and(|s| s.chain == row.chain) {
+            return self.volume_info_of(&row);
+        }
+        let expected = row.synced.as_ref().map(|s| s.version);
+        let version = self.commit_volume(&row, expected).await?;
+        let next = VolumeRow { synced: Some(store::Synced { version, chain: row.chain.clone() }), ..row };
+        self.volumes.records().update(&next)?;
+        self.volume_info_of(&next)
+    }
+
+    /// The file API of volume `vid`: its host-side view, gated. `write`: the caller changes
+    /// files (refused on a `rox` volume while sandboxes mount it).
+    pub async fn volume_fs(self: &Arc<Self>, vid: &str, write: bool) -> Result<SandboxFs> {
+        let row = self.volume_row(vid)?;
+        if write && row.access == Access::Rox {
+            if let Some((sb, _)) = self.volume_holders(&row.id).first() {
+                return Err(RuntimeError::Conflict(format!(
+                    "volume {} is rox and mounted read-only in sandbox {}: change it while no sandbox mounts it",
+                    row.id, sb.id
+                )));
+            }
+        }
+        let gate = self.volumes.gate(&row.id).read_owned().await;
+        // The row may have changed while the gate was held by a freeze.
+        let row = self.volume_row(&row.id)?;
+        let rt = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let root = rt.ensure_volume_mounted(&row)?;
+            SandboxFs::open_gated(&root, rt.cfg.idmap.host_base, gate)
+        })
+        .await
+        .map_err(RuntimeError::Worker)?
+    }
+
+    /// Check the volumes a sandbox asks for and claim them until it is created.
+    pub(crate) fn claim_volumes(self: &Arc<Self>, mounts: &[VolumeMount]) -> Result<Claims> {
+        if mounts.len() > MAX_MOUNTS {
+            return Err(RuntimeError::BadRequest(format!("a sandbox mounts at most {MAX_MOUNTS} volumes")));
+        }
+        let mut claims = Claims { rt: self.clone(), mounts: Vec::new() };
+        let mut paths: Vec<String> = Vec::new();
+        for m in mounts {
+            let path = mount_path(m)?;
+            if let Some(p) = paths.iter().find(|p| nested(p, &path)) {
+                return Err(RuntimeError::BadRequest(format!(
+                    "volume mounts {p} and {path} overlap: give each volume its own, separate path"
+                )));
+            }
+            paths.push(path.clone());
+            let row = self.volume_row(&m.volume)?;
+            if claims.mounts.iter().any(|(r, _)| r.id == row.id) {
+                return Err(RuntimeError::BadRequest(format!("volume {} is listed twice: mount it once", row.id)));
+            }
+            if row.access == Access::Rox && !m.read_only {
+                return Err(RuntimeError::BadRequest(format!(
+                    "volume {} is rox (read-only for many): mount it with read_only",
+                    row.id
+                )));
+            }
+            let mut pending = self.volumes.pending.lock();
+            if row.access == Access::Rwo {
+                let holder = self.volume_holders(&row.id).into_iter().next().map(|(sb, _)| sb.id.clone());
+                if holder.is_some() || pending.contains_key(&row.id) {
+                    return Err(RuntimeError::Conflict(format!(
+                        "volume {} is rwo and already mounted in sandbox {}: kill that sandbox, or fork the volume (`branchbox volume fork`)",
+                        row.id,
+                        holder.unwrap_or_else(|| "being created".into())
+                    )));
+                }
+            }
+            *pending.entry(row.id.clone()).or_default() += 1;
+            drop(pending);
+            claims.mounts.push((row, VolumeMount { path, ..m.clone() }));
+        }
+        Ok(claims)
+    }
+
+    /// Mount claimed volumes in the new sandbox `sb` (blocking).
+    pub(crate) fn attach_volumes(&self, sb: &Sandbox, claims: Claims) -> Result<()> {
+        for (row, m) in &claims.mounts {
+            let row = self.volume_row(&row.id)?;
+            let root = self.ensure_volume_mounted(&row)?;
+            let path = SbPath::parse(&m.path)?;
+            SandboxFs::open(&sb.rootfs(), self.cfg.idmap.host_base)?.mkdir(&path, true)?;
+            let dir = std::fs::File::open(&root).map_err(RuntimeError::io("open a volume's view"))?;
+            let fd = bb_sys::ns::open_tree(
+                dir.as_fd(),
+                Path::new(""),
+                bb_sys::ns::OPEN_TREE_CLONE | bb_sys::ns::OPEN_TREE_CLOEXEC,
+            )?;
+            if m.read_only {
+                bb_sys::mount_api::mount_setattr(fd.as_fd(), bb_sys::mount_api::MOUNT_ATTR_RDONLY)?;
+            }
+            rootswap::mount_in_sandbox(sb.init_pid, fd, Path::new(&m.path), false)?;
+            self.volumes.records().insert_mount(&MountRow {
+                sandbox: sb.id.clone(),
+                volume: row.id.clone(),
+                path: m.path.clone(),
+                read_only: m.read_only,
+                branch: m.branch,
+            })?;
+            sb.volumes.lock().push(VolumeMount { volume: row.id.clone(), ..m.clone() });
+            tracing::debug!(sandbox = %sb.id, volume = %row.id, path = %m.path, "volume mounted");
+        }
+        Ok(())
+    }
+
+    /// A sandbox is gone: its volumes are free.
+    pub(crate) fn release_volumes(&self, sb: &Sandbox) -> Result<()> {
+        sb.volumes.lock().clear();
+        self.volumes.records().delete_mounts(&sb.id)?;
+        Ok(())
+    }
+
+    /// At start: sandboxes that survived keep their volumes; mounts of those that did not go.
+    pub(crate) fn recover_volumes(&self) -> Result<()> {
+        let rows = self.volumes.records().mounts()?;
+        let mut gone = HashSet::new();
+        for m in rows {
+            match self.sandboxes.get(&m.sandbox) {
+                Some(sb) => sb.volumes.lock().push(VolumeMount {
+                    volume: m.volume.clone(),
+                    path: m.path,
+                    read_only: m.read_only,
+                    branch: m.branch,
+                }),
+                None => {
+                    gone.insert(m.sandbox);
+                }
+            }
+        }
+        for id in gone {
+            self.volumes.records().delete_mounts(&id)?;
+        }
+        Ok(())
+    }
+}
+
+fn snap_info(s: &VolumeSnapRow) -> VolumeSnapshotInfo {
+    VolumeSnapshotInfo {
+        id: s.id.clone(),
+        volume: s.volume.clone(),
+        created_at: s.created_at,
+        label: s.label.clone(),
+        layers: s.chain.len(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_mount_paths_are_checked() {
+        assert!(valid_name("ws") && valid_name("a.b-c_d") && valid_name(&"x".repeat(63)));
+        assert!(!valid_name("") && !valid_name("-x") && !valid_name("a/b") && !valid_name(&"x".repeat(64)));
+        assert!(!valid_name("vol-1234"), "ids and names never look alike");
+        let m = |p: &str| VolumeMount { volume: "v".into(), path: p.into(), read_only: false, branch: true };
+        assert_eq!(mount_path(&m("/workspace/")).unwrap(), "/workspace");
+        assert_eq!(mount_path(&m("/a/../b")).unwrap(), "/b");
+        for bad in ["workspace", "/", "/proc/x", "/dev", "/sys/fs", "/..", "/a/../.."] {
+            assert!(mount_path(&m(bad)).is_err(), "{bad}");
+        }
+        assert!(nested("/a", "/a/b") && nested("/a/b", "/a") && nested("/a", "/a"));
+        assert!(!nested("/a", "/ab"));
+    }
+}
