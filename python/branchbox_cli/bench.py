@@ -338,3 +338,25 @@ def bench_volume(
         result = volume.run_volume_bench(cfg, progress=lambda m: status.update("bench volume: " + m))
     summary = result.summary()
     _report("branchbox bench volume (ms)", result.rows(), volume_report_lines(summary), summary, as_json)
+
+
+@bench_app.command("volume-designs")
+@cli_errors
+def bench_volume_designs(
+    as_json: bool = typer.Option(False, "--json", help="Only print the JSON summary line."),
+    rounds: int = typer.Option(5, "--rounds", min=1, help="Rounds of the file benchmark (the targets' order alternates)."),
+    work_dir: str = typer.Option("/var/tmp", "--work-dir", help="Where the targets' directories are made (the state disk)."),
+) -> None:
+    """Volume designs on the host: a plain dir, overlayfs (a), a FUSE probe (b), and (b) with FUSE passthrough.
+
+    Runs as root; needs branchbox-fuse-probe ($BRANCHBOX_FUSE_PROBE, else target/release of the
+    repository, else next to branchboxd or on PATH; build it with `cargo build --release -p
+    bb-fuse-probe`). The last line of stdout is always the JSON summary.
+    """
+    from branchbox_bench import volume_designs as vd
+
+    cfg = vd.DesignsConfig(rounds=rounds, work_dir=work_dir)
+    with err.status("benchmarking") as status:
+        result = vd.run_designs_bench(cfg, progress=lambda m: status.update("bench volume-designs: " + m))
+    summary = result.summary()
+    _report("branchbox bench volume-designs (ops/s per round)", result.rows(), vd.report_lines(summary), summary, as_json)

@@ -480,6 +480,11 @@ async fn write_in(rt: AppState, of: FsOf, q: WriteQuery, body: Body) -> ApiResul
         ),
     };
     let limit = rt.cfg.max_file_bytes;
+    // A volume with a quota takes what still fits.
+    let room = match &of {
+        FsOf::Volume(vid) => rt.volume_room(vid).await?,
+        FsOf::Sandbox(_) => None,
+    };
     let fs = std::sync::Arc::new(of.open(&rt, true).await?);
     let fs2 = fs.clone();
     let mut upload = blocking(move || fs2.begin_write(&path, mode)).await?;
@@ -489,6 +494,13 @@ async fn write_in(rt: AppState, of: FsOf, q: WriteQuery, body: Body) -> ApiResul
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(|e| ApiError::bad_request(format!("upload interrupted: {e}")))?;
         written += chunk.len() as u64;
+        if let Some(room) = room.filter(|r| written > *r) {
+            return Err(ApiError::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "quota_exceeded",
+                format!("the volume has room for {room} more bytes under its quota (quota_mb): delete files or fork it with a larger quota; the previous content is unchanged"),
+            ));
+        }
         if written > limit {
             return Err(ApiError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -809,8 +821,7 @@ pub async fn list_volumes(State(rt): State<AppState>) -> ApiResult<Json<VolumeLi
 #[utoipa::path(get, path = "/v1/volumes/{vid}", params(("vid" = String, Path, description = "volume id or name")),
     responses((status = 200, body = VolumeInfo), (status = 404, body = ErrorResponse)))]
 pub async fn get_volume(State(rt): State<AppState>, P(vid): P<String>) -> ApiResult<Json<VolumeInfo>> {
-    let rt2 = rt.clone();
-    Ok(Json(blocking(move || rt2.volume_info(&vid)).await?))
+    Ok(Json(rt.volume_info(&vid).await?))
 }
 
 #[utoipa::path(delete, path = "/v1/volumes/{vid}", params(("vid" = String, Path, description = "volume id or name")),

@@ -832,7 +832,9 @@ pub struct CreateVolume {
     pub name: Option<String>,
     #[serde(default)]
     pub access: Access,
-    /// Most bytes (MiB) the volume may hold beyond what it was created or forked with.
+    /// Most MiB the volume may hold on a node (its layers and its writable layer): file API
+    /// writes beyond it are refused (507 `quota_exceeded`). Not yet enforced on writes from
+    /// inside a sandbox.
     pub quota_mb: Option<u64>,
 }
 

@@ -80,6 +80,9 @@ const GC_HEAD: &str = "store/collections";
 /// How long a daemon resuming a pushed paused sandbox holds it (a second daemon's resume is
 /// refused meanwhile; after a crash, another daemon may take it once this passed).
 const RESUME_LEASE: Duration = Duration::from_secs(120);
+/// How long a node holds an `rwo` volume it writes without renewing (renewed every
+/// [`crate::volumes::LEASE_RENEW`] while mounted): another node takes it over after this.
+pub(crate) const VOLUME_LEASE: Duration = Duration::from_secs(30);
 
 /// The body of a pushed paused sandbox's record.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -476,6 +479,100 @@ impl Runtime {
         Ok(version)
     }
 
+    /// Volume `id_or_name`'s committed head in the metadata store: (id, version, state).
+    pub(crate) async fn volume_head(&self, id_or_name: &str) -> Result<Option<(String, i64, VolumeHead)>> {
+        let o = self.remote.open().await?;
+        let heads = if id_or_name.starts_with("vol-") {
+            let name = format!("{VOLUME_HEAD_PREFIX}{id_or_name}");
+            meta(&o.meta, move |m| m.head(&name)).await?.into_iter().collect()
+        } else {
+            meta(&o.meta, |m| m.list_heads(VOLUME_HEAD_PREFIX)).await?
+        };
+        for h in heads {
+            let head: VolumeHead = serde_json::from_str(&h.value)
+                .map_err(|e| RemoteError::BadHead { name: h.name.clone(), why: e.to_string() })?;
+            let id = h.name[VOLUME_HEAD_PREFIX.len()..].to_string();
+            if id == id_or_name || head.name.as_deref() == Some(id_or_name) {
+                return Ok(Some((id, h.version, head)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Bring the layers of a committed volume head that this node lacks (authenticated as read).
+    pub(crate) async fn pull_volume_layers(&self, id: &str, head: &VolumeHead) -> Result<usize> {
+        let o = self.remote.open().await?;
+        let mut pulled = 0;
+        for l in &head.layers {
+            if !l.layer.starts_with("sl-") || l.layer.contains('/') || l.layer.contains("..") {
+                return Err(RemoteError::BadHead {
+                    name: format!("{VOLUME_HEAD_PREFIX}{id}"),
+                    why: format!("layer id {:?}", l.layer),
+                }
+                .into());
+            }
+            if self.layer_path(&l.layer).exists() {
+                continue;
+            }
+            self.pull_layer(&o, &l.layer, &l.tree).await?;
+            let size = crate::layers::du(&self.layer_path(&l.layer));
+            self.snapshots.records().set_layer_size(&l.layer, size)?;
+            pulled += 1;
+        }
+        Ok(pulled)
+    }
+
+    /// Take or renew the writer lease of volume `id` (one node writes an `rwo` volume that has a
+    /// committed head); a conflict names the node holding it and until when.
+    pub(crate) async fn hold_volume(&self, id: &str) -> Result<()> {
+        let o = self.remote.open().await?;
+        let (name, holder) = (format!("{VOLUME_HEAD_PREFIX}{id}"), self.volume_holder());
+        let (n, h) = (name.clone(), holder.clone());
+        if meta(&o.meta, move |m| m.acquire_lease(&n, &h, VOLUME_LEASE)).await? {
+            return Ok(());
+        }
+        let who = meta(&o.meta, move |m| m.lease_holder(&name)).await?;
+        // Holders are `{node}@{state dir hash}:volumes`: the node is what a user knows.
+        let (node, left) = who.map_or(("another node".to_string(), 0.0), |(h, left)| {
+            (format!("node {:?}", h.split('@').next().unwrap_or(&h)), left)
+        });
+        Err(RuntimeError::Conflict(format!(
+            "volume {id} is written on {node} (its lease runs {left:.0} s more, renewed while a sandbox there mounts \
+             it): kill that sandbox, or wait until that node is gone, or fork the volume"
+        )))
+    }
+
+    /// Delete volume `id`'s committed head if it is still at `expected` (its trees are then
+    /// collected by the next `store gc`).
+    pub(crate) async fn delete_volume_head(&self, id: &str, expected: i64) -> Result<()> {
+        let o = self.remote.open().await?;
+        let name = format!("{VOLUME_HEAD_PREFIX}{id}");
+        match meta(&o.meta, move |m| m.delete_head(&name, expected)).await {
+            Err(RuntimeError::Remote(RemoteError::Meta(bb_meta::MetaError::HeadMoved { found: None, .. }))) => Ok(()),
+            Err(RuntimeError::Remote(RemoteError::Meta(bb_meta::MetaError::HeadMoved { found: Some(v), .. }))) => {
+                Err(RuntimeError::Conflict(format!(
+                    "volume {id} was committed elsewhere (version {v}) since this node synced it (version {expected}): \
+                     open it again to see that state before deleting it"
+                )))
+            }
+            r => r,
+        }
+    }
+
+    /// Let go of volume `id`'s writer lease (best effort: it expires by itself).
+    pub(crate) async fn release_volume(&self, id: &str) {
+        let Ok(o) = self.remote.open().await else { return };
+        let (name, holder) = (format!("{VOLUME_HEAD_PREFIX}{id}"), self.volume_holder());
+        if let Err(e) = meta(&o.meta, move |m| m.release_lease(&name, &holder)).await {
+            tracing::warn!(volume = %id, "releasing the volume's lease (it expires by itself): {e}");
+        }
+    }
+
+    /// This daemon's name as a volume lease holder (a restarted daemon is the same holder).
+    fn volume_holder(&self) -> String {
+        format!("{}volumes", self.remote.holder_prefix)
+    }
+
     /// The tree named `name` in the metadata store, or `dir` written as one and named so.
     /// Returns it and whether it was written now.
     async fn push_tree(&self, o: &Opened, name: &str, dir: &Path) -> Result<(TreeRef, bool)> {
@@ -495,6 +592,33 @@ impl Runtime {
         let (n, v) = (name.to_string(), serde_json::to_string(&tree).expect("a tree ref serializes"));
         meta(&o.meta, move |m| m.put_object(&n, &v)).await?;
         Ok((tree, true))
+    }
+
+    /// Write layer `l` from `tree` into this node's layers (a temp dir renamed into place: a
+    /// crash leaves no half layer under its name). The tree is authenticated as it is read.
+    async fn pull_layer(&self, o: &Opened, l: &str, tree: &TreeRef) -> Result<()> {
+        let target = self.layer_path(l);
+        let staging = self.cfg.state_dir.join("tmp");
+        std::fs::create_dir_all(&staging).map_err(RuntimeError::io("make the pull staging dir"))?;
+        let tmp = staging.join(format!("pull-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir(&tmp).map_err(RuntimeError::io("make a pull dir"))?;
+        let t = Instant::now();
+        let got = o.store.get_tree(tree, &tmp).await;
+        tracing::debug!(layer = %l, files = tree.files, bytes = tree.bytes, took = ?t.elapsed(), "layer pulled");
+        if let Err(e) = got {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(RemoteError::from(e).into());
+        }
+        if let Some(parent) = target.parent() {
+            std::fs::create_dir_all(parent).map_err(RuntimeError::io("make the layers dir"))?;
+        }
+        if let Err(e) = std::fs::rename(&tmp, &target) {
+            let _ = std::fs::remove_dir_all(&tmp);
+            if !target.exists() {
+                return Err(RuntimeError::io("keep a pulled layer")(e));
+            }
+        }
+        Ok(())
     }
 
     /// Bring pushed snapshot `sid` into this daemon (see the module docs).
@@ -528,32 +652,14 @@ impl Runtime {
             if !valid || l.contains('/') {
                 return Err(RemoteError::BadRecord { id: sid.into(), why: format!("layer id {l:?}") }.into());
             }
-            let target = self.layer_path(l);
-            if target.exists() {
+            if self.layer_path(l).exists() {
                 continue;
             }
             let tree = body
                 .layers
                 .get(l)
                 .ok_or_else(|| RemoteError::BadRecord { id: sid.into(), why: format!("no tree for layer {l}") })?;
-            let tmp = staging.join(format!("pull-{}", uuid::Uuid::new_v4().simple()));
-            std::fs::create_dir(&tmp).map_err(RuntimeError::io("make a pull dir"))?;
-            let t = Instant::now();
-            let got = o.store.get_tree(tree, &tmp).await;
-            tracing::debug!(snapshot = %sid, layer = %l, files = tree.files, bytes = tree.bytes, took = ?t.elapsed(), "layer pulled");
-            if let Err(e) = got {
-                let _ = std::fs::remove_dir_all(&tmp);
-                return Err(RemoteError::from(e).into());
-            }
-            if let Some(parent) = target.parent() {
-                std::fs::create_dir_all(parent).map_err(RuntimeError::io("make the layers dir"))?;
-            }
-            if let Err(e) = std::fs::rename(&tmp, &target) {
-                let _ = std::fs::remove_dir_all(&tmp);
-                if !target.exists() {
-                    return Err(RuntimeError::io("keep a pulled layer")(e));
-                }
-            }
+            self.pull_layer(&o, l, tree).await?;
             if let Some(size) = body.layer_sizes.get(l) {
                 self.snapshots.records().set_layer_size(l, *size)?;
             }

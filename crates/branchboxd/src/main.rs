@@ -101,6 +101,10 @@ struct Args {
     /// (uploads in flight on other daemons are younger).
     #[arg(long, default_value_t = 3600)]
     store_gc_grace: u64,
+    /// Seconds between background uploads of synced volumes that changed (0: only on
+    /// `volume sync`). A volume is uploaded in the background once it was synced once.
+    #[arg(long, default_value_t = 60)]
+    volume_sync_interval: u64,
     /// Print the OpenAPI document and exit.
     #[arg(long)]
     print_openapi: bool,
@@ -193,6 +197,22 @@ async fn run(args: Args, store_credentials: Option<(String, String)>) -> anyhow:
         loop {
             tick.tick().await;
             reaper_rt.reap_expired().await;
+        }
+    });
+
+    // Volume leases renewed; synced volumes uploaded in the background.
+    let volume_rt = rt.clone();
+    let upload_every = Duration::from_secs(args.volume_sync_interval);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(bb_runtime::volumes::LEASE_RENEW);
+        let mut last_upload = std::time::Instant::now();
+        loop {
+            tick.tick().await;
+            let upload = !upload_every.is_zero() && last_upload.elapsed() >= upload_every;
+            if upload {
+                last_upload = std::time::Instant::now();
+            }
+            volume_rt.volume_tick(upload).await;
         }
     });
 

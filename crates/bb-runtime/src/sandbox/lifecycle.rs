@@ -149,7 +149,14 @@ impl Runtime {
             }
             return Ok(info);
         }
+        let mut mounts = mounts;
+        for m in &mut mounts {
+            m.volume = self.open_volume(&m.volume).await?;
+        }
         let claims = self.claim_volumes(&mounts)?;
+        for m in mounts.iter().filter(|m| !m.read_only) {
+            self.hold_for_mount(&m.volume).await?;
+        }
         let info = self.create_unmounted(req).await?;
         let sb = self.get(&info.id)?;
         let rt = self.clone();

@@ -49,8 +49,8 @@ would serve ping/run like any session, but code run in it changes what later res
 get).
 
 * role "template", parent: before forking it records its cwd and every open fd except
-  0-3 (and the new channel) that is a regular file of the root filesystem (same st_dev
-  as "/", path not deleted): path, open flags (/proc/self/fdinfo), offset,
+  0-3 (and the new channel) that is a regular file of the root filesystem or of a volume
+  (same st_dev as "/" or as an overlay mount, path not deleted): path, open flags (/proc/self/fdinfo), offset,
   close-on-exec.  It answers right after the fork: the daemon may swap the root
   filesystem before the child ran at all.  The parent's cwd, then a directory of the old
   mount, is re-resolved by path - chdir() to the recorded cwd, "/" if that fails -
@@ -789,11 +789,27 @@ def _fd_flags(fd):
     raise OSError("no flags in fdinfo of fd %d" % fd)
 
 
+def _overlay_devs():
+    """st_dev of every overlay mount this process sees: the root and the volumes, whose
+    mounts a checkpoint or rollback replaces (files on them are reopened by path)."""
+    devs = set()
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split(" - ", 1)
+                if len(fields) == 2 and fields[1].startswith("overlay "):
+                    major, minor = fields[0].split()[2].split(":")
+                    devs.add(os.makedev(int(major), int(minor)))
+    except (OSError, ValueError, IndexError):
+        pass
+    return devs
+
+
 def _record_fds(skip):
     """(fd, path, flags, offset|None, cloexec) of every open fd on a regular file of the
-    root filesystem, except the fds in ``skip``."""
+    root filesystem or of a volume, except the fds in ``skip``."""
     try:
-        root_dev = os.stat("/").st_dev
+        devs = _overlay_devs() | {os.stat("/").st_dev}
         names = os.listdir("/proc/self/fd")
     except OSError:
         return []
@@ -807,7 +823,7 @@ def _record_fds(skip):
             continue
         try:  # the fd listdir used is closed by now: fstat fails and it is skipped
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_dev != root_dev:
+            if not stat.S_ISREG(st.st_mode) or st.st_dev not in devs:
                 continue
             path = os.readlink("/proc/self/fd/%d" % fd)
             if not path.startswith("/") or path.endswith(" (deleted)"):

@@ -268,6 +268,9 @@ impl Runtime {
         let base = with_sessions.then(|| row.id.clone());
         self.record_snapshot(sb, &row, Generation { base, ..new_gen })?;
         self.record_checkpoint_volumes(&row.id, &volume_states)?;
+        // Frozen volume layers are the last layer of each chain a swap moved: measured later.
+        let frozen: Vec<String> = volume_states.iter().filter_map(|(_, chain)| chain.last().cloned()).collect();
+        self.measure_layers_later(frozen);
         for p in &row.processes {
             self.process_images.settled(&p.image);
         }

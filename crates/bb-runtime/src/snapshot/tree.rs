@@ -108,6 +108,8 @@ impl Runtime {
             .filter(|k| !used_elsewhere.contains(k.as_str()))
             .collect();
         self.snapshots.records().delete(ids)?;
+        // The volume snapshots those checkpoints took go with them.
+        self.forget_checkpoint_volumes(ids)?;
         for sb in self.sandboxes.all().iter() {
             let mut g = sb.gen.lock();
             if let Some(gen) = g.as_mut().filter(|g| g.base.as_ref().is_some_and(|b| ids.contains(b))) {

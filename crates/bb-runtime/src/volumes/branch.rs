@@ -6,7 +6,7 @@
 use super::new_id;
 use super::store::{self, VolumeRow, VolumeSnapRow};
 use crate::error::{Result, RuntimeError};
-use crate::layers::{dir_is_empty, du};
+use crate::layers::dir_is_empty;
 use crate::model::VolumeMount;
 use crate::sandbox::rootswap;
 use crate::sandbox::Sandbox;
@@ -20,6 +20,20 @@ use std::sync::Arc;
 
 /// A mounted volume's part in a sandbox checkpoint or rollback, built before the frozen window
 /// ([`Runtime::prepare_volume_checkpoint`], [`Runtime::prepare_volume_rollback`]).
+/// Replaced instances of a volume whose old fds a freeze still looks for.
+const MAX_STALE_DEVS: usize = 32;
+
+/// One volume mount being replaced: where, the old instance's device, its writable layer and
+/// the new one, and whether open files are pinned (a checkpoint) or not (a rollback kills the
+/// writers first).
+pub(crate) struct MountSwap<'a> {
+    pub(crate) path: &'a str,
+    pub(crate) dev: u64,
+    pub(crate) old_upper: &'a Path,
+    pub(crate) new_upper: &'a Path,
+    pub(crate) pin: bool,
+}
+
 pub(crate) struct PreparedVolume {
     pub(crate) mount: VolumeMount,
     /// The volume's record after the operation (`chain` is what a checkpoint snapshots).
@@ -198,34 +212,67 @@ impl Runtime {
         if prepared.iter().all(|p| p.swap.is_none()) {
             return Ok(());
         }
-        let (proc, nspids) = crate::sandbox::procs::own_pids(sb, templates)
+        let scan = crate::sandbox::procs::own_pids(sb, templates)
             .unwrap_or_else(|_| (crate::sandbox::procs::sandbox_proc(sb), Vec::new()));
         for p in prepared.iter_mut() {
             let Some(s) = p.swap.as_mut() else { continue };
-            let old_upper = self.layer_path(&p.old_upper);
-            let new_upper = self.layer_path(&p.next.upper);
-            let mut files = Vec::new();
-            if s.pin {
-                let at = Path::new(p.mount.path.trim_start_matches('/'));
-                files = rootswap::written_files(&proc, &nspids, s.dev)
-                    .into_iter()
-                    .filter_map(|f| {
-                        Some(rootswap::WrittenFile { path: f.path.strip_prefix(at).ok()?.to_path_buf(), ino: f.ino })
-                    })
-                    .filter(|f| !f.path.as_os_str().is_empty())
-                    .collect();
-                request_rebase(sb, rootswap::stale_cwds(&proc, &nspids, s.dev), stale)?;
-                if let Err(e) = rootswap::pin_open_files(&files, &old_upper, &new_upper) {
-                    rootswap::unpin(&files, &old_upper, &new_upper);
-                    return Err(e);
+            let (old_upper, new_upper) = (self.layer_path(&p.old_upper), self.layer_path(&p.next.upper));
+            let swap =
+                MountSwap { path: &p.mount.path, dev: s.dev, old_upper: &old_upper, new_upper: &new_upper, pin: s.pin };
+            let mnt = s.sandbox_mnt.take().expect("a prepared volume swaps once");
+            self.swap_volume_mount(sb, &p.next.id, &swap, mnt, &scan, stale)?;
+            s.done = true;
+        }
+        Ok(())
+    }
+
+    /// With `sb` frozen: replace the mount of volume `vid` at `swap.path` by `mnt`. With
+    /// `swap.pin`, files its processes write in the volume's instances (the current one and
+    /// older ones that old fds still reach) are pinned into the new writable layer, and those
+    /// with a working directory in them are asked to stop to be moved (`stale`). `scan`: the
+    /// sandbox's procfs and its pids to look at.
+    pub(crate) fn swap_volume_mount(
+        &self,
+        sb: &Sandbox,
+        vid: &str,
+        swap: &MountSwap<'_>,
+        mnt: OwnedFd,
+        scan: &(std::path::PathBuf, Vec<i32>),
+        stale: &mut crate::snapshot::swap::StaleCwds,
+    ) -> Result<()> {
+        let (proc, nspids) = (&scan.0, &scan.1);
+        let mut files = Vec::new();
+        if swap.pin {
+            // Paths as the sandbox sees them through the current mount, relative to the volume
+            // root; through a replaced (detached) instance they are relative to it already.
+            let at = Path::new(swap.path.trim_start_matches('/'));
+            files.extend(rootswap::written_files(proc, nspids, swap.dev).into_iter().filter_map(|f| {
+                let path = f.path.strip_prefix(at).ok()?.to_path_buf();
+                (!path.as_os_str().is_empty()).then_some(rootswap::WrittenFile { path, ino: f.ino })
+            }));
+            let mut cwds = rootswap::stale_cwds(proc, nspids, swap.dev);
+            for old in self.volumes.stale_devs.lock().get(vid).cloned().unwrap_or_default() {
+                files.extend(rootswap::written_files(proc, nspids, old));
+                for (pid, p) in rootswap::stale_cwds(proc, nspids, old) {
+                    cwds.push((pid, Path::new(swap.path).join(p.strip_prefix("/").unwrap_or(&p))));
                 }
             }
-            let mnt = s.sandbox_mnt.take().expect("a prepared volume swaps once");
-            if let Err(e) = rootswap::mount_in_sandbox(sb.init_pid, mnt, Path::new(&p.mount.path), true) {
-                rootswap::unpin(&files, &old_upper, &new_upper);
+            request_rebase(sb, cwds, stale)?;
+            if let Err(e) = rootswap::pin_open_files(&files, swap.old_upper, swap.new_upper) {
+                rootswap::unpin(&files, swap.old_upper, swap.new_upper);
                 return Err(e);
             }
-            s.done = true;
+        }
+        if let Err(e) = rootswap::mount_in_sandbox(sb.init_pid, mnt, Path::new(swap.path), true) {
+            rootswap::unpin(&files, swap.old_upper, swap.new_upper);
+            return Err(e);
+        }
+        let mut devs = self.volumes.stale_devs.lock();
+        let v = devs.entry(vid.to_string()).or_default();
+        v.retain(|d| *d != swap.dev);
+        v.push(swap.dev);
+        if v.len() > MAX_STALE_DEVS {
+            v.remove(0);
         }
         Ok(())
     }
@@ -262,9 +309,6 @@ impl Runtime {
             let _ = std::fs::remove_dir_all(self.volume_dir(&p.next.id).join(format!("work-{}", p.next.n - 1)));
             if rollback {
                 self.remove_layer_dir(&p.old_upper);
-            } else {
-                let size = du(&self.layer_path(&p.old_upper));
-                let _ = self.snapshots.records().set_layer_size(&p.old_upper, size);
             }
             out.push((p.mount, p.next.chain));
         }
@@ -280,7 +324,11 @@ impl Runtime {
                 created_at: now(),
                 label: Some(format!("checkpoint {sid}")),
                 chain: chain.clone(),
-                checkpoint: Some(store::CheckpointOf { snapshot: sid.to_string(), path: m.path.clone() }),
+                checkpoint: Some(store::CheckpointOf {
+                    snapshot: sid.to_string(),
+                    path: m.path.clone(),
+                    read_only: m.read_only,
+                }),
             })?;
         }
         Ok(())
@@ -301,17 +349,33 @@ impl Runtime {
         }
         for child in children {
             let mut mounts = Vec::new();
-            for vs in &snaps {
-                let c = vs.checkpoint.as_ref().expect("filtered");
-                let source = self.volume_row(&vs.volume)?;
-                let info = self.new_volume_on(&source, vs.chain.clone(), None).await?;
-                mounts.push(VolumeMount { volume: info.id, path: c.path.clone(), read_only: false, branch: true });
+            let res = async {
+                for vs in &snaps {
+                    let c = vs.checkpoint.as_ref().expect("filtered");
+                    let source = self.volume_row(&vs.volume)?;
+                    let info = self.new_volume_on(&source, vs.chain.clone(), None).await?;
+                    mounts.push(VolumeMount {
+                        volume: info.id,
+                        path: c.path.clone(),
+                        read_only: c.read_only,
+                        branch: true,
+                    });
+                }
+                let claims = self.claim_volumes(&mounts)?;
+                let (rt, c) = (self.clone(), child.clone());
+                tokio::task::spawn_blocking(move || rt.attach_volumes(&c, claims))
+                    .await
+                    .map_err(RuntimeError::Worker)?
             }
-            let claims = self.claim_volumes(&mounts)?;
-            let (rt, c) = (self.clone(), child.clone());
-            tokio::task::spawn_blocking(move || rt.attach_volumes(&c, claims))
-                .await
-                .map_err(RuntimeError::Worker)??;
+            .await;
+            if let Err(e) = res {
+                // Forks made for this child that it does not mount go again.
+                let attached: Vec<String> = child.volumes.lock().iter().map(|m| m.volume.clone()).collect();
+                for m in mounts.iter().filter(|m| !attached.contains(&m.volume)) {
+                    let _ = self.delete_volume(&m.volume).await;
+                }
+                return Err(e);
+            }
         }
         Ok(())
     }
@@ -321,5 +385,16 @@ impl Runtime {
     /// Each mount's volume chain as it stands (volumes nothing wrote since their last freeze).
     pub(crate) fn volume_states(&self, mounts: &[VolumeMount]) -> Result<Vec<(VolumeMount, Vec<String>)>> {
         mounts.iter().map(|m| Ok((m.clone(), self.volume_row(&m.volume)?.chain))).collect()
+    }
+
+    /// Delete the volume snapshots that checkpoints `sids` (being deleted) took.
+    pub(crate) fn forget_checkpoint_volumes(&self, sids: &std::collections::BTreeSet<String>) -> Result<()> {
+        let records = self.volumes.records();
+        for vs in records.snapshots(None)? {
+            if vs.checkpoint.as_ref().is_some_and(|c| sids.contains(&c.snapshot)) {
+                records.delete_snapshot(&vs.id)?;
+            }
+        }
+        Ok(())
     }
 }

@@ -23,8 +23,10 @@
 //!   read-only, and written through the file API only while none mounts them.
 
 mod branch;
+mod durable;
 pub mod store;
 
+use branch::MountSwap;
 pub(crate) use branch::PreparedVolume;
 
 use crate::error::{Result, RuntimeError};
@@ -36,7 +38,7 @@ use crate::model::{
 use crate::sandbox::files::{SandboxFs, SbPath};
 use crate::sandbox::rootswap;
 use crate::sandbox::Sandbox;
-use crate::snapshot::swap::{rebase_cwds, request_rebase, Stragglers, REBASE_PATIENCE};
+use crate::snapshot::swap::{rebase_cwds, Stragglers, REBASE_PATIENCE};
 use crate::{now, Runtime};
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
@@ -48,6 +50,9 @@ use store::{MountRow, VolumeRow, VolumeSnapRow, VolumeStore};
 
 /// Most volumes one sandbox mounts.
 pub const MAX_MOUNTS: usize = 16;
+/// How often a node renews the leases of the volumes it writes (they last
+/// [`crate::remote::VOLUME_LEASE`]).
+pub const LEASE_RENEW: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Volume bookkeeping of the runtime: records, and per volume an operation lock and the gate of
 /// its file API (shared by file operations, exclusive while its mount is replaced).
@@ -59,6 +64,9 @@ pub struct Volumes {
     pending: Mutex<HashMap<String, usize>>,
     /// Serialises mounting of the host-side views.
     mounting: Mutex<()>,
+    /// Per volume, devices of its replaced instances that processes may still reach through
+    /// old fds (newest last): their writes are pinned at the next freeze too.
+    stale_devs: Mutex<HashMap<String, Vec<u64>>>,
 }
 
 impl Volumes {
@@ -69,6 +77,7 @@ impl Volumes {
             gates: Default::default(),
             pending: Default::default(),
             mounting: Default::default(),
+            stale_devs: Default::default(),
         })
     }
 
@@ -353,29 +362,50 @@ impl Runtime {
         Ok(VolumeList { volumes: rows.iter().map(|r| self.volume_info_of(r)).collect::<Result<_>>()? })
     }
 
-    pub fn volume_info(&self, vid: &str) -> Result<VolumeInfo> {
-        self.volume_info_of(&self.volume_row(vid)?)
+    /// Volume `vid` (opened from the metadata store if only it knows the volume).
+    pub async fn volume_info(self: &Arc<Self>, vid: &str) -> Result<VolumeInfo> {
+        let id = self.open_volume(vid).await?;
+        let rt = self.clone();
+        tokio::task::spawn_blocking(move || rt.volume_info_of(&rt.volume_row(&id)?))
+            .await
+            .map_err(RuntimeError::Worker)?
     }
 
-    /// Delete a volume and its snapshots (refused while a sandbox mounts it). Its layers go
-    /// with the next layer collection unless a fork or another volume's snapshot stands on them.
+    /// Delete a volume and its snapshots (refused while a sandbox mounts it), here and, once
+    /// synced, its head in the metadata store. Its layers go unless a fork or another volume's
+    /// snapshot stands on them; its objects with the next `store gc`.
     pub async fn delete_volume(self: &Arc<Self>, vid: &str) -> Result<()> {
         let row = self.volume_row(vid)?;
         let op = self.volumes.op(&row.id);
         let _op = op.lock().await;
         self.refuse_mounted(&row, "delete it")?;
+        // A synced volume leaves the metadata store too (by the node that may write it).
+        if let Some(synced) = &row.synced {
+            if row.access == Access::Rwo {
+                self.hold_volume(&row.id).await?;
+            }
+            let deleted = self.delete_volume_head(&row.id, synced.version).await;
+            self.release_volume(&row.id).await;
+            deleted?;
+        }
         let gate = self.volumes.gate(&row.id);
         let _gate = gate.write().await;
         let rt = self.clone();
         tokio::task::spawn_blocking(move || {
             rt.unmount_volume_view(&row.id);
+            let mut own: Vec<String> = row.chain.clone();
+            for vs in rt.volumes.records().snapshots(Some(&row.id))? {
+                own.extend(vs.chain);
+            }
+            own.sort();
+            own.dedup();
             rt.volumes.records().delete(&row.id)?;
             rt.remove_layer_dir(&row.upper);
             let _ = std::fs::remove_dir_all(rt.volume_dir(&row.id));
             let used = rt.volumes.layers_in_use()?;
             let snaps = rt.snapshots.records().all()?;
             let in_snapshots: HashSet<&String> = snaps.iter().flat_map(|s| s.layers.iter()).collect();
-            for l in row.chain.iter().filter(|l| !used.contains(*l) && !in_snapshots.contains(l)) {
+            for l in own.iter().filter(|l| !used.contains(*l) && !in_snapshots.contains(l)) {
                 rt.remove_layer_dir(l);
                 let _ = rt.snapshots.records().forget_layer(l);
             }
@@ -418,12 +448,35 @@ impl Runtime {
         let gate = self.volumes.gate(&row.id);
         let _gate = gate.write().await;
         let rt = self.clone();
-        tokio::task::spawn_blocking(move || {
+        let (before, after) = tokio::task::spawn_blocking(move || {
             let row = rt.volume_row(&row.id)?;
-            rt.freeze_blocking(row, holder)
+            Ok::<_, RuntimeError>((row.upper.clone(), rt.freeze_blocking(row, holder)?))
         })
         .await
-        .map_err(RuntimeError::Worker)?
+        .map_err(RuntimeError::Worker)??;
+        if after.upper != before {
+            self.measure_layers_later(vec![before]);
+        }
+        Ok(after)
+    }
+
+    /// Record the sizes of frozen layers in the background (a walk of every file: not on the
+    /// path of the answer).
+    pub(crate) fn measure_layers_later(self: &Arc<Self>, layers: Vec<String>) {
+        if layers.is_empty() {
+            return;
+        }
+        let rt = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let _nice = bb_sys::process::niced_thread(10);
+            for l in layers {
+                if rt.snapshots.records().layer_size(&l).ok().flatten().is_some() {
+                    continue;
+                }
+                let size = du(&rt.layer_path(&l));
+                let _ = rt.snapshots.records().set_layer_size(&l, size);
+            }
+        });
     }
 
     fn freeze_blocking(&self, row: VolumeRow, holder: Option<(Arc<Sandbox>, VolumeMount)>) -> Result<VolumeRow> {
@@ -453,7 +506,7 @@ impl Runtime {
                         bb_sys::mount_api::mount_setattr(fd.as_fd(), bb_sys::mount_api::MOUNT_ATTR_RDONLY)?;
                     }
                     let new_upper = self.layer_path(&lid);
-                    let stragglers = self.replace_volume_in(&sb, &m.path, fd, dev, &old_upper, &new_upper)?;
+                    let stragglers = self.replace_volume_in(&sb, &row.id, &m.path, fd, dev, &old_upper, &new_upper)?;
                     drop(stragglers);
                     let _m = self.volumes.mounting.lock();
                     let _ = bb_layers::unmount(&root);
@@ -472,8 +525,6 @@ impl Runtime {
         }
         self.volumes.records().update(&next)?;
         let _ = std::fs::remove_dir_all(self.volume_dir(&row.id).join(format!("work-{}", row.n)));
-        let size = du(&old_upper);
-        let _ = self.snapshots.records().set_layer_size(&row.upper, size);
         tracing::debug!(volume = %row.id, layers = next.chain.len(), took = ?t0.elapsed(), "volume frozen");
         Ok(next)
     }
@@ -481,9 +532,11 @@ impl Runtime {
     /// Replace the volume mounted at `path` in `sb` by `mnt` (a new instance over the old one's
     /// layers): frozen, files open for writing in the old instance (device `dev`) are pinned into
     /// `new_upper`, processes with a working directory in it are moved after the thaw.
+    #[allow(clippy::too_many_arguments)]
     fn replace_volume_in(
         &self,
         sb: &Sandbox,
+        vid: &str,
         path: &str,
         mnt: OwnedFd,
         dev: u64,
@@ -493,29 +546,10 @@ impl Runtime {
         let templates = self.session_templates.pids_of(&sb.id);
         sb.cgroup.freeze()?;
         let mut stale = Vec::new();
-        let res = (|| -> Result<()> {
-            let (proc, nspids) = crate::sandbox::procs::own_pids(sb, &templates)
-                .unwrap_or_else(|_| (crate::sandbox::procs::sandbox_proc(sb), Vec::new()));
-            // Paths in the sandbox, made relative to the volume's root (its layers' root).
-            let at = Path::new(path.trim_start_matches('/'));
-            let files: Vec<rootswap::WrittenFile> = rootswap::written_files(&proc, &nspids, dev)
-                .into_iter()
-                .filter_map(|f| {
-                    Some(rootswap::WrittenFile { path: f.path.strip_prefix(at).ok()?.to_path_buf(), ino: f.ino })
-                })
-                .filter(|f| !f.path.as_os_str().is_empty())
-                .collect();
-            request_rebase(sb, rootswap::stale_cwds(&proc, &nspids, dev), &mut stale)?;
-            if let Err(e) = rootswap::pin_open_files(&files, old_upper, new_upper) {
-                rootswap::unpin(&files, old_upper, new_upper);
-                return Err(e);
-            }
-            if let Err(e) = rootswap::mount_in_sandbox(sb.init_pid, mnt, Path::new(path), true) {
-                rootswap::unpin(&files, old_upper, new_upper);
-                return Err(e);
-            }
-            Ok(())
-        })();
+        let scan = crate::sandbox::procs::own_pids(sb, &templates)
+            .unwrap_or_else(|_| (crate::sandbox::procs::sandbox_proc(sb), Vec::new()));
+        let swap = MountSwap { path, dev, old_upper, new_upper, pin: true };
+        let res = self.swap_volume_mount(sb, vid, &swap, mnt, &scan, &mut stale);
         let thawed = sb.cgroup.thaw();
         let stragglers = Stragglers(rebase_cwds(stale, Some(std::time::Instant::now() + REBASE_PATIENCE)));
         res?;
@@ -528,7 +562,7 @@ impl Runtime {
         vid: &str,
         req: VolumeSnapshotRequest,
     ) -> Result<VolumeSnapshotInfo> {
-        let id = self.volume_row(vid)?.id;
+        let id = self.open_volume(vid).await?;
         let op = self.volumes.op(&id);
         let _op = op.lock().await;
         let row = self.freeze_volume(&id).await?;
@@ -572,7 +606,7 @@ impl Runtime {
     /// Put volume `vid` back to snapshot `req.snapshot`: what was written since is discarded.
     /// Refused while a sandbox mounts it (roll the sandbox back instead).
     pub async fn restore_volume(self: &Arc<Self>, vid: &str, req: RestoreVolume) -> Result<VolumeInfo> {
-        let id = self.volume_row(vid)?.id;
+        let id = self.open_volume(vid).await?;
         let op = self.volumes.op(&id);
         let _op = op.lock().await;
         let row = self.volume_row(&id)?;
@@ -612,7 +646,7 @@ impl Runtime {
                 return Err(RuntimeError::Conflict(format!("a volume named {n:?} exists: choose another name")));
             }
         }
-        let source = self.volume_row(vid)?;
+        let source = self.volume_row(&self.open_volume(vid).await?)?;
         let chain = match &req.snapshot {
             Some(s) => self.volume_snapshot_of(&source.id, s)?.chain,
             None => {
@@ -662,7 +696,7 @@ impl Runtime {
 
     /// Make volume `vid` durable: freeze, push its layers to the object store, commit its head.
     pub async fn sync_volume(self: &Arc<Self>, vid: &str) -> Result<VolumeInfo> {
-        let id = self.volume_row(vid)?.id;
+        let id = self.open_volume(vid).await?;
         let op = self.volumes.op(&id);
         let _op = op.lock().await;
         let row = self.freeze_volume(&id).await?;
@@ -670,16 +704,37 @@ impl Runtime {
             return self.volume_info_of(&row);
         }
         let expected = row.synced.as_ref().map(|s| s.version);
-        let version = self.commit_volume(&row, expected).await?;
+        // One node commits an `rwo` volume: the one holding its lease.
+        if row.access == Access::Rwo {
+            self.hold_volume(&id).await?;
+        }
+        let committed = self.commit_volume(&row, expected).await;
+        let mounted_rw = self.volume_holders(&id).iter().any(|(_, m)| !m.read_only);
+        if row.access == Access::Rwo && !mounted_rw {
+            self.release_volume(&id).await;
+        }
+        let version = committed?;
         let next = VolumeRow { synced: Some(store::Synced { version, chain: row.chain.clone() }), ..row };
         self.volumes.records().update(&next)?;
         self.volume_info_of(&next)
     }
 
+    /// Bytes volume `vid` may still take under its quota (None: no quota). What it holds on
+    /// this node counts: its frozen layers and its writable layer.
+    pub async fn volume_room(self: &Arc<Self>, vid: &str) -> Result<Option<u64>> {
+        let row = self.volume_row(&self.open_volume(vid).await?)?;
+        let Some(q) = row.quota_mb else { return Ok(None) };
+        let rt = self.clone();
+        let used = tokio::task::spawn_blocking(move || rt.volume_info_of(&row).map(|i| i.size_bytes))
+            .await
+            .map_err(RuntimeError::Worker)??;
+        Ok(Some((q << 20).saturating_sub(used)))
+    }
+
     /// The file API of volume `vid`: its host-side view, gated. `write`: the caller changes
     /// files (refused on a `rox` volume while sandboxes mount it).
     pub async fn volume_fs(self: &Arc<Self>, vid: &str, write: bool) -> Result<SandboxFs> {
-        let row = self.volume_row(vid)?;
+        let row = self.volume_row(&self.open_volume(vid).await?)?;
         if write && row.access == Access::Rox {
             if let Some((sb, _)) = self.volume_holders(&row.id).first() {
                 return Err(RuntimeError::Conflict(format!(
@@ -738,7 +793,9 @@ impl Runtime {
             }
             *pending.entry(row.id.clone()).or_default() += 1;
             drop(pending);
-            claims.mounts.push((row, VolumeMount { path, ..m.clone() }));
+            // Shared read-only data does not branch: every sandbox sees the one volume.
+            let branch = m.branch && row.access == Access::Rwo;
+            claims.mounts.push((row, VolumeMount { path, branch, ..m.clone() }));
         }
         Ok(claims)
     }
@@ -774,9 +831,25 @@ impl Runtime {
     }
 
     /// A sandbox is gone: its volumes are free.
-    pub(crate) fn release_volumes(&self, sb: &Sandbox) -> Result<()> {
-        sb.volumes.lock().clear();
+    pub(crate) fn release_volumes(self: &Arc<Self>, sb: &Sandbox) -> Result<()> {
+        let gone = std::mem::take(&mut *sb.volumes.lock());
         self.volumes.records().delete_mounts(&sb.id)?;
+        // Leases of synced volumes it wrote: free for another node at once.
+        let held = self.held_volumes();
+        let release: Vec<String> = gone
+            .into_iter()
+            .filter(|m| !m.read_only && !held.contains(&m.volume))
+            .filter(|m| self.volume_row(&m.volume).is_ok_and(|r| r.access == Access::Rwo && r.synced.is_some()))
+            .map(|m| m.volume)
+            .collect();
+        if let (false, Ok(handle)) = (release.is_empty(), tokio::runtime::Handle::try_current()) {
+            let rt = self.clone();
+            handle.spawn(async move {
+                for id in release {
+                    rt.release_volume(&id).await;
+                }
+            });
+        }
         Ok(())
     }
 

@@ -49,6 +49,9 @@ pub struct VolumeSnapRow {
 pub struct CheckpointOf {
     pub snapshot: String,
     pub path: String,
+    /// The mount was read-only (forks of it are mounted so too).
+    #[serde(default)]
+    pub read_only: bool,
 }
 
 /// A volume mounted in a sandbox.
