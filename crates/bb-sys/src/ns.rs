@@ -12,6 +12,8 @@ pub const OPEN_TREE_CLONE: u32 = 1;
 pub const OPEN_TREE_CLOEXEC: u32 = libc::O_CLOEXEC as u32;
 /// `move_mount` flags.
 pub const MOVE_MOUNT_F_EMPTY_PATH: u32 = 0x0000_0004;
+/// `move_mount` flag: the target is the `to_dirfd` itself (empty path).
+pub const MOVE_MOUNT_T_EMPTY_PATH: u32 = 0x0000_0040;
 
 fn cpath(call: &'static str, p: &Path) -> SysResult<CString> {
     use std::os::unix::ffi::OsStrExt;

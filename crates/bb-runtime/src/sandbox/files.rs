@@ -13,6 +13,7 @@ use nix::fcntl::AtFlags;
 use nix::sys::stat::{fstatat, FileStat, Mode, SFlag};
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 const IN_ROOT: u64 = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS;
@@ -173,14 +174,7 @@ impl SandboxFs {
     }
 
     fn stat_in(&self, dir: BorrowedFd<'_>, path: &SbPath) -> Result<EntryInfo> {
-        let st = fstatat(Some(dir.as_raw_fd()), path.name(), AtFlags::AT_SYMLINK_NOFOLLOW)
-            .map_err(|e| errno_to_error("stat", path, e))?;
-        let target = if st.st_mode & SFlag::S_IFMT.bits() == SFlag::S_IFLNK.bits() {
-            nix::fcntl::readlinkat(Some(dir.as_raw_fd()), path.name()).ok().map(|t| t.to_string_lossy().into_owned())
-        } else {
-            None
-        };
-        Ok(entry(path, &st, target))
+        stat_named(dir, std::ffi::OsStr::new(path.name()), path)
     }
 
     pub fn stat(&self, path: &SbPath) -> Result<EntryInfo> {
@@ -306,10 +300,11 @@ impl SandboxFs {
         let raw = dir.as_raw_fd();
         let mut d = nix::dir::Dir::from_fd(std::os::fd::IntoRawFd::into_raw_fd(dir))
             .map_err(|e| errno_to_error("list", path, e))?;
-        let mut names: Vec<String> = d
+        // Names are bytes: one that is not UTF-8 is listed under a lossy rendering (U+FFFD).
+        let mut names: Vec<std::ffi::OsString> = d
             .iter()
             .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .map(|e| std::ffi::OsStr::from_bytes(e.file_name().to_bytes()).to_os_string())
             .filter(|n| n != "." && n != "..")
             .collect();
         names.sort();
@@ -322,8 +317,8 @@ impl SandboxFs {
                     path.display()
                 )));
             }
-            let child = path.join(&name);
-            let info = match self.stat_in(dirfd, &child) {
+            let child = path.join(&name.to_string_lossy());
+            let info = match stat_named(dirfd, &name, &child) {
                 Ok(i) => i,
                 Err(RuntimeError::NotFound { .. }) => continue, // removed meanwhile
                 Err(e) => return Err(e),
@@ -414,31 +409,43 @@ impl Drop for Upload {
 }
 
 /// Remove everything below an open directory without following symlinks.
+/// Stat entry `name` (any bytes) of `dir`; `shown` is its path as the answer names it.
+fn stat_named(dir: BorrowedFd<'_>, name: &std::ffi::OsStr, shown: &SbPath) -> Result<EntryInfo> {
+    let st = fstatat(Some(dir.as_raw_fd()), name, AtFlags::AT_SYMLINK_NOFOLLOW)
+        .map_err(|e| errno_to_error("stat", shown, e))?;
+    let target = if st.st_mode & SFlag::S_IFMT.bits() == SFlag::S_IFLNK.bits() {
+        nix::fcntl::readlinkat(Some(dir.as_raw_fd()), name).ok().map(|t| t.to_string_lossy().into_owned())
+    } else {
+        None
+    };
+    Ok(entry(shown, &st, target))
+}
+
 fn remove_contents(dir: OwnedFd, path: &SbPath) -> Result<()> {
     let raw = dir.as_raw_fd();
     let mut d = nix::dir::Dir::from_fd(std::os::fd::IntoRawFd::into_raw_fd(dir))
         .map_err(|e| errno_to_error("remove", path, e))?;
-    let entries: Vec<(String, bool)> = d
+    let entries: Vec<(std::ffi::OsString, bool)> = d
         .iter()
         .filter_map(|e| e.ok())
         .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
+            let name = std::ffi::OsStr::from_bytes(e.file_name().to_bytes()).to_os_string();
             (name != "." && name != "..").then_some((name, e.file_type() == Some(nix::dir::Type::Directory)))
         })
         .collect();
     // SAFETY: `d` owns `raw` and outlives every use below.
     let dirfd = unsafe { BorrowedFd::borrow_raw(raw) };
     for (name, is_dir) in entries {
-        let child = path.join(&name);
+        let child = path.join(&name.to_string_lossy());
         if is_dir {
             let sub =
                 openat2(dirfd, &name, libc::O_RDONLY | libc::O_DIRECTORY, 0, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)
                     .map_err(|e| errno_to_error("remove", &child, sys_to_nix(e)))?;
             remove_contents(sub, &child)?;
-            nix::unistd::unlinkat(Some(raw), name.as_str(), nix::unistd::UnlinkatFlags::RemoveDir)
+            nix::unistd::unlinkat(Some(raw), name.as_os_str(), nix::unistd::UnlinkatFlags::RemoveDir)
                 .map_err(|e| errno_to_error("remove", &child, e))?;
         } else {
-            nix::unistd::unlinkat(Some(raw), name.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir)
+            nix::unistd::unlinkat(Some(raw), name.as_os_str(), nix::unistd::UnlinkatFlags::NoRemoveDir)
                 .map_err(|e| errno_to_error("remove", &child, e))?;
         }
     }

@@ -111,7 +111,7 @@ impl Runtime {
                         processes: Vec::new(),
                     };
                     self.record_snapshot(sb, &row, Generation { base: Some(row.id.clone()), ..gen })?;
-                    self.record_checkpoint_volumes(&row.id, &self.volume_states(&vmounts)?)?;
+                    self.record_checkpoint_volumes(sb, &row.id, &self.volume_states(&vmounts)?)?;
                     return Ok((row, true));
                 }
             }
@@ -267,7 +267,7 @@ impl Runtime {
         };
         let base = with_sessions.then(|| row.id.clone());
         self.record_snapshot(sb, &row, Generation { base, ..new_gen })?;
-        self.record_checkpoint_volumes(&row.id, &volume_states)?;
+        self.record_checkpoint_volumes(sb, &row.id, &volume_states)?;
         // Frozen volume layers are the last layer of each chain a swap moved: measured later.
         let frozen: Vec<String> = volume_states.iter().filter_map(|(_, chain)| chain.last().cloned()).collect();
         self.measure_layers_later(frozen);

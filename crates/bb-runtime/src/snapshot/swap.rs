@@ -261,6 +261,7 @@ impl Runtime {
         let target = sb.dirs.rootfs_gen(gen.n);
         std::fs::create_dir_all(&target).map_err(RuntimeError::io("create root mount point"))?;
         rootswap::attach_host_root(&target, host_clone)?;
+        self.mount_volumes_in_host_view(sb, &target);
         tracing::debug!(sandbox = %sb.id, ?t_frozen, ?t_thawed, total = ?t0.elapsed(), "root swapped");
         thawed?;
         Ok(Swapped { gen, pinned, stragglers, volumes })

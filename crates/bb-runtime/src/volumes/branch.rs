@@ -159,9 +159,9 @@ impl Runtime {
         let mut out = Vec::new();
         let res = (|| -> Result<()> {
             for m in self.branch_mounts(sb) {
-                let Some(vs) =
-                    snaps.iter().find(|s| s.checkpoint.as_ref().is_some_and(|c| c.snapshot == sid && c.path == m.path))
-                else {
+                let Some(vs) = snaps.iter().find(|s| {
+                    s.checkpoint.as_ref().is_some_and(|c| c.snapshot == sid && c.path == m.path && !c.shared)
+                }) else {
                     continue;
                 };
                 let row = self.volume_row(&m.volume)?;
@@ -298,9 +298,13 @@ impl Runtime {
             let root = self.volume_root(&p.next.id);
             {
                 let _m = self.volumes.mounting.lock();
+                let held = std::fs::File::open(&root).ok();
                 let _ = bb_layers::unmount(&root);
                 if let Err(e) = bb_sys::mount_api::move_mount_to(s.host_mnt.as_fd(), &root) {
                     tracing::warn!(volume = %p.next.id, "the file API's view of the volume is remounted on next use: {e}");
+                }
+                if let Some(h) = held {
+                    super::release_later(h);
                 }
             }
             if let Err(e) = self.volumes.records().update(&p.next) {
@@ -315,9 +319,25 @@ impl Runtime {
         out
     }
 
-    /// Record the volumes' states a sandbox checkpoint (snapshot `sid`) took.
-    pub(crate) fn record_checkpoint_volumes(&self, sid: &str, states: &[(VolumeMount, Vec<String>)]) -> Result<()> {
-        for (m, chain) in states {
+    /// Record the volumes' states a sandbox checkpoint (snapshot `sid`) of `sb` took, and the
+    /// `rox` volumes it mounts (shared with its fork children as they are).
+    pub(crate) fn record_checkpoint_volumes(
+        &self,
+        sb: &Sandbox,
+        sid: &str,
+        states: &[(VolumeMount, Vec<String>)],
+    ) -> Result<()> {
+        let rox: Vec<(VolumeMount, Vec<String>)> = sb
+            .volumes
+            .lock()
+            .iter()
+            .filter_map(|m| {
+                let r = self.volume_row(&m.volume).ok().filter(|r| r.access == crate::model::Access::Rox)?;
+                Some((m.clone(), r.chain))
+            })
+            .collect();
+        for (m, chain) in states.iter().chain(&rox) {
+            let shared = !m.branch;
             self.volumes.records().insert_snapshot(&VolumeSnapRow {
                 id: new_id("vs"),
                 volume: m.volume.clone(),
@@ -328,6 +348,7 @@ impl Runtime {
                     snapshot: sid.to_string(),
                     path: m.path.clone(),
                     read_only: m.read_only,
+                    shared,
                 }),
             })?;
         }
@@ -349,9 +370,22 @@ impl Runtime {
         }
         for child in children {
             let mut mounts = Vec::new();
+            let mut shared = Vec::new();
             let res = async {
                 for vs in &snaps {
                     let c = vs.checkpoint.as_ref().expect("filtered");
+                    if c.shared {
+                        // Still there and still rox: mounted as it is; otherwise left out.
+                        if self.volume_row(&vs.volume).is_ok_and(|r| r.access == crate::model::Access::Rox) {
+                            shared.push(VolumeMount {
+                                volume: vs.volume.clone(),
+                                path: c.path.clone(),
+                                read_only: true,
+                                branch: false,
+                            });
+                        }
+                        continue;
+                    }
                     let source = self.volume_row(&vs.volume)?;
                     let info = self.new_volume_on(&source, vs.chain.clone(), None).await?;
                     mounts.push(VolumeMount {
@@ -361,7 +395,8 @@ impl Runtime {
                         branch: true,
                     });
                 }
-                let claims = self.claim_volumes(&mounts)?;
+                let all: Vec<VolumeMount> = mounts.iter().chain(&shared).cloned().collect();
+                let claims = self.claim_volumes(&all)?;
                 let (rt, c) = (self.clone(), child.clone());
                 tokio::task::spawn_blocking(move || rt.attach_volumes(&c, claims))
                     .await

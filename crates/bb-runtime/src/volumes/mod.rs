@@ -164,6 +164,19 @@ fn nested(a: &str, b: &str) -> bool {
     a == b || b.starts_with(&format!("{a}/")) || a.starts_with(&format!("{b}/"))
 }
 
+/// Let go of `f`, the last reference to an old volume instance, on a background thread: the
+/// kernel tears the instance down (every cached inode of it) when its last reference goes,
+/// which takes a while for a big tree and must not be on the path of an answer.
+pub(crate) fn release_later(f: std::fs::File) {
+    let spawned = std::thread::Builder::new().name("bb-vol-release".into()).spawn(move || {
+        let _nice = bb_sys::process::niced_thread(19);
+        drop(f);
+    });
+    if let Err(e) = spawned {
+        tracing::warn!("releasing an old volume instance in the foreground: {e}");
+    }
+}
+
 fn is_mountpoint(p: &Path) -> bool {
     match (std::fs::metadata(p), p.parent().map(std::fs::metadata)) {
         (Ok(m), Some(Ok(parent))) => m.dev() != parent.dev(),
@@ -246,10 +259,14 @@ impl Runtime {
     fn unmount_volume_view(&self, id: &str) {
         let _m = self.volumes.mounting.lock();
         let root = self.volume_root(id);
+        let held = std::fs::File::open(&root).ok();
         while is_mountpoint(&root) {
             if bb_layers::unmount(&root).is_err() {
                 break;
             }
+        }
+        if let Some(f) = held {
+            release_later(f);
         }
     }
 
@@ -495,6 +512,8 @@ impl Runtime {
             match holder.filter(|(sb, _)| !sb.is_dead()) {
                 Some((sb, m)) => {
                     let root = self.ensure_volume_mounted(&row)?;
+                    // The old instance's last reference goes in the background (see `release_later`).
+                    let held = std::fs::File::open(&root).map_err(RuntimeError::io("open a volume's view"))?;
                     let dev = std::fs::metadata(&root).map_err(RuntimeError::io("stat a volume"))?.dev();
                     let fd = self.volume_instance(&next)?;
                     let host = bb_sys::ns::open_tree(
@@ -508,10 +527,14 @@ impl Runtime {
                     let new_upper = self.layer_path(&lid);
                     let stragglers = self.replace_volume_in(&sb, &row.id, &m.path, fd, dev, &old_upper, &new_upper)?;
                     drop(stragglers);
-                    let _m = self.volumes.mounting.lock();
-                    let _ = bb_layers::unmount(&root);
-                    bb_sys::mount_api::move_mount_to(host.as_fd(), &root)?;
-                    Ok(())
+                    {
+                        let _m = self.volumes.mounting.lock();
+                        let _ = bb_layers::unmount(&root);
+                        bb_sys::mount_api::move_mount_to(host.as_fd(), &root)?;
+                    }
+                    let shown = self.mount_in_host_view(&sb.rootfs(), &m);
+                    release_later(held);
+                    shown
                 }
                 None => {
                     self.unmount_volume_view(&row.id);
@@ -817,6 +840,7 @@ impl Runtime {
                 bb_sys::mount_api::mount_setattr(fd.as_fd(), bb_sys::mount_api::MOUNT_ATTR_RDONLY)?;
             }
             rootswap::mount_in_sandbox(sb.init_pid, fd, Path::new(&m.path), false)?;
+            self.mount_in_host_view(&sb.rootfs(), &VolumeMount { volume: row.id.clone(), ..m.clone() })?;
             self.volumes.records().insert_mount(&MountRow {
                 sandbox: sb.id.clone(),
                 volume: row.id.clone(),
@@ -828,6 +852,54 @@ impl Runtime {
             tracing::debug!(sandbox = %sb.id, volume = %row.id, path = %m.path, "volume mounted");
         }
         Ok(())
+    }
+
+    /// Mount volume mount `m` in a sandbox's host-side root view `view` too (what the sandbox
+    /// file API reads), replacing an older instance there. The mount point is opened inside the
+    /// view (`RESOLVE_IN_ROOT`: a symlink made by sandbox code cannot send the mount elsewhere
+    /// on the host).
+    pub(crate) fn mount_in_host_view(&self, view: &Path, m: &VolumeMount) -> Result<()> {
+        use bb_sys::mount_api::{openat2, RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS};
+        use std::os::fd::AsRawFd;
+        let view = std::fs::File::open(view).map_err(RuntimeError::io("open a sandbox's root view"))?;
+        let open_target = || {
+            let rel = m.path.trim_start_matches('/');
+            openat2(view.as_fd(), rel, libc::O_PATH | libc::O_DIRECTORY, 0, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+        };
+        let mut target = open_target()?;
+        let dev = |fd: i32| nix::sys::stat::fstat(fd).map(|st| st.st_dev).ok();
+        if dev(target.as_raw_fd()) != dev(view.as_raw_fd()) {
+            // An older instance is mounted there: detached through the fd, then the dir below.
+            let _ = bb_sys::ns::umount2(Path::new(&format!("/proc/self/fd/{}", target.as_raw_fd())), libc::MNT_DETACH);
+            target = open_target()?;
+        }
+        let root =
+            std::fs::File::open(self.volume_root(&m.volume)).map_err(RuntimeError::io("open a volume's view"))?;
+        let fd = bb_sys::ns::open_tree(
+            root.as_fd(),
+            Path::new(""),
+            bb_sys::ns::OPEN_TREE_CLONE | bb_sys::ns::OPEN_TREE_CLOEXEC,
+        )?;
+        if m.read_only {
+            bb_sys::mount_api::mount_setattr(fd.as_fd(), bb_sys::mount_api::MOUNT_ATTR_RDONLY)?;
+        }
+        bb_sys::ns::move_mount(
+            Some(fd.as_fd()),
+            Path::new(""),
+            Some(target.as_fd()),
+            Path::new(""),
+            bb_sys::ns::MOVE_MOUNT_F_EMPTY_PATH | bb_sys::ns::MOVE_MOUNT_T_EMPTY_PATH,
+        )?;
+        Ok(())
+    }
+
+    /// After a root swap: the new host-side root view `view` gets the sandbox's volumes.
+    pub(crate) fn mount_volumes_in_host_view(&self, sb: &Sandbox, view: &Path) {
+        for m in sb.volumes.lock().clone() {
+            if let Err(e) = self.mount_in_host_view(view, &m) {
+                tracing::warn!(sandbox = %sb.id, path = %m.path, "the file API does not see the volume at this path: {e}");
+            }
+        }
     }
 
     /// A sandbox is gone: its volumes are free.

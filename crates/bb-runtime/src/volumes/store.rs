@@ -52,6 +52,9 @@ pub struct CheckpointOf {
     /// The mount was read-only (forks of it are mounted so too).
     #[serde(default)]
     pub read_only: bool,
+    /// An `rox` volume: fork children mount this same volume (read-only), nothing is forked.
+    #[serde(default)]
+    pub shared: bool,
 }
 
 /// A volume mounted in a sandbox.
