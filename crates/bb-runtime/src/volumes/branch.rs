@@ -128,6 +128,7 @@ impl Runtime {
                     out.push(PreparedVolume { mount: m.clone(), old_upper: row.upper.clone(), next: row, swap: None });
                     continue;
                 }
+                super::check_depth(&row)?;
                 let n = row.n + 1;
                 let lid = self.volume_upper(&row.id, n)?;
                 let mut next = row.clone();

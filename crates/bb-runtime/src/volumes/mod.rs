@@ -177,6 +177,21 @@ pub(crate) fn release_later(f: std::fs::File) {
     }
 }
 
+/// Refuse a freeze that would stack more layers than overlayfs mounts (volume chains are not
+/// compacted yet).
+fn check_depth(row: &VolumeRow) -> Result<()> {
+    let max = crate::snapshot::swap::OVERLAY_MAX_LOWER - 1;
+    if row.chain.len() >= max {
+        return Err(RuntimeError::Conflict(format!(
+            "volume {} stands on {} layers and overlayfs stacks at most {max} under a writable one: copy its \
+             files into a new volume (volume chains are not compacted yet)",
+            row.id,
+            row.chain.len()
+        )));
+    }
+    Ok(())
+}
+
 fn is_mountpoint(p: &Path) -> bool {
     match (std::fs::metadata(p), p.parent().map(std::fs::metadata)) {
         (Ok(m), Some(Ok(parent))) => m.dev() != parent.dev(),
@@ -502,6 +517,7 @@ impl Runtime {
         if dir_is_empty(&old_upper) {
             return Ok(row);
         }
+        check_depth(&row)?;
         let n = row.n + 1;
         let lid = self.volume_upper(&row.id, n)?;
         let mut next = row.clone();
