@@ -11,7 +11,6 @@ BRANCHBOX_TEST_MAX_CHAIN (the daemon's --max-chain, default 6: chains are compac
 """
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -22,14 +21,7 @@ import pytest
 from branchbox import Sandbox
 from branchbox.images import Images
 
-from helpers import CGROUP_PARENT, MAX_CHAIN, RUN, SOCKET, STATE, URL, state_mounts  # noqa: F401 (re-exported)
-
-
-def daemon_bin() -> str:
-    b = os.environ.get("BRANCHBOX_DAEMON_BIN") or shutil.which("branchboxd")
-    if not b:
-        pytest.fail("branchboxd not found: run `make install` or set BRANCHBOX_DAEMON_BIN")
-    return b
+from helpers import CGROUP_PARENT, MAX_CHAIN, RUN, SOCKET, STATE, URL, daemon_bin, state_mounts  # noqa: F401 (re-exported)
 
 
 class Daemon:

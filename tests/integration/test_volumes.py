@@ -9,14 +9,15 @@ also takes what the daemon made for a test: the volumes of fork children, and th
 snapshots of its checkpoints). Deleted volumes must leave no host traces (their dir under
 <state>/volumes and their host-side mount).
 
-Tests named ``test_bug_*`` pin daemon bugs found while writing this file: they fail until the
-daemon is fixed (each docstring says what is wrong).
+Volumes across daemons (opening on another node, writer leases, the store down) are in
+test_volumes_remote.py.
 """
 import base64
 import concurrent.futures
 import glob
 import hashlib
 import io
+import json
 import os
 import re
 import signal
@@ -32,19 +33,27 @@ from branchbox import (
     ConflictError,
     InvalidArgumentError,
     NotFoundError,
+    QuotaExceededError,
     Sandbox,
     Volume,
     VolumeMount,
 )
 from helpers import (
+    FSYNC_WRITE_PY,
     SOCKET,
     STATE,
     URL,
     api_error,
     cgroup_children,
+    make_tree,
+    mutate,
     proc_stat,
+    py_in,
     sandbox_entries,
+    sh_in,
     state_mounts,
+    tree_digest,
+    tree_digests,
     wait_until,
 )
 
@@ -125,111 +134,6 @@ def make_volume(daemon):
             v.close()
 
 
-def ok(result, what="command"):
-    """Assert a foreground command succeeded; returns its stdout."""
-    assert result.exit_code == 0 and not result.timed_out, "%s failed (exit %r, timed out %r)\nstdout:\n%s\nstderr:\n%s" % (
-        what, result.exit_code, result.timed_out, result.stdout[-3000:], result.stderr[-3000:])
-    return result.stdout
-
-
-def sh(sbx, cmd, timeout=60):
-    return ok(sbx.commands.run(["sh", "-c", cmd], timeout=timeout), cmd)
-
-
-def py_in(sbx, script, *args, timeout=120):
-    """Run a python script in the sandbox (it asserts what it checks); returns its stdout."""
-    return ok(sbx.commands.run(["python3", "-c", script, *args], timeout=timeout), "python script")
-
-
-# sha256 over a tree: relative names (bytes), types, modes, owners, contents, link targets,
-# user.* xattrs and the mtimes of everything but directories.
-DIGEST_PY = r'''
-import hashlib, os, stat, sys
-def digest(top):
-    top = os.fsencode(top)
-    h = hashlib.sha256()
-    n = 0
-    for dirpath, dirnames, filenames in os.walk(top):
-        dirnames.sort()
-        for name in sorted(dirnames + filenames):
-            p = os.path.join(dirpath, name)
-            st = os.lstat(p)
-            n += 1
-            h.update(b"%s\0%o\0%d:%d\0" % (os.path.relpath(p, top), st.st_mode, st.st_uid, st.st_gid))
-            if not stat.S_ISDIR(st.st_mode):
-                h.update(b"%d\0" % st.st_mtime_ns)
-            if stat.S_ISLNK(st.st_mode):
-                h.update(os.readlink(p))
-            elif stat.S_ISREG(st.st_mode):
-                with open(p, "rb") as f:
-                    h.update(hashlib.sha256(f.read()).digest())
-                for x in sorted(os.listxattr(p)):
-                    if x.startswith("user."):
-                        h.update(x.encode() + b"=" + os.getxattr(p, x))
-    return "%s:%d" % (h.hexdigest(), n)
-print(" ".join(digest(t) for t in sys.argv[1:]))
-'''
-
-
-def digests(sbx, *paths):
-    return py_in(sbx, DIGEST_PY, *paths).split()
-
-
-def digest(sbx, path):
-    return digests(sbx, path)[0]
-
-
-# A tree of a few hundred files (seeded, so the same seed writes the same tree): nested dirs,
-# sizes from 0 to 200 KiB, a symlink, modes.
-TREE_PY = r'''
-import os, random, sys
-top, seed = sys.argv[1], int(sys.argv[2])
-rnd = random.Random(seed)
-for d in range(6):
-    dd = os.path.join(top, "d%d" % d, "sub%d" % (d % 2))
-    os.makedirs(dd, exist_ok=True)
-    for i in range(40):
-        with open(os.path.join(dd, "f%d.txt" % i), "wb") as f:
-            f.write(rnd.randbytes(rnd.choice([0, 1, 100, 4096, 70000, 200000])))
-    os.chmod(os.path.join(dd, "f0.txt"), 0o751)
-os.symlink("d0/sub0/f1.txt", os.path.join(top, "link"))
-with open(os.path.join(top, "seed"), "w") as f:
-    f.write(str(seed))
-'''
-
-# Changes of every kind to a tree TREE_PY wrote (applicable again and again, with new tags).
-MUTATE_PY = r'''
-import os, shutil, sys
-top, tag = sys.argv[1], sys.argv[2]
-def first(cands):
-    for c in cands:
-        if os.path.lexists(os.path.join(top, c)):
-            return os.path.join(top, c)
-    raise AssertionError("nothing left to change among %r in %s" % (cands, top))
-with open(os.path.join(top, "d0/sub0/f2.txt"), "ab") as f:
-    f.write(tag.encode())
-os.unlink(first(["d1/sub1/f%d.txt" % i for i in range(40)]))
-shutil.rmtree(first(["d2"] + sorted(n for n in os.listdir(top) if n.startswith("new-"))))
-os.rename(first(sorted(n for n in os.listdir(top) if n.startswith("d3"))), os.path.join(top, "d3-" + tag))
-os.truncate(first([p for p in ("d4/sub0/f%d.txt" % i for i in range(40)) if os.path.getsize(os.path.join(top, p)) > 7]), 7)
-f6 = os.path.join(top, "d5/sub1/f6.txt")
-os.chmod(f6, 0o640 if os.stat(f6).st_mode & 0o777 == 0o600 else 0o600)
-os.makedirs(os.path.join(top, "new-" + tag))
-with open(os.path.join(top, "new-" + tag, "x"), "w") as f:
-    f.write(tag)
-with open(os.path.join(top, "seed"), "w") as f:
-    f.write(tag)
-'''
-
-
-def make_tree(sbx, path, seed):
-    py_in(sbx, TREE_PY, path, str(seed))
-
-
-def mutate(sbx, path, tag):
-    py_in(sbx, MUTATE_PY, path, tag)
-
-
 def sandbox_ids(c):
     return sorted(s["id"] for s in c.get("/v1/sandboxes").json()["sandboxes"])
 
@@ -249,6 +153,45 @@ def alive(pid):
 
 def create_body(*mounts):
     return {"image": "base", "timeout": 120, "volumes": list(mounts)}
+
+
+# Appends numbered lines to the file argv[1], through one fd, until killed.
+APPEND_PY = r'''
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
+i = 0
+while True:
+    os.write(fd, b"tick %d\n" % i)
+    i += 1
+    time.sleep(0.002)
+'''
+
+
+def whole_lines(text):
+    return text.split("\n")[:-1]  # a read may meet the line being written: leave it out
+
+
+def consecutive(lines):
+    return lines == ["tick %d" % i for i in range(len(lines))]
+
+
+def log_lines(v):
+    try:
+        return len(whole_lines(v.files.read("/log")))
+    except NotFoundError:  # not created yet
+        return 0
+
+
+def start_appender(v, s, cwd=None):
+    """Start APPEND_PY on /workspace/log in sandbox ``s`` (volume ``v`` at /workspace), with
+    working directory ``cwd``; returns once it wrote a few lines."""
+    writer = s.commands.run(["python3", "-c", APPEND_PY, "/workspace/log"], background=True, cwd=cwd)
+    wait_until(lambda: log_lines(v) > 20, what="the writer to start")
+    return writer
+
+
+def grown(v, n):
+    wait_until(lambda: log_lines(v) > n + 50, what="the live file to grow past %d lines" % n)
 
 
 # ----------------------------------------------------------------------------- 1. API objects
@@ -336,6 +279,30 @@ def test_create_list_info_delete(raw, make_volume):
     assert again.id != named["id"] and again.info().name == name
 
 
+def test_quota_refuses_file_api_writes_beyond_it(make_volume):
+    """``quota_mb`` bounds what the volume's file API writes: an upload that would take the
+    volume past its quota is refused with 507 ``quota_exceeded`` (``QuotaExceededError``) and
+    leaves the file as it was; what fits is written, and deleting files makes room again.
+    Only the file API is checked: writes from inside a sandbox are not held to the quota yet."""
+    v = make_volume(quota_mb=1)
+    with client() as c:
+        r = c.put("/v1/volumes/%s/files" % v.id, params={"path": "/big"}, content=b"x" * (3 << 20))
+        err = api_error(r, 507, "quota_exceeded")
+    assert "quota_mb" in err["message"], err
+    assert not v.files.exists("/big")
+    small = os.urandom(200_000)
+    v.files.write("/small", small)
+    with pytest.raises(QuotaExceededError):
+        v.files.write("/small", os.urandom(2 << 20))
+    assert v.files.read("/small", format="bytes") == small
+    with pytest.raises(QuotaExceededError):
+        v.files.write("/more", os.urandom(900_000))
+    assert not v.files.exists("/more")
+    v.files.remove("/small")
+    v.files.write("/more", os.urandom(900_000))
+    assert v.files.stat("/more").size == 900_000
+
+
 # ----------------------------------------------------------------------------- 2. mounts
 
 
@@ -347,13 +314,13 @@ def test_mounted_volume_and_file_api_see_each_other(make_volume, make_sandbox):
     m = s.info().volumes
     assert [(x.volume, x.path, x.read_only, x.branch) for x in m] == [(v.id, "/workspace", False, True)], m
     assert mounts_of(v) == [(s.id, "/workspace", False, True)]
-    assert sh(s, "cat /workspace/pre/seed.txt; stat -c %u:%g:%a /workspace/pre/seed.txt") == \
+    assert sh_in(s, "cat /workspace/pre/seed.txt; stat -c %u:%g:%a /workspace/pre/seed.txt") == \
         "seeded before the mount0:0:644\n"
 
     # Direct writes show in the sandbox as soon as the write returned, and the other way round.
     v.files.write("/live.txt", "from the api", mode=0o600)
-    assert sh(s, "cat /workspace/live.txt; echo; stat -c %u:%g:%a /workspace/live.txt") == "from the api\n0:0:600\n"
-    sh(s, "mkdir -p /workspace/out && printf 'from the sandbox' > /workspace/out/o.txt && ln -s out/o.txt /workspace/l")
+    assert sh_in(s, "cat /workspace/live.txt; echo; stat -c %u:%g:%a /workspace/live.txt") == "from the api\n0:0:600\n"
+    sh_in(s, "mkdir -p /workspace/out && printf 'from the sandbox' > /workspace/out/o.txt && ln -s out/o.txt /workspace/l")
     assert v.files.read("/out/o.txt") == "from the sandbox"
     st = v.files.stat("/out/o.txt")
     assert (st.type, st.size, st.mode & 0o777) == ("file", 16, 0o644), st
@@ -365,29 +332,29 @@ def test_mounted_volume_and_file_api_see_each_other(make_volume, make_sandbox):
     with pytest.raises(NotFoundError):
         v.files.make_dir("/x/y", parents=False)
     v.files.rename("/live.txt", "/a/b/moved.txt")
-    assert sh(s, "test -d /workspace/a/b/c && test ! -e /workspace/live.txt && cat /workspace/a/b/moved.txt") == "from the api"
+    assert sh_in(s, "test -d /workspace/a/b/c && test ! -e /workspace/live.txt && cat /workspace/a/b/moved.txt") == "from the api"
     assert sorted(e.name for e in v.files.list("/")) == ["a", "l", "out", "pre"]
     deep = {e.path: e.type for e in v.files.list("/a", depth=3)}
     assert deep == {"/a/b": "dir", "/a/b/c": "dir", "/a/b/moved.txt": "file"}, deep
     assert v.files.stat("/a/b").is_dir
     assert v.files.remove("/a", recursive=True) is True
-    assert sh(s, "test ! -e /workspace/a && echo gone") == "gone\n"
-    sh(s, "rm /workspace/out/o.txt")
+    assert sh_in(s, "test ! -e /workspace/a && echo gone") == "gone\n"
+    sh_in(s, "rm /workspace/out/o.txt")
     assert not v.files.exists("/out/o.txt")
     with pytest.raises(NotFoundError):
         v.files.read("/out/o.txt")
     # Large content both ways.
     blob = os.urandom(3 << 20)
     v.files.write("/blob", blob)
-    assert sh(s, "sha256sum < /workspace/blob").split()[0] == hashlib.sha256(blob).hexdigest()
-    sh(s, "head -c 2500000 /dev/urandom > /workspace/blob2")
+    assert sh_in(s, "sha256sum < /workspace/blob").split()[0] == hashlib.sha256(blob).hexdigest()
+    sh_in(s, "head -c 2500000 /dev/urandom > /workspace/blob2")
     got = v.files.read("/blob2", format="bytes")
-    assert len(got) == 2_500_000 and hashlib.sha256(got).hexdigest() == sh(s, "sha256sum < /workspace/blob2").split()[0]
+    assert len(got) == 2_500_000 and hashlib.sha256(got).hexdigest() == sh_in(s, "sha256sum < /workspace/blob2").split()[0]
 
     # The file API stays inside the volume: symlinks the sandbox makes lead nowhere outside.
     host_probe = "/tmp/bb-vol-escape-%s" % uuid.uuid4().hex[:8]
-    sh(s, "ln -s /etc/hostname /workspace/esc1 && ln -s ../../../../../../../etc/hostname /workspace/esc2 "
-          "&& ln -s %s /workspace/esc3 && ln -s /etc /workspace/escdir" % host_probe)
+    sh_in(s, "ln -s /etc/hostname /workspace/esc1 && ln -s ../../../../../../../etc/hostname /workspace/esc2 "
+             "&& ln -s %s /workspace/esc3 && ln -s /etc /workspace/escdir" % host_probe)
     for p in ["/esc1", "/esc2", "/escdir/hostname"]:
         with pytest.raises((NotFoundError, InvalidArgumentError)):
             v.files.read(p)
@@ -440,7 +407,7 @@ def test_read_only_mount_refuses_writes_inside(make_volume, make_sandbox):
     assert mounts_of(v) == [(s.id, "/data", True, True)]
     assert py_in(s, WRITES_REFUSED_PY, "/data") == "refused\n"
     # The rest of the sandbox is writable; a read-only mount still holds an rwo volume.
-    sh(s, "touch /root/fine")
+    sh_in(s, "touch /root/fine")
     with pytest.raises(ConflictError):
         make_sandbox(volumes={"/data": VolumeMount(volume=v.id, read_only=True)})
 
@@ -448,7 +415,7 @@ def test_read_only_mount_refuses_writes_inside(make_volume, make_sandbox):
 def test_rwo_volume_is_mounted_by_one_sandbox_at_a_time(raw, make_volume, make_sandbox):
     v = make_volume("rwo-" + uuid.uuid4().hex[:8])
     s1 = make_sandbox(volumes={"/workspace": v})
-    sh(s1, "echo one > /workspace/f")
+    sh_in(s1, "echo one > /workspace/f")
     before = (sandbox_ids(raw), sandbox_entries(), cgroup_children())
     for ref in (v.id, v.info().name):
         err = api_error(raw.post("/v1/sandboxes", json=create_body({"volume": ref, "path": "/w"})), 409, "conflict")
@@ -463,7 +430,7 @@ def test_rwo_volume_is_mounted_by_one_sandbox_at_a_time(raw, make_volume, make_s
     # Free again once the holder is gone.
     s1.kill()
     s2 = make_sandbox(volumes={"/w": v})
-    assert sh(s2, "cat /w/f") == "one\n"
+    assert sh_in(s2, "cat /w/f") == "one\n"
     assert mounts_of(v) == [(s2.id, "/w", False, True)]
 
 
@@ -496,7 +463,7 @@ def test_rox_volume_is_shared_read_only(raw, make_volume, make_sandbox):
     assert "read_only" in err["message"], err
     s1 = make_sandbox(volumes={"/ro": VolumeMount(volume=v.id, read_only=True)})
     s2 = make_sandbox(volumes={"/shared": VolumeMount(volume=v.id, read_only=True)})
-    assert sorted(mounts_of(v)) == sorted([(s1.id, "/ro", True, True), (s2.id, "/shared", True, True)])
+    assert sorted(mounts_of(v)) == sorted([(s1.id, "/ro", True, False), (s2.id, "/shared", True, False)])
     assert py_in(s1, WRITES_REFUSED_PY, "/ro") == "refused\n"
     assert py_in(s2, WRITES_REFUSED_PY, "/shared") == "refused\n"
     # The file API reads, but refuses every change while a sandbox mounts it.
@@ -514,7 +481,7 @@ def test_rox_volume_is_shared_read_only(raw, make_volume, make_sandbox):
     s2.kill()
     v.files.write("/new", "written once none mounts it")
     s3 = make_sandbox(volumes={"/ro": VolumeMount(volume=v.id, read_only=True)})
-    assert sh(s3, "cat /ro/new") == "written once none mounts it"
+    assert sh_in(s3, "cat /ro/new") == "written once none mounts it"
 
 
 def test_bad_mounts_are_refused_and_leave_nothing(raw, make_volume, make_sandbox):
@@ -557,7 +524,7 @@ def test_bad_mounts_are_refused_and_leave_nothing(raw, make_volume, make_sandbox
     s.kill()
     s16 = make_sandbox(volumes={"/m%d" % i: x for i, x in enumerate(many[:16])})
     assert len(s16.info().volumes) == 16
-    assert sh(s16, "for i in $(seq 0 15); do echo $i > /m$i/n; done; cat /m15/n") == "15\n"
+    assert sh_in(s16, "for i in $(seq 0 15); do echo $i > /m$i/n; done; cat /m15/n") == "15\n"
     assert many[15].files.read("/n") == "15\n"
 
 
@@ -779,16 +746,62 @@ def test_posix_semantics_in_a_mounted_volume(make_volume, make_sandbox):
     v.snapshot("posix phase 1")  # phase 1's files go to a lower layer
     assert py_in(s, POSIX_PY, "/workspace", "2") == "phase 2 ok\n"
     assert v.files.read("/lower/m.bin", format="bytes")[100:103] == b"MAP"
-    # The file API lists what the sandbox lists (no whiteouts, nothing missing), the names that
-    # are text at least (see test_bug_file_api_hides_and_cannot_remove_non_utf8_names).
+    # The file API lists what the sandbox lists (no whiteouts, nothing missing).
     listed = py_in(s, "import os, json; print(json.dumps(sorted(n for n in os.listdir('/workspace/lower'))))")
     assert sorted(e.name for e in v.files.list("/lower")) == eval(listed)
-    before = digest(s, "/workspace")
+    before = tree_digest(s, "/workspace")
     # Everything is there in the next sandbox, byte for byte (names, modes, owners, times, xattrs).
     s.kill()
     s2 = make_sandbox(volumes={"/elsewhere": v})
-    assert digest(s2, "/elsewhere") == before
-    assert sh(s2, "cat /elsewhere/synced") == "durable+more"
+    assert tree_digest(s2, "/elsewhere") == before
+    assert sh_in(s2, "cat /elsewhere/synced") == "durable+more"
+
+
+HARDLINK_PY = r'''
+import os, sys
+os.chdir(sys.argv[1])
+if sys.argv[2] == "1":
+    with open("a", "w") as f:
+        f.write("one")
+    os.link("a", "b")
+    with open("b", "r+") as f:  # linked in the writable layer: one file
+        f.write("ONE")
+    assert open("a").read() == "ONE"
+else:
+    # The rule of docs/ARCHITECTURE.md ("Hard links across checkpoints"), for volumes as for
+    # the root: after a freeze, the first change through one name gives it its own copy, the
+    # other name keeps the frozen content; a link made now joins the copy.
+    with open("a", "r+") as f:
+        f.write("TWO")
+    assert open("a").read() == "TWO" and open("b").read() == "ONE", (open("a").read(), open("b").read())
+    os.link("a", "c")
+    with open("c", "r+") as f:
+        f.write("333")
+    assert open("a").read() == "333" and os.stat("a").st_ino == os.stat("c").st_ino
+'''
+
+
+def test_hard_links_follow_the_documented_freeze_rule(make_volume, make_sandbox):
+    """Hard links in a volume behave as in a sandbox root (overlayfs without an index): one
+    file until a freeze (snapshot, checkpoint, fork, sync); after it, a change through one name
+    copies that name alone. Documented in docs/ARCHITECTURE.md."""
+    v = make_volume()
+    s = make_sandbox(volumes={"/workspace": v})
+    py_in(s, HARDLINK_PY, "/workspace", "1")
+    v.snapshot()
+    py_in(s, HARDLINK_PY, "/workspace", "2")
+
+
+def test_file_api_lists_and_removes_non_utf8_names(make_volume, make_sandbox):
+    """A name that is not UTF-8, made in the sandbox: the volume's file API lists it beside
+    the others, and removes the directory that holds it."""
+    v = make_volume()
+    s = make_sandbox(volumes={"/workspace": v})
+    py_in(s, "import os; os.mkdir('/workspace/d'); open(b'/workspace/d/\\xff\\xfe name\\n', 'wb').write(b'x'); "
+             "open('/workspace/d/plain', 'w').write('y')")
+    assert len(v.files.list("/d")) == 2, "list shows %r of 2 entries" % [e.name for e in v.files.list("/d")]
+    v.files.remove("/d", recursive=True)
+    assert sh_in(s, "test ! -e /workspace/d && echo gone") == "gone\n"
 
 
 # ----------------------------------------------------------------------------- 4. survival
@@ -798,7 +811,7 @@ def test_volume_survives_sandbox_kill_and_daemon_restart(daemon, make_volume, ma
     v = make_volume()
     s = make_sandbox(volumes={"/workspace": v})
     make_tree(s, "/workspace/t", 1)
-    d1 = digest(s, "/workspace")
+    d1 = tree_digest(s, "/workspace")
     bg = s.commands.run("sleep 4262", background=True, cwd="/workspace")
     old = daemon.pid
     try:
@@ -811,41 +824,27 @@ def test_volume_survives_sandbox_kill_and_daemon_restart(daemon, make_volume, ma
     v = Volume.connect(v.id, daemon=URL)
     assert [(m.volume, m.path) for m in s.info().volumes] == [(v.id, "/workspace")]
     assert mounts_of(v) == [(s.id, "/workspace", False, True)]
-    assert digest(s, "/workspace") == d1
+    assert tree_digest(s, "/workspace") == d1
     with pytest.raises(ConflictError):
         v.delete()
     with pytest.raises(ConflictError):
         Sandbox.create(daemon=URL, volumes={"/w": v}, timeout=60)
     # Writes both ways still meet, and the volume still freezes under the re-attached sandbox.
     v.files.write("/after-restart", "api")
-    sh(s, "cat /workspace/after-restart > /workspace/copied")
+    sh_in(s, "cat /workspace/after-restart > /workspace/copied")
     assert v.files.read("/copied") == "api"
     snap = v.snapshot()
-    sh(s, "echo later >> /workspace/copied")
+    sh_in(s, "echo later >> /workspace/copied")
     assert v.files.read("/copied") == "apilater\n"
-    d2 = digest(s, "/workspace")
+    d2 = tree_digest(s, "/workspace")
     assert s.commands.kill(bg.pid) is True
     s.kill()
     s2 = make_sandbox(volumes={"/workspace": v})
-    assert digest(s2, "/workspace") == d2
+    assert tree_digest(s2, "/workspace") == d2
     s2.kill()
     v.restore(snap)
     s3 = make_sandbox(volumes={"/workspace": v})
-    assert sh(s3, "cat /workspace/copied") == "api"
-
-
-FSYNC_WRITE_PY = r'''
-import os, sys
-path, data = sys.argv[1], sys.argv[2].encode()
-fd = os.open(path + ".tmp", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-os.write(fd, data)
-os.fsync(fd)
-os.close(fd)
-os.rename(path + ".tmp", path)
-dfd = os.open(os.path.dirname(path), os.O_RDONLY)
-os.fsync(dfd)
-os.close(dfd)
-'''
+    assert sh_in(s3, "cat /workspace/copied") == "api"
 
 
 def test_fsynced_writes_survive_kill_9_of_the_daemon(daemon, make_volume):
@@ -870,7 +869,7 @@ def test_fsynced_writes_survive_kill_9_of_the_daemon(daemon, make_volume):
         assert mounts_of(v) == [(writer.id, "/workspace", False, True)], i
         # The sandbox that wrote lives on; kill it: a new one takes the volume.
         writer = Sandbox.connect(writer.id, daemon=URL)
-        assert sh(writer, "cat /workspace/r%d" % i) == data
+        assert sh_in(writer, "cat /workspace/r%d" % i) == data
         assert writer.kill() is True
         assert mounts_of(v) == []
         writer = Sandbox.create(daemon=URL, volumes={"/workspace": v}, timeout=600)
@@ -883,7 +882,7 @@ def test_fsynced_writes_survive_kill_9_of_the_daemon(daemon, make_volume):
 def test_volume_of_a_sandbox_that_died_while_the_daemon_was_down_is_released(daemon, make_volume):
     v = make_volume()
     s = Sandbox.create(daemon=URL, volumes={"/workspace": v}, timeout=600)
-    sh(s, "echo kept > /workspace/f")
+    sh_in(s, "echo kept > /workspace/f")
     init = s.info().init_pid
     try:
         daemon.stop(signal.SIGKILL)
@@ -894,17 +893,17 @@ def test_volume_of_a_sandbox_that_died_while_the_daemon_was_down_is_released(dae
     v = Volume.connect(v.id, daemon=URL)
     assert mounts_of(v) == []
     with Sandbox.create(daemon=URL, volumes={"/w": v}, timeout=600) as s2:
-        assert sh(s2, "cat /w/f") == "kept\n"
+        assert sh_in(s2, "cat /w/f") == "kept\n"
 
 
 def test_expired_sandbox_releases_its_volume(make_volume, make_sandbox):
     v = make_volume()
     s = make_sandbox(volumes={"/workspace": v}, timeout=2)
-    sh(s, "echo before-expiry > /workspace/f")
+    sh_in(s, "echo before-expiry > /workspace/f")
     wait_until(lambda: mounts_of(v) == [], timeout=30, what="the expired sandbox to be reaped and its volume released")
     assert not s.is_running()
     s2 = make_sandbox(volumes={"/workspace": v})
-    assert sh(s2, "cat /workspace/f") == "before-expiry\n"
+    assert sh_in(s2, "cat /workspace/f") == "before-expiry\n"
 
 
 def need_criu():
@@ -920,8 +919,7 @@ def test_pause_and_resume_keep_the_volume_and_its_open_files(make_volume, make_s
     need_criu()
     v = make_volume()
     s = make_sandbox(volumes={"/workspace": v}, timeout=0)
-    s.commands.run(["python3", "-c", APPEND_PY, "/workspace/log"], background=True, cwd="/workspace")
-    wait_until(lambda: log_lines(v) > 20, what="the writer to start")
+    start_appender(v, s, cwd="/workspace")
     s.pause()
     # Paused, the sandbox still holds its volume.
     assert mounts_of(v) == [(s.id, "/workspace", False, True)]
@@ -933,7 +931,7 @@ def test_pause_and_resume_keep_the_volume_and_its_open_files(make_volume, make_s
     v.files.write("/while-paused", "api")
     s.resume()
     assert [m.volume for m in s.info().volumes] == [v.id]
-    assert sh(s, "cat /workspace/while-paused") == "api"
+    assert sh_in(s, "cat /workspace/while-paused") == "api"
     # The restored writer goes on in the same file, without a gap.
     grown(v, at_pause)
     assert consecutive(whole_lines(v.files.read("/log")))
@@ -946,10 +944,10 @@ def test_snapshots_restore_and_forks_follow_content_exactly(make_volume, make_sa
     v = make_volume()
     s = make_sandbox(volumes={"/v": v})
     make_tree(s, "/v", 11)
-    d_a = digest(s, "/v")
+    d_a = tree_digest(s, "/v")
     snap_a = v.snapshot("a")
     mutate(s, "/v", "b")
-    d_b = digest(s, "/v")
+    d_b = tree_digest(s, "/v")
     assert d_b != d_a
     snap_b = v.snapshot("b")
     assert (snap_a.layers, snap_b.layers) == (1, 2)
@@ -957,9 +955,9 @@ def test_snapshots_restore_and_forks_follow_content_exactly(make_volume, make_sa
     with pytest.raises(ConflictError) as e:
         v.restore(snap_a)
     assert s.id in str(e.value)
-    assert digest(s, "/v") == d_b
+    assert tree_digest(s, "/v") == d_b
     mutate(s, "/v", "c")
-    d_c = digest(s, "/v")
+    d_c = tree_digest(s, "/v")
     live_fork = make_volume.adopt(v.fork().id)
     assert live_fork.info().source == v.id and live_fork.id != v.id
     fork_a = make_volume.adopt(v.fork(snapshot=snap_a).id)
@@ -969,11 +967,11 @@ def test_snapshots_restore_and_forks_follow_content_exactly(make_volume, make_sa
     s.kill()
     v.restore(snap_a)
     s = make_sandbox(volumes={"/v": v, "/live": live_fork, "/fa": fork_a, "/fb": fork_b})
-    assert digests(s, "/v", "/live", "/fa", "/fb") == [d_a, d_c, d_a, d_b]
+    assert tree_digests(s, "/v", "/live", "/fa", "/fb") == [d_a, d_c, d_a, d_b]
     # Forks and their source change independently.
     mutate(s, "/live", "x")
-    sh(s, "echo only-v > /v/only-v && rm -r /fa/d0")
-    got = digests(s, "/v", "/live", "/fa", "/fb")
+    sh_in(s, "echo only-v > /v/only-v && rm -r /fa/d0")
+    got = tree_digests(s, "/v", "/live", "/fa", "/fb")
     assert got[3] == d_b and len(set(got)) == 4
     assert not fork_b.files.exists("/only-v") and not live_fork.files.exists("/only-v")
     assert v.files.exists("/d0") and not fork_a.files.exists("/d0")
@@ -996,11 +994,11 @@ def test_snapshots_restore_and_forks_follow_content_exactly(make_volume, make_sa
     with client() as c:
         remove_volume(c, v.id)
     s = make_sandbox(volumes={"/fa": fork_a, "/fb": fork_b, "/live": live_fork})
-    assert digests(s, "/fb", "/fa", "/live") == [d_b, got[2], got[1]]
+    assert tree_digests(s, "/fb", "/fa", "/live") == [d_b, got[2], got[1]]
     s.kill()
     fork_a.restore(snap_fa)
     s = make_sandbox(volumes={"/fa": fork_a})
-    assert digest(s, "/fa") == got[2]
+    assert tree_digest(s, "/fa") == got[2]
 
 
 def snaplayers():
@@ -1031,40 +1029,22 @@ def test_deleted_volumes_and_forks_leave_no_layers(make_volume):
     assert not left, "deleted volumes left layers: %r" % sorted(left)
 
 
-APPEND_PY = r'''
-import os, sys, time
-fd = os.open(sys.argv[1], os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
-i = 0
-while True:
-    os.write(fd, b"tick %d\n" % i)
-    i += 1
-    time.sleep(0.002)
-'''
-
-
-def whole_lines(text):
-    return text.split("\n")[:-1]  # a read may meet the line being written: leave it out
-
-
-def consecutive(lines):
-    return lines == ["tick %d" % i for i in range(len(lines))]
-
-
-def log_lines(v):
-    try:
-        return len(whole_lines(v.files.read("/log")))
-    except NotFoundError:  # not created yet
-        return 0
-
-
-def start_appender(v, s):
-    writer = s.commands.run(["python3", "-c", APPEND_PY, "/workspace/log"], background=True)
-    wait_until(lambda: log_lines(v) > 20, what="the writer to start")
-    return writer
-
-
-def grown(v, n):
-    wait_until(lambda: log_lines(v) > n + 50, what="the live file to grow past %d lines" % n)
+def test_deleting_a_volume_removes_layers_only_its_snapshots_held(make_volume):
+    """A layer that only one of the volume's snapshots holds (frozen by a snapshot, then left
+    by a restore to an earlier one) goes from <state>/snaplayers with the volume, like the
+    layers of its current chain."""
+    layers_before = snaplayers()
+    v = make_volume()
+    v.files.write("/a", "1")
+    s1 = v.snapshot()
+    v.files.write("/b", "2")
+    v.snapshot()
+    v.restore(s1)
+    assert [e.name for e in v.files.list("/")] == ["a"]
+    with client() as c:
+        remove_volume(c, v.id)
+    left = snaplayers() - layers_before
+    assert not left, "the deleted volume left layers: %r" % sorted(left)
 
 
 def test_snapshot_of_a_file_being_appended_stays_frozen(make_volume, make_sandbox):
@@ -1081,13 +1061,43 @@ def test_snapshot_of_a_file_being_appended_stays_frozen(make_volume, make_sandbo
     # The writer goes on in the same open file (now in the new writable layer) without a gap,
     # and the snapshot stays as it was.
     grown(v, at_snapshot)
-    live = sh(s, "cat /workspace/log")
+    live = sh_in(s, "cat /workspace/log")
     assert live.startswith(frozen) and consecutive(whole_lines(live)), "the live file lost or repeated lines"
     assert fork.files.read("/log") == frozen
     assert s.commands.kill(writer.pid) is True
     live = v.files.read("/log")
     assert live.startswith(frozen) and consecutive(whole_lines(live)) and live.endswith("\n")
     assert len(whole_lines(live)) > n + 50 and fork.files.read("/log") == frozen
+
+
+@pytest.mark.parametrize("how", ["volume-snapshot", "checkpoint"])
+def test_second_snapshot_of_a_file_kept_open_stays_frozen(make_volume, make_sandbox, how):
+    """A process appends to a file in the volume, through one fd, across two snapshots (of the
+    volume, or checkpoints of the sandbox). At the second freeze its fd is still on the mount
+    instance it was opened in, an older one than the volume's: each snapshot, and the fork
+    made of it, keeps the file as it was when taken while the writer goes on."""
+    v = make_volume()
+    s = make_sandbox(volumes={"/workspace": v})
+    writer = start_appender(v, s)
+
+    def snapshot_and_fork():
+        if how == "volume-snapshot":
+            return make_volume.adopt(v.fork(snapshot=v.snapshot()).id)
+        child = make_sandbox(snapshot=s.checkpoint())
+        return make_volume.adopt(child.info().volumes[0].volume)
+
+    f1 = snapshot_and_fork()
+    frozen1 = f1.files.read("/log")
+    grown(v, len(whole_lines(frozen1)))
+    f2 = snapshot_and_fork()
+    frozen2 = f2.files.read("/log")
+    assert frozen2.startswith(frozen1) and consecutive(whole_lines(frozen2))
+    grown(v, len(whole_lines(frozen2)))
+    assert s.commands.kill(writer.pid) is True
+    assert f1.files.read("/log") == frozen1, "the first snapshot changed"
+    now = f2.files.read("/log")
+    assert now == frozen2, "the second snapshot grew from %d to %d lines after it was taken" % (
+        len(whole_lines(frozen2)), len(whole_lines(now)))
 
 
 # ----------------------------------------------------------------------------- 6. branching with the sandbox
@@ -1099,26 +1109,26 @@ def test_checkpoint_and_rollback_take_the_volume_along(make_volume, make_sandbox
     make_tree(s, "/workspace", 21)
     s.run_code("x = 1")
     snap1 = s.checkpoint()
-    d1 = digest(s, "/workspace")
+    d1 = tree_digest(s, "/workspace")
     assert v.info().snapshots == 1  # the checkpoint recorded the volume's state
     mutate(s, "/workspace", "two")
     v.files.write("/api-file", "written through the api")
-    d2 = digest(s, "/workspace")
+    d2 = tree_digest(s, "/workspace")
     snap2 = s.checkpoint()
-    sh(s, "rm -r /workspace/d0 && echo 3 > /workspace/three")
+    sh_in(s, "rm -r /workspace/d0 && echo 3 > /workspace/three")
     s.rollback(snap1)
-    assert digest(s, "/workspace") == d1
+    assert tree_digest(s, "/workspace") == d1
     assert not v.files.exists("/api-file") and v.files.read("/seed") == "21"
     assert s.run_code("x").result == "1"
     s.rollback(snap2)
-    assert digest(s, "/workspace") == d2 and v.files.read("/api-file") == "written through the api"
+    assert tree_digest(s, "/workspace") == d2 and v.files.read("/api-file") == "written through the api"
     # Work goes on after a rollback, and an unchanged volume rolls back to itself.
-    sh(s, "echo after > /workspace/after")
+    sh_in(s, "echo after > /workspace/after")
     s.rollback(snap2)
-    assert digest(s, "/workspace") == d2
+    assert tree_digest(s, "/workspace") == d2
     s.rollback(snap1)
     s.rollback(snap1)
-    assert digest(s, "/workspace") == d1
+    assert tree_digest(s, "/workspace") == d1
     # Restoring the volume itself is refused while it is mounted.
     snaps = v.snapshots()
     with pytest.raises(ConflictError):
@@ -1138,9 +1148,9 @@ def test_a_checkpoint_is_lightweight_only_if_the_volume_did_not_change(make_volu
     assert s3.lightweight is False, s3
     v.files.remove("/via-api")
     s.rollback(s3.id)
-    assert v.files.read("/via-api") == "x" and sh(s, "cat /workspace/via-api") == "x"
+    assert v.files.read("/via-api") == "x" and sh_in(s, "cat /workspace/via-api") == "x"
     s.rollback(s2.id)
-    assert not v.files.exists("/via-api") and sh(s, "ls -A /workspace | wc -l") == "0\n"
+    assert not v.files.exists("/via-api") and sh_in(s, "ls -A /workspace | wc -l") == "0\n"
     assert s.run_code("a").result == "1"
 
 
@@ -1150,8 +1160,7 @@ def test_rollback_restores_a_background_writer_of_a_volume_file(make_volume, mak
     need_criu()
     v = make_volume()
     s = make_sandbox(volumes={"/workspace": v})
-    s.commands.run(["python3", "-c", APPEND_PY, "/workspace/log"], background=True, cwd="/workspace")
-    wait_until(lambda: log_lines(v) > 20, what="the writer to start")
+    start_appender(v, s, cwd="/workspace")
     snap = s.checkpoint(processes="all")
     at = log_lines(v)
     grown(v, at)
@@ -1163,14 +1172,38 @@ def test_rollback_restores_a_background_writer_of_a_volume_file(make_volume, mak
     assert consecutive(whole_lines(v.files.read("/log"))), "the restored writer did not go on where the file was"
 
 
+def test_session_restored_by_a_rollback_writes_on_in_its_open_volume_file(make_volume, make_sandbox):
+    """A python session holds a file in the volume open for writing across a checkpoint. After
+    a rollback the restored session works on in the restored volume: from its working
+    directory there, and in the file it holds open, which is reopened in the restored writable
+    layer (as files in the sandbox's root are, see test_checkpoint.py::
+    test_open_file_cannot_change_the_snapshot)."""
+    v = make_volume()
+    s = make_sandbox(volumes={"/workspace": v})
+    s.run_code("import os\nos.chdir('/workspace')\nf = open('/workspace/sess.txt', 'w')\nf.write('before')\nf.flush()")
+    snap = s.checkpoint()
+    s.run_code("f.write(' after'); f.flush()")
+    assert sh_in(s, "cat /workspace/sess.txt") == "before after"
+    s.rollback(snap)
+    assert sh_in(s, "cat /workspace/sess.txt") == "before"
+    # The restored session works on in the restored volume, from its working directory in it...
+    s.run_code("open('rel.txt', 'w').write('cwd')")
+    assert sh_in(s, "cat /workspace/rel.txt") == "cwd" and v.files.read("/rel.txt") == "cwd"
+    assert s.run_code("sorted(os.listdir('.'))").result == "['rel.txt', 'sess.txt']"
+    # ...and in the file it holds open.
+    r = s.run_code("f.write('+again'); f.flush()\nos.fstat(f.fileno()).st_nlink")
+    assert sh_in(s, "cat /workspace/sess.txt") == "before+again", "the session's file has %s links" % r.result
+    assert v.files.read("/sess.txt") == "before+again"
+
+
 def test_fork_gives_each_child_its_own_copy_of_the_volume(make_volume, make_sandbox):
     v = make_volume()
     s = make_sandbox(volumes={"/workspace": v})
     make_tree(s, "/workspace", 31)
     snap = s.checkpoint()
-    d_snap = digest(s, "/workspace")
-    sh(s, "echo parent-later > /workspace/later")
-    d_parent = digest(s, "/workspace")
+    d_snap = tree_digest(s, "/workspace")
+    sh_in(s, "echo parent-later > /workspace/later")
+    d_parent = tree_digest(s, "/workspace")
     kids = s.fork(3, snapshot=snap)
     try:
         vids = []
@@ -1185,28 +1218,55 @@ def test_fork_gives_each_child_its_own_copy_of_the_volume(make_volume, make_sand
         assert len(set(vids)) == 3 and v.id not in vids
         assert mounts_of(v) == [(s.id, "/workspace", False, True)]
         for k in kids:
-            assert digest(k, "/workspace") == d_snap
+            assert tree_digest(k, "/workspace") == d_snap
         for i, k in enumerate(kids):
-            sh(k, "echo child%d > /workspace/mine && rm /workspace/seed" % i)
+            sh_in(k, "echo child%d > /workspace/mine && rm /workspace/seed" % i)
         for i, k in enumerate(kids):
-            assert sh(k, "cat /workspace/mine; test ! -e /workspace/later && test ! -e /workspace/seed && echo clean") == \
+            assert sh_in(k, "cat /workspace/mine; test ! -e /workspace/later && test ! -e /workspace/seed && echo clean") == \
                 "child%d\nclean\n" % i
             assert Volume.connect(vids[i], daemon=URL).files.read("/mine") == "child%d\n" % i
-        assert digest(s, "/workspace") == d_parent
+        assert tree_digest(s, "/workspace") == d_parent
         assert not v.files.exists("/mine")
         # A fork without a snapshot takes a checkpoint now: the child has the parent's current files.
-        sh(s, "echo parent-now > /workspace/now")
-        d_now = digest(s, "/workspace")
+        sh_in(s, "echo parent-now > /workspace/now")
+        d_now = tree_digest(s, "/workspace")
         (kid,) = s.fork(1)
         kids.append(kid)
         make_volume.adopt(kid.info().volumes[0].volume)
-        assert digest(kid, "/workspace") == d_now
-        sh(s, "echo parent-after-fork > /workspace/now")
-        assert sh(kid, "cat /workspace/now") == "parent-now\n"
+        assert tree_digest(kid, "/workspace") == d_now
+        sh_in(s, "echo parent-after-fork > /workspace/now")
+        assert sh_in(kid, "cat /workspace/now") == "parent-now\n"
     finally:
         for k in kids:
             k.kill()
             k.close()
+
+
+@pytest.mark.parametrize("access", ["rwo", "rox"])
+def test_forks_of_a_read_only_mount_stay_read_only(make_volume, make_sandbox, access):
+    """Children of a sandbox that mounts a volume read-only mount it read-only too: an rwo
+    volume as a copy of their own, an rox volume as the one shared volume (nothing is forked)."""
+    v = make_volume(access=access)
+    v.files.write("/seed.txt", "seed")
+    s = make_sandbox(volumes={"/data": VolumeMount(volume=v.id, read_only=True)})
+    snap = s.checkpoint()
+    with client() as c:
+        vols_before = volume_ids(c)
+        r = c.post("/v1/sandboxes/%s/fork" % s.id, json={"count": 2, "snapshot": snap})
+        if r.status_code != 201:
+            left = sorted(set(volume_ids(c)) - set(vols_before))
+            pytest.fail("fork failed (%d %s); volumes it left behind: %r" % (r.status_code, r.text, left))
+        kids = [Sandbox.connect(k["id"], daemon=URL) for k in r.json()["sandboxes"]]
+        for k in kids:
+            (m,) = k.info().volumes
+            if access == "rox":
+                # Shared read-only data: each child mounts the volume itself, nothing is forked.
+                assert m.volume == v.id and m.branch is False, m
+            else:
+                make_volume.adopt(m.volume)
+            assert m.read_only is True, "the child's mount of a read-only mount is read-write: %r" % m
+            assert py_in(k, WRITES_REFUSED_PY, "/data") == "refused\n"
+        assert len(volume_ids(c)) == len(vols_before) + (0 if access == "rox" else 2)
 
 
 def test_non_branching_mount_is_not_rolled_back_nor_forked(make_volume, make_sandbox):
@@ -1215,19 +1275,19 @@ def test_non_branching_mount_is_not_rolled_back_nor_forked(make_volume, make_san
     s = make_sandbox(volumes=[VolumeMount(volume=ws.id, path="/workspace"),
                               VolumeMount(volume=cache.id, path="/cache", branch=False)])
     assert sorted((m.path, m.branch) for m in s.info().volumes) == [("/cache", False), ("/workspace", True)]
-    sh(s, "echo 1 > /workspace/f && echo 1 > /cache/f")
+    sh_in(s, "echo 1 > /workspace/f && echo 1 > /cache/f")
     snap = s.checkpoint()
     assert (ws.info().snapshots, cache.info().snapshots) == (1, 0)
-    sh(s, "echo 2 > /workspace/f && echo 2 > /cache/f && echo new > /cache/g")
+    sh_in(s, "echo 2 > /workspace/f && echo 2 > /cache/f && echo new > /cache/g")
     s.rollback(snap)
-    assert sh(s, "cat /workspace/f /cache/f /cache/g") == "1\n2\nnew\n"
+    assert sh_in(s, "cat /workspace/f /cache/f /cache/g") == "1\n2\nnew\n"
     assert cache.files.read("/g") == "new\n"
     # Children get the branching volume only; the cache stays with the parent.
     (kid,) = s.fork(1, snapshot=snap)
     try:
         assert [m.path for m in kid.info().volumes] == ["/workspace"]
         make_volume.adopt(kid.info().volumes[0].volume)
-        assert sh(kid, "cat /workspace/f; ls -A /cache 2>/dev/null | wc -l") == "1\n0\n"
+        assert sh_in(kid, "cat /workspace/f; ls -A /cache 2>/dev/null | wc -l") == "1\n0\n"
         assert mounts_of(cache) == [(s.id, "/cache", False, False)]
     finally:
         kid.kill()
@@ -1238,8 +1298,8 @@ def test_sandbox_created_from_a_snapshot_gets_forks_of_its_volumes(make_volume, 
     s = make_sandbox(volumes={"/workspace": v})
     make_tree(s, "/workspace", 41)
     snap = s.checkpoint()
-    d_snap = digest(s, "/workspace")
-    sh(s, "rm -r /workspace/d1")
+    d_snap = tree_digest(s, "/workspace")
+    sh_in(s, "rm -r /workspace/d1")
     c1 = make_sandbox(snapshot=snap)
     c2 = make_sandbox(snapshot=snap)
     vids = []
@@ -1249,15 +1309,34 @@ def test_sandbox_created_from_a_snapshot_gets_forks_of_its_volumes(make_volume, 
         vids.append(m.volume)
         assert m.path == "/workspace" and m.volume != v.id
         assert Volume.connect(m.volume, daemon=URL).info().source == v.id
-        assert digest(c, "/workspace") == d_snap
+        assert tree_digest(c, "/workspace") == d_snap
     assert len(set(vids)) == 2
-    sh(c1, "echo c1 > /workspace/c1")
+    sh_in(c1, "echo c1 > /workspace/c1")
     assert not Volume.connect(vids[1], daemon=URL).files.exists("/c1") and not v.files.exists("/c1")
     # The parent's sandbox may be gone: the snapshot still makes a sandbox with its volume.
     s.kill()
     c3 = make_sandbox(snapshot=snap)
     make_volume.adopt(c3.info().volumes[0].volume)
-    assert digest(c3, "/workspace") == d_snap
+    assert tree_digest(c3, "/workspace") == d_snap
+
+
+def test_evaluate_sees_the_volumes_and_leaves_nothing_behind(make_volume, make_sandbox):
+    """``evaluate`` runs its command on a copy of the sandbox made from a checkpoint: the
+    command sees the files of the sandbox's volume, what it changes does not reach the volume,
+    and no volume or volume snapshot is left after it."""
+    v = make_volume()
+    s = make_sandbox(volumes={"/workspace": v})
+    sh_in(s, "echo orig > /workspace/f")
+    with client() as c:
+        volumes_before = volume_ids(c)
+        snaps_before = [x.id for x in v.snapshots()]
+        r = s.evaluate("cat /workspace/f; echo changed > /workspace/f; touch /workspace/new")
+        assert r.stdout == "orig\n", "the evaluated command did not see the volume: %r" % (r,)
+        assert sh_in(s, "cat /workspace/f; ls /workspace") == "orig\nf\n", "evaluate changed the volume"
+        assert volume_ids(c) == volumes_before, "evaluate left volumes: %r" % sorted(set(volume_ids(c)) - set(volumes_before))
+        snaps_after = [(x.id, x.label) for x in v.snapshots()]
+        assert [x[0] for x in snaps_after] == snaps_before, "evaluate left volume snapshots: %r" % [
+            x for x in snaps_after if x[0] not in snaps_before]
 
 
 # ----------------------------------------------------------------------------- 7. real tools
@@ -1286,22 +1365,22 @@ def test_git_repository_on_a_volume(make_volume, make_sandbox):
     s = make_sandbox(volumes={"/workspace": v})
     assert py_in(s, GIT_PY, timeout=300) == "ok\n"
     v.snapshot()  # the repository goes to a lower layer: the clone and the next commit work on it
-    sh(s, "git clone -q /workspace/src /workspace/clone", timeout=300)
-    sh(s, "git -C /workspace/clone fsck --full --strict", timeout=300)
+    sh_in(s, "git clone -q /workspace/src /workspace/clone", timeout=300)
+    sh_in(s, "git -C /workspace/clone fsck --full --strict", timeout=300)
     count = "git -C /workspace/clone ls-files | wc -l; find /workspace/clone -type f -not -path '*/.git/*' | wc -l"
-    assert sh(s, count) == "3000\n3000\n"
-    sh(s, "cd /workspace/src && echo change >> pkg01/mod1/file0001.txt && git rm -q pkg02/mod2/file0002.txt "
-          "&& echo new > pkg03/new.txt && git add -A && git -c user.name=t -c user.email=t@e commit -qm second "
-          "&& git -C /workspace/clone pull -q && git -C /workspace/clone fsck --full", timeout=300)
-    assert sh(s, "cat /workspace/clone/pkg03/new.txt; test ! -e /workspace/clone/pkg02/mod2/file0002.txt && echo rm") == "new\nrm\n"
-    head = sh(s, "git -C /workspace/src rev-parse HEAD")
-    assert sh(s, "git -C /workspace/clone rev-parse HEAD") == head
+    assert sh_in(s, count) == "3000\n3000\n"
+    sh_in(s, "cd /workspace/src && echo change >> pkg01/mod1/file0001.txt && git rm -q pkg02/mod2/file0002.txt "
+             "&& echo new > pkg03/new.txt && git add -A && git -c user.name=t -c user.email=t@e commit -qm second "
+             "&& git -C /workspace/clone pull -q && git -C /workspace/clone fsck --full", timeout=300)
+    assert sh_in(s, "cat /workspace/clone/pkg03/new.txt; test ! -e /workspace/clone/pkg02/mod2/file0002.txt && echo rm") == "new\nrm\n"
+    head = sh_in(s, "git -C /workspace/src rev-parse HEAD")
+    assert sh_in(s, "git -C /workspace/clone rev-parse HEAD") == head
     # A new sandbox finds the repositories intact.
     s.kill()
     s2 = make_sandbox(volumes={"/workspace": v})
-    sh(s2, "git -C /workspace/src fsck --full && git -C /workspace/clone fsck --full", timeout=300)
-    assert sh(s2, "git -C /workspace/src status --porcelain | wc -l") == "0\n"
-    assert sh(s2, "git -C /workspace/clone rev-parse HEAD") == head
+    sh_in(s2, "git -C /workspace/src fsck --full && git -C /workspace/clone fsck --full", timeout=300)
+    assert sh_in(s2, "git -C /workspace/src status --porcelain | wc -l") == "0\n"
+    assert sh_in(s2, "git -C /workspace/clone rev-parse HEAD") == head
 
 
 def tiny_wheel(dist, version, module_code):
@@ -1363,14 +1442,14 @@ def test_python_venv_and_pip_install_on_a_volume(make_volume, make_sandbox):
         pytest.skip("no pip wheel in /usr/share/python-wheels")
     v = make_volume()
     s = make_sandbox(volumes={"/workspace": v})
-    sh(s, "python3 -m venv --without-pip /workspace/venv", timeout=120)
+    sh_in(s, "python3 -m venv --without-pip /workspace/venv", timeout=120)
     s.files.upload(pip_wheels[-1], "/tmp/pip.whl")
     v.files.write("/pkg-1.0-py3-none-any.whl", tiny_wheel("pkg", "1.0", PKG_CODE))
     v.files.write("/test_pkg.py", UNITTEST_CODE)
-    out = sh(s, "/workspace/venv/bin/python /tmp/pip.whl/pip install --no-index --no-cache-dir "
-                "--disable-pip-version-check /workspace/pkg-*.whl 2>&1", timeout=300)
+    out = sh_in(s, "/workspace/venv/bin/python /tmp/pip.whl/pip install --no-index --no-cache-dir "
+                   "--disable-pip-version-check /workspace/pkg-*.whl 2>&1", timeout=300)
     assert "Successfully installed pkg-1.0" in out, out
-    assert sh(s, "cd / && /workspace/venv/bin/python -c 'import pkg; print(pkg.add(40, 2), pkg.__file__)'") == \
+    assert sh_in(s, "cd / && /workspace/venv/bin/python -c 'import pkg; print(pkg.add(40, 2), pkg.__file__)'") == \
         "42 /workspace/venv/lib/python3.11/site-packages/pkg/__init__.py\n"
     r = s.commands.run("cd /workspace && /workspace/venv/bin/python -m unittest -v test_pkg 2>&1", timeout=120)
     assert r.exit_code == 0 and "Ran 3 tests" in r.stdout and r.stdout.rstrip().endswith("OK"), r.stdout
@@ -1380,7 +1459,7 @@ def test_python_venv_and_pip_install_on_a_volume(make_volume, make_sandbox):
     s2 = make_sandbox(volumes={"/workspace": v})
     r = s2.commands.run("cd /workspace && /workspace/venv/bin/python -m unittest test_pkg 2>&1", timeout=120)
     assert r.exit_code == 0 and "Ran 3 tests" in r.stdout, r.stdout
-    assert {"pkg", "pkg-1.0.dist-info"} <= set(sh(s2, "ls /workspace/venv/lib/python3.11/site-packages").split())
+    assert {"pkg", "pkg-1.0.dist-info"} <= set(sh_in(s2, "ls /workspace/venv/lib/python3.11/site-packages").split())
 
 
 # ----------------------------------------------------------------------------- 8. sync
@@ -1398,8 +1477,6 @@ def head_in_metadata_store(vid):
         db.close()
     if row is None:
         return None
-    import json
-
     return row[0], len(json.loads(row[1])["layers"])
 
 
@@ -1424,13 +1501,13 @@ def test_sync_makes_the_volume_durable(make_volume, make_sandbox):
     # Writes from a sandbox that mounts it; sync while it is mounted, and it keeps working.
     s = make_sandbox(volumes={"/workspace": v})
     assert v.info().durability == "durable"
-    sh(s, "head -c 30000 /dev/urandom > /workspace/b")
+    sh_in(s, "head -c 30000 /dev/urandom > /workspace/b")
     i = v.info()
     assert i.durability == "node-local" and i.backlog_bytes >= 30_000 and i.version == 1, i
     i = v.sync()
     assert (i.durability, i.backlog_bytes, i.version) == ("durable", 0, 2), i
     assert head_in_metadata_store(v.id) == (2, i.layers)
-    sh(s, "echo more >> /workspace/b && sync")
+    sh_in(s, "echo more >> /workspace/b && sync")
     assert v.info().durability == "node-local"
     assert v.sync().version == 3
     assert v.sync().version == 3
@@ -1439,189 +1516,3 @@ def test_sync_makes_the_volume_durable(make_volume, make_sandbox):
     fi = f.info()
     assert (fi.version, fi.durability) == (0, "node-local") and fi.backlog_bytes > 0, fi
     assert f.sync().version == 1
-
-
-# ----------------------------------------------------------------------------- daemon bugs (failing tests)
-
-
-def test_bug_quota_is_not_enforced(make_volume):
-    """DAEMON BUG: ``quota_mb`` is stored and reported but never enforced. The contract
-    (volumes-api.md: 507 quota -> code "quota_exceeded") and the SDK (``QuotaExceededError``:
-    "writes beyond fail") say a write beyond the quota fails; the daemon accepts it."""
-    v = make_volume(quota_mb=1)
-    with client() as c:
-        r = c.put("/v1/volumes/%s/files" % v.id, params={"path": "/big"}, content=b"x" * (3 << 20))
-        api_error(r, 507, "quota_exceeded")
-
-
-HARDLINK_PY = r'''
-import os, sys
-os.chdir(sys.argv[1])
-if sys.argv[2] == "1":
-    with open("a", "w") as f:
-        f.write("one")
-    os.link("a", "b")
-else:
-    with open("a", "r+") as f:
-        f.write("TWO")
-    sa, sb = os.stat("a"), os.stat("b")
-    assert (sa.st_ino, sa.st_nlink) == (sb.st_ino, 2) and sb.st_nlink == 2, "a: ino %d nlink %d, b: ino %d nlink %d" % (
-        sa.st_ino, sa.st_nlink, sb.st_ino, sb.st_nlink)
-    assert open("b").read() == "TWO", "b reads %r after a write through a" % open("b").read()
-'''
-
-
-def test_bug_hard_links_break_once_a_snapshot_froze_them(make_volume, make_sandbox):
-    """DAEMON BUG: after any freeze of the volume (snapshot, checkpoint, fork, sync) a file
-    with two hard links becomes two files: writing through one name no longer shows through the
-    other (overlayfs copies up one link alone: the volume's overlay is mounted without
-    index=on). POSIX file systems (and tools on a volume: git, pip, package managers) expect
-    hard links to stay one file."""
-    v = make_volume()
-    s = make_sandbox(volumes={"/workspace": v})
-    py_in(s, HARDLINK_PY, "/workspace", "1")
-    v.snapshot()
-    py_in(s, HARDLINK_PY, "/workspace", "2")
-
-
-def test_bug_file_api_hides_and_cannot_remove_non_utf8_names(make_volume, make_sandbox):
-    """DAEMON BUG (files API, shared with sandboxes): a name that is not UTF-8 is read with
-    to_string_lossy, so ``list`` silently leaves the entry out (its lossy name is not found, as
-    if removed meanwhile) and a recursive ``remove`` of its directory fails with 404."""
-    v = make_volume()
-    s = make_sandbox(volumes={"/workspace": v})
-    py_in(s, "import os; os.mkdir('/workspace/d'); open(b'/workspace/d/\\xff\\xfe name\\n', 'wb').write(b'x'); "
-             "open('/workspace/d/plain', 'w').write('y')")
-    assert len(v.files.list("/d")) == 2, "list shows %r of 2 entries" % [e.name for e in v.files.list("/d")]
-    v.files.remove("/d", recursive=True)
-    assert sh(s, "test ! -e /workspace/d && echo gone") == "gone\n"
-
-
-@pytest.mark.parametrize("access", ["rwo", "rox"])
-def test_bug_forks_of_a_read_only_mount_are_mounted_read_write(make_volume, make_sandbox, access):
-    """DAEMON BUG: a checkpoint records a volume's mount path but not ``read_only``, and
-    fork_volumes_into mounts every child's copy read-write: children of a sandbox that mounts a
-    volume read-only can write to it (rwo); for an rox volume the child's mount is refused
-    (rox needs read_only), so the fork fails, and the volumes it already made are left behind."""
-    v = make_volume(access=access)
-    v.files.write("/seed", "seed")
-    s = make_sandbox(volumes={"/data": VolumeMount(volume=v.id, read_only=True)})
-    snap = s.checkpoint()
-    with client() as c:
-        vols_before = volume_ids(c)
-        r = c.post("/v1/sandboxes/%s/fork" % s.id, json={"count": 2, "snapshot": snap})
-        if r.status_code != 201:
-            left = sorted(set(volume_ids(c)) - set(vols_before))
-            pytest.fail("fork failed (%d %s); volumes it left behind: %r" % (r.status_code, r.text, left))
-        kids = [Sandbox.connect(k["id"], daemon=URL) for k in r.json()["sandboxes"]]
-        for k in kids:
-            (m,) = k.info().volumes
-            make_volume.adopt(m.volume)
-            assert m.read_only is True, "the child's copy of a read-only mount is read-write: %r" % m
-            assert py_in(k, WRITES_REFUSED_PY, "/data") == "refused\n"
-        assert len(volume_ids(c)) == len(vols_before) + 2
-
-
-def test_bug_deleting_a_volume_leaves_layers_only_its_snapshots_held(make_volume):
-    """DAEMON BUG: delete_volume removes the layers of the volume's current chain only. A layer
-    that only one of its snapshots held (here: frozen by a snapshot, then left by a restore to
-    an earlier one) stays in <state>/snaplayers after the delete, until the next daemon start
-    collects layers (gc_layers runs at start and when sandbox snapshots are deleted, never
-    for volumes)."""
-    layers_before = snaplayers()
-    v = make_volume()
-    v.files.write("/a", "1")
-    s1 = v.snapshot()
-    v.files.write("/b", "2")
-    v.snapshot()
-    v.restore(s1)
-    assert [e.name for e in v.files.list("/")] == ["a"]
-    with client() as c:
-        remove_volume(c, v.id)
-    left = snaplayers() - layers_before
-    assert not left, "the deleted volume left layers: %r" % sorted(left)
-
-
-@pytest.mark.parametrize("how", ["volume-snapshot", "checkpoint"])
-def test_bug_second_snapshot_of_a_file_kept_open_is_not_frozen(make_volume, make_sandbox, how):
-    """DAEMON BUG: a file a sandbox keeps open for writing is pinned into the new writable layer
-    at the first freeze of its volume, but not at the next one: freeze_blocking /
-    swap_volumes_frozen look for written files on the device of the *current* volume instance,
-    while the writer's fd is still on the instance it was opened in (an older one). The inode
-    stays in the layer the second freeze makes read-only, so the second snapshot (and every
-    fork of it) keeps changing as the process writes."""
-    v = make_volume()
-    s = make_sandbox(volumes={"/workspace": v})
-    writer = start_appender(v, s)
-
-    def snapshot_and_fork():
-        if how == "volume-snapshot":
-            return make_volume.adopt(v.fork(snapshot=v.snapshot()).id)
-        child = make_sandbox(snapshot=s.checkpoint())
-        return make_volume.adopt(child.info().volumes[0].volume)
-
-    f1 = snapshot_and_fork()
-    frozen1 = f1.files.read("/log")
-    grown(v, len(whole_lines(frozen1)))
-    f2 = snapshot_and_fork()
-    frozen2 = f2.files.read("/log")
-    assert frozen2.startswith(frozen1) and consecutive(whole_lines(frozen2))
-    grown(v, len(whole_lines(frozen2)))
-    assert s.commands.kill(writer.pid) is True
-    assert f1.files.read("/log") == frozen1, "the first snapshot changed"
-    now = f2.files.read("/log")
-    assert now == frozen2, "the second snapshot grew from %d to %d lines after it was taken" % (
-        len(whole_lines(frozen2)), len(whole_lines(now)))
-
-
-
-def test_bug_evaluate_does_not_see_the_volumes_and_leaves_volume_snapshots(make_volume, make_sandbox):
-    """DAEMON BUG: ``evaluate`` runs its command in a sandbox made from a checkpoint with
-    create_from, which mounts no volume: the command sees an empty /workspace instead of the
-    sandbox's files. And the checkpoint it takes records a volume snapshot ("checkpoint <sid>")
-    that is never deleted with the evaluation's sandbox snapshot: each evaluate adds one to the
-    volume's snapshots (and freezes a layer that stays held by it)."""
-    v = make_volume()
-    s = make_sandbox(volumes={"/workspace": v})
-    sh(s, "echo orig > /workspace/f")
-    with client() as c:
-        volumes_before = volume_ids(c)
-        snaps_before = [x.id for x in v.snapshots()]
-        r = s.evaluate("cat /workspace/f; echo changed > /workspace/f; touch /workspace/new")
-        problems = []
-        if r.stdout != "orig\n":
-            problems.append("the evaluated command did not see the volume: %r" % (r,))
-        if sh(s, "cat /workspace/f; ls /workspace") != "orig\nf\n":
-            problems.append("evaluate changed the volume")
-        if volume_ids(c) != volumes_before:
-            problems.append("evaluate left volumes: %r" % sorted(set(volume_ids(c)) - set(volumes_before)))
-        snaps_after = [(x.id, x.label) for x in v.snapshots()]
-        if [x[0] for x in snaps_after] != snaps_before:
-            problems.append("evaluate left volume snapshots: %r" % [x for x in snaps_after if x[0] not in snaps_before])
-        assert not problems, "\n".join(problems)
-
-
-def test_bug_restored_session_writes_to_its_open_volume_file_are_lost(make_volume, make_sandbox):
-    """DAEMON BUG: a session that holds a file in the volume open for writing across a
-    checkpoint is restored by a rollback with its fd on the inode of the discarded writable
-    layer (nlink 0): what it writes after the rollback goes nowhere. For the sandbox's root
-    the daemon re-opens such files in restored sessions (test_checkpoint.py::
-    test_open_file_cannot_change_the_snapshot: "writing continues in the restored sandbox");
-    for volumes it does not."""
-    v = make_volume()
-    s = make_sandbox(volumes={"/workspace": v})
-    s.run_code("import os\nos.chdir('/workspace')\nf = open('/workspace/sess.txt', 'w')\nf.write('before')\nf.flush()")
-    snap = s.checkpoint()
-    s.run_code("f.write(' after'); f.flush()")
-    assert sh(s, "cat /workspace/sess.txt") == "before after"
-    s.rollback(snap)
-    assert sh(s, "cat /workspace/sess.txt") == "before"
-    # The restored session works on in the restored volume, from its working directory in it...
-    s.run_code("open('rel.txt', 'w').write('cwd')")
-    assert sh(s, "cat /workspace/rel.txt") == "cwd" and v.files.read("/rel.txt") == "cwd"
-    assert s.run_code("sorted(os.listdir('.'))").result == "['rel.txt', 'sess.txt']"
-    # ...and in the file it holds open.
-    r = s.run_code("f.write('+again'); f.flush()\nos.fstat(f.fileno()).st_nlink")
-    assert sh(s, "cat /workspace/sess.txt") == "before+again", "the session's file has %s links" % r.result
-    assert v.files.read("/sess.txt") == "before+again"
-
