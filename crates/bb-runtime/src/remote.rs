@@ -543,19 +543,19 @@ impl Runtime {
     }
 
     /// Delete volume `id`'s committed head if it is still at `expected` (its trees are then
-    /// collected by the next `store gc`).
-    pub(crate) async fn delete_volume_head(&self, id: &str, expected: i64) -> Result<()> {
+    /// collected by the next `store gc`). False: another node committed it since (it stays).
+    pub(crate) async fn delete_volume_head(&self, id: &str, expected: i64) -> Result<bool> {
         let o = self.remote.open().await?;
         let name = format!("{VOLUME_HEAD_PREFIX}{id}");
         match meta(&o.meta, move |m| m.delete_head(&name, expected)).await {
-            Err(RuntimeError::Remote(RemoteError::Meta(bb_meta::MetaError::HeadMoved { found: None, .. }))) => Ok(()),
-            Err(RuntimeError::Remote(RemoteError::Meta(bb_meta::MetaError::HeadMoved { found: Some(v), .. }))) => {
-                Err(RuntimeError::Conflict(format!(
-                    "volume {id} was committed elsewhere (version {v}) since this node synced it (version {expected}): \
-                     open it again to see that state before deleting it"
-                )))
+            Ok(())
+            | Err(RuntimeError::Remote(RemoteError::Meta(bb_meta::MetaError::HeadMoved { found: None, .. }))) => {
+                Ok(true)
             }
-            r => r,
+            Err(RuntimeError::Remote(RemoteError::Meta(bb_meta::MetaError::HeadMoved { found: Some(_), .. }))) => {
+                Ok(false)
+            }
+            Err(e) => Err(e),
         }
     }
 

@@ -413,12 +413,26 @@ impl Runtime {
         self.refuse_mounted(&row, "delete it")?;
         // A synced volume leaves the metadata store too (by the node that may write it).
         if let Some(synced) = &row.synced {
-            if row.access == Access::Rwo {
-                self.hold_volume(&row.id).await?;
+            // Only the node that may write it deletes the committed head; a node that lost the
+            // volume to another one (its lease, or a newer commit) deletes its own copy only.
+            let ours = match row.access {
+                Access::Rox => true,
+                Access::Rwo => match self.hold_volume(&row.id).await {
+                    Ok(()) => true,
+                    Err(RuntimeError::Conflict(why)) => {
+                        tracing::info!(volume = %row.id, "deleting this node's copy only: {why}");
+                        false
+                    }
+                    Err(e) => return Err(e),
+                },
+            };
+            if ours {
+                let deleted = self.delete_volume_head(&row.id, synced.version).await;
+                self.release_volume(&row.id).await;
+                if !deleted? {
+                    tracing::info!(volume = %row.id, "committed elsewhere since this node synced it: deleting this node's copy only");
+                }
             }
-            let deleted = self.delete_volume_head(&row.id, synced.version).await;
-            self.release_volume(&row.id).await;
-            deleted?;
         }
         let gate = self.volumes.gate(&row.id);
         let _gate = gate.write().await;
@@ -685,7 +699,12 @@ impl Runtime {
                 return Err(RuntimeError::Conflict(format!("a volume named {n:?} exists: choose another name")));
             }
         }
-        let source = self.volume_row(&self.open_volume(vid).await?)?;
+        // This node's copy as it is (also one that diverged from the committed head).
+        let local = self.volumes.records().get(vid)?;
+        let source = match local {
+            Some(row) => row,
+            None => self.volume_row(&self.open_volume(vid).await?)?,
+        };
         let chain = match &req.snapshot {
             Some(s) => self.volume_snapshot_of(&source.id, s)?.chain,
             None => {
