@@ -727,6 +727,12 @@ impl Runtime {
         }
         let t0 = Instant::now();
         let sb = self.pausable(id)?;
+        if !sb.volumes.lock().is_empty() {
+            return Err(RuntimeError::Conflict(format!(
+                "sandbox {id} mounts volumes, which a sandbox paused into the store does not carry yet: pause it \
+                 here (without push), or sync its volumes and start a new sandbox with them where it should run"
+            )));
+        }
         let o = self.remote.open().await?;
         let snap =
             self.checkpoint(id, CheckpointRequest { label: Some("paused".into()), processes: Processes::All }).await?;
