@@ -307,7 +307,8 @@ impl Runtime {
         let mut backlog = upper_bytes;
         let synced: HashSet<&String> = row.synced.iter().flat_map(|s| s.chain.iter()).collect();
         for l in &row.chain {
-            let b = records.layer_size(l)?.unwrap_or(0);
+            // A layer frozen a moment ago is measured in the background: walk it now meanwhile.
+            let b = records.layer_size(l)?.unwrap_or_else(|| du(&self.layer_path(l)));
             size += b;
             if !synced.contains(l) {
                 backlog += b;
