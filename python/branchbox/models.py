@@ -604,6 +604,8 @@ class VolumeInfo(_Model):
     store (0: never synced); ``durability`` is ``"durable"`` when nothing changed since the
     last ``sync()``, else ``"node-local"``, with ``backlog_bytes`` written since then (not yet
     in the object store). ``source`` is the volume it was forked from.
+    ``encrypted_at_rest``: its files on the daemon's disk are encrypted (the daemon's
+    ``--volume-encryption``, on by default).
     """
 
     id: str = ""
@@ -619,6 +621,7 @@ class VolumeInfo(_Model):
     durability: str = "node-local"
     backlog_bytes: int = 0
     source: Optional[str] = None
+    encrypted_at_rest: bool = False
     raw: Dict[str, Any] = _raw()
 
     @classmethod

@@ -51,6 +51,14 @@ pub struct RuntimeConfig {
     pub node_name: Option<String>,
     /// Unreachable objects younger than this are kept by the store's collection.
     pub store_gc_grace: std::time::Duration,
+    /// Keep the volumes' layers on an encrypted filesystem of the daemon's own
+    /// ([`crate::volumes::volfs`]).
+    pub volume_encryption: bool,
+    /// Where the volumes' master key is kept (64 bytes; made, mode 0600, if missing). Default:
+    /// `<state>/volume.key`.
+    pub volume_key_file: Option<PathBuf>,
+    /// Size of the volumes' filesystem (a sparse image: it takes the space its files take).
+    pub volume_fs_bytes: u64,
 }
 
 impl RuntimeConfig {
@@ -80,6 +88,14 @@ impl RuntimeConfig {
             store_key_file: None,
             node_name: None,
             store_gc_grace: std::time::Duration::from_secs(3600),
+            volume_encryption: true,
+            volume_key_file: None,
+            volume_fs_bytes: 256 << 30,
         }
+    }
+
+    /// The volumes' key file.
+    pub fn volume_key(&self) -> PathBuf {
+        self.volume_key_file.clone().unwrap_or_else(|| self.state_dir.join("volume.key"))
     }
 }

@@ -86,6 +86,8 @@ pub enum RuntimeError {
     Survivors(#[from] crate::sandbox::procs::SurvivorsError),
     #[error(transparent)]
     Remote(#[from] crate::remote::RemoteError),
+    #[error(transparent)]
+    VolumeFs(#[from] crate::volumes::volfs::VolumeFsError),
     /// Failures of the layer store itself; bad input to it is a `BadRequest` or `NotFound`.
     #[error("layers: {0}")]
     Layers(bb_layers::LayersError),

@@ -57,8 +57,15 @@ impl Runtime {
         if !id.starts_with("sl-") {
             return;
         }
-        let dir = crate::sandbox::launch::snaplayers_dir(&self.cfg.state_dir).join(id);
-        let trash = self.cfg.state_dir.join("trash").join(format!("{id}-{}", uuid::Uuid::new_v4().simple()));
+        let dir = self.layer_path(id);
+        // Renamed away first (the same filesystem), so that it is gone at once even if removing
+        // it takes long or stops half-way.
+        let trash = if id.starts_with(crate::volumes::volfs::LAYER_PREFIX) {
+            crate::volumes::volfs::tmp_dir(&self.cfg.state_dir)
+        } else {
+            self.cfg.state_dir.join("trash")
+        };
+        let trash = trash.join(format!("{id}-{}", uuid::Uuid::new_v4().simple()));
         if std::fs::rename(&dir, &trash).is_ok() {
             let _ = std::fs::remove_dir_all(&trash);
         } else {
@@ -66,7 +73,7 @@ impl Runtime {
         }
     }
 
-    /// Delete every layer dir under `<state>/snaplayers` that no snapshot and no sandbox uses,
+    /// Delete every layer dir under `<state>/snaplayers` (and the volumes' layers dir) that no snapshot and no sandbox uses,
     /// and that changed no later than `min_age` ago: writable layers being set up (a checkpoint's
     /// next layer, a pool or fork shell being built or claimed) are not recorded yet. Returns
     /// the bytes freed.
@@ -88,10 +95,12 @@ impl Runtime {
         used.extend(self.pooled_uppers());
         used.extend(self.compaction.layers_in_progress());
         let mut freed = 0;
-        let Ok(rd) = std::fs::read_dir(crate::sandbox::launch::snaplayers_dir(&self.cfg.state_dir)) else {
-            return Ok(0);
-        };
-        for e in rd.flatten() {
+        let mut dirs = vec![crate::sandbox::launch::snaplayers_dir(&self.cfg.state_dir)];
+        // The volumes' layers, once their filesystem is mounted and unlocked.
+        if self.volume_fs_encrypted().is_some() {
+            dirs.push(crate::volumes::volfs::layers_dir(&self.cfg.state_dir));
+        }
+        for e in dirs.iter().filter_map(|d| std::fs::read_dir(d).ok()).flat_map(|rd| rd.flatten()) {
             let name = e.file_name().to_string_lossy().into_owned();
             if used.contains(&name) {
                 continue;

@@ -877,6 +877,9 @@ pub struct VolumeInfo {
     pub backlog_bytes: u64,
     /// The volume this one was forked from.
     pub source: Option<String>,
+    /// Its layers on this node are on the daemon's encrypted filesystem (false: with
+    /// `--volume-encryption off`, or layers made before the daemon encrypted volumes).
+    pub encrypted_at_rest: bool,
 }
 
 /// Where a volume is mounted.

@@ -74,6 +74,9 @@ impl Runtime {
                 }
             }
         }
+        if let Err(e) = self.recover_volume_fs() {
+            tracing::error!("the volumes' filesystem is not available (volumes cannot be used until it is): {e}");
+        }
         self.recover_volumes()?;
         // Husks: kept while a live sandbox is nested in them (directly or through other husks).
         let husk_rows = self.sandboxes.records().husks()?;

@@ -598,7 +598,12 @@ impl Runtime {
     /// crash leaves no half layer under its name). The tree is authenticated as it is read.
     async fn pull_layer(&self, o: &Opened, l: &str, tree: &TreeRef) -> Result<()> {
         let target = self.layer_path(l);
-        let staging = self.cfg.state_dir.join("tmp");
+        let staging = if l.starts_with(crate::volumes::volfs::LAYER_PREFIX) {
+            self.volume_fs_ready()?;
+            crate::volumes::volfs::tmp_dir(&self.cfg.state_dir)
+        } else {
+            self.cfg.state_dir.join("tmp")
+        };
         std::fs::create_dir_all(&staging).map_err(RuntimeError::io("make the pull staging dir"))?;
         let tmp = staging.join(format!("pull-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir(&tmp).map_err(RuntimeError::io("make a pull dir"))?;

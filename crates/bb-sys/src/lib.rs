@@ -6,6 +6,7 @@
 //! code which kills processes be tested with a recording double.
 
 pub mod caps;
+pub mod fscrypt;
 pub mod mount_api;
 pub mod ns;
 pub mod process;

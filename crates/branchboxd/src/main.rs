@@ -105,6 +105,18 @@ struct Args {
     /// `volume sync`). A volume is uploaded in the background once it was synced once.
     #[arg(long, default_value_t = 60)]
     volume_sync_interval: u64,
+    /// Keep the volumes' layers on an encrypted filesystem of the daemon's own (an ext4 image on
+    /// a loop device, fscrypt): `on` or `off` (plain directories of the state dir).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    volume_encryption: String,
+    /// Where the volumes' master key is kept (made, mode 0600, if missing). Default:
+    /// `<state>/volume.key`.
+    #[arg(long, env = "BRANCHBOX_VOLUME_KEY_FILE")]
+    volume_key_file: Option<PathBuf>,
+    /// Size in GiB of the volumes' filesystem when it is made (a sparse image: it takes the
+    /// space its files take; keep that much free on the state dir's disk).
+    #[arg(long, default_value_t = 256)]
+    volume_fs_size_gb: u64,
     /// Print the OpenAPI document and exit.
     #[arg(long)]
     print_openapi: bool,
@@ -164,6 +176,9 @@ async fn run(args: Args, store_credentials: Option<(String, String)>) -> anyhow:
     cfg.store_credentials = store_credentials;
     cfg.metadata_url = args.metadata_url;
     cfg.store_key_file = args.store_key_file;
+    cfg.volume_encryption = args.volume_encryption == "on";
+    cfg.volume_key_file = args.volume_key_file;
+    cfg.volume_fs_bytes = args.volume_fs_size_gb << 30;
     cfg.setns_key_file = args.setns_key_file;
     cfg.node_name = args.node_name;
     cfg.store_gc_grace = Duration::from_secs(args.store_gc_grace);

@@ -79,9 +79,12 @@ pub fn snaplayers_dir(state_dir: &Path) -> PathBuf {
     state_dir.join("snaplayers")
 }
 
-/// Path of a layer of a chain: `sl-*` ids are snapshot/writable layers, others image layers.
+/// Path of a layer of a chain: `sl-v*` ids are volume layers, other `sl-*` ids snapshot/writable
+/// layers, the rest image layers.
 pub fn layer_dir(cfg: &RuntimeConfig, images: &bb_layers::ImageStore, id: &str) -> PathBuf {
-    if id.starts_with("sl-") {
+    if id.starts_with(crate::volumes::volfs::LAYER_PREFIX) {
+        crate::volumes::volfs::layers_dir(&cfg.state_dir).join(id)
+    } else if id.starts_with("sl-") {
         snaplayers_dir(&cfg.state_dir).join(id)
     } else {
         images.layer_path(id)

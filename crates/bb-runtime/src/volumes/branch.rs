@@ -130,10 +130,9 @@ impl Runtime {
                 }
                 super::check_depth(&row)?;
                 let n = row.n + 1;
-                let lid = self.volume_upper(&row.id, n)?;
                 let mut next = row.clone();
                 next.chain.push(row.upper.clone());
-                next.upper = lid;
+                next.upper = self.volume_upper(&row.id, n, &next.chain)?;
                 next.n = n;
                 // Listed before the swap is built: a failure discards its new layer too.
                 out.push(PreparedVolume {
@@ -170,7 +169,7 @@ impl Runtime {
                     continue;
                 }
                 let n = row.n + 1;
-                let lid = self.volume_upper(&row.id, n)?;
+                let lid = self.volume_upper(&row.id, n, &vs.chain)?;
                 let next = VolumeRow { chain: vs.chain.clone(), upper: lid, n, ..row.clone() };
                 out.push(PreparedVolume {
                     mount: m.clone(),
@@ -194,7 +193,7 @@ impl Runtime {
         for p in prepared {
             if p.next.upper != p.old_upper {
                 self.remove_layer_dir(&p.next.upper);
-                let _ = std::fs::remove_dir_all(self.volume_dir(&p.next.id).join(format!("work-{}", p.next.n)));
+                self.remove_volume_work(&p.next.id, p.next.n);
             }
         }
     }
@@ -311,7 +310,7 @@ impl Runtime {
             if let Err(e) = self.volumes.records().update(&p.next) {
                 tracing::error!(volume = %p.next.id, "recording the volume's new layers failed: {e}");
             }
-            let _ = std::fs::remove_dir_all(self.volume_dir(&p.next.id).join(format!("work-{}", p.next.n - 1)));
+            self.remove_volume_work(&p.next.id, p.next.n - 1);
             if rollback {
                 self.remove_layer_dir(&p.old_upper);
             }

@@ -58,7 +58,7 @@ impl Runtime {
         tokio::task::spawn_blocking(move || -> Result<()> {
             // A local volume may hold the name: the opened one then goes by its id only.
             let name = name.filter(|n| rt.volumes.records().get(n).ok().flatten().is_none());
-            let upper = rt.volume_upper(&id2, 0)?;
+            let upper = rt.volume_upper(&id2, 0, &chain)?;
             let row = VolumeRow {
                 id: id2.clone(),
                 name,

@@ -1,8 +1,9 @@
 //! Persistent volumes: named, mutable file trees that outlive sandboxes, mounted into them at
 //! local-disk speed, with metadata-only snapshots, restores and copy-on-write forks.
 //!
-//! A volume is what a sandbox root is: a chain of frozen layers (`<state>/snaplayers/sl-*`,
-//! shared with forks and snapshots) under one writable layer, as one overlay instance. The
+//! A volume is what a sandbox root is: a chain of frozen layers (`sl-v*` on the daemon's
+//! encrypted volume filesystem, [`volfs`], shared with forks and snapshots) under one writable
+//! layer, as one overlay instance. The
 //! daemon keeps that instance mounted at `<state>/volumes/<id>/root` (the file API's view) and
 //! attaches clones of it in sandboxes (`rootswap::mount_in_sandbox`): a sandbox writes to
 //! node-local disk through the kernel's overlayfs, with nothing in between, and an fsync in the
@@ -25,6 +26,7 @@
 mod branch;
 mod durable;
 pub mod store;
+pub mod volfs;
 
 use branch::MountSwap;
 pub(crate) use branch::PreparedVolume;
@@ -67,6 +69,8 @@ pub struct Volumes {
     /// Per volume, devices of its replaced instances that processes may still reach through
     /// old fds (newest last): their writes are pinned at the next freeze too.
     stale_devs: Mutex<HashMap<String, Vec<u64>>>,
+    /// The volumes' filesystem is set up (`Some(encrypted)`), see [`volfs`].
+    fs_ready: Mutex<Option<bool>>,
 }
 
 impl Volumes {
@@ -77,6 +81,7 @@ impl Volumes {
             gates: Default::default(),
             pending: Default::default(),
             mounting: Default::default(),
+            fs_ready: Default::default(),
             stale_devs: Default::default(),
         })
     }
@@ -220,19 +225,26 @@ impl Runtime {
         })
     }
 
-    /// A fresh, empty writable layer for a volume (owned by the sandbox root, like a sandbox's)
-    /// and the work dir of mount generation `n`.
-    fn volume_upper(&self, id: &str, n: u64) -> Result<String> {
-        let lid = format!("sl-{}", uuid::Uuid::new_v4().simple());
-        let layers = crate::sandbox::launch::snaplayers_dir(&self.cfg.state_dir);
-        std::fs::create_dir_all(&layers).map_err(RuntimeError::io("create the layers dir"))?;
-        let upper = layers.join(&lid);
+    /// A fresh, empty writable layer for a volume on `chain` (owned by the sandbox root, like a
+    /// sandbox's) and the work dir of mount generation `n`. On the volumes' encrypted filesystem
+    /// ([`volfs`]) unless the chain has layers made before it was used: an overlay instance keeps
+    /// all its layers on one filesystem (pinning open files at a freeze matches inode numbers).
+    fn volume_upper(&self, id: &str, n: u64, chain: &[String]) -> Result<String> {
+        let lid = if chain.iter().all(|l| l.starts_with(volfs::LAYER_PREFIX)) {
+            self.volume_fs_ready()?;
+            format!("{}{}", volfs::LAYER_PREFIX, uuid::Uuid::new_v4().simple())
+        } else {
+            let layers = crate::sandbox::launch::snaplayers_dir(&self.cfg.state_dir);
+            std::fs::create_dir_all(&layers).map_err(RuntimeError::io("create the layers dir"))?;
+            format!("sl-{}", uuid::Uuid::new_v4().simple())
+        };
+        let upper = self.layer_path(&lid);
         std::fs::create_dir(&upper).map_err(RuntimeError::io("create a volume's writable layer"))?;
         let base = self.cfg.idmap.host_base;
         std::os::unix::fs::chown(&upper, Some(base), Some(base)).map_err(RuntimeError::io("chown a writable layer"))?;
         std::fs::set_permissions(&upper, std::fs::Permissions::from_mode(0o755))
             .map_err(RuntimeError::io("chmod a writable layer"))?;
-        let work = self.volume_dir(id).join(format!("work-{n}"));
+        let work = self.volume_work(id, n, &lid);
         let _ = std::fs::remove_dir_all(&work);
         std::fs::create_dir_all(&work).map_err(RuntimeError::io("create a volume's work dir"))?;
         std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o700))
@@ -240,16 +252,45 @@ impl Runtime {
         Ok(lid)
     }
 
+    /// The overlay work dir of volume `id`'s mount generation `n`, on the filesystem of its
+    /// writable layer `upper`.
+    fn volume_work(&self, id: &str, n: u64, upper: &str) -> PathBuf {
+        if upper.starts_with(volfs::LAYER_PREFIX) {
+            volfs::work_dir(&self.cfg.state_dir, id).join(n.to_string())
+        } else {
+            self.volume_dir(id).join(format!("work-{n}"))
+        }
+    }
+
+    /// Remove the overlay work dir of volume `id`'s mount generation `n` (wherever it is).
+    fn remove_volume_work(&self, id: &str, n: u64) {
+        let _ = std::fs::remove_dir_all(volfs::work_dir(&self.cfg.state_dir, id).join(n.to_string()));
+        let _ = std::fs::remove_dir_all(self.volume_dir(id).join(format!("work-{n}")));
+    }
+
+    /// Remove what volume `id` kept on this node besides its layers.
+    fn remove_volume_dirs(&self, id: &str) {
+        let _ = std::fs::remove_dir_all(self.volume_dir(id));
+        let _ = std::fs::remove_dir_all(volfs::work_dir(&self.cfg.state_dir, id));
+    }
+
     /// A new overlay instance of `row` (detached).
     fn volume_instance(&self, row: &VolumeRow) -> Result<OwnedFd> {
+        self.volume_fs_ready()?;
         let mut lower: Vec<PathBuf> = row.chain.iter().rev().map(|l| self.layer_path(l)).collect();
         if lower.is_empty() {
-            let empty = self.volumes_dir().join(".empty");
+            // On the layers' filesystem: an overlay whose layers share one filesystem shows its
+            // files' real inode numbers, which pinning open files at a freeze matches.
+            let empty = if row.upper.starts_with(volfs::LAYER_PREFIX) {
+                volfs::empty_dir(&self.cfg.state_dir)
+            } else {
+                self.volumes_dir().join(".empty")
+            };
             std::fs::create_dir_all(&empty).map_err(RuntimeError::io("create the empty layer"))?;
             lower.push(empty);
         }
         let upper = self.layer_path(&row.upper);
-        let work = self.volume_dir(&row.id).join(format!("work-{}", row.n));
+        let work = self.volume_work(&row.id, row.n, &row.upper);
         std::fs::create_dir_all(&work).map_err(RuntimeError::io("create a volume's work dir"))?;
         Ok(bb_layers::overlay_fd(
             &bb_layers::OverlaySpec { lower: &lower, upper: &upper, work: &work },
@@ -339,6 +380,8 @@ impl Runtime {
             durability: if durable { "durable" } else { "node-local" }.into(),
             backlog_bytes: if durable { 0 } else { backlog },
             source: row.source.clone(),
+            encrypted_at_rest: self.volume_fs_encrypted() == Some(true)
+                && row.chain.iter().chain([&row.upper]).all(|l| l.starts_with(volfs::LAYER_PREFIX)),
         })
     }
 
@@ -361,7 +404,7 @@ impl Runtime {
                 }
             }
             let id = new_id("vol");
-            let upper = rt.volume_upper(&id, 0)?;
+            let upper = rt.volume_upper(&id, 0, &[])?;
             let row = VolumeRow {
                 id: id.clone(),
                 name: req.name,
@@ -376,7 +419,7 @@ impl Runtime {
             };
             if let Err(e) = rt.volumes.records().insert(&row) {
                 rt.remove_layer_dir(&row.upper);
-                let _ = std::fs::remove_dir_all(rt.volume_dir(&id));
+                rt.remove_volume_dirs(&id);
                 return Err(if row.name.is_some() && e.to_string().contains("UNIQUE") {
                     RuntimeError::Conflict(format!("a volume named {:?} exists: choose another name", row.name))
                 } else {
@@ -448,7 +491,7 @@ impl Runtime {
             own.dedup();
             rt.volumes.records().delete(&row.id)?;
             rt.remove_layer_dir(&row.upper);
-            let _ = std::fs::remove_dir_all(rt.volume_dir(&row.id));
+            rt.remove_volume_dirs(&row.id);
             let used = rt.volumes.layers_in_use()?;
             let snaps = rt.snapshots.records().all()?;
             let in_snapshots: HashSet<&String> = snaps.iter().flat_map(|s| s.layers.iter()).collect();
@@ -534,9 +577,9 @@ impl Runtime {
         }
         check_depth(&row)?;
         let n = row.n + 1;
-        let lid = self.volume_upper(&row.id, n)?;
         let mut next = row.clone();
         next.chain.push(row.upper.clone());
+        let lid = self.volume_upper(&row.id, n, &next.chain)?;
         next.upper = lid.clone();
         next.n = n;
         let res = (|| -> Result<()> {
@@ -578,7 +621,7 @@ impl Runtime {
             return Err(e);
         }
         self.volumes.records().update(&next)?;
-        let _ = std::fs::remove_dir_all(self.volume_dir(&row.id).join(format!("work-{}", row.n)));
+        self.remove_volume_work(&row.id, row.n);
         tracing::debug!(volume = %row.id, layers = next.chain.len(), took = ?t0.elapsed(), "volume frozen");
         Ok(next)
     }
@@ -671,7 +714,7 @@ impl Runtime {
         let rt = self.clone();
         tokio::task::spawn_blocking(move || {
             let n = row.n + 1;
-            let upper = rt.volume_upper(&row.id, n)?;
+            let upper = rt.volume_upper(&row.id, n, &snap.chain)?;
             rt.unmount_volume_view(&row.id);
             let next = VolumeRow { chain: snap.chain.clone(), upper, n, ..row.clone() };
             if let Err(e) = rt.volumes.records().update(&next) {
@@ -679,7 +722,7 @@ impl Runtime {
                 return Err(e.into());
             }
             rt.remove_layer_dir(&row.upper);
-            let _ = std::fs::remove_dir_all(rt.volume_dir(&row.id).join(format!("work-{}", row.n)));
+            rt.remove_volume_work(&row.id, row.n);
             tracing::info!(volume = %row.id, snapshot = %snap.id, "volume restored");
             rt.volume_info_of(&next)
         })
@@ -728,7 +771,7 @@ impl Runtime {
         let source = source.clone();
         tokio::task::spawn_blocking(move || {
             let id = new_id("vol");
-            let upper = rt.volume_upper(&id, 0)?;
+            let upper = rt.volume_upper(&id, 0, &chain)?;
             let row = VolumeRow {
                 id: id.clone(),
                 name,
@@ -743,7 +786,7 @@ impl Runtime {
             };
             if let Err(e) = rt.volumes.records().insert(&row) {
                 rt.remove_layer_dir(&row.upper);
-                let _ = std::fs::remove_dir_all(rt.volume_dir(&id));
+                rt.remove_volume_dirs(&id);
                 return Err(e.into());
             }
             tracing::info!(volume = %id, source = %source.id, layers = row.chain.len(), "volume forked");
