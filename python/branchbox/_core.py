@@ -914,7 +914,9 @@ def set_pool(image: str, min: int, max: Optional[int] = None) -> Call:  # noqa: 
 # ----------------------------------------------------------------------------- templates
 
 #: Keys of a template recipe (the body of ``POST /v1/templates``).
-RECIPE_KEYS = ("name", "image", "run", "code", "env", "cwd", "cpu", "memory_mb", "pids", "metadata", "timeout", "shells")
+RECIPE_KEYS = (
+    "name", "image", "run", "code", "env", "cwd", "cpu", "memory_mb", "pids", "metadata", "timeout", "shells", "volumes",
+)
 
 
 def template_name(template: Any, what: str = "template") -> str:
@@ -943,10 +945,12 @@ def template_recipe(
     metadata: Optional[Mapping[str, Any]] = None,
     timeout: Optional[float] = None,
     shells: Optional[int] = None,
+    volumes: VolumesT = None,
 ) -> Dict[str, Any]:
     """The JSON body of a template build (unset fields are left to the daemon's defaults).
 
-    ``run`` is a list of shell commands (a single string is one command).
+    ``run`` is a list of shell commands (a single string is one command). ``volumes`` (see
+    :func:`volume_mounts`) is sent only when given.
     """
     name = template_name(name)
     if isinstance(run, str):
@@ -980,6 +984,7 @@ def template_recipe(
             "metadata": _env(metadata),
             "timeout": timeout,
             "shells": shells,
+            "volumes": volume_mounts(volumes) if volumes is not None else None,
         }
     )
 

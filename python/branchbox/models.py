@@ -59,7 +59,7 @@ def _raw() -> Any:
 @dataclass
 class VolumeMount(_Model):
     """A volume mounted in a sandbox: an entry of ``Sandbox.create(volumes=[...])``, of
-    :attr:`SandboxInfo.volumes` and of :attr:`VolumeInfo.mounts`.
+    :attr:`SandboxInfo.volumes`, of :attr:`TemplateInfo.volumes` and of :attr:`VolumeInfo.mounts`.
 
     ``volume`` is the volume's id (a name is accepted in a create) and ``path`` an absolute
     path in the sandbox. With ``branch`` (the default) the volume branches with the sandbox: a
@@ -571,7 +571,10 @@ class TemplateInfo(_Model):
 
     ``shells`` sandboxes are kept ready to hand out (``ready_shells`` now); ``alive`` is False
     when the frozen sessions died (sandboxes then start with fresh sessions);
-    ``memory_bytes`` is the memory charged to the template's sandbox.
+    ``memory_bytes`` is the memory charged to the template's sandbox. ``volumes`` are the
+    template's mounts (``Templates.build(volumes=...)``; ``volume`` is the id of the volume the
+    template holds): each sandbox created from it gets a copy-on-write fork of every ``branch``
+    volume at the same path.
     """
 
     name: str = ""
@@ -583,7 +586,14 @@ class TemplateInfo(_Model):
     ready_shells: int = 0
     alive: bool = False
     memory_bytes: int = 0
+    volumes: List[VolumeMount] = field(default_factory=list)
     raw: Dict[str, Any] = _raw()
+
+    @classmethod
+    def from_dict(cls, data: Optional[Dict[str, Any]]) -> "TemplateInfo":
+        obj = super().from_dict(data)
+        obj.volumes = [m if isinstance(m, VolumeMount) else VolumeMount.from_dict(m) for m in obj.volumes or []]
+        return obj
 
 
 @dataclass

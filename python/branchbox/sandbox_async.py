@@ -911,11 +911,14 @@ class AsyncTemplates(_AsyncDaemonClient):
         metadata: Optional[Mapping[str, str]] = None,
         timeout: Optional[float] = None,
         shells: Optional[int] = None,
+        volumes: _core.VolumesT = None,
         on_progress: Optional[Callable[[TemplateProgress], Any]] = None,
     ) -> TemplateInfo:
-        """Build (or replace) template ``name`` (see :meth:`branchbox.Templates.build`)."""
+        """Build (or replace) template ``name`` (see :meth:`branchbox.Templates.build`).
+        ``volumes`` (as for ``Sandbox.create``) are mounted while the recipe runs; sandboxes
+        created from the template get copy-on-write forks of the branching ones."""
         recipe = _core.template_recipe(
-            name, image, run, code, env, cwd, cpu, memory_mb, pids, metadata, timeout, shells
+            name, image, run, code, env, cwd, cpu, memory_mb, pids, metadata, timeout, shells, volumes
         )
         return await self._follow(_core.build_template(recipe), _core.TemplateStream(), on_progress)
 

@@ -1151,15 +1151,21 @@ class Templates(_DaemonClient):
         metadata: Optional[Mapping[str, str]] = None,
         timeout: Optional[float] = None,
         shells: Optional[int] = None,
+        volumes: _core.VolumesT = None,
         on_progress: Optional[Callable[[TemplateProgress], Any]] = None,
     ) -> TemplateInfo:
         """Build (or replace) template ``name``: start a sandbox of ``image`` (default
         ``base``), run each ``run`` command (``/bin/sh -c``; a non-zero exit fails the build),
         run ``code`` in its python session, and freeze it. ``timeout`` bounds each step
         (seconds, daemon default 600); ``shells`` sandboxes are kept ready to hand out
-        (daemon default 4). Returns when the template is usable."""
+        (daemon default 4). Returns when the template is usable.
+
+        ``volumes`` (same forms as ``Sandbox.create(volumes=...)``) are mounted while the
+        recipe runs (e.g. to ``git clone`` into ``/workspace``); each sandbox created from the
+        template gets a copy-on-write fork of every branching volume at the same path (``rox``
+        volumes are shared read-only), unless its own ``volumes`` mount another there."""
         recipe = _core.template_recipe(
-            name, image, run, code, env, cwd, cpu, memory_mb, pids, metadata, timeout, shells
+            name, image, run, code, env, cwd, cpu, memory_mb, pids, metadata, timeout, shells, volumes
         )
         return self._follow(_core.build_template(recipe), _core.TemplateStream(), on_progress)
 

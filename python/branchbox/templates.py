@@ -9,6 +9,7 @@ from __future__ import annotations
 import builtins
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+from . import _core
 from .models import TemplateInfo, TemplateProgress
 from .sandbox_sync import Templates
 
@@ -51,12 +52,15 @@ def build(
     metadata: Optional[Mapping[str, str]] = None,
     timeout: Optional[float] = None,
     shells: Optional[int] = None,
+    volumes: _core.VolumesT = None,
     on_progress: ProgressCallback = None,
     daemon: Optional[str] = None,
     token: Optional[str] = None,
     request_timeout: Optional[float] = 120,
 ) -> TemplateInfo:
-    """Build a template (see :meth:`branchbox.Templates.build`)."""
+    """Build a template (see :meth:`branchbox.Templates.build`). ``volumes`` (as for
+    ``Sandbox.create``) are mounted while the recipe runs; sandboxes created from the
+    template get copy-on-write forks of the branching ones."""
     with Templates(daemon=daemon, token=token, request_timeout=request_timeout) as templates:
         return templates.build(
             name,
@@ -71,6 +75,7 @@ def build(
             metadata=metadata,
             timeout=timeout,
             shells=shells,
+            volumes=volumes,
             on_progress=on_progress,
         )
 

@@ -30,6 +30,7 @@ from branchbox import (
     SandboxError,
     SnapshotInfo,
     Snapshots,
+    TemplateInfo,
     Templates,
 )
 from branchbox import _core
@@ -39,7 +40,7 @@ from branchbox.sandbox_sync import health
 from .base import Ctx, cli_errors, connected, ctx_of, err, fail, fmt_bytes, fmt_duration, fmt_num, out, print_json
 from .bench import bench_app
 from .files import files_app
-from .volumes import VOLUME_FLAG, parse_volume_flags, volume_app
+from .volumes import VOLUME_FLAG, parse_volume_flags, volume_app, volume_flag
 
 DEFAULT_STATE_DIR = "/var/lib/branchbox"
 DEFAULT_PIDFILE = "/run/branchbox/branchboxd.pid"
@@ -991,7 +992,8 @@ def _toml_loads(text: str) -> Dict[str, Any]:
 def load_recipe(path: str) -> Dict[str, Any]:
     """A template recipe from a TOML file: the keys of the API body (``name``, ``image``,
     ``run``, ``code``, ``env``, ``cwd``, ``cpu``, ``memory_mb``, ``pids``, ``metadata``,
-    ``timeout``, ``shells``). Unknown keys and wrongly typed values are errors naming the file."""
+    ``timeout``, ``shells``, ``volumes``: a ``{path = volume}`` table or a list of mount tables).
+    Unknown keys and wrongly typed values are errors naming the file."""
     try:
         with open(path, "rb") as f:
             text = f.read().decode("utf-8")
@@ -1010,6 +1012,7 @@ def load_recipe(path: str) -> Dict[str, Any]:
     kinds: Dict[str, Any] = {
         "name": str, "image": str, "code": str, "cwd": str, "run": (list, str), "env": dict, "metadata": dict,
         "cpu": (int, float), "timeout": (int, float), "memory_mb": int, "pids": int, "shells": int,
+        "volumes": (dict, list),
     }
     for key, value in data.items():
         if isinstance(value, bool) or not isinstance(value, kinds[key]):
@@ -1018,12 +1021,18 @@ def load_recipe(path: str) -> Dict[str, Any]:
         for k, v in (data.get(key) or {}).items():
             if isinstance(v, (dict, list)):
                 raise SandboxError("recipe %s: %s.%s must be a string, not a %s" % (path, key, k, type(v).__name__))
+    if "volumes" in data:
+        try:
+            data["volumes"] = _core.volume_mounts(data["volumes"])
+        except SandboxError as e:
+            raise SandboxError("recipe %s: %s" % (path, e)) from None
     return data
 
 
 def merge_recipe(recipe: Dict[str, Any], flags: Dict[str, Any]) -> Dict[str, Any]:
     """Command-line values over the recipe file's: scalars and ``run`` replace the file's,
-    ``env``/``metadata`` entries are merged over the file's (the flag wins per key)."""
+    ``env``/``metadata`` entries are merged over the file's (the flag wins per key), and so are
+    ``volumes`` (a ``--volume`` replaces the file's mount at its path)."""
     out = dict(recipe)
     for key, value in flags.items():
         if value is None:
@@ -1036,6 +1045,11 @@ def merge_recipe(recipe: Dict[str, Any], flags: Dict[str, Any]) -> Dict[str, Any
         elif key == "run":
             if value:
                 out["run"] = list(value)
+        elif key == "volumes":
+            if value:
+                mounts = {m["path"]: m for m in _core.volume_mounts(out.get("volumes") or [])}
+                mounts.update((m["path"], m) for m in _core.volume_mounts(value))
+                out["volumes"] = list(mounts.values())
         else:
             out[key] = value
     return out
@@ -1063,6 +1077,11 @@ class TemplateProgressView:
         self.progress.update(self.task, total=total, completed=total)
 
 
+def _template_volumes(info: TemplateInfo) -> str:
+    """A template's mounts as their ``--volume`` flags: ``/workspace=vol-...``, ``...:ro``."""
+    return ", ".join(volume_flag(m) for m in info.volumes)
+
+
 @template_app.command("build")
 @cli_errors
 def template_build(
@@ -1081,11 +1100,16 @@ def template_build(
     cwd: Optional[str] = typer.Option(None, "--cwd", help="Working directory."),
     metadata: Optional[List[str]] = typer.Option(None, "--metadata", "-m", help="KEY=VALUE (repeatable)."),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds each command and the code may take (daemon default 600)."),
+    volume: Optional[List[str]] = typer.Option(
+        None, "--volume", "-v",
+        help="Mount a volume (id or name) while the recipe runs: %s (repeatable; sandboxes created from the "
+        "template get a copy-on-write fork of each branching volume at the same path)." % VOLUME_FLAG,
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the TemplateInfo JSON."),
 ) -> None:
     """Build a warm template from a recipe, showing progress.
 
-    Sandboxes created with `sandbox create --template NAME` start as copy-on-write forks of it: the recipe's files and its python session's state (imports) are there at once.
+    Sandboxes created with `sandbox create --template NAME` start as copy-on-write forks of it: the recipe's files and its python session's state (imports) are there at once, and its volumes (`--volume`) are mounted at the same paths (copy-on-write forks of the branching ones).
     """
     c = ctx_of(ctx)
     if code is not None and code_file is not None:
@@ -1115,6 +1139,7 @@ def template_build(
             "cwd": cwd,
             "metadata": parse_env(metadata, "--metadata"),
             "timeout": timeout,
+            "volumes": parse_volume_flags(volume) or None,
         },
     )
     name = recipe.pop("name")
@@ -1127,8 +1152,11 @@ def template_build(
         print_json(info.raw or {"name": info.name})
         return
     out.print(
-        "built template %s (image %s, snapshot %s, %d shell%s, %s)"
-        % (info.name, info.image, info.snapshot, info.shells, "" if info.shells == 1 else "s", fmt_bytes(info.memory_bytes))
+        "built template %s (image %s, snapshot %s, %d shell%s, %s%s)"
+        % (
+            info.name, info.image, info.snapshot, info.shells, "" if info.shells == 1 else "s",
+            fmt_bytes(info.memory_bytes), "; volumes " + _template_volumes(info) if info.volumes else "",
+        )
     )
 
 
@@ -1161,6 +1189,10 @@ def template_ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json"
             i.sandbox_id or "-",
         )
     out.print(table)
+    # Mounts (as --volume flags) under the table: volume ids are too wide for a column.
+    for i in infos:
+        if i.volumes:
+            out.print("%s volumes: %s" % (i.name, _template_volumes(i)))
 
 
 @template_app.command("info")

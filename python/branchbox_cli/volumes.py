@@ -1,5 +1,5 @@
 """``branchbox volume``: persistent volumes from the shell (create, list, snapshot, fork, sync),
-and the ``--volume /path=VOLUME[:ro][:nobranch]`` flag of ``sandbox create``."""
+and the ``--volume /path=VOLUME[:ro][:nobranch]`` flag of ``sandbox create`` and ``template build``."""
 
 # No `from __future__ import annotations`: typer evaluates annotations at runtime.
 import contextlib
@@ -31,6 +31,12 @@ def parse_volume_flags(items: Optional[List[str]]) -> List[VolumeMount]:
             raise typer.BadParameter("expected %s, got %r" % (VOLUME_FLAG, item), param_hint="--volume")
         mounts.append(VolumeMount(volume=volume, path=path, read_only="ro" in flags, branch="nobranch" not in flags))
     return mounts
+
+
+def volume_flag(mount: VolumeMount) -> str:
+    """A mount as its ``--volume`` flag (the inverse of :func:`parse_volume_flags`)."""
+    flags = (":ro" if mount.read_only else "") + ("" if mount.branch else ":nobranch")
+    return "%s=%s%s" % (mount.path, mount.volume, flags)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import BASE, SANDBOX, FakeDaemon, invoke, ndjson, one_red_line
-from test_pool_templates_sdk import BUILD_EVENTS, FORK, NOT_FOUND, POOL, TEMPLATE
+from test_pool_templates_sdk import BUILD_EVENTS, FORK, NOT_FOUND, POOL, TEMPLATE, TEMPLATE_VOLUMES
+from test_volumes_sdk import VID, VID2, mount
 
 
 def _stream(*events) -> httpx.Response:
@@ -36,6 +37,53 @@ def test_template_build_flags(runner: CliRunner, daemon: FakeDaemon) -> None:
     }
     assert r.stdout.strip() == "built template py (image base, snapshot sn-0123456789ab, 4 shells, 18.0 MiB)"
     assert "shells" in r.stderr, "the progress bar goes to stderr"
+
+
+def test_template_build_with_volumes(runner: CliRunner, daemon: FakeDaemon) -> None:
+    daemon.on("POST", "/v1/templates", _stream(*BUILD_EVENTS[:-1], {"type": "done", "template": TEMPLATE_VOLUMES}))
+    r = invoke(
+        runner, "template", "build", "py", "--run", "git clone https://example.com/repo /workspace",
+        "--volume", "/workspace=ws", "-v", "/data=" + VID2 + ":ro:nobranch",
+    )
+    assert r.exit_code == 0, r.stderr
+    assert daemon.body() == {
+        "name": "py", "run": ["git clone https://example.com/repo /workspace"],
+        "volumes": [mount("ws", "/workspace"), mount(VID2, "/data", read_only=True, branch=False)],
+    }
+    assert r.stdout.strip() == (
+        "built template py (image base, snapshot sn-0123456789ab, 4 shells, 18.0 MiB; "
+        "volumes /workspace=%s, /data=%s:ro:nobranch)" % (VID, VID2)
+    )
+    r = invoke(runner, "template", "build", "py", "-v", "/workspace=ws", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout) == TEMPLATE_VOLUMES
+
+
+def test_template_build_recipe_file_volumes(runner: CliRunner, daemon: FakeDaemon, tmp_path) -> None:
+    daemon.on("POST", "/v1/templates", _stream(*BUILD_EVENTS))
+    table = tmp_path / "table.toml"
+    table.write_text('[volumes]\n"/workspace" = "ws"\n"/data" = "%s"\n' % VID2)
+    r = invoke(runner, "template", "build", "py", "-f", str(table))
+    assert r.exit_code == 0, r.stderr
+    assert daemon.body() == {"name": "py", "volumes": [mount("ws", "/workspace"), mount(VID2, "/data")]}
+    listed = tmp_path / "list.toml"
+    listed.write_text(
+        '[[volumes]]\nvolume = "ws"\npath = "/workspace"\n'
+        '[[volumes]]\nvolume = "%s"\npath = "/data"\nread_only = true\nbranch = false\n' % VID2
+    )
+    # A --volume replaces the file's mount at its path and adds the others.
+    r = invoke(runner, "template", "build", "py", "-f", str(listed), "-v", "/workspace=other:ro", "-v", "/cache=c")
+    assert r.exit_code == 0, r.stderr
+    assert daemon.body()["volumes"] == [
+        mount("other", "/workspace", read_only=True), mount(VID2, "/data", True, False), mount("c", "/cache"),
+    ]
+
+
+def test_template_build_bad_volume_flags(runner: CliRunner, daemon: FakeDaemon) -> None:
+    r = invoke(runner, "template", "build", "py", "--volume", "workspace")
+    assert r.exit_code == 2 and "/path=VOLUME" in r.output + r.stderr
+    line = one_red_line(invoke(runner, "template", "build", "py", "-v", "/w=a", "-v", "/w=b"))
+    assert "more than one volume mounted at /w" in line
+    assert daemon.requests == []
 
 
 def test_template_build_recipe_file_and_overrides(runner: CliRunner, daemon: FakeDaemon, tmp_path) -> None:
@@ -98,6 +146,9 @@ def test_template_build_code_file(runner: CliRunner, daemon: FakeDaemon, tmp_pat
         ('shells = "4"\n', "shells has the wrong type"),
         ("[env]\nA = [1]\n", "env.A must be a string"),
         ('run = ["ok", ""]\n', "non-empty shell command"),
+        ('volumes = "/w=ws"\n', "volumes has the wrong type"),
+        ('[volumes]\nworkspace = "ws"\n', "absolute"),
+        ('[[volumes]]\nvolume = "ws"\n', "keys"),
     ],
 )
 def test_template_build_bad_recipe(runner: CliRunner, daemon: FakeDaemon, tmp_path, content: str, needle: str) -> None:
@@ -130,6 +181,7 @@ def test_template_ls(runner: CliRunner, daemon: FakeDaemon) -> None:
     r = invoke(runner, "template", "ls")
     assert r.exit_code == 0, r.stderr
     lines = r.stdout.splitlines()
+    assert len(lines) == 3 and "volumes" not in r.stdout, "no volume lines when no template holds volumes"
     assert lines[0].split() == ["NAME", "IMAGE", "SHELLS", "ALIVE", "MEMORY", "AGE", "SNAPSHOT", "SANDBOX"]
     assert lines[1].split()[:5] == ["py", "base", "3/4", "yes", "18.0"]
     assert lines[2].split()[:4] == ["dead", "base", "0/4", "no"]
@@ -139,6 +191,17 @@ def test_template_ls(runner: CliRunner, daemon: FakeDaemon) -> None:
     assert "no templates" in invoke(runner, "template", "ls").stdout
 
 
+def test_template_ls_shows_volumes(runner: CliRunner, daemon: FakeDaemon) -> None:
+    daemon.on("GET", "/v1/templates", {"templates": [TEMPLATE_VOLUMES, dict(TEMPLATE, name="bare")]})
+    r = invoke(runner, "template", "ls")
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["NAME", "IMAGE", "SHELLS", "ALIVE", "MEMORY", "AGE", "SNAPSHOT", "SANDBOX"]
+    assert [x.split()[0] for x in lines[1:3]] == ["py", "bare"]
+    # Under the table, one line per template that holds volumes (as --volume flags).
+    assert lines[3:] == ["py volumes: /workspace=%s, /data=%s:ro:nobranch" % (VID, VID2)]
+
+
 def test_template_info_and_rm(runner: CliRunner, daemon: FakeDaemon) -> None:
     daemon.on("GET", "/v1/templates/py", TEMPLATE)
     daemon.on("DELETE", "/v1/templates/py", {"removed": True})
@@ -146,6 +209,9 @@ def test_template_info_and_rm(runner: CliRunner, daemon: FakeDaemon) -> None:
     daemon.on("DELETE", "/v1/templates/nope", NOT_FOUND, 404)
     r = invoke(runner, "template", "info", "py")
     assert r.exit_code == 0 and json.loads(r.stdout) == TEMPLATE
+    daemon.on("GET", "/v1/templates/vols", TEMPLATE_VOLUMES)
+    r = invoke(runner, "template", "info", "vols")
+    assert r.exit_code == 0 and json.loads(r.stdout)["volumes"] == TEMPLATE_VOLUMES["volumes"]
     r = invoke(runner, "template", "rm", "py")
     assert r.exit_code == 0 and r.stdout.strip() == "removed template py"
     assert (daemon.last.method, daemon.last.url.path) == ("DELETE", "/v1/templates/py")

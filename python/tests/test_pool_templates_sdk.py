@@ -24,9 +24,12 @@ from branchbox import (
     TemplateInfo,
     TemplateProgress,
     Templates,
+    VolumeInfo,
+    VolumeMount,
 )
 from branchbox import _core, sandbox_async, sandbox_sync
 from conftest import BASE, SANDBOX, SID, FakeDaemon, ndjson
+from test_volumes_sdk import FORKED, VID, VID2, mount
 
 POOL = {
     "images": {"base": {"min": 2, "max": 4, "ready": 1}, "py": {"min": 0, "max": 0, "ready": 0}},
@@ -60,6 +63,12 @@ BUILD_EVENTS = [
     {"type": "progress", "stage": "shells", "message": "preparing 4 sandboxes to hand out", "done": None, "total": None},
     {"type": "done", "template": TEMPLATE},
 ]
+# A template holding two volumes: a branching workspace (forked into each sandbox) and a
+# read-only shared one.
+TEMPLATE_VOLUMES = dict(
+    TEMPLATE,
+    volumes=[mount(VID, "/workspace"), mount(VID2, "/data", read_only=True, branch=False)],
+)
 NOT_FOUND = {"error": {"code": "not_found", "message": "template \"nope\" not found: list templates with `branchbox template ls`"}}
 
 
@@ -91,6 +100,21 @@ def test_template_models() -> None:
     p = TemplateProgress.from_dict(BUILD_EVENTS[1])
     assert (p.stage, p.message, p.done, p.total) == ("run", "echo hi > /root/recipe", 2, 4)
     assert isinstance(p, branchbox.ImageProgress)  # the CLI's progress views accept both
+    assert t.volumes == []
+
+
+def test_template_info_has_its_volumes() -> None:
+    t = TemplateInfo.from_dict(TEMPLATE_VOLUMES)
+    assert t.volumes == [
+        VolumeMount(volume=VID, path="/workspace"),
+        VolumeMount(volume=VID2, path="/data", read_only=True, branch=False),
+    ]
+    assert all(isinstance(m, VolumeMount) for m in t.volumes)
+    assert t.volumes[0].raw == TEMPLATE_VOLUMES["volumes"][0] and t.raw == TEMPLATE_VOLUMES
+    # Older daemons send no "volumes"; null is tolerated too.
+    assert TemplateInfo.from_dict(TEMPLATE).volumes == []
+    assert TemplateInfo.from_dict(dict(TEMPLATE, volumes=None)).volumes == []
+    assert TemplateInfo.from_dict(None).volumes == []
 
 
 # ----------------------------------------------------------------------------- create(template=), fork(isolated=)
@@ -246,6 +270,43 @@ def test_template_build_minimal_body_and_run_string(fake: FakeDaemon) -> None:
         assert fake.body() == {"name": "t", "run": ["make"]}
 
 
+def test_template_recipe_volumes() -> None:
+    assert "volumes" not in _core.template_recipe("t")
+    assert _core.template_recipe("t", volumes={})["volumes"] == [], "an empty mapping is sent as given"
+    recipe = _core.template_recipe(
+        "t", run="git clone repo /workspace", volumes={"/workspace": "ws", "/data": VolumeInfo.from_dict(FORKED)}
+    )
+    assert recipe["volumes"] == [mount("ws", "/workspace"), mount(VID2, "/data")]
+    recipe = _core.template_recipe("t", volumes=[VolumeMount("ws", "/w", read_only=True, branch=False)])
+    assert recipe["volumes"] == [mount("ws", "/w", True, False)]
+
+
+def test_template_build_with_volumes(fake: FakeDaemon) -> None:
+    fake.on("POST", "/v1/templates", _stream(*BUILD_EVENTS[:-1], {"type": "done", "template": TEMPLATE_VOLUMES}))
+    with Templates(transport=fake.transport()) as templates:
+        info = templates.build(
+            "py",
+            run=["git clone https://example.com/repo /workspace"],
+            volumes={"/workspace": "ws", "/data": VolumeMount(volume=VID2, read_only=True, branch=False)},
+        )
+        assert fake.body() == {
+            "name": "py",
+            "run": ["git clone https://example.com/repo /workspace"],
+            "volumes": [mount("ws", "/workspace"), mount(VID2, "/data", read_only=True, branch=False)],
+        }
+        assert info.volumes == [
+            VolumeMount(volume=VID, path="/workspace"),
+            VolumeMount(volume=VID2, path="/data", read_only=True, branch=False),
+        ], "the done event's TemplateInfo names the volumes the template holds"
+        templates.build("py", volumes=[{"volume": VID, "path": "/workspace"}])
+        assert fake.body() == {"name": "py", "volumes": [mount(VID, "/workspace")]}
+        n = len(fake.requests)
+        for bad in ({"workspace": "ws"}, [VolumeMount("a", "/w"), VolumeMount("b", "/w")], "/w=ws"):
+            with pytest.raises(InvalidArgumentError):
+                templates.build("py", volumes=bad)
+        assert len(fake.requests) == n, "bad volumes send nothing"
+
+
 def test_template_build_read_timeout_covers_a_step() -> None:
     assert _core.build_template({"name": "t"}).op_timeout >= _core.TEMPLATE_STEP_TIMEOUT
     assert _core.build_template({"name": "t", "timeout": 3600}).op_timeout >= 3600
@@ -325,6 +386,8 @@ def test_templates_module_functions(daemon: FakeDaemon) -> None:
     assert branchbox.templates.get("py").shells == 4
     assert branchbox.templates.build("py", run=["true"], code="x = 1").name == "py"
     assert fake.body() == {"name": "py", "run": ["true"], "code": "x = 1"}
+    branchbox.templates.build("py", volumes={"/workspace": "ws"})
+    assert fake.body() == {"name": "py", "volumes": [mount("ws", "/workspace")]}
     assert branchbox.templates.remove("py") is True
     assert branchbox.templates.__all__ == ["list", "get", "build", "remove"]
 
@@ -372,6 +435,11 @@ async def test_async_templates(fake: FakeDaemon) -> None:
         assert info.name == "py" and fake.body() == {"name": "py", "run": ["echo hi"], "code": "import json", "shells": 1}
         assert seen == ["create", "run", "code", "snapshot", "shells"]
         await templates.build("py", on_progress=seen.append)  # plain callbacks work too
+        await templates.build("py", volumes={"/workspace": VolumeMount(volume="ws", read_only=True)})
+        assert fake.body() == {"name": "py", "volumes": [mount("ws", "/workspace", read_only=True)]}
+        fake.on("GET", "/v1/templates/py", TEMPLATE_VOLUMES)
+        assert (await templates.get("py")).volumes[0] == VolumeMount(volume=VID, path="/workspace")
+        fake.on("GET", "/v1/templates/py", TEMPLATE)
         assert [t.name for t in await templates.list()] == ["py"]
         assert (await templates.get("py")).alive is True
         assert await templates.remove("py") is True
@@ -394,6 +462,15 @@ def test_sync_async_surfaces_match(sync_cls, async_cls) -> None:
     for name in s:
         assert list(inspect.signature(s[name]).parameters) == list(inspect.signature(a[name]).parameters), name
         assert inspect.iscoroutinefunction(a[name]), name
+
+
+def test_template_build_signatures_take_volumes() -> None:
+    for fn in (Templates.build, AsyncTemplates.build, branchbox.templates.build):
+        param = inspect.signature(fn).parameters["volumes"]
+        assert param.default is None and param.kind is inspect.Parameter.KEYWORD_ONLY, fn
+    # The module function takes every keyword of Templates.build.
+    sync = set(inspect.signature(Templates.build).parameters) - {"self"}
+    assert sync <= set(inspect.signature(branchbox.templates.build).parameters)
 
 
 def test_create_and_fork_signatures_mirror() -> None:

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from branchbox import VolumeMount
 from branchbox_cli import app as cli
-from branchbox_cli.volumes import parse_volume_flags
+from branchbox_cli.volumes import parse_volume_flags, volume_flag
 from conftest import SID, FakeDaemon, invoke, one_red_line
 from test_volumes_sdk import FORKED, MOUNTED, VBASE, VID, VID2, VOLUME, VS1, VS2, VSNAP, VSNAP2, routes
 
@@ -31,6 +31,11 @@ def test_parse_volume_flags() -> None:
         VolumeMount(volume="cache", path="/c", branch=False),
         VolumeMount(volume="v", path="/x", read_only=True, branch=False),
     ]
+
+
+def test_volume_flag_is_the_inverse_of_parse() -> None:
+    flags = ["/workspace=ws", "/ro=vol-1:ro", "/c=cache:nobranch", "/x=v:ro:nobranch"]
+    assert [volume_flag(m) for m in parse_volume_flags(flags)] == flags
 
 
 @pytest.mark.parametrize("bad", ["ws", "/w", "/w=", "workspace=ws", "=ws", "/w=ws:rw", "/w=ws:", "/w=:ro"])

@@ -1411,6 +1411,68 @@ print("ok")
 '''
 
 
+def build_template(c, body):
+    """Build a template through the API; its final event."""
+    r = c.post("/v1/templates", json=body, timeout=600)
+    assert r.status_code == 200, r.text
+    events = [json.loads(line) for line in r.text.splitlines() if line.strip()]
+    assert events[-1]["type"] == "done", events[-1]
+    return events[-1]["template"]
+
+
+def test_template_volumes_are_forked_into_each_of_its_sandboxes(raw, make_volume):
+    """A template's recipe fills a volume it mounts; each sandbox created from the template
+    gets its own copy-on-write fork of it at the same path, a volume given at that path
+    replaces it, one overlapping it is refused; the template holds the volume until removed."""
+    v = make_volume()
+    name = "vt-%s" % uuid.uuid4().hex[:8]
+    with client() as c:
+        try:
+            t = build_template(c, {
+                "name": name,
+                "run": ["echo prepared > /workspace/state", "seq 1 1000 > /workspace/data"],
+                "code": "x = 1",
+                "shells": 1,
+                "volumes": [{"volume": v.id, "path": "/workspace"}],
+            })
+            assert [(m["volume"], m["path"], m["read_only"], m["branch"]) for m in t["volumes"]] == [
+                (v.id, "/workspace", False, True)]
+            assert [m.sandbox for m in v.info().mounts] == [t["sandbox_id"]]
+            assert api_error(c.delete("/v1/volumes/%s" % v.id), 409, "conflict")
+            a = Sandbox.create(template=name, daemon=URL, timeout=600)
+            b = Sandbox.create(template=name, daemon=URL, timeout=600)
+            forks = []
+            for s in (a, b):
+                [m] = s.info().volumes
+                assert m.path == "/workspace" and m.volume != v.id
+                assert Volume.connect(m.volume, daemon=URL).info().source == v.id
+                forks.append(m.volume)
+                assert sh_in(s, "cat /workspace/state; wc -l < /workspace/data") == "prepared\n1000\n"
+            assert forks[0] != forks[1]
+            sh_in(a, "echo a > /workspace/state")
+            assert sh_in(b, "cat /workspace/state") == "prepared\n"
+            assert v.files.read("/state") == "prepared\n"
+            # A volume of the request's own at the same path replaces the template's.
+            w = make_volume()
+            w.files.write("/state", "mine")
+            s = Sandbox.create(template=name, volumes={"/workspace": w}, daemon=URL, timeout=600)
+            assert [m.volume for m in s.info().volumes] == [w.id]
+            assert sh_in(s, "cat /workspace/state") == "mine"  # written without a newline
+            s.kill()
+            # One that overlaps it is refused, and the refused sandbox leaves nothing.
+            before = {i.id for i in Sandbox.list(daemon=URL)}
+            with pytest.raises(InvalidArgumentError, match="overlaps"):
+                Sandbox.create(template=name, volumes={"/workspace/sub": w}, daemon=URL, timeout=600)
+            assert {i.id for i in Sandbox.list(daemon=URL)} == before
+            assert w.info().mounts == []
+            for s in (a, b):
+                s.kill()
+        finally:
+            c.delete("/v1/templates/%s" % name)
+    wait_until(lambda: v.info().mounts == [], what="the removed template to release its volume")
+    assert v.files.read("/state") == "prepared\n"
+
+
 def test_git_repository_on_a_volume(make_volume, make_sandbox):
     v = make_volume()
     s = make_sandbox(volumes={"/workspace": v})

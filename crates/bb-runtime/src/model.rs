@@ -612,6 +612,11 @@ pub struct BuildTemplate {
     pub timeout: Option<f64>,
     /// Sandboxes kept ready to hand out (default 4).
     pub shells: Option<usize>,
+    /// Volumes the recipe's sandbox mounts (it may fill them). Each sandbox created from the
+    /// template gets a copy-on-write fork of each `branch` volume at the same path (`rox`
+    /// volumes: the same volume, read-only); the template holds them until it is removed.
+    #[serde(default)]
+    pub volumes: Vec<VolumeMount>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -630,6 +635,8 @@ pub struct TemplateInfo {
     pub alive: bool,
     /// Memory charged to the template's sandbox (the frozen sessions), bytes.
     pub memory_bytes: u64,
+    /// The volumes the template holds: its sandboxes get forks of them (see `BuildTemplate`).
+    pub volumes: Vec<VolumeMount>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

@@ -142,7 +142,8 @@ impl Runtime {
             ready_shells: self.fork_shells.state.lock().len_of(&t.sandbox_id),
             alive: sb.as_ref().is_some_and(|s| !s.is_dead())
                 && snap.as_ref().is_some_and(|s| s.sessions.iter().all(|x| x.template)),
-            memory_bytes: sb.map(|s| s.info().memory_bytes).unwrap_or(0),
+            memory_bytes: sb.as_ref().map(|s| s.info().memory_bytes).unwrap_or(0),
+            volumes: sb.map(|s| s.volumes.lock().clone()).unwrap_or_default(),
         }
     }
 
@@ -155,7 +156,7 @@ impl Runtime {
         Ok(self.template_info(&row))
     }
 
-    fn template_row(&self, name: &str) -> Result<RecipeRow> {
+    pub(crate) fn template_row(&self, name: &str) -> Result<RecipeRow> {
         self.recipe_store()?.get(name)?.ok_or_else(|| RuntimeError::NotFound {
             kind: "template",
             id: name.into(),
@@ -229,7 +230,7 @@ impl Runtime {
             template: None,
             snapshot: None,
             lifecycle: None,
-            volumes: Vec::new(),
+            volumes: req.volumes.clone(),
         }
     }
 

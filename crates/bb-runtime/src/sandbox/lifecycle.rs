@@ -134,22 +134,14 @@ impl Runtime {
 
     pub async fn create(self: &Arc<Self>, mut req: CreateSandbox) -> Result<SandboxInfo> {
         self.check_capacity(1)?;
-        let mounts = std::mem::take(&mut req.volumes);
-        if mounts.is_empty() {
-            let from = req.snapshot.clone();
-            let info = self.create_unmounted(req).await?;
-            // From a sandbox snapshot: copy-on-write forks of the volumes that branched with it.
-            if let Some(sid) = from {
-                let sb = self.get(&info.id)?;
-                if let Err(e) = self.fork_volumes_into(&sid, std::slice::from_ref(&sb)).await {
-                    let _ = self.kill_unchecked(&sb.id).await;
-                    return Err(e);
-                }
-                return Ok(sb.info());
-            }
-            return Ok(info);
-        }
-        let mut mounts = mounts;
+        // The snapshot the sandbox starts from (its own, or its template's): the sandbox gets
+        // copy-on-write forks of the volumes that branched with it, after the request's own.
+        let from = match (&req.snapshot, &req.template) {
+            (Some(sid), _) => Some(sid.clone()),
+            (None, Some(name)) => self.template_row(name).ok().map(|t| t.snapshot),
+            (None, None) => None,
+        };
+        let mut mounts = std::mem::take(&mut req.volumes);
         for m in &mut mounts {
             m.volume = self.open_volume(&m.volume).await?;
         }
@@ -161,10 +153,18 @@ impl Runtime {
         let sb = self.get(&info.id)?;
         let rt = self.clone();
         let sbc = sb.clone();
-        let attached = tokio::task::spawn_blocking(move || rt.attach_volumes(&sbc, claims))
-            .await
-            .map_err(RuntimeError::Worker)
-            .and_then(|r| r);
+        let mut attached = if claims.is_empty() {
+            drop(claims);
+            Ok(())
+        } else {
+            tokio::task::spawn_blocking(move || rt.attach_volumes(&sbc, claims))
+                .await
+                .map_err(RuntimeError::Worker)
+                .and_then(|r| r)
+        };
+        if let (Ok(()), Some(sid)) = (&attached, from) {
+            attached = self.fork_volumes_into(&sid, std::slice::from_ref(&sb)).await;
+        }
         if let Err(e) = attached {
             let _ = self.kill_unchecked(&sb.id).await;
             return Err(e);

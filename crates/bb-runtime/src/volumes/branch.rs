@@ -356,24 +356,30 @@ impl Runtime {
     }
 
     /// Give each fork child a copy-on-write fork of the volumes sandbox snapshot `sid` recorded,
-    /// mounted where they were. All or nothing per child.
+    /// mounted where they were. All or nothing per child. A path the child mounts a volume at
+    /// already (the create request's own) keeps it; one inside or above such a path is refused.
     pub(crate) async fn fork_volumes_into(self: &Arc<Self>, sid: &str, children: &[Arc<Sandbox>]) -> Result<()> {
-        let snaps: Vec<VolumeSnapRow> = self
-            .volumes
-            .records()
-            .snapshots(None)?
-            .into_iter()
-            .filter(|s| s.checkpoint.as_ref().is_some_and(|c| c.snapshot == sid))
-            .collect();
+        let snaps: Vec<VolumeSnapRow> = self.volumes.records().snapshots_of_checkpoint(sid)?;
         if snaps.is_empty() {
             return Ok(());
         }
         for child in children {
             let mut mounts = Vec::new();
             let mut shared = Vec::new();
+            let own: Vec<String> = child.volumes.lock().iter().map(|m| m.path.clone()).collect();
             let res = async {
                 for vs in &snaps {
                     let c = vs.checkpoint.as_ref().expect("filtered");
+                    if own.contains(&c.path) {
+                        continue;
+                    }
+                    if let Some(p) = own.iter().find(|p| super::nested(p, &c.path)) {
+                        return Err(RuntimeError::BadRequest(format!(
+                            "the volume mounted at {p} overlaps the one the sandbox's snapshot or template \
+                             mounts at {}: mount yours at {} to replace it, or at a separate path",
+                            c.path, c.path
+                        )));
+                    }
                     if c.shared {
                         // Still there and still rox: mounted as it is; otherwise left out.
                         if self.volume_row(&vs.volume).is_ok_and(|r| r.access == crate::model::Access::Rox) {

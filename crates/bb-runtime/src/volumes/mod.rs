@@ -119,6 +119,12 @@ pub(crate) struct Claims {
     mounts: Vec<(VolumeRow, VolumeMount)>,
 }
 
+impl Claims {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.mounts.is_empty()
+    }
+}
+
 impl Drop for Claims {
     fn drop(&mut self) {
         let mut p = self.rt.volumes.pending.lock();

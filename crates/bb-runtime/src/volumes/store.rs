@@ -90,6 +90,8 @@ impl VolumeStore {
                 body TEXT NOT NULL
             );
             CREATE INDEX IF NOT EXISTS volume_snapshots_by_volume ON volume_snapshots(volume);
+            CREATE INDEX IF NOT EXISTS volume_snapshots_by_checkpoint
+                ON volume_snapshots(json_extract(body, '$.checkpoint.snapshot'));
             CREATE TABLE IF NOT EXISTS volume_mounts (
                 sandbox TEXT NOT NULL,
                 volume TEXT NOT NULL,
@@ -164,6 +166,22 @@ impl VolumeStore {
     pub fn snapshots(&self, volume: Option<&str>) -> Result<Vec<VolumeSnapRow>> {
         let mut st = self.conn.prepare("SELECT id, body FROM volume_snapshots WHERE ?1 IS NULL OR volume = ?1")?;
         let rows = st.query_map(params![volume], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+        let mut v: Vec<VolumeSnapRow> = rows
+            .map(|r| {
+                let (id, body) = r?;
+                parse("volume snapshot", id, body)
+            })
+            .collect::<Result<_>>()?;
+        v.sort_by(|a, b| a.created_at.total_cmp(&b.created_at).then(a.id.cmp(&b.id)));
+        Ok(v)
+    }
+
+    /// The volume snapshots sandbox snapshot `sid` took (indexed: asked at every create).
+    pub fn snapshots_of_checkpoint(&self, sid: &str) -> Result<Vec<VolumeSnapRow>> {
+        let mut st = self
+            .conn
+            .prepare("SELECT id, body FROM volume_snapshots WHERE json_extract(body, '$.checkpoint.snapshot') = ?1")?;
+        let rows = st.query_map(params![sid], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
         let mut v: Vec<VolumeSnapRow> = rows
             .map(|r| {
                 let (id, body) = r?;
@@ -256,5 +274,31 @@ mod tests {
         assert_eq!(s.mounts().unwrap(), vec![m]);
         s.delete_mounts("sb1").unwrap();
         assert!(s.mounts().unwrap().is_empty());
+    }
+
+    #[test]
+    fn snapshots_of_a_checkpoint_are_found_by_its_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = VolumeStore::open(&dir.path().join("db")).unwrap();
+        let snap = |id: &str, of: Option<&str>| VolumeSnapRow {
+            id: id.into(),
+            volume: "vol-a".into(),
+            created_at: 1.0,
+            label: None,
+            chain: vec![],
+            checkpoint: of.map(|sid| CheckpointOf {
+                snapshot: sid.into(),
+                path: format!("/{id}"),
+                read_only: false,
+                shared: false,
+            }),
+        };
+        for (id, of) in [("vs-1", Some("snap-x")), ("vs-2", None), ("vs-3", Some("snap-y")), ("vs-4", Some("snap-x"))] {
+            s.insert_snapshot(&snap(id, of)).unwrap();
+        }
+        let ids = |sid| s.snapshots_of_checkpoint(sid).unwrap().into_iter().map(|v| v.id).collect::<Vec<_>>();
+        assert_eq!(ids("snap-x"), ["vs-1", "vs-4"]);
+        assert_eq!(ids("snap-y"), ["vs-3"]);
+        assert!(ids("snap-z").is_empty());
     }
 }
