@@ -57,6 +57,7 @@ impl Runtime {
         if !id.starts_with("sl-") {
             return;
         }
+        self.volumes.forget_layer(id);
         let dir = self.layer_path(id);
         // Renamed away first (the same filesystem), so that it is gone at once even if removing
         // it takes long or stops half-way.

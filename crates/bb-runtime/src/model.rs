@@ -868,7 +868,8 @@ pub struct VolumeInfo {
     pub access: Access,
     pub quota_mb: Option<u64>,
     pub created_at: f64,
-    /// Bytes on this node's disk: frozen layers (measured when frozen) and the writable layer.
+    /// Bytes on this node's disk: the writable layer (measured now) and frozen layers (measured
+    /// in the background after a freeze; until then a layer counts its last measured size).
     pub size_bytes: u64,
     /// Frozen layers under the writable one.
     pub layers: usize,

@@ -37,14 +37,14 @@ pub(crate) struct MountSwap<'a> {
 pub(crate) struct PreparedVolume {
     pub(crate) mount: VolumeMount,
     /// The volume's record after the operation (`chain` is what a checkpoint snapshots).
-    next: VolumeRow,
+    pub(super) next: VolumeRow,
     /// The writable layer it had (frozen by a checkpoint, discarded by a rollback).
     old_upper: String,
     /// None: nothing to swap (a checkpoint of a volume nothing wrote since its last freeze).
-    swap: Option<VolumeSwap>,
+    pub(super) swap: Option<VolumeSwap>,
 }
 
-struct VolumeSwap {
+pub(super) struct VolumeSwap {
     /// The new instance, for the sandbox (taken by the swap) and for the host-side view.
     sandbox_mnt: Option<OwnedFd>,
     host_mnt: OwnedFd,

@@ -58,24 +58,19 @@ impl Runtime {
         tokio::task::spawn_blocking(move || -> Result<()> {
             // A local volume may hold the name: the opened one then goes by its id only.
             let name = name.filter(|n| rt.volumes.records().get(n).ok().flatten().is_none());
-            let upper = rt.volume_upper(&id2, 0, &chain)?;
-            let row = VolumeRow {
+            rt.insert_new_volume(VolumeRow {
                 id: id2.clone(),
                 name,
                 access: head.access,
                 quota_mb: head.quota_mb,
                 created_at: now(),
                 chain: chain.clone(),
-                upper,
+                upper: String::new(),
                 n: 0,
                 source: None,
                 synced: Some(Synced { version, chain }),
-            };
-            if let Err(e) = rt.volumes.records().insert(&row) {
-                rt.remove_layer_dir(&row.upper);
-                return Err(e.into());
-            }
-            Ok(())
+            })
+            .map(drop)
         })
         .await
         .map_err(RuntimeError::Worker)??;

@@ -28,7 +28,6 @@ mod durable;
 pub mod store;
 pub mod volfs;
 
-use branch::MountSwap;
 pub(crate) use branch::PreparedVolume;
 
 use crate::error::{Result, RuntimeError};
@@ -71,9 +70,17 @@ pub struct Volumes {
     stale_devs: Mutex<HashMap<String, Vec<u64>>>,
     /// The volumes' filesystem is set up (`Some(encrypted)`), see [`volfs`].
     fs_ready: Mutex<Option<bool>>,
+    /// The last measured size of writable layers: what a layer counts for once frozen, until
+    /// its size is measured in the background (`measure_layers_later`).
+    upper_sizes: Mutex<HashMap<String, u64>>,
 }
 
 impl Volumes {
+    /// Layer `id` is gone.
+    pub(crate) fn forget_layer(&self, id: &str) {
+        self.upper_sizes.lock().remove(id);
+    }
+
     pub(crate) fn open(db: &Path) -> Result<Volumes> {
         Ok(Volumes {
             records: Mutex::new(VolumeStore::open(db)?),
@@ -82,6 +89,7 @@ impl Volumes {
             pending: Default::default(),
             mounting: Default::default(),
             fs_ready: Default::default(),
+            upper_sizes: Default::default(),
             stale_devs: Default::default(),
         })
     }
@@ -349,13 +357,18 @@ impl Runtime {
         let snaps = self.volumes.records().snapshots(Some(&row.id))?.len();
         let upper_dir = self.layer_path(&row.upper);
         let upper_bytes = du(&upper_dir);
+        self.volumes.upper_sizes.lock().insert(row.upper.clone(), upper_bytes);
         let records = self.snapshots.records();
         let mut size = upper_bytes;
         let mut backlog = upper_bytes;
         let synced: HashSet<&String> = row.synced.iter().flat_map(|s| s.chain.iter()).collect();
         for l in &row.chain {
-            // A layer frozen a moment ago is measured in the background: walk it now meanwhile.
-            let b = records.layer_size(l)?.unwrap_or_else(|| du(&self.layer_path(l)));
+            // A layer frozen a moment ago is measured in the background (a walk of every file,
+            // not on the path of an answer): meanwhile it counts what it last measured.
+            let b = match records.layer_size(l)? {
+                Some(b) => b,
+                None => self.volumes.upper_sizes.lock().get(l).copied().unwrap_or(0),
+            };
             size += b;
             if !synced.contains(l) {
                 backlog += b;
@@ -409,30 +422,27 @@ impl Runtime {
                     return Err(RuntimeError::Conflict(format!("a volume named {n:?} exists: choose another name")));
                 }
             }
-            let id = new_id("vol");
-            let upper = rt.volume_upper(&id, 0, &[])?;
-            let row = VolumeRow {
-                id: id.clone(),
-                name: req.name,
-                access: req.access,
-                quota_mb: req.quota_mb,
-                created_at: now(),
-                chain: Vec::new(),
-                upper,
-                n: 0,
-                source: None,
-                synced: None,
-            };
-            if let Err(e) = rt.volumes.records().insert(&row) {
-                rt.remove_layer_dir(&row.upper);
-                rt.remove_volume_dirs(&id);
-                return Err(if row.name.is_some() && e.to_string().contains("UNIQUE") {
-                    RuntimeError::Conflict(format!("a volume named {:?} exists: choose another name", row.name))
-                } else {
-                    e.into()
-                });
-            }
-            tracing::info!(volume = %id, name = ?row.name, "volume created");
+            let named = req.name.clone();
+            let row = rt
+                .insert_new_volume(VolumeRow {
+                    id: new_id("vol"),
+                    name: req.name,
+                    access: req.access,
+                    quota_mb: req.quota_mb,
+                    created_at: now(),
+                    chain: Vec::new(),
+                    upper: String::new(),
+                    n: 0,
+                    source: None,
+                    synced: None,
+                })
+                .map_err(|e| match named {
+                    Some(n) if e.to_string().contains("UNIQUE") => {
+                        RuntimeError::Conflict(format!("a volume named {n:?} exists: choose another name"))
+                    }
+                    _ => e,
+                })?;
+            tracing::info!(volume = %row.id, name = ?row.name, "volume created");
             rt.volume_info_of(&row)
         })
         .await
@@ -571,93 +581,53 @@ impl Runtime {
                 }
                 let size = du(&rt.layer_path(&l));
                 let _ = rt.snapshots.records().set_layer_size(&l, size);
+                rt.volumes.upper_sizes.lock().remove(&l);
             }
         });
     }
 
+    /// Freeze volume `row` (see the module doc); `holder`: the sandbox that mounts it, where.
+    /// A mounted volume goes through the steps a checkpoint takes it through ([`branch`]),
+    /// in a freeze of its own.
     fn freeze_blocking(&self, row: VolumeRow, holder: Option<(Arc<Sandbox>, VolumeMount)>) -> Result<VolumeRow> {
         let t0 = std::time::Instant::now();
-        let old_upper = self.layer_path(&row.upper);
-        if dir_is_empty(&old_upper) {
-            return Ok(row);
-        }
-        check_depth(&row)?;
-        let n = row.n + 1;
-        let mut next = row.clone();
-        next.chain.push(row.upper.clone());
-        let lid = self.volume_upper(&row.id, n, &next.chain)?;
-        next.upper = lid.clone();
-        next.n = n;
-        let res = (|| -> Result<()> {
-            match holder.filter(|(sb, _)| !sb.is_dead()) {
-                Some((sb, m)) => {
-                    let root = self.ensure_volume_mounted(&row)?;
-                    // The old instance's last reference goes in the background (see `release_later`).
-                    let held = std::fs::File::open(&root).map_err(RuntimeError::io("open a volume's view"))?;
-                    let dev = std::fs::metadata(&root).map_err(RuntimeError::io("stat a volume"))?.dev();
-                    let fd = self.volume_instance(&next)?;
-                    let host = bb_sys::ns::open_tree(
-                        fd.as_fd(),
-                        Path::new(""),
-                        bb_sys::ns::OPEN_TREE_CLONE | bb_sys::ns::OPEN_TREE_CLOEXEC,
-                    )?;
-                    if m.read_only {
-                        bb_sys::mount_api::mount_setattr(fd.as_fd(), bb_sys::mount_api::MOUNT_ATTR_RDONLY)?;
-                    }
-                    let new_upper = self.layer_path(&lid);
-                    let stragglers = self.replace_volume_in(&sb, &row.id, &m.path, fd, dev, &old_upper, &new_upper)?;
-                    drop(stragglers);
-                    {
-                        let _m = self.volumes.mounting.lock();
-                        let _ = bb_layers::unmount(&root);
-                        bb_sys::mount_api::move_mount_to(host.as_fd(), &root)?;
-                    }
-                    let shown = self.mount_in_host_view(&sb.rootfs(), &m);
-                    release_later(held);
-                    shown
-                }
-                None => {
-                    self.unmount_volume_view(&row.id);
-                    Ok(())
-                }
+        let Some((sb, m)) = holder.filter(|(sb, _)| !sb.is_dead()) else {
+            if dir_is_empty(&self.layer_path(&row.upper)) {
+                return Ok(row);
             }
-        })();
-        if let Err(e) = res {
-            self.remove_layer_dir(&lid);
-            return Err(e);
+            check_depth(&row)?;
+            let mut next = row.clone();
+            next.chain.push(row.upper.clone());
+            next.n = row.n + 1;
+            next.upper = self.volume_upper(&row.id, next.n, &next.chain)?;
+            self.unmount_volume_view(&row.id);
+            if let Err(e) = self.volumes.records().update(&next) {
+                self.remove_layer_dir(&next.upper);
+                return Err(e.into());
+            }
+            self.remove_volume_work(&row.id, row.n);
+            return Ok(next);
+        };
+        let mut prepared = self.prepare_volume_checkpoint(std::slice::from_ref(&m))?;
+        let next = prepared[0].next.clone();
+        if prepared[0].swap.is_none() {
+            return Ok(next);
         }
-        self.volumes.records().update(&next)?;
-        self.remove_volume_work(&row.id, row.n);
+        let templates = self.session_templates.pids_of(&sb.id);
+        if let Err(e) = sb.cgroup.freeze() {
+            self.discard_prepared_volumes(prepared);
+            return Err(e.into());
+        }
+        let mut stale = Vec::new();
+        let swapped = self.swap_volumes_frozen(&sb, &mut prepared, &templates, &mut stale);
+        let thawed = sb.cgroup.thaw();
+        drop(Stragglers(rebase_cwds(stale, Some(std::time::Instant::now() + REBASE_PATIENCE))));
+        self.finish_volume_swaps(prepared, false);
+        swapped?;
+        thawed?;
+        self.mount_in_host_view(&sb.rootfs(), &m)?;
         tracing::debug!(volume = %row.id, layers = next.chain.len(), took = ?t0.elapsed(), "volume frozen");
         Ok(next)
-    }
-
-    /// Replace the volume mounted at `path` in `sb` by `mnt` (a new instance over the old one's
-    /// layers): frozen, files open for writing in the old instance (device `dev`) are pinned into
-    /// `new_upper`, processes with a working directory in it are moved after the thaw.
-    #[allow(clippy::too_many_arguments)]
-    fn replace_volume_in(
-        &self,
-        sb: &Sandbox,
-        vid: &str,
-        path: &str,
-        mnt: OwnedFd,
-        dev: u64,
-        old_upper: &Path,
-        new_upper: &Path,
-    ) -> Result<Stragglers> {
-        let templates = self.session_templates.pids_of(&sb.id);
-        sb.cgroup.freeze()?;
-        let mut stale = Vec::new();
-        let scan = crate::sandbox::procs::own_pids(sb, &templates)
-            .unwrap_or_else(|_| (crate::sandbox::procs::sandbox_proc(sb), Vec::new()));
-        let swap = MountSwap { path, dev, old_upper, new_upper, pin: true };
-        let res = self.swap_volume_mount(sb, vid, &swap, mnt, &scan, &mut stale);
-        let thawed = sb.cgroup.thaw();
-        let stragglers = Stragglers(rebase_cwds(stale, Some(std::time::Instant::now() + REBASE_PATIENCE)));
-        res?;
-        thawed?;
-        Ok(stragglers)
     }
 
     pub async fn snapshot_volume(
@@ -766,6 +736,19 @@ impl Runtime {
         self.new_volume_on(&source, chain, req.name).await
     }
 
+    /// Record new volume `row` with an empty writable layer on its chain (its `upper` and `n` are
+    /// set here). What it made goes again if the record fails. Blocking.
+    pub(crate) fn insert_new_volume(&self, mut row: VolumeRow) -> Result<VolumeRow> {
+        row.n = 0;
+        row.upper = self.volume_upper(&row.id, 0, &row.chain)?;
+        if let Err(e) = self.volumes.records().insert(&row) {
+            self.remove_layer_dir(&row.upper);
+            self.remove_volume_dirs(&row.id);
+            return Err(e.into());
+        }
+        Ok(row)
+    }
+
     /// A new volume on `chain` with `source`'s settings and an empty writable layer.
     async fn new_volume_on(
         self: &Arc<Self>,
@@ -776,26 +759,19 @@ impl Runtime {
         let rt = self.clone();
         let source = source.clone();
         tokio::task::spawn_blocking(move || {
-            let id = new_id("vol");
-            let upper = rt.volume_upper(&id, 0, &chain)?;
-            let row = VolumeRow {
-                id: id.clone(),
+            let row = rt.insert_new_volume(VolumeRow {
+                id: new_id("vol"),
                 name,
                 access: source.access,
                 quota_mb: source.quota_mb,
                 created_at: now(),
                 chain,
-                upper,
+                upper: String::new(),
                 n: 0,
                 source: Some(source.id.clone()),
                 synced: None,
-            };
-            if let Err(e) = rt.volumes.records().insert(&row) {
-                rt.remove_layer_dir(&row.upper);
-                rt.remove_volume_dirs(&id);
-                return Err(e.into());
-            }
-            tracing::info!(volume = %id, source = %source.id, layers = row.chain.len(), "volume forked");
+            })?;
+            tracing::info!(volume = %row.id, source = %source.id, layers = row.chain.len(), "volume forked");
             rt.volume_info_of(&row)
         })
         .await
