@@ -164,24 +164,18 @@ impl VolumeStore {
 
     /// Snapshots of one volume (or of every volume), oldest first.
     pub fn snapshots(&self, volume: Option<&str>) -> Result<Vec<VolumeSnapRow>> {
-        let mut st = self.conn.prepare("SELECT id, body FROM volume_snapshots WHERE ?1 IS NULL OR volume = ?1")?;
-        let rows = st.query_map(params![volume], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
-        let mut v: Vec<VolumeSnapRow> = rows
-            .map(|r| {
-                let (id, body) = r?;
-                parse("volume snapshot", id, body)
-            })
-            .collect::<Result<_>>()?;
-        v.sort_by(|a, b| a.created_at.total_cmp(&b.created_at).then(a.id.cmp(&b.id)));
-        Ok(v)
+        self.snapshots_where("?1 IS NULL OR volume = ?1", volume)
     }
 
-    /// The volume snapshots sandbox snapshot `sid` took (indexed: asked at every create).
+    /// The volume snapshots sandbox snapshot `sid` took, oldest first (indexed: asked at every
+    /// create).
     pub fn snapshots_of_checkpoint(&self, sid: &str) -> Result<Vec<VolumeSnapRow>> {
-        let mut st = self
-            .conn
-            .prepare("SELECT id, body FROM volume_snapshots WHERE json_extract(body, '$.checkpoint.snapshot') = ?1")?;
-        let rows = st.query_map(params![sid], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+        self.snapshots_where("json_extract(body, '$.checkpoint.snapshot') = ?1", Some(sid))
+    }
+
+    fn snapshots_where(&self, cond: &str, arg: Option<&str>) -> Result<Vec<VolumeSnapRow>> {
+        let mut st = self.conn.prepare(&format!("SELECT id, body FROM volume_snapshots WHERE {cond}"))?;
+        let rows = st.query_map(params![arg], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
         let mut v: Vec<VolumeSnapRow> = rows
             .map(|r| {
                 let (id, body) = r?;
