@@ -3,11 +3,10 @@
 //!
 //! A volume is what a sandbox root is: a chain of frozen layers (`sl-v*` on the daemon's
 //! encrypted volume filesystem, [`volfs`], shared with forks and snapshots) under one writable
-//! layer, as one overlay instance. The
-//! daemon keeps that instance mounted at `<state>/volumes/<id>/root` (the file API's view) and
-//! attaches clones of it in sandboxes (`rootswap::mount_in_sandbox`): a sandbox writes to
-//! node-local disk through the kernel's overlayfs, with nothing in between, and an fsync in the
-//! sandbox is an fsync of the node's disk.
+//! layer, as one overlay instance. The daemon keeps that instance mounted at
+//! `<state>/volumes/<id>/root` (the file API's view) and attaches clones of it in sandboxes
+//! (`rootswap::mount_in_sandbox`): a sandbox writes to node-local disk through the kernel's
+//! overlayfs, with nothing in between, and an fsync in the sandbox is an fsync of the node's disk.
 //!
 //! - **freeze** (`freeze`): the writable layer becomes a frozen layer and a fresh one goes on
 //!   top; a sandbox that mounts the volume is frozen for the mount replacement, its files open
