@@ -615,7 +615,9 @@ class VolumeInfo(_Model):
     last ``sync()``, else ``"node-local"``, with ``backlog_bytes`` written since then (not yet
     in the object store). ``source`` is the volume it was forked from.
     ``encrypted_at_rest``: its files on the daemon's disk are encrypted (the daemon's
-    ``--volume-encryption``, on by default).
+    ``--volume-encryption``, on by default). ``cached`` is False once the daemon let layers of
+    the volume go from its bounded cache (``--volume-cache-mb``; only a durable volume no
+    sandbox uses): they are pulled back from the object store when it is next mounted or read.
     """
 
     id: str = ""
@@ -632,6 +634,7 @@ class VolumeInfo(_Model):
     backlog_bytes: int = 0
     source: Optional[str] = None
     encrypted_at_rest: bool = False
+    cached: bool = True
     raw: Dict[str, Any] = _raw()
 
     @classmethod

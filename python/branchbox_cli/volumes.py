@@ -60,7 +60,7 @@ def _print_volume(vol: Volume, as_json: bool) -> None:
 
 def _durability(info: VolumeInfo) -> Text:
     if info.durability == "durable":
-        return Text("durable", style="green")
+        return Text("durable" if info.cached else "durable (in the object store only)", style="green")
     return Text("node-local (%s unsynced)" % fmt_bytes(info.backlog_bytes), style="yellow")
 
 

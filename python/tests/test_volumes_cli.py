@@ -97,8 +97,12 @@ def test_volume_ls(runner: CliRunner, vd: FakeDaemon) -> None:
     assert first.split()[:3] == [VID, "ws", "rwo"] and "1024 MiB" in first and "%s:/workspace" % SID in first
     assert "node-local (4.0 KiB unsynced)" in first
     assert second.split()[:2] == [VID2, "ws2"] and "durable" in second and "node-local" not in second
+    assert "object store only" not in second
     r = invoke(runner, "volume", "ls", "--json")
     assert r.exit_code == 0 and [v["id"] for v in json.loads(r.stdout)] == [VID, VID2]
+    vd.on("GET", "/v1/volumes", {"volumes": [dict(FORKED, durability="durable", cached=False)]})
+    r = runner.invoke(cli.app, ["volume", "ls"], env={"COLUMNS": "250"})
+    assert "durable (in the object store only)" in r.stdout, r.stdout
     vd.on("GET", "/v1/volumes", {"volumes": []})
     r = invoke(runner, "volume", "ls")
     assert r.exit_code == 0 and r.stdout.startswith("no volumes")

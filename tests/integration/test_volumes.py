@@ -58,7 +58,7 @@ from helpers import (
 )
 
 INFO_KEYS = {"id", "name", "access", "quota_mb", "created_at", "size_bytes", "layers", "snapshots", "mounts",
-             "version", "durability", "backlog_bytes", "source", "encrypted_at_rest"}
+             "version", "durability", "backlog_bytes", "source", "encrypted_at_rest", "cached"}
 
 
 # ----------------------------------------------------------------------------- fixtures and helpers

@@ -375,3 +375,46 @@ def test_store_gc_keeps_what_volume_heads_reach_and_collects_deleted_volumes(w):
     r = snaps.store_gc(grace_seconds=0)
     assert not mine & set(store.objects()), "objects of the deleted volume are left: %r" % sorted(mine & set(store.objects()))
     assert r.deleted >= len(mine), r
+
+
+def test_node_cache_lets_durable_idle_volumes_go_and_pulls_them_back_when_used(w):
+    """With --volume-cache-mb 1, the background tick lets the layers of durable volumes that no
+    sandbox uses leave the node, least recently used first; the next read or mount pulls them
+    back from the store, the same bytes. A volume with unsynced changes and one a sandbox
+    mounts keep theirs; with the store down, a read of a volume whose layers went fails with
+    503 and serves nothing."""
+    w.kill_a()
+    start_s(w.daemon, w.store, "a", NO_BACKGROUND_SYNC + ["--volume-cache-mb", "1"])
+    try:
+        blobs = {}
+        v1, v2, changed, mounted = (w.volume_on_a() for _ in range(4))
+        for v in (v1, v2, changed, mounted):
+            blobs[v.id] = os.urandom(2 << 20)
+            v.files.write("/blob", blobs[v.id])
+            assert v.sync().durability == "durable"
+        changed.files.write("/later", b"not synced")
+        sm = w.sandbox_on_a(mounted.id)
+        # The tick runs every 10 s.
+        wait_until(lambda: not v1.info().cached and not v2.info().cached, timeout=40, what="v1 and v2 let go")
+        assert changed.info().cached and mounted.info().cached
+        i = v1.info()
+        assert (i.durability, i.version, i.size_bytes >= 2 << 20) == ("durable", 1, True), i
+        # Read back through the file API, and mounted in a sandbox: pulled, the same bytes.
+        assert v1.files.read("/blob", format="bytes") == blobs[v1.id]
+        assert v1.info().cached
+        s2 = w.sandbox_on_a(v2.id)
+        assert sha256_in(s2, "/w/blob") == sha256(blobs[v2.id]) and v2.info().cached
+        assert sha256_in(sm, "/w/blob") == sha256(blobs[mounted.id])
+        assert changed.files.read("/later") == "not synced"
+        # v1 is idle again (v2 is mounted now): it goes at the next tick; with the store down a
+        # read cannot bring it back.
+        wait_until(lambda: not v1.info().cached, timeout=40, what="v1 let go again")
+        with w.store_down(), api(SOCKET) as a:
+            err = api_error(a.get("/v1/volumes/%s/files" % v1.id, params={"path": "/blob"}), 503, "unavailable")
+            assert "object store" in err["message"], err
+            assert not v1.info().cached
+        assert sha256(v1.files.read("/blob", format="bytes")) == sha256(blobs[v1.id])
+    finally:
+        w.cleanup()
+        w.kill_a()
+        w.start_a()

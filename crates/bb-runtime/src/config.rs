@@ -59,6 +59,9 @@ pub struct RuntimeConfig {
     pub volume_key_file: Option<PathBuf>,
     /// Size of the volumes' filesystem (a sparse image: it takes the space its files take).
     pub volume_fs_bytes: u64,
+    /// Most bytes of frozen volume layers kept on the node ([`crate::volumes::cache`]); None:
+    /// no bound.
+    pub volume_cache_bytes: Option<u64>,
 }
 
 impl RuntimeConfig {
@@ -91,6 +94,7 @@ impl RuntimeConfig {
             volume_encryption: true,
             volume_key_file: None,
             volume_fs_bytes: 256 << 30,
+            volume_cache_bytes: None,
         }
     }
 

@@ -11,7 +11,7 @@ use crate::error::Result;
 use crate::Runtime;
 use std::collections::HashSet;
 use std::os::unix::fs::MetadataExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Where a live sandbox's root stands: the frozen chain under it and its writable layer.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -54,13 +54,19 @@ pub(crate) fn du(p: &Path) -> u64 {
 
 impl Runtime {
     pub(crate) fn remove_layer_dir(&self, id: &str) {
+        if let Some(trash) = self.take_layer_dir(id) {
+            let _ = std::fs::remove_dir_all(&trash);
+        }
+    }
+
+    /// Rename layer dir `id` away (the same filesystem: it is gone at once, even if removing
+    /// it takes long or stops half-way) and return where it went, to be removed.
+    pub(crate) fn take_layer_dir(&self, id: &str) -> Option<PathBuf> {
         if !id.starts_with("sl-") {
-            return;
+            return None;
         }
         self.volumes.forget_layer(id);
         let dir = self.layer_path(id);
-        // Renamed away first (the same filesystem), so that it is gone at once even if removing
-        // it takes long or stops half-way.
         let trash = if id.starts_with(crate::volumes::volfs::LAYER_PREFIX) {
             crate::volumes::volfs::tmp_dir(&self.cfg.state_dir)
         } else {
@@ -68,16 +74,17 @@ impl Runtime {
         };
         let trash = trash.join(format!("{id}-{}", uuid::Uuid::new_v4().simple()));
         if std::fs::rename(&dir, &trash).is_ok() {
-            let _ = std::fs::remove_dir_all(&trash);
+            Some(trash)
         } else {
             let _ = std::fs::remove_dir_all(&dir);
+            None
         }
     }
 
-    /// Delete every layer dir under `<state>/snaplayers` (and the volumes' layers dir) that no snapshot and no sandbox uses,
-    /// and that changed no later than `min_age` ago: writable layers being set up (a checkpoint's
-    /// next layer, a pool or fork shell being built or claimed) are not recorded yet. Returns
-    /// the bytes freed.
+    /// Delete every layer dir under `<state>/snaplayers` (and the volumes' layers dir) that no
+    /// snapshot, no volume and no sandbox uses, and that changed no later than `min_age` ago:
+    /// writable layers being set up (a checkpoint's next layer, a pool or fork shell being
+    /// built or claimed) are not recorded yet. Returns the bytes freed.
     pub(crate) fn gc_layers(&self, min_age: std::time::Duration) -> Result<u64> {
         let snaps = self.snapshots.records();
         let mut used: HashSet<String> = HashSet::new();

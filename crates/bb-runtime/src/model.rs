@@ -888,6 +888,10 @@ pub struct VolumeInfo {
     /// Its layers on this node are on the daemon's encrypted filesystem (false: with
     /// `--volume-encryption off`, or layers made before the daemon encrypted volumes).
     pub encrypted_at_rest: bool,
+    /// All of its layers are on this node. False: the node let some go from its bounded cache
+    /// (`--volume-cache-mb`; the volume was durable and idle) and pulls them back from the
+    /// object store when it is next mounted or read.
+    pub cached: bool,
 }
 
 /// Where a volume is mounted.

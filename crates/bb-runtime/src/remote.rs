@@ -522,6 +522,31 @@ impl Runtime {
         Ok(pulled)
     }
 
+    /// Pull the layers of volume chain `chain` that this node let go (see
+    /// [`crate::volumes::cache`]): each was pushed as tree `layer/<id>`. Returns how many.
+    pub(crate) async fn pull_missing_layers(&self, volume: &str, chain: &[String]) -> Result<usize> {
+        let missing: Vec<&String> = chain.iter().filter(|l| !self.layer_path(l).exists()).collect();
+        if missing.is_empty() {
+            return Ok(0);
+        }
+        let o = self.remote.open().await?;
+        for l in &missing {
+            let name = format!("layer/{l}");
+            let n = name.clone();
+            let tree = meta(&o.meta, move |m| m.get_object(&n)).await?.ok_or_else(|| {
+                RuntimeError::Conflict(format!(
+                    "volume {volume} stands on layer {l}, which is neither on this node nor in the object store \
+                     ({name} is not in the metadata store): restore the volume to one of its snapshots or delete it"
+                ))
+            })?;
+            let tree: TreeRef = serde_json::from_str(&tree)
+                .map_err(|e| RemoteError::BadHead { name: name.clone(), why: e.to_string() })?;
+            self.pull_layer(&o, l, &tree).await?;
+        }
+        tracing::info!(volume, layers = missing.len(), "volume layers pulled back into the node's cache");
+        Ok(missing.len())
+    }
+
     /// Take or renew the writer lease of volume `id` (one node writes an `rwo` volume that has a
     /// committed head); a conflict names the node holding it and until when.
     pub(crate) async fn hold_volume(&self, id: &str) -> Result<()> {
@@ -599,6 +624,7 @@ impl Runtime {
     async fn pull_layer(&self, o: &Opened, l: &str, tree: &TreeRef) -> Result<()> {
         let target = self.layer_path(l);
         let staging = if l.starts_with(crate::volumes::volfs::LAYER_PREFIX) {
+            // Made by the callers, off the async threads (a no-op check here).
             self.volume_fs_ready()?;
             crate::volumes::volfs::tmp_dir(&self.cfg.state_dir)
         } else {

@@ -117,6 +117,11 @@ struct Args {
     /// space its files take; keep that much free on the state dir's disk).
     #[arg(long, default_value_t = 256)]
     volume_fs_size_gb: u64,
+    /// Most MiB of frozen volume layers kept on this node (0: no bound). Past it, layers of
+    /// volumes that are durable (synced, unchanged since) and idle go, least recently used
+    /// first, and are pulled back from the object store when the volume is next used.
+    #[arg(long, default_value_t = 64 * 1024)]
+    volume_cache_mb: u64,
     /// Print the OpenAPI document and exit.
     #[arg(long)]
     print_openapi: bool,
@@ -179,6 +184,7 @@ async fn run(args: Args, store_credentials: Option<(String, String)>) -> anyhow:
     cfg.volume_encryption = args.volume_encryption == "on";
     cfg.volume_key_file = args.volume_key_file;
     cfg.volume_fs_bytes = args.volume_fs_size_gb << 30;
+    cfg.volume_cache_bytes = (args.volume_cache_mb > 0).then_some(args.volume_cache_mb << 20);
     cfg.setns_key_file = args.setns_key_file;
     cfg.node_name = args.node_name;
     cfg.store_gc_grace = Duration::from_secs(args.store_gc_grace);

@@ -50,6 +50,7 @@ impl Runtime {
         if self.volumes.records().get(&id)?.is_some() {
             return Ok(id);
         }
+        self.volume_fs_ready_async().await?;
         let pulled = self.pull_volume_layers(&id, &head).await?;
         let rt = self.clone();
         let chain: Vec<String> = head.layers.iter().map(|l| l.layer.clone()).collect();
@@ -97,6 +98,7 @@ impl Runtime {
                 row.id, synced.version
             )));
         }
+        self.volume_fs_ready_async().await?;
         self.pull_volume_layers(&row.id, &head).await?;
         let gate = self.volumes.gate(&row.id);
         let _gate = gate.write().await;
@@ -147,18 +149,26 @@ impl Runtime {
         }
     }
 
-    /// Every [`super::LEASE_RENEW`]: renew the leases of volumes mounted writable here; and, every
+    /// Every [`super::LEASE_RENEW`]: renew the leases of volumes mounted writable here; every
     /// `--volume-sync-interval`, sync each synced volume with a backlog (the background
-    /// uploader). Failures are logged; the backlog stays and shows in the volume's status.
+    /// uploader); then bound the node's cache of volume layers ([`super::cache`]). Failures are
+    /// logged; a backlog stays and shows in the volume's status.
     pub async fn volume_tick(self: &Arc<Self>, upload: bool) {
         for id in self.held_volumes() {
             if let Err(e) = self.hold_volume(&id).await {
                 tracing::warn!(volume = %id, "renewing the volume's lease failed: {e}");
             }
         }
-        if !upload {
-            return;
+        if upload {
+            self.upload_volumes().await;
         }
+        if let Err(e) = self.trim_volume_cache().await {
+            tracing::warn!("bounding the node's volume cache: {e}");
+        }
+    }
+
+    /// Sync each synced volume with a backlog.
+    async fn upload_volumes(self: &Arc<Self>) {
         let rows = match self.volumes.records().all() {
             Ok(r) => r,
             Err(e) => return tracing::warn!("background volume upload: {e}"),

@@ -23,6 +23,7 @@
 //!   read-only, and written through the file API only while none mounts them.
 
 mod branch;
+pub mod cache;
 mod durable;
 pub mod store;
 pub mod volfs;
@@ -72,6 +73,8 @@ pub struct Volumes {
     /// The last measured size of writable layers: what a layer counts for once frozen, until
     /// its size is measured in the background (`measure_layers_later`).
     upper_sizes: Mutex<HashMap<String, u64>>,
+    /// When each volume was last mounted or used through the file API ([`cache`]).
+    used: Mutex<HashMap<String, std::time::Instant>>,
 }
 
 impl Volumes {
@@ -89,6 +92,7 @@ impl Volumes {
             mounting: Default::default(),
             fs_ready: Default::default(),
             upper_sizes: Default::default(),
+            used: Default::default(),
             stale_devs: Default::default(),
         })
     }
@@ -313,20 +317,38 @@ impl Runtime {
 
     /// Mount the host-side view of `row` unless it is (a daemon killed earlier leaves it
     /// mounted: the same instance its sandboxes still use).
+    /// Layers the node let go ([`cache`]) are pulled back first.
     fn ensure_volume_mounted(&self, row: &VolumeRow) -> Result<PathBuf> {
-        let _m = self.volumes.mounting.lock();
-        let root = self.volume_root(&row.id);
-        if is_mountpoint(&root) {
-            return Ok(root);
+        self.volumes.touch(&row.id);
+        for _ in 0..3 {
+            {
+                let _m = self.volumes.mounting.lock();
+                let root = self.volume_root(&row.id);
+                if is_mountpoint(&root) {
+                    return Ok(root);
+                }
+                if self.chain_local(&row.chain) {
+                    std::fs::create_dir_all(&root).map_err(RuntimeError::io("create a volume's mount point"))?;
+                    let fd = self.volume_instance(row)?;
+                    bb_sys::mount_api::move_mount_to(fd.as_fd(), &root).map_err(RuntimeError::from)?;
+                    return Ok(root);
+                }
+            }
+            self.pull_missing_layers_blocking(row)?;
         }
-        std::fs::create_dir_all(&root).map_err(RuntimeError::io("create a volume's mount point"))?;
-        let fd = self.volume_instance(row)?;
-        bb_sys::mount_api::move_mount_to(fd.as_fd(), &root).map_err(RuntimeError::from)?;
-        Ok(root)
+        Err(RuntimeError::Conflict(format!(
+            "volume {}'s layers keep leaving the node's cache while it is mounted: raise --volume-cache-mb",
+            row.id
+        )))
     }
 
     fn unmount_volume_view(&self, id: &str) {
         let _m = self.volumes.mounting.lock();
+        self.unmount_view_locked(id);
+    }
+
+    /// [`Self::unmount_volume_view`] with the mounting lock held.
+    fn unmount_view_locked(&self, id: &str) {
         let root = self.volume_root(id);
         let held = std::fs::File::open(&root).ok();
         while is_mountpoint(&root) {
@@ -400,6 +422,7 @@ impl Runtime {
             source: row.source.clone(),
             encrypted_at_rest: self.volume_fs_encrypted() == Some(true)
                 && row.chain.iter().chain([&row.upper]).all(|l| l.starts_with(volfs::LAYER_PREFIX)),
+            cached: self.chain_local(&row.chain),
         })
     }
 
@@ -724,14 +747,18 @@ impl Runtime {
             Some(row) => row,
             None => self.volume_row(&self.open_volume(vid).await?)?,
         };
+        // Held until the fork stands on the chain: the node's cache keeps its layers from then on.
+        let op = self.volumes.op(&source.id);
+        let _op = op.lock().await;
         let chain = match &req.snapshot {
             Some(s) => self.volume_snapshot_of(&source.id, s)?.chain,
-            None => {
-                let op = self.volumes.op(&source.id);
-                let _op = op.lock().await;
-                self.freeze_volume(&source.id).await?.chain
-            }
+            None => self.freeze_volume(&source.id).await?.chain,
         };
+        // A fork is not durable: the layers it stands on come back to the node first.
+        if !self.chain_local(&chain) {
+            self.volume_fs_ready_async().await?;
+            self.pull_missing_layers(&source.id, &chain).await?;
+        }
         self.new_volume_on(&source, chain, req.name).await
     }
 

@@ -67,16 +67,8 @@ pub fn work_dir(state_dir: &Path, id: &str) -> PathBuf {
     top(state_dir).join("work").join(id)
 }
 
-fn is_mountpoint(p: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    match (std::fs::metadata(p), p.parent().map(std::fs::metadata)) {
-        (Ok(m), Some(Ok(parent))) => m.dev() != parent.dev(),
-        _ => false,
-    }
-}
-
 fn run(what: &'static str, cmd: &mut Command) -> std::result::Result<(), VolumeFsError> {
-    let out = cmd.output().map_err(|e| VolumeFsError::Setup { what, problem: e.to_string() })?;
+    let out = cmd.output().map_err(setup_err(what))?;
     if !out.status.success() {
         let problem = String::from_utf8_lossy(&out.stderr).trim().to_string();
         return Err(VolumeFsError::Setup { what, problem: format!("{} ({})", problem, out.status) });
@@ -84,7 +76,7 @@ fn run(what: &'static str, cmd: &mut Command) -> std::result::Result<(), VolumeF
     Ok(())
 }
 
-fn setup_err(what: &'static str) -> impl FnOnce(std::io::Error) -> VolumeFsError {
+fn setup_err<E: std::fmt::Display>(what: &'static str) -> impl FnOnce(E) -> VolumeFsError {
     move |e| VolumeFsError::Setup { what, problem: e.to_string() }
 }
 
@@ -98,7 +90,7 @@ pub(crate) fn ensure(cfg: &crate::RuntimeConfig) -> std::result::Result<bool, Vo
         make_dirs(state)?;
         return Ok(false);
     }
-    if !is_mountpoint(&dir) {
+    if !super::is_mountpoint(&dir) {
         let img = image(state);
         if !img.exists() {
             if top(state).exists() {
@@ -129,11 +121,10 @@ pub(crate) fn ensure(cfg: &crate::RuntimeConfig) -> std::result::Result<bool, Vo
         )?;
     }
     let key = bb_sys::secret::load_or_create(&cfg.volume_key(), bb_sys::fscrypt::KEY_LEN)
-        .map_err(|e| VolumeFsError::Setup { what: "load its key", problem: e.to_string() })?;
+        .map_err(setup_err("load its key"))?;
     let key: [u8; bb_sys::fscrypt::KEY_LEN] = key[..].try_into().expect("key length");
     let mnt = std::fs::File::open(&dir).map_err(setup_err("open its mount point"))?;
-    let ident = bb_sys::fscrypt::add_key(mnt.as_fd(), &key)
-        .map_err(|e| VolumeFsError::Setup { what: "add its key", problem: e.to_string() })?;
+    let ident = bb_sys::fscrypt::add_key(mnt.as_fd(), &key).map_err(setup_err("add its key"))?;
     let top = top(state);
     match std::fs::create_dir(&top) {
         Ok(()) => {}
@@ -144,7 +135,7 @@ pub(crate) fn ensure(cfg: &crate::RuntimeConfig) -> std::result::Result<bool, Vo
     match bb_sys::fscrypt::set_policy(t.as_fd(), ident) {
         Ok(()) => {}
         Err(e) if e.errno() == libc::EEXIST => return Err(VolumeFsError::WrongKey { dir: top, key: cfg.volume_key() }),
-        Err(e) => return Err(VolumeFsError::Setup { what: "encrypt its dir", problem: e.to_string() }),
+        Err(e) => return Err(setup_err("encrypt its dir")(e)),
     }
     make_dirs(state)?;
     Ok(true)
@@ -166,6 +157,15 @@ impl Runtime {
             *ready = Some(ensure(&self.cfg)?);
         }
         Ok(())
+    }
+
+    /// [`Self::volume_fs_ready`] off the async threads (making it takes a mkfs and a mount).
+    pub(crate) async fn volume_fs_ready_async(self: &std::sync::Arc<Self>) -> Result<()> {
+        if self.volume_fs_encrypted().is_some() {
+            return Ok(());
+        }
+        let rt = self.clone();
+        tokio::task::spawn_blocking(move || rt.volume_fs_ready()).await.map_err(crate::RuntimeError::Worker)?
     }
 
     /// Whether the volumes' layers are encrypted on this node (`None`: not set up yet).
