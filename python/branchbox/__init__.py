@@ -15,6 +15,7 @@ from .exceptions import (
     AuthenticationError,
     CommandExitError,
     ConflictError,
+    CorruptDataError,
     DaemonUnavailableError,
     InvalidArgumentError,
     NotFoundError,
@@ -138,6 +139,7 @@ __all__ = [
     "QuotaExceededError",
     "TimeoutError",
     "DaemonUnavailableError",
+    "CorruptDataError",
     "CommandExitError",
     "__version__",
 ]

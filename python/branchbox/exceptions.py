@@ -13,6 +13,7 @@ stable JSON error ``code``::
     ├── QuotaExceededError            quota_exceeded     507
     ├── TimeoutError                  timeout            408, or the client-side request timeout
     ├── DaemonUnavailableError        unavailable        503, or the daemon cannot be reached
+    ├── CorruptDataError              corrupt            502, data from the object store failed authentication
     └── CommandExitError              CommandResult.check() on a nonzero exit
 
 ``branchbox.TimeoutError`` is *not* the builtin :class:`TimeoutError`.  A command or code
@@ -37,6 +38,7 @@ __all__ = [
     "QuotaExceededError",
     "TimeoutError",
     "DaemonUnavailableError",
+    "CorruptDataError",
     "CommandExitError",
     "error_from_response",
 ]
@@ -121,6 +123,14 @@ class DaemonUnavailableError(SandboxError):
     default_code = "unavailable"
 
 
+class CorruptDataError(SandboxError):
+    """The daemon answered 502: an object it read back from the object store failed
+    authentication (changed, cut short, or sealed with another key). Nothing of it was served
+    or kept; the message names the object."""
+
+    default_code = "corrupt"
+
+
 class CommandExitError(SandboxError):
     """A command exited nonzero (raised by :meth:`CommandResult.check`)."""
 
@@ -163,6 +173,7 @@ _BY_CODE: Dict[str, Type[SandboxError]] = {
     "quota_exceeded": QuotaExceededError,
     "timeout": TimeoutError,
     "unavailable": DaemonUnavailableError,
+    "corrupt": CorruptDataError,
     "internal": SandboxError,
 }
 
@@ -174,6 +185,7 @@ _BY_STATUS: Dict[int, str] = {
     408: "timeout",
     409: "conflict",
     413: "payload_too_large",
+    502: "corrupt",
     503: "unavailable",
     507: "quota_exceeded",
 }

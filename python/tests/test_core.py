@@ -73,6 +73,7 @@ EXPECTED_ALL = {
     "QuotaExceededError",
     "TimeoutError",
     "DaemonUnavailableError",
+    "CorruptDataError",
     "CommandExitError",
     "__version__",
 }
@@ -101,6 +102,7 @@ def test_exception_tree() -> None:
         "PayloadTooLargeError",
         "TimeoutError",
         "DaemonUnavailableError",
+        "CorruptDataError",
         "CommandExitError",
     ):
         assert issubclass(getattr(branchbox, name), branchbox.SandboxError), name
@@ -123,6 +125,7 @@ def test_exception_tree() -> None:
         (413, "payload_too_large", branchbox.PayloadTooLargeError),
         (408, "timeout", branchbox.TimeoutError),
         (503, "unavailable", branchbox.DaemonUnavailableError),
+        (502, "corrupt", branchbox.CorruptDataError),
         (500, "internal", branchbox.SandboxError),
     ],
 )

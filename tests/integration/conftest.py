@@ -58,7 +58,9 @@ class Daemon:
     def stop(self, sig=signal.SIGTERM) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(sig)
-            self.proc.wait(timeout=30)
+            rc = self.proc.wait(timeout=30)
+            # A stop is graceful: a panic on the way out (exit 101) is a bug (see its log).
+            assert sig != signal.SIGTERM or rc == 0, "branchboxd exited with status %r at SIGTERM: see %s" % (rc, self.log)
         self.proc = None
 
     @property

@@ -594,7 +594,8 @@ class Peer:
             for info in Sandbox.list(daemon=self.url):
                 Sandbox.connect(info.id, daemon=self.url, resume=False).kill()
             self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=30)
+            rc = self.proc.wait(timeout=30)
+            assert rc == 0, "peer branchboxd %s exited with status %r at SIGTERM: see %s" % (self.name, rc, self.log)
 
     def snapshots(self):
         return Snapshots(daemon=self.url)

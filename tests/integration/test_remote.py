@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from branchbox import NotFoundError, Sandbox, SandboxError, Snapshots
+from branchbox import CorruptDataError, NotFoundError, Sandbox, SandboxError, Snapshots
 from helpers import CGROUP_PARENT, S3_SECRET, URL, shared_store, start_s, wait_until
 
 
@@ -102,7 +102,7 @@ def test_tampered_object_is_refused_by_name(world):
     store.write(victim, bytes(data))
     try:
         b = peer("t")
-        with pytest.raises(SandboxError) as e:
+        with pytest.raises(CorruptDataError) as e:
             b.create(snapshot=sid)
         assert victim.split("/")[-1] in str(e.value) and "authentication" in str(e.value), e.value
         # Nothing of it was taken in.
@@ -110,7 +110,7 @@ def test_tampered_object_is_refused_by_name(world):
             b.snapshots().get(sid)
         # Truncated: the same.
         store.write(victim, good[: len(good) // 2])
-        with pytest.raises(SandboxError) as e:
+        with pytest.raises(CorruptDataError) as e:
             b.create(snapshot=sid)
         assert victim.split("/")[-1] in str(e.value), e.value
     finally:

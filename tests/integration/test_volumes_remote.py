@@ -18,7 +18,7 @@ import uuid
 import httpx
 import pytest
 
-from branchbox import ConflictError, Sandbox, SandboxError, Snapshots, Volume, VolumeMount
+from branchbox import ConflictError, CorruptDataError, Sandbox, Snapshots, Volume, VolumeMount
 from helpers import (
     FSYNC_WRITE_PY,
     SOCKET,
@@ -335,13 +335,13 @@ def test_tampered_pack_object_is_refused_by_name_and_nothing_is_taken_in(w):
     layers_b = set(os.listdir(os.path.join(w.b.state, "snaplayers")))
     store.write(victim, bytes(bad))
     try:
-        with pytest.raises(SandboxError) as e:
+        with pytest.raises(CorruptDataError) as e:
             Volume.connect(va.id, daemon=w.b.url)
         assert victim.split("/")[-1] in str(e.value) and "authentication" in str(e.value), e.value
         # Nothing of it is served or kept on B.
         with api(w.b.sock) as b:
             r = b.get("/v1/volumes/%s/files" % va.id, params={"path": "/small/0"})
-            assert r.status_code >= 400 and victim.split("/")[-1] in r.text, r.text
+            assert victim.split("/")[-1] in api_error(r, 502, "corrupt")["message"], r.text
             assert va.id not in [v["id"] for v in b.get("/v1/volumes").json()["volumes"]]
         assert not os.path.exists(os.path.join(w.b.state, "volumes", va.id))
         assert set(os.listdir(os.path.join(w.b.state, "snaplayers"))) == layers_b

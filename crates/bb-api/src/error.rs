@@ -29,6 +29,7 @@ impl From<RuntimeError> for ApiError {
             ErrorKind::Conflict => StatusCode::CONFLICT,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::Corrupt => StatusCode::BAD_GATEWAY,
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         };
         if status == StatusCode::INTERNAL_SERVER_ERROR {

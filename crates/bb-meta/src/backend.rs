@@ -64,6 +64,20 @@ pub(crate) enum Backend {
     Postgres { config: Box<postgres::Config>, client: Option<Box<postgres::Client>> },
 }
 
+impl Drop for Backend {
+    fn drop(&mut self) {
+        // A postgres::Client drives its connection on a runtime of its own, which must not be
+        // dropped (it blocks) on a thread of an async runtime, as the daemon's shutdown does: it
+        // goes on a thread of its own.
+        if let Backend::Postgres { client, .. } = self {
+            if let Some(c) = client.take() {
+                let closing = std::thread::Builder::new().name("bb-meta-close".into()).spawn(move || drop(c));
+                let _ = closing.map(|t| t.join());
+            }
+        }
+    }
+}
+
 impl Backend {
     pub(crate) fn open(url: &MetaUrl) -> Result<Backend> {
         match url {

@@ -27,6 +27,9 @@ pub enum ErrorKind {
     Conflict,
     TooLarge,
     Unavailable,
+    /// Data read back from the object store failed authentication (changed, cut short, or
+    /// sealed with another key): never served.
+    Corrupt,
     Internal,
 }
 
@@ -40,6 +43,7 @@ impl ErrorKind {
             ErrorKind::Conflict => "conflict",
             ErrorKind::TooLarge => "payload_too_large",
             ErrorKind::Unavailable => "unavailable",
+            ErrorKind::Corrupt => "corrupt",
             ErrorKind::Internal => "internal",
         }
     }
@@ -116,6 +120,7 @@ impl RuntimeError {
             RuntimeError::Unavailable(_) => ErrorKind::Unavailable,
             RuntimeError::Init(e) => e.kind(),
             RuntimeError::Remote(e) if e.unavailable() => ErrorKind::Unavailable,
+            RuntimeError::Remote(e) if e.corrupt() => ErrorKind::Corrupt,
             _ => ErrorKind::Internal,
         }
     }

@@ -55,13 +55,20 @@ pub enum RemoteError {
 }
 
 impl RemoteError {
-    /// What the API answers: an unreachable store is 503 (retry), the rest 500.
+    /// What the API answers: an unreachable store is 503 (retry), an object that failed
+    /// authentication 502 ([`Self::corrupt`]), the rest 500.
     pub fn unavailable(&self) -> bool {
         match self {
             RemoteError::Store(e) => matches!(e, bb_store::StoreError::Backend { .. }),
             RemoteError::Meta(e) => matches!(e, bb_meta::MetaError::Unreachable { .. }),
             RemoteError::BadRecord { .. } | RemoteError::BadHead { .. } => false,
         }
+    }
+
+    /// An object read back from the store failed authentication (the store gave back what was
+    /// not written, or with another key).
+    pub fn corrupt(&self) -> bool {
+        matches!(self, RemoteError::Store(bb_store::StoreError::Tampered { .. }))
     }
 }
 
