@@ -63,11 +63,7 @@ impl Runtime {
         {
             let records = self.snapshots.records();
             for l in &local {
-                let b = match records.layer_size(l)? {
-                    Some(b) => b,
-                    None => self.volumes.upper_sizes.lock().get(l).copied().unwrap_or(0),
-                };
-                sizes.insert(l.clone(), b);
+                sizes.insert(l.clone(), self.frozen_layer_size(&records, l)?);
             }
         }
         let mut total: u64 = sizes.values().sum();

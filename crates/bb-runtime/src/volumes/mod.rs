@@ -374,6 +374,16 @@ impl Runtime {
         out
     }
 
+    /// Bytes of frozen volume layer `l`: a layer frozen a moment ago is measured in the
+    /// background (a walk of every file, not on the path of an answer); meanwhile it counts
+    /// what it last measured as a writable layer.
+    fn frozen_layer_size(&self, records: &crate::snapshot::store::SnapStore, l: &str) -> Result<u64> {
+        Ok(match records.layer_size(l)? {
+            Some(b) => b,
+            None => self.volumes.upper_sizes.lock().get(l).copied().unwrap_or(0),
+        })
+    }
+
     fn volume_info_of(&self, row: &VolumeRow) -> Result<VolumeInfo> {
         let snaps = self.volumes.records().snapshots(Some(&row.id))?.len();
         let upper_dir = self.layer_path(&row.upper);
@@ -384,12 +394,7 @@ impl Runtime {
         let mut backlog = upper_bytes;
         let synced: HashSet<&String> = row.synced.iter().flat_map(|s| s.chain.iter()).collect();
         for l in &row.chain {
-            // A layer frozen a moment ago is measured in the background (a walk of every file,
-            // not on the path of an answer): meanwhile it counts what it last measured.
-            let b = match records.layer_size(l)? {
-                Some(b) => b,
-                None => self.volumes.upper_sizes.lock().get(l).copied().unwrap_or(0),
-            };
+            let b = self.frozen_layer_size(&records, l)?;
             size += b;
             if !synced.contains(l) {
                 backlog += b;
