@@ -650,11 +650,14 @@ class VolumeInfo(_Model):
 @dataclass
 class VolumeSnapshotInfo(_Model):
     """A snapshot of a volume (``vs-...``, ``vol.snapshot()``): its files at that moment, for
-    ``vol.restore()`` and ``vol.fork(snapshot=...)``. ``layers`` is the length of its chain."""
+    ``vol.restore()`` and ``vol.fork(snapshot=...)``. ``layers`` is the length of its chain;
+    ``durable``: in the volume's committed head (the next ``vol.sync()`` or background upload
+    puts a volume's own snapshots there), so restorable on any daemon sharing the stores."""
 
     id: str = ""
     volume: str = ""
     created_at: Optional[float] = None
     layers: int = 0
     label: Optional[str] = None
+    durable: bool = False
     raw: Dict[str, Any] = _raw()

@@ -149,7 +149,8 @@ def volume_snapshots(
     volume: str = typer.Argument(..., metavar="VOLUME", help="Volume id or name."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """List a volume's snapshots."""
+    """List a volume's snapshots (STORED: durable once a sync committed it to the object store,
+    restorable on any daemon sharing the stores; node-local until then)."""
     with _volume(ctx, volume) as vol:
         snaps = vol.snapshots()
     if as_json:
@@ -160,10 +161,12 @@ def volume_snapshots(
         return
     now = time.time()
     table = Table(box=None, header_style="bold")
-    for col in ("ID", "LABEL", "LAYERS", "AGE"):
+    for col in ("ID", "LABEL", "LAYERS", "STORED", "AGE"):
         table.add_column(col, no_wrap=True)
     for s in snaps:
-        table.add_row(s.id, s.label or "", str(s.layers), fmt_duration(now - s.created_at) if s.created_at else "-")
+        stored = "durable" if s.durable else "node-local"
+        age = fmt_duration(now - s.created_at) if s.created_at else "-"
+        table.add_row(s.id, s.label or "", str(s.layers), stored, age)
     out.print(table)
 
 

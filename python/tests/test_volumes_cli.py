@@ -130,8 +130,8 @@ def test_volume_snapshot_and_snapshots(runner: CliRunner, vd: FakeDaemon) -> Non
     r = invoke(runner, "volume", "snapshots", VID)
     assert r.exit_code == 0, r.stderr
     rows = r.stdout.splitlines()
-    assert rows[0].split() == ["ID", "LABEL", "LAYERS", "AGE"]
-    assert rows[1].split()[:3] == [VS1, "clean", "2"] and rows[2].split()[:2] == [VS2, "3"]
+    assert rows[0].split() == ["ID", "LABEL", "LAYERS", "STORED", "AGE"]
+    assert rows[1].split()[:4] == [VS1, "clean", "2", "durable"] and rows[2].split()[:3] == [VS2, "3", "node-local"]
     r = invoke(runner, "volume", "snapshots", VID, "--json")
     assert json.loads(r.stdout) == [VSNAP, VSNAP2]
     vd.on("GET", VBASE + "/snapshots", {"snapshots": []})

@@ -51,8 +51,8 @@ VOLUME = {
 }
 FORKED = dict(VOLUME, id=VID2, name="ws2", mounts=[], snapshots=0, source=VID)
 SYNCED = dict(VOLUME, version=4, durability="durable", backlog_bytes=0)
-VSNAP = {"id": VS1, "volume": VID, "created_at": 1732250001.0, "layers": 2, "label": "clean"}
-VSNAP2 = dict(VSNAP, id=VS2, label=None, layers=3)
+VSNAP = {"id": VS1, "volume": VID, "created_at": 1732250001.0, "layers": 2, "label": "clean", "durable": True}
+VSNAP2 = dict(VSNAP, id=VS2, label=None, layers=3, durable=False)
 MOUNTED = dict(SANDBOX, volumes=[{"volume": VID, "path": "/workspace", "read_only": False, "branch": True}])
 
 
@@ -115,7 +115,9 @@ def test_models_tolerate_missing_and_unknown_fields() -> None:
     assert VolumeInfo.from_dict(None).id == ""
     snap = VolumeSnapshotInfo.from_dict(VSNAP)
     assert (snap.id, snap.volume, snap.layers, snap.label, snap.created_at) == (VS1, VID, 2, "clean", 1732250001.0)
+    assert snap.durable is True
     assert VolumeSnapshotInfo.from_dict({"id": VS2}).label is None
+    assert VolumeSnapshotInfo.from_dict({"id": VS2}).durable is False
     assert VolumeMount.from_dict({"volume": VID, "path": "/w"}) == VolumeMount(VID, "/w", False, True)
 
 

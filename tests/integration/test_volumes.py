@@ -1608,22 +1608,26 @@ def test_sync_makes_the_volume_durable(make_volume, make_sandbox):
     # Nothing changed: the version stays.
     i = v.sync()
     assert (i.durability, i.backlog_bytes, i.version) == ("durable", 0, 1), i
-    # A snapshot changes nothing either.
-    v.snapshot()
-    assert v.info().durability == "durable"
+    # A snapshot of its own is committed with it: no bytes to push (its layers are), a version.
+    snap = v.snapshot()
+    assert not snap.durable
+    i = v.info()
+    assert (i.durability, i.backlog_bytes, i.version) == ("node-local", 0, 1), i
+    i = v.sync()
+    assert (i.durability, i.version) == ("durable", 2) and [s.durable for s in v.snapshots()] == [True], i
     # Writes from a sandbox that mounts it; sync while it is mounted, and it keeps working.
     s = make_sandbox(volumes={"/workspace": v})
     assert v.info().durability == "durable"
     sh_in(s, "head -c 30000 /dev/urandom > /workspace/b")
     i = v.info()
-    assert i.durability == "node-local" and i.backlog_bytes >= 30_000 and i.version == 1, i
+    assert i.durability == "node-local" and i.backlog_bytes >= 30_000 and i.version == 2, i
     i = v.sync()
-    assert (i.durability, i.backlog_bytes, i.version) == ("durable", 0, 2), i
-    assert head_in_metadata_store(v.id) == (2, i.layers)
+    assert (i.durability, i.backlog_bytes, i.version) == ("durable", 0, 3), i
+    assert head_in_metadata_store(v.id) == (3, i.layers)
     sh_in(s, "echo more >> /workspace/b && sync")
     assert v.info().durability == "node-local"
-    assert v.sync().version == 3
-    assert v.sync().version == 3
+    assert v.sync().version == 4
+    assert v.sync().version == 4
     # A fork is a volume of its own: never synced.
     f = make_volume.adopt(v.fork().id)
     fi = f.info()

@@ -187,6 +187,45 @@ def test_volume_synced_on_one_daemon_opens_on_the_other_and_follows_its_head(w):
     assert tree_digest(ra, "/w") == d2
 
 
+def test_volume_snapshots_ride_in_its_head_and_restore_on_the_other_daemon(w):
+    """A volume's own snapshots are committed with it: after a sync on A (and a collection of
+    the store), B lists them as durable, restores one whose layers only a snapshot reaches
+    (pulled then) and forks another; a snapshot deleted on B leaves the head at B's next sync,
+    and A, following the head, drops it too."""
+    va = w.volume_on_a()
+    va.files.write("/f", "one")
+    s1 = va.snapshot("one")
+    va.files.write("/f", "two")
+    va.files.write("/g", "two")
+    s2 = va.snapshot("two")
+    # Back to s1 and on: the layer holding "two" is reached by s2 only.
+    va.restore(s1)
+    va.files.write("/f", "three")
+    assert [s.durable for s in va.snapshots()] == [False, False]
+    assert va.sync().version == 1
+    assert [(s.id, s.durable) for s in va.snapshots()] == [(s1.id, True), (s2.id, True)]
+    Snapshots(daemon=URL).store_gc(grace_seconds=0)
+
+    vb = Volume.connect(va.id, daemon=w.b.url)
+    assert [(s.id, s.label, s.durable) for s in vb.snapshots()] == [(s1.id, "one", True), (s2.id, "two", True)]
+    assert vb.files.read("/f") == "three"
+    vb.restore(s2.id)
+    assert (vb.files.read("/f"), vb.files.read("/g")) == ("two", "two")
+    fork = vb.fork(snapshot=s1.id)
+    w.volumes.append(fork.id)
+    assert fork.files.read("/f") == "one" and not fork.files.exists("/g")
+    info = vb.sync()
+    assert (info.version, info.durability) == (2, "durable"), info
+    # Deleted on B: nothing else changed, yet the next sync commits (the head lists it no more).
+    assert vb.delete_snapshot(s1.id) is True
+    assert vb.info().durability == "node-local"
+    assert vb.sync().version == 3
+    a = Volume.connect(va.id, daemon=URL)
+    assert a.info().version == 3
+    assert [(s.id, s.durable) for s in a.snapshots()] == [(s2.id, True)]
+    assert (a.files.read("/f"), a.files.read("/g")) == ("two", "two")
+
+
 def test_volume_changed_on_both_daemons_is_refused_as_diverged(w):
     va = w.volume_on_a()
     va.files.write("/one", "1")

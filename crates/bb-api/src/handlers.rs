@@ -850,8 +850,7 @@ pub async fn list_volume_snapshots(
     State(rt): State<AppState>,
     P(vid): P<String>,
 ) -> ApiResult<Json<VolumeSnapshotList>> {
-    let rt2 = rt.clone();
-    Ok(Json(blocking(move || rt2.volume_snapshots(&vid)).await?))
+    Ok(Json(rt.volume_snapshots(&vid).await?))
 }
 
 #[utoipa::path(delete, path = "/v1/volumes/{vid}/snapshots/{vsid}",
@@ -861,8 +860,7 @@ pub async fn delete_volume_snapshot(
     State(rt): State<AppState>,
     P((vid, vsid)): P<(String, String)>,
 ) -> ApiResult<Json<Done>> {
-    let rt2 = rt.clone();
-    blocking(move || rt2.delete_volume_snapshot(&vid, &vsid)).await?;
+    rt.delete_volume_snapshot(&vid, &vsid).await?;
     Ok(removed())
 }
 

@@ -923,6 +923,9 @@ pub struct VolumeSnapshotInfo {
     pub label: Option<String>,
     /// Frozen layers the snapshot stands on.
     pub layers: usize,
+    /// In the volume's committed head: restorable on any daemon sharing the stores (a volume's
+    /// own snapshots become durable at its next sync; those of sandbox checkpoints stay local).
+    pub durable: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -945,3 +948,4 @@ pub struct ForkVolume {
     /// Fork this snapshot of the volume instead of its current state.
     pub snapshot: Option<String>,
 }
+

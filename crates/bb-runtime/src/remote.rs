@@ -131,12 +131,45 @@ impl PushedSnapshot {
 /// Heads of volumes in the metadata store are named this plus the volume id.
 pub(crate) const VOLUME_HEAD_PREFIX: &str = "volume/";
 
-/// A volume's committed state: its layers as trees, bottom first.
+/// A volume's committed state: its layers as trees, bottom first, and its own snapshots.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct VolumeHead {
     pub name: Option<String>,
     pub access: Access,
     pub quota_mb: Option<u64>,
+    pub layers: Vec<VolumeHeadLayer>,
+    /// The volume's own snapshots (not those of sandbox checkpoints), oldest first.
+    #[serde(default)]
+    pub snapshots: Vec<VolumeHeadSnapshot>,
+}
+
+impl VolumeHead {
+    /// Every tree the head stands on (its chain's and its snapshots').
+    fn trees(&self) -> impl Iterator<Item = &VolumeHeadLayer> {
+        self.layers.iter().chain(self.snapshots.iter().flat_map(|s| &s.layers))
+    }
+
+    /// Refuse a head naming a layer that is not a volume layer id (it names a local path).
+    pub(crate) fn check(&self, id: &str) -> Result<()> {
+        let ids = self.trees().map(|l| &l.layer).chain(self.snapshots.iter().map(|s| &s.id));
+        for l in ids {
+            if !(l.starts_with("sl-") || l.starts_with("vs-")) || l.contains('/') || l.contains("..") {
+                return Err(RemoteError::BadHead {
+                    name: format!("{VOLUME_HEAD_PREFIX}{id}"),
+                    why: format!("id {l:?}"),
+                }
+                .into());
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct VolumeHeadSnapshot {
+    pub id: String,
+    pub label: Option<String>,
+    pub created_at: f64,
     pub layers: Vec<VolumeHeadLayer>,
 }
 
@@ -445,26 +478,47 @@ impl Runtime {
         Ok(res)
     }
 
-    /// Push the layers of volume `row` that are not in the object store yet and move its head
-    /// (`volume/<id>`) from version `expected` (None: no head yet) to its chain by
-    /// compare-and-swap. Returns the new version.
+    /// Push the layers of volume `row` and of its own snapshots `snaps` that are not in the
+    /// object store yet and move its head (`volume/<id>`) from version `expected` (None: no head
+    /// yet) to them by compare-and-swap. Returns the new version.
     pub(crate) async fn commit_volume(
         &self,
         row: &crate::volumes::store::VolumeRow,
+        snaps: &[crate::volumes::store::VolumeSnapRow],
         expected: Option<i64>,
     ) -> Result<i64> {
         let t0 = Instant::now();
         let o = self.remote.open().await?;
         let intent = self.begin_push(&o).await?;
-        let mut layers = Vec::new();
+        let mut trees: BTreeMap<String, TreeRef> = BTreeMap::new();
         let mut pushed_layers = 0;
-        for l in &row.chain {
+        for l in row.chain.iter().chain(snaps.iter().flat_map(|s| &s.chain)) {
+            if trees.contains_key(l) {
+                continue;
+            }
             intent.renew().await?;
             let (tree, pushed) = self.push_tree(&o, &format!("layer/{l}"), &self.layer_path(l)).await?;
             pushed_layers += usize::from(pushed);
-            layers.push(VolumeHeadLayer { layer: l.clone(), tree });
+            trees.insert(l.clone(), tree);
         }
-        let head = VolumeHead { name: row.name.clone(), access: row.access, quota_mb: row.quota_mb, layers };
+        let head_layers = |chain: &[String]| {
+            chain.iter().map(|l| VolumeHeadLayer { layer: l.clone(), tree: trees[l].clone() }).collect()
+        };
+        let head = VolumeHead {
+            name: row.name.clone(),
+            access: row.access,
+            quota_mb: row.quota_mb,
+            layers: head_layers(&row.chain),
+            snapshots: snaps
+                .iter()
+                .map(|s| VolumeHeadSnapshot {
+                    id: s.id.clone(),
+                    label: s.label.clone(),
+                    created_at: s.created_at,
+                    layers: head_layers(&s.chain),
+                })
+                .collect(),
+        };
         let (name, value) =
             (format!("{VOLUME_HEAD_PREFIX}{}", row.id), serde_json::to_string(&head).expect("a head serializes"));
         let committed = meta(&o.meta, move |m| m.cas_head(&name, expected, &value)).await;
@@ -486,7 +540,8 @@ impl Runtime {
         Ok(version)
     }
 
-    /// Volume `id_or_name`'s committed head in the metadata store: (id, version, state).
+    /// Volume `id_or_name`'s committed head in the metadata store: (id, version, state), its
+    /// layer and snapshot ids checked.
     pub(crate) async fn volume_head(&self, id_or_name: &str) -> Result<Option<(String, i64, VolumeHead)>> {
         let o = self.remote.open().await?;
         let heads = if id_or_name.starts_with("vol-") {
@@ -500,6 +555,7 @@ impl Runtime {
                 .map_err(|e| RemoteError::BadHead { name: h.name.clone(), why: e.to_string() })?;
             let id = h.name[VOLUME_HEAD_PREFIX.len()..].to_string();
             if id == id_or_name || head.name.as_deref() == Some(id_or_name) {
+                head.check(&id)?;
                 return Ok(Some((id, h.version, head)));
             }
         }
@@ -507,17 +563,10 @@ impl Runtime {
     }
 
     /// Bring the layers of a committed volume head that this node lacks (authenticated as read).
-    pub(crate) async fn pull_volume_layers(&self, id: &str, head: &VolumeHead) -> Result<usize> {
+    pub(crate) async fn pull_volume_layers(&self, head: &VolumeHead) -> Result<usize> {
         let o = self.remote.open().await?;
         let mut pulled = 0;
         for l in &head.layers {
-            if !l.layer.starts_with("sl-") || l.layer.contains('/') || l.layer.contains("..") {
-                return Err(RemoteError::BadHead {
-                    name: format!("{VOLUME_HEAD_PREFIX}{id}"),
-                    why: format!("layer id {:?}", l.layer),
-                }
-                .into());
-            }
             if self.layer_path(&l.layer).exists() {
                 continue;
             }
@@ -963,8 +1012,8 @@ impl Runtime {
         for h in meta(&o.meta, |m| m.list_heads(VOLUME_HEAD_PREFIX)).await? {
             let head: VolumeHead = serde_json::from_str(&h.value)
                 .map_err(|e| RemoteError::BadHead { name: h.name.clone(), why: e.to_string() })?;
-            for l in head.layers {
-                trees.insert(l.tree.id.clone(), l.tree);
+            for l in head.trees() {
+                trees.insert(l.tree.id.clone(), l.tree.clone());
             }
         }
         // Names of trees no record reaches go first: a later push must not skip writing one.

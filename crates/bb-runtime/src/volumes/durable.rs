@@ -4,11 +4,12 @@
 //! mounts it, so that two nodes never both commit on its head. Synced volumes are kept durable
 //! by the background uploader ([`Runtime::volume_tick`]).
 
-use super::store::{Synced, VolumeRow};
+use super::store::{Synced, VolumeRow, VolumeSnapRow};
 use crate::error::{Result, RuntimeError};
 use crate::layers::dir_is_empty;
 use crate::model::Access;
 use crate::{now, Runtime};
+use std::collections::HashSet;
 use std::sync::Arc;
 
 impl Runtime {
@@ -51,12 +52,16 @@ impl Runtime {
             return Ok(id);
         }
         self.volume_fs_ready_async().await?;
-        let pulled = self.pull_volume_layers(&id, &head).await?;
+        let pulled = self.pull_volume_layers(&head).await?;
         let rt = self.clone();
         let chain: Vec<String> = head.layers.iter().map(|l| l.layer.clone()).collect();
         let name = head.name.clone();
         let id2 = id.clone();
         tokio::task::spawn_blocking(move || -> Result<()> {
+            // Its snapshots first (their layers are pulled when one is restored or forked): a
+            // volume recorded without them would drop them from its head at its next sync.
+            let (snaps, snapshots) = head_snapshots(&id2, &head);
+            rt.volumes.records().merge_snapshots(&snaps, &[])?;
             // A local volume may hold the name: the opened one then goes by its id only.
             let name = name.filter(|n| rt.volumes.records().get(n).ok().flatten().is_none());
             rt.insert_new_volume(VolumeRow {
@@ -69,7 +74,7 @@ impl Runtime {
                 upper: String::new(),
                 n: 0,
                 source: None,
-                synced: Some(Synced { version, chain }),
+                synced: Some(Synced { version, chain, snapshots }),
             })
             .map(drop)
         })
@@ -99,11 +104,21 @@ impl Runtime {
             )));
         }
         self.volume_fs_ready_async().await?;
-        self.pull_volume_layers(&row.id, &head).await?;
+        self.pull_volume_layers(&head).await?;
         let gate = self.volumes.gate(&row.id);
         let _gate = gate.write().await;
         let chain: Vec<String> = head.layers.iter().map(|l| l.layer.clone()).collect();
-        let next = VolumeRow { chain: chain.clone(), synced: Some(Synced { version, chain }), ..row };
+        // Snapshots: those taken elsewhere since come, those deleted elsewhere go; those taken
+        // or deleted here since stay so (the next sync commits them).
+        let (snaps, snapshots) = head_snapshots(&row.id, &head);
+        let base: HashSet<&String> = synced.snapshots.iter().collect();
+        let here: HashSet<String> = self.volumes.records().own_snapshots(&row.id)?.into_iter().map(|s| s.id).collect();
+        let came: Vec<VolumeSnapRow> =
+            snaps.into_iter().filter(|s| !here.contains(&s.id) && !base.contains(&s.id)).collect();
+        let gone: Vec<String> =
+            here.iter().filter(|id| base.contains(id) && !snapshots.contains(id)).cloned().collect();
+        self.volumes.records().merge_snapshots(&came, &gone)?;
+        let next = VolumeRow { chain: chain.clone(), synced: Some(Synced { version, chain, snapshots }), ..row };
         self.unmount_volume_view(&next.id);
         self.volumes.records().update(&next)?;
         tracing::info!(volume = %next.id, from = synced.version, to = version, "volume brought up to its committed head");
@@ -174,8 +189,7 @@ impl Runtime {
             Err(e) => return tracing::warn!("background volume upload: {e}"),
         };
         for row in rows.into_iter().filter(|r| r.synced.is_some()) {
-            let backlog = row.synced.as_ref().is_some_and(|s| s.chain != row.chain)
-                || !dir_is_empty(&self.layer_path(&row.upper));
+            let backlog = !self.head_holds(&row).unwrap_or(false) || !dir_is_empty(&self.layer_path(&row.upper));
             if !backlog {
                 continue;
             }
@@ -185,4 +199,24 @@ impl Runtime {
             }
         }
     }
+}
+
+/// The own snapshots committed head `head` of volume `id` carries, as rows of this node, and
+/// their ids sorted.
+fn head_snapshots(id: &str, head: &crate::remote::VolumeHead) -> (Vec<VolumeSnapRow>, Vec<String>) {
+    let rows: Vec<VolumeSnapRow> = head
+        .snapshots
+        .iter()
+        .map(|s| VolumeSnapRow {
+            id: s.id.clone(),
+            volume: id.to_string(),
+            created_at: s.created_at,
+            label: s.label.clone(),
+            chain: s.layers.iter().map(|l| l.layer.clone()).collect(),
+            checkpoint: None,
+        })
+        .collect();
+    let mut ids: Vec<String> = rows.iter().map(|s| s.id.clone()).collect();
+    ids.sort();
+    (rows, ids)
 }

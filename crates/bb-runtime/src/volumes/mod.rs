@@ -384,6 +384,20 @@ impl Runtime {
         })
     }
 
+    /// Ids of volume `id`'s own snapshots, sorted: what its committed head should carry.
+    fn own_snapshot_ids(&self, id: &str) -> Result<Vec<String>> {
+        let mut ids: Vec<String> = self.volumes.records().own_snapshots(id)?.into_iter().map(|s| s.id).collect();
+        ids.sort();
+        Ok(ids)
+    }
+
+    /// Volume `row`'s committed head holds its frozen chain and its own snapshots as they are
+    /// (what was written since the last freeze aside).
+    pub(crate) fn head_holds(&self, row: &VolumeRow) -> Result<bool> {
+        let Some(synced) = &row.synced else { return Ok(false) };
+        Ok(synced.chain == row.chain && synced.snapshots == self.own_snapshot_ids(&row.id)?)
+    }
+
     fn volume_info_of(&self, row: &VolumeRow) -> Result<VolumeInfo> {
         let snaps = self.volumes.records().snapshots(Some(&row.id))?.len();
         let upper_dir = self.layer_path(&row.upper);
@@ -401,7 +415,7 @@ impl Runtime {
             }
         }
         drop(records);
-        let durable = row.synced.as_ref().is_some_and(|s| s.chain == row.chain) && dir_is_empty(&upper_dir);
+        let durable = self.head_holds(row)? && dir_is_empty(&upper_dir);
         Ok(VolumeInfo {
             id: row.id.clone(),
             name: row.name.clone(),
@@ -675,14 +689,15 @@ impl Runtime {
             checkpoint: None,
         };
         self.volumes.records().insert_snapshot(&snap)?;
-        Ok(snap_info(&snap))
+        Ok(snap_info(&snap, row.synced.as_ref()))
     }
 
-    pub fn volume_snapshots(&self, vid: &str) -> Result<VolumeSnapshotList> {
-        let id = self.volume_row(vid)?.id;
-        Ok(VolumeSnapshotList {
-            snapshots: self.volumes.records().snapshots(Some(&id))?.iter().map(snap_info).collect(),
-        })
+    /// Volume `vid`'s snapshots, oldest first (a volume synced by another node is opened here:
+    /// its own snapshots come with it).
+    pub async fn volume_snapshots(self: &Arc<Self>, vid: &str) -> Result<VolumeSnapshotList> {
+        let row = self.volume_row(&self.open_volume(vid).await?)?;
+        let snaps = self.volumes.records().snapshots(Some(&row.id))?;
+        Ok(VolumeSnapshotList { snapshots: snaps.iter().map(|s| snap_info(s, row.synced.as_ref())).collect() })
     }
 
     fn volume_snapshot_of(&self, volume: &str, vsid: &str) -> Result<VolumeSnapRow> {
@@ -696,8 +711,12 @@ impl Runtime {
         }
     }
 
-    pub fn delete_volume_snapshot(&self, vid: &str, vsid: &str) -> Result<()> {
-        let id = self.volume_row(vid)?.id;
+    /// Delete snapshot `vsid` of volume `vid`. On a synced volume, the next sync (or the
+    /// background uploader) drops it from the committed head too.
+    pub async fn delete_volume_snapshot(self: &Arc<Self>, vid: &str, vsid: &str) -> Result<()> {
+        let id = self.open_volume(vid).await?;
+        let op = self.volumes.op(&id);
+        let _op = op.lock().await;
         self.volume_snapshot_of(&id, vsid)?;
         self.volumes.records().delete_snapshot(vsid)?;
         Ok(())
@@ -712,6 +731,11 @@ impl Runtime {
         let row = self.volume_row(&id)?;
         let snap = self.volume_snapshot_of(&id, &req.snapshot)?;
         self.refuse_mounted(&row, "restore it (or roll that sandbox back to a checkpoint)")?;
+        // A snapshot opened from the metadata store: its layers come to the node first.
+        if !self.chain_local(&snap.chain) {
+            self.volume_fs_ready_async().await?;
+            self.pull_missing_layers(&id, &snap.chain).await?;
+        }
         let gate = self.volumes.gate(&id);
         let _gate = gate.write().await;
         let rt = self.clone();
@@ -815,21 +839,24 @@ impl Runtime {
         let op = self.volumes.op(&id);
         let _op = op.lock().await;
         let row = self.freeze_volume(&id).await?;
-        if row.synced.as_ref().is_some_and(|s| s.chain == row.chain) {
+        if self.head_holds(&row)? {
             return self.volume_info_of(&row);
         }
+        let snaps = self.volumes.records().own_snapshots(&id)?;
         let expected = row.synced.as_ref().map(|s| s.version);
         // One node commits an `rwo` volume: the one holding its lease.
         if row.access == Access::Rwo {
             self.hold_volume(&id).await?;
         }
-        let committed = self.commit_volume(&row, expected).await;
+        let committed = self.commit_volume(&row, &snaps, expected).await;
         let mounted_rw = self.volume_holders(&id).iter().any(|(_, m)| !m.read_only);
         if row.access == Access::Rwo && !mounted_rw {
             self.release_volume(&id).await;
         }
         let version = committed?;
-        let next = VolumeRow { synced: Some(store::Synced { version, chain: row.chain.clone() }), ..row };
+        let mut snapshots: Vec<String> = snaps.into_iter().map(|s| s.id).collect();
+        snapshots.sort();
+        let next = VolumeRow { synced: Some(store::Synced { version, chain: row.chain.clone(), snapshots }), ..row };
         self.volumes.records().update(&next)?;
         self.volume_info_of(&next)
     }
@@ -1041,13 +1068,15 @@ impl Runtime {
     }
 }
 
-fn snap_info(s: &VolumeSnapRow) -> VolumeSnapshotInfo {
+/// Snapshot `s` of a volume whose committed head is `synced`.
+fn snap_info(s: &VolumeSnapRow, synced: Option<&store::Synced>) -> VolumeSnapshotInfo {
     VolumeSnapshotInfo {
         id: s.id.clone(),
         volume: s.volume.clone(),
         created_at: s.created_at,
         label: s.label.clone(),
         layers: s.chain.len(),
+        durable: synced.is_some_and(|x| x.snapshots.contains(&s.id)),
     }
 }
 

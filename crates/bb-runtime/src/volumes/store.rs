@@ -30,6 +30,9 @@ pub struct VolumeRow {
 pub struct Synced {
     pub version: i64,
     pub chain: Vec<String>,
+    /// The volume's own snapshots (not a checkpoint's) that head holds, by id, sorted.
+    #[serde(default)]
+    pub snapshots: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -154,6 +157,23 @@ impl VolumeStore {
         Ok(())
     }
 
+    /// Record snapshots `snaps` and drop those named `gone` (one transaction); a snapshot
+    /// already recorded stays as it is.
+    pub fn merge_snapshots(&self, snaps: &[VolumeSnapRow], gone: &[String]) -> Result<()> {
+        let tx = db::write_tx(&self.conn)?;
+        for s in snaps {
+            tx.execute(
+                "INSERT OR IGNORE INTO volume_snapshots (id, volume, body) VALUES (?1, ?2, ?3)",
+                params![s.id, s.volume, json(s)],
+            )?;
+        }
+        for id in gone {
+            tx.execute("DELETE FROM volume_snapshots WHERE id = ?1", params![id])?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
     pub fn snapshot(&self, id: &str) -> Result<Option<VolumeSnapRow>> {
         let body: Option<String> = self
             .conn
@@ -171,6 +191,12 @@ impl VolumeStore {
     /// create).
     pub fn snapshots_of_checkpoint(&self, sid: &str) -> Result<Vec<VolumeSnapRow>> {
         self.snapshots_where("json_extract(body, '$.checkpoint.snapshot') = ?1", Some(sid))
+    }
+
+    /// Volume `volume`'s own snapshots (taken on it, not by a sandbox checkpoint), oldest first:
+    /// those its committed head carries.
+    pub fn own_snapshots(&self, volume: &str) -> Result<Vec<VolumeSnapRow>> {
+        self.snapshots_where("volume = ?1 AND json_extract(body, '$.checkpoint') IS NULL", Some(volume))
     }
 
     fn snapshots_where(&self, cond: &str, arg: Option<&str>) -> Result<Vec<VolumeSnapRow>> {
@@ -271,7 +297,7 @@ mod tests {
     }
 
     #[test]
-    fn snapshots_of_a_checkpoint_are_found_by_its_id() {
+    fn snapshots_of_a_checkpoint_are_found_by_its_id_and_own_snapshots_are_the_others() {
         let dir = tempfile::tempdir().unwrap();
         let s = VolumeStore::open(&dir.path().join("db")).unwrap();
         let snap = |id: &str, of: Option<&str>| VolumeSnapRow {
@@ -294,5 +320,13 @@ mod tests {
         assert_eq!(ids("snap-x"), ["vs-1", "vs-4"]);
         assert_eq!(ids("snap-y"), ["vs-3"]);
         assert!(ids("snap-z").is_empty());
+        let again = snap("vs-2", Some("snap-z"));
+        s.merge_snapshots(&[again, snap("vs-5", None)], &["vs-3".into()]).unwrap();
+        assert!(ids("snap-z").is_empty(), "a recorded snapshot stays as it was");
+        assert!(ids("snap-y").is_empty(), "a gone one is dropped");
+        s.delete_snapshot("vs-5").unwrap();
+        let own: Vec<String> = s.own_snapshots("vol-a").unwrap().into_iter().map(|v| v.id).collect();
+        assert_eq!(own, ["vs-2"], "a checkpoint's volume snapshots are not the volume's own");
+        assert!(s.own_snapshots("vol-b").unwrap().is_empty());
     }
 }
