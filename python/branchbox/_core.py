@@ -30,6 +30,7 @@ from .models import (
     ImageInfo,
     ImageProgress,
     PoolStats,
+    PortInfo,
     ProcessInfo,
     PauseResult,
     OffloadResult,
@@ -59,6 +60,8 @@ IMAGE_STREAM_TIMEOUT = 900.0
 CHUNK_SIZE = 1 << 20
 # Most children one fork may create (the daemon answers 400 above).
 MAX_FORK = 64
+# The TCP ports a sandbox port may be (the daemon answers 400 outside them).
+MIN_PORT, MAX_PORT = 1, 65535
 # Seconds a template recipe's commands and code may each take unless the recipe says
 # otherwise (the daemon's default); the build stream may be silent that long.
 TEMPLATE_STEP_TIMEOUT = 600.0
@@ -568,6 +571,42 @@ def run_code(
         parse=Execution.from_dict,
         op_timeout=timeout,
     )
+
+
+# ----------------------------------------------------------------------------- ports
+
+
+class _PortError(exc.InvalidArgumentError, ValueError):
+    """A port outside 1..65535, refused before any request: an :class:`InvalidArgumentError`
+    like the SDK's other client-side checks, and a ``ValueError``."""
+
+
+def port_number(port: Any) -> int:
+    """``port`` if it is a TCP port (an int in 1..65535), else :class:`InvalidArgumentError`
+    (also a ``ValueError``)."""
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise _PortError("port must be an int from %d to %d, not %r" % (MIN_PORT, MAX_PORT, port))
+    if not MIN_PORT <= port <= MAX_PORT:
+        raise _PortError("port must be from %d to %d, got %d" % (MIN_PORT, MAX_PORT, port))
+    return int(port)
+
+
+def _port(sandbox_id: str, port: Any) -> str:
+    return "%s/ports/%d" % (_sbx(sandbox_id), port_number(port))
+
+
+def open_port(sandbox_id: str, port: Any) -> Call:
+    """Opens the port's forwarder on first ask; later asks give the same answer."""
+    return Call("GET", _port(sandbox_id, port), parse=PortInfo.from_dict)
+
+
+def list_ports(sandbox_id: str) -> Call:
+    return Call("GET", _sbx(sandbox_id) + "/ports", parse=_list_of("ports", PortInfo))
+
+
+def close_port(sandbox_id: str, port: Any) -> Call:
+    # {"removed": false}: the port was not open.
+    return Call("DELETE", _port(sandbox_id, port), parse=_flag("removed"))
 
 
 # ----------------------------------------------------------------------------- files

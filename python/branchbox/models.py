@@ -20,6 +20,7 @@ __all__ = [
     "ExecutionError",
     "ShellResult",
     "SessionInfo",
+    "PortInfo",
     "ImageInfo",
     "ImageProgress",
     "SnapshotSession",
@@ -248,6 +249,22 @@ class SessionInfo(_Model):
     pid: Optional[int] = None
     created_at: Optional[float] = None
     alive: Optional[bool] = None
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class PortInfo(_Model):
+    """A port of a sandbox reached from the host (``sbx.open_port(port)``): connections to
+    ``host`` (``"127.0.0.1:41234"``: the daemon's ``--port-bind`` address, 127.0.0.1 unless
+    set, at a port the kernel picked) are joined to a server listening on ``port`` inside
+    sandbox ``sandbox``; ``url`` is ``"http://" + host``. ``opened_at`` is when the forwarder
+    was opened; it stays open until ``sbx.close_port(port)`` or until the sandbox is killed."""
+
+    sandbox: str = ""
+    port: int = 0
+    host: str = ""
+    url: str = ""
+    opened_at: Optional[float] = None
     raw: Dict[str, Any] = _raw()
 
 

@@ -25,6 +25,7 @@ from .models import (
     ImageInfo,
     ImageProgress,
     PoolStats,
+    PortInfo,
     PauseResult,
     OffloadResult,
     PullResult,
@@ -371,6 +372,27 @@ class AsyncSandbox:
         :meth:`branchbox.Sandbox.evaluate`)."""
         body = _core.command_body(cmd, False, cwd, env, timeout, None)
         return await self._http.call(_core.evaluate(self.id, body))
+
+    # -- ports
+
+    async def get_host(self, port: int) -> str:
+        """The address on the host (``"127.0.0.1:41234"``) whose connections reach a server
+        listening on ``port`` inside the sandbox: open ``http://{host}/``. E2B's name; see
+        :meth:`branchbox.Sandbox.get_host`."""
+        return (await self.open_port(port)).host
+
+    async def open_port(self, port: int) -> PortInfo:
+        """Open ``port`` (1..65535) to the host, or return the forwarder opened before: its
+        :class:`PortInfo` (``host``, ``url``). See :meth:`branchbox.Sandbox.open_port`."""
+        return await self._http.call(_core.open_port(self.id, port))
+
+    async def ports(self) -> List[PortInfo]:
+        """The ports open to the host, by port."""
+        return await self._http.call(_core.list_ports(self.id))
+
+    async def close_port(self, port: int) -> bool:
+        """Close the forwarder of ``port``; False if it was not open."""
+        return await self._http.call(_core.close_port(self.id, port))
 
     async def close(self) -> None:
         """Release the HTTP connection (the sandbox keeps running)."""

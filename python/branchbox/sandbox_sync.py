@@ -31,6 +31,7 @@ from .models import (
     ImageInfo,
     ImageProgress,
     PoolStats,
+    PortInfo,
     PauseResult,
     OffloadResult,
     PullResult,
@@ -603,6 +604,35 @@ class Sandbox:
         (its filesystem and sessions are as before the call)."""
         body = _core.command_body(cmd, False, cwd, env, timeout, None)
         return self._http.call(_core.evaluate(self.id, body))
+
+    # -- ports
+
+    def get_host(self, port: int) -> str:
+        """The address on the host (``"127.0.0.1:41234"``) whose connections reach a server
+        listening on ``port`` inside the sandbox: open ``http://{host}/``. E2B's name; the
+        forwarder is opened on first ask (see :meth:`open_port`)."""
+        return self.open_port(port).host
+
+    def open_port(self, port: int) -> PortInfo:
+        """Open ``port`` (an int in 1..65535; else :class:`InvalidArgumentError`, also a
+        ``ValueError``, and nothing is sent) to the host: the daemon listens on a port of its
+        host (``--port-bind``, 127.0.0.1 unless set) and joins each connection to the server
+        on ``port`` inside the sandbox, in every network mode (``"none"`` too). Asking again
+        returns the same :class:`PortInfo` (``host``, ``url``). Nothing needs to listen yet: a
+        connection made while nothing does (or while the sandbox is paused) is closed at once.
+
+        :class:`ConflictError` when the port is not open yet and the sandbox is paused or has
+        32 ports open already. A port stays open until :meth:`close_port` or until the
+        sandbox is killed (a pause keeps it); a fork child has ports of its own."""
+        return self._http.call(_core.open_port(self.id, port))
+
+    def ports(self) -> List[PortInfo]:
+        """The ports open to the host, by port."""
+        return self._http.call(_core.list_ports(self.id))
+
+    def close_port(self, port: int) -> bool:
+        """Close the forwarder of ``port``; False if it was not open."""
+        return self._http.call(_core.close_port(self.id, port))
 
     def close(self) -> None:
         """Release the HTTP connection (the sandbox keeps running)."""

@@ -599,6 +599,67 @@ def sandbox_fork(
         out.print(child.id)
 
 
+# ----------------------------------------------------------------------------- ports
+
+
+@sandbox_app.command("port")
+@cli_errors
+def sandbox_port(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    port: int = typer.Argument(..., metavar="PORT", min=1, max=65535, help="Port a server listens on in the sandbox (1..65535)."),
+    url: bool = typer.Option(False, "--url", help="Print the URL (http://HOST) instead of the host."),
+    close: bool = typer.Option(False, "--close", help="Close the port instead (its host address stops answering)."),
+    as_json: bool = typer.Option(False, "--json", help='Print the PortInfo JSON (with --close: {"removed": ...}).'),
+) -> None:
+    """Print the host address (e.g. 127.0.0.1:41234) that reaches a server on PORT in the sandbox.
+
+    The forwarder is opened on first ask (the same address after) and closed with --close or when the sandbox is killed."""
+    if close:
+        if url:
+            raise typer.BadParameter("--url does not go with --close", param_hint="--url")
+        with connected(ctx, sandbox_id) as sbx:
+            removed = sbx.close_port(port)
+        if as_json:
+            print_json({"removed": removed})
+        elif removed:
+            out.print("closed port %d of sandbox %s" % (port, sandbox_id))
+        else:
+            out.print("port %d of sandbox %s was not open" % (port, sandbox_id))
+        return
+    with connected(ctx, sandbox_id) as sbx:
+        info = sbx.open_port(port)
+    if as_json:
+        print_json(info.raw or {"sandbox": info.sandbox, "port": info.port, "host": info.host, "url": info.url})
+    else:
+        out.print(info.url if url else info.host)
+
+
+@sandbox_app.command("ports")
+@cli_errors
+def sandbox_ports(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """List the ports of a sandbox open to the host (`sandbox port ID PORT` opens one)."""
+    with connected(ctx, sandbox_id) as sbx:
+        infos = sbx.ports()
+    if as_json:
+        print_json([i.raw for i in infos])
+        return
+    if not infos:
+        out.print("no ports open in sandbox %s" % sandbox_id)
+        return
+    now = time.time()
+    table = Table(box=None, header_style="bold")
+    for col in ("PORT", "HOST", "AGE"):
+        table.add_column(col, no_wrap=True)
+    for i in infos:
+        table.add_row(str(i.port), i.host, fmt_duration(now - i.opened_at) if i.opened_at else "-")
+    out.print(table)
+
+
 # ----------------------------------------------------------------------------- snapshots
 
 

@@ -31,6 +31,7 @@ EXPECTED_ALL = {
     "ExecutionError",
     "ShellResult",
     "SessionInfo",
+    "PortInfo",
     "ImageInfo",
     "ImageProgress",
     "Snapshots",

@@ -80,6 +80,9 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         snapshot_volume,
         list_volume_snapshots,
         delete_volume_snapshot,
+        open_port,
+        list_ports,
+        close_port,
         restore_volume,
         fork_volume,
         sync_volume,
@@ -92,6 +95,8 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         volume_rename_file
     ),
     components(schemas(
+        PortInfo,
+        PortList,
         CreateSandbox,
         SandboxInfo,
         SandboxList,
@@ -312,6 +317,30 @@ pub async fn stream_command(
     responses((status = 200, body = ProcessList)))]
 pub async fn list_processes(State(rt): State<AppState>, P(id): P<String>) -> ApiResult<Json<ProcessList>> {
     Ok(Json(rt.list_processes(&id).await?))
+}
+
+fn parse_port(port: &str) -> ApiResult<u32> {
+    port.parse::<u32>()
+        .map_err(|_| ApiError::bad_request(format!("{port:?} is not a port: give a TCP port from 1 to 65535")))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/ports/{port}", params(("id" = String, Path, description = "sandbox id"), ("port" = u16, Path, description = "TCP port a server in the sandbox listens on")),
+    responses((status = 200, body = PortInfo, description = "the host address reaching it (opened on first ask)"), (status = 400, body = ErrorResponse), (status = 404, body = ErrorResponse), (status = 409, body = ErrorResponse)))]
+pub async fn open_port(State(rt): State<AppState>, P((id, port)): P<(String, String)>) -> ApiResult<Json<PortInfo>> {
+    Ok(Json(rt.open_port(&id, parse_port(&port)?).await?))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/ports", params(("id" = String, Path, description = "sandbox id")),
+    responses((status = 200, body = PortList), (status = 404, body = ErrorResponse)))]
+pub async fn list_ports(State(rt): State<AppState>, P(id): P<String>) -> ApiResult<Json<PortList>> {
+    Ok(Json(rt.list_ports(&id)?))
+}
+
+#[utoipa::path(delete, path = "/v1/sandboxes/{id}/ports/{port}", params(("id" = String, Path, description = "sandbox id"), ("port" = u16, Path, description = "sandbox port")),
+    responses((status = 200, body = Done, description = "`removed`: false when the port was not open"), (status = 404, body = ErrorResponse)))]
+pub async fn close_port(State(rt): State<AppState>, P((id, port)): P<(String, String)>) -> ApiResult<Json<Done>> {
+    let removed = rt.close_port(&id, parse_port(&port)?)?;
+    Ok(Json(Done { killed: None, removed: Some(removed) }))
 }
 
 fn parse_pid(pid: &str) -> ApiResult<i32> {

@@ -59,6 +59,8 @@ pub fn router(rt: Arc<Runtime>, token: Option<String>) -> Router {
         .route("/v1/sandboxes/:id/fork", post(fork))
         .route("/v1/sandboxes/:id/evaluate", post(evaluate))
         .route("/v1/sandboxes/:id/snapshots", get(sandbox_snapshots))
+        .route("/v1/sandboxes/:id/ports", get(list_ports))
+        .route("/v1/sandboxes/:id/ports/:port", get(open_port).delete(close_port))
         .route("/v1/snapshots", get(list_snapshots))
         .route("/v1/snapshots/gc", post(gc_snapshots))
         .route("/v1/snapshots/:sid", get(get_snapshot).delete(delete_snapshot))

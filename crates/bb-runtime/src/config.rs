@@ -62,6 +62,8 @@ pub struct RuntimeConfig {
     /// Most bytes of frozen volume layers kept on the node ([`crate::volumes::cache`]); None:
     /// no bound.
     pub volume_cache_bytes: Option<u64>,
+    /// Address the host side of sandbox ports listens on ([`crate::net::ports`]).
+    pub port_bind: std::net::IpAddr,
 }
 
 impl RuntimeConfig {
@@ -95,6 +97,7 @@ impl RuntimeConfig {
             volume_key_file: None,
             volume_fs_bytes: 256 << 30,
             volume_cache_bytes: None,
+            port_bind: std::net::Ipv4Addr::LOCALHOST.into(),
         }
     }
 

@@ -40,6 +40,7 @@ pub mod images;
 pub mod initconn;
 pub mod layers;
 pub mod model;
+pub mod net;
 pub mod pause;
 pub mod pool;
 pub mod process_images;
@@ -89,6 +90,8 @@ pub struct Runtime {
     volumes: volumes::Volumes,
     /// One pull at a time (two pulls of one snapshot would download it twice).
     pulls: tokio::sync::Mutex<()>,
+    /// Sandbox ports reached from the host.
+    ports: net::ports::Ports,
 }
 
 impl Runtime {
@@ -138,6 +141,7 @@ impl Runtime {
             remote,
             volumes,
             pulls: Default::default(),
+            ports: Default::default(),
         });
         rt.recover()?;
         Ok(rt)

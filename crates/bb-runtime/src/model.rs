@@ -949,3 +949,21 @@ pub struct ForkVolume {
     pub snapshot: Option<String>,
 }
 
+/// A server port of a sandbox reached from the host (`GET /v1/sandboxes/{id}/ports/{port}`).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct PortInfo {
+    pub sandbox: String,
+    /// The port inside the sandbox (its loopback or any address it listens on).
+    pub port: u16,
+    /// `address:port` on the host whose connections reach it (`--port-bind`, 127.0.0.1).
+    pub host: String,
+    /// `http://` + `host`.
+    pub url: String,
+    pub opened_at: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct PortList {
+    /// By port.
+    pub ports: Vec<PortInfo>,
+}

@@ -1,6 +1,6 @@
 //! Namespace and mount-tree syscalls used to swap a running sandbox's root filesystem from the
 //! host: `setns`, `unshare`, `open_tree`, `move_mount` between arbitrary fds/paths, `pivot_root`,
-//! `umount2`, `fchdir`.
+//! `umount2`, `fchdir`; and sockets made in a sandbox's network namespace.
 
 use crate::{check, SysResult};
 use std::ffi::CString;
@@ -87,4 +87,28 @@ pub fn umount2(path: &Path, flags: libc::c_int) -> SysResult<()> {
     // SAFETY: valid NUL-terminated path.
     let ret = unsafe { libc::umount2(c.as_ptr(), flags) };
     check("umount2", ret as libc::c_long).map(drop)
+}
+
+/// A new TCP/IPv4 socket (non-blocking, close-on-exec) in network namespace `netns` (e.g.
+/// `/proc/<pid>/ns/net`). A thread of its own enters the namespace, makes the socket and ends:
+/// a socket stays in the namespace it was made in, and the caller's threads never change
+/// namespace.
+pub fn tcp_socket_in(netns: &Path) -> SysResult<OwnedFd> {
+    let ns = std::fs::File::open(netns).map_err(|source| crate::SysError { call: "open netns", source })?;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            use std::os::fd::AsFd;
+            setns(ns.as_fd(), libc::CLONE_NEWNET)?;
+            // SAFETY: plain integer arguments.
+            let fd =
+                unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0) };
+            let fd = check("socket", fd as libc::c_long)?;
+            // SAFETY: socket returned a fresh fd that we own.
+            Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+        })
+        .join()
+        .unwrap_or_else(|_| {
+            Err(crate::SysError { call: "socket", source: std::io::Error::other("the namespace thread panicked") })
+        })
+    })
 }

@@ -122,6 +122,11 @@ struct Args {
     /// first, and are pulled back from the object store when the volume is next used.
     #[arg(long, default_value_t = 64 * 1024)]
     volume_cache_mb: u64,
+    /// Address the host side of sandbox ports (`GET /v1/sandboxes/{id}/ports/{port}`) listens
+    /// on. Anyone who reaches it reaches the sandbox's server: keep it on loopback unless a
+    /// firewall guards it.
+    #[arg(long, default_value = "127.0.0.1")]
+    port_bind: std::net::IpAddr,
     /// Print the OpenAPI document and exit.
     #[arg(long)]
     print_openapi: bool,
@@ -185,6 +190,7 @@ async fn run(args: Args, store_credentials: Option<(String, String)>) -> anyhow:
     cfg.volume_key_file = args.volume_key_file;
     cfg.volume_fs_bytes = args.volume_fs_size_gb << 30;
     cfg.volume_cache_bytes = (args.volume_cache_mb > 0).then_some(args.volume_cache_mb << 20);
+    cfg.port_bind = args.port_bind;
     cfg.setns_key_file = args.setns_key_file;
     cfg.node_name = args.node_name;
     cfg.store_gc_grace = Duration::from_secs(args.store_gc_grace);

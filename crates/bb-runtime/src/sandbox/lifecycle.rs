@@ -377,6 +377,7 @@ impl Runtime {
         let sb = self.sandboxes.remove(id).ok_or_else(|| RuntimeError::sandbox(id))?;
         let was_alive = !sb.is_dead();
         sb.dead.store(true, Ordering::SeqCst);
+        self.ports.close_all(id);
         let rt = self.clone();
         let id = id.to_string();
         let gone_templates = self.session_templates.remove_sandbox(&id);
