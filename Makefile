@@ -7,7 +7,7 @@ STATE_DIR   ?= /var/lib/branchbox
 SOCKET      ?= /run/branchbox/branchboxd.sock
 PYTHON      ?= python3
 CARGO       ?= cargo
-APT_PKGS    := debootstrap pkg-config build-essential ca-certificates curl xfsprogs
+APT_PKGS    := debootstrap pkg-config build-essential ca-certificates curl xfsprogs iproute2 nftables
 
 .PHONY: all deps build install python demo test lint test-rust test-python test-integration openapi clean-state
 

@@ -29,6 +29,7 @@ from .models import (
     GcResult,
     ImageInfo,
     ImageProgress,
+    NetworkInfo,
     PoolStats,
     PortInfo,
     ProcessInfo,
@@ -367,23 +368,29 @@ def create_sandbox(
     env: Optional[Mapping[str, Any]] = None,
     cwd: Optional[str] = None,
     timeout: Optional[float] = 300,
-    network: Optional[str] = "none",
+    network: Optional[str] = None,
     metadata: Optional[Mapping[str, Any]] = None,
     template: Any = None,
     lifecycle: Optional[Mapping[str, Any]] = None,
     snapshot: Any = None,
     volumes: VolumesT = None,
+    allow: Optional[Sequence[str]] = None,
 ) -> Call:
     """``image=None`` means ``"base"``, or the template's image when ``template`` is given
     (the daemon refuses an image other than the template's); with ``snapshot``, the
     snapshot's image, limits and cwd are kept (giving them is an error). ``volumes`` (see
-    :func:`volume_mounts`) is sent only when given."""
+    :func:`volume_mounts`) is sent only when given.
+
+    ``network=None`` means ``"none"``, or with ``snapshot`` the snapshot's mode (not sent);
+    ``allow`` (see :func:`allow_entries`) is sent only when given."""
     name = template_name(template) if template is not None else None
     sid = snapshot_id(snapshot) if snapshot is not None else None
     if image is None and name is None and sid is None:
         image = "base"
-    if sid is not None and network == "none":
-        network = None
+    if network is not None:
+        network = network_mode(network)
+    elif sid is None:
+        network = "none"
     body = _compact(
         {
             "image": image,
@@ -396,6 +403,7 @@ def create_sandbox(
             "cwd": cwd,
             "timeout": timeout,
             "network": network,
+            "allow": allow_entries(allow) if allow is not None else None,
             "metadata": _env(metadata),
             "lifecycle": dict(lifecycle) if lifecycle is not None else None,
             "volumes": volume_mounts(volumes) if volumes is not None else None,
@@ -609,6 +617,64 @@ def close_port(sandbox_id: str, port: Any) -> Call:
     return Call("DELETE", _port(sandbox_id, port), parse=_flag("removed"))
 
 
+# ----------------------------------------------------------------------------- network
+
+#: A sandbox's network modes: loopback only (the default), only what its allow entries list,
+#: or anything but the host, the daemon, other sandboxes and link-local/metadata addresses.
+NETWORK_MODES = ("none", "allowlist", "open")
+
+
+class _NetworkError(exc.InvalidArgumentError, ValueError):
+    """A network mode or allow list of the wrong shape, refused before any request: an
+    :class:`InvalidArgumentError` like the SDK's other client-side checks, and a ``ValueError``."""
+
+
+def network_mode(network: Any) -> str:
+    """``network`` if it is one of :data:`NETWORK_MODES`, else :class:`InvalidArgumentError`
+    (also a ``ValueError``)."""
+    if not isinstance(network, str) or network not in NETWORK_MODES:
+        raise _NetworkError('network must be "none", "allowlist" or "open", not %r' % (network,))
+    return network
+
+
+def allow_entries(allow: Any) -> List[str]:
+    """``allow`` as a list of strings (a list or tuple of them; ``[]`` clears), else
+    :class:`InvalidArgumentError` (also a ``ValueError``). The entries' syntax (names,
+    ``*.`` wildcards, IPv4 addresses or CIDRs, ``:port`` or ``:low-high``) is the daemon's to
+    check: it answers 400 naming the bad entry."""
+    if isinstance(allow, (str, bytes)):
+        raise _NetworkError("allow must be a list of entries, not a single string: give [%r]" % (allow,))
+    if not isinstance(allow, (list, tuple)):
+        raise _NetworkError("allow must be a list of entries (str), not %s" % type(allow).__name__)
+    for entry in allow:
+        if not isinstance(entry, str):
+            raise _NetworkError("every allow entry must be a string, got %r" % (entry,))
+    return list(allow)
+
+
+def network_body(network: Any = None, allow: Any = None) -> Dict[str, Any]:
+    """``{"network", "allow"}`` with the fields given (None: not sent)."""
+    return _compact(
+        {
+            "network": network_mode(network) if network is not None else None,
+            "allow": allow_entries(allow) if allow is not None else None,
+        }
+    )
+
+
+def get_network(sandbox_id: str) -> Call:
+    return Call("GET", _sbx(sandbox_id) + "/network", parse=NetworkInfo.from_dict)
+
+
+def update_network(sandbox_id: str, network: Any = None, allow: Any = None) -> Call:
+    """Fields left None stay as they are; ``allow=[]`` clears the entries; ``network="none"``
+    alone clears them too (the daemon's rule)."""
+    body = network_body(network, allow)
+    if not body:
+        raise _NetworkError("give network and/or allow to change (sbx.network.get() reads them)")
+    return Call("PUT", _sbx(sandbox_id) + "/network", json=body, parse=NetworkInfo.from_dict)
+
+
 # ----------------------------------------------------------------------------- files
 
 # The file builders take the files API's URL prefix (:func:`sandbox_files` or
@@ -817,8 +883,16 @@ def rollback(sandbox_id: str, snapshot: Any, lazy_pages: Optional[bool] = None) 
 
 
 def fork(
-    sandbox_id: str, count: int = 1, snapshot: Any = None, timeout: Optional[float] = None, isolated: bool = False
+    sandbox_id: str,
+    count: int = 1,
+    snapshot: Any = None,
+    timeout: Optional[float] = None,
+    isolated: bool = False,
+    network: Optional[str] = None,
+    allow: Optional[Sequence[str]] = None,
 ) -> Call:
+    """``network``/``allow``: the children's (see :func:`network_body`; default: the parent's
+    at the fork, or with ``snapshot`` the snapshot's)."""
     if isinstance(count, bool) or not isinstance(count, int):
         raise exc.InvalidArgumentError("n (the number of children) must be an int, not %r" % (count,))
     if not 1 <= count <= MAX_FORK:
@@ -834,6 +908,7 @@ def fork(
             "timeout": timeout,
             # Sent only when set: the default (live copies of the sessions) is the daemon's.
             "isolated": True if isolated else None,
+            **network_body(network, allow),
         }
     )
     return Call("POST", _sbx(sandbox_id) + "/fork", json=body, parse=ForkResult.from_dict)

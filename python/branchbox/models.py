@@ -21,6 +21,7 @@ __all__ = [
     "ShellResult",
     "SessionInfo",
     "PortInfo",
+    "NetworkInfo",
     "ImageInfo",
     "ImageProgress",
     "SnapshotSession",
@@ -89,7 +90,17 @@ class SandboxInfo(_Model):
     cpu: Optional[float] = None
     memory_mb: Optional[int] = None
     pids: Optional[int] = None
+    #: Its network mode now: ``"none"`` (loopback only), ``"allowlist"`` or ``"open"``
+    #: (``sbx.network``; see :class:`NetworkInfo`).
     network: Optional[str] = None
+    #: Its allow entries now (``Sandbox.create(allow=...)``, ``sbx.network.update(allow=...)``).
+    allow: List[str] = field(default_factory=list)
+    #: Its IPv4 address on the sandboxes' bridge (None in mode ``"none"``).
+    address: Optional[str] = None
+    #: Bytes it received and sent through its network interface (loopback and ports reached
+    #: from the host are not counted).
+    net_rx_bytes: int = 0
+    net_tx_bytes: int = 0
     env: Dict[str, str] = field(default_factory=dict)
     cwd: Optional[str] = None
     metadata: Dict[str, str] = field(default_factory=dict)
@@ -110,6 +121,7 @@ class SandboxInfo(_Model):
     @classmethod
     def from_dict(cls, data: Optional[Dict[str, Any]]) -> "SandboxInfo":
         obj = super().from_dict(data)
+        obj.allow = list(obj.allow or [])
         obj.volumes = [m if isinstance(m, VolumeMount) else VolumeMount.from_dict(m) for m in obj.volumes or []]
         return obj
 
@@ -266,6 +278,33 @@ class PortInfo(_Model):
     url: str = ""
     opened_at: Optional[float] = None
     raw: Dict[str, Any] = _raw()
+
+
+@dataclass
+class NetworkInfo(_Model):
+    """A sandbox's network (``sbx.network.get()``, ``GET /v1/sandboxes/{id}/network``).
+
+    ``network`` is the mode: ``"none"`` (loopback only), ``"allowlist"`` (only what ``allow``
+    lists) or ``"open"`` (anything but the host, the daemon, other sandboxes and
+    link-local/metadata addresses, unless ``allow`` lists them). ``allow`` entries are names
+    (``"api.example.com"``), wildcards (``"*.example.org"``), IPv4 addresses or CIDRs, each with
+    an optional ``:port`` or ``:low-high``. ``address`` is the sandbox's IPv4 address on the
+    daemon's bridge (None in mode ``"none"``); ``rx_bytes``/``tx_bytes`` the bytes it received
+    and sent through it."""
+
+    sandbox: str = ""
+    network: str = ""
+    allow: List[str] = field(default_factory=list)
+    address: Optional[str] = None
+    rx_bytes: int = 0
+    tx_bytes: int = 0
+    raw: Dict[str, Any] = _raw()
+
+    @classmethod
+    def from_dict(cls, data: Optional[Dict[str, Any]]) -> "NetworkInfo":
+        obj = super().from_dict(data)
+        obj.allow = list(obj.allow or [])
+        return obj
 
 
 @dataclass

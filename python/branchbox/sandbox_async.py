@@ -24,6 +24,7 @@ from .models import (
     GcResult,
     ImageInfo,
     ImageProgress,
+    NetworkInfo,
     PoolStats,
     PortInfo,
     PauseResult,
@@ -52,6 +53,7 @@ __all__ = [
     "AsyncCommandHandle",
     "AsyncFiles",
     "AsyncByteStream",
+    "AsyncNetwork",
     "AsyncSessions",
     "AsyncSession",
     "AsyncImages",
@@ -165,6 +167,7 @@ class AsyncSandbox:
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(_http, _core.sandbox_files(sandbox_id))
         self.sessions = AsyncSessions(self)
+        self.network = AsyncNetwork(self)
 
     @property
     def sandbox_id(self) -> str:
@@ -182,7 +185,8 @@ class AsyncSandbox:
         env: Optional[Mapping[str, str]] = None,
         cwd: Optional[str] = None,
         timeout: Optional[float] = 300,
-        network: str = "none",
+        network: Optional[str] = None,
+        allow: Optional[Sequence[str]] = None,
         metadata: Optional[Mapping[str, str]] = None,
         template: Union[str, TemplateInfo, None] = None,
         lifecycle: Optional[Mapping[str, Any]] = None,
@@ -199,7 +203,7 @@ class AsyncSandbox:
             info = await http.call(
                 _core.create_sandbox(
                     image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot,
-                    volumes,
+                    volumes, allow,
                 )
             )
         except BaseException:
@@ -335,13 +339,16 @@ class AsyncSandbox:
         snapshot: Union[str, SnapshotInfo, None] = None,
         timeout: Optional[float] = None,
         isolated: bool = False,
+        network: Optional[str] = None,
+        allow: Optional[Sequence[str]] = None,
     ) -> List["AsyncSandbox"]:
-        """Start ``n`` (1..64) new sandboxes from ``snapshot`` (see :meth:`branchbox.Sandbox.fork`).
+        """Start ``n`` (1..64) new sandboxes from ``snapshot`` (see :meth:`branchbox.Sandbox.fork`;
+        ``network``/``allow``: the children's, default the parent's).
 
         Each child has its own connection with this sandbox's settings: close (or kill)
         them when done.
         """
-        return (await self.fork_info(n, snapshot, timeout, isolated))[0]
+        return (await self.fork_info(n, snapshot, timeout, isolated, network, allow))[0]
 
     async def fork_info(
         self,
@@ -349,10 +356,12 @@ class AsyncSandbox:
         snapshot: Union[str, SnapshotInfo, None] = None,
         timeout: Optional[float] = None,
         isolated: bool = False,
+        network: Optional[str] = None,
+        allow: Optional[Sequence[str]] = None,
     ) -> Tuple[List["AsyncSandbox"], ForkResult]:
         """:meth:`fork`, also returning the daemon's :class:`ForkResult` (see
         :meth:`branchbox.Sandbox.fork_info`)."""
-        result = await self._http.call(_core.fork(self.id, n, snapshot, timeout, isolated))
+        result = await self._http.call(_core.fork(self.id, n, snapshot, timeout, isolated, network, allow))
         children = [AsyncSandbox(info.id, _http=_AsyncHTTP(self._http.config), info=info) for info in result.sandboxes]
         return children, result
 
@@ -412,6 +421,30 @@ class AsyncSandbox:
 
     def __repr__(self) -> str:
         return "AsyncSandbox(id=%r)" % self.id
+
+
+# ----------------------------------------------------------------------------- network
+
+
+class AsyncNetwork:
+    """``sbx.network`` (async): the sandbox's network mode and allow entries (see
+    :class:`branchbox.sandbox_sync.Network`)."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sbx = sandbox
+
+    async def get(self) -> NetworkInfo:
+        """The sandbox's network now: mode, allow entries, address, bytes received and sent."""
+        return await self._sbx._http.call(_core.get_network(self._sbx.id))
+
+    async def update(self, network: Optional[str] = None, allow: Optional[Sequence[str]] = None) -> NetworkInfo:
+        """Change the mode and/or the allow entries (None: unchanged; ``allow=[]`` clears them);
+        connections made from then on follow the new rules. See
+        :meth:`branchbox.sandbox_sync.Network.update`."""
+        return await self._sbx._http.call(_core.update_network(self._sbx.id, network, allow))
+
+    def __repr__(self) -> str:
+        return "AsyncNetwork(sandbox=%r)" % self._sbx.id
 
 
 # ----------------------------------------------------------------------------- commands

@@ -30,6 +30,7 @@ from .models import (
     GcResult,
     ImageInfo,
     ImageProgress,
+    NetworkInfo,
     PoolStats,
     PortInfo,
     PauseResult,
@@ -58,6 +59,7 @@ __all__ = [
     "CommandHandle",
     "Files",
     "ByteStream",
+    "Network",
     "Sessions",
     "Session",
     "Images",
@@ -364,6 +366,7 @@ class Sandbox:
         self.commands = Commands(self)
         self.files = Files(_http, _core.sandbox_files(sandbox_id))
         self.sessions = Sessions(self)
+        self.network = Network(self)
 
     @property
     def sandbox_id(self) -> str:
@@ -381,7 +384,8 @@ class Sandbox:
         env: Optional[Mapping[str, str]] = None,
         cwd: Optional[str] = None,
         timeout: Optional[float] = 300,
-        network: str = "none",
+        network: Optional[str] = None,
+        allow: Optional[Sequence[str]] = None,
         metadata: Optional[Mapping[str, str]] = None,
         template: Union[str, TemplateInfo, None] = None,
         lifecycle: Optional[Mapping[str, Any]] = None,
@@ -416,6 +420,14 @@ class Sandbox:
         ``read_only``, or ``branch=False`` for a volume that does not branch with the sandbox's
         checkpoints, rollbacks and forks); or a list of VolumeMount (or dicts of its keys).
 
+        ``network`` is the sandbox's network mode: ``"none"`` (the default: loopback only),
+        ``"allowlist"`` (only what ``allow`` lists) or ``"open"`` (anything but the host, the
+        daemon, other sandboxes and link-local/metadata addresses, unless ``allow`` lists
+        them). ``allow`` is a list of entries: names (``"api.example.com"``), wildcards
+        (``"*.example.org"``), IPv4 addresses or CIDRs, each with an optional ``:port`` or
+        ``:low-high`` (``"10.0.0.0/8:443"``). With ``snapshot``, both default to the
+        snapshot's. Change them later with ``sbx.network.update(...)`` (:class:`Network`).
+
         ``daemon``/``token`` default to ``$BRANCHBOX_URL``/``$BRANCHBOX_TOKEN``;
         ``request_timeout`` bounds each HTTP request; ``transport`` replaces the
         network transport (tests).
@@ -425,7 +437,7 @@ class Sandbox:
             info = http.call(
                 _core.create_sandbox(
                     image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot,
-                    volumes,
+                    volumes, allow,
                 )
             )
         except BaseException:
@@ -562,6 +574,8 @@ class Sandbox:
         snapshot: Union[str, SnapshotInfo, None] = None,
         timeout: Optional[float] = None,
         isolated: bool = False,
+        network: Optional[str] = None,
+        allow: Optional[Sequence[str]] = None,
     ) -> List["Sandbox"]:
         """Start ``n`` (1..64) new sandboxes from ``snapshot`` (default: a checkpoint taken
         now). ``timeout`` is the children's time to live in seconds (0 = none).
@@ -570,10 +584,14 @@ class Sandbox:
         namespaces (``info().nested_in``); ``isolated=True`` makes independent children with
         their own top-level namespaces and fresh sessions.
 
+        Children have addresses of their own and this sandbox's network mode and allow entries
+        as they are at the fork (with ``snapshot``: the snapshot's); ``network`` and ``allow``
+        (see :meth:`create`) set theirs instead (``allow`` alone keeps the mode).
+
         Each child has its own connection with this sandbox's settings: close (or kill)
         them when done, e.g. ``with child: ...``.
         """
-        return self.fork_info(n, snapshot, timeout, isolated)[0]
+        return self.fork_info(n, snapshot, timeout, isolated, network, allow)[0]
 
     def fork_info(
         self,
@@ -581,10 +599,12 @@ class Sandbox:
         snapshot: Union[str, SnapshotInfo, None] = None,
         timeout: Optional[float] = None,
         isolated: bool = False,
+        network: Optional[str] = None,
+        allow: Optional[Sequence[str]] = None,
     ) -> Tuple[List["Sandbox"], ForkResult]:
         """:meth:`fork`, also returning the daemon's whole answer: the :class:`ForkResult`
         (the snapshot forked from, ``sessions_restarted``, ``took_ms``)."""
-        result = self._http.call(_core.fork(self.id, n, snapshot, timeout, isolated))
+        result = self._http.call(_core.fork(self.id, n, snapshot, timeout, isolated, network, allow))
         return [Sandbox(info.id, _http=_HTTP(self._http.config), info=info) for info in result.sandboxes], result
 
     def snapshots(self) -> List[SnapshotInfo]:
@@ -652,6 +672,32 @@ class Sandbox:
 
     def __repr__(self) -> str:
         return "Sandbox(id=%r)" % self.id
+
+
+# ----------------------------------------------------------------------------- network
+
+
+class Network:
+    """``sbx.network``: the sandbox's network mode and allow entries (see
+    :meth:`Sandbox.create`), read and changed while it runs."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sbx = sandbox
+
+    def get(self) -> NetworkInfo:
+        """The sandbox's network now: mode, allow entries, address, bytes received and sent."""
+        return self._sbx._http.call(_core.get_network(self._sbx.id))
+
+    def update(self, network: Optional[str] = None, allow: Optional[Sequence[str]] = None) -> NetworkInfo:
+        """Change the mode and/or the allow entries (None: unchanged; ``allow=[]`` clears them,
+        ``network="none"`` too); connections made from then on follow the new rules. Returns
+        the network as it now is. A bad mode or a non-list ``allow`` is refused before any
+        request (:class:`InvalidArgumentError`, also a ``ValueError``); a bad entry by the
+        daemon (:class:`InvalidArgumentError`, nothing changed)."""
+        return self._sbx._http.call(_core.update_network(self._sbx.id, network, allow))
+
+    def __repr__(self) -> str:
+        return "Network(sandbox=%r)" % self._sbx.id
 
 
 # ----------------------------------------------------------------------------- commands

@@ -4,7 +4,10 @@
 - ``cr`` (:mod:`branchbox_bench.cr`): checkpoint, rollback and fork on a real workload
   against copytree and commit baselines (its XFS part runs mkfs.xfs and losetup, as root);
 - ``start`` (:mod:`branchbox_bench.start`): starts from the warm pool, cold and from a
-  template; idle memory; many sandboxes at once.
+  template; idle memory; many sandboxes at once;
+- ``net`` (:mod:`branchbox_bench.net`): network modes, allowlist against none and a
+  sandbox's traffic against the host's, to upstream servers of :mod:`branchbox_bench.networld`
+  (a network namespace it brings up, as root).
 
 They drive the daemon through the public ``branchbox`` SDK only. Nothing here is imported
 by ``import branchbox``.

@@ -23,6 +23,7 @@ from rich.tree import Tree
 from branchbox import (
     ImageProgress,
     Images,
+    NetworkInfo,
     Pool,
     PoolStats,
     RollbackResult,
@@ -81,6 +82,36 @@ def parse_env(items: Optional[List[str]], what: str = "--env") -> Dict[str, str]
             raise typer.BadParameter("expected KEY=VALUE, got %r" % item, param_hint=what)
         env[key] = value
     return env
+
+
+#: ``--network``'s help: the modes.
+NETWORK_HELP = (
+    "Network mode: none (loopback only), allowlist (only what --allow lists) or open (anything but the host, "
+    "the daemon, other sandboxes and link-local/metadata addresses, unless listed)."
+)
+#: ``--allow``'s help: the entries.
+ALLOW_HELP = (
+    "What the sandbox may reach (repeatable): a name (api.example.com), a wildcard (*.example.org), an IPv4 "
+    "address or CIDR (10.0.0.0/8), each with an optional :PORT or :LOW-HIGH."
+)
+
+
+def parse_network(mode: Optional[str], what: str = "--network") -> Optional[str]:
+    """``mode`` if it is a network mode (or None), else a usage error."""
+    if mode is not None and mode not in _core.NETWORK_MODES:
+        raise typer.BadParameter(
+            "%r is not a network mode: use %s" % (mode, ", ".join(_core.NETWORK_MODES)), param_hint=what
+        )
+    return mode
+
+
+def parse_allow(allow: Optional[List[str]], clear: bool = False) -> Optional[List[str]]:
+    """The ``--allow`` entries (None: not given), or ``[]`` with ``--clear-allow``."""
+    if clear:
+        if allow:
+            raise typer.BadParameter("give --allow or --clear-allow, not both", param_hint="--clear-allow")
+        return []
+    return list(allow) if allow else None
 
 
 def exit_code_of(result: Any) -> int:
@@ -325,10 +356,15 @@ def sandbox_create(
         help="Mount a volume (id or name): %s (repeatable; ro: read-only, nobranch: not snapshotted, rolled "
         "back or forked with the sandbox)." % VOLUME_FLAG,
     ),
+    network: Optional[str] = typer.Option(
+        None, "--network", metavar="MODE", help=NETWORK_HELP + " Default none (with --snapshot: the snapshot's)."
+    ),
+    allow: Optional[List[str]] = typer.Option(None, "--allow", metavar="ENTRY", help=ALLOW_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the SandboxInfo JSON."),
 ) -> None:
     """Create a sandbox and print its id."""
     c = ctx_of(ctx)
+    network = parse_network(network)
     sbx = Sandbox.create(
         image,
         cpu=cpu,
@@ -341,6 +377,8 @@ def sandbox_create(
         template=template,
         snapshot=snapshot,
         volumes=parse_volume_flags(volume) or None,
+        network=network,
+        allow=parse_allow(allow),
         **c.sdk(),
     )
     sbx.close()
@@ -586,12 +624,21 @@ def sandbox_fork(
     n: int = typer.Option(1, "-n", "--count", min=1, max=64, help="Number of children (1..64)."),
     snapshot: Optional[str] = typer.Option(None, "--snapshot", "-s", help="Fork from this snapshot (default: checkpoint now)."),
     isolated: bool = typer.Option(False, "--isolated", help="Independent children: own namespaces, fresh sessions."),
+    network: Optional[str] = typer.Option(
+        None, "--network", metavar="MODE", help="The children's network mode (default: ID's). " + NETWORK_HELP
+    ),
+    allow: Optional[List[str]] = typer.Option(
+        None, "--allow", metavar="ENTRY", help="The children's allow entries (default: ID's). " + ALLOW_HELP
+    ),
+    clear_allow: bool = typer.Option(False, "--clear-allow", help="The children get no allow entries."),
 ) -> None:
     """Start new sandboxes from a snapshot of ID; prints the child ids, one per line."""
     c = ctx_of(ctx)
+    network = parse_network(network)
+    entries = parse_allow(allow, clear_allow)
     sbx = Sandbox.connect(sandbox_id, resume=False, **c.sdk())
     try:
-        children = sbx.fork(n, snapshot=snapshot, isolated=isolated)
+        children = sbx.fork(n, snapshot=snapshot, isolated=isolated, network=network, allow=entries)
     finally:
         sbx.close()
     for child in children:
@@ -658,6 +705,49 @@ def sandbox_ports(
     for i in infos:
         table.add_row(str(i.port), i.host, fmt_duration(now - i.opened_at) if i.opened_at else "-")
     out.print(table)
+
+
+# ----------------------------------------------------------------------------- network
+
+
+def network_lines(info: NetworkInfo) -> List[str]:
+    """A NetworkInfo as aligned ``key value`` lines (mode, address, allow, rx, tx)."""
+    return [
+        "mode     %s" % (info.network or "-"),
+        "address  %s" % (info.address or "-"),
+        "allow    %s" % (", ".join(info.allow) if info.allow else "-"),
+        "rx       %s" % fmt_bytes(info.rx_bytes),
+        "tx       %s" % fmt_bytes(info.tx_bytes),
+    ]
+
+
+@sandbox_app.command("network")
+@cli_errors
+def sandbox_network(
+    ctx: typer.Context,
+    sandbox_id: str = typer.Argument(..., metavar="ID"),
+    set_mode: Optional[str] = typer.Option(None, "--set-mode", metavar="MODE", help="Change the mode. " + NETWORK_HELP),
+    allow: Optional[List[str]] = typer.Option(
+        None, "--allow", metavar="ENTRY", help="Replace the allow entries with these. " + ALLOW_HELP
+    ),
+    clear_allow: bool = typer.Option(False, "--clear-allow", help="Remove every allow entry."),
+    as_json: bool = typer.Option(False, "--json", help="Print the NetworkInfo JSON."),
+) -> None:
+    """Show a sandbox's network (mode, address, allow entries, bytes received and sent), or change it.
+
+    With --set-mode, --allow or --clear-allow the new rules apply to connections made from then on; what is left out stays as it is (--set-mode none also clears the entries)."""
+    mode = parse_network(set_mode, "--set-mode")
+    entries = parse_allow(allow, clear_allow)
+    with connected(ctx, sandbox_id) as sbx:
+        if mode is None and entries is None:
+            info = sbx.network.get()
+        else:
+            info = sbx.network.update(network=mode, allow=entries)
+    if as_json:
+        print_json(info.raw or {"sandbox": info.sandbox, "network": info.network, "allow": info.allow})
+        return
+    for line in network_lines(info):
+        out.print(Text(line))
 
 
 # ----------------------------------------------------------------------------- snapshots

@@ -360,3 +360,53 @@ def bench_volume_designs(
         result = vd.run_designs_bench(cfg, progress=lambda m: status.update("bench volume-designs: " + m))
     summary = result.summary()
     _report("branchbox bench volume-designs (ops/s per round)", result.rows(), vd.report_lines(summary), summary, as_json)
+
+
+def net_report_lines(s: Dict[str, Any]) -> List[str]:
+    """Human-readable summary lines of a ``bench net`` JSON summary."""
+    ms = lambda k: fmt_num(s.get(k), " ms", "%.1f")  # noqa: E731
+    ratio = lambda k: fmt_num(s.get(k), "", "%.2f")  # noqa: E731
+    rtt = s.get("http_rtt_ms") or {}
+    p99 = lambda side: fmt_num((rtt.get(side) or {}).get("p99"), " ms", "%.3f")  # noqa: E731
+    lines = [
+        "create p50: allowlist %s vs none %s; with the first request %s vs a first command without network %s"
+        % (ms("create_allowlist_ms_p50"), ms("create_none_ms_p50"), ms("create_allowlist_first_request_ms_p50"),
+           ms("create_none_first_command_ms_p50")),
+        "fork(16) until every child made one request: allowlist %s vs none %s (without requests)"
+        % (ms("fork16_allowlist_ms"), ms("fork16_none_ms")),
+        "HTTP round trip to %s p50: sandbox %s vs host %s (ratio %s); p99 %s vs %s"
+        % (s.get("upstream"), fmt_num(s.get("http_rtt_ms_p50"), " ms", "%.3f"),
+           fmt_num(s.get("host_http_rtt_ms_p50"), " ms", "%.3f"), ratio("http_rtt_vs_host_ratio"),
+           p99("sandbox"), p99("host")),
+        "download of %s MiB: sandbox %s vs host %s (ratio %s)"
+        % (s.get("throughput_mb"), fmt_num(s.get("throughput_mb_s"), " MB/s", "%.0f"),
+           fmt_num(s.get("host_throughput_mb_s"), " MB/s", "%.0f"), ratio("throughput_vs_host_ratio")),
+        "checkpoint of an idle allowlist sandbox p50: %s; with a request in flight: %s"
+        % (ms("ckpt_ms_p50"), ms("ckpt_during_inflight_ms_p50")),
+    ]
+    return lines + summary_tail_lines(s)
+
+
+@bench_app.command("net")
+@cli_errors
+def bench_net(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Only print the JSON summary line."),
+    samples: int = typer.Option(15, "--samples", min=1, help="Creates of each network mode (checkpoints: as many, 10 at most)."),
+    image: str = typer.Option("base", "--image", help="Image for the sandboxes."),
+) -> None:
+    """Network modes: create and fork in allowlist against none, HTTP round trips and a download against the host.
+
+    Uses the running daemon (which needs --net-bridge); brings up its own upstream servers in a
+    network namespace (as root). The last line of stdout is always the JSON summary.
+    """
+    from branchbox_bench import net
+
+    c = ctx_of(ctx)
+    cfg = net.NetConfig(
+        daemon=c.daemon, token=c.token, image=image, samples=samples, ckpt_samples=min(samples, net.NetConfig.ckpt_samples)
+    )
+    with err.status("benchmarking") as status:
+        result = net.run_net_bench(cfg, progress=lambda m: status.update("bench net: " + m))
+    summary = result.summary()
+    _report("branchbox bench net (ms)", result.rows(), net_report_lines(summary), summary, as_json)

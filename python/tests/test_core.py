@@ -32,6 +32,7 @@ EXPECTED_ALL = {
     "ShellResult",
     "SessionInfo",
     "PortInfo",
+    "NetworkInfo",
     "ImageInfo",
     "ImageProgress",
     "Snapshots",

@@ -428,7 +428,7 @@ def test_sandbox_snapshot_signatures() -> None:
     params = inspect.signature(Sandbox.evaluate).parameters
     assert list(params) == ["self", "cmd", "env", "cwd", "timeout"]
     assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in ("env", "cwd", "timeout"))
-    assert list(inspect.signature(Sandbox.fork).parameters) == ["self", "n", "snapshot", "timeout", "isolated"]
+    assert list(inspect.signature(Sandbox.fork).parameters) == ["self", "n", "snapshot", "timeout", "isolated", "network", "allow"]
     assert inspect.signature(Sandbox.fork).parameters["n"].default == 1
 
 

@@ -7,7 +7,9 @@ a missing prerequisite fails instead of skipping.
 Overrides, to run beside another test run: BRANCHBOX_DAEMON_BIN (default: branchboxd on PATH),
 BRANCHBOX_INIT_BIN (default: branchbox-init next to the daemon binary), BRANCHBOX_TEST_STATE,
 BRANCHBOX_TEST_RUN (socket dir, default /run/branchbox-test), BRANCHBOX_TEST_CGROUP (cgroup parent),
-BRANCHBOX_TEST_MAX_CHAIN (the daemon's --max-chain, default 6: chains are compacted often).
+BRANCHBOX_TEST_MAX_CHAIN (the daemon's --max-chain, default 6: chains are compacted often),
+BRANCHBOX_TEST_BRIDGE and BRANCHBOX_TEST_NET (--net-bridge, default bbt0; --net-range, default
+10.231.0.0/24).
 """
 import json
 import os
@@ -21,7 +23,8 @@ import pytest
 from branchbox import Sandbox
 from branchbox.images import Images
 
-from helpers import CGROUP_PARENT, MAX_CHAIN, RUN, SOCKET, STATE, URL, daemon_bin, state_mounts  # noqa: F401 (re-exported)
+from branchbox_bench import networld
+from helpers import CGROUP_PARENT, MAX_CHAIN, NET_BRIDGE, NET_RANGE, RUN, SOCKET, STATE, URL, daemon_bin, state_mounts  # noqa: F401 (re-exported)
 
 
 class Daemon:
@@ -35,7 +38,10 @@ class Daemon:
         # No warm pool unless a test sets one (PUT /v1/pool/...): pooled sandboxes would show in
         # the suite's counts of processes, cgroups and mounts.
         argv = [daemon_bin(), "--state-dir", STATE, "--socket", SOCKET, "--cgroup-parent", CGROUP_PARENT, "--pool-size", "0",
-                "--max-chain", str(MAX_CHAIN)]
+                "--max-chain", str(MAX_CHAIN),
+                # Sandboxes with egress: a bridge and range of the suite's own, DNS forwarded to
+                # the network tests' own "outside world" (networld.py).
+                "--net-bridge", NET_BRIDGE, "--net-range", NET_RANGE, "--net-dns", networld.DNS]
         if os.environ.get("BRANCHBOX_INIT_BIN"):  # default: branchbox-init next to the daemon binary
             argv += ["--init-bin", os.environ["BRANCHBOX_INIT_BIN"]]
         argv += extra
@@ -101,6 +107,9 @@ def daemon():
     for info in Sandbox.list(daemon=URL):
         Sandbox.connect(info.id, daemon=URL, resume=False).kill()
     d.stop()
+    # The sandboxes' bridge and nftables table (made with the first sandbox with egress).
+    subprocess.run(["nft", "delete", "table", "inet", "branchbox_" + NET_BRIDGE], capture_output=True)
+    subprocess.run(["ip", "link", "del", NET_BRIDGE], capture_output=True)
     # Killed sandboxes must not leave their root filesystems mounted on the host.
     left = state_mounts(os.path.join(STATE, "sandboxes"))
     assert not left, "mounts of killed sandboxes remain after the suite:\n" + "\n".join(left)

@@ -30,6 +30,9 @@ UID_BASE = 1_000_000
 # The suite's daemon compacts snapshot chains deeper than this (--max-chain): small, so that
 # every test that checkpoints a few times runs over compacted chains.
 MAX_CHAIN = int(os.environ.get("BRANCHBOX_TEST_MAX_CHAIN", "6"))
+# The suite's daemon's bridge and range for sandboxes with egress (--net-bridge, --net-range).
+NET_BRIDGE = os.environ.get("BRANCHBOX_TEST_BRIDGE", "bbt0")
+NET_RANGE = os.environ.get("BRANCHBOX_TEST_NET", "10.231.0.0/24")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

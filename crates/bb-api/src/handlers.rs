@@ -83,6 +83,8 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
         open_port,
         list_ports,
         close_port,
+        get_network,
+        update_network,
         restore_volume,
         fork_volume,
         sync_volume,
@@ -97,6 +99,8 @@ use utoipa::{IntoParams, OpenApi, ToSchema};
     components(schemas(
         PortInfo,
         PortList,
+        NetworkInfo,
+        NetworkUpdate,
         CreateSandbox,
         SandboxInfo,
         SandboxList,
@@ -317,6 +321,22 @@ pub async fn stream_command(
     responses((status = 200, body = ProcessList)))]
 pub async fn list_processes(State(rt): State<AppState>, P(id): P<String>) -> ApiResult<Json<ProcessList>> {
     Ok(Json(rt.list_processes(&id).await?))
+}
+
+#[utoipa::path(get, path = "/v1/sandboxes/{id}/network", params(("id" = String, Path, description = "sandbox id")),
+    responses((status = 200, body = NetworkInfo), (status = 404, body = ErrorResponse)))]
+pub async fn get_network(State(rt): State<AppState>, P(id): P<String>) -> ApiResult<Json<NetworkInfo>> {
+    Ok(Json(rt.network(&id)?))
+}
+
+#[utoipa::path(put, path = "/v1/sandboxes/{id}/network", params(("id" = String, Path, description = "sandbox id")), request_body = NetworkUpdate,
+    responses((status = 200, body = NetworkInfo, description = "the policy now; connections made from now on follow it"), (status = 400, body = ErrorResponse), (status = 404, body = ErrorResponse), (status = 409, body = ErrorResponse), (status = 503, body = ErrorResponse)))]
+pub async fn update_network(
+    State(rt): State<AppState>,
+    P(id): P<String>,
+    JsonBody(req): JsonBody<NetworkUpdate>,
+) -> ApiResult<Json<NetworkInfo>> {
+    Ok(Json(rt.update_network(&id, req).await?))
 }
 
 fn parse_port(port: &str) -> ApiResult<u32> {

@@ -59,6 +59,7 @@ pub fn router(rt: Arc<Runtime>, token: Option<String>) -> Router {
         .route("/v1/sandboxes/:id/fork", post(fork))
         .route("/v1/sandboxes/:id/evaluate", post(evaluate))
         .route("/v1/sandboxes/:id/snapshots", get(sandbox_snapshots))
+        .route("/v1/sandboxes/:id/network", get(get_network).put(update_network))
         .route("/v1/sandboxes/:id/ports", get(list_ports))
         .route("/v1/sandboxes/:id/ports/:port", get(open_port).delete(close_port))
         .route("/v1/snapshots", get(list_snapshots))

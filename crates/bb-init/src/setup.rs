@@ -121,6 +121,32 @@ pub fn setup(config: &InitConfig, proc_mnt: Option<std::os::fd::OwnedFd>) -> Res
     Ok(())
 }
 
+/// A fresh sysfs on /sys (masked as at setup): sysfs shows the network devices of the namespace
+/// that mounted it, so after a move to a new network namespace the old one would list the old
+/// namespace's devices. Made detached first: if sysfs cannot be mounted (setup then bound the
+/// host's), the old /sys stays.
+fn remount_sys() -> Result<(), SetupError> {
+    use bb_sys::mount_api as api;
+    use std::os::fd::AsFd;
+    let fresh = api::fsopen("sysfs", api::FSOPEN_CLOEXEC).and_then(|fs| {
+        api::fsconfig_create(fs.as_fd())?;
+        let attrs = api::MOUNT_ATTR_RDONLY | api::MOUNT_ATTR_NOSUID | api::MOUNT_ATTR_NODEV | api::MOUNT_ATTR_NOEXEC;
+        api::fsmount(fs.as_fd(), api::FSMOUNT_CLOEXEC, attrs)
+    });
+    let Ok(mnt) = fresh else { return Ok(()) };
+    let sys = Path::new("/sys");
+    nix::mount::umount2(sys, nix::mount::MntFlags::MNT_DETACH).map_err(|source| SetupError::Mount {
+        what: "unmount /sys",
+        path: "/sys".into(),
+        source,
+    })?;
+    api::move_mount_to(mnt.as_fd(), sys)?;
+    for p in MASKED.iter().filter(|p| p.starts_with("sys/")) {
+        mask(&Path::new("/").join(p), Path::new("/"))?;
+    }
+    Ok(())
+}
+
 fn readonly_bind(path: &Path) -> Result<(), SetupError> {
     m("bind read-only", Some(path), path, None, MsFlags::MS_BIND | MsFlags::MS_REC, None)?;
     // Locked flags of the underlying mount must be repeated on remount inside a user namespace.
@@ -183,6 +209,7 @@ pub fn reset(hostname: &str, shm_bytes: u64, cgroupns: bool) -> Result<(), Setup
     let cgroup = if cgroupns { libc::CLONE_NEWCGROUP } else { 0 };
     bb_sys::ns::unshare(libc::CLONE_NEWNET | libc::CLONE_NEWIPC | cgroup)?;
     bb_sys::process::loopback_up()?;
+    remount_sys()?;
     let shm = Path::new("/dev/shm");
     nix::mount::umount2(shm, nix::mount::MntFlags::MNT_DETACH).map_err(|source| SetupError::Mount {
         what: "unmount /dev/shm",

@@ -64,6 +64,14 @@ pub struct RuntimeConfig {
     pub volume_cache_bytes: Option<u64>,
     /// Address the host side of sandbox ports listens on ([`crate::net::ports`]).
     pub port_bind: std::net::IpAddr,
+    /// The bridge sandboxes with egress are wired to ([`crate::net`]); its nftables table is
+    /// `inet branchbox_{bridge}`. One per daemon on a host.
+    pub net_bridge: String,
+    /// The addresses of sandboxes with egress (the bridge takes the first).
+    pub net_range: ipnet::Ipv4Net,
+    /// Where the daemon's DNS forwards allowed queries. None: the first nameserver of the host's
+    /// /etc/resolv.conf.
+    pub net_dns: Option<std::net::SocketAddr>,
 }
 
 impl RuntimeConfig {
@@ -98,6 +106,9 @@ impl RuntimeConfig {
             volume_fs_bytes: 256 << 30,
             volume_cache_bytes: None,
             port_bind: std::net::Ipv4Addr::LOCALHOST.into(),
+            net_bridge: "bb0".into(),
+            net_range: ipnet::Ipv4Net::new(std::net::Ipv4Addr::new(10, 213, 0, 0), 16).expect("literal"),
+            net_dns: None,
         }
     }
 

@@ -12,6 +12,7 @@
 //! ├── Pool(pool::PoolError)                    Files(sandbox::files::FilesError)
 //! ├── Image(process_images::ImageError)       Remote(remote::RemoteError)
 //! ├── Survivors(sandbox::procs::SurvivorsError)  Layers(bb_layers::LayersError)
+//! ├── Net(net::NetError)
 //! ├── Isolation(bb_isolation::IsolationError)  Sys(bb_sys::SysError)
 //! └── Io { what, source }                      Worker(tokio::task::JoinError)
 //! ```
@@ -91,6 +92,8 @@ pub enum RuntimeError {
     #[error(transparent)]
     Remote(#[from] crate::remote::RemoteError),
     #[error(transparent)]
+    Net(#[from] crate::net::NetError),
+    #[error(transparent)]
     VolumeFs(#[from] crate::volumes::volfs::VolumeFsError),
     /// Failures of the layer store itself; bad input to it is a `BadRequest` or `NotFound`.
     #[error("layers: {0}")]
@@ -119,6 +122,7 @@ impl RuntimeError {
             RuntimeError::TooLarge(_) => ErrorKind::TooLarge,
             RuntimeError::Unavailable(_) => ErrorKind::Unavailable,
             RuntimeError::Init(e) => e.kind(),
+            RuntimeError::Net(e) => e.kind(),
             RuntimeError::Remote(e) if e.unavailable() => ErrorKind::Unavailable,
             RuntimeError::Remote(e) if e.corrupt() => ErrorKind::Corrupt,
             _ => ErrorKind::Internal,

@@ -92,6 +92,10 @@ pub struct Runtime {
     pulls: tokio::sync::Mutex<()>,
     /// Sandbox ports reached from the host.
     ports: net::ports::Ports,
+    /// Sandboxes' egress: the bridge, their slots and policies.
+    net: Arc<net::Net>,
+    /// One change of a sandbox's network policy at a time.
+    net_changes: parking_lot::Mutex<()>,
 }
 
 impl Runtime {
@@ -122,6 +126,7 @@ impl Runtime {
         let pool = pool::WarmPool::open(&db)?;
         let remote = remote::Remote::new(&cfg, &db)?;
         let volumes = volumes::Volumes::open(&db)?;
+        let net = Arc::new(net::Net::open(&cfg, &db)?);
         // An image's layers may not be deleted while a sandbox or a pool shell stands on them.
         let pins = pool.pins();
         images.set_layer_in_use_check(move |layer| images::layer_in_use(&db, &pins, layer));
@@ -142,6 +147,8 @@ impl Runtime {
             volumes,
             pulls: Default::default(),
             ports: Default::default(),
+            net,
+            net_changes: Default::default(),
         });
         rt.recover()?;
         Ok(rt)

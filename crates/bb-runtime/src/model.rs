@@ -28,8 +28,14 @@ pub struct CreateSandbox {
     pub cwd: Option<String>,
     /// Seconds until the sandbox is killed (0 = never; default 300).
     pub timeout: Option<f64>,
-    /// `none` (loopback only).
+    /// `none` (loopback only, the default), `allowlist` (only what `allow` lists) or `open`
+    /// (anything but the host, the daemon, other sandboxes and link-local/metadata addresses).
     pub network: Option<String>,
+    /// What the sandbox may reach: names (`api.example.com`), wildcards (`*.example.org`),
+    /// IPv4 addresses or CIDRs, each with an optional `:port` or `:low-high`. In mode `open`,
+    /// an address listed here is let through even where `open` refuses it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow: Vec<String>,
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
     /// What happens at the timeout, and whether a paused sandbox wakes on use.
@@ -76,6 +82,9 @@ pub struct SandboxSpec {
     pub env: BTreeMap<String, String>,
     pub cwd: String,
     pub network: String,
+    /// The network's allow entries (see [`CreateSandbox::allow`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow: Vec<String>,
     pub metadata: BTreeMap<String, String>,
     /// Seconds of life a sandbox gets at creation and at each resume (None: no limit).
     #[serde(default)]
@@ -95,7 +104,21 @@ pub struct SandboxInfo {
     pub cpu: f64,
     pub memory_mb: u64,
     pub pids: u64,
+    /// Its network mode now (`none`, `allowlist` or `open`; changed with
+    /// `PUT /v1/sandboxes/{id}/network`).
     pub network: String,
+    /// Its allow entries now.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow: Vec<String>,
+    /// Its address on the sandboxes' bridge (modes with egress).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+    /// Bytes the sandbox received and sent through its network interface (modes with egress;
+    /// loopback and ports reached from the host are not counted).
+    #[serde(default)]
+    pub net_rx_bytes: u64,
+    #[serde(default)]
+    pub net_tx_bytes: u64,
     pub env: BTreeMap<String, String>,
     pub cwd: String,
     pub metadata: BTreeMap<String, String>,
@@ -434,6 +457,36 @@ pub struct ForkRequest {
     /// children). See docs/ARCHITECTURE.md.
     #[serde(default)]
     pub isolated: bool,
+    /// The children's network mode (default: the parent's at the fork).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<String>,
+    /// The children's allow entries (default: the parent's at the fork; given alone, with the
+    /// parent's mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow: Option<Vec<String>>,
+}
+
+/// A new network policy for a running sandbox (`PUT /v1/sandboxes/{id}/network`): it applies to
+/// connections made from then on.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkUpdate {
+    /// `none`, `allowlist` or `open` (default: unchanged).
+    pub network: Option<String>,
+    /// The allow entries (default: unchanged; `[]` clears them).
+    pub allow: Option<Vec<String>>,
+}
+
+/// A sandbox's network as it stands.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
+pub struct NetworkInfo {
+    pub sandbox: String,
+    pub network: String,
+    pub allow: Vec<String>,
+    /// Its address on the sandboxes' bridge (modes with egress).
+    pub address: Option<String>,
+    pub rx_bytes: u64,
+    pub tx_bytes: u64,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]

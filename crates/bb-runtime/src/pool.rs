@@ -64,6 +64,7 @@ fn shell_spec(image: &bb_layers::Image) -> SandboxSpec {
         env: Default::default(),
         cwd: "/".into(),
         network: "none".into(),
+        allow: Vec::new(),
         metadata: Default::default(),
         timeout: None,
         lifecycle: Default::default(),

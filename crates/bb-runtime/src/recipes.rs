@@ -226,6 +226,7 @@ impl Runtime {
             cwd: req.cwd.clone(),
             timeout: Some(0.0),
             network: None,
+            allow: Vec::new(),
             metadata,
             template: None,
             snapshot: None,

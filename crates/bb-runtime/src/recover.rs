@@ -74,6 +74,14 @@ impl Runtime {
                 }
             }
         }
+        // Networks: the rules of the wired sandboxes again (the table is made afresh).
+        let live: std::collections::HashMap<String, Arc<crate::sandbox::Sandbox>> =
+            self.sandboxes.all().into_iter().map(|s| (s.id.clone(), s)).collect();
+        for (id, w) in self.net.recover(&live) {
+            if let Some(sb) = live.get(&id) {
+                *sb.net.lock() = Some(w);
+            }
+        }
         if let Err(e) = self.recover_volume_fs() {
             tracing::error!("the volumes' filesystem is not available (volumes cannot be used until it is): {e}");
         }

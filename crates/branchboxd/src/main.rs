@@ -127,6 +127,19 @@ struct Args {
     /// firewall guards it.
     #[arg(long, default_value = "127.0.0.1")]
     port_bind: std::net::IpAddr,
+    /// Bridge that sandboxes with egress (network `allowlist` or `open`) are wired to, made on
+    /// first use; its nftables table is `inet branchbox_{bridge}`. One per daemon on a host (at
+    /// most 8 characters).
+    #[arg(long, default_value = "bb0")]
+    net_bridge: String,
+    /// Addresses of sandboxes with egress (IPv4 CIDR; the bridge takes the first). No other
+    /// network of the host may use it.
+    #[arg(long, default_value = "10.213.0.0/16")]
+    net_range: ipnet::Ipv4Net,
+    /// Upstream DNS server (address:port) the daemon forwards sandboxes' allowed queries to.
+    /// Default: the first nameserver of /etc/resolv.conf.
+    #[arg(long)]
+    net_dns: Option<std::net::SocketAddr>,
     /// Print the OpenAPI document and exit.
     #[arg(long)]
     print_openapi: bool,
@@ -191,6 +204,18 @@ async fn run(args: Args, store_credentials: Option<(String, String)>) -> anyhow:
     cfg.volume_fs_bytes = args.volume_fs_size_gb << 30;
     cfg.volume_cache_bytes = (args.volume_cache_mb > 0).then_some(args.volume_cache_mb << 20);
     cfg.port_bind = args.port_bind;
+    let bridge_ok = |b: &str| {
+        !b.is_empty() && b.len() <= 8 && b.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-')
+    };
+    if !bridge_ok(&args.net_bridge) {
+        bail!("--net-bridge {:?}: give 1 to 8 letters, digits, '-' or '_' (veths are named after it)", args.net_bridge);
+    }
+    if args.net_range.prefix_len() > 29 || args.net_range.prefix_len() < 8 {
+        bail!("--net-range {}: give a prefix from /8 to /29 (room for the bridge and sandboxes)", args.net_range);
+    }
+    cfg.net_bridge = args.net_bridge;
+    cfg.net_range = args.net_range;
+    cfg.net_dns = args.net_dns;
     cfg.setns_key_file = args.setns_key_file;
     cfg.node_name = args.node_name;
     cfg.store_gc_grace = Duration::from_secs(args.store_gc_grace);

@@ -1,4 +1,381 @@
-//! Sandbox networking (issue 18). Today: ports, a server inside a sandbox reached from the host
-//! ([`ports`]), in every network mode.
+//! Sandbox networking (issue 18): egress by mode and allowlist ([`fabric`], [`dns`],
+//! [`policy`]), and ports, a server inside a sandbox reached from the host ([`ports`]), in
+//! every mode.
+//!
+//! A sandbox in mode `none` has only `lo` (init brings it up in the sandbox's own network
+//! namespace). One in `allowlist` or `open` also gets `eth0`, wired by the daemon from the
+//! outside once its init runs: a slot of `--net-range` (its address), a veth into the daemon's
+//! bridge, and a chain of nftables rules ([`fabric`]). The bridge, the table and the DNS
+//! server come up with the first such sandbox. The policy of each wired sandbox lives here
+//! (and in table `networks` of the state database, for a daemon restart); the sandbox holds a
+//! copy for its `info`. A policy change rewires nothing but the rules; going to or from
+//! `none` adds or removes the veth. Pause, resume and rollback keep the sandbox's init, hence
+//! its namespace, address and rules; a fork child is a new sandbox wired by the policy its
+//! snapshot recorded (or the fork's own), on its own slot.
 
+pub mod dns;
+pub mod fabric;
+pub mod policy;
 pub mod ports;
+
+use crate::db::{self, DbError};
+use crate::error::{ErrorKind, Result, RuntimeError};
+use crate::model::{NetworkInfo, NetworkUpdate, SandboxSpec};
+use crate::sandbox::Sandbox;
+use crate::{Runtime, RuntimeConfig};
+use fabric::{Fabric, FabricError};
+use parking_lot::Mutex;
+use policy::{Mode, Policy, PolicyError};
+use rusqlite::{params, Connection};
+use std::collections::{BTreeSet, HashMap};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::sync::Arc;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum NetError {
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    #[error("network: {0}")]
+    Fabric(#[from] FabricError),
+    #[error("every address of --net-range {0} is taken: give the daemon a larger range")]
+    Full(ipnet::Ipv4Net),
+    #[error("network: the daemon's DNS for sandboxes cannot listen on {addr}: {source}")]
+    Dns {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Db(#[from] DbError),
+}
+
+impl NetError {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            NetError::Policy(_) => ErrorKind::BadRequest,
+            NetError::Full(_) => ErrorKind::Unavailable,
+            _ => ErrorKind::Internal,
+        }
+    }
+}
+
+impl From<rusqlite::Error> for NetError {
+    fn from(e: rusqlite::Error) -> Self {
+        NetError::Db(e.into())
+    }
+}
+
+/// A sandbox wired to the bridge.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Wired {
+    pub slot: u32,
+    pub address: Ipv4Addr,
+    /// Its veth's host side (its byte counters are the sandbox's, the other way round).
+    pub host_if: String,
+    pub policy: Policy,
+}
+
+impl Wired {
+    /// Bytes (received, sent) by the sandbox.
+    pub fn counters(&self) -> (u64, u64) {
+        fabric::counters(&self.host_if)
+    }
+}
+
+/// The bridge, the slots in use and their policies.
+pub struct Net {
+    pub(crate) fabric: Fabric,
+    pub(crate) dns_upstream: Option<SocketAddr>,
+    /// The bridge and table are up and the DNS serves (brought up on first use).
+    up: Mutex<bool>,
+    /// Wired sandboxes by id.
+    wired: Mutex<HashMap<String, Wired>>,
+    db: Mutex<Connection>,
+}
+
+/// The first nameserver of the host's resolv.conf, port 53.
+fn host_nameserver() -> Option<SocketAddr> {
+    let text = std::fs::read_to_string("/etc/resolv.conf").ok()?;
+    text.lines()
+        .find_map(|l| {
+            let mut w = l.split_whitespace();
+            (w.next() == Some("nameserver")).then(|| w.next()?.parse::<std::net::IpAddr>().ok()).flatten()
+        })
+        .map(|ip| SocketAddr::new(ip, 53))
+}
+
+impl Net {
+    pub fn open(cfg: &RuntimeConfig, db: &Path) -> std::result::Result<Net, NetError> {
+        let conn = db::open(db)?;
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS networks (
+                id TEXT PRIMARY KEY,
+                slot INTEGER NOT NULL,
+                mode TEXT NOT NULL,
+                allow TEXT NOT NULL
+            );",
+        )?;
+        Ok(Net {
+            fabric: Fabric::new(&cfg.net_bridge, cfg.net_range),
+            dns_upstream: cfg.net_dns.or_else(host_nameserver),
+            up: Mutex::new(false),
+            wired: Default::default(),
+            db: Mutex::new(conn),
+        })
+    }
+
+    /// Bring the bridge, the table and the DNS up (once). Blocking; needs the tokio runtime.
+    fn ensure_up(self: &Arc<Self>) -> std::result::Result<(), NetError> {
+        let mut up = self.up.lock();
+        if *up {
+            return Ok(());
+        }
+        self.fabric.up()?;
+        let addr = SocketAddr::new(self.fabric.gateway().into(), 53);
+        let dns_err = |source| NetError::Dns { addr, source };
+        let sock = std::net::UdpSocket::bind(addr).map_err(dns_err)?;
+        sock.set_nonblocking(true).map_err(dns_err)?;
+        let handle =
+            tokio::runtime::Handle::try_current().map_err(|e| dns_err(std::io::Error::other(e.to_string())))?;
+        let _guard = handle.enter();
+        let sock = tokio::net::UdpSocket::from_std(sock).map_err(dns_err)?;
+        handle.spawn(dns::serve(self.clone(), sock));
+        if self.dns_upstream.is_none() {
+            tracing::warn!("no nameserver in /etc/resolv.conf and no --net-dns: sandboxes' names will not resolve");
+        }
+        tracing::info!(bridge = %self.fabric.bridge, range = %self.fabric.range, dns = ?self.dns_upstream, "sandbox network up");
+        *up = true;
+        Ok(())
+    }
+
+    fn wired_at(&self, slot: u32, policy: Policy) -> Wired {
+        Wired { slot, address: self.fabric.address(slot), host_if: self.fabric.host_if(slot), policy }
+    }
+
+    /// The slot and policy of the sandbox at `ip`.
+    pub(crate) fn policy_at(&self, ip: Ipv4Addr) -> Option<(u32, Policy)> {
+        self.wired.lock().values().find(|w| w.address == ip).map(|w| (w.slot, w.policy.clone()))
+    }
+
+    pub(crate) fn wired(&self, id: &str) -> Option<Wired> {
+        self.wired.lock().get(id).cloned()
+    }
+
+    fn save(&self, id: &str, w: &Wired) -> std::result::Result<(), NetError> {
+        let allow = serde_json::to_string(&w.policy.allow).expect("strings serialise");
+        self.db.lock().execute(
+            "INSERT OR REPLACE INTO networks (id, slot, mode, allow) VALUES (?1, ?2, ?3, ?4)",
+            params![id, w.slot, w.policy.mode.as_str(), allow],
+        )?;
+        Ok(())
+    }
+
+    /// Wire sandbox `id` (init `pid`) with `policy` on a free slot. Blocking.
+    pub(crate) fn attach(self: &Arc<Self>, id: &str, pid: i32, policy: Policy) -> std::result::Result<Wired, NetError> {
+        self.ensure_up()?;
+        // The slot is taken under the lock and wired outside it (nothing else uses it meanwhile).
+        let slot = {
+            let mut wired = self.wired.lock();
+            let used: BTreeSet<u32> = wired.values().map(|w| w.slot).collect();
+            let slot =
+                (2..2 + self.fabric.slots()).find(|s| !used.contains(s)).ok_or(NetError::Full(self.fabric.range))?;
+            wired.insert(id.to_string(), self.wired_at(slot, Policy::none()));
+            slot
+        };
+        let w = self.wired_at(slot, policy);
+        let done = self.fabric.attach(slot, pid, &w.policy).map_err(NetError::from).and_then(|()| self.save(id, &w));
+        match done {
+            Ok(()) => {
+                self.wired.lock().insert(id.to_string(), w.clone());
+                Ok(w)
+            }
+            Err(e) => {
+                self.wired.lock().remove(id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Give wired sandbox `id` `policy` (both with egress). Blocking.
+    pub(crate) fn update(&self, id: &str, policy: Policy) -> std::result::Result<Wired, NetError> {
+        let Some(mut w) = self.wired(id) else { return Err(PolicyError::Mode("none".into()).into()) };
+        self.fabric.update(w.slot, &policy)?;
+        w.policy = policy;
+        self.save(id, &w)?;
+        self.wired.lock().insert(id.to_string(), w.clone());
+        Ok(w)
+    }
+
+    /// Unwire sandbox `id`, if it is wired. Blocking.
+    pub(crate) fn detach(&self, id: &str) {
+        let Some(w) = self.wired.lock().remove(id) else { return };
+        if let Err(e) = self.fabric.detach(w.slot) {
+            tracing::warn!(%id, "removing the sandbox's network: {e}");
+        }
+        let _ = self.db.lock().execute("DELETE FROM networks WHERE id = ?1", params![id]);
+    }
+
+    /// After a daemon restart: the rules of every live wired sandbox again (their veths lived
+    /// on with their inits); the records of the others go. Returns the wired ones.
+    pub(crate) fn recover(self: &Arc<Self>, live: &HashMap<String, Arc<Sandbox>>) -> Vec<(String, Wired)> {
+        let rows: Vec<(String, u32, String, String)> = {
+            let db = self.db.lock();
+            let mut stmt = match db.prepare("SELECT id, slot, mode, allow FROM networks") {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!("reading sandbox networks: {e}");
+                    return Vec::new();
+                }
+            };
+            let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)));
+            rows.map(|it| it.filter_map(|r| r.ok()).collect()).unwrap_or_default()
+        };
+        let mut out = Vec::new();
+        for (id, slot, mode, allow) in rows {
+            let policy = serde_json::from_str::<Vec<String>>(&allow).ok().and_then(|a| Policy::parse(&mode, &a).ok());
+            let restored = match (live.contains_key(&id), policy) {
+                (true, Some(policy)) => self.ensure_up().and_then(|()| {
+                    self.fabric.restore(slot, &policy)?;
+                    Ok(self.wired_at(slot, policy))
+                }),
+                _ => Err(NetError::Policy(PolicyError::Mode(mode.clone()))),
+            };
+            match restored {
+                Ok(w) => {
+                    self.wired.lock().insert(id.clone(), w.clone());
+                    out.push((id, w));
+                }
+                Err(e) => {
+                    if live.contains_key(&id) {
+                        tracing::warn!(%id, "the sandbox's network could not be restored ({e}); it has none now");
+                    }
+                    let _ = self.fabric.detach(slot);
+                    let _ = self.db.lock().execute("DELETE FROM networks WHERE id = ?1", params![id]);
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Runtime {
+    /// The policy a sandbox is created with.
+    pub(crate) fn spec_policy(spec: &SandboxSpec) -> Result<Policy> {
+        Ok(Policy::parse(&spec.network, &spec.allow).map_err(NetError::from)?)
+    }
+
+    /// Wire a new sandbox (init `pid`, root at `rootfs` on the host) whose spec asks for
+    /// egress. Blocking.
+    pub(crate) fn net_wire(&self, id: &str, pid: i32, rootfs: &Path, spec: &SandboxSpec) -> Result<Option<Wired>> {
+        let policy = Self::spec_policy(spec)?;
+        if policy.mode == Mode::None {
+            return Ok(None);
+        }
+        let w = self.net.attach(id, pid, policy)?;
+        self.ensure_resolver(id, rootfs);
+        Ok(Some(w))
+    }
+
+    /// Give a wired sandbox's root an /etc/resolv.conf naming a nameserver if it has none
+    /// (images often have none: a container runtime provides it). Any address would do (every
+    /// DNS packet from the bridge reaches the daemon's DNS); the gateway's is written. Leaves a
+    /// file that names one alone. Blocking; a failure is logged (names then do not resolve).
+    pub(crate) fn ensure_resolver(&self, id: &str, rootfs: &Path) {
+        use crate::sandbox::files::{SandboxFs, SbPath};
+        use std::io::{Read, Write};
+        let gw = self.net.fabric.gateway();
+        let done = (|| -> Result<()> {
+            let fs = SandboxFs::open(rootfs, self.cfg.idmap.host_base)?;
+            let path = SbPath::parse("/etc/resolv.conf")?;
+            let mut text = String::new();
+            if let Ok((mut f, _)) = fs.open_read(&path) {
+                let _ = f.read_to_string(&mut text);
+            }
+            let names_one = text.lines().any(|l| {
+                let mut w = l.split_whitespace();
+                w.next() == Some("nameserver")
+                    && w.next().and_then(|a| a.parse::<std::net::IpAddr>().ok()).is_some_and(|a| !a.is_loopback())
+            });
+            if names_one {
+                return Ok(());
+            }
+            let mut up = fs.begin_write(&path, Some(0o644))?;
+            up.file()
+                .write_all(format!("nameserver {gw}\n").as_bytes())
+                .map_err(RuntimeError::io("write /etc/resolv.conf"))?;
+            fs.commit(up)?;
+            Ok(())
+        })();
+        if let Err(e) = done {
+            tracing::warn!(%id, "could not write the sandbox's /etc/resolv.conf (names will not resolve): {e}");
+        }
+    }
+
+    /// `sb`'s spec with its network as it is now (what a checkpoint records, so that its fork
+    /// children get the policy the sandbox had then).
+    pub(crate) fn spec_now(&self, sb: &Sandbox) -> SandboxSpec {
+        let mut spec = sb.spec.clone();
+        let (mode, allow) = match sb.net.lock().as_ref() {
+            Some(w) => (w.policy.mode.as_str().to_string(), w.policy.allow.clone()),
+            None => ("none".to_string(), Vec::new()),
+        };
+        spec.network = mode;
+        spec.allow = allow;
+        spec
+    }
+
+    pub fn network(&self, id: &str) -> Result<NetworkInfo> {
+        Ok(network_info(&*self.get(id)?))
+    }
+
+    /// Change a sandbox's network policy; connections made from then on follow it.
+    pub async fn update_network(self: &Arc<Self>, id: &str, req: NetworkUpdate) -> Result<NetworkInfo> {
+        let sb = self.get(id)?;
+        if sb.is_dead() {
+            return Err(RuntimeError::Conflict(format!("sandbox {id} is dead: kill it and create a new one")));
+        }
+        let rt = self.clone();
+        tokio::task::spawn_blocking(move || -> Result<NetworkInfo> {
+            // One change of a sandbox's network at a time.
+            let _one = rt.net_changes.lock();
+            let now = rt.spec_now(&sb);
+            let mode = req.network.unwrap_or(now.network);
+            let allow = req.allow.unwrap_or(if mode == "none" { Vec::new() } else { now.allow });
+            let policy = Policy::parse(&mode, &allow).map_err(NetError::from)?;
+            let wired = rt.net.wired(&sb.id).is_some();
+            let next = match (wired, policy.mode) {
+                (false, Mode::None) => None,
+                (true, Mode::None) => {
+                    rt.net.detach(&sb.id);
+                    None
+                }
+                (false, _) => {
+                    let w = rt.net.attach(&sb.id, sb.init_pid, policy)?;
+                    rt.ensure_resolver(&sb.id, &sb.rootfs());
+                    Some(w)
+                }
+                (true, _) => Some(rt.net.update(&sb.id, policy)?),
+            };
+            *sb.net.lock() = next;
+            Ok(network_info(&sb))
+        })
+        .await
+        .map_err(RuntimeError::Worker)?
+    }
+}
+
+/// `sb`'s network as the API shows it.
+pub(crate) fn network_info(sb: &Sandbox) -> NetworkInfo {
+    let w = sb.net.lock().clone();
+    let (rx, tx) = w.as_ref().map(Wired::counters).unwrap_or((0, 0));
+    NetworkInfo {
+        sandbox: sb.id.clone(),
+        network: w.as_ref().map(|w| w.policy.mode.as_str()).unwrap_or("none").to_string(),
+        allow: w.as_ref().map(|w| w.policy.allow.clone()).unwrap_or_default(),
+        address: w.as_ref().map(|w| w.address.to_string()),
+        rx_bytes: rx,
+        tx_bytes: tx,
+    }
+}

@@ -213,7 +213,8 @@ fn init_config(
     InitConfig {
         rootfs: rootfs.to_string_lossy().into_owned(),
         hostname: id.to_string(),
-        network: spec.network.clone(),
+        // Init brings up loopback only; egress is wired by the daemon from outside (`crate::net`).
+        network: "none".into(),
         shm_bytes: (spec.memory_mb * 1024 * 1024 / 2).max(1 << 20),
         setns_key: cfg.setns_key,
         nested,

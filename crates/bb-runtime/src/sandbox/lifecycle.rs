@@ -83,11 +83,7 @@ impl Runtime {
             return Err(RuntimeError::BadRequest(format!("pids must be in [8, {}]; got {pids}", c.max_pids)));
         }
         let network = req.network.unwrap_or_else(|| "none".into());
-        if network != "none" {
-            return Err(RuntimeError::BadRequest(format!(
-                "network mode {network:?} is not supported yet: use \"none\" (loopback only)"
-            )));
-        }
+        crate::net::policy::Policy::parse(&network, &req.allow).map_err(crate::net::NetError::from)?;
         let timeout = req.timeout.unwrap_or(300.0);
         if !(timeout >= 0.0 && timeout.is_finite()) {
             return Err(RuntimeError::BadRequest("timeout must be >= 0 seconds (0 = no limit)".into()));
@@ -125,6 +121,7 @@ impl Runtime {
             env: req.env,
             cwd,
             network,
+            allow: req.allow,
             metadata: req.metadata,
             timeout: (timeout > 0.0).then_some(timeout),
             lifecycle,
@@ -273,6 +270,15 @@ impl Runtime {
         nest_parent: Option<String>,
         timeout: Option<f64>,
     ) -> Result<Arc<Sandbox>> {
+        let rootfs = SandboxDirs::new(&self.cfg.state_dir, &id).rootfs_gen(gen.n);
+        let wired = match self.net_wire(&id, launched.init_pid, &rootfs, &spec) {
+            Ok(w) => w,
+            Err(e) => {
+                let _ = launch::teardown(&self.cfg, &self.cgroups, &id, Some((launched.init_pid, launched.init_start)));
+                self.remove_layer_dir(&gen.upper);
+                return Err(e);
+            }
+        };
         let created_at = now();
         let expires_at = timeout.map(|t| created_at + t);
         let row = store::SandboxRow {
@@ -287,6 +293,7 @@ impl Runtime {
         let recorded =
             self.snapshots.records().set_generation(&id, &gen).and_then(|()| self.sandboxes.records().insert(&row));
         if let Err(e) = recorded {
+            self.net.detach(&id);
             let _ = launch::teardown(&self.cfg, &self.cgroups, &id, Some((launched.init_pid, launched.init_start)));
             self.remove_layer_dir(&gen.upper);
             let _ = self.snapshots.records().delete_generation(&id);
@@ -304,6 +311,7 @@ impl Runtime {
             Some(gen),
         );
         sb.nest_parent = nest_parent;
+        *sb.net.get_mut() = wired;
         let sb = Arc::new(sb);
         self.sandboxes.insert(sb.clone());
         Ok(sb)
@@ -388,6 +396,9 @@ impl Runtime {
             _ => Vec::new(),
         };
         tokio::task::spawn_blocking(move || {
+            // Unwired first: a shell recycled into the pool has only loopback again.
+            rt.net.detach(&id);
+            *sb.net.lock() = None;
             rt.drop_shells(&id);
             if rt.sandboxes.has_nested(&id) {
                 rt.make_husk(&sb)?;

@@ -60,6 +60,9 @@ pub struct Sandbox {
     pub(crate) memory_tight: AtomicBool,
     /// Volumes mounted in it (`crate::volumes`).
     pub(crate) volumes: Mutex<Vec<crate::model::VolumeMount>>,
+    /// Its wiring to the bridge in a mode with egress (a copy of what [`crate::net::Net`]
+    /// holds, for `info`); None: mode `none`.
+    pub(crate) net: Mutex<Option<crate::net::Wired>>,
 }
 
 /// Where a paused sandbox is (see [`crate::pause`]).
@@ -152,6 +155,7 @@ impl Sandbox {
             mounts: Default::default(),
             memory_tight: AtomicBool::new(false),
             volumes: Default::default(),
+            net: Default::default(),
         }
     }
 
@@ -247,6 +251,8 @@ impl Sandbox {
             self.oom_seen.fetch_max(s.oom_kills, Ordering::SeqCst);
         }
         let dead = self.is_dead();
+        let net = self.net.lock().clone();
+        let (rx, tx) = net.as_ref().map(crate::net::Wired::counters).unwrap_or((0, 0));
         let paused = *self.paused.lock();
         let paused_at = paused.map(|p| p.at);
         let state = match (dead, paused) {
@@ -263,7 +269,11 @@ impl Sandbox {
             cpu: self.spec.cpu,
             memory_mb: self.spec.memory_mb,
             pids: self.spec.pids,
-            network: self.spec.network.clone(),
+            network: net.as_ref().map(|w| w.policy.mode.as_str()).unwrap_or("none").to_string(),
+            allow: net.as_ref().map(|w| w.policy.allow.clone()).unwrap_or_default(),
+            address: net.as_ref().map(|w| w.address.to_string()),
+            net_rx_bytes: rx,
+            net_tx_bytes: tx,
             env: self.spec.env.clone(),
             cwd: self.spec.cwd.clone(),
             metadata: self.spec.metadata.clone(),

@@ -250,6 +250,7 @@ mod tests {
             env: Default::default(),
             cwd: "/root".into(),
             network: "none".into(),
+            allow: Vec::new(),
             metadata: [("k".to_string(), "v".to_string())].into(),
             timeout: None,
             lifecycle: Default::default(),

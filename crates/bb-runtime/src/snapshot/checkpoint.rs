@@ -106,7 +106,7 @@ impl Runtime {
                         label,
                         layers: base.layers.clone(),
                         own_layer: None,
-                        spec: sb.spec.clone(),
+                        spec: self.spec_now(sb),
                         sessions: base.sessions.clone(),
                         processes: Vec::new(),
                     };
@@ -261,7 +261,7 @@ impl Runtime {
             label,
             layers: new_gen.chain.clone(),
             own_layer: Some(gen.upper.clone()),
-            spec: sb.spec.clone(),
+            spec: self.spec_now(sb),
             sessions: snap_sessions,
             processes: kept,
         };

@@ -48,6 +48,10 @@ impl Runtime {
             Some(_) => return Err(RuntimeError::BadRequest("timeout must be >= 0 seconds (0 = no limit)".into())),
         };
         self.check_capacity(n as usize)?;
+        let live_net = match &req.snapshot {
+            Some(_) => None,
+            None => Some(self.get(id)?),
+        };
         let snap = match req.snapshot {
             Some(sid) => {
                 let snap = self.snapshot_row(&sid)?;
@@ -60,11 +64,29 @@ impl Runtime {
                 self.checkpoint_locked(&sb, Some("fork".into()), true, false).await?.0
             }
         };
+        // The children's network: the parent's now (a checkpoint that changed nothing is the
+        // previous one, recorded before a later policy change) or the snapshot's; then the
+        // fork's own.
+        let mut spec = snap.spec.clone();
+        if let Some(sb) = live_net {
+            let now = self.spec_now(&sb);
+            (spec.network, spec.allow) = (now.network, now.allow);
+        }
+        if let Some(mode) = req.network {
+            if req.allow.is_none() && mode == "none" {
+                spec.allow.clear();
+            }
+            spec.network = mode;
+        }
+        if let Some(allow) = req.allow {
+            spec.allow = allow;
+        }
+        Self::spec_policy(&spec)?;
         let (children, restart_reason) = if req.isolated {
             let why = (!snap.sessions.is_empty()).then(|| "isolated children start fresh sessions".to_string());
-            (self.fork_cold(&snap, &snap.spec, n, timeout).await?, why)
+            (self.fork_cold(&snap, &spec, n, timeout).await?, why)
         } else {
-            self.fork_snapshot(&snap, &snap.spec, n, timeout).await?
+            self.fork_snapshot(&snap, &spec, n, timeout).await?
         };
         // Each child gets copy-on-write forks of the volumes that branched with the snapshot.
         if let Err(e) = self.fork_volumes_into(&snap.id, &children).await {
@@ -494,6 +516,14 @@ impl Runtime {
         if let Some(l) = req.lifecycle {
             spec.lifecycle = l;
         }
+        // The snapshot's network unless the request gives one.
+        if let Some(mode) = req.network {
+            spec.network = mode;
+            spec.allow = req.allow;
+        } else if !req.allow.is_empty() {
+            spec.allow = req.allow;
+        }
+        Self::spec_policy(&spec)?;
         if id.is_none() && self.get(&snap.sandbox_id).is_ok_and(|p| !p.is_dead()) {
             let (mut children, why) = self.fork_snapshot(&snap, &spec, 1, timeout).await?;
             if let Some(why) = why {

@@ -140,6 +140,10 @@ impl Runtime {
             });
         }
         self.set_gen(&sb, Generation { base: Some(snap.id.clone()), ..new_gen })?;
+        // The network stays the sandbox's; a snapshot from before it was wired has no resolver.
+        if sb.net.lock().is_some() {
+            self.ensure_resolver(&sb.id, &sb.rootfs());
+        }
         drop(vgates);
         drop(gate);
         drop(mounts);

@@ -541,6 +541,7 @@ mod tests {
             env: Default::default(),
             cwd: "/root".into(),
             network: "none".into(),
+            allow: Vec::new(),
             metadata: Default::default(),
             timeout: None,
             lifecycle: Default::default(),

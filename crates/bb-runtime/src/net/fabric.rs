@@ -1,0 +1,322 @@
+//! The host side of sandbox egress: one bridge, one veth per sandbox with egress, and one
+//! nftables table, made and changed with `ip` and `nft` (iproute2 and nftables).
+//!
+//! ```text
+//!  sandbox netns            host netns
+//!  eth0 10.213.0.N  ──veth──  {bridge}vN (bridge port, isolated: no port reaches another)
+//!                              {bridge} 10.213.0.1 (gateway; the daemon's DNS on :53)
+//!                              nftables table inet branchbox_{bridge}:
+//!                                input:   from the bridge only DNS to the gateway (the
+//!                                         host's other addresses refuse: a reset)
+//!                                forward: into the bridge only replies; out of it by the
+//!                                         sandbox's chain (a verdict map on its address)
+//!                                nat:     any DNS from the bridge goes to the gateway;
+//!                                         masquerade what leaves
+//! ```
+//!
+//! A sandbox's chain `sN` accepts its listed address entries (set `rN`), refuses the addresses
+//! no sandbox may reach unless listed (set `blocked`: loopback, link-local/metadata, this
+//! range, multicast), accepts the addresses its allowed names resolved to (set `dN`, filled by
+//! the daemon's DNS with the answers' TTL) in mode `allowlist`, or anything in mode `open`, and
+//! refuses the rest (TCP with a reset, so the caller learns at once). A policy change replaces
+//! the chain's rules and sets in one nftables transaction.
+
+use super::policy::{Mode, Policy, Ports};
+use ipnet::Ipv4Net;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::net::Ipv4Addr;
+use std::process::{Command, Stdio};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum FabricError {
+    #[error("running {tool}: {source} (install iproute2 and nftables: `apt-get install iproute2 nftables`)")]
+    Spawn {
+        tool: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{tool} failed ({what}): {stderr}")]
+    Failed { tool: &'static str, what: String, stderr: String },
+    #[error("enabling IPv4 forwarding: {0}")]
+    Forwarding(#[source] std::io::Error),
+}
+
+/// Addresses no sandbox reaches unless an allow entry lists them (besides the sandboxes' own
+/// range, added per fabric).
+const BLOCKED: &[&str] = &["0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/3"];
+
+/// The bridge and table of one daemon.
+#[derive(Debug, Clone)]
+pub struct Fabric {
+    pub bridge: String,
+    pub range: Ipv4Net,
+    pub table: String,
+}
+
+impl Fabric {
+    pub fn new(bridge: &str, range: Ipv4Net) -> Fabric {
+        Fabric { bridge: bridge.to_string(), range: range.trunc(), table: format!("branchbox_{bridge}") }
+    }
+
+    /// The gateway: the bridge's address (the range's first host).
+    pub fn gateway(&self) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(self.range.network()) + 1)
+    }
+
+    /// The address of slot `n` (2 and up).
+    pub fn address(&self, n: u32) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(self.range.network()) + n)
+    }
+
+    /// How many slots the range has (the network, gateway and broadcast addresses excluded).
+    pub fn slots(&self) -> u32 {
+        (1u32 << (32 - self.range.prefix_len())).saturating_sub(3)
+    }
+
+    /// The host-side veth of slot `n`.
+    pub fn host_if(&self, n: u32) -> String {
+        format!("{}v{n}", self.bridge)
+    }
+
+    /// Make the bridge (kept if there) and the table (made afresh), and turn forwarding on.
+    pub fn up(&self) -> Result<(), FabricError> {
+        let (br, gw, len) = (&self.bridge, self.gateway(), self.range.prefix_len());
+        if !std::path::Path::new("/sys/class/net").join(br).exists() {
+            run("ip", &["link", "add", br, "type", "bridge"], None, "make the bridge")?;
+        }
+        let batch = format!("addr replace {gw}/{len} dev {br}\nlink set {br} up\n");
+        run("ip", &["-batch", "-"], Some(&batch), "address the bridge")?;
+        std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").map_err(FabricError::Forwarding)?;
+        run("nft", &["-f", "-"], Some(&self.table_script()), "make the table")?;
+        Ok(())
+    }
+
+    /// Remove the table and the bridge (the daemon's sandboxes with egress are gone).
+    pub fn down(&self) -> Result<(), FabricError> {
+        run("nft", &["delete", "table", "inet", &self.table], None, "remove the table")?;
+        run("ip", &["link", "del", &self.bridge], None, "remove the bridge")?;
+        Ok(())
+    }
+
+    fn table_script(&self) -> String {
+        let (t, br, gw, range) = (&self.table, &self.bridge, self.gateway(), self.range);
+        let blocked = BLOCKED.iter().copied().chain([range.to_string().as_str()]).collect::<Vec<_>>().join(", ");
+        format!(
+            "table inet {t}\ndelete table inet {t}\n\
+table inet {t} {{
+  map sandboxes {{ type ipv4_addr : verdict; }}
+  set blocked {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {blocked} }} }}
+  chain input {{ type filter hook input priority filter - 5; policy accept;
+    iifname \"{br}\" ct state established,related accept
+    iifname \"{br}\" ip daddr {gw} udp dport 53 accept
+    iifname \"{br}\" meta l4proto tcp reject with tcp reset
+    iifname \"{br}\" reject with icmpx admin-prohibited
+  }}
+  chain forward {{ type filter hook forward priority filter - 5; policy accept;
+    oifname \"{br}\" ct state established,related accept
+    oifname \"{br}\" drop
+    iifname \"{br}\" ct state established,related accept
+    iifname \"{br}\" meta nfproto ipv4 ip saddr vmap @sandboxes
+    iifname \"{br}\" drop
+  }}
+  chain dns {{ type nat hook prerouting priority dstnat; policy accept;
+    iifname \"{br}\" meta nfproto ipv4 meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {gw}:53
+  }}
+  chain egress {{ type nat hook postrouting priority srcnat; policy accept;
+    ip saddr {range} oifname != \"{br}\" masquerade
+  }}
+}}
+"
+        )
+    }
+
+    /// Wire slot `n` into the network namespace of process `pid` as `eth0`, and give it
+    /// `policy`'s chain.
+    pub fn attach(&self, n: u32, pid: i32, policy: &Policy) -> Result<(), FabricError> {
+        let (hif, br) = (self.host_if(n), &self.bridge);
+        // A veth left by a crash (its sandbox's init alive, unknown to this daemon) holds the name.
+        if std::path::Path::new("/sys/class/net").join(&hif).exists() {
+            let _ = run("ip", &["link", "del", &hif], None, "");
+        }
+        let host = format!(
+            "link add {hif} type veth peer name eth0 netns {pid}\n\
+             link set {hif} master {br}\n\
+             link set dev {hif} type bridge_slave isolated on\n\
+             link set {hif} up\n"
+        );
+        run("ip", &["-batch", "-"], Some(&host), "make the sandbox's veth")?;
+        let inside = format!(
+            "addr add {}/{} dev eth0\nlink set eth0 up\nroute add default via {}\n",
+            self.address(n),
+            self.range.prefix_len(),
+            self.gateway()
+        );
+        let ns = format!("--net=/proc/{pid}/ns/net");
+        let wired =
+            run("nsenter", &[&ns, "ip", "-batch", "-"], Some(&inside), "address the sandbox's eth0").and_then(|()| {
+                run("nft", &["-f", "-"], Some(&self.chain_script(n, policy, true)), "add the sandbox's rules")
+            });
+        if wired.is_err() {
+            let _ = run("ip", &["link", "del", &hif], None, "");
+        }
+        wired
+    }
+
+    /// Slot `n`'s rules again (a daemon restart made the table afresh; the veth lived on).
+    pub fn restore(&self, n: u32, policy: &Policy) -> Result<(), FabricError> {
+        run("nft", &["-f", "-"], Some(&self.chain_script(n, policy, true)), "restore the sandbox's rules")
+    }
+
+    /// Replace slot `n`'s rules with `policy`'s (one transaction).
+    pub fn update(&self, n: u32, policy: &Policy) -> Result<(), FabricError> {
+        run("nft", &["-f", "-"], Some(&self.chain_script(n, policy, false)), "change the sandbox's rules")
+    }
+
+    /// Remove slot `n`: its veth (the sandbox's eth0 goes with it) and its rules.
+    pub fn detach(&self, n: u32) -> Result<(), FabricError> {
+        let t = &self.table;
+        let script = format!(
+            "delete element inet {t} sandboxes {{ {ip} }}\nflush chain inet {t} s{n}\ndelete chain inet {t} s{n}\n\
+             delete set inet {t} r{n}\ndelete set inet {t} d{n}\n",
+            ip = self.address(n)
+        );
+        let rules = run("nft", &["-f", "-"], Some(&script), "remove the sandbox's rules");
+        let link = run("ip", &["link", "del", &self.host_if(n)], None, "remove the sandbox's veth");
+        rules.and(link)
+    }
+
+    /// The chain of slot `n` for `policy`; `new`: the chain and sets are made (else flushed).
+    fn chain_script(&self, n: u32, policy: &Policy, new: bool) -> String {
+        let (t, ip) = (&self.table, self.address(n));
+        let mut s = String::new();
+        if new {
+            let _ = writeln!(s, "add set inet {t} r{n} {{ type ipv4_addr . inet_service; flags interval; }}");
+            let _ = writeln!(s, "add set inet {t} d{n} {{ type ipv4_addr . inet_service; flags interval, timeout; }}");
+            let _ = writeln!(s, "add chain inet {t} s{n}");
+        } else {
+            let _ = writeln!(s, "flush chain inet {t} s{n}\nflush set inet {t} r{n}\nflush set inet {t} d{n}");
+        }
+        let nets: Vec<String> = policy.nets().map(|(net, p)| format!("{net} . {}", p.nft())).collect();
+        if !nets.is_empty() {
+            let _ = writeln!(s, "add element inet {t} r{n} {{ {} }}", nets.join(", "));
+        }
+        let _ = writeln!(s, "add rule inet {t} s{n} meta l4proto {{ tcp, udp }} ip daddr . th dport @r{n} accept");
+        let _ = writeln!(s, "add rule inet {t} s{n} ip daddr @blocked meta l4proto tcp reject with tcp reset");
+        let _ = writeln!(s, "add rule inet {t} s{n} ip daddr @blocked reject with icmpx admin-prohibited");
+        match policy.mode {
+            Mode::Allowlist => {
+                let _ =
+                    writeln!(s, "add rule inet {t} s{n} meta l4proto {{ tcp, udp }} ip daddr . th dport @d{n} accept");
+            }
+            Mode::Open => {
+                let _ = writeln!(s, "add rule inet {t} s{n} accept");
+            }
+            Mode::None => {}
+        }
+        let _ = writeln!(s, "add rule inet {t} s{n} meta l4proto tcp reject with tcp reset");
+        let _ = writeln!(s, "add rule inet {t} s{n} reject with icmpx admin-prohibited");
+        if new {
+            let _ = writeln!(s, "add element inet {t} sandboxes {{ {ip} : jump s{n} }}");
+        }
+        s
+    }
+
+    /// Let slot `n` reach `addrs` on `ports` for `ttl` seconds (an allowed name's answer).
+    pub fn allow_answers(&self, n: u32, addrs: &[Ipv4Addr], ports: &[Ports], ttl: u32) -> Result<(), FabricError> {
+        if addrs.is_empty() || ports.is_empty() {
+            return Ok(());
+        }
+        let mut elems = Vec::new();
+        for a in addrs {
+            for p in ports {
+                elems.push(format!("{a} . {} timeout {ttl}s", p.nft()));
+            }
+        }
+        let script = format!("add element inet {} d{n} {{ {} }}\n", self.table, elems.join(", "));
+        run("nft", &["-f", "-"], Some(&script), "let the sandbox reach a name's addresses")
+    }
+}
+
+/// Bytes (received, sent) by the sandbox whose veth's host side is `host_if` (which counts them
+/// the other way round).
+pub fn counters(host_if: &str) -> (u64, u64) {
+    let stat = |f: &str| {
+        std::fs::read_to_string(format!("/sys/class/net/{host_if}/statistics/{f}"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    (stat("tx_bytes"), stat("rx_bytes"))
+}
+
+/// Run `tool args` with `stdin`; its stderr becomes the error.
+fn run(tool: &'static str, args: &[&str], stdin: Option<&str>, what: &str) -> Result<(), FabricError> {
+    let mut child = Command::new(tool)
+        .args(args)
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|source| FabricError::Spawn { tool, source })?;
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        let _ = pipe.write_all(input.as_bytes());
+    }
+    let out = child.wait_with_output().map_err(|source| FabricError::Spawn { tool, source })?;
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(FabricError::Failed {
+        tool,
+        what: what.to_string(),
+        stderr: String::from_utf8_lossy(&out.stderr).trim().chars().take(2000).collect(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fabric() -> Fabric {
+        Fabric::new("bbt0", "10.213.0.0/24".parse().unwrap())
+    }
+
+    #[test]
+    fn slots_addresses_and_names() {
+        let f = fabric();
+        assert_eq!(f.gateway(), Ipv4Addr::new(10, 213, 0, 1));
+        assert_eq!(f.address(2), Ipv4Addr::new(10, 213, 0, 2));
+        assert_eq!(f.slots(), 253);
+        assert_eq!(f.host_if(17), "bbt0v17");
+        assert_eq!(f.table, "branchbox_bbt0");
+    }
+
+    #[test]
+    fn chains_follow_the_mode() {
+        let f = fabric();
+        let allow = Policy::parse("allowlist", &["10.0.0.0/8:443".into(), "a.test".into()]).unwrap();
+        let s = f.chain_script(5, &allow, true);
+        assert!(s.contains("add element inet branchbox_bbt0 r5 { 10.0.0.0/8 . 443 }"), "{s}");
+        assert!(s.contains("@d5 accept"));
+        assert!(!s.contains("s5 accept"));
+        assert!(s.contains("sandboxes { 10.213.0.5 : jump s5 }"));
+        let open = Policy::parse("open", &[]).unwrap();
+        let s = f.chain_script(5, &open, false);
+        assert!(s.contains("flush chain inet branchbox_bbt0 s5"));
+        assert!(s.contains("add rule inet branchbox_bbt0 s5 accept"));
+        assert!(!s.contains("@d5 accept"));
+        assert!(!s.contains("jump s5"));
+        // Blocked addresses are refused before the mode's verdict, listed ones accepted first.
+        let (r, b, o) = (s.find("@r5 accept").unwrap(), s.find("@blocked").unwrap(), s.find("s5 accept").unwrap());
+        assert!(r < b && b < o);
+    }
+
+    #[test]
+    fn the_table_blocks_its_own_range() {
+        let s = fabric().table_script();
+        assert!(s.contains("10.213.0.0/24 }"), "{s}");
+        assert!(s.contains("169.254.0.0/16"));
+        assert!(s.contains("dnat ip to 10.213.0.1:53"));
+    }
+}

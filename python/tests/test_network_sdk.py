@@ -1,0 +1,451 @@
+"""Sandbox network modes in the sync and async SDKs: ``Sandbox.create(network=..., allow=...)``,
+``sbx.fork(..., network=..., allow=...)`` and ``sbx.network.get()`` / ``.update()`` against the
+contract of ``/v1/sandboxes`` and ``/v1/sandboxes/{id}/network``."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import List, Optional
+
+import httpx
+import pytest
+
+from branchbox import (
+    AsyncSandbox,
+    InvalidArgumentError,
+    NetworkInfo,
+    NotFoundError,
+    Sandbox,
+    SandboxError,
+    SandboxInfo,
+    _core,
+)
+from branchbox import sandbox_async, sandbox_sync
+from conftest import BASE, SANDBOX, SID, FakeDaemon
+
+NETWORK = BASE + "/network"
+ADDRESS = "10.213.0.2"
+ENTRIES = ["api.example.com", "*.example.org", "10.0.0.0/8:443", "192.168.1.7:8000-8010"]
+
+#: A SandboxInfo of a daemon with network modes (mode allowlist).
+SANDBOX_NET = dict(
+    SANDBOX, network="allowlist", allow=ENTRIES[:2], address=ADDRESS, net_rx_bytes=2_000_123, net_tx_bytes=4096
+)
+
+
+def net_info(network: str = "allowlist", allow: Optional[List[str]] = None, address: Optional[str] = ADDRESS,
+             rx: int = 0, tx: int = 0) -> dict:
+    return {"sandbox": SID, "network": network, "allow": list(allow or []), "address": address,
+            "rx_bytes": rx, "tx_bytes": tx}
+
+
+def error(code: str, message: str, status: int) -> httpx.Response:
+    return httpx.Response(status, json={"error": {"code": code, "message": message}})
+
+
+class Network:
+    """The daemon's network of sandbox ``SID``: the daemon's rules (an unknown mode, a bad
+    entry or ``none`` with entries answer 400 and change nothing; ``none`` alone clears the
+    entries; an address while the mode has egress)."""
+
+    def __init__(self, network: str = "none", allow: Optional[List[str]] = None) -> None:
+        self.network = network
+        self.allow = list(allow or [])
+        self.rx, self.tx = 1500, 700
+
+    def info(self) -> dict:
+        return net_info(self.network, self.allow, ADDRESS if self.network != "none" else None, self.rx, self.tx)
+
+    def get(self, request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=self.info())
+
+    def put(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content or b"{}")
+        network = body.get("network", self.network)
+        allow = body.get("allow")
+        if network not in ("none", "allowlist", "open"):
+            return error("bad_request", "network mode %r is unknown: use \"none\" (loopback only), \"allowlist\" or \"open\"" % network, 400)
+        if allow is None:
+            allow = [] if "network" in body and network == "none" else self.allow
+        for entry in allow:
+            if " " in entry or not entry:
+                return error("bad_request", "allow entry %r: not a name, an IPv4 address or a CIDR" % entry, 400)
+        if network == "none" and allow:
+            return error("bad_request", "network mode \"none\" takes no allow entries: use \"allowlist\"", 400)
+        self.network, self.allow = network, list(allow)
+        return httpx.Response(200, json=self.info())
+
+
+def routes(fake: FakeDaemon, network: str = "none", allow: Optional[List[str]] = None) -> Network:
+    net = Network(network, allow)
+    fake.on("GET", NETWORK, net.get)
+    fake.on("PUT", NETWORK, net.put)
+    return net
+
+
+@pytest.fixture
+def net(fake: FakeDaemon) -> Network:
+    return routes(fake)
+
+
+@pytest.fixture
+def sbx(fake: FakeDaemon, net: Network) -> Sandbox:
+    s = Sandbox.create(transport=fake.transport())
+    yield s
+    s.close()
+
+
+@pytest.fixture
+async def asbx(fake: FakeDaemon, net: Network) -> AsyncSandbox:
+    s = await AsyncSandbox.create(transport=fake.transport())
+    yield s
+    await s.close()
+
+
+def shape(fake: FakeDaemon):
+    req = fake.last
+    return req.method, req.url.path, fake.body()
+
+
+def fork_answer(*children: dict) -> dict:
+    return {"snapshot": "sn-000000000001", "sandboxes": list(children), "sessions_restarted": False, "took_ms": 8.0}
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def test_network_info_parsing() -> None:
+    data = net_info("allowlist", ENTRIES, ADDRESS, 2_000_123, 4096)
+    info = NetworkInfo.from_dict(data)
+    assert (info.sandbox, info.network, info.allow, info.address, info.rx_bytes, info.tx_bytes) == (
+        SID, "allowlist", ENTRIES, ADDRESS, 2_000_123, 4096,
+    )
+    assert info.raw == data and "raw" not in repr(info)
+    assert info.allow is not data["allow"], "a list of its own"
+    assert info == NetworkInfo(SID, "allowlist", ENTRIES, ADDRESS, 2_000_123, 4096)
+    none = NetworkInfo.from_dict(net_info("none", address=None))
+    assert (none.network, none.allow, none.address) == ("none", [], None)
+
+
+def test_network_info_tolerates_missing_null_and_unknown_fields() -> None:
+    info = NetworkInfo.from_dict({"network": "open", "allow": None, "future": {"x": 1}})
+    assert (info.sandbox, info.network, info.allow, info.address, info.rx_bytes, info.tx_bytes) == (
+        "", "open", [], None, 0, 0,
+    )
+    assert info.raw == {"network": "open", "allow": None, "future": {"x": 1}}
+    assert NetworkInfo.from_dict(None) == NetworkInfo() and NetworkInfo.from_dict([]) == NetworkInfo()
+
+
+def test_sandbox_info_network_fields() -> None:
+    info = SandboxInfo.from_dict(SANDBOX_NET)
+    assert (info.network, info.allow, info.address, info.net_rx_bytes, info.net_tx_bytes) == (
+        "allowlist", ENTRIES[:2], ADDRESS, 2_000_123, 4096,
+    )
+    assert info.raw == SANDBOX_NET and info.id == SID and info.env == {"K": "V"}
+
+
+def test_sandbox_info_of_an_older_daemon_or_mode_none() -> None:
+    # An older daemon (and mode none: allow and address are left out) sends none of them.
+    assert not {"allow", "address", "net_rx_bytes", "net_tx_bytes"} & set(SANDBOX)
+    info = SandboxInfo.from_dict(SANDBOX)
+    assert (info.network, info.allow, info.address, info.net_rx_bytes, info.net_tx_bytes) == ("none", [], None, 0, 0)
+    bare = SandboxInfo.from_dict({"id": SID})
+    assert (bare.network, bare.allow, bare.address, bare.net_rx_bytes) == (None, [], None, 0)
+    assert SandboxInfo.from_dict({"allow": None}).allow == []
+    a, b = SandboxInfo.from_dict({}), SandboxInfo.from_dict({})
+    a.allow.append("x")
+    assert b.allow == [], "no shared default list"
+
+
+# ----------------------------------------------------------------------------- _core calls
+
+
+def test_core_network_call_shapes() -> None:
+    get = _core.get_network(SID)
+    assert (get.method, get.path, get.json, get.params) == ("GET", NETWORK, None, None)
+    assert not get.unbounded and get.op_timeout is None
+    assert get.parse(net_info()) == NetworkInfo.from_dict(net_info())
+    assert _core.get_network("a/b").path == "/v1/sandboxes/a%2Fb/network"
+    cases = [
+        ({"network": "open"}, {"network": "open"}),
+        ({"allow": ENTRIES}, {"allow": ENTRIES}),
+        ({"allow": []}, {"allow": []}),
+        ({"allow": ("a.test", "b.test")}, {"allow": ["a.test", "b.test"]}),
+        ({"network": "allowlist", "allow": ["a.test"]}, {"network": "allowlist", "allow": ["a.test"]}),
+        ({"network": "none"}, {"network": "none"}),
+    ]
+    for kwargs, body in cases:
+        call = _core.update_network(SID, **kwargs)
+        assert (call.method, call.path, call.json) == ("PUT", NETWORK, body), kwargs
+        assert call.parse(net_info()) == NetworkInfo.from_dict(net_info())
+
+
+def test_core_update_with_nothing_to_change_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="network and/or allow") as ei:
+        _core.update_network(SID)
+    assert isinstance(ei.value, ValueError) and ei.value.status_code is None
+
+
+@pytest.mark.parametrize("bad", ["wide", "", "None", "OPEN", 1, True, ["open"]])
+def test_network_mode_bad(bad) -> None:
+    with pytest.raises(InvalidArgumentError, match='"none", "allowlist" or "open"') as ei:
+        _core.network_mode(bad)
+    assert isinstance(ei.value, ValueError) and ei.value.code == "bad_request" and ei.value.status_code is None
+    for build in (
+        lambda: _core.update_network(SID, network=bad),
+        lambda: _core.create_sandbox(network=bad),
+        lambda: _core.fork(SID, 1, network=bad),
+    ):
+        with pytest.raises(InvalidArgumentError):
+            build()
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ("api.example.com", "not a single string"),
+    (b"api.example.com", "not a single string"),
+    ({"api.example.com"}, "list of entries"),
+    ({"api.example.com": 443}, "list of entries"),
+    (443, "list of entries"),
+    (["api.example.com", 443], "every allow entry must be a string"),
+    ([None], "every allow entry must be a string"),
+])
+def test_allow_entries_bad(bad, needle) -> None:
+    with pytest.raises(InvalidArgumentError, match=needle) as ei:
+        _core.allow_entries(bad)
+    assert isinstance(ei.value, ValueError)
+    for build in (
+        lambda: _core.update_network(SID, allow=bad),
+        lambda: _core.create_sandbox(network="allowlist", allow=bad),
+        lambda: _core.fork(SID, 1, allow=bad),
+    ):
+        with pytest.raises(InvalidArgumentError, match=needle):
+            build()
+
+
+def test_allow_entries_good() -> None:
+    assert _core.allow_entries(ENTRIES) == ENTRIES and _core.allow_entries(ENTRIES) is not ENTRIES
+    assert _core.allow_entries(()) == [] and _core.allow_entries(("a.test",)) == ["a.test"]
+    # The entries' syntax is the daemon's to check.
+    assert _core.allow_entries(["not a name", "", "::1"]) == ["not a name", "", "::1"]
+    assert _core.NETWORK_MODES == ("none", "allowlist", "open")
+
+
+def test_core_create_bodies() -> None:
+    body = lambda **kw: _core.create_sandbox(**kw).json  # noqa: E731
+    # Without network: "none" (the daemon's default), or with a snapshot the snapshot's.
+    assert body() == {"image": "base", "timeout": 300, "network": "none"}
+    assert body(network="allowlist", allow=ENTRIES) == {
+        "image": "base", "timeout": 300, "network": "allowlist", "allow": ENTRIES,
+    }
+    assert body(network="open") == {"image": "base", "timeout": 300, "network": "open"}
+    assert body(network="open", allow=[]) == {"image": "base", "timeout": 300, "network": "open", "allow": []}
+    assert body(image=None, template="py") == {"template": "py", "timeout": 300, "network": "none"}
+    assert body(image=None, snapshot="sn-000000000001") == {"snapshot": "sn-000000000001", "timeout": 300}
+    assert body(image=None, snapshot="sn-000000000001", network="none") == {
+        "snapshot": "sn-000000000001", "timeout": 300, "network": "none",
+    }, "an explicit none is sent: the snapshot's mode may be another"
+    assert body(image=None, snapshot="sn-000000000001", allow=["a.test"]) == {
+        "snapshot": "sn-000000000001", "timeout": 300, "allow": ["a.test"],
+    }, "entries alone keep the snapshot's mode"
+    # Entries without a mode go to the daemon, which says "none" takes none.
+    assert body(allow=["a.test"]) == {"image": "base", "timeout": 300, "network": "none", "allow": ["a.test"]}
+
+
+def test_core_fork_bodies() -> None:
+    body = lambda *a, **kw: _core.fork(SID, *a, **kw).json  # noqa: E731
+    assert body(2) == {"count": 2}, "the children's network defaults to the parent's: nothing sent"
+    assert body(2, network="open") == {"count": 2, "network": "open"}
+    assert body(1, allow=["a.test"]) == {"count": 1, "allow": ["a.test"]}
+    assert body(1, allow=[]) == {"count": 1, "allow": []}
+    assert body(3, "sn-000000000001", 60, True, "allowlist", ("a.test",)) == {
+        "count": 3, "snapshot": "sn-000000000001", "timeout": 60, "isolated": True,
+        "network": "allowlist", "allow": ["a.test"],
+    }
+
+
+# ----------------------------------------------------------------------------- sync Sandbox
+
+
+def test_create_sends_network_and_allow(fake: FakeDaemon) -> None:
+    fake.on("POST", "/v1/sandboxes", SANDBOX_NET, 201)
+    sbx = Sandbox.create(network="allowlist", allow=ENTRIES, transport=fake.transport())
+    assert shape(fake) == ("POST", "/v1/sandboxes", {
+        "image": "base", "timeout": 300, "network": "allowlist", "allow": ENTRIES,
+    })
+    info = sbx._info
+    assert (info.network, info.allow, info.address, info.net_rx_bytes) == ("allowlist", ENTRIES[:2], ADDRESS, 2_000_123)
+    sbx.close()
+    Sandbox.create(network="open", transport=fake.transport()).close()
+    assert fake.body() == {"image": "base", "timeout": 300, "network": "open"}
+    Sandbox.create(transport=fake.transport()).close()
+    assert fake.body() == {"image": "base", "timeout": 300, "network": "none"}, "unchanged default"
+    Sandbox.create(snapshot="sn-000000000001", allow=["a.test"], transport=fake.transport()).close()
+    assert fake.body() == {"snapshot": "sn-000000000001", "timeout": 300, "allow": ["a.test"]}
+
+
+def test_create_bad_network_sends_nothing(fake: FakeDaemon) -> None:
+    for kwargs in ({"network": "wide"}, {"allow": "api.example.com"}, {"network": "allowlist", "allow": [1]}):
+        with pytest.raises(InvalidArgumentError):
+            Sandbox.create(transport=fake.transport(), **kwargs)
+    assert fake.requests == []
+
+
+def test_create_daemon_400_is_an_invalid_argument_error(fake: FakeDaemon) -> None:
+    fake.on("POST", "/v1/sandboxes", error("bad_request", "allow entry \"bad name\": not a name", 400))
+    with pytest.raises(InvalidArgumentError, match="bad name") as ei:
+        Sandbox.create(network="allowlist", allow=["bad name"], transport=fake.transport())
+    assert ei.value.status_code == 400
+
+
+def test_fork_passes_network_and_allow(sbx: Sandbox, fake: FakeDaemon) -> None:
+    child = dict(SANDBOX_NET, id="sb-child0000001", network="open", allow=[], address="10.213.0.3")
+    fake.on("POST", BASE + "/fork", fork_answer(child), 201)
+    (c,) = sbx.fork(1, network="open", allow=[])
+    assert shape(fake) == ("POST", BASE + "/fork", {"count": 1, "network": "open", "allow": []})
+    assert c.id == "sb-child0000001" and c._info.network == "open" and c._info.address == "10.213.0.3"
+    c.close()
+    children, result = sbx.fork_info(2, allow=["a.test"])
+    assert fake.body() == {"count": 2, "allow": ["a.test"]} and result.took_ms == 8.0
+    for c in children:
+        c.close()
+    sbx.fork(1)
+    assert fake.body() == {"count": 1}
+    before = len(fake.requests)
+    with pytest.raises(InvalidArgumentError):
+        sbx.fork(1, network="bridge")
+    with pytest.raises(InvalidArgumentError):
+        sbx.fork(1, allow="a.test")
+    assert len(fake.requests) == before
+
+
+def test_network_get_and_update(sbx: Sandbox, fake: FakeDaemon, net: Network) -> None:
+    assert isinstance(sbx.network, sandbox_sync.Network) and repr(sbx.network) == "Network(sandbox=%r)" % SID
+    info = sbx.network.get()
+    assert shape(fake) == ("GET", NETWORK, None)
+    assert isinstance(info, NetworkInfo)
+    assert (info.sandbox, info.network, info.allow, info.address, info.rx_bytes, info.tx_bytes) == (
+        SID, "none", [], None, 1500, 700,
+    )
+    n = sbx.network.update(network="allowlist")
+    assert shape(fake) == ("PUT", NETWORK, {"network": "allowlist"})
+    assert (n.network, n.allow, n.address) == ("allowlist", [], ADDRESS)
+    n = sbx.network.update(allow=["allowed.test"])
+    assert shape(fake) == ("PUT", NETWORK, {"allow": ["allowed.test"]})
+    assert (n.network, n.allow) == ("allowlist", ["allowed.test"])
+    n = sbx.network.update("open")  # positional: the mode
+    assert fake.body() == {"network": "open"} and n.allow == ["allowed.test"], "entries left as they were"
+    n = sbx.network.update(network="allowlist", allow=[])
+    assert fake.body() == {"network": "allowlist", "allow": []} and n.allow == []
+    sbx.network.update(allow=ENTRIES)
+    n = sbx.network.update(network="none")
+    assert fake.body() == {"network": "none"} and (n.network, n.allow, n.address) == ("none", [], None)
+    assert sbx.network.get() == n
+
+
+def test_network_update_refusals(sbx: Sandbox, fake: FakeDaemon, net: Network) -> None:
+    before = len(fake.requests)
+    with pytest.raises(InvalidArgumentError, match="network and/or allow"):
+        sbx.network.update()
+    with pytest.raises(ValueError, match="not a single string"):
+        sbx.network.update(allow="allowed.test")
+    with pytest.raises(ValueError, match='"none", "allowlist" or "open"'):
+        sbx.network.update(network="wide")
+    assert len(fake.requests) == before, "refused before any request"
+    # The daemon's own refusals: nothing changed.
+    sbx.network.update(network="open")
+    with pytest.raises(InvalidArgumentError, match="not a name") as ei:
+        sbx.network.update(allow=["not a name"])
+    assert ei.value.status_code == 400 and isinstance(ei.value, SandboxError)
+    with pytest.raises(InvalidArgumentError, match="takes no allow entries"):
+        sbx.network.update(network="none", allow=["a.test"])
+    assert sbx.network.get().network == "open" and net.allow == []
+
+
+def test_network_errors_map(sbx: Sandbox, fake: FakeDaemon) -> None:
+    gone = Sandbox("sb-gone", _http=sbx._http)
+    for method, call in (("GET", gone.network.get), ("PUT", lambda: gone.network.update(network="open"))):
+        fake.on(method, "/v1/sandboxes/sb-gone/network", error("not_found", "sandbox sb-gone not found", 404))
+        with pytest.raises(NotFoundError, match="sb-gone"):
+            call()
+    fake.on("PUT", NETWORK, error("unavailable", "nftables is not available", 503))
+    with pytest.raises(SandboxError, match="nftables") as ei:
+        sbx.network.update(network="open")
+    assert ei.value.status_code == 503
+
+
+def test_each_sandbox_has_its_network(fake: FakeDaemon, net: Network) -> None:
+    a = Sandbox.create(transport=fake.transport())
+    b = Sandbox("sb-other0000001", _http=a._http)
+    fake.on("GET", "/v1/sandboxes/sb-other0000001/network", net_info("open"))
+    assert a.network.get().network == "none" and b.network.get().network == "open"
+    assert fake.last.url.path == "/v1/sandboxes/sb-other0000001/network"
+    a.close()
+
+
+# ----------------------------------------------------------------------------- async
+
+
+async def test_async_create_and_fork(fake: FakeDaemon) -> None:
+    fake.on("POST", "/v1/sandboxes", SANDBOX_NET, 201)
+    s = await AsyncSandbox.create(network="allowlist", allow=ENTRIES[:2], transport=fake.transport())
+    assert shape(fake) == ("POST", "/v1/sandboxes", {
+        "image": "base", "timeout": 300, "network": "allowlist", "allow": ENTRIES[:2],
+    })
+    assert s._info.address == ADDRESS and s._info.net_tx_bytes == 4096
+    fake.on("POST", BASE + "/fork", fork_answer(dict(SANDBOX_NET, id="sb-child0000001")), 201)
+    (c,) = await s.fork(1, network="none")
+    assert fake.body() == {"count": 1, "network": "none"} and c.id == "sb-child0000001"
+    await c.close()
+    _, result = await s.fork_info(1, allow=["a.test"])
+    assert fake.body() == {"count": 1, "allow": ["a.test"]} and result.snapshot == "sn-000000000001"
+    before = len(fake.requests)
+    with pytest.raises(InvalidArgumentError):
+        await AsyncSandbox.create(allow="a.test", transport=fake.transport())
+    with pytest.raises(InvalidArgumentError):
+        await s.fork(1, network="wide")
+    assert len(fake.requests) == before
+    await s.close()
+
+
+async def test_async_network(asbx: AsyncSandbox, fake: FakeDaemon, net: Network) -> None:
+    assert isinstance(asbx.network, sandbox_async.AsyncNetwork)
+    info = await asbx.network.get()
+    assert shape(fake) == ("GET", NETWORK, None) and info == NetworkInfo.from_dict(net.info())
+    n = await asbx.network.update(network="allowlist", allow=["allowed.test"])
+    assert shape(fake) == ("PUT", NETWORK, {"network": "allowlist", "allow": ["allowed.test"]})
+    assert (n.network, n.allow, n.address) == ("allowlist", ["allowed.test"], ADDRESS)
+    n = await asbx.network.update(allow=[])
+    assert fake.body() == {"allow": []} and n.allow == [] and n.network == "allowlist"
+    before = len(fake.requests)
+    with pytest.raises(InvalidArgumentError):
+        await asbx.network.update()
+    with pytest.raises(ValueError):
+        await asbx.network.update(allow="allowed.test")
+    assert len(fake.requests) == before
+    with pytest.raises(InvalidArgumentError, match="not a name"):
+        await asbx.network.update(allow=["not a name"])
+    fake.on("GET", NETWORK, error("not_found", "no sandbox", 404))
+    with pytest.raises(NotFoundError):
+        await asbx.network.get()
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+def test_network_objects_mirror() -> None:
+    s, a = sandbox_sync.Network, sandbox_async.AsyncNetwork
+    for name in ("get", "update"):
+        sp, ap = inspect.signature(getattr(s, name)), inspect.signature(getattr(a, name))
+        assert list(sp.parameters) == list(ap.parameters)
+        assert inspect.iscoroutinefunction(getattr(a, name)) and not inspect.iscoroutinefunction(getattr(s, name))
+        assert getattr(s, name).__doc__ and getattr(a, name).__doc__
+    assert list(inspect.signature(s.update).parameters) == ["self", "network", "allow"]
+    assert {n for n in dir(s) if not n.startswith("_")} == {n for n in dir(a) if not n.startswith("_")} == {"get", "update"}
+
+
+@pytest.mark.parametrize("name", ["create", "fork", "fork_info"])
+def test_network_parameters_on_both_sandboxes(name: str) -> None:
+    for cls in (Sandbox, AsyncSandbox):
+        params = inspect.signature(getattr(cls, name)).parameters
+        assert params["network"].default is None and params["allow"].default is None, (cls, name)

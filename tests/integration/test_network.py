@@ -1,0 +1,293 @@
+"""Network modes: ``none`` reaches nothing but lo; ``allowlist`` reaches the names (and the
+addresses they resolved to), addresses and ports it lists, nothing else; ``open`` reaches the
+outside but never the host, other sandboxes or link-local/metadata addresses unless listed.
+Rules change on a running sandbox and hold across pause/resume, rollback and fork.
+
+All traffic stays on this machine: the "outside" is a network namespace the tests make
+(networld.py); the suite's daemon forwards DNS there (--net-dns in conftest.py).
+"""
+import signal
+import socket
+import threading
+
+import pytest
+
+from branchbox import InvalidArgumentError, Pool
+from helpers import URL
+
+from branchbox_bench import networld
+from branchbox_bench.networld import ALLOWED, HOST_ADDR, METADATA, OTHER
+
+PROBE = r"""
+import socket, sys
+host, port, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+try:
+    addr = socket.gethostbyname(host)
+except OSError as e:
+    print("dns", e); sys.exit(3)
+try:
+    with socket.create_connection((addr, port), timeout=3) as s:
+        s.sendall(("GET %s HTTP/1.0\r\nHost: %s\r\n\r\n" % (path, host)).encode())
+        data = b""
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            data += b
+    print(data.split(b"\r\n\r\n", 1)[1].decode()[:200])
+except ConnectionRefusedError:
+    print("refused"); sys.exit(4)
+except socket.timeout:
+    print("timeout"); sys.exit(5)
+except OSError as e:
+    print("error", e); sys.exit(6)
+"""
+
+
+def fetch(sbx, host, port=80, path="/"):
+    """What a GET of http://host:port/path from inside ``sbx`` got: ("ok", body), ("dns", why),
+    ("refused", ...), ("timeout", ...) or ("error", why)."""
+    sbx.files.write("/tmp/probe.py", PROBE)
+    r = sbx.commands.run("python3 /tmp/probe.py %s %d %s" % (host, port, path), timeout=30)
+    kind = {0: "ok", 3: "dns", 4: "refused", 5: "timeout", 6: "error"}.get(r.exit_code, "exit %d" % r.exit_code)
+    return kind, r.stdout.strip()
+
+
+def ok(sbx, host, port=80):
+    kind, out = fetch(sbx, host, port)
+    assert kind == "ok", "%s:%d from %s: %s %s" % (host, port, sbx.id, kind, out)
+    return out
+
+
+def blocked(sbx, host, port=80, how=("refused",)):
+    kind, out = fetch(sbx, host, port)
+    assert kind in how, "%s:%d from %s should be refused (%s): %s %s" % (host, port, sbx.id, how, kind, out)
+
+
+@pytest.fixture(scope="module")
+def world(daemon):
+    with networld.world():
+        yield
+
+
+def interfaces(sbx):
+    return sorted(sbx.commands.run("ls /sys/class/net").stdout.split())
+
+
+def test_none_reaches_nothing_but_loopback(world, make_sandbox):
+    sbx = make_sandbox()
+    assert interfaces(sbx) == ["lo"]
+    info = sbx.info()
+    assert info.network == "none" and info.address is None
+    blocked(sbx, ALLOWED, how=("error",))
+    blocked(sbx, "allowed.test", how=("dns",))
+
+
+def test_allowlist_reaches_what_it_lists_and_nothing_else(world, make_sandbox):
+    sbx = make_sandbox(network="allowlist", allow=["allowed.test", "*.allowed.test:80", "rebind.test"])
+    info = sbx.info()
+    assert info.network == "allowlist" and info.address and interfaces(sbx) == ["eth0", "lo"]
+    # A hard-coded address is refused until an allowed name resolved to it.
+    blocked(sbx, ALLOWED)
+    # A wildcard entry for port 80: its answer opens that port only.
+    assert ok(sbx, "also.allowed.test").startswith("/ " + ALLOWED)
+    blocked(sbx, ALLOWED, 8080)
+    # The exact name, all ports: now the address is open on 8080 too.
+    assert ok(sbx, "allowed.test", 8080).startswith("/ " + ALLOWED + ":8080")
+    # A name not listed does not resolve; its address is refused by IP too.
+    blocked(sbx, "other.test", how=("dns",))
+    blocked(sbx, OTHER)
+    # An allowed name answering a forbidden address (DNS rebinding to the metadata service).
+    blocked(sbx, "rebind.test")
+    blocked(sbx, METADATA)
+    # Not the host either (its address toward the world, the bridge's gateway).
+    blocked(sbx, HOST_ADDR, 22)
+    # Bytes are counted.
+    ok(sbx, "allowed.test", 80)
+    kind, _ = fetch(sbx, "allowed.test", 80, "/bytes/2000000")
+    assert kind == "ok"
+    after = sbx.info()
+    assert after.net_rx_bytes > 2_000_000 and after.net_tx_bytes > 0, (after.net_rx_bytes, after.net_tx_bytes)
+
+
+def _host_server(addr):
+    """A TCP server on the host at ``addr`` that answers "host"; returns (port, close)."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((addr, 0))
+    srv.listen(8)
+
+    def loop():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            c.sendall(b"HTTP/1.0 200 OK\r\n\r\nhost")
+            c.close()
+
+    threading.Thread(target=loop, daemon=True).start()
+    return srv.getsockname()[1], srv.close
+
+
+def test_open_reaches_out_but_not_the_host_other_sandboxes_or_metadata(world, make_sandbox):
+    a = make_sandbox(network="open")
+    b = make_sandbox(network="open")
+    assert a.info().address != b.info().address
+    ok(a, "allowed.test")
+    ok(a, "other.test", 8080)
+    ok(a, OTHER)
+    blocked(a, METADATA)
+    blocked(a, "rebind.test")
+    blocked(a, "nosuch.test", how=("dns",))
+    # Host services: on the host's address toward the world and on the bridge's gateway.
+    gateway = a.info().address.rsplit(".", 1)[0] + ".1"
+    for addr in (HOST_ADDR, "0.0.0.0"):
+        port, close = _host_server(addr)
+        try:
+            blocked(a, HOST_ADDR, port)
+            blocked(a, gateway, port)
+        finally:
+            close()
+    # Another sandbox's server.
+    b.commands.run("python3 -m http.server 8000 --bind 0.0.0.0", background=True)
+    b.commands.run("for i in $(seq 100); do python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 8000))' 2>/dev/null && break; sleep 0.05; done")
+    blocked(a, b.info().address, 8000, how=("refused", "timeout", "error"))
+    # Listed explicitly, the metadata address is let through.
+    c = make_sandbox(network="open", allow=[METADATA + ":80"])
+    assert ok(c, METADATA).startswith("/ " + METADATA)
+    blocked(c, METADATA, 8080)
+
+
+def test_rules_change_on_a_running_sandbox(world, make_sandbox):
+    sbx = make_sandbox(network="allowlist")
+    blocked(sbx, "allowed.test", how=("dns",))
+    n = sbx.network.update(allow=["allowed.test"])
+    assert n.network == "allowlist" and n.allow == ["allowed.test"] and n.address
+    ok(sbx, "allowed.test")
+    blocked(sbx, "other.test", how=("dns",))
+    n2 = sbx.network.update(network="open")
+    assert n2.network == "open" and n2.address == n.address and n2.allow == ["allowed.test"]
+    ok(sbx, "other.test")
+    # Taken away: the address the earlier answer opened is closed again.
+    n3 = sbx.network.update(network="allowlist", allow=[])
+    assert n3.allow == []
+    blocked(sbx, OTHER)
+    blocked(sbx, ALLOWED)
+    # To none: the interface goes; and back.
+    assert sbx.network.update(network="none").address is None
+    assert interfaces(sbx) == ["lo"] and sbx.info().network == "none"
+    back = sbx.network.update(network="open")
+    assert back.address and interfaces(sbx) == ["eth0", "lo"]
+    ok(sbx, "other.test")
+    with pytest.raises(InvalidArgumentError):
+        sbx.network.update(allow=["not a name"])
+    with pytest.raises(InvalidArgumentError):
+        sbx.network.update(network="wide")
+    assert sbx.network.get().network == "open", "a refused change changed nothing"
+
+
+def test_fork_children_get_their_own_address_and_the_parents_rules(world, make_sandbox):
+    parent = make_sandbox(network="allowlist", allow=["allowed.test"])
+    ok(parent, "allowed.test")
+    children = parent.fork(3)
+    try:
+        addrs = {c.info().address for c in children} | {parent.info().address}
+        assert len(addrs) == 4 and None not in addrs, addrs
+        for c in children:
+            assert c.info().network == "allowlist" and c.info().allow == ["allowed.test"]
+            ok(c, "allowed.test")
+            blocked(c, "other.test", how=("dns",))
+            blocked(c, OTHER)
+        # A fork can say otherwise.
+        (opened,) = parent.fork(1, network="open")
+        children.append(opened)
+        ok(opened, "other.test")
+        (closed,) = parent.fork(1, network="none")
+        children.append(closed)
+        assert interfaces(closed) == ["lo"] and closed.info().address is None
+    finally:
+        for c in children:
+            c.kill()
+    # The parent's rules did not move.
+    blocked(parent, "other.test", how=("dns",))
+    ok(parent, "allowed.test")
+
+
+def test_rules_and_address_hold_across_rollback_and_pause(world, make_sandbox):
+    sbx = make_sandbox(network="allowlist", allow=["allowed.test"], timeout=0)
+    addr = sbx.info().address
+    snap = sbx.checkpoint()
+    sbx.network.update(allow=["allowed.test", "other.test"])
+    ok(sbx, "other.test")
+    sbx.rollback(snap)
+    info = sbx.info()
+    # A rollback restores files and processes; the network is the sandbox's, as it is now.
+    assert info.address == addr and info.allow == ["allowed.test", "other.test"]
+    ok(sbx, "other.test")
+    sbx.network.update(allow=["allowed.test"])
+    sbx.pause()
+    sbx.resume()
+    info = sbx.info()
+    assert info.address == addr and info.network == "allowlist" and info.allow == ["allowed.test"]
+    ok(sbx, "allowed.test")
+    blocked(sbx, "other.test", how=("dns",))
+    blocked(sbx, OTHER)
+
+
+def test_bad_network_requests_say_what_to_change(world, make_sandbox, raw):
+    for body, needle in [
+        ({"network": "wide"}, "allowlist"),
+        ({"network": "none", "allow": ["a.test"]}, "none"),
+        ({"network": "allowlist", "allow": ["bad name"]}, "bad name"),
+        ({"network": "allowlist", "allow": ["a.test:70000"]}, "port"),
+        ({"network": "allowlist", "allow": ["::1"]}, "IPv6"),
+    ]:
+        r = raw.post("/v1/sandboxes", json=body)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], (body, r.text)
+    assert raw.put("/v1/sandboxes/sb-nosuch/network", json={"network": "open"}).status_code == 404
+
+
+def test_a_recycled_pool_shell_has_only_loopback(world, make_sandbox):
+    pool = Pool(daemon=URL)
+    pool.set("base", 0, 1)  # no refill; a killed sandbox is recycled
+    try:
+        a = make_sandbox(network="open")
+        a_init, a_addr = a.info().init_pid, a.info().address
+        ok(a, "other.test")
+        a.kill()
+        b = make_sandbox()
+        assert b.info().init_pid == a_init, "B must run on A's recycled init"
+        assert interfaces(b) == ["lo"] and b.info().address is None
+        blocked(b, OTHER, how=("error",))
+        c = make_sandbox(network="allowlist", allow=["allowed.test"])
+        assert c.info().address, "A's address is free again"
+        ok(c, "allowed.test")
+        blocked(c, "other.test", how=("dns",))
+        assert a_addr
+    finally:
+        pool.set("base", 0, 0)
+        pool.close()
+
+
+def test_a_daemon_restart_keeps_every_sandboxs_rules(world, daemon, make_sandbox):
+    listed = make_sandbox(network="allowlist", allow=["allowed.test"])
+    opened = make_sandbox(network="open")
+    addrs = {listed.info().address, opened.info().address}
+    ok(listed, "allowed.test")
+    try:
+        daemon.stop(signal.SIGKILL)
+    finally:
+        daemon.ensure_running()
+    # The table was made afresh; each sandbox's rules and address are back.
+    info = listed.info()
+    assert info.network == "allowlist" and info.allow == ["allowed.test"] and info.address in addrs
+    ok(listed, "allowed.test")
+    blocked(listed, "other.test", how=("dns",))
+    blocked(listed, OTHER)
+    ok(opened, "other.test")
+    blocked(opened, METADATA)
+    # A new sandbox does not take an address in use.
+    new = make_sandbox(network="open")
+    assert new.info().address not in addrs
+    ok(new, "other.test")
