@@ -381,15 +381,15 @@ def create_sandbox(
     snapshot's image, limits and cwd are kept (giving them is an error). ``volumes`` (see
     :func:`volume_mounts`) is sent only when given.
 
-    ``network=None`` means ``"none"``, or with ``snapshot`` the snapshot's mode (not sent);
-    ``allow`` (see :func:`allow_entries`) is sent only when given."""
+    ``network=None`` means ``"none"``, or with ``snapshot`` or ``template`` the snapshot's or
+    template's mode (not sent); ``allow`` (see :func:`allow_entries`) is sent only when given."""
     name = template_name(template) if template is not None else None
     sid = snapshot_id(snapshot) if snapshot is not None else None
     if image is None and name is None and sid is None:
         image = "base"
     if network is not None:
         network = network_mode(network)
-    elif sid is None:
+    elif sid is None and name is None:
         network = "none"
     body = _compact(
         {
@@ -1030,6 +1030,7 @@ def set_pool(image: str, min: int, max: Optional[int] = None) -> Call:  # noqa: 
 #: Keys of a template recipe (the body of ``POST /v1/templates``).
 RECIPE_KEYS = (
     "name", "image", "run", "code", "env", "cwd", "cpu", "memory_mb", "pids", "metadata", "timeout", "shells", "volumes",
+    "network", "allow",
 )
 
 
@@ -1060,11 +1061,15 @@ def template_recipe(
     timeout: Optional[float] = None,
     shells: Optional[int] = None,
     volumes: VolumesT = None,
+    network: Optional[str] = None,
+    allow: Optional[Sequence[str]] = None,
 ) -> Dict[str, Any]:
     """The JSON body of a template build (unset fields are left to the daemon's defaults).
 
     ``run`` is a list of shell commands (a single string is one command). ``volumes`` (see
-    :func:`volume_mounts`) is sent only when given.
+    :func:`volume_mounts`) is sent only when given. ``network``/``allow`` (see
+    :func:`network_body`: checked as for ``create_sandbox``) are the recipe's sandbox's and the
+    default of sandboxes created from the template; sent only when given.
     """
     name = template_name(name)
     if isinstance(run, str):
@@ -1099,6 +1104,7 @@ def template_recipe(
             "timeout": timeout,
             "shells": shells,
             "volumes": volume_mounts(volumes) if volumes is not None else None,
+            **network_body(network, allow),
         }
     )
 

@@ -967,13 +967,17 @@ class AsyncTemplates(_AsyncDaemonClient):
         timeout: Optional[float] = None,
         shells: Optional[int] = None,
         volumes: _core.VolumesT = None,
+        network: Optional[str] = None,
+        allow: Optional[Sequence[str]] = None,
         on_progress: Optional[Callable[[TemplateProgress], Any]] = None,
     ) -> TemplateInfo:
         """Build (or replace) template ``name`` (see :meth:`branchbox.Templates.build`).
         ``volumes`` (as for ``Sandbox.create``) are mounted while the recipe runs; sandboxes
-        created from the template get copy-on-write forks of the branching ones."""
+        created from the template get copy-on-write forks of the branching ones. ``network``/
+        ``allow``: the recipe's sandbox's network and the default of sandboxes created from it."""
         recipe = _core.template_recipe(
-            name, image, run, code, env, cwd, cpu, memory_mb, pids, metadata, timeout, shells, volumes
+            name, image, run, code, env, cwd, cpu, memory_mb, pids, metadata, timeout, shells, volumes,
+            network=network, allow=allow,
         )
         return await self._follow(_core.build_template(recipe), _core.TemplateStream(), on_progress)
 

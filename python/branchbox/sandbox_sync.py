@@ -425,8 +425,8 @@ class Sandbox:
         daemon, other sandboxes and link-local/metadata addresses, unless ``allow`` lists
         them). ``allow`` is a list of entries: names (``"api.example.com"``), wildcards
         (``"*.example.org"``), IPv4 addresses or CIDRs, each with an optional ``:port`` or
-        ``:low-high`` (``"10.0.0.0/8:443"``). With ``snapshot``, both default to the
-        snapshot's. Change them later with ``sbx.network.update(...)`` (:class:`Network`).
+        ``:low-high`` (``"10.0.0.0/8:443"``). With ``snapshot`` or ``template``, both default
+        to the snapshot's or template's (``allow`` alone keeps its mode). Change them later with ``sbx.network.update(...)`` (:class:`Network`).
 
         ``daemon``/``token`` default to ``$BRANCHBOX_URL``/``$BRANCHBOX_TOKEN``;
         ``request_timeout`` bounds each HTTP request; ``transport`` replaces the
@@ -1228,6 +1228,8 @@ class Templates(_DaemonClient):
         timeout: Optional[float] = None,
         shells: Optional[int] = None,
         volumes: _core.VolumesT = None,
+        network: Optional[str] = None,
+        allow: Optional[Sequence[str]] = None,
         on_progress: Optional[Callable[[TemplateProgress], Any]] = None,
     ) -> TemplateInfo:
         """Build (or replace) template ``name``: start a sandbox of ``image`` (default
@@ -1239,9 +1241,17 @@ class Templates(_DaemonClient):
         ``volumes`` (same forms as ``Sandbox.create(volumes=...)``) are mounted while the
         recipe runs (e.g. to ``git clone`` into ``/workspace``); each sandbox created from the
         template gets a copy-on-write fork of every branching volume at the same path (``rox``
-        volumes are shared read-only), unless its own ``volumes`` mount another there."""
+        volumes are shared read-only), unless its own ``volumes`` mount another there.
+
+        ``network``/``allow`` (as for :meth:`Sandbox.create`; not sent unless given: daemon
+        default ``"none"``) are the network of the recipe's sandbox while ``run`` and ``code``
+        execute (e.g. ``network="allowlist", allow=["pypi.org", "files.pythonhosted.org"]``
+        for ``pip install``), and the default of sandboxes created from the template
+        (``Sandbox.create(template=...)`` without ``network``; ``allow`` alone keeps the
+        template's mode). A bad mode or a non-list ``allow`` is refused before any request."""
         recipe = _core.template_recipe(
-            name, image, run, code, env, cwd, cpu, memory_mb, pids, metadata, timeout, shells, volumes
+            name, image, run, code, env, cwd, cpu, memory_mb, pids, metadata, timeout, shells, volumes,
+            network=network, allow=allow,
         )
         return self._follow(_core.build_template(recipe), _core.TemplateStream(), on_progress)
 

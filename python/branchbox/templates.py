@@ -53,6 +53,8 @@ def build(
     timeout: Optional[float] = None,
     shells: Optional[int] = None,
     volumes: _core.VolumesT = None,
+    network: Optional[str] = None,
+    allow: Optional[Sequence[str]] = None,
     on_progress: ProgressCallback = None,
     daemon: Optional[str] = None,
     token: Optional[str] = None,
@@ -60,7 +62,9 @@ def build(
 ) -> TemplateInfo:
     """Build a template (see :meth:`branchbox.Templates.build`). ``volumes`` (as for
     ``Sandbox.create``) are mounted while the recipe runs; sandboxes created from the
-    template get copy-on-write forks of the branching ones."""
+    template get copy-on-write forks of the branching ones. ``network``/``allow`` (as for
+    ``Sandbox.create``) are the recipe's sandbox's network and the default of sandboxes
+    created from the template."""
     with Templates(daemon=daemon, token=token, request_timeout=request_timeout) as templates:
         return templates.build(
             name,
@@ -76,6 +80,8 @@ def build(
             timeout=timeout,
             shells=shells,
             volumes=volumes,
+            network=network,
+            allow=allow,
             on_progress=on_progress,
         )
 

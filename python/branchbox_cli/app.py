@@ -357,7 +357,8 @@ def sandbox_create(
         "back or forked with the sandbox)." % VOLUME_FLAG,
     ),
     network: Optional[str] = typer.Option(
-        None, "--network", metavar="MODE", help=NETWORK_HELP + " Default none (with --snapshot: the snapshot's)."
+        None, "--network", metavar="MODE",
+        help=NETWORK_HELP + " Default none (with --snapshot or --template: the snapshot's or template's).",
     ),
     allow: Optional[List[str]] = typer.Option(None, "--allow", metavar="ENTRY", help=ALLOW_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the SandboxInfo JSON."),
@@ -1143,7 +1144,8 @@ def _toml_loads(text: str) -> Dict[str, Any]:
 def load_recipe(path: str) -> Dict[str, Any]:
     """A template recipe from a TOML file: the keys of the API body (``name``, ``image``,
     ``run``, ``code``, ``env``, ``cwd``, ``cpu``, ``memory_mb``, ``pids``, ``metadata``,
-    ``timeout``, ``shells``, ``volumes``: a ``{path = volume}`` table or a list of mount tables).
+    ``timeout``, ``shells``, ``volumes``: a ``{path = volume}`` table or a list of mount tables,
+    ``network``, ``allow``: a list of entries).
     Unknown keys and wrongly typed values are errors naming the file."""
     try:
         with open(path, "rb") as f:
@@ -1163,7 +1165,7 @@ def load_recipe(path: str) -> Dict[str, Any]:
     kinds: Dict[str, Any] = {
         "name": str, "image": str, "code": str, "cwd": str, "run": (list, str), "env": dict, "metadata": dict,
         "cpu": (int, float), "timeout": (int, float), "memory_mb": int, "pids": int, "shells": int,
-        "volumes": (dict, list),
+        "volumes": (dict, list), "network": str, "allow": list,
     }
     for key, value in data.items():
         if isinstance(value, bool) or not isinstance(value, kinds[key]):
@@ -1256,6 +1258,14 @@ def template_build(
         help="Mount a volume (id or name) while the recipe runs: %s (repeatable; sandboxes created from the "
         "template get a copy-on-write fork of each branching volume at the same path)." % VOLUME_FLAG,
     ),
+    network: Optional[str] = typer.Option(
+        None, "--network", metavar="MODE",
+        help=NETWORK_HELP + " The network of the recipe's sandbox while it runs (e.g. for pip install) and the "
+        "default of sandboxes created from the template (daemon default none).",
+    ),
+    allow: Optional[List[str]] = typer.Option(
+        None, "--allow", metavar="ENTRY", help=ALLOW_HELP + " Replaces the recipe file's entries."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the TemplateInfo JSON."),
 ) -> None:
     """Build a warm template from a recipe, showing progress.
@@ -1263,6 +1273,7 @@ def template_build(
     Sandboxes created with `sandbox create --template NAME` start as copy-on-write forks of it: the recipe's files and its python session's state (imports) are there at once, and its volumes (`--volume`) are mounted at the same paths (copy-on-write forks of the branching ones).
     """
     c = ctx_of(ctx)
+    network = parse_network(network)
     if code is not None and code_file is not None:
         raise typer.BadParameter("give --code or --code-file, not both", param_hint="--code-file")
     if code_file is not None:
@@ -1291,6 +1302,8 @@ def template_build(
             "metadata": parse_env(metadata, "--metadata"),
             "timeout": timeout,
             "volumes": parse_volume_flags(volume) or None,
+            "network": network,
+            "allow": parse_allow(allow),
         },
     )
     name = recipe.pop("name")

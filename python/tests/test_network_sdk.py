@@ -240,7 +240,7 @@ def test_core_create_bodies() -> None:
     }
     assert body(network="open") == {"image": "base", "timeout": 300, "network": "open"}
     assert body(network="open", allow=[]) == {"image": "base", "timeout": 300, "network": "open", "allow": []}
-    assert body(image=None, template="py") == {"template": "py", "timeout": 300, "network": "none"}
+    assert body(image=None, template="py") == {"template": "py", "timeout": 300}, "the template's network applies"
     assert body(image=None, snapshot="sn-000000000001") == {"snapshot": "sn-000000000001", "timeout": 300}
     assert body(image=None, snapshot="sn-000000000001", network="none") == {
         "snapshot": "sn-000000000001", "timeout": 300, "network": "none",

@@ -268,7 +268,7 @@ def test_pool_set_and_drain(runner: CliRunner, daemon: FakeDaemon) -> None:
 def test_sandbox_create_template(runner: CliRunner, daemon: FakeDaemon) -> None:
     r = invoke(runner, "sandbox", "create", "--template", "py", "--memory-mb", "256")
     assert r.exit_code == 0, r.stderr
-    assert daemon.body() == {"template": "py", "memory_mb": 256, "timeout": 300.0, "network": "none"}
+    assert daemon.body() == {"template": "py", "memory_mb": 256, "timeout": 300.0}, "the template's network applies"
     invoke(runner, "sandbox", "create")
     assert daemon.body()["image"] == "base" and "template" not in daemon.body()
     daemon.on("POST", "/v1/sandboxes", NOT_FOUND, 404)

@@ -122,10 +122,10 @@ def test_template_info_has_its_volumes() -> None:
 
 def test_create_from_template(fake: FakeDaemon) -> None:
     s = Sandbox.create(template="py", transport=fake.transport())
-    assert fake.body() == {"template": "py", "timeout": 300, "network": "none"}, "no image: the template's is used"
+    assert fake.body() == {"template": "py", "timeout": 300}, "no image or network: the template's are used"
     assert s.id == SID
     Sandbox.create(template=TemplateInfo.from_dict(TEMPLATE), memory_mb=256, transport=fake.transport())
-    assert fake.body() == {"template": "py", "memory_mb": 256, "timeout": 300, "network": "none"}
+    assert fake.body() == {"template": "py", "memory_mb": 256, "timeout": 300}
     Sandbox.create("base", template="py", transport=fake.transport())
     assert fake.body()["image"] == "base" and fake.body()["template"] == "py"
     Sandbox.create(transport=fake.transport())
@@ -398,7 +398,7 @@ def test_templates_module_functions(daemon: FakeDaemon) -> None:
 async def test_async_create_from_template_and_fork(fake: FakeDaemon) -> None:
     fake.on("POST", BASE + "/fork", FORK, 201)
     s = await AsyncSandbox.create(template="py", transport=fake.transport())
-    assert fake.body() == {"template": "py", "timeout": 300, "network": "none"}
+    assert fake.body() == {"template": "py", "timeout": 300}
     kids = await s.fork(3, isolated=True)
     assert fake.body() == {"count": 3, "isolated": True} and kids[0].id == "sb-child0000001"
     fake.on("POST", "/v1/sandboxes", NOT_FOUND, 404)

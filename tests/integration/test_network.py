@@ -9,10 +9,11 @@ All traffic stays on this machine: the "outside" is a network namespace the test
 import signal
 import socket
 import threading
+import uuid
 
 import pytest
 
-from branchbox import InvalidArgumentError, Pool
+from branchbox import InvalidArgumentError, Pool, Sandbox, Templates
 from helpers import URL
 
 from branchbox_bench import networld
@@ -71,7 +72,10 @@ def world(daemon):
 
 
 def interfaces(sbx):
-    return sorted(sbx.commands.run("ls /sys/class/net").stdout.split())
+    """The interfaces of the sandbox's network namespace (/proc/net/dev is the reader's own; a
+    nested fork child's /sys is its parent's)."""
+    out = sbx.commands.run("tail -n +3 /proc/net/dev").stdout
+    return sorted(line.split(":")[0].strip() for line in out.splitlines() if ":" in line)
 
 
 def test_none_reaches_nothing_but_loopback(world, make_sandbox):
@@ -246,6 +250,13 @@ def test_bad_network_requests_say_what_to_change(world, make_sandbox, raw):
         r = raw.post("/v1/sandboxes", json=body)
         assert r.status_code == 400 and needle in r.json()["error"]["message"], (body, r.text)
     assert raw.put("/v1/sandboxes/sb-nosuch/network", json={"network": "open"}).status_code == 404
+    # A fork's network is checked before its checkpoint is taken: a refused fork leaves nothing.
+    parent = make_sandbox()
+    parent.files.write("/root/changed", "so that a checkpoint would be new")
+    before = raw.get("/v1/sandboxes/%s/snapshots" % parent.id).json()
+    r = raw.post("/v1/sandboxes/%s/fork" % parent.id, json={"count": 2, "network": "allowlist", "allow": ["bad name"]})
+    assert r.status_code == 400 and "bad name" in r.json()["error"]["message"], r.text
+    assert raw.get("/v1/sandboxes/%s/snapshots" % parent.id).json() == before
 
 
 def test_a_recycled_pool_shell_has_only_loopback(world, make_sandbox):
@@ -291,3 +302,29 @@ def test_a_daemon_restart_keeps_every_sandboxs_rules(world, daemon, make_sandbox
     new = make_sandbox(network="open")
     assert new.info().address not in addrs
     ok(new, "other.test")
+
+
+def test_a_template_builds_with_its_network_and_hands_it_to_its_sandboxes(world, make_sandbox):
+    templates = Templates(daemon=URL)
+    name = "net-%s" % uuid.uuid4().hex[:8]
+    # The recipe fetches from the allowed upstream while it builds.
+    fetch_cmd = "python3 -c 'import urllib.request as u; open(\"/root/got\", \"w\").write(u.urlopen(\"http://allowed.test/recipe\", timeout=5).read().decode())'"
+    try:
+        templates.build(name, run=[fetch_cmd], network="allowlist", allow=["allowed.test"], shells=0)
+        sbx = make_sandbox(template=name)
+        assert sbx.files.read("/root/got").startswith("/recipe " + ALLOWED)
+        info = sbx.info()
+        assert info.network == "allowlist" and info.allow == ["allowed.test"] and info.address
+        ok(sbx, "allowed.test")
+        blocked(sbx, "other.test", how=("dns",))
+        # The request's own network wins.
+        plain = make_sandbox(template=name, network="none")
+        assert interfaces(plain) == ["lo"] and plain.info().address is None
+        wide = make_sandbox(template=name, network="open")
+        ok(wide, "other.test")
+    finally:
+        for s in list(Sandbox.list(daemon=URL)):
+            if s.metadata.get("branchbox.from_template") == name:
+                Sandbox.connect(s.id, daemon=URL, resume=False).kill()
+        templates.remove(name)
+        templates.close()

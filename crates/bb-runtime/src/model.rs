@@ -665,6 +665,12 @@ pub struct BuildTemplate {
     pub timeout: Option<f64>,
     /// Sandboxes kept ready to hand out (default 4).
     pub shells: Option<usize>,
+    /// The network of the recipe's sandbox (its commands may need egress, e.g. `pip install`)
+    /// and, by default, of the sandboxes created from the template: `none` (default),
+    /// `allowlist` or `open` (see [`CreateSandbox::network`]).
+    pub network: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allow: Vec<String>,
     /// Volumes the recipe's sandbox mounts (it may fill them). Each sandbox created from the
     /// template gets a copy-on-write fork of each `branch` volume at the same path (`rox`
     /// volumes: the same volume, read-only); the template holds them until it is removed.

@@ -225,8 +225,8 @@ impl Runtime {
             env: req.env.clone(),
             cwd: req.cwd.clone(),
             timeout: Some(0.0),
-            network: None,
-            allow: Vec::new(),
+            network: req.network.clone(),
+            allow: req.allow.clone(),
             metadata,
             template: None,
             snapshot: None,
@@ -390,7 +390,12 @@ impl Runtime {
                 )));
             }
         }
-        let (mut spec, timeout, _) = self.validate(CreateSandbox { image: Some(row.image.clone()), ..req.clone() })?;
+        // The template's network unless the request gives one (allow entries alone keep its mode).
+        let network = req.network.clone().or_else(|| Some(snap.spec.network.clone()));
+        let allow =
+            if req.network.is_none() && req.allow.is_empty() { snap.spec.allow.clone() } else { req.allow.clone() };
+        let (mut spec, timeout, _) =
+            self.validate(CreateSandbox { image: Some(row.image.clone()), network, allow, ..req.clone() })?;
         // The template's own settings, unless the request sets them.
         spec.layers = snap.spec.layers.clone();
         spec.image_env = snap.spec.image_env.clone();

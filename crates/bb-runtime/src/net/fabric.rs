@@ -39,6 +39,8 @@ pub enum FabricError {
     },
     #[error("{tool} failed ({what}): {stderr}")]
     Failed { tool: &'static str, what: String, stderr: String },
+    #[error("a thread running nft panicked")]
+    Panicked,
     #[error("enabling IPv4 forwarding: {0}")]
     Forwarding(#[source] std::io::Error),
 }
@@ -146,7 +148,6 @@ table inet {t} {{
              link set dev {hif} type bridge_slave isolated on\n\
              link set {hif} up\n"
         );
-        run("ip", &["-batch", "-"], Some(&host), "make the sandbox's veth")?;
         let inside = format!(
             "addr add {}/{} dev eth0\nlink set eth0 up\nroute add default via {}\n",
             self.address(n),
@@ -154,14 +155,26 @@ table inet {t} {{
             self.gateway()
         );
         let ns = format!("--net=/proc/{pid}/ns/net");
-        let wired =
-            run("nsenter", &[&ns, "ip", "-batch", "-"], Some(&inside), "address the sandbox's eth0").and_then(|()| {
+        // The rules are keyed by address, not by interface: made beside the links.
+        let (rules, links) = std::thread::scope(|scope| {
+            let rules = scope.spawn(|| {
                 run("nft", &["-f", "-"], Some(&self.chain_script(n, policy, true)), "add the sandbox's rules")
             });
-        if wired.is_err() {
-            let _ = run("ip", &["link", "del", &hif], None, "");
+            let links = run("ip", &["-batch", "-"], Some(&host), "make the sandbox's veth").and_then(|()| {
+                run("nsenter", &[&ns, "ip", "-batch", "-"], Some(&inside), "address the sandbox's eth0")
+            });
+            (rules.join().unwrap_or(Err(FabricError::Panicked)), links)
+        });
+        match (rules, links) {
+            (Ok(()), Ok(())) => Ok(()),
+            (rules, links) => {
+                if rules.is_ok() {
+                    let _ = run("nft", &["-f", "-"], Some(&self.unchain_script(n)), "");
+                }
+                let _ = run("ip", &["link", "del", &hif], None, "");
+                links.and(rules)
+            }
         }
-        wired
     }
 
     /// Slot `n`'s rules again (a daemon restart made the table afresh; the veth lived on).
@@ -176,15 +189,19 @@ table inet {t} {{
 
     /// Remove slot `n`: its veth (the sandbox's eth0 goes with it) and its rules.
     pub fn detach(&self, n: u32) -> Result<(), FabricError> {
+        let rules = run("nft", &["-f", "-"], Some(&self.unchain_script(n)), "remove the sandbox's rules");
+        let link = run("ip", &["link", "del", &self.host_if(n)], None, "remove the sandbox's veth");
+        rules.and(link)
+    }
+
+    /// Removes slot `n`'s chain, sets and map element.
+    fn unchain_script(&self, n: u32) -> String {
         let t = &self.table;
-        let script = format!(
+        format!(
             "delete element inet {t} sandboxes {{ {ip} }}\nflush chain inet {t} s{n}\ndelete chain inet {t} s{n}\n\
              delete set inet {t} r{n}\ndelete set inet {t} d{n}\n",
             ip = self.address(n)
-        );
-        let rules = run("nft", &["-f", "-"], Some(&script), "remove the sandbox's rules");
-        let link = run("ip", &["link", "del", &self.host_if(n)], None, "remove the sandbox's veth");
-        rules.and(link)
+        )
     }
 
     /// The chain of slot `n` for `policy`; `new`: the chain and sets are made (else flushed).

@@ -49,6 +49,8 @@ pub enum NetError {
     },
     #[error(transparent)]
     Db(#[from] DbError),
+    #[error("sandbox {0} has no network interface to change the rules of")]
+    NotWired(String),
 }
 
 impl NetError {
@@ -92,6 +94,8 @@ pub struct Net {
     up: Mutex<bool>,
     /// Wired sandboxes by id.
     wired: Mutex<HashMap<String, Wired>>,
+    /// The slot handed out last.
+    cursor: Mutex<u32>,
     db: Mutex<Connection>,
 }
 
@@ -122,6 +126,7 @@ impl Net {
             dns_upstream: cfg.net_dns.or_else(host_nameserver),
             up: Mutex::new(false),
             wired: Default::default(),
+            cursor: Mutex::new(1),
             db: Mutex::new(conn),
         })
     }
@@ -176,16 +181,27 @@ impl Net {
     pub(crate) fn attach(self: &Arc<Self>, id: &str, pid: i32, policy: Policy) -> std::result::Result<Wired, NetError> {
         self.ensure_up()?;
         // The slot is taken under the lock and wired outside it (nothing else uses it meanwhile).
+        // Slots are handed out round the range, not lowest first: an address comes back to
+        // another sandbox as late as can be (after its conntrack entries and any DNS answer
+        // still on its way to the old holder's set are long gone).
         let slot = {
             let mut wired = self.wired.lock();
             let used: BTreeSet<u32> = wired.values().map(|w| w.slot).collect();
-            let slot =
-                (2..2 + self.fabric.slots()).find(|s| !used.contains(s)).ok_or(NetError::Full(self.fabric.range))?;
+            let (n, mut cursor) = (self.fabric.slots(), self.cursor.lock());
+            let slot = (1..=n)
+                .map(|i| 2 + (*cursor + i - 2) % n)
+                .find(|s| !used.contains(s))
+                .ok_or(NetError::Full(self.fabric.range))?;
+            *cursor = slot;
             wired.insert(id.to_string(), self.wired_at(slot, Policy::none()));
             slot
         };
         let w = self.wired_at(slot, policy);
-        let done = self.fabric.attach(slot, pid, &w.policy).map_err(NetError::from).and_then(|()| self.save(id, &w));
+        let done = self.fabric.attach(slot, pid, &w.policy).map_err(NetError::from).and_then(|()| {
+            self.save(id, &w).inspect_err(|_| {
+                let _ = self.fabric.detach(slot);
+            })
+        });
         match done {
             Ok(()) => {
                 self.wired.lock().insert(id.to_string(), w.clone());
@@ -200,7 +216,7 @@ impl Net {
 
     /// Give wired sandbox `id` `policy` (both with egress). Blocking.
     pub(crate) fn update(&self, id: &str, policy: Policy) -> std::result::Result<Wired, NetError> {
-        let Some(mut w) = self.wired(id) else { return Err(PolicyError::Mode("none".into()).into()) };
+        let Some(mut w) = self.wired(id) else { return Err(NetError::NotWired(id.to_string())) };
         self.fabric.update(w.slot, &policy)?;
         w.policy = policy;
         self.save(id, &w)?;

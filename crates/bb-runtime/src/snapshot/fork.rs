@@ -48,40 +48,48 @@ impl Runtime {
             Some(_) => return Err(RuntimeError::BadRequest("timeout must be >= 0 seconds (0 = no limit)".into())),
         };
         self.check_capacity(n as usize)?;
-        let live_net = match &req.snapshot {
-            Some(_) => None,
-            None => Some(self.get(id)?),
-        };
-        let snap = match req.snapshot {
+        /// What the children are forked from.
+        enum Source {
+            Named(Box<SnapshotRow>),
+            /// A checkpoint of the live parent, taken once the request is checked.
+            Live(Arc<Sandbox>),
+        }
+        let source = match &req.snapshot {
             Some(sid) => {
-                let snap = self.snapshot_row(&sid)?;
+                let snap = self.snapshot_row(sid)?;
                 self.get(id)?; // the sandbox must exist even when forking a named snapshot
-                snap
+                Source::Named(Box::new(snap))
             }
-            None => {
-                let sb = self.live(id)?;
+            None => Source::Live(self.live(id)?),
+        };
+        // The children's network: the snapshot's, or the parent's now (a checkpoint that changed
+        // nothing is the previous one, recorded before a later policy change); then the fork's
+        // own. Checked before a checkpoint is taken for it.
+        let (mut network, mut allow) = match &source {
+            Source::Named(snap) => (snap.spec.network.clone(), snap.spec.allow.clone()),
+            Source::Live(sb) => {
+                let now = self.spec_now(sb);
+                (now.network, now.allow)
+            }
+        };
+        if let Some(mode) = req.network {
+            if req.allow.is_none() && mode == "none" {
+                allow.clear();
+            }
+            network = mode;
+        }
+        if let Some(a) = req.allow {
+            allow = a;
+        }
+        crate::net::policy::Policy::parse(&network, &allow).map_err(crate::net::NetError::from)?;
+        let snap = match source {
+            Source::Named(snap) => *snap,
+            Source::Live(sb) => {
                 let _op = sb.begin_op().await;
                 self.checkpoint_locked(&sb, Some("fork".into()), true, false).await?.0
             }
         };
-        // The children's network: the parent's now (a checkpoint that changed nothing is the
-        // previous one, recorded before a later policy change) or the snapshot's; then the
-        // fork's own.
-        let mut spec = snap.spec.clone();
-        if let Some(sb) = live_net {
-            let now = self.spec_now(&sb);
-            (spec.network, spec.allow) = (now.network, now.allow);
-        }
-        if let Some(mode) = req.network {
-            if req.allow.is_none() && mode == "none" {
-                spec.allow.clear();
-            }
-            spec.network = mode;
-        }
-        if let Some(allow) = req.allow {
-            spec.allow = allow;
-        }
-        Self::spec_policy(&spec)?;
+        let spec = SandboxSpec { network, allow, ..snap.spec.clone() };
         let (children, restart_reason) = if req.isolated {
             let why = (!snap.sessions.is_empty()).then(|| "isolated children start fresh sessions".to_string());
             (self.fork_cold(&snap, &spec, n, timeout).await?, why)
