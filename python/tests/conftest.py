@@ -127,6 +127,10 @@ class FakeDaemon:
         request = request or self.last
         return json.loads(request.content) if request.content else None
 
+    def shape(self) -> Tuple[str, str, Any]:
+        """Method, path and JSON body of the last request."""
+        return self.last.method, self.last.url.path, self.body()
+
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self)
 

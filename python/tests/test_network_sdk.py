@@ -103,10 +103,6 @@ async def asbx(fake: FakeDaemon, net: Network) -> AsyncSandbox:
     await s.close()
 
 
-def shape(fake: FakeDaemon):
-    req = fake.last
-    return req.method, req.url.path, fake.body()
-
 
 def fork_answer(*children: dict) -> dict:
     return {"snapshot": "sn-000000000001", "sandboxes": list(children), "sessions_restarted": False, "took_ms": 8.0}
@@ -270,7 +266,7 @@ def test_core_fork_bodies() -> None:
 def test_create_sends_network_and_allow(fake: FakeDaemon) -> None:
     fake.on("POST", "/v1/sandboxes", SANDBOX_NET, 201)
     sbx = Sandbox.create(network="allowlist", allow=ENTRIES, transport=fake.transport())
-    assert shape(fake) == ("POST", "/v1/sandboxes", {
+    assert fake.shape() == ("POST", "/v1/sandboxes", {
         "image": "base", "timeout": 300, "network": "allowlist", "allow": ENTRIES,
     })
     info = sbx._info
@@ -302,7 +298,7 @@ def test_fork_passes_network_and_allow(sbx: Sandbox, fake: FakeDaemon) -> None:
     child = dict(SANDBOX_NET, id="sb-child0000001", network="open", allow=[], address="10.213.0.3")
     fake.on("POST", BASE + "/fork", fork_answer(child), 201)
     (c,) = sbx.fork(1, network="open", allow=[])
-    assert shape(fake) == ("POST", BASE + "/fork", {"count": 1, "network": "open", "allow": []})
+    assert fake.shape() == ("POST", BASE + "/fork", {"count": 1, "network": "open", "allow": []})
     assert c.id == "sb-child0000001" and c._info.network == "open" and c._info.address == "10.213.0.3"
     c.close()
     children, result = sbx.fork_info(2, allow=["a.test"])
@@ -322,16 +318,16 @@ def test_fork_passes_network_and_allow(sbx: Sandbox, fake: FakeDaemon) -> None:
 def test_network_get_and_update(sbx: Sandbox, fake: FakeDaemon, net: Network) -> None:
     assert isinstance(sbx.network, sandbox_sync.Network) and repr(sbx.network) == "Network(sandbox=%r)" % SID
     info = sbx.network.get()
-    assert shape(fake) == ("GET", NETWORK, None)
+    assert fake.shape() == ("GET", NETWORK, None)
     assert isinstance(info, NetworkInfo)
     assert (info.sandbox, info.network, info.allow, info.address, info.rx_bytes, info.tx_bytes) == (
         SID, "none", [], None, 1500, 700,
     )
     n = sbx.network.update(network="allowlist")
-    assert shape(fake) == ("PUT", NETWORK, {"network": "allowlist"})
+    assert fake.shape() == ("PUT", NETWORK, {"network": "allowlist"})
     assert (n.network, n.allow, n.address) == ("allowlist", [], ADDRESS)
     n = sbx.network.update(allow=["allowed.test"])
-    assert shape(fake) == ("PUT", NETWORK, {"allow": ["allowed.test"]})
+    assert fake.shape() == ("PUT", NETWORK, {"allow": ["allowed.test"]})
     assert (n.network, n.allow) == ("allowlist", ["allowed.test"])
     n = sbx.network.update("open")  # positional: the mode
     assert fake.body() == {"network": "open"} and n.allow == ["allowed.test"], "entries left as they were"
@@ -389,7 +385,7 @@ def test_each_sandbox_has_its_network(fake: FakeDaemon, net: Network) -> None:
 async def test_async_create_and_fork(fake: FakeDaemon) -> None:
     fake.on("POST", "/v1/sandboxes", SANDBOX_NET, 201)
     s = await AsyncSandbox.create(network="allowlist", allow=ENTRIES[:2], transport=fake.transport())
-    assert shape(fake) == ("POST", "/v1/sandboxes", {
+    assert fake.shape() == ("POST", "/v1/sandboxes", {
         "image": "base", "timeout": 300, "network": "allowlist", "allow": ENTRIES[:2],
     })
     assert s._info.address == ADDRESS and s._info.net_tx_bytes == 4096
@@ -411,9 +407,9 @@ async def test_async_create_and_fork(fake: FakeDaemon) -> None:
 async def test_async_network(asbx: AsyncSandbox, fake: FakeDaemon, net: Network) -> None:
     assert isinstance(asbx.network, sandbox_async.AsyncNetwork)
     info = await asbx.network.get()
-    assert shape(fake) == ("GET", NETWORK, None) and info == NetworkInfo.from_dict(net.info())
+    assert fake.shape() == ("GET", NETWORK, None) and info == NetworkInfo.from_dict(net.info())
     n = await asbx.network.update(network="allowlist", allow=["allowed.test"])
-    assert shape(fake) == ("PUT", NETWORK, {"network": "allowlist", "allow": ["allowed.test"]})
+    assert fake.shape() == ("PUT", NETWORK, {"network": "allowlist", "allow": ["allowed.test"]})
     assert (n.network, n.allow, n.address) == ("allowlist", ["allowed.test"], ADDRESS)
     n = await asbx.network.update(allow=[])
     assert fake.body() == {"allow": []} and n.allow == [] and n.network == "allowlist"

@@ -93,10 +93,6 @@ async def asbx(fake: FakeDaemon, ports: Ports) -> AsyncSandbox:
     await s.close()
 
 
-def shape(fake: FakeDaemon):
-    req = fake.last
-    return req.method, req.url.path, fake.body()
-
 
 # ----------------------------------------------------------------------------- model
 
@@ -164,23 +160,23 @@ def test_port_number_good() -> None:
 
 def test_get_host_opens_the_port(sbx: Sandbox, fake: FakeDaemon) -> None:
     assert sbx.get_host(8000) == "127.0.0.1:41234"
-    assert shape(fake) == ("GET", PORTS + "/8000", None)
+    assert fake.shape() == ("GET", PORTS + "/8000", None)
     assert sbx.get_host(8000) == "127.0.0.1:41234", "asked again: the same host"
     assert sbx.get_host(8001) == "127.0.0.1:41235"
 
 
 def test_open_port_list_and_close(sbx: Sandbox, fake: FakeDaemon) -> None:
     info = sbx.open_port(8001)
-    assert isinstance(info, PortInfo) and shape(fake) == ("GET", PORTS + "/8001", None)
+    assert isinstance(info, PortInfo) and fake.shape() == ("GET", PORTS + "/8001", None)
     assert (info.sandbox, info.port, info.host, info.url) == (SID, 8001, "127.0.0.1:41234", "http://127.0.0.1:41234")
     assert info.opened_at == OPENED_AT and info.raw["port"] == 8001
     sbx.open_port(8000)
     listed = sbx.ports()
-    assert shape(fake) == ("GET", PORTS, None)
+    assert fake.shape() == ("GET", PORTS, None)
     assert [p.port for p in listed] == [8000, 8001] and all(isinstance(p, PortInfo) for p in listed)
     assert listed[1] == info
     assert sbx.close_port(8001) is True
-    assert shape(fake) == ("DELETE", PORTS + "/8001", None)
+    assert fake.shape() == ("DELETE", PORTS + "/8001", None)
     assert sbx.close_port(8001) is False, "not open any more"
     assert [p.port for p in sbx.ports()] == [8000]
 
@@ -230,12 +226,12 @@ def test_a_daemon_400_is_an_invalid_argument_error(sbx: Sandbox, fake: FakeDaemo
 
 async def test_async_ports(asbx: AsyncSandbox, fake: FakeDaemon) -> None:
     assert await asbx.get_host(8000) == "127.0.0.1:41234"
-    assert shape(fake) == ("GET", PORTS + "/8000", None)
+    assert fake.shape() == ("GET", PORTS + "/8000", None)
     info = await asbx.open_port(8000)
     assert info == PortInfo.from_dict(P8000) and fake.last.url.path == PORTS + "/8000"
     await asbx.open_port(22)
-    assert [p.port for p in await asbx.ports()] == [22, 8000] and shape(fake) == ("GET", PORTS, None)
-    assert await asbx.close_port(22) is True and shape(fake) == ("DELETE", PORTS + "/22", None)
+    assert [p.port for p in await asbx.ports()] == [22, 8000] and fake.shape() == ("GET", PORTS, None)
+    assert await asbx.close_port(22) is True and fake.shape() == ("DELETE", PORTS + "/22", None)
     assert await asbx.close_port(22) is False
     assert [p.host for p in await asbx.ports()] == ["127.0.0.1:41234"]
 

@@ -84,10 +84,6 @@ async def asbx(fake: FakeDaemon) -> AsyncSandbox:
     await s.close()
 
 
-def shape(fake: FakeDaemon):
-    req = fake.last
-    return req.method, req.url.path, fake.body()
-
 
 # ----------------------------------------------------------------------------- models
 
@@ -198,20 +194,20 @@ def test_core_bad_input(build) -> None:
 
 def test_checkpoint(sbx: Sandbox, fake: FakeDaemon) -> None:
     assert sbx.checkpoint() == SN1
-    assert shape(fake) == ("POST", BASE + "/checkpoint", {})
+    assert fake.shape() == ("POST", BASE + "/checkpoint", {})
     assert sbx.checkpoint(label="before tests") == SN1
     assert fake.body() == {"label": "before tests"}
 
 
 def test_checkpoint_info_is_the_whole_answer(sbx: Sandbox, fake: FakeDaemon) -> None:
     info = sbx.checkpoint_info("l")
-    assert shape(fake) == ("POST", BASE + "/checkpoint", {"label": "l"})
+    assert fake.shape() == ("POST", BASE + "/checkpoint", {"label": "l"})
     assert isinstance(info, SnapshotInfo) and info.id == SN1 and info.took_ms == 12.5
 
 
 def test_rollback(sbx: Sandbox, fake: FakeDaemon) -> None:
     r = sbx.rollback(SN1)
-    assert shape(fake) == ("POST", BASE + "/rollback", {"snapshot": SN1})
+    assert fake.shape() == ("POST", BASE + "/rollback", {"snapshot": SN1})
     assert isinstance(r, RollbackResult)
     assert r == RollbackResult(snapshot=SN1, sessions_restarted=True, killed=[41, 42], took_ms=3.25)
     sbx.rollback(SnapshotInfo.from_dict(SNAP2))
@@ -222,7 +218,7 @@ def test_fork_children_share_connection_config(fake: FakeDaemon) -> None:
     routes(fake)
     sbx = Sandbox.create(token="tok", transport=fake.transport())
     children = sbx.fork()
-    assert shape(fake) == ("POST", BASE + "/fork", {"count": 1})
+    assert fake.shape() == ("POST", BASE + "/fork", {"count": 1})
     assert [c.id for c in children] == ["sb-child000001", "sb-child000002"]
     assert all(isinstance(c, Sandbox) for c in children)
     assert children[0]._info.id == "sb-child000001"  # the SandboxInfo from the answer, no extra GET
@@ -240,7 +236,7 @@ def test_fork_children_share_connection_config(fake: FakeDaemon) -> None:
 
 def test_fork_info_returns_the_children_and_the_answer(sbx: Sandbox, fake: FakeDaemon) -> None:
     children, result = sbx.fork_info(2, snapshot=SN1, timeout=60, isolated=True)
-    assert shape(fake) == ("POST", BASE + "/fork", {"count": 2, "snapshot": SN1, "timeout": 60, "isolated": True})
+    assert fake.shape() == ("POST", BASE + "/fork", {"count": 2, "snapshot": SN1, "timeout": 60, "isolated": True})
     assert isinstance(result, ForkResult) and result.took_ms == 8.0 and result.snapshot == SN1
     assert [c.id for c in children] == [s.id for s in result.sandboxes] == ["sb-child000001", "sb-child000002"]
     assert all(isinstance(c, Sandbox) and c._http.config is sbx._http.config for c in children)
@@ -274,14 +270,14 @@ def test_rollback_and_checkpoint_bad_input_send_nothing(sbx: Sandbox, fake: Fake
 
 def test_snapshots_of_sandbox(sbx: Sandbox, fake: FakeDaemon) -> None:
     snaps = sbx.snapshots()
-    assert shape(fake) == ("GET", BASE + "/snapshots", None)
+    assert fake.shape() == ("GET", BASE + "/snapshots", None)
     assert [s.id for s in snaps] == [SN1, SN2]
     assert snaps[1].parent == SN1 and snaps[1].lightweight is True
 
 
 def test_evaluate_reuses_command_body(sbx: Sandbox, fake: FakeDaemon) -> None:
     res = sbx.evaluate("pytest -q")
-    assert shape(fake) == ("POST", BASE + "/evaluate", {"cmd": "pytest -q"})
+    assert fake.shape() == ("POST", BASE + "/evaluate", {"cmd": "pytest -q"})
     assert isinstance(res, CommandResult) and res.stdout == "hi\n" and res.ok
     sbx.evaluate(["python", "-c", "print(1)"], env={"A": 1}, cwd="/src", timeout=30)
     assert fake.body() == {"args": ["python", "-c", "print(1)"], "env": {"A": "1"}, "cwd": "/src", "timeout": 30}
@@ -307,11 +303,11 @@ def test_snapshots_client(fake: FakeDaemon) -> None:
     routes(fake)
     with Snapshots(transport=fake.transport()) as snaps:
         assert [s.id for s in snaps.list()] == [SN1, SN2]
-        assert shape(fake) == ("GET", "/v1/snapshots", None)
+        assert fake.shape() == ("GET", "/v1/snapshots", None)
         assert [s.id for s in snaps.list(sandbox=SID)] == [SN1, SN2]
         assert fake.last.url.path == BASE + "/snapshots"
         info = snaps.get(SN1)
-        assert shape(fake) == ("GET", "/v1/snapshots/" + SN1, None) and info == SnapshotInfo.from_dict(SNAP)
+        assert fake.shape() == ("GET", "/v1/snapshots/" + SN1, None) and info == SnapshotInfo.from_dict(SNAP)
         assert snaps.delete(SN1) is True  # 204, no body
         assert (fake.last.method, fake.last.url.path, dict(fake.last.url.params)) == (
             "DELETE", "/v1/snapshots/" + SN1, {"subtree": "false"})
@@ -319,7 +315,7 @@ def test_snapshots_client(fake: FakeDaemon) -> None:
         assert snaps.delete(info, subtree=True) is True
         assert fake.last.url.params["subtree"] == "true"
         r = snaps.gc([SN1], sandbox=SID)
-        assert shape(fake) == ("POST", "/v1/snapshots/gc", {"keep": [SN1], "sandbox": SID})
+        assert fake.shape() == ("POST", "/v1/snapshots/gc", {"keep": [SN1], "sandbox": SID})
         assert r == GcResult(deleted=[SN2, SN3], freed_bytes=8192)
         snaps.gc([])
         assert fake.body() == {"keep": []}
@@ -341,12 +337,12 @@ def test_snapshots_client_accepts_a_sandbox(sbx: Sandbox, fake: FakeDaemon) -> N
 
 async def test_async_checkpoint_rollback_evaluate(asbx: AsyncSandbox, fake: FakeDaemon) -> None:
     assert await asbx.checkpoint(label="l") == SN1
-    assert shape(fake) == ("POST", BASE + "/checkpoint", {"label": "l"})
+    assert fake.shape() == ("POST", BASE + "/checkpoint", {"label": "l"})
     r = await asbx.rollback(SN1)
-    assert shape(fake) == ("POST", BASE + "/rollback", {"snapshot": SN1})
+    assert fake.shape() == ("POST", BASE + "/rollback", {"snapshot": SN1})
     assert r.killed == [41, 42] and r.sessions_restarted is True
     res = await asbx.evaluate("make test", cwd="/w", timeout=9)
-    assert shape(fake) == ("POST", BASE + "/evaluate", {"cmd": "make test", "cwd": "/w", "timeout": 9})
+    assert fake.shape() == ("POST", BASE + "/evaluate", {"cmd": "make test", "cwd": "/w", "timeout": 9})
     assert isinstance(res, CommandResult) and res.exit_code == 0
     assert [s.id for s in await asbx.snapshots()] == [SN1, SN2]
     assert fake.last.url.path == BASE + "/snapshots"
@@ -354,7 +350,7 @@ async def test_async_checkpoint_rollback_evaluate(asbx: AsyncSandbox, fake: Fake
 
 async def test_async_fork(asbx: AsyncSandbox, fake: FakeDaemon) -> None:
     children = await asbx.fork(2, snapshot=SN1, timeout=60)
-    assert shape(fake) == ("POST", BASE + "/fork", {"count": 2, "snapshot": SN1, "timeout": 60})
+    assert fake.shape() == ("POST", BASE + "/fork", {"count": 2, "snapshot": SN1, "timeout": 60})
     assert [c.id for c in children] == ["sb-child000001", "sb-child000002"]
     assert all(isinstance(c, AsyncSandbox) for c in children)
     assert all(c._http is not asbx._http and c._http.config is asbx._http.config for c in children)
@@ -367,9 +363,9 @@ async def test_async_fork(asbx: AsyncSandbox, fake: FakeDaemon) -> None:
 
 async def test_async_checkpoint_info_and_fork_info(asbx: AsyncSandbox, fake: FakeDaemon) -> None:
     info = await asbx.checkpoint_info()
-    assert shape(fake) == ("POST", BASE + "/checkpoint", {}) and info.took_ms == 12.5
+    assert fake.shape() == ("POST", BASE + "/checkpoint", {}) and info.took_ms == 12.5
     children, result = await asbx.fork_info(2, isolated=True)
-    assert shape(fake) == ("POST", BASE + "/fork", {"count": 2, "isolated": True})
+    assert fake.shape() == ("POST", BASE + "/fork", {"count": 2, "isolated": True})
     assert result.took_ms == 8.0 and [c.id for c in children] == ["sb-child000001", "sb-child000002"]
     assert all(isinstance(c, AsyncSandbox) for c in children)
     for c in children:
@@ -398,7 +394,7 @@ async def test_async_snapshots_client(fake: FakeDaemon) -> None:
         assert await snaps.delete(SN1, subtree=True) is True
         assert fake.last.url.params["subtree"] == "true"
         r = await snaps.gc([SN1, SN2])
-        assert shape(fake) == ("POST", "/v1/snapshots/gc", {"keep": [SN1, SN2]})
+        assert fake.shape() == ("POST", "/v1/snapshots/gc", {"keep": [SN1, SN2]})
         assert r.freed_bytes == 8192
         with pytest.raises(InvalidArgumentError):
             await snaps.gc(None)

@@ -88,10 +88,6 @@ async def avol(fake: FakeDaemon) -> AsyncVolume:
     await v.close()
 
 
-def shape(fake: FakeDaemon):
-    req = fake.last
-    return req.method, req.url.path, fake.body()
-
 
 # ----------------------------------------------------------------------------- models
 
@@ -299,45 +295,45 @@ def test_sandbox_create_bad_volumes_sends_nothing(fake: FakeDaemon) -> None:
 def test_create_connect_list(fake: FakeDaemon) -> None:
     routes(fake)
     with Volume.create("ws", "rox", 64, token="tok", transport=fake.transport()) as v:
-        assert shape(fake) == ("POST", "/v1/volumes", {"name": "ws", "access": "rox", "quota_mb": 64})
+        assert fake.shape() == ("POST", "/v1/volumes", {"name": "ws", "access": "rox", "quota_mb": 64})
         assert fake.last.headers["authorization"] == "Bearer tok"
         assert v.id == VID and v._info == VolumeInfo.from_dict(VOLUME) and repr(v) == "Volume(id=%r)" % VID
     with Volume.connect("ws", transport=fake.transport()) as v:
-        assert shape(fake) == ("GET", "/v1/volumes/ws", None)
+        assert fake.shape() == ("GET", "/v1/volumes/ws", None)
         assert v.id == VID  # the id from now on, not the name
         v.info()
         assert fake.last.url.path == VBASE
     infos = Volume.list(transport=fake.transport())
-    assert shape(fake) == ("GET", "/v1/volumes", None)
+    assert fake.shape() == ("GET", "/v1/volumes", None)
     assert [i.id for i in infos] == [VID, VID2] and all(isinstance(i, VolumeInfo) for i in infos)
 
 
 def test_volume_operations(vol: Volume, fake: FakeDaemon) -> None:
     info = vol.info()
-    assert shape(fake) == ("GET", VBASE, None) and info.mounts[0].sandbox == SID
+    assert fake.shape() == ("GET", VBASE, None) and info.mounts[0].sandbox == SID
     snap = vol.snapshot("clean")
-    assert shape(fake) == ("POST", VBASE + "/snapshots", {"label": "clean"}) and snap == VolumeSnapshotInfo.from_dict(VSNAP)
+    assert fake.shape() == ("POST", VBASE + "/snapshots", {"label": "clean"}) and snap == VolumeSnapshotInfo.from_dict(VSNAP)
     vol.snapshot()
     assert fake.body() == {}
     assert [s.id for s in vol.snapshots()] == [VS1, VS2]
-    assert shape(fake) == ("GET", VBASE + "/snapshots", None)
+    assert fake.shape() == ("GET", VBASE + "/snapshots", None)
     assert vol.delete_snapshot(snap) is True
-    assert shape(fake) == ("DELETE", VBASE + "/snapshots/" + VS1, None)
+    assert fake.shape() == ("DELETE", VBASE + "/snapshots/" + VS1, None)
     restored = vol.restore(VS1)
-    assert shape(fake) == ("POST", VBASE + "/restore", {"snapshot": VS1}) and restored.id == VID
+    assert fake.shape() == ("POST", VBASE + "/restore", {"snapshot": VS1}) and restored.id == VID
     synced = vol.sync()
-    assert shape(fake) == ("POST", VBASE + "/sync", None)
+    assert fake.shape() == ("POST", VBASE + "/sync", None)
     assert (synced.durability, synced.version, synced.backlog_bytes) == ("durable", 4, 0)
     assert vol._info is synced
     assert vol.delete() is True
-    assert shape(fake) == ("DELETE", VBASE, None)
+    assert fake.shape() == ("DELETE", VBASE, None)
 
 
 def test_fork_is_a_volume_with_its_own_connection(fake: FakeDaemon) -> None:
     routes(fake)
     vol = Volume.create(token="tok", transport=fake.transport())
     child = vol.fork("ws2", snapshot=VSNAP["id"])
-    assert shape(fake) == ("POST", VBASE + "/fork", {"name": "ws2", "snapshot": VS1})
+    assert fake.shape() == ("POST", VBASE + "/fork", {"name": "ws2", "snapshot": VS1})
     assert isinstance(child, Volume) and child.id == VID2 and child._info.source == VID
     assert child._http is not vol._http and child._http.config is vol._http.config
     vol.fork().close()
@@ -366,9 +362,9 @@ def test_volume_files_are_the_sandbox_files_class_on_the_volume(vol: Volume, fak
     assert [e.name for e in vol.files.list("/a", depth=2)] == ["b", "d"]
     assert (fake.last.url.path, dict(fake.last.url.params)) == (VBASE + "/files/list", {"path": "/a", "depth": "2"})
     assert vol.files.stat("/a/b").size == 3 and vol.files.exists("/a/b") is True
-    assert vol.files.make_dir("/a/c").is_dir and shape(fake) == ("POST", VBASE + "/files/mkdir", {"path": "/a/c", "parents": True})
+    assert vol.files.make_dir("/a/c").is_dir and fake.shape() == ("POST", VBASE + "/files/mkdir", {"path": "/a/c", "parents": True})
     assert vol.files.rename("/a/b", "/a/d").path == "/a/d"
-    assert shape(fake) == ("POST", VBASE + "/files/rename", {"from": "/a/b", "to": "/a/d"})
+    assert fake.shape() == ("POST", VBASE + "/files/rename", {"from": "/a/b", "to": "/a/d"})
     assert vol.files.remove("/a", recursive=True) is True
     assert (fake.last.method, dict(fake.last.url.params)) == ("DELETE", {"path": "/a", "recursive": "true"})
     src = tmp_path / "src.bin"
@@ -423,7 +419,7 @@ def test_bad_input_sends_nothing(vol: Volume, fake: FakeDaemon) -> None:
 
 
 async def test_async_volume(fake: FakeDaemon, avol: AsyncVolume) -> None:
-    assert shape(fake) == ("POST", "/v1/volumes", {"access": "rwo"}) and avol.id == VID
+    assert fake.shape() == ("POST", "/v1/volumes", {"access": "rwo"}) and avol.id == VID
     assert (await avol.info()).name == "ws"
     assert (await avol.snapshot("l")).id == VS1 and fake.body() == {"label": "l"}
     assert [s.id for s in await avol.snapshots()] == [VS1, VS2]
@@ -431,7 +427,7 @@ async def test_async_volume(fake: FakeDaemon, avol: AsyncVolume) -> None:
     assert (await avol.restore(VSNAP2["id"])).id == VID and fake.body() == {"snapshot": VS2}
     assert (await avol.sync()).durability == "durable"
     child = await avol.fork(snapshot=VS1)
-    assert shape(fake) == ("POST", VBASE + "/fork", {"snapshot": VS1})
+    assert fake.shape() == ("POST", VBASE + "/fork", {"snapshot": VS1})
     assert isinstance(child, AsyncVolume) and child.id == VID2 and child._http.config is avol._http.config
     assert child._http is not avol._http
     await child.close()
