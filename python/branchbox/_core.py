@@ -375,6 +375,7 @@ def create_sandbox(
     snapshot: Any = None,
     volumes: VolumesT = None,
     allow: Optional[Sequence[str]] = None,
+    proxy: bool = False,
 ) -> Call:
     """``image=None`` means ``"base"``, or the template's image when ``template`` is given
     (the daemon refuses an image other than the template's); with ``snapshot``, the
@@ -382,7 +383,10 @@ def create_sandbox(
     :func:`volume_mounts`) is sent only when given.
 
     ``network=None`` means ``"none"``, or with ``snapshot`` or ``template`` the snapshot's or
-    template's mode (not sent); ``allow`` (see :func:`allow_entries`) is sent only when given."""
+    template's mode (not sent); ``allow`` (see :func:`allow_entries`) is sent only when given.
+    ``proxy`` (the daemon's HTTP(S) proxy in the sandbox) is sent only when True."""
+    if not isinstance(proxy, bool):
+        raise _NetworkError("proxy must be True or False, not %r" % (proxy,))
     name = template_name(template) if template is not None else None
     sid = snapshot_id(snapshot) if snapshot is not None else None
     if image is None and name is None and sid is None:
@@ -404,6 +408,7 @@ def create_sandbox(
             "timeout": timeout,
             "network": network,
             "allow": allow_entries(allow) if allow is not None else None,
+            "proxy": True if proxy else None,
             "metadata": _env(metadata),
             "lifecycle": dict(lifecycle) if lifecycle is not None else None,
             "volumes": volume_mounts(volumes) if volumes is not None else None,
@@ -625,7 +630,7 @@ NETWORK_MODES = ("none", "allowlist", "open")
 
 
 class _NetworkError(exc.InvalidArgumentError, ValueError):
-    """A network mode or allow list of the wrong shape, refused before any request: an
+    """A network mode, allow list or proxy flag of the wrong shape, refused before any request: an
     :class:`InvalidArgumentError` like the SDK's other client-side checks, and a ``ValueError``."""
 
 

@@ -97,6 +97,9 @@ class SandboxInfo(_Model):
     allow: List[str] = field(default_factory=list)
     #: Its IPv4 address on the sandboxes' bridge (None in mode ``"none"``).
     address: Optional[str] = None
+    #: The URL of the daemon's HTTP(S) proxy as seen inside it (``"http://127.0.0.1:3128"``,
+    #: also in its ``HTTP_PROXY``/``HTTPS_PROXY``), or None without one (``Sandbox.create(proxy=True)``).
+    proxy: Optional[str] = None
     #: Bytes it received and sent through its network interface (loopback and ports reached
     #: from the host are not counted).
     net_rx_bytes: int = 0
@@ -270,13 +273,16 @@ class PortInfo(_Model):
     ``host`` (``"127.0.0.1:41234"``: the daemon's ``--port-bind`` address, 127.0.0.1 unless
     set, at a port the kernel picked) are joined to a server listening on ``port`` inside
     sandbox ``sandbox``; ``url`` is ``"http://" + host``. ``opened_at`` is when the forwarder
-    was opened; it stays open until ``sbx.close_port(port)`` or until the sandbox is killed."""
+    was opened; it stays open until ``sbx.close_port(port)`` or until the sandbox is killed.
+    ``domain_host`` (``"8000-<sandbox>.localhost:7070"``) reaches the same port through the
+    daemon's TCP listener by Host header (``--listen``, ``--port-domain``); None without one."""
 
     sandbox: str = ""
     port: int = 0
     host: str = ""
     url: str = ""
     opened_at: Optional[float] = None
+    domain_host: Optional[str] = None
     raw: Dict[str, Any] = _raw()
 
 
@@ -290,7 +296,9 @@ class NetworkInfo(_Model):
     (``"api.example.com"``), wildcards (``"*.example.org"``), IPv4 addresses or CIDRs, each with
     an optional ``:port`` or ``:low-high``. ``address`` is the sandbox's IPv4 address on the
     daemon's bridge (None in mode ``"none"``); ``rx_bytes``/``tx_bytes`` the bytes it received
-    and sent through it."""
+    and sent through it. ``proxy`` (read-only) is the URL of the daemon's HTTP(S) proxy as seen
+    inside the sandbox (``"http://127.0.0.1:3128"``), or None without one; the proxy lets through
+    what ``allow`` lists (in mode ``"open"`` also any public destination), in every mode."""
 
     sandbox: str = ""
     network: str = ""
@@ -298,6 +306,7 @@ class NetworkInfo(_Model):
     address: Optional[str] = None
     rx_bytes: int = 0
     tx_bytes: int = 0
+    proxy: Optional[str] = None
     raw: Dict[str, Any] = _raw()
 
     @classmethod

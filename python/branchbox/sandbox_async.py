@@ -187,6 +187,7 @@ class AsyncSandbox:
         timeout: Optional[float] = 300,
         network: Optional[str] = None,
         allow: Optional[Sequence[str]] = None,
+        proxy: bool = False,
         metadata: Optional[Mapping[str, str]] = None,
         template: Union[str, TemplateInfo, None] = None,
         lifecycle: Optional[Mapping[str, Any]] = None,
@@ -203,7 +204,7 @@ class AsyncSandbox:
             info = await http.call(
                 _core.create_sandbox(
                     image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot,
-                    volumes, allow,
+                    volumes, allow, proxy,
                 )
             )
         except BaseException:
@@ -434,7 +435,7 @@ class AsyncNetwork:
         self._sbx = sandbox
 
     async def get(self) -> NetworkInfo:
-        """The sandbox's network now: mode, allow entries, address, bytes received and sent."""
+        """The sandbox's network now: mode, allow entries, address, proxy, bytes received and sent."""
         return await self._sbx._http.call(_core.get_network(self._sbx.id))
 
     async def update(self, network: Optional[str] = None, allow: Optional[Sequence[str]] = None) -> NetworkInfo:

@@ -386,6 +386,7 @@ class Sandbox:
         timeout: Optional[float] = 300,
         network: Optional[str] = None,
         allow: Optional[Sequence[str]] = None,
+        proxy: bool = False,
         metadata: Optional[Mapping[str, str]] = None,
         template: Union[str, TemplateInfo, None] = None,
         lifecycle: Optional[Mapping[str, Any]] = None,
@@ -428,6 +429,15 @@ class Sandbox:
         ``:low-high`` (``"10.0.0.0/8:443"``). With ``snapshot`` or ``template``, both default
         to the snapshot's or template's (``allow`` alone keeps its mode). Change them later with ``sbx.network.update(...)`` (:class:`Network`).
 
+        ``proxy=True`` gives the sandbox the daemon's HTTP(S) forwarding proxy, listening in its
+        own network namespace on ``127.0.0.1:3128`` (:attr:`SandboxInfo.proxy`), with
+        ``HTTP_PROXY``/``HTTPS_PROXY`` (and ``http_proxy``/``https_proxy``) set to it and
+        ``NO_PROXY`` to ``localhost,127.0.0.1,::1`` unless ``env`` sets them. The proxy lets
+        through what ``allow`` lists (in mode ``"open"`` also any public destination), in every
+        mode: with ``network="none"`` it is the sandbox's only way out, and ``allow`` then governs
+        the proxy alone. Credentials configured on the daemon are added to plaintext requests for
+        their host on the way out (the sandbox never sees them). Fork children keep the proxy.
+
         ``daemon``/``token`` default to ``$BRANCHBOX_URL``/``$BRANCHBOX_TOKEN``;
         ``request_timeout`` bounds each HTTP request; ``transport`` replaces the
         network transport (tests).
@@ -437,7 +447,7 @@ class Sandbox:
             info = http.call(
                 _core.create_sandbox(
                     image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot,
-                    volumes, allow,
+                    volumes, allow, proxy,
                 )
             )
         except BaseException:
@@ -685,7 +695,7 @@ class Network:
         self._sbx = sandbox
 
     def get(self) -> NetworkInfo:
-        """The sandbox's network now: mode, allow entries, address, bytes received and sent."""
+        """The sandbox's network now: mode, allow entries, address, proxy, bytes received and sent."""
         return self._sbx._http.call(_core.get_network(self._sbx.id))
 
     def update(self, network: Optional[str] = None, allow: Optional[Sequence[str]] = None) -> NetworkInfo:

@@ -36,8 +36,24 @@ that make requests:
   server, which may be the bound of both. The sandbox's ``net_rx_bytes`` is checked against
   the bytes it downloaded.
 - ``ckpt_ms_p50``: ``checkpoint()`` of an idle allowlist sandbox (one GET made first), a small
-  file changed before each; ``ckpt_samples``. ``ckpt_during_inflight_ms_p50`` is null: a
-  checkpoint while a request is in flight needs the daemon-side HTTP proxy, not built yet.
+  file changed before each; ``ckpt_samples``.
+- ``ckpt_during_inflight_ms_p50``: ``checkpoint()`` of a sandbox in mode ``none`` with the
+  daemon's proxy (``proxy=True``, ``allow=["allowed.test"]``: the proxy is its only way out)
+  while one of its processes waits for the answer of ``GET http://allowed.test/slow`` through
+  the proxy (the upstream answers after 2 s); the process writes a "sent" marker just before
+  the request, the bench polls it and waits :data:`INFLIGHT_SETTLE` more, then times the
+  checkpoint. ``inflight_samples`` rounds, a fresh process and request each; each answer must
+  then reach the original sandbox (its body file holds ``/slow``), or the run fails.
+  ``ckpt_inflight_vs_idle_ms`` = that p50 - ``ckpt_ms_p50`` (a different sandbox, with no
+  process of its own running: the difference includes the process's cost, not only the
+  request's). The proxy resolves ``allowed.test`` through the daemon's ``--net-dns``
+  (networld's DNS, 198.18.0.1:53).
+- ``ckpt_same_process_idle_ms_p50``: the paired baseline, in the same sandbox and the same
+  rounds: the round's process first writes a "ready" marker and waits (polling every 10 ms) for
+  a "go" file; the bench polls the ready marker, waits :data:`INFLIGHT_SETTLE` more and times a
+  checkpoint, then writes the go file (``files.write``) and only then does the process send its
+  request (the in-flight checkpoint above follows). ``ckpt_inflight_vs_same_process_idle_ms``
+  = ``ckpt_during_inflight_ms_p50`` - that p50: what the request in flight itself costs.
 
 Every sandbox the bench makes is killed, and the snapshots its checkpoints and forks made are
 deleted, at the end.
@@ -56,7 +72,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from branchbox import Pool, Sandbox, SandboxError, Snapshots
+from branchbox import CommandHandle, NotFoundError, Pool, Sandbox, SandboxError, Snapshots
 from branchbox.sandbox_sync import health
 
 from . import networld
@@ -73,6 +89,7 @@ __all__ = [
     "GET_SCRIPT",
     "RTT_SCRIPT",
     "THROUGHPUT_SCRIPT",
+    "INFLIGHT_SCRIPT",
     "UPSTREAM",
     "ALLOW",
 ]
@@ -106,8 +123,12 @@ SUMMARY_KEYS = (
     "throughput_vs_host_ratio",
     "ckpt_ms_p50",
     "ckpt_during_inflight_ms_p50",
+    "ckpt_inflight_vs_idle_ms",
+    "ckpt_same_process_idle_ms_p50",
+    "ckpt_inflight_vs_same_process_idle_ms",
     "samples",
     "ckpt_samples",
+    "inflight_samples",
     "fork_reps",
     "rtt_requests",
     "throughput_mb",
@@ -126,11 +147,18 @@ METRICS = (
     "http_rtt",
     "host_http_rtt",
     "ckpt",
+    "ckpt_same_process_idle",
+    "ckpt_during_inflight",
 )
-NOTE_INFLIGHT = (
-    "ckpt_during_inflight_ms_p50 is null: a checkpoint with a request in flight needs the "
-    "daemon-side HTTP proxy (issue 18), which is not built yet; nothing was measured"
-)
+#: What the in-flight checkpoints' sandbox may reach through its proxy, and what it asks for
+#: (networld answers ``/slow`` after 2 s, with a body that starts with the path).
+PROXY_ALLOW = ["allowed.test"]
+SLOW_URL = "http://allowed.test/slow"
+#: Seconds between one of the in-flight program's markers and the checkpoint that follows it
+#: (the program is waiting for the go file, or its request is sent, by then).
+INFLIGHT_SETTLE = 0.2
+#: Seconds a marker is waited for (the program's start, or its answer to the go file).
+MARKER_TIMEOUT = 30.0
 
 # One GET of http://argv[1]:argv[2]/ on a new connection, the answer read to its end and its
 # status checked; with argv[1] "-" no request is made (the same program and argv shape).
@@ -142,6 +170,22 @@ if sys.argv[1] != "-":
     d = b"".join(iter(lambda: s.recv(65536), b""))
     if d.split(b" ", 2)[1:2] != [b"200"]:
         sys.exit("answer: %r" % d[:200])
+'''
+
+# argv: url ready go sent out. Writes the ready marker and waits for the go file (polled every
+# 10 ms), then writes the sent marker, GETs url through $HTTP_PROXY (urllib honours it) and
+# writes the answer's body to out (complete or not at all: renamed into place).
+INFLIGHT_SCRIPT = r'''
+import os, sys, time, urllib.request
+url, ready, go, sent, out = sys.argv[1:6]
+open(ready, "w").close()
+while not os.path.exists(go):
+    time.sleep(0.01)
+open(sent, "w").close()
+body = urllib.request.urlopen(url, timeout=30).read()
+with open(out + ".part", "wb") as f:
+    f.write(body)
+os.rename(out + ".part", out)
 '''
 
 # argv: host port n. n sequential GETs of / on new connections; prints the JSON list of each
@@ -203,6 +247,9 @@ class NetConfig:
     #: Creates of each mode.
     samples: int = 15
     ckpt_samples: int = 10
+    #: Rounds of the proxied sandbox: a checkpoint of its process before its request, then one
+    #: with the request in flight through the proxy.
+    inflight_samples: int = 7
     fork_reps: int = 3
     rtt_requests: int = 200
     throughput_mb: int = 256
@@ -223,8 +270,13 @@ class NetResult:
     #: Milliseconds of the fork requests alone and the daemon's ``took_ms``, by mode.
     fork_request_ms: Dict[str, List[float]] = field(default_factory=dict)
     fork_server_ms: Dict[str, List[float]] = field(default_factory=dict)
-    #: The daemon's ``took_ms`` of each checkpoint.
+    #: The daemon's ``took_ms`` of each checkpoint: idle, the proxied sandbox's process before
+    #: its request, and with the request in flight.
     ckpt_server_ms: List[float] = field(default_factory=list)
+    same_process_idle_server_ms: List[float] = field(default_factory=list)
+    inflight_server_ms: List[float] = field(default_factory=list)
+    #: In-flight checkpoints whose request had already been answered when they returned.
+    answered_before_ckpt: int = 0
     #: Warm-pool hits and misses of the create samples, by mode.
     pool: Dict[str, Dict[str, int]] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
@@ -257,10 +309,16 @@ class NetResult:
         out["host_throughput_mb_s"] = self.mb_s_p50("host")
         out["throughput_vs_host_ratio"] = _ratio(out["throughput_mb_s"], out["host_throughput_mb_s"])
         out["ckpt_ms_p50"] = self.p("ckpt")
-        out["ckpt_during_inflight_ms_p50"] = None
+        out["ckpt_during_inflight_ms_p50"] = self.p("ckpt_during_inflight")
+        out["ckpt_inflight_vs_idle_ms"] = _diff(out["ckpt_during_inflight_ms_p50"], out["ckpt_ms_p50"])
+        out["ckpt_same_process_idle_ms_p50"] = self.p("ckpt_same_process_idle")
+        out["ckpt_inflight_vs_same_process_idle_ms"] = _diff(
+            out["ckpt_during_inflight_ms_p50"], out["ckpt_same_process_idle_ms_p50"]
+        )
         cfg = self.cfg
         out["samples"] = cfg.samples
         out["ckpt_samples"] = cfg.ckpt_samples
+        out["inflight_samples"] = cfg.inflight_samples
         out["fork_reps"] = cfg.fork_reps
         out["rtt_requests"] = cfg.rtt_requests
         out["throughput_mb"] = cfg.throughput_mb
@@ -275,7 +333,10 @@ class NetResult:
         )
         out["fork16_request_ms_p50"] = {k: round(percentile(v, 50), 3) for k, v in self.fork_request_ms.items() if v}
         out["fork16_server_ms_p50"] = {k: round(percentile(v, 50), 3) for k, v in self.fork_server_ms.items() if v}
-        out["ckpt_server_ms_p50"] = round(percentile(self.ckpt_server_ms, 50), 3) if self.ckpt_server_ms else None
+        out["ckpt_server_ms_p50"] = _p50(self.ckpt_server_ms)
+        out["ckpt_same_process_idle_server_ms_p50"] = _p50(self.same_process_idle_server_ms)
+        out["ckpt_during_inflight_server_ms_p50"] = _p50(self.inflight_server_ms)
+        out["inflight_answered_before_ckpt"] = self.answered_before_ckpt
         out["pool"] = self.pool
         out["throughput_mb_s_samples"] = [round(v, 1) for v in self.mb_s("sandbox")]
         out["host_throughput_mb_s_samples"] = [round(v, 1) for v in self.mb_s("host")]
@@ -299,6 +360,10 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 def _diff(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return None if a is None or b is None else round(a - b, 3)
+
+
+def _p50(xs: Sequence[float]) -> Optional[float]:
+    return round(percentile(xs, 50), 3) if xs else None
 
 
 def _ms(t0: float) -> float:
@@ -366,13 +431,15 @@ class _Run:
         for sid in self.snapshotted:
             quiet(lambda: self.snaps.gc([], sandbox=sid))
 
-    def create(self, network: str, ttl: float = TTL) -> Sandbox:
-        allow = ALLOW if network == "allowlist" else None
-        return Sandbox.create(self.cfg.image, network=network, allow=allow, timeout=ttl, **self.kw)
+    def create(self, network: str, ttl: float = TTL, proxy: bool = False) -> Sandbox:
+        """A sandbox in mode ``network``; allowlist allows the upstream (:data:`ALLOW`). With
+        ``proxy`` it has the daemon's proxy, which lets through :data:`PROXY_ALLOW`."""
+        allow = PROXY_ALLOW if proxy else ALLOW if network == "allowlist" else None
+        return Sandbox.create(self.cfg.image, network=network, allow=allow, proxy=proxy, timeout=ttl, **self.kw)
 
-    def sandbox(self, network: str) -> Sandbox:
+    def sandbox(self, network: str, proxy: bool = False) -> Sandbox:
         """A sandbox killed at the end of the run."""
-        return self.stack.enter_context(self.create(network))
+        return self.stack.enter_context(self.create(network, proxy=proxy))
 
     def kill_all(self, sandboxes: Sequence[Sandbox]) -> None:
         def one(s: Sandbox) -> None:
@@ -514,7 +581,82 @@ class _Run:
             self.res.add("ckpt", _ms(t0))
             if info.took_ms is not None:
                 self.res.ckpt_server_ms.append(info.took_ms)
-        self.res.notes.append(NOTE_INFLIGHT)
+
+    def inflight_checkpoints(self) -> None:
+        """Rounds of checkpoints of a proxied sandbox in mode ``none``: one while the round's
+        process waits for the go file (before its request), then one while its request through
+        the proxy waits for the upstream's answer; each answer must reach the sandbox afterwards."""
+        sbx = self.sandbox("none", proxy=True)
+        self.snapshotted.append(sbx.id)
+        if not sbx.info().proxy:
+            raise BenchError(
+                "bench net: sandbox %s was created with proxy=True but has no proxy (a daemon without one?)" % sbx.id
+            )
+        n = self.cfg.inflight_samples
+        for i in range(n):
+            self.progress("checkpoint %d/%d of the proxied sandbox, its process before its request" % (i + 1, n))
+            base = "/root/bb-bench-inflight-%d" % i
+            ready, go, sent, out = base + ".ready", base + ".go", base + ".sent", base + ".body"
+            what = "the request %d to %s through the proxy" % (i + 1, SLOW_URL)
+            proc = sbx.commands.run(
+                ["python3", "-c", INFLIGHT_SCRIPT, SLOW_URL, ready, go, sent, out],
+                background=True,
+                timeout=COMMAND_TIMEOUT,
+            )
+            # The same process, waiting for the go file: no request sent yet.
+            self._wait_for(sbx, ready, proc, what, "ready")
+            time.sleep(INFLIGHT_SETTLE)
+            t0 = time.perf_counter()
+            info = sbx.checkpoint_info("bench net same process idle %d" % i)
+            self.res.add("ckpt_same_process_idle", _ms(t0))
+            if info.took_ms is not None:
+                self.res.same_process_idle_server_ms.append(info.took_ms)
+            # Its request in flight.
+            self.progress("checkpoint %d/%d with a request in flight" % (i + 1, n))
+            sbx.files.write(go, "go\n")
+            self._wait_for(sbx, sent, proc, what, "sent")
+            time.sleep(INFLIGHT_SETTLE)
+            t0 = time.perf_counter()
+            info = sbx.checkpoint_info("bench net in flight %d" % i)
+            self.res.add("ckpt_during_inflight", _ms(t0))
+            if info.took_ms is not None:
+                self.res.inflight_server_ms.append(info.took_ms)
+            if sbx.files.exists(out):
+                self.res.answered_before_ckpt += 1
+            r = proc.wait(timeout=COMMAND_TIMEOUT)
+            if r.exit_code != 0 or r.timed_out:
+                raise BenchError(
+                    "bench net: %s in sandbox %s failed after the checkpoint (%s)" % (what, sbx.id, _failed(r))
+                )
+            try:
+                body: Optional[str] = sbx.files.read(out)
+            except NotFoundError:
+                body = None
+            if body is None or "/slow" not in body:
+                raise BenchError(
+                    "bench net: the answer of %s, in flight during checkpoint %s, did not arrive in sandbox %s "
+                    "(%s: %s)" % (what, info.id, sbx.id, out, "missing" if body is None else repr(body[:200]))
+                )
+        if self.res.answered_before_ckpt:
+            self.res.notes.append(
+                "%d of the %d in-flight requests were answered before their checkpoint returned "
+                "(inflight_answered_before_ckpt): those checkpoints were not wholly in flight"
+                % (self.res.answered_before_ckpt, n)
+            )
+
+    def _wait_for(self, sbx: Sandbox, marker: str, proc: CommandHandle, what: str, kind: str) -> None:
+        """Until ``marker`` exists in ``sbx`` (``kind`` "ready": the program waits for the go
+        file; "sent": it is about to send its request)."""
+        deadline = time.monotonic() + MARKER_TIMEOUT
+        while not sbx.files.exists(marker):
+            if time.monotonic() > deadline:
+                r = proc.wait(timeout=0.1)  # 0 would wait without a limit
+                state = _failed(r) if not r.timed_out else "still running"
+                raise BenchError(
+                    "bench net: %s in sandbox %s: its program wrote no %s marker (%s) in %.0f s (%s)"
+                    % (what, sbx.id, kind, marker, MARKER_TIMEOUT, state)
+                )
+            time.sleep(0.02)
 
 
 def _check_prerequisites() -> None:
@@ -548,4 +690,5 @@ def run_net_bench(cfg: NetConfig, progress: Callable[[str], None] = lambda m: No
             run.rtt(sbx)
             run.throughput(sbx)
         run.checkpoints()
+        run.inflight_checkpoints()
     return res

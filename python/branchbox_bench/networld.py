@@ -9,22 +9,38 @@ cloud's metadata service) 169.254.169.254. The suite's daemon forwards sandboxes
 Names: allowed.test, also.allowed.test -> 198.18.0.1; other.test -> 198.18.0.2;
 rebind.test -> 169.254.169.254; loop.test -> 127.0.0.1; anything else NXDOMAIN.
 
-HTTP paths: ``/bytes/N`` answers N bytes, ``/slow...`` answers after 2 s, anything else answers
+HTTP servers on ports 80 and 8080 of the three addresses; HTTPS servers on port 443 of
+"allowed" and "other", with a certificate for allowed.test, also.allowed.test, other.test,
+198.18.0.1 and 198.18.0.2 signed by a test CA (``CA_PEM``). Paths: ``/bytes/N`` answers N bytes,
+``/slow...`` answers after 2 s, ``/headers`` answers the request's headers as a JSON object
+(names lowercased; a repeated header's values as a list) with ``"_scheme"`` ("http" or "https")
+and ``"_server"`` ("<address>:<port>") added (``/headers?sha256``: each value's sha256 in hex
+instead, for values the asker must not see), ``/sni`` answers the JSON list of the server names
+(null: none) of every TLS ClientHello the HTTPS servers got so far; anything else answers
 "<path> <address>:<port>".
+
+The certificates are files of the repository (tests/integration/data), found from this file's
+own place (python/branchbox_bench): ``CA_PEM``, ``SERVER_CERT`` and ``SERVER_KEY`` are their
+paths, or None in a copy of the package without the repository around it (then there is no
+HTTPS server).
 
 Run as a program inside the namespace (``python3 networld.py serve``, by path: it needs no
 package) it is the servers.
 """
 import contextlib
+import hashlib
 import http.server
+import json
 import os
 import socket
 import socketserver
+import ssl
 import struct
 import subprocess
 import sys
 import threading
 import time
+from urllib.parse import urlsplit
 
 NETNS = "bbworld"
 HOST_IF, WORLD_IF = "bbw-h", "bbw-w"
@@ -39,6 +55,23 @@ NAMES = {
     "loop.test": "127.0.0.1",
 }
 HTTP_PORTS = (80, 8080)
+HTTPS_PORT = 443
+HTTPS_ADDRS = (ALLOWED, OTHER)
+
+# The repository's test data: <repo>/python/branchbox_bench/networld.py -> <repo>/tests/integration/data.
+DATA_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests", "integration", "data"
+)
+
+
+def _data_file(name):
+    path = os.path.join(DATA_DIR, name)
+    return path if os.path.isfile(path) else None
+
+
+CA_PEM = _data_file("test-ca.pem")  # the CA that signed SERVER_CERT
+SERVER_CERT = _data_file("world-cert.pem")
+SERVER_KEY = _data_file("world-key.pem")
 
 
 def sh(*cmd, check=True):
@@ -87,8 +120,41 @@ def world():
 # ---- the servers (inside the namespace) ----
 
 
+# Server names (None: no SNI) of the ClientHellos the HTTPS servers got, in order.
+SNI_SEEN = []
+
+
+def _note_sni(sock, name, ctx):
+    SNI_SEEN.append(name)
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
+    def _json(self, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def do_GET(self):
+        url = urlsplit(self.path)
+        if url.path == "/headers":
+            hashed = url.query == "sha256"
+            out = {}
+            for name, value in self.headers.items():
+                if hashed:
+                    value = hashlib.sha256(value.encode("latin-1")).hexdigest()
+                name = name.lower()
+                if name in out:
+                    out[name] = (out[name] if isinstance(out[name], list) else [out[name]]) + [value]
+                else:
+                    out[name] = value
+            out["_scheme"] = "https" if isinstance(self.connection, ssl.SSLSocket) else "http"
+            out["_server"] = "%s:%d" % self.server.server_address[:2]
+            return self._json(out)
+        if url.path == "/sni":
+            return self._json(list(SNI_SEEN))
         if self.path.startswith("/slow"):
             time.sleep(2)
         if self.path.startswith("/bytes/"):
@@ -116,6 +182,37 @@ class _HTTP(socketserver.ThreadingMixIn, http.server.HTTPServer):
     allow_reuse_address = True
 
 
+class _HTTPS(_HTTP):
+    """_HTTP over TLS; the handshake runs in the connection's own thread (a client that says
+    nothing holds up no other)."""
+
+    def __init__(self, addr, handler, ctx):
+        super().__init__(addr, handler)
+        self.ctx = ctx
+
+    def get_request(self):
+        sock, peer = self.socket.accept()
+        return self.ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), peer
+
+    def finish_request(self, request, client_address):
+        request.settimeout(10)
+        try:
+            request.do_handshake()
+        except OSError:
+            return
+        request.settimeout(30)
+        super().finish_request(request, client_address)
+
+    def shutdown_request(self, request):
+        # A close_notify, so that a client reading to the end sees a clean end of the stream.
+        try:
+            request.settimeout(1)
+            request.unwrap()
+        except (OSError, ValueError):
+            pass
+        super().shutdown_request(request)
+
+
 def _dns_answer(packet):
     """A reply to a DNS query: an A record for a known name (TTL 60), NXDOMAIN otherwise."""
     ident, _flags, qd = struct.unpack("!HHH", packet[:6])
@@ -139,6 +236,13 @@ def serve():
     for addr in (ALLOWED, OTHER, METADATA):
         for port in HTTP_PORTS:
             srv = _HTTP((addr, port), _Handler)
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+    if SERVER_CERT and SERVER_KEY:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(SERVER_CERT, SERVER_KEY)
+        ctx.sni_callback = _note_sni
+        for addr in HTTPS_ADDRS:
+            srv = _HTTPS((addr, HTTPS_PORT), _Handler, ctx)
             threading.Thread(target=srv.serve_forever, daemon=True).start()
     dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     dns.bind((ALLOWED, 53))

@@ -361,6 +361,12 @@ def sandbox_create(
         help=NETWORK_HELP + " Default none (with --snapshot or --template: the snapshot's or template's).",
     ),
     allow: Optional[List[str]] = typer.Option(None, "--allow", metavar="ENTRY", help=ALLOW_HELP),
+    proxy: bool = typer.Option(
+        False, "--proxy",
+        help="Give the sandbox the daemon's HTTP(S) proxy (http://127.0.0.1:3128 inside, in HTTP_PROXY/HTTPS_PROXY): "
+        "it lets through what --allow lists (with --network open also any public destination), in every mode "
+        "(with none it is the only way out).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the SandboxInfo JSON."),
 ) -> None:
     """Create a sandbox and print its id."""
@@ -380,6 +386,7 @@ def sandbox_create(
         volumes=parse_volume_flags(volume) or None,
         network=network,
         allow=parse_allow(allow),
+        proxy=proxy,
         **c.sdk(),
     )
     sbx.close()
@@ -712,11 +719,12 @@ def sandbox_ports(
 
 
 def network_lines(info: NetworkInfo) -> List[str]:
-    """A NetworkInfo as aligned ``key value`` lines (mode, address, allow, rx, tx)."""
+    """A NetworkInfo as aligned ``key value`` lines (mode, address, allow, proxy, rx, tx)."""
     return [
         "mode     %s" % (info.network or "-"),
         "address  %s" % (info.address or "-"),
         "allow    %s" % (", ".join(info.allow) if info.allow else "-"),
+        "proxy    %s" % (info.proxy or "-"),
         "rx       %s" % fmt_bytes(info.rx_bytes),
         "tx       %s" % fmt_bytes(info.tx_bytes),
     ]
@@ -734,7 +742,7 @@ def sandbox_network(
     clear_allow: bool = typer.Option(False, "--clear-allow", help="Remove every allow entry."),
     as_json: bool = typer.Option(False, "--json", help="Print the NetworkInfo JSON."),
 ) -> None:
-    """Show a sandbox's network (mode, address, allow entries, bytes received and sent), or change it.
+    """Show a sandbox's network (mode, address, allow entries, proxy, bytes received and sent), or change it.
 
     With --set-mode, --allow or --clear-allow the new rules apply to connections made from then on; what is left out stays as it is (--set-mode none also clears the entries)."""
     mode = parse_network(set_mode, "--set-mode")

@@ -381,8 +381,13 @@ def net_report_lines(s: Dict[str, Any]) -> List[str]:
         "download of %s MiB: sandbox %s vs host %s (ratio %s)"
         % (s.get("throughput_mb"), fmt_num(s.get("throughput_mb_s"), " MB/s", "%.0f"),
            fmt_num(s.get("host_throughput_mb_s"), " MB/s", "%.0f"), ratio("throughput_vs_host_ratio")),
-        "checkpoint of an idle allowlist sandbox p50: %s; with a request in flight: %s"
-        % (ms("ckpt_ms_p50"), ms("ckpt_during_inflight_ms_p50")),
+        "checkpoint of an idle allowlist sandbox p50: %s; with a request in flight through the proxy: %s (%s vs idle)"
+        % (ms("ckpt_ms_p50"), ms("ckpt_during_inflight_ms_p50"),
+           fmt_num(s.get("ckpt_inflight_vs_idle_ms"), " ms", "%+.1f")),
+        "checkpoint of the proxied sandbox p50, its process before its request: %s; with the request in flight: %s "
+        "(%s vs the same process before its request)"
+        % (ms("ckpt_same_process_idle_ms_p50"), ms("ckpt_during_inflight_ms_p50"),
+           fmt_num(s.get("ckpt_inflight_vs_same_process_idle_ms"), " ms", "%+.1f")),
     ]
     return lines + summary_tail_lines(s)
 
@@ -397,8 +402,10 @@ def bench_net(
 ) -> None:
     """Network modes: create and fork in allowlist against none, HTTP round trips and a download against the host.
 
-    Uses the running daemon (which needs --net-bridge); brings up its own upstream servers in a
-    network namespace (as root). The last line of stdout is always the JSON summary.
+    Also checkpoints with a request in flight through a sandbox's proxy. Uses the running daemon
+    (which needs --net-bridge, and --net-dns 198.18.0.1:53 for the proxy's upstream name); brings
+    up its own upstream servers in a network namespace (as root). The last line of stdout is
+    always the JSON summary.
     """
     from branchbox_bench import net
 

@@ -5,11 +5,14 @@ on this machine (the measurements need root, a network namespace and a daemon wi
 import contextlib
 import http.server
 import json
+import os
 import re
 import subprocess
 import sys
 import threading
-from typing import Any, Dict, Iterator, List, Tuple
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import httpx
 import pytest
@@ -47,14 +50,49 @@ class Refusing(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def py(script: str, *args: Any) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=60)
+class SlowProxy(http.server.BaseHTTPRequestHandler):
+    """An HTTP proxy in front of networld, as a sandbox's ``HTTP_PROXY`` sees it: a request for
+    ``http://allowed.test/slow`` (the absolute URI a client sends a proxy) gets networld's
+    answer ("/slow 198.18.0.1:80") after ``delay`` seconds; anything else is refused (403)."""
+
+    delay = 0.0
+
+    def do_GET(self) -> None:
+        if self.path != bn.SLOW_URL:
+            self.send_response(403)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        time.sleep(self.delay)
+        body = b"/slow 198.18.0.1:80"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a: Any) -> None:
+        pass
+
+
+def proxy_env(url: str) -> Dict[str, str]:
+    """This process's environment with ``url`` as the proxy (as the daemon sets a sandbox's)."""
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    env.update(HTTP_PROXY=url, http_proxy=url, NO_PROXY="localhost,127.0.0.1,::1", no_proxy="localhost,127.0.0.1,::1")
+    return env
+
+
+def py(script: str, *args: Any, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=60, env=env
+    )
 
 
 def test_networld_is_a_module_of_the_package_that_runs_by_path() -> None:
     assert networld.__file__.endswith("branchbox_bench/networld.py")
     assert (networld.ALLOWED, networld.DNS, networld.NETNS) == ("198.18.0.1", "198.18.0.1:53", "bbworld")
     assert bn.UPSTREAM == ("198.18.0.1", 80) and bn.ALLOW == ["198.18.0.1:80"]
+    assert bn.PROXY_ALLOW == ["allowed.test"] and networld.NAMES["allowed.test"] == networld.ALLOWED
+    assert bn.SLOW_URL == "http://allowed.test/slow"
     # Its servers re-execute the file by path; a run of it that is not "serve" does nothing.
     r = subprocess.run([sys.executable, networld.__file__], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout == ""
@@ -93,6 +131,43 @@ def test_the_download_program_counts_the_body() -> None:
         assert r.returncode == 1 and "403" in r.stderr
 
 
+def wait_until(cond: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_inflight_program_waits_for_go_then_asks_through_the_proxy(tmp_path: Path) -> None:
+    ready, go, sent, out = (tmp_path / n for n in ("ready", "go", "sent", "body"))
+    with upstream(SlowProxy) as (host, port):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", bn.INFLIGHT_SCRIPT, bn.SLOW_URL, str(ready), str(go), str(sent), str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=proxy_env("http://%s:%d" % (host, port)),
+        )
+        try:
+            wait_until(ready.exists)
+            # Ready, and waiting for the go file: no request sent, no sent marker.
+            time.sleep(0.2)
+            assert proc.poll() is None and not sent.exists() and not out.exists()
+            go.write_text("go\n")
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0, stderr
+    assert sent.exists() and out.read_text() == "/slow 198.18.0.1:80"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["body", "go", "ready", "sent"], "no part file left"
+    # A refusal by the proxy: a failure, and no body file (written whole or not at all).
+    for f in (ready, sent, out):
+        f.unlink()
+    with upstream(Refusing) as (host, port):
+        r = py(bn.INFLIGHT_SCRIPT, bn.SLOW_URL, ready, go, sent, out, env=proxy_env("http://%s:%d" % (host, port)))
+    assert r.returncode == 1 and "403" in r.stderr
+    assert ready.exists() and sent.exists() and not out.exists()
+
+
 def fake_result() -> bn.NetResult:
     res = bn.NetResult(bn.NetConfig(samples=3, ckpt_samples=2, fork_reps=1, rtt_requests=4, throughput_mb=8))
     for ms in (10.0, 30.0, 20.0):
@@ -111,10 +186,15 @@ def fake_result() -> bn.NetResult:
     res.add("ckpt", 8.0)
     res.add("ckpt", 12.0)
     res.ckpt_server_ms = [5.0, 7.0]
+    for ms in (15.0, 21.0, 17.0):
+        res.add("ckpt_during_inflight", ms)
+    for ms in (14.0, 16.0, 12.0):
+        res.add("ckpt_same_process_idle", ms)
+    res.inflight_server_ms = [6.0, 8.0]
+    res.same_process_idle_server_ms = [5.0, 6.0]
     res.fork_request_ms = {"none": [60.0], "allowlist": [90.0]}
     res.fork_server_ms = {"none": [50.0], "allowlist": [80.0]}
     res.pool = {"none": {"hits": 3, "misses": 0}, "allowlist": {"hits": 3, "misses": 0}}
-    res.notes.append(bn.NOTE_INFLIGHT)
     return res
 
 
@@ -131,13 +211,19 @@ def test_summary_shape_and_ratios() -> None:
     # 500 MB/s and 1000 MB/s: median 750, against 2000 on the host.
     assert (s["throughput_mb_s"], s["host_throughput_mb_s"], s["throughput_vs_host_ratio"]) == (750.0, 2000.0, 0.375)
     assert s["throughput_mb_s_samples"] == [500.0, 1000.0] and s["host_throughput_mb_s_samples"] == [2000.0, 2000.0]
-    assert (s["ckpt_ms_p50"], s["ckpt_server_ms_p50"], s["ckpt_during_inflight_ms_p50"]) == (10.0, 6.0, None)
+    assert (s["ckpt_ms_p50"], s["ckpt_server_ms_p50"]) == (10.0, 6.0)
+    assert (s["ckpt_during_inflight_ms_p50"], s["ckpt_during_inflight_server_ms_p50"]) == (17.0, 7.0)
+    assert s["ckpt_inflight_vs_idle_ms"] == 7.0 and s["inflight_answered_before_ckpt"] == 0
+    assert (s["ckpt_same_process_idle_ms_p50"], s["ckpt_same_process_idle_server_ms_p50"]) == (14.0, 5.5)
+    assert s["ckpt_inflight_vs_same_process_idle_ms"] == 3.0
     assert s["fork16_request_ms_p50"] == {"none": 60.0, "allowlist": 90.0}
     assert s["fork16_server_ms_p50"] == {"none": 50.0, "allowlist": 80.0}
     assert (s["samples"], s["ckpt_samples"], s["fork_reps"], s["rtt_requests"], s["throughput_mb"]) == (3, 2, 1, 4, 8)
+    assert s["inflight_samples"] == 7
     assert s["upstream"] == "198.18.0.1:80" and s["image"] == "base"
     assert "http_rtt" not in s["samples_ms"] and s["samples_ms"]["create_none"] == [10.0, 30.0, 20.0]
-    assert any("proxy" in n for n in s["notes"])
+    assert s["samples_ms"]["ckpt_during_inflight"] == [15.0, 21.0, 17.0] and s["notes"] == []
+    assert s["samples_ms"]["ckpt_same_process_idle"] == [14.0, 16.0, 12.0]
     assert [row[0] for row in fake_result().rows()] == list(bn.METRICS)
 
 
@@ -189,9 +275,14 @@ def test_cli_prints_the_json_last(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "create p50: allowlist 25.0 ms vs none 20.0 ms" in text
     assert "HTTP round trip to 198.18.0.1:80 p50: sandbox 0.750 ms vs host 0.500 ms (ratio 1.50)" in text
     assert "download of 8 MiB: sandbox 750 MB/s vs host 2000 MB/s (ratio 0.38)" in text
-    assert "with a request in flight: -" in text and "note: ckpt_during_inflight_ms_p50 is null" in text
+    assert "checkpoint of an idle allowlist sandbox p50: 10.0 ms; with a request in flight through the proxy: " \
+        "17.0 ms (+7.0 ms vs idle)" in text
+    assert "checkpoint of the proxied sandbox p50, its process before its request: 14.0 ms; with the request in " \
+        "flight: 17.0 ms (+3.0 ms vs the same process before its request)" in text
+    assert "ckpt_during_inflight" in text and "note:" not in text
     cfg = seen["cfg"]
     assert (cfg.samples, cfg.ckpt_samples, cfg.image, cfg.daemon) == (4, 4, "img", "unix:///x.sock")
+    assert cfg.inflight_samples == 7
     r = cli_runner().invoke(cli.app, ["bench", "net", "--json"])
     assert r.exit_code == 0 and len(r.stdout.strip().splitlines()) == 1
     assert (seen["cfg"].samples, seen["cfg"].ckpt_samples, seen["cfg"].image) == (15, 10, "base")
@@ -209,12 +300,33 @@ def test_cli_reports_bench_errors(monkeypatch: pytest.MonkeyPatch) -> None:
 # ----------------------------------------------------------------------------- a whole run on a fake daemon
 
 
+#: The proxy URL of the fake daemon's proxied sandboxes.
+PROXY_URL = "http://127.0.0.1:3128"
+
+
 class NetDaemon:
     """Just enough of branchboxd for ``bench net``: creates (pool counters), commands (run
-    here by this python, against a local upstream), info with ``net_rx_bytes``, forks,
-    checkpoints, kills, snapshot gc. Sandboxes in mode ``none`` cannot reach the upstream."""
+    here by this python, against a local upstream; background ones too), info with
+    ``net_rx_bytes`` and ``proxy``, forks, checkpoints, kills, snapshot gc, a file's stat, read
+    and write (a sandbox's files under ``root``/<id>, where its background programs see them;
+    a kill ends its programs still running). Sandboxes in mode ``none`` cannot reach the
+    upstream; those created with ``proxy`` reach :class:`SlowProxy` (``proxy_url``) through
+    ``HTTP_PROXY``."""
 
-    def __init__(self) -> None:
+    def __init__(self, root: Path, proxy_url: str) -> None:
+        self.root = root
+        self.proxy_url = proxy_url
+        self.procs: Dict[int, Tuple[str, subprocess.Popen]] = {}
+        self.running: Dict[str, List[str]] = {}  # per sandbox: its in-flight program's ready, go, sent, body
+        self.sandbox_procs: Dict[str, List[subprocess.Popen]] = {}  # ended when their sandbox is killed
+        self.killed_running = 0  # background programs still running when their sandbox was killed
+        self.proxied: List[Dict[str, Any]] = []  # the bodies of creates with a proxy
+        self.ignore_proxy = False  # a daemon without the proxy: creates with one get none
+        self.lose_answers = False  # the in-flight answers' files are gone when the program ends
+        self.ignore_go = False  # a written go file never reaches the sandbox's programs
+        #: Per checkpoint of a sandbox running the in-flight program: (sandbox, the markers that
+        #: existed then: "ready", "go", "sent", "body").
+        self.ckpt_markers: List[Tuple[str, List[str]]] = []
         self.sandboxes: Dict[str, Dict[str, Any]] = {}
         self.created: List[Tuple[str, Any]] = []
         self.killed: List[str] = []
@@ -234,6 +346,37 @@ class NetDaemon:
         self.sandboxes[sid] = dict(SANDBOX, id=sid, network=network, allow=allow or [], net_rx_bytes=0,
                                    address=None if network == "none" else "10.0.0.%d" % self.n)
         return self.sandboxes[sid]
+
+    def path(self, sid: str, path: str) -> Path:
+        """Where ``path`` of sandbox ``sid`` is on this machine."""
+        return self.root / sid / path.lstrip("/")
+
+    def _start(self, sid: str, argv: List[str]) -> int:
+        """A background command: only the in-flight program, through the proxy if it has one
+        (else to a port nothing listens on: mode none has no way out)."""
+        assert argv[:3] == ["python3", "-c", bn.INFLIGHT_SCRIPT], argv
+        self.commands.append((sid, argv))
+        self.path(sid, "/root").mkdir(parents=True, exist_ok=True)
+        args = [str(self.path(sid, a)) if a.startswith("/") else a for a in argv[3:]]
+        proxy = self.proxy_url if self.sandboxes[sid]["proxy"] else "http://127.0.0.1:9"
+        proc = subprocess.Popen([sys.executable, "-c", argv[2], *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=proxy_env(proxy))
+        self.procs[proc.pid] = (args[-1], proc)
+        self.running[sid] = args[1:]
+        self.sandbox_procs.setdefault(sid, []).append(proc)
+        return proc.pid
+
+    def _wait(self, pid: int, timeout: Optional[float]) -> Dict[str, Any]:
+        """The program's result, or (still running after ``timeout`` s) a timed-out one."""
+        out, proc = self.procs[pid]
+        try:
+            stdout, stderr = proc.communicate(timeout=60 if timeout is None else timeout)
+        except subprocess.TimeoutExpired:
+            return dict(RESULT, pid=pid, exit_code=None, stdout="", stderr="", timed_out=True)
+        del self.procs[pid]
+        if self.lose_answers and os.path.exists(out):
+            os.unlink(out)
+        return dict(RESULT, pid=pid, exit_code=proc.returncode, stdout=stdout, stderr=stderr)
 
     def _run(self, sid: str, argv: List[str]) -> Dict[str, Any]:
         self.commands.append((sid, argv))
@@ -262,7 +405,11 @@ class NetDaemon:
         if (m, path) == ("POST", "/v1/sandboxes"):
             self.created.append((body.get("network"), body.get("allow")))
             self.hits += 1
-            return ok(self._sandbox(body.get("network") or "none", body.get("allow")), 201)
+            sbx = self._sandbox(body.get("network") or "none", body.get("allow"))
+            if body.get("proxy"):
+                self.proxied.append(body)
+            sbx["proxy"] = PROXY_URL if body.get("proxy") and not self.ignore_proxy else None
+            return ok(sbx, 201)
         ms = re.match(r"^/v1/sandboxes/(sb-[0-9a-f]+)(/.*)?$", path)
         if ms and ms.group(1) in self.sandboxes:
             sid, rest = ms.group(1), ms.group(2) or ""
@@ -272,21 +419,49 @@ class NetDaemon:
             if (m, rest) == ("DELETE", ""):
                 del self.sandboxes[sid]
                 self.killed.append(sid)
+                for proc in self.sandbox_procs.pop(sid, []):
+                    if proc.poll() is None:
+                        self.killed_running += 1
+                        proc.kill()
+                    proc.communicate()
+                    self.procs.pop(proc.pid, None)
                 return ok({"killed": True})
             if (m, rest) == ("POST", "/commands"):
+                if body.get("background"):
+                    return ok({"pid": self._start(sid, body["args"])})
                 return ok(self._run(sid, body["args"]))
+            mw = re.match(r"^/commands/(\d+)/wait$", rest)
+            if m == "POST" and mw:
+                return ok(self._wait(int(mw.group(1)), (body or {}).get("timeout")))
+            if (m, rest) in (("GET", "/files/stat"), ("GET", "/files")):
+                p = self.path(sid, request.url.params["path"])
+                if not p.exists():
+                    return ok({"error": {"code": "not_found", "message": "no such file"}}, 404)
+                if rest == "/files":
+                    return httpx.Response(200, content=p.read_bytes())
+                return ok({"name": p.name, "path": request.url.params["path"], "type": "file",
+                           "size": p.stat().st_size})
             if (m, rest) == ("PUT", "/files"):
                 self.files.append((sid, request.url.params["path"]))
+                if not self.ignore_go or not request.url.params["path"].endswith(".go"):
+                    p = self.path(sid, request.url.params["path"])
+                    p.parent.mkdir(parents=True, exist_ok=True)
+                    p.write_bytes(request.content)
                 return ok({"name": "f", "path": request.url.params["path"], "type": "file", "size": 1})
             if (m, rest) == ("POST", "/checkpoint"):
                 self.checkpoints.append(sid)
+                if sid in self.running:
+                    names = ("ready", "go", "sent", "body")
+                    self.ckpt_markers.append(
+                        (sid, [k for k, f in zip(names, self.running[sid]) if os.path.exists(f)])
+                    )
                 return ok({"id": "sn-%012x" % len(self.checkpoints), "sandbox_id": sid, "took_ms": 3.0}, 201)
             if (m, rest) == ("POST", "/fork"):
                 self.forks.append((sid, body))
                 kids = []
                 for i in range(body["count"]):
                     kid = self._sandbox(sbx["network"], sbx["allow"])
-                    kid["child"] = i + 1
+                    kid["child"], kid["proxy"] = i + 1, sbx["proxy"]
                     self.children.append(kid["id"])
                     kids.append(kid)
                 return ok({"snapshot": "sn-f", "sandboxes": kids, "sessions_restarted": False, "took_ms": 9.0}, 201)
@@ -294,8 +469,10 @@ class NetDaemon:
 
 
 @pytest.fixture
-def net_daemon(monkeypatch: pytest.MonkeyPatch) -> Iterator[NetDaemon]:
-    d = NetDaemon()
+def net_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[NetDaemon]:
+    proxy = contextlib.ExitStack()
+    monkeypatch.setattr(SlowProxy, "delay", 0.5)
+    d = NetDaemon(tmp_path, "http://%s:%d" % proxy.enter_context(upstream(SlowProxy)))
     real = sync_mod.ConnectionConfig
     transport = httpx.MockTransport(d)
 
@@ -318,13 +495,16 @@ def net_daemon(monkeypatch: pytest.MonkeyPatch) -> Iterator[NetDaemon]:
 
     monkeypatch.setattr(bn.networld, "world", world)
     d.worlds = worlds  # type: ignore[attr-defined]
-    with upstream() as addr:
+    # The request is sent soon after its marker here; the settle only has to stay below the delay.
+    monkeypatch.setattr(bn, "INFLIGHT_SETTLE", 0.05)
+    with proxy, upstream() as addr:
         monkeypatch.setattr(bn, "UPSTREAM", addr)
         yield d
 
 
 def small() -> bn.NetConfig:
-    return bn.NetConfig(samples=2, ckpt_samples=3, fork_reps=2, rtt_requests=5, throughput_mb=2, throughput_rounds=2)
+    return bn.NetConfig(samples=2, ckpt_samples=3, inflight_samples=2, fork_reps=2, rtt_requests=5, throughput_mb=2,
+                        throughput_rounds=2)
 
 
 def test_whole_run_on_a_fake_daemon(net_daemon: NetDaemon) -> None:
@@ -334,13 +514,12 @@ def test_whole_run_on_a_fake_daemon(net_daemon: NetDaemon) -> None:
     s = res.summary()
     assert d.worlds == ["up", "down"]  # type: ignore[attr-defined]
     for key in bn.SUMMARY_KEYS[:14]:
-        if key != "ckpt_during_inflight_ms_p50":
-            assert s[key] is not None and s[key] > 0, key
-    assert s["ckpt_during_inflight_ms_p50"] is None
+        assert s[key] is not None and s[key] > 0, key
+    assert s["ckpt_inflight_vs_idle_ms"] == round(s["ckpt_during_inflight_ms_p50"] - s["ckpt_ms_p50"], 3)
     # Creates alternate, and flip the order each round; allowlist lists the upstream only.
     assert d.created[:4] == [("none", None), ("allowlist", ["198.18.0.1:80"]), ("allowlist", ["198.18.0.1:80"]),
                              ("none", None)]
-    assert [len(s["samples_ms"][k]) for k in bn.METRICS if k in s["samples_ms"]] == [2, 2, 2, 2, 2, 2, 3]
+    assert [len(s["samples_ms"][k]) for k in bn.METRICS if k in s["samples_ms"]] == [2, 2, 2, 2, 2, 2, 3, 2, 2]
     assert s["pool"] == {"none": {"hits": 2, "misses": 0}, "allowlist": {"hits": 2, "misses": 0}}
     # fork(16) twice per mode with the children's TTL; each child ran one command.
     assert [b["count"] for _, b in d.forks] == [16] * 4 and all(b["timeout"] == bn.SAMPLE_TTL for _, b in d.forks)
@@ -351,11 +530,38 @@ def test_whole_run_on_a_fake_daemon(net_daemon: NetDaemon) -> None:
     assert len(res.samples["http_rtt"]) == len(res.samples["host_http_rtt"]) == 5
     assert len(s["throughput_mb_s_samples"]) == len(s["host_throughput_mb_s_samples"]) == 2
     assert s["sandbox_rx_bytes"] == [2 * MIB + 1000] * 2
-    # Checkpoints with a file changed before each.
-    assert len(d.checkpoints) == 3 and [p for _, p in d.files] == ["/root/bb-bench-net.txt"] * 3
+    # Checkpoints with a file changed before each, then rounds on a sandbox in mode none with
+    # a proxy that allows allowed.test: a fresh process each, checkpointed while it waits for
+    # the go file (ready, nothing sent), then again with its request in flight (sent, not yet
+    # answered), the answer arriving in the sandbox afterwards.
+    assert len(d.checkpoints) == 7
+    assert d.proxied == [{"image": "base", "timeout": bn.TTL, "network": "none", "allow": ["allowed.test"],
+                          "proxy": True}]
+    proxied = d.checkpoints[3]
+    assert d.checkpoints[3:] == [proxied] * 4 and proxied != d.checkpoints[0]
+    assert d.files == [(d.checkpoints[0], "/root/bb-bench-net.txt")] * 3 + [
+        (proxied, "/root/bb-bench-inflight-%d.go" % i) for i in range(2)
+    ]
+    assert d.ckpt_markers == [(proxied, ["ready"]), (proxied, ["ready", "go", "sent"])] * 2
+    inflight = [a for sid, a in d.commands if a[2] == bn.INFLIGHT_SCRIPT]
+    assert [a[3:] for a in inflight] == [
+        [bn.SLOW_URL] + ["/root/bb-bench-inflight-%d.%s" % (i, ext) for ext in ("ready", "go", "sent", "body")]
+        for i in range(2)
+    ]
+    assert d.path(proxied, "/root/bb-bench-inflight-1.body").read_text() == "/slow 198.18.0.1:80"
+    assert s["inflight_answered_before_ckpt"] == 0 and len(s["samples_ms"]["ckpt_during_inflight"]) == 2
+    assert len(s["samples_ms"]["ckpt_same_process_idle"]) == 2
+    assert s["ckpt_during_inflight_server_ms_p50"] == s["ckpt_same_process_idle_server_ms_p50"] == 3.0
+    assert s["ckpt_same_process_idle_ms_p50"] > 0
+    assert s["ckpt_inflight_vs_same_process_idle_ms"] == round(
+        s["ckpt_during_inflight_ms_p50"] - s["ckpt_same_process_idle_ms_p50"], 3
+    )
+    assert d.procs == {} and d.killed_running == 0
     assert d.sandboxes == {}, "every sandbox killed"
-    assert [g["keep"] for g in d.gc] == [[], [], []] and len({g["sandbox"] for g in d.gc}) == 3
-    assert any("proxy" in n for n in s["notes"]) and not any("net_rx_bytes" in n for n in s["notes"])
+    assert [g["keep"] for g in d.gc] == [[], [], [], []] and len({g["sandbox"] for g in d.gc}) == 4
+    assert s["notes"] == []
+    assert any(m.startswith("checkpoint 2/2 with a request in flight") for m in seen)
+    assert any(m.startswith("checkpoint 2/2 of the proxied sandbox, its process before its request") for m in seen)
     assert any(m.startswith("fork(16) 2/2") for m in seen)
 
 
@@ -373,3 +579,59 @@ def test_a_sandbox_without_egress_fails_the_first_request(net_daemon: NetDaemon,
     with pytest.raises(bn.BenchError, match="the first request to .* of a fresh allowlist sandbox sb-.* failed, .*unreachable"):
         bn.run_net_bench(small())
     assert net_daemon.sandboxes == {}
+
+
+
+def inflight_only(cfg: bn.NetConfig) -> bn.NetResult:
+    """The bench's in-flight checkpoints alone (its sandboxes killed, its snapshots deleted)."""
+    res = bn.NetResult(cfg)
+    with contextlib.ExitStack() as stack:
+        bn._Run(cfg, res, stack, lambda m: None).inflight_checkpoints()
+    return res
+
+
+def test_a_daemon_without_the_proxy_fails_the_inflight_part(net_daemon: NetDaemon) -> None:
+    net_daemon.ignore_proxy = True
+    with pytest.raises(bn.BenchError, match=r"created with proxy=True but has no proxy"):
+        inflight_only(small())
+    assert len(net_daemon.proxied) == 1 and net_daemon.sandboxes == {} and net_daemon.commands == []
+
+
+def test_a_failed_inflight_request_fails_the_run(net_daemon: NetDaemon) -> None:
+    net_daemon.proxy_url = "http://127.0.0.1:9"  # the proxy lets nothing through
+    with pytest.raises(bn.BenchError, match=r"(?s)the request 1 to http://allowed.test/slow through the proxy in "
+                                            r"sandbox sb-\w+ failed after the checkpoint \(exit 1: .*refused"):
+        inflight_only(small())
+    assert net_daemon.sandboxes == {} and len(net_daemon.checkpoints) == 2
+
+
+def test_a_program_that_never_gets_the_go_fails_the_run_and_is_ended(
+    net_daemon: NetDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    net_daemon.ignore_go = True
+    monkeypatch.setattr(bn, "MARKER_TIMEOUT", 0.5)
+    with pytest.raises(bn.BenchError, match=r"the request 1 .* in sandbox sb-\w+: its program wrote no sent marker "
+                                            r"\(/root/bb-bench-inflight-0.sent\) in 0 s \(still running\)"):
+        inflight_only(small())
+    # Only the checkpoint of the waiting process was taken; the kill ended the program.
+    assert len(net_daemon.checkpoints) == 1 and net_daemon.ckpt_markers[0][1] == ["ready"]
+    assert net_daemon.sandboxes == {} and net_daemon.killed_running == 1 and net_daemon.procs == {}
+
+
+def test_an_answer_that_does_not_arrive_fails_the_run(net_daemon: NetDaemon) -> None:
+    net_daemon.lose_answers = True
+    with pytest.raises(bn.BenchError, match=r"the answer of the request 1 .*, in flight during checkpoint sn-\w+, "
+                                            r"did not arrive in sandbox sb-\w+ "
+                                            r"\(/root/bb-bench-inflight-0.body: missing\)"):
+        inflight_only(small())
+    assert net_daemon.sandboxes == {} and net_daemon.procs == {} and len(net_daemon.gc) == 1
+
+
+def test_a_request_answered_before_its_checkpoint_returned_is_noted(
+    net_daemon: NetDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(SlowProxy, "delay", 0.0)
+    monkeypatch.setattr(bn, "INFLIGHT_SETTLE", 0.3)
+    s = inflight_only(small()).summary()
+    assert s["inflight_answered_before_ckpt"] == 2 and len(s["samples_ms"]["ckpt_during_inflight"]) == 2
+    assert any("2 of the 2 in-flight requests were answered before" in n for n in s["notes"])

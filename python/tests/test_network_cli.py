@@ -1,4 +1,4 @@
-"""CLI for sandbox network modes: ``sandbox create --network MODE --allow ENTRY``, ``sandbox fork
+"""CLI for sandbox network modes: ``sandbox create --network MODE --allow ENTRY [--proxy]``, ``sandbox fork
 --network/--allow/--clear-allow`` and ``sandbox network ID [--set-mode|--allow|--clear-allow|--json]``."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from typer.testing import CliRunner
 from branchbox import NetworkInfo
 from branchbox_cli import app as cli
 from conftest import BASE, SANDBOX, SID, FakeDaemon, invoke, one_red_line
-from test_network_sdk import ADDRESS, ENTRIES, NETWORK, SANDBOX_NET, Network, error, fork_answer, routes
+from test_network_sdk import (
+    ADDRESS, ENTRIES, NETWORK, PROXY, SANDBOX_NET, SANDBOX_PROXY, Network, error, fork_answer, routes,
+)
 
 
 @pytest.fixture
@@ -44,6 +46,20 @@ def test_create_json_shows_the_network(runner: CliRunner, daemon: FakeDaemon) ->
     assert r.exit_code == 0, r.stderr
     out = json.loads(r.stdout)
     assert out == SANDBOX_NET and out["address"] == ADDRESS and out["network"] == "allowlist"
+
+
+def test_create_with_a_proxy(runner: CliRunner, daemon: FakeDaemon) -> None:
+    daemon.on("POST", "/v1/sandboxes", SANDBOX_PROXY, 201)
+    r = invoke(runner, "sandbox", "create", "--proxy", "--allow", "allowed.test")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.strip() == SID
+    assert daemon.body() == {"image": "base", "timeout": 300.0, "network": "none", "allow": ["allowed.test"], "proxy": True}
+    r = invoke(runner, "sandbox", "create", "--network", "open", "--proxy", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert daemon.body() == {"image": "base", "timeout": 300.0, "network": "open", "proxy": True}
+    assert json.loads(r.stdout)["proxy"] == PROXY
+    r = invoke(runner, "sandbox", "create", "--allow", "a.test")
+    assert r.exit_code == 0 and "proxy" not in daemon.body(), "sent only with --proxy"
 
 
 def test_create_from_a_snapshot_keeps_its_network_unless_given(runner: CliRunner, daemon: FakeDaemon) -> None:
@@ -106,6 +122,7 @@ def test_network_shows_the_network(runner: CliRunner, daemon: FakeDaemon, nd: Ne
         ["mode", "allowlist"],
         ["address", ADDRESS],
         ["allow", "api.example.com, *.example.org"],
+        ["proxy", "-"],
         ["rx", "2.0 MiB"],
         ["tx", "512 B"],
     ]
@@ -116,6 +133,18 @@ def test_network_mode_none(runner: CliRunner, daemon: FakeDaemon, nd: Network) -
     r = invoke(runner, "sandbox", "network", SID)
     assert r.exit_code == 0, r.stderr
     assert r.stdout.splitlines()[:3] == ["mode     none", "address  -", "allow    -"]
+
+
+def test_network_shows_the_proxy(runner: CliRunner, daemon: FakeDaemon, nd: Network) -> None:
+    nd.allow, nd.proxy = ["allowed.test"], PROXY
+    r = invoke(runner, "sandbox", "network", SID)
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.splitlines()[:4] == ["mode     none", "address  -", "allow    allowed.test", "proxy    " + PROXY]
+    r = invoke(runner, "sandbox", "network", SID, "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["proxy"] == PROXY
+    r = invoke(runner, "sandbox", "network", SID, "--allow", "also.allowed.test")
+    assert r.exit_code == 0, r.stderr
+    assert daemon.body() == {"allow": ["also.allowed.test"]} and "proxy    " + PROXY in r.stdout
 
 
 def test_network_json(runner: CliRunner, daemon: FakeDaemon, nd: Network) -> None:
@@ -165,7 +194,9 @@ def test_network_errors_are_one_red_line(runner: CliRunner, daemon: FakeDaemon, 
 
 
 def test_network_lines_without_fields() -> None:
-    assert cli.network_lines(NetworkInfo()) == ["mode     -", "address  -", "allow    -", "rx       0 B", "tx       0 B"]
+    assert cli.network_lines(NetworkInfo()) == [
+        "mode     -", "address  -", "allow    -", "proxy    -", "rx       0 B", "tx       0 B",
+    ]
 
 
 def test_sandbox_info_prints_the_network_fields(runner: CliRunner, daemon: FakeDaemon) -> None:
@@ -174,6 +205,10 @@ def test_sandbox_info_prints_the_network_fields(runner: CliRunner, daemon: FakeD
     assert r.exit_code == 0, r.stderr
     out = json.loads(r.stdout)
     assert (out["network"], out["address"], out["allow"], out["net_rx_bytes"]) == ("allowlist", ADDRESS, ENTRIES[:2], 2_000_123)
+    daemon.on("GET", BASE, SANDBOX_PROXY)
+    r = invoke(runner, "sandbox", "info", SID)
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["proxy"] == PROXY
 
 
 def test_help_lists_network_and_its_flags(runner: CliRunner) -> None:
@@ -182,7 +217,7 @@ def test_help_lists_network_and_its_flags(runner: CliRunner) -> None:
     names = [line.strip("│ ").split(" ")[0] for line in r.stdout.splitlines()]
     assert "network" in names
     for cmd, flags in (("network", ("--set-mode", "--allow", "--clear-allow", "--json")),
-                       ("create", ("--network", "--allow")), ("fork", ("--network", "--allow", "--clear-allow"))):
+                       ("create", ("--network", "--allow", "--proxy")), ("fork", ("--network", "--allow", "--clear-allow"))):
         r = invoke(runner, "sandbox", cmd, "--help")
         assert r.exit_code == 0
         for flag in flags:

@@ -1,4 +1,4 @@
-"""Sandbox network modes in the sync and async SDKs: ``Sandbox.create(network=..., allow=...)``,
+"""Sandbox network modes in the sync and async SDKs: ``Sandbox.create(network=..., allow=..., proxy=...)``,
 ``sbx.fork(..., network=..., allow=...)`` and ``sbx.network.get()`` / ``.update()`` against the
 contract of ``/v1/sandboxes`` and ``/v1/sandboxes/{id}/network``."""
 
@@ -27,17 +27,21 @@ from conftest import BASE, SANDBOX, SID, FakeDaemon
 NETWORK = BASE + "/network"
 ADDRESS = "10.213.0.2"
 ENTRIES = ["api.example.com", "*.example.org", "10.0.0.0/8:443", "192.168.1.7:8000-8010"]
+#: The daemon's proxy as a sandbox created with ``proxy=True`` sees it.
+PROXY = "http://127.0.0.1:3128"
 
 #: A SandboxInfo of a daemon with network modes (mode allowlist).
 SANDBOX_NET = dict(
     SANDBOX, network="allowlist", allow=ENTRIES[:2], address=ADDRESS, net_rx_bytes=2_000_123, net_tx_bytes=4096
 )
+#: A SandboxInfo of a sandbox with the daemon's proxy, in mode none (the proxy is its only way out).
+SANDBOX_PROXY = dict(SANDBOX, allow=["allowed.test"], proxy=PROXY, net_rx_bytes=0, net_tx_bytes=0)
 
 
 def net_info(network: str = "allowlist", allow: Optional[List[str]] = None, address: Optional[str] = ADDRESS,
-             rx: int = 0, tx: int = 0) -> dict:
+             rx: int = 0, tx: int = 0, proxy: Optional[str] = None) -> dict:
     return {"sandbox": SID, "network": network, "allow": list(allow or []), "address": address,
-            "rx_bytes": rx, "tx_bytes": tx}
+            "rx_bytes": rx, "tx_bytes": tx, "proxy": proxy}
 
 
 def error(code: str, message: str, status: int) -> httpx.Response:
@@ -47,15 +51,18 @@ def error(code: str, message: str, status: int) -> httpx.Response:
 class Network:
     """The daemon's network of sandbox ``SID``: the daemon's rules (an unknown mode, a bad
     entry or ``none`` with entries answer 400 and change nothing; ``none`` alone clears the
-    entries; an address while the mode has egress)."""
+    entries; an address while the mode has egress; ``proxy``: the sandbox's proxy URL, if any,
+    which no update changes)."""
 
     def __init__(self, network: str = "none", allow: Optional[List[str]] = None) -> None:
         self.network = network
         self.allow = list(allow or [])
         self.rx, self.tx = 1500, 700
+        self.proxy: Optional[str] = None
 
     def info(self) -> dict:
-        return net_info(self.network, self.allow, ADDRESS if self.network != "none" else None, self.rx, self.tx)
+        address = ADDRESS if self.network != "none" else None
+        return net_info(self.network, self.allow, address, self.rx, self.tx, self.proxy)
 
     def get(self, request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json=self.info())
@@ -71,7 +78,7 @@ class Network:
         for entry in allow:
             if " " in entry or not entry:
                 return error("bad_request", "allow entry %r: not a name, an IPv4 address or a CIDR" % entry, 400)
-        if network == "none" and allow:
+        if network == "none" and allow and self.proxy is None:
             return error("bad_request", "network mode \"none\" takes no allow entries: use \"allowlist\"", 400)
         self.network, self.allow = network, list(allow)
         return httpx.Response(200, json=self.info())
@@ -121,13 +128,15 @@ def test_network_info_parsing() -> None:
     assert info.allow is not data["allow"], "a list of its own"
     assert info == NetworkInfo(SID, "allowlist", ENTRIES, ADDRESS, 2_000_123, 4096)
     none = NetworkInfo.from_dict(net_info("none", address=None))
-    assert (none.network, none.allow, none.address) == ("none", [], None)
+    assert (none.network, none.allow, none.address, none.proxy) == ("none", [], None, None)
+    proxied = NetworkInfo.from_dict(net_info("none", ["allowed.test"], None, proxy=PROXY))
+    assert (proxied.network, proxied.allow, proxied.address, proxied.proxy) == ("none", ["allowed.test"], None, PROXY)
 
 
 def test_network_info_tolerates_missing_null_and_unknown_fields() -> None:
     info = NetworkInfo.from_dict({"network": "open", "allow": None, "future": {"x": 1}})
-    assert (info.sandbox, info.network, info.allow, info.address, info.rx_bytes, info.tx_bytes) == (
-        "", "open", [], None, 0, 0,
+    assert (info.sandbox, info.network, info.allow, info.address, info.rx_bytes, info.tx_bytes, info.proxy) == (
+        "", "open", [], None, 0, 0, None,
     )
     assert info.raw == {"network": "open", "allow": None, "future": {"x": 1}}
     assert NetworkInfo.from_dict(None) == NetworkInfo() and NetworkInfo.from_dict([]) == NetworkInfo()
@@ -138,14 +147,18 @@ def test_sandbox_info_network_fields() -> None:
     assert (info.network, info.allow, info.address, info.net_rx_bytes, info.net_tx_bytes) == (
         "allowlist", ENTRIES[:2], ADDRESS, 2_000_123, 4096,
     )
-    assert info.raw == SANDBOX_NET and info.id == SID and info.env == {"K": "V"}
+    assert info.raw == SANDBOX_NET and info.id == SID and info.env == {"K": "V"} and info.proxy is None
+    proxied = SandboxInfo.from_dict(SANDBOX_PROXY)
+    assert (proxied.network, proxied.allow, proxied.address, proxied.proxy) == ("none", ["allowed.test"], None, PROXY)
+    assert SandboxInfo.from_dict(dict(SANDBOX, proxy=None)).proxy is None
 
 
 def test_sandbox_info_of_an_older_daemon_or_mode_none() -> None:
     # An older daemon (and mode none: allow and address are left out) sends none of them.
-    assert not {"allow", "address", "net_rx_bytes", "net_tx_bytes"} & set(SANDBOX)
+    assert not {"allow", "address", "net_rx_bytes", "net_tx_bytes", "proxy"} & set(SANDBOX)
     info = SandboxInfo.from_dict(SANDBOX)
     assert (info.network, info.allow, info.address, info.net_rx_bytes, info.net_tx_bytes) == ("none", [], None, 0, 0)
+    assert info.proxy is None
     bare = SandboxInfo.from_dict({"id": SID})
     assert (bare.network, bare.allow, bare.address, bare.net_rx_bytes) == (None, [], None, 0)
     assert SandboxInfo.from_dict({"allow": None}).allow == []
@@ -244,8 +257,29 @@ def test_core_create_bodies() -> None:
     assert body(image=None, snapshot="sn-000000000001", allow=["a.test"]) == {
         "snapshot": "sn-000000000001", "timeout": 300, "allow": ["a.test"],
     }, "entries alone keep the snapshot's mode"
-    # Entries without a mode go to the daemon, which says "none" takes none.
+    # Entries without a mode go to the daemon, which says "none" takes none (unless with a proxy).
     assert body(allow=["a.test"]) == {"image": "base", "timeout": 300, "network": "none", "allow": ["a.test"]}
+
+
+def test_core_create_bodies_with_a_proxy() -> None:
+    body = lambda **kw: _core.create_sandbox(**kw).json  # noqa: E731
+    assert body(proxy=True) == {"image": "base", "timeout": 300, "network": "none", "proxy": True}
+    assert body(proxy=False) == body() and "proxy" not in body(), "sent only when True"
+    assert body(allow=["allowed.test"], proxy=True) == {
+        "image": "base", "timeout": 300, "network": "none", "allow": ["allowed.test"], "proxy": True,
+    }, "allow with mode none: the proxy's entries"
+    assert body(network="open", proxy=True) == {"image": "base", "timeout": 300, "network": "open", "proxy": True}
+    assert body(image=None, snapshot="sn-000000000001", proxy=True) == {
+        "snapshot": "sn-000000000001", "timeout": 300, "proxy": True,
+    }
+    assert body(image=None, template="py", proxy=True) == {"template": "py", "timeout": 300, "proxy": True}
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0, None, "true"])
+def test_core_create_proxy_must_be_a_bool(bad) -> None:
+    with pytest.raises(InvalidArgumentError, match="proxy must be True or False") as ei:
+        _core.create_sandbox(proxy=bad)
+    assert isinstance(ei.value, ValueError) and ei.value.status_code is None
 
 
 def test_core_fork_bodies() -> None:
@@ -280,8 +314,49 @@ def test_create_sends_network_and_allow(fake: FakeDaemon) -> None:
     assert fake.body() == {"snapshot": "sn-000000000001", "timeout": 300, "allow": ["a.test"]}
 
 
+def test_create_with_a_proxy(fake: FakeDaemon) -> None:
+    fake.on("POST", "/v1/sandboxes", SANDBOX_PROXY, 201)
+    sbx = Sandbox.create(network="none", allow=["allowed.test"], proxy=True, transport=fake.transport())
+    assert fake.shape() == ("POST", "/v1/sandboxes", {
+        "image": "base", "timeout": 300, "network": "none", "allow": ["allowed.test"], "proxy": True,
+    })
+    assert (sbx._info.proxy, sbx._info.network, sbx._info.allow) == (PROXY, "none", ["allowed.test"])
+    sbx.close()
+    Sandbox.create(proxy=False, transport=fake.transport()).close()
+    assert fake.body() == {"image": "base", "timeout": 300, "network": "none"}
+
+
+def test_proxy_shows_in_info_and_network(fake: FakeDaemon, net: Network) -> None:
+    fake.on("POST", "/v1/sandboxes", SANDBOX_PROXY, 201)
+    fake.on("GET", BASE, SANDBOX_PROXY)
+    net.proxy = PROXY
+    sbx = Sandbox.create(allow=["allowed.test"], proxy=True, transport=fake.transport())
+    assert sbx.info().proxy == PROXY
+    info = sbx.network.get()
+    assert (info.network, info.proxy, info.address) == ("none", PROXY, None)
+    # Entries in mode none govern the proxy; the proxy stays through updates (read-only).
+    n = sbx.network.update(allow=["allowed.test", "also.allowed.test"])
+    assert fake.body() == {"allow": ["allowed.test", "also.allowed.test"]}, "the proxy is not sent"
+    assert (n.network, n.allow, n.proxy) == ("none", ["allowed.test", "also.allowed.test"], PROXY)
+    assert sbx.network.update(network="open").proxy == PROXY
+    sbx.close()
+
+
+def test_fork_children_inherit_the_proxy(fake: FakeDaemon) -> None:
+    fake.on("POST", "/v1/sandboxes", SANDBOX_PROXY, 201)
+    sbx = Sandbox.create(proxy=True, allow=["allowed.test"], transport=fake.transport())
+    fake.on("POST", BASE + "/fork", fork_answer(dict(SANDBOX_PROXY, id="sb-child0000001")), 201)
+    (c,) = sbx.fork(1)
+    assert fake.body() == {"count": 1}, "nothing new in the fork request"
+    assert c._info.proxy == PROXY
+    assert "proxy" not in inspect.signature(Sandbox.fork).parameters
+    c.close()
+    sbx.close()
+
+
 def test_create_bad_network_sends_nothing(fake: FakeDaemon) -> None:
-    for kwargs in ({"network": "wide"}, {"allow": "api.example.com"}, {"network": "allowlist", "allow": [1]}):
+    for kwargs in ({"network": "wide"}, {"allow": "api.example.com"}, {"network": "allowlist", "allow": [1]},
+                   {"proxy": "yes"}):
         with pytest.raises(InvalidArgumentError):
             Sandbox.create(transport=fake.transport(), **kwargs)
     assert fake.requests == []
@@ -398,10 +473,25 @@ async def test_async_create_and_fork(fake: FakeDaemon) -> None:
     before = len(fake.requests)
     with pytest.raises(InvalidArgumentError):
         await AsyncSandbox.create(allow="a.test", transport=fake.transport())
+    with pytest.raises(InvalidArgumentError, match="proxy must be True or False"):
+        await AsyncSandbox.create(proxy=1, transport=fake.transport())
     with pytest.raises(InvalidArgumentError):
         await s.fork(1, network="wide")
     assert len(fake.requests) == before
     await s.close()
+
+
+async def test_async_create_with_a_proxy(fake: FakeDaemon, net: Network) -> None:
+    fake.on("POST", "/v1/sandboxes", SANDBOX_PROXY, 201)
+    net.proxy = PROXY
+    s = await AsyncSandbox.create(allow=["allowed.test"], proxy=True, transport=fake.transport())
+    assert fake.shape() == ("POST", "/v1/sandboxes", {
+        "image": "base", "timeout": 300, "network": "none", "allow": ["allowed.test"], "proxy": True,
+    })
+    assert s._info.proxy == PROXY and (await s.network.get()).proxy == PROXY
+    await s.close()
+    await (await AsyncSandbox.create(transport=fake.transport())).close()
+    assert "proxy" not in fake.body()
 
 
 async def test_async_network(asbx: AsyncSandbox, fake: FakeDaemon, net: Network) -> None:
@@ -445,3 +535,10 @@ def test_network_parameters_on_both_sandboxes(name: str) -> None:
     for cls in (Sandbox, AsyncSandbox):
         params = inspect.signature(getattr(cls, name)).parameters
         assert params["network"].default is None and params["allow"].default is None, (cls, name)
+
+
+def test_proxy_parameter_on_both_creates() -> None:
+    for cls in (Sandbox, AsyncSandbox):
+        params = inspect.signature(cls.create).parameters
+        assert params["proxy"].default is False and params["proxy"].kind is inspect.Parameter.KEYWORD_ONLY, cls
+    assert list(inspect.signature(Sandbox.create).parameters) == list(inspect.signature(AsyncSandbox.create).parameters)

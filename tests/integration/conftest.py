@@ -14,8 +14,10 @@ BRANCHBOX_TEST_BRIDGE and BRANCHBOX_TEST_NET (--net-bridge, default bbt0; --net-
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
+import uuid
 
 import httpx
 import pytest
@@ -26,11 +28,25 @@ from branchbox.images import Images
 from branchbox_bench import networld
 from helpers import CGROUP_PARENT, MAX_CHAIN, NET_BRIDGE, NET_RANGE, RUN, SOCKET, STATE, URL, daemon_bin, state_mounts  # noqa: F401 (re-exported)
 
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+PROXY_CREDENTIALS = os.path.join(DATA, "proxy-credentials.json")
+PROXY_CA = os.path.join(DATA, "test-ca.pem")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 class Daemon:
     def __init__(self) -> None:
         self.proc = None
         self.log = os.path.join(STATE, "test-daemon.log")
+        # Its TCP listener (the Host-header form of ports, test_ports.py), the same port across
+        # restarts.
+        self.tcp_port = _free_port()
+        self.tcp_token = "bbtest-" + uuid.uuid4().hex
 
     def start(self, extra=()) -> None:
         os.makedirs(RUN, exist_ok=True)
@@ -41,7 +57,11 @@ class Daemon:
                 "--max-chain", str(MAX_CHAIN),
                 # Sandboxes with egress: a bridge and range of the suite's own, DNS forwarded to
                 # the network tests' own "outside world" (networld.py).
-                "--net-bridge", NET_BRIDGE, "--net-range", NET_RANGE, "--net-dns", networld.DNS]
+                "--net-bridge", NET_BRIDGE, "--net-range", NET_RANGE, "--net-dns", networld.DNS,
+                # The proxy's credentials for the world's hosts, and the CA of the world's HTTPS
+                # servers (test_proxy.py).
+                "--proxy-credentials", PROXY_CREDENTIALS, "--proxy-ca", PROXY_CA,
+                "--listen", "127.0.0.1:%d" % self.tcp_port, "--token", self.tcp_token]
         if os.environ.get("BRANCHBOX_INIT_BIN"):  # default: branchbox-init next to the daemon binary
             argv += ["--init-bin", os.environ["BRANCHBOX_INIT_BIN"]]
         argv += extra

@@ -112,3 +112,78 @@ def test_bad_ports_are_refused_with_the_range(sbx, raw):
     r = raw.get("/v1/sandboxes/sb-nope/ports/80")
     assert r.status_code == 404, r.text
     assert raw.get("/v1/sandboxes/%s/ports" % sbx.id).json() == {"ports": []}
+
+
+UPGRADE_ECHO = r"""
+import socket, sys
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", int(sys.argv[1])))
+srv.listen(4)
+while True:
+    c, _ = srv.accept()
+    head = b""
+    while b"\r\n\r\n" not in head:
+        data = c.recv(4096)
+        if not data:
+            break
+        head += data
+    if b"\r\n\r\n" not in head:  # the readiness probe
+        c.close()
+        continue
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: echo\r\nConnection: Upgrade\r\n\r\n")
+    while True:
+        data = c.recv(4096)
+        if not data:
+            break
+        c.sendall(data.upper())
+    c.close()
+"""
+
+
+def test_the_host_header_form_on_the_tcp_listener_reaches_any_port_without_the_token(daemon, make_sandbox):
+    # `{port}-{sandbox}.{domain}` (--port-domain, default localhost) on the daemon's TCP listener.
+    a, b = make_sandbox(), make_sandbox()
+    serve(a, 8000, "from a")
+    serve(b, 8000, "from b")
+    tcp = "127.0.0.1:%d" % daemon.tcp_port
+    with httpx.Client(base_url="http://" + tcp, timeout=20) as c:
+        for sbx, text in ((a, "from a"), (b, "from b")):
+            r = c.get("/index.html", headers={"Host": "8000-%s.localhost:%d" % (sbx.id, daemon.tcp_port)})
+            assert r.status_code == 200 and r.text == text, r.text
+        # No listener opened for it: the port's info names the form too, once asked.
+        assert a.get_host(8000) and [p.domain_host for p in a.ports()] == ["8000-%s.localhost:%d" % (a.id, daemon.tcp_port)]
+        # Nothing listening there: an error saying so; an unknown sandbox: 404; the API itself
+        # still wants the token.
+        r = c.get("/", headers={"Host": "8001-%s.localhost" % a.id})
+        assert r.status_code == 503 and "nothing answers on port 8001" in r.json()["error"]["message"], r.text
+        r = c.get("/", headers={"Host": "8000-sb-nonexistent.localhost"})
+        assert r.status_code == 404, r.text
+        assert c.get("/v1/health").status_code == 401
+        assert c.get("/v1/health", headers={"Authorization": "Bearer " + daemon.tcp_token}).status_code == 200
+    # An upgrade the server agrees to is joined both ways (WebSocket's mechanism).
+    a.files.write("/root/upgrade.py", UPGRADE_ECHO)
+    a.commands.run("python3 /root/upgrade.py 8100", background=True)
+    serve_ready = a.commands.run(
+        "python3 -c 'import socket, time\nfor _ in range(200):\n    try:\n        socket.create_connection((\"127.0.0.1\", 8100)).close(); break\n"
+        "    except OSError:\n        time.sleep(0.05)'"
+    )
+    assert serve_ready.exit_code == 0
+    s = socket.create_connection(("127.0.0.1", daemon.tcp_port), timeout=20)
+    try:
+        s.sendall(b"GET /chat HTTP/1.1\r\nHost: 8100-%s.localhost\r\nUpgrade: echo\r\nConnection: Upgrade\r\n\r\n" % a.id.encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += s.recv(4096)
+        assert head.startswith(b"HTTP/1.1 101"), head
+        s.sendall(b"hello")
+        got = b""
+        while len(got) < 5:
+            got += s.recv(4096)
+        assert got == b"HELLO"
+    finally:
+        s.close()
+    # Killed: the form answers 404 for it.
+    a.kill()
+    with httpx.Client(base_url="http://" + tcp, timeout=20) as c:
+        assert c.get("/index.html", headers={"Host": "8000-%s.localhost" % a.id}).status_code == 404

@@ -105,6 +105,27 @@ pub fn router(rt: Arc<Runtime>, token: Option<String>) -> Router {
     r.layer(axum::middleware::from_fn(keepalive::close_if_body_unread))
 }
 
+/// `r` with the Host-header form of sandbox ports in front of it: a request to
+/// `{port}-{sandbox}.{domain}` goes to that port of that sandbox (before any token check).
+pub fn with_port_hosts(r: Router, rt: Arc<Runtime>, domain: &str) -> Router {
+    let domain: Arc<str> = domain.trim_matches('.').into();
+    r.layer(axum::middleware::from_fn(move |req: axum::extract::Request, next: Next| {
+        let (rt, domain) = (rt.clone(), domain.clone());
+        async move {
+            // HTTP/1.1's Host, or HTTP/2's :authority.
+            let host = req.headers().get(axum::http::header::HOST).and_then(|v| v.to_str().ok());
+            let host = host.or_else(|| req.uri().authority().map(|a| a.as_str()));
+            let Some((id, port)) = host.and_then(|h| bb_runtime::net::ports::port_host(h, &domain)) else {
+                return next.run(req).await;
+            };
+            match rt.forward_to_port(&id, port, req).await {
+                Ok(resp) => resp.map(axum::body::Body::new),
+                Err(e) => axum::response::IntoResponse::into_response(error::ApiError::from(e)),
+            }
+        }
+    }))
+}
+
 async fn check_token(token: &str, headers: &HeaderMap, req: axum::extract::Request, next: Next) -> Response {
     let given = headers
         .get(axum::http::header::AUTHORIZATION)

@@ -72,6 +72,15 @@ pub struct RuntimeConfig {
     /// Where the daemon's DNS forwards allowed queries. None: the first nameserver of the host's
     /// /etc/resolv.conf.
     pub net_dns: Option<std::net::SocketAddr>,
+    /// The daemon's TCP listener as clients reach it, with the domain of the Host-header form of
+    /// ports (`{port}-{sandbox}.{domain}`): e.g. `localhost:7070`. None: no TCP listener.
+    pub port_domain: Option<String>,
+    /// Port of the daemon's proxy inside sandboxes that ask for it ([`crate::net::proxy`]).
+    pub proxy_port: u16,
+    /// Headers the proxy adds per host (a JSON file; see [`crate::net::proxy::Credential`]).
+    pub proxy_credentials: Option<PathBuf>,
+    /// CA certificates (PEM) the proxy trusts upstream, beside the system's.
+    pub proxy_ca: Option<PathBuf>,
 }
 
 impl RuntimeConfig {
@@ -109,6 +118,10 @@ impl RuntimeConfig {
             net_bridge: "bb0".into(),
             net_range: ipnet::Ipv4Net::new(std::net::Ipv4Addr::new(10, 213, 0, 0), 16).expect("literal"),
             net_dns: None,
+            port_domain: None,
+            proxy_port: crate::net::proxy::DEFAULT_PORT,
+            proxy_credentials: None,
+            proxy_ca: None,
         }
     }
 

@@ -36,6 +36,13 @@ pub struct CreateSandbox {
     /// an address listed here is let through even where `open` refuses it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allow: Vec<String>,
+    /// The daemon's HTTP(S) proxy inside the sandbox at `127.0.0.1:3128` (`HTTP_PROXY` and
+    /// `HTTPS_PROXY` in its environment), held to `allow` (mode `open`: any public address),
+    /// adding the daemon's credentials for their hosts. In every mode: with `none` (and allow
+    /// entries), the proxy is the sandbox's only way out. From a snapshot or a template: theirs
+    /// unless given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy: Option<bool>,
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
     /// What happens at the timeout, and whether a paused sandbox wakes on use.
@@ -85,6 +92,9 @@ pub struct SandboxSpec {
     /// The network's allow entries (see [`CreateSandbox::allow`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allow: Vec<String>,
+    /// Port of the daemon's proxy inside the sandbox (None: no proxy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy_port: Option<u16>,
     pub metadata: BTreeMap<String, String>,
     /// Seconds of life a sandbox gets at creation and at each resume (None: no limit).
     #[serde(default)]
@@ -113,6 +123,9 @@ pub struct SandboxInfo {
     /// Its address on the sandboxes' bridge (modes with egress).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address: Option<String>,
+    /// The daemon's proxy as the sandbox reaches it (`http://127.0.0.1:3128`), if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy: Option<String>,
     /// Bytes the sandbox received and sent through its network interface (modes with egress;
     /// loopback and ports reached from the host are not counted).
     #[serde(default)]
@@ -485,6 +498,8 @@ pub struct NetworkInfo {
     pub allow: Vec<String>,
     /// Its address on the sandboxes' bridge (modes with egress).
     pub address: Option<String>,
+    /// The daemon's proxy as the sandbox reaches it, if it has one.
+    pub proxy: Option<String>,
     pub rx_bytes: u64,
     pub tx_bytes: u64,
 }
@@ -671,6 +686,10 @@ pub struct BuildTemplate {
     pub network: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allow: Vec<String>,
+    /// The daemon's proxy in the recipe's sandbox and the template's sandboxes (see
+    /// [`CreateSandbox::proxy`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy: Option<bool>,
     /// Volumes the recipe's sandbox mounts (it may fill them). Each sandbox created from the
     /// template gets a copy-on-write fork of each `branch` volume at the same path (`rox`
     /// volumes: the same volume, read-only); the template holds them until it is removed.
@@ -1018,6 +1037,10 @@ pub struct PortInfo {
     pub host: String,
     /// `http://` + `host`.
     pub url: String,
+    /// The same port through the daemon's TCP listener (`--listen`), by Host header:
+    /// `{port}-{sandbox}.{domain}:{listen port}` (`--port-domain`); left out without a listener.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub domain_host: Option<String>,
     pub opened_at: f64,
 }
 

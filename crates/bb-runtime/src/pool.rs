@@ -65,6 +65,7 @@ fn shell_spec(image: &bb_layers::Image) -> SandboxSpec {
         cwd: "/".into(),
         network: "none".into(),
         allow: Vec::new(),
+        proxy_port: None,
         metadata: Default::default(),
         timeout: None,
         lifecycle: Default::default(),

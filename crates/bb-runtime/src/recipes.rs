@@ -227,6 +227,7 @@ impl Runtime {
             timeout: Some(0.0),
             network: req.network.clone(),
             allow: req.allow.clone(),
+            proxy: req.proxy,
             metadata,
             template: None,
             snapshot: None,
@@ -394,8 +395,9 @@ impl Runtime {
         let network = req.network.clone().or_else(|| Some(snap.spec.network.clone()));
         let allow =
             if req.network.is_none() && req.allow.is_empty() { snap.spec.allow.clone() } else { req.allow.clone() };
+        let proxy = req.proxy.or(Some(snap.spec.proxy_port.is_some()));
         let (mut spec, timeout, _) =
-            self.validate(CreateSandbox { image: Some(row.image.clone()), network, allow, ..req.clone() })?;
+            self.validate(CreateSandbox { image: Some(row.image.clone()), network, allow, proxy, ..req.clone() })?;
         // The template's own settings, unless the request sets them.
         spec.layers = snap.spec.layers.clone();
         spec.image_env = snap.spec.image_env.clone();

@@ -77,10 +77,10 @@ impl Runtime {
         // Networks: the rules of the wired sandboxes again (the table is made afresh).
         let live: std::collections::HashMap<String, Arc<crate::sandbox::Sandbox>> =
             self.sandboxes.all().into_iter().map(|s| (s.id.clone(), s)).collect();
-        for (id, w) in self.net.recover(&live) {
-            if let Some(sb) = live.get(&id) {
-                *sb.net.lock() = Some(w);
-            }
+        let mut recorded: std::collections::HashMap<String, crate::net::NetState> =
+            self.net.recover(&live).into_iter().collect();
+        for sb in live.values() {
+            self.net_recover(sb, recorded.remove(&sb.id));
         }
         if let Err(e) = self.recover_volume_fs() {
             tracing::error!("the volumes' filesystem is not available (volumes cannot be used until it is): {e}");

@@ -140,6 +140,21 @@ struct Args {
     /// Default: the first nameserver of /etc/resolv.conf.
     #[arg(long)]
     net_dns: Option<std::net::SocketAddr>,
+    /// Domain of the Host-header form of sandbox ports on the TCP listener (`--listen`): a
+    /// request to `{port}-{sandbox}.{domain}` reaches that port of that sandbox (no token).
+    #[arg(long, default_value = "localhost")]
+    port_domain: String,
+    /// Port of the daemon's HTTP(S) proxy inside sandboxes created with `proxy: true`
+    /// (127.0.0.1 in each sandbox's own network namespace).
+    #[arg(long, default_value_t = bb_runtime::net::proxy::DEFAULT_PORT, value_parser = clap::value_parser!(u16).range(1..))]
+    proxy_port: u16,
+    /// JSON file of headers the proxy adds per host, never seen by sandboxes:
+    /// {"api.example.com": {"headers": {"Authorization": "Bearer ..."}, "tls": true}}.
+    #[arg(long)]
+    proxy_credentials: Option<PathBuf>,
+    /// PEM file of CA certificates the proxy trusts upstream (beside the system's).
+    #[arg(long)]
+    proxy_ca: Option<PathBuf>,
     /// Print the OpenAPI document and exit.
     #[arg(long)]
     print_openapi: bool,
@@ -204,6 +219,10 @@ async fn run(args: Args, store_credentials: Option<(String, String)>) -> anyhow:
     cfg.volume_fs_bytes = args.volume_fs_size_gb << 30;
     cfg.volume_cache_bytes = (args.volume_cache_mb > 0).then_some(args.volume_cache_mb << 20);
     cfg.port_bind = args.port_bind;
+    if let Some(addr) = &args.listen {
+        let port = addr.rsplit_once(':').map(|(_, p)| p).unwrap_or("");
+        cfg.port_domain = Some(format!("{}:{port}", args.port_domain.trim_matches('.')));
+    }
     let bridge_ok = |b: &str| {
         !b.is_empty() && b.len() <= 8 && b.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-')
     };
@@ -216,6 +235,9 @@ async fn run(args: Args, store_credentials: Option<(String, String)>) -> anyhow:
     cfg.net_bridge = args.net_bridge;
     cfg.net_range = args.net_range;
     cfg.net_dns = args.net_dns;
+    cfg.proxy_port = args.proxy_port;
+    cfg.proxy_credentials = args.proxy_credentials;
+    cfg.proxy_ca = args.proxy_ca;
     cfg.setns_key_file = args.setns_key_file;
     cfg.node_name = args.node_name;
     cfg.store_gc_grace = Duration::from_secs(args.store_gc_grace);
@@ -300,7 +322,8 @@ async fn run(args: Args, store_credentials: Option<(String, String)>) -> anyhow:
     if let Some(addr) = &args.listen {
         let tcp = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
         tracing::info!(%addr, "serving on TCP (bearer token required)");
-        let app = bb_api::router(rt.clone(), args.token.clone());
+        let app =
+            bb_api::with_port_hosts(bb_api::router(rt.clone(), args.token.clone()), rt.clone(), &args.port_domain);
         tokio::spawn(async move {
             let _ = axum::serve(tcp, app).await;
         });

@@ -106,6 +106,37 @@ async fn forward(upstream: SocketAddr, packet: &[u8]) -> std::io::Result<Vec<u8>
     Ok(buf)
 }
 
+/// The IPv4 addresses `name` has, asked of `upstream` (the proxy resolves its requests' hosts
+/// itself: a sandbox's own answers play no part).
+pub(crate) async fn resolve(upstream: SocketAddr, name: &str) -> std::io::Result<Vec<Ipv4Addr>> {
+    use hickory_proto::op::Query;
+    use hickory_proto::rr::{Name, RecordType};
+    let bad = |e: hickory_proto::error::ProtoError| std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string());
+    let mut q = Message::new();
+    let id = (uuid::Uuid::new_v4().as_u128() & 0xffff) as u16;
+    q.set_id(id).set_recursion_desired(true);
+    q.add_query(Query::query(Name::from_ascii(format!("{name}.")).map_err(bad)?, RecordType::A));
+    let reply = Message::from_vec(&forward(upstream, &q.to_vec().map_err(bad)?).await?).map_err(bad)?;
+    if reply.id() != id {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "an answer to another query"));
+    }
+    let addrs: Vec<Ipv4Addr> = reply
+        .answers()
+        .iter()
+        .filter_map(|r| match r.data() {
+            Some(RData::A(a)) => Some(a.0),
+            _ => None,
+        })
+        .collect();
+    if addrs.is_empty() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("no address ({})", reply.response_code()),
+        ));
+    }
+    Ok(addrs)
+}
+
 /// An answer with no records and `code`.
 fn refusal(query: &Message, code: ResponseCode) -> Option<Vec<u8>> {
     let mut r = Message::new();

@@ -17,6 +17,7 @@ pub mod dns;
 pub mod fabric;
 pub mod policy;
 pub mod ports;
+pub mod proxy;
 
 use crate::db::{self, DbError};
 use crate::error::{ErrorKind, Result, RuntimeError};
@@ -51,6 +52,8 @@ pub enum NetError {
     Db(#[from] DbError),
     #[error("sandbox {0} has no network interface to change the rules of")]
     NotWired(String),
+    #[error("proxy: {0}")]
+    Proxy(#[from] proxy::ProxyError),
 }
 
 impl NetError {
@@ -58,6 +61,9 @@ impl NetError {
         match self {
             NetError::Policy(_) => ErrorKind::BadRequest,
             NetError::Full(_) => ErrorKind::Unavailable,
+            NetError::Proxy(proxy::ProxyError::Credentials { .. } | proxy::ProxyError::Ca { .. }) => {
+                ErrorKind::BadRequest
+            }
             _ => ErrorKind::Internal,
         }
     }
@@ -66,6 +72,19 @@ impl NetError {
 impl From<rusqlite::Error> for NetError {
     fn from(e: rusqlite::Error) -> Self {
         NetError::Db(e.into())
+    }
+}
+
+/// A sandbox's network now: its policy (the proxy's too), and its wiring when it has egress.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NetState {
+    pub policy: Policy,
+    pub wired: Option<Wired>,
+}
+
+impl Default for NetState {
+    fn default() -> Self {
+        NetState { policy: Policy::none(), wired: None }
     }
 }
 
@@ -86,10 +105,18 @@ impl Wired {
     }
 }
 
+/// What [`Runtime::net_wire`] made for a sandbox about to be registered.
+pub(crate) struct NetWiring {
+    state: NetState,
+    proxy: Option<proxy::Listening>,
+}
+
 /// The bridge, the slots in use and their policies.
 pub struct Net {
     pub(crate) fabric: Fabric,
     pub(crate) dns_upstream: Option<SocketAddr>,
+    /// The HTTP(S) proxy of the sandboxes that asked for it.
+    pub(crate) proxy: Arc<proxy::Proxy>,
     /// The bridge and table are up and the DNS serves (brought up on first use).
     up: Mutex<bool>,
     /// Wired sandboxes by id.
@@ -121,9 +148,17 @@ impl Net {
                 allow TEXT NOT NULL
             );",
         )?;
+        let dns_upstream = cfg.net_dns.or_else(host_nameserver);
+        let credentials = match &cfg.proxy_credentials {
+            Some(path) => proxy::load_credentials(path)?,
+            None => HashMap::new(),
+        };
+        let proxy =
+            proxy::Proxy::new(cfg.proxy_port, credentials, cfg.proxy_ca.as_deref(), cfg.net_range, dns_upstream)?;
         Ok(Net {
             fabric: Fabric::new(&cfg.net_bridge, cfg.net_range),
-            dns_upstream: cfg.net_dns.or_else(host_nameserver),
+            dns_upstream,
+            proxy: Arc::new(proxy),
             up: Mutex::new(false),
             wired: Default::default(),
             cursor: Mutex::new(1),
@@ -224,18 +259,30 @@ impl Net {
         Ok(w)
     }
 
-    /// Unwire sandbox `id`, if it is wired. Blocking.
+    /// Record the policy of sandbox `id`, unwired (mode none with the proxy's entries), for a
+    /// daemon restart (slot 0: none).
+    pub(crate) fn save_unwired(&self, id: &str, policy: &Policy) -> std::result::Result<(), NetError> {
+        let allow = serde_json::to_string(&policy.allow).expect("strings serialise");
+        self.db.lock().execute(
+            "INSERT OR REPLACE INTO networks (id, slot, mode, allow) VALUES (?1, 0, ?2, ?3)",
+            params![id, policy.mode.as_str(), allow],
+        )?;
+        Ok(())
+    }
+
+    /// Unwire sandbox `id`, if it is wired, and forget its record. Blocking.
     pub(crate) fn detach(&self, id: &str) {
+        let _ = self.db.lock().execute("DELETE FROM networks WHERE id = ?1", params![id]);
         let Some(w) = self.wired.lock().remove(id) else { return };
         if let Err(e) = self.fabric.detach(w.slot) {
             tracing::warn!(%id, "removing the sandbox's network: {e}");
         }
-        let _ = self.db.lock().execute("DELETE FROM networks WHERE id = ?1", params![id]);
     }
 
     /// After a daemon restart: the rules of every live wired sandbox again (their veths lived
-    /// on with their inits); the records of the others go. Returns the wired ones.
-    pub(crate) fn recover(self: &Arc<Self>, live: &HashMap<String, Arc<Sandbox>>) -> Vec<(String, Wired)> {
+    /// on with their inits); the records of the others go. Returns the networks recorded (the
+    /// wired ones, and the policies changed on unwired sandboxes with the proxy).
+    pub(crate) fn recover(self: &Arc<Self>, live: &HashMap<String, Arc<Sandbox>>) -> Vec<(String, NetState)> {
         let rows: Vec<(String, u32, String, String)> = {
             let db = self.db.lock();
             let mut stmt = match db.prepare("SELECT id, slot, mode, allow FROM networks") {
@@ -250,24 +297,31 @@ impl Net {
         };
         let mut out = Vec::new();
         for (id, slot, mode, allow) in rows {
-            let policy = serde_json::from_str::<Vec<String>>(&allow).ok().and_then(|a| Policy::parse(&mode, &a).ok());
+            let policy = serde_json::from_str::<Vec<String>>(&allow)
+                .ok()
+                .and_then(|a| Policy::parse_for(&mode, &a, slot == 0).ok());
             let restored = match (live.contains_key(&id), policy) {
+                (true, Some(policy)) if slot == 0 => Ok(NetState { policy, wired: None }),
                 (true, Some(policy)) => self.ensure_up().and_then(|()| {
                     self.fabric.restore(slot, &policy)?;
-                    Ok(self.wired_at(slot, policy))
+                    Ok(NetState { wired: Some(self.wired_at(slot, policy.clone())), policy })
                 }),
                 _ => Err(NetError::Policy(PolicyError::Mode(mode.clone()))),
             };
             match restored {
-                Ok(w) => {
-                    self.wired.lock().insert(id.clone(), w.clone());
-                    out.push((id, w));
+                Ok(state) => {
+                    if let Some(w) = &state.wired {
+                        self.wired.lock().insert(id.clone(), w.clone());
+                    }
+                    out.push((id, state));
                 }
                 Err(e) => {
                     if live.contains_key(&id) {
                         tracing::warn!(%id, "the sandbox's network could not be restored ({e}); it has none now");
                     }
-                    let _ = self.fabric.detach(slot);
+                    if slot != 0 {
+                        let _ = self.fabric.detach(slot);
+                    }
                     let _ = self.db.lock().execute("DELETE FROM networks WHERE id = ?1", params![id]);
                 }
             }
@@ -279,19 +333,52 @@ impl Net {
 impl Runtime {
     /// The policy a sandbox is created with.
     pub(crate) fn spec_policy(spec: &SandboxSpec) -> Result<Policy> {
-        Ok(Policy::parse(&spec.network, &spec.allow).map_err(NetError::from)?)
+        Ok(Policy::parse_for(&spec.network, &spec.allow, spec.proxy_port.is_some()).map_err(NetError::from)?)
     }
 
     /// Wire a new sandbox (init `pid`, root at `rootfs` on the host) whose spec asks for
     /// egress. Blocking.
-    pub(crate) fn net_wire(&self, id: &str, pid: i32, rootfs: &Path, spec: &SandboxSpec) -> Result<Option<Wired>> {
+    pub(crate) fn net_wire(&self, id: &str, pid: i32, rootfs: &Path, spec: &SandboxSpec) -> Result<NetWiring> {
         let policy = Self::spec_policy(spec)?;
-        if policy.mode == Mode::None {
-            return Ok(None);
+        let wired = if policy.mode == Mode::None {
+            None
+        } else {
+            let w = self.net.attach(id, pid, policy.clone())?;
+            self.ensure_resolver(id, rootfs);
+            Some(w)
+        };
+        let proxy = match spec.proxy_port.map(|port| self.net.proxy.listen(id, pid, port)).transpose() {
+            Ok(p) => p,
+            Err(e) => {
+                self.net.detach(id);
+                return Err(NetError::from(e).into());
+            }
+        };
+        Ok(NetWiring { state: NetState { policy, wired }, proxy })
+    }
+
+    /// A sandbox just registered: its network from `wiring`, its proxy served.
+    pub(crate) fn net_start(&self, sb: &Arc<Sandbox>, wiring: NetWiring) {
+        *sb.net.lock() = wiring.state;
+        if let Some(l) = wiring.proxy {
+            self.net.proxy.serve(l, sb);
         }
-        let w = self.net.attach(id, pid, policy)?;
-        self.ensure_resolver(id, rootfs);
-        Ok(Some(w))
+    }
+
+    /// After a daemon restart: sandbox `sb`'s network (`recorded` by [`Net::recover`]; none:
+    /// mode none, with the proxy's entries as created) and its proxy again.
+    pub(crate) fn net_recover(&self, sb: &Arc<Sandbox>, recorded: Option<NetState>) {
+        *sb.net.lock() = recorded.unwrap_or_else(|| NetState {
+            policy: Policy::parse_for("none", &sb.spec.allow, sb.spec.proxy_port.is_some())
+                .unwrap_or_else(|_| Policy::none()),
+            wired: None,
+        });
+        if let Some(port) = sb.spec.proxy_port.filter(|_| !sb.is_dead()) {
+            match self.net.proxy.listen(&sb.id, sb.init_pid, port) {
+                Ok(l) => self.net.proxy.serve(l, sb),
+                Err(e) => tracing::warn!(sandbox = %sb.id, "the sandbox's proxy could not listen again: {e}"),
+            }
+        }
     }
 
     /// Give a wired sandbox's root an /etc/resolv.conf naming a nameserver if it has none
@@ -333,12 +420,9 @@ impl Runtime {
     /// children get the policy the sandbox had then).
     pub(crate) fn spec_now(&self, sb: &Sandbox) -> SandboxSpec {
         let mut spec = sb.spec.clone();
-        let (mode, allow) = match sb.net.lock().as_ref() {
-            Some(w) => (w.policy.mode.as_str().to_string(), w.policy.allow.clone()),
-            None => ("none".to_string(), Vec::new()),
-        };
-        spec.network = mode;
-        spec.allow = allow;
+        let net = sb.net.lock();
+        spec.network = net.policy.mode.as_str().to_string();
+        spec.allow = net.policy.allow.clone();
         spec
     }
 
@@ -358,8 +442,10 @@ impl Runtime {
             let _one = rt.net_changes.lock();
             let now = rt.spec_now(&sb);
             let mode = req.network.unwrap_or(now.network);
-            let allow = req.allow.unwrap_or(if mode == "none" { Vec::new() } else { now.allow });
-            let policy = Policy::parse(&mode, &allow).map_err(NetError::from)?;
+            let proxied = sb.spec.proxy_port.is_some();
+            // Entries left out are kept, but for a change to none without the proxy.
+            let allow = req.allow.unwrap_or(if mode == "none" && !proxied { Vec::new() } else { now.allow });
+            let policy = Policy::parse_for(&mode, &allow, proxied).map_err(NetError::from)?;
             let wired = rt.net.wired(&sb.id).is_some();
             let next = match (wired, policy.mode) {
                 (false, Mode::None) => None,
@@ -368,13 +454,19 @@ impl Runtime {
                     None
                 }
                 (false, _) => {
-                    let w = rt.net.attach(&sb.id, sb.init_pid, policy)?;
+                    let w = rt.net.attach(&sb.id, sb.init_pid, policy.clone())?;
                     rt.ensure_resolver(&sb.id, &sb.rootfs());
                     Some(w)
                 }
-                (true, _) => Some(rt.net.update(&sb.id, policy)?),
+                (true, _) => Some(rt.net.update(&sb.id, policy.clone())?),
             };
-            *sb.net.lock() = next;
+            // Unwired with the proxy: its entries are kept for a daemon restart.
+            if next.is_none() && proxied {
+                rt.net.save_unwired(&sb.id, &policy)?;
+            } else if next.is_none() {
+                rt.net.detach(&sb.id);
+            }
+            *sb.net.lock() = NetState { policy, wired: next };
             Ok(network_info(&sb))
         })
         .await
@@ -384,13 +476,14 @@ impl Runtime {
 
 /// `sb`'s network as the API shows it.
 pub(crate) fn network_info(sb: &Sandbox) -> NetworkInfo {
-    let w = sb.net.lock().clone();
-    let (rx, tx) = w.as_ref().map(Wired::counters).unwrap_or((0, 0));
+    let net = sb.net.lock().clone();
+    let (rx, tx) = net.wired.as_ref().map(Wired::counters).unwrap_or((0, 0));
     NetworkInfo {
         sandbox: sb.id.clone(),
-        network: w.as_ref().map(|w| w.policy.mode.as_str()).unwrap_or("none").to_string(),
-        allow: w.as_ref().map(|w| w.policy.allow.clone()).unwrap_or_default(),
-        address: w.as_ref().map(|w| w.address.to_string()),
+        network: net.policy.mode.as_str().to_string(),
+        allow: net.policy.allow,
+        address: net.wired.as_ref().map(|w| w.address.to_string()),
+        proxy: sb.spec.proxy_port.map(proxy::Proxy::url),
         rx_bytes: rx,
         tx_bytes: tx,
     }

@@ -97,7 +97,10 @@ pub enum PolicyError {
     Entry { entry: String, why: &'static str },
     #[error("{0} allow entries; at most {MAX_ALLOW}")]
     TooMany(usize),
-    #[error("network mode \"none\" takes no allow entries: use \"allowlist\" (or \"open\") to let traffic out")]
+    #[error(
+        "network mode \"none\" takes no allow entries: use \"allowlist\" (or \"open\") to let traffic out, \
+         or turn the daemon's proxy on (proxy: true) to let requests to them out through it"
+    )]
     NoneWithAllow,
 }
 
@@ -107,11 +110,17 @@ impl Policy {
     }
 
     pub fn parse(mode: &str, allow: &[String]) -> Result<Policy, PolicyError> {
+        Self::parse_for(mode, allow, false)
+    }
+
+    /// The policy of a sandbox with the daemon's proxy (`proxied`) or without: with it, mode
+    /// `none` takes allow entries too (they are what the proxy lets through).
+    pub fn parse_for(mode: &str, allow: &[String], proxied: bool) -> Result<Policy, PolicyError> {
         let mode = Mode::parse(mode)?;
         if allow.len() > MAX_ALLOW {
             return Err(PolicyError::TooMany(allow.len()));
         }
-        if mode == Mode::None && !allow.is_empty() {
+        if mode == Mode::None && !allow.is_empty() && !proxied {
             return Err(PolicyError::NoneWithAllow);
         }
         let rules = allow.iter().map(|e| parse_rule(e)).collect::<Result<Vec<_>, _>>()?;
@@ -257,6 +266,7 @@ mod tests {
     fn bad_input_says_what_to_change() {
         assert_eq!(p("wide", &[]).unwrap_err(), PolicyError::Mode("wide".into()));
         assert_eq!(p("none", &["a.com"]).unwrap_err(), PolicyError::NoneWithAllow);
+        assert_eq!(Policy::parse_for("none", &["a.com".into()], true).unwrap().allow, vec!["a.com"]);
         for e in [
             "",
             "a.com:0",

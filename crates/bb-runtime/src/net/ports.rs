@@ -10,6 +10,11 @@
 //! every connection: one that is paused or dead gets the connection closed at once, one that is
 //! gone (killed: its init may live on as a warm pool shell of another sandbox) closes the
 //! listener; a kill closes its listeners right away too.
+//!
+//! On the daemon's TCP listener (`--listen`), a request whose Host header is
+//! `{port}-{sandbox}.{domain}` (`--port-domain`, default `localhost`) is forwarded to that port
+//! of that sandbox, without the API's token (as peers' public port URLs), any port, no
+//! listener to open first ([`Runtime::forward_to_port`]; WebSocket upgrades are joined).
 
 use crate::error::{Result, RuntimeError};
 use crate::model::{PortInfo, PortList};
@@ -87,7 +92,15 @@ impl Runtime {
             listener.as_fd().try_clone_to_owned().map_err(RuntimeError::io("listen for a sandbox port"))?
         };
         let host = addr.to_string();
-        let info = PortInfo { sandbox: sb.id.clone(), port, url: format!("http://{host}"), host, opened_at: now() };
+        let domain_host = self.cfg.port_domain.as_ref().map(|d| format!("{port}-{}.{d}", sb.id));
+        let info = PortInfo {
+            sandbox: sb.id.clone(),
+            port,
+            url: format!("http://{host}"),
+            host,
+            domain_host,
+            opened_at: now(),
+        };
         let mut open = self.ports.open.lock();
         // Asked twice at once: the first listener serves; this one goes unused.
         if let Some(f) = open.get(&(sb.id.clone(), port)) {
@@ -157,22 +170,111 @@ async fn accept_loop(rt: Weak<Runtime>, id: String, port: u16, listener: TcpList
     }
 }
 
-/// Join `client` to `127.0.0.1:port` in network namespace `netns` until either side closes.
-async fn join(mut client: TcpStream, netns: std::path::PathBuf, port: u16) -> std::io::Result<()> {
+/// A connection to `127.0.0.1:port` in network namespace `netns`.
+async fn dial(netns: std::path::PathBuf, port: u16) -> std::io::Result<TcpStream> {
     let fd = tokio::task::spawn_blocking(move || bb_sys::ns::tcp_socket_in(&netns))
         .await
         .map_err(std::io::Error::other)?
         .map_err(|e| e.source)?;
     let socket = TcpSocket::from_std_stream(std::net::TcpStream::from(fd));
-    let mut upstream = socket.connect(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port)).await?;
-    let _ = client.set_nodelay(true);
+    let upstream = socket.connect(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port)).await?;
     let _ = upstream.set_nodelay(true);
+    Ok(upstream)
+}
+
+/// Join `client` to `127.0.0.1:port` in network namespace `netns` until either side closes.
+async fn join(mut client: TcpStream, netns: std::path::PathBuf, port: u16) -> std::io::Result<()> {
+    let mut upstream = dial(netns, port).await?;
+    let _ = client.set_nodelay(true);
     tokio::io::copy_bidirectional(&mut client, &mut upstream).await.map(drop)
+}
+
+/// The sandbox and port a Host header of the form `{port}-{sandbox}.{domain}` names (its own
+/// `:port`, the daemon's, ignored; case ignored).
+pub fn port_host(host: &str, domain: &str) -> Option<(String, u16)> {
+    let host = match host.rsplit_once(':') {
+        Some((h, p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => h,
+        _ => host,
+    };
+    let (host, domain) = (host.to_ascii_lowercase(), domain.trim_matches('.').to_ascii_lowercase());
+    let label = host.trim_end_matches('.').strip_suffix(domain.as_str())?.strip_suffix('.')?;
+    let (port, id) = label.split_once('-')?;
+    if id.is_empty() || id.contains('.') {
+        return None;
+    }
+    Some((id.to_string(), port.parse::<u16>().ok().filter(|&p| p > 0)?))
+}
+
+impl Runtime {
+    /// Forward `req` (sent to the Host-header form of a port, `{port}-{sandbox}.{domain}` on the
+    /// daemon's TCP listener) to port `port` of sandbox `id`, and its answer back; an upgrade
+    /// (WebSocket) the server agrees to is joined both ways.
+    pub async fn forward_to_port<B>(
+        &self,
+        id: &str,
+        port: u16,
+        mut req: hyper::Request<B>,
+    ) -> Result<hyper::Response<http_body_util::combinators::BoxBody<bytes::Bytes, hyper::Error>>>
+    where
+        B: hyper::body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        use http_body_util::BodyExt;
+        let sb = self.get(id)?;
+        if sb.is_dead() || sb.paused.lock().is_some() {
+            return Err(RuntimeError::Conflict(format!(
+                "sandbox {id} is {}: its ports answer while it runs",
+                if sb.is_dead() { "dead" } else { "paused" }
+            )));
+        }
+        let netns = std::path::PathBuf::from(format!("/proc/{}/ns/net", sb.init_pid));
+        let upstream = dial(netns, port).await.map_err(|e| {
+            RuntimeError::Unavailable(format!(
+                "nothing answers on port {port} in sandbox {id} ({e}): start a server there"
+            ))
+        })?;
+        let client_upgrade = hyper::upgrade::on(&mut req);
+        let mut resp = crate::net::proxy::send(upstream, req)
+            .await
+            .map_err(|e| RuntimeError::Unavailable(format!("port {port} of sandbox {id}: {e}")))?;
+        if resp.status() == hyper::StatusCode::SWITCHING_PROTOCOLS {
+            let server_upgrade = hyper::upgrade::on(&mut resp);
+            tokio::spawn(async move {
+                if let (Ok(c), Ok(s)) = tokio::join!(client_upgrade, server_upgrade) {
+                    let (mut c, mut s) = (hyper_util::rt::TokioIo::new(c), hyper_util::rt::TokioIo::new(s));
+                    let _ = tokio::io::copy_bidirectional(&mut c, &mut s).await;
+                }
+            });
+        }
+        Ok(resp.map(|b| b.boxed()))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_host_header_form_names_a_sandbox_and_a_port() {
+        let ok = |h: &str| port_host(h, "localhost");
+        assert_eq!(ok("8000-sb-1a2b.localhost"), Some(("sb-1a2b".into(), 8000)));
+        assert_eq!(ok("8000-SB-1a2b.LocalHost.:7070"), Some(("sb-1a2b".into(), 8000)));
+        assert_eq!(port_host("80-x.sandbox.example.com", ".sandbox.example.com."), Some(("x".into(), 80)));
+        for bad in [
+            "localhost",
+            "8000.localhost",
+            "0-x.localhost",
+            "70000-x.localhost",
+            "a-x.localhost",
+            "8000-.localhost",
+            "8000-x.y.localhost",
+            "8000-x.notlocalhost",
+            "8000-xlocalhost",
+        ] {
+            assert_eq!(ok(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn ports_out_of_range_are_refused_with_the_range() {

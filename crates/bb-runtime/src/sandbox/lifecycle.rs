@@ -83,7 +83,9 @@ impl Runtime {
             return Err(RuntimeError::BadRequest(format!("pids must be in [8, {}]; got {pids}", c.max_pids)));
         }
         let network = req.network.unwrap_or_else(|| "none".into());
-        crate::net::policy::Policy::parse(&network, &req.allow).map_err(crate::net::NetError::from)?;
+        let proxy_port = req.proxy.unwrap_or(false).then_some(c.proxy_port);
+        crate::net::policy::Policy::parse_for(&network, &req.allow, proxy_port.is_some())
+            .map_err(crate::net::NetError::from)?;
         let timeout = req.timeout.unwrap_or(300.0);
         if !(timeout >= 0.0 && timeout.is_finite()) {
             return Err(RuntimeError::BadRequest("timeout must be >= 0 seconds (0 = no limit)".into()));
@@ -122,6 +124,7 @@ impl Runtime {
             cwd,
             network,
             allow: req.allow,
+            proxy_port,
             metadata: req.metadata,
             timeout: (timeout > 0.0).then_some(timeout),
             lifecycle,
@@ -271,7 +274,7 @@ impl Runtime {
         timeout: Option<f64>,
     ) -> Result<Arc<Sandbox>> {
         let rootfs = SandboxDirs::new(&self.cfg.state_dir, &id).rootfs_gen(gen.n);
-        let wired = match self.net_wire(&id, launched.init_pid, &rootfs, &spec) {
+        let wiring = match self.net_wire(&id, launched.init_pid, &rootfs, &spec) {
             Ok(w) => w,
             Err(e) => {
                 let _ = launch::teardown(&self.cfg, &self.cgroups, &id, Some((launched.init_pid, launched.init_start)));
@@ -311,8 +314,8 @@ impl Runtime {
             Some(gen),
         );
         sb.nest_parent = nest_parent;
-        *sb.net.get_mut() = wired;
         let sb = Arc::new(sb);
+        self.net_start(&sb, wiring);
         self.sandboxes.insert(sb.clone());
         Ok(sb)
     }
@@ -386,6 +389,7 @@ impl Runtime {
         let was_alive = !sb.is_dead();
         sb.dead.store(true, Ordering::SeqCst);
         self.ports.close_all(id);
+        self.net.proxy.close(id);
         let rt = self.clone();
         let id = id.to_string();
         let gone_templates = self.session_templates.remove_sandbox(&id);
@@ -398,7 +402,7 @@ impl Runtime {
         tokio::task::spawn_blocking(move || {
             // Unwired first: a shell recycled into the pool has only loopback again.
             rt.net.detach(&id);
-            *sb.net.lock() = None;
+            sb.net.lock().wired = None;
             rt.drop_shells(&id);
             if rt.sandboxes.has_nested(&id) {
                 rt.make_husk(&sb)?;

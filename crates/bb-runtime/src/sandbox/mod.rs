@@ -60,9 +60,8 @@ pub struct Sandbox {
     pub(crate) memory_tight: AtomicBool,
     /// Volumes mounted in it (`crate::volumes`).
     pub(crate) volumes: Mutex<Vec<crate::model::VolumeMount>>,
-    /// Its wiring to the bridge in a mode with egress (a copy of what [`crate::net::Net`]
-    /// holds, for `info`); None: mode `none`.
-    pub(crate) net: Mutex<Option<crate::net::Wired>>,
+    /// Its network policy now, and its wiring to the bridge in a mode with egress.
+    pub(crate) net: Mutex<crate::net::NetState>,
 }
 
 /// Where a paused sandbox is (see [`crate::pause`]).
@@ -159,7 +158,8 @@ impl Sandbox {
         }
     }
 
-    /// Base env, then the image's, then the sandbox's, then `extra`; later entries win.
+    /// Base env, then the image's, then the proxy's (when it has one), then the sandbox's, then
+    /// `extra`; later entries win.
     pub fn env_with(&self, extra: &BTreeMap<String, String>) -> Vec<String> {
         let mut merged: Vec<(String, String)> = Vec::new();
         let mut set = |k: &str, v: &str| {
@@ -176,6 +176,15 @@ impl Sandbox {
         for kv in &self.spec.image_env {
             if let Some((k, v)) = kv.split_once('=') {
                 set(k, v);
+            }
+        }
+        if let Some(port) = self.spec.proxy_port {
+            let url = crate::net::proxy::Proxy::url(port);
+            for k in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
+                set(k, &url);
+            }
+            for k in ["NO_PROXY", "no_proxy"] {
+                set(k, "localhost,127.0.0.1,::1");
             }
         }
         for (k, v) in self.spec.env.iter().chain(extra.iter()) {
@@ -252,7 +261,7 @@ impl Sandbox {
         }
         let dead = self.is_dead();
         let net = self.net.lock().clone();
-        let (rx, tx) = net.as_ref().map(crate::net::Wired::counters).unwrap_or((0, 0));
+        let (rx, tx) = net.wired.as_ref().map(crate::net::Wired::counters).unwrap_or((0, 0));
         let paused = *self.paused.lock();
         let paused_at = paused.map(|p| p.at);
         let state = match (dead, paused) {
@@ -269,9 +278,10 @@ impl Sandbox {
             cpu: self.spec.cpu,
             memory_mb: self.spec.memory_mb,
             pids: self.spec.pids,
-            network: net.as_ref().map(|w| w.policy.mode.as_str()).unwrap_or("none").to_string(),
-            allow: net.as_ref().map(|w| w.policy.allow.clone()).unwrap_or_default(),
-            address: net.as_ref().map(|w| w.address.to_string()),
+            network: net.policy.mode.as_str().to_string(),
+            allow: net.policy.allow,
+            address: net.wired.as_ref().map(|w| w.address.to_string()),
+            proxy: self.spec.proxy_port.map(crate::net::proxy::Proxy::url),
             net_rx_bytes: rx,
             net_tx_bytes: tx,
             env: self.spec.env.clone(),

@@ -251,6 +251,7 @@ mod tests {
             cwd: "/root".into(),
             network: "none".into(),
             allow: Vec::new(),
+            proxy_port: Some(3128),
             metadata: [("k".to_string(), "v".to_string())].into(),
             timeout: None,
             lifecycle: Default::default(),

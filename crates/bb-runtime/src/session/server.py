@@ -868,7 +868,9 @@ def _reopen_fds(saved):
 
 
 def _close_all_but(keep):
-    """Close every open fd not in ``keep``."""
+    """Close every open fd not in ``keep``; a connected TCP socket (the other sandbox's
+    connection) becomes a socket reset by its peer instead, so that its next use fails
+    clearly (ECONNRESET) rather than with EBADF or on another object given the same number."""
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
@@ -878,11 +880,65 @@ def _close_all_but(keep):
             fd = int(name)
         except ValueError:
             continue
-        if fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        if fd in keep:
+            continue
+        if _connected_tcp(fd):
+            reset = _reset_socket()
+            if reset is not None:
+                try:
+                    os.dup2(reset.fileno(), fd, inheritable=False)
+                    continue
+                except OSError:
+                    pass
+                finally:
+                    reset.close()
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _connected_tcp(fd):
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
+            return False
+        s.getpeername()
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _reset_socket():
+    """A TCP socket whose peer reset the connection (over this sandbox's loopback)."""
+    import select
+    import struct
+
+    lst = cli = srv = None
+    try:
+        lst = socket.socket()
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        cli = socket.create_connection(lst.getsockname(), timeout=1)
+        srv, _ = lst.accept()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        srv.close()
+        srv = None
+        select.select([cli], [], [], 1)  # the reset has arrived
+        cli.setblocking(True)
+        out, cli = cli, None
+        return out
+    except OSError:
+        return None
+    finally:
+        for s in (lst, cli, srv):
+            if s is not None:
+                s.close()
 
 
 def _munmap(addr, length):

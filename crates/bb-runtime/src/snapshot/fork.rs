@@ -65,15 +65,15 @@ impl Runtime {
         // The children's network: the snapshot's, or the parent's now (a checkpoint that changed
         // nothing is the previous one, recorded before a later policy change); then the fork's
         // own. Checked before a checkpoint is taken for it.
-        let (mut network, mut allow) = match &source {
-            Source::Named(snap) => (snap.spec.network.clone(), snap.spec.allow.clone()),
+        let (mut network, mut allow, proxied) = match &source {
+            Source::Named(snap) => (snap.spec.network.clone(), snap.spec.allow.clone(), snap.spec.proxy_port.is_some()),
             Source::Live(sb) => {
                 let now = self.spec_now(sb);
-                (now.network, now.allow)
+                (now.network, now.allow, now.proxy_port.is_some())
             }
         };
         if let Some(mode) = req.network {
-            if req.allow.is_none() && mode == "none" {
+            if req.allow.is_none() && mode == "none" && !proxied {
                 allow.clear();
             }
             network = mode;
@@ -81,7 +81,7 @@ impl Runtime {
         if let Some(a) = req.allow {
             allow = a;
         }
-        crate::net::policy::Policy::parse(&network, &allow).map_err(crate::net::NetError::from)?;
+        crate::net::policy::Policy::parse_for(&network, &allow, proxied).map_err(crate::net::NetError::from)?;
         let snap = match source {
             Source::Named(snap) => *snap,
             Source::Live(sb) => {
@@ -530,6 +530,9 @@ impl Runtime {
             spec.allow = req.allow;
         } else if !req.allow.is_empty() {
             spec.allow = req.allow;
+        }
+        if let Some(on) = req.proxy {
+            spec.proxy_port = on.then_some(self.cfg.proxy_port);
         }
         Self::spec_policy(&spec)?;
         if id.is_none() && self.get(&snap.sandbox_id).is_ok_and(|p| !p.is_dead()) {

@@ -141,7 +141,7 @@ impl Runtime {
         }
         self.set_gen(&sb, Generation { base: Some(snap.id.clone()), ..new_gen })?;
         // The network stays the sandbox's; a snapshot from before it was wired has no resolver.
-        if sb.net.lock().is_some() {
+        if sb.net.lock().wired.is_some() {
             self.ensure_resolver(&sb.id, &sb.rootfs());
         }
         drop(vgates);

@@ -542,6 +542,7 @@ mod tests {
             cwd: "/root".into(),
             network: "none".into(),
             allow: Vec::new(),
+            proxy_port: None,
             metadata: Default::default(),
             timeout: None,
             lifecycle: Default::default(),
