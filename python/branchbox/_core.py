@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import os
 import socket
 import stat as stat_mod
@@ -29,6 +30,7 @@ from .models import (
     GcResult,
     ImageInfo,
     ImageProgress,
+    NetLimits,
     NetworkInfo,
     PoolStats,
     PortInfo,
@@ -376,6 +378,7 @@ def create_sandbox(
     volumes: VolumesT = None,
     allow: Optional[Sequence[str]] = None,
     proxy: bool = False,
+    net_limits: Any = None,
 ) -> Call:
     """``image=None`` means ``"base"``, or the template's image when ``template`` is given
     (the daemon refuses an image other than the template's); with ``snapshot``, the
@@ -384,9 +387,12 @@ def create_sandbox(
 
     ``network=None`` means ``"none"``, or with ``snapshot`` or ``template`` the snapshot's or
     template's mode (not sent); ``allow`` (see :func:`allow_entries`) is sent only when given.
-    ``proxy`` (the daemon's HTTP(S) proxy in the sandbox) is sent only when True."""
+    ``proxy`` (the daemon's HTTP(S) proxy in the sandbox) is sent only when True. ``net_limits``
+    (see :func:`net_limits_body`) is sent only when given (``{}``: none, e.g. not the snapshot's
+    or template's)."""
     if not isinstance(proxy, bool):
         raise _NetworkError("proxy must be True or False, not %r" % (proxy,))
+    limits = net_limits_body(net_limits, "net_limits") if net_limits is not None else None
     name = template_name(template) if template is not None else None
     sid = snapshot_id(snapshot) if snapshot is not None else None
     if image is None and name is None and sid is None:
@@ -409,6 +415,7 @@ def create_sandbox(
             "network": network,
             "allow": allow_entries(allow) if allow is not None else None,
             "proxy": True if proxy else None,
+            "net_limits": limits,
             "metadata": _env(metadata),
             "lifecycle": dict(lifecycle) if lifecycle is not None else None,
             "volumes": volume_mounts(volumes) if volumes is not None else None,
@@ -667,16 +674,62 @@ def network_body(network: Any = None, allow: Any = None) -> Dict[str, Any]:
     )
 
 
+#: Bounds of :attr:`NetLimits.max_connections` and :attr:`NetLimits.bandwidth_mbps` (the daemon
+#: answers 400 outside them).
+MAX_CONNECTIONS = (1, 65536)
+BANDWIDTH_MBPS = (0.1, 100000.0)
+NET_LIMIT_KEYS = ("max_connections", "bandwidth_mbps")
+
+
+def net_limits_body(limits: Any, what: str = "limits") -> Dict[str, Any]:
+    """A :class:`NetLimits` or a dict of its keys as the API's limits object: keys that are None
+    are left out (``{}``: no limits). A wrong type, an unknown key or a value out of
+    :data:`MAX_CONNECTIONS` / :data:`BANDWIDTH_MBPS` is :class:`InvalidArgumentError` (also a
+    ``ValueError``)."""
+    if isinstance(limits, NetLimits):
+        items: Dict[str, Any] = {"max_connections": limits.max_connections, "bandwidth_mbps": limits.bandwidth_mbps}
+    elif isinstance(limits, Mapping):
+        unknown = sorted(str(k) for k in limits if k not in NET_LIMIT_KEYS)
+        if unknown:
+            raise _NetworkError(
+                "%s takes the keys max_connections and bandwidth_mbps, not %s" % (what, ", ".join(unknown))
+            )
+        items = dict(limits)
+    else:
+        raise _NetworkError(
+            "%s must be a NetLimits or a dict (max_connections, bandwidth_mbps), not %s" % (what, type(limits).__name__)
+        )
+    conns, mbps = items.get("max_connections"), items.get("bandwidth_mbps")
+    if conns is not None:
+        lo, hi = MAX_CONNECTIONS
+        if isinstance(conns, bool) or not isinstance(conns, int) or not lo <= conns <= hi:
+            raise _NetworkError("max_connections must be an int from %d to %d, not %r" % (lo, hi, conns))
+    if mbps is not None:
+        lo, hi = BANDWIDTH_MBPS
+        if (
+            isinstance(mbps, bool)
+            or not isinstance(mbps, (int, float))
+            or not math.isfinite(mbps)
+            or not lo <= mbps <= hi
+        ):
+            raise _NetworkError("bandwidth_mbps must be a number from %g to %g (Mbit/s), not %r" % (lo, hi, mbps))
+        mbps = float(mbps)
+    return _compact({"max_connections": conns, "bandwidth_mbps": mbps})
+
+
 def get_network(sandbox_id: str) -> Call:
     return Call("GET", _sbx(sandbox_id) + "/network", parse=NetworkInfo.from_dict)
 
 
-def update_network(sandbox_id: str, network: Any = None, allow: Any = None) -> Call:
+def update_network(sandbox_id: str, network: Any = None, allow: Any = None, limits: Any = None) -> Call:
     """Fields left None stay as they are; ``allow=[]`` clears the entries; ``network="none"``
-    alone clears them too (the daemon's rule)."""
+    alone clears them too (the daemon's rule). ``limits`` (see :func:`net_limits_body`) replaces
+    the limits as a whole (a cap it leaves out is lifted; ``{}`` lifts them all)."""
     body = network_body(network, allow)
+    if limits is not None:
+        body["limits"] = net_limits_body(limits)
     if not body:
-        raise _NetworkError("give network and/or allow to change (sbx.network.get() reads them)")
+        raise _NetworkError("give network, allow and/or limits to change (sbx.network.get() reads them)")
     return Call("PUT", _sbx(sandbox_id) + "/network", json=body, parse=NetworkInfo.from_dict)
 
 

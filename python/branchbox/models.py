@@ -22,6 +22,7 @@ __all__ = [
     "SessionInfo",
     "PortInfo",
     "NetworkInfo",
+    "NetLimits",
     "ImageInfo",
     "ImageProgress",
     "SnapshotSession",
@@ -287,6 +288,22 @@ class PortInfo(_Model):
 
 
 @dataclass
+class NetLimits(_Model):
+    """Caps on a sandbox's traffic: ``Sandbox.create(net_limits=...)``,
+    ``sbx.network.update(limits=...)`` and :attr:`NetworkInfo.limits` (a dict of the same keys
+    is accepted wherever one is given). None leaves a cap off; ``NetLimits()`` is no limits.
+
+    ``max_connections`` (1..65536) is the most TCP connections the sandbox may have open at once
+    through its ``eth0`` (a new one past it is reset) and, counted apart, through its proxy.
+    ``bandwidth_mbps`` (0.1..100000) is megabits per second each way on its ``eth0`` (modes
+    ``"allowlist"`` and ``"open"``)."""
+
+    max_connections: Optional[int] = None
+    bandwidth_mbps: Optional[float] = None
+    raw: Dict[str, Any] = _raw()
+
+
+@dataclass
 class NetworkInfo(_Model):
     """A sandbox's network (``sbx.network.get()``, ``GET /v1/sandboxes/{id}/network``).
 
@@ -298,7 +315,8 @@ class NetworkInfo(_Model):
     daemon's bridge (None in mode ``"none"``); ``rx_bytes``/``tx_bytes`` the bytes it received
     and sent through it. ``proxy`` (read-only) is the URL of the daemon's HTTP(S) proxy as seen
     inside the sandbox (``"http://127.0.0.1:3128"``), or None without one; the proxy lets through
-    what ``allow`` lists (in mode ``"open"`` also any public destination), in every mode."""
+    what ``allow`` lists (in mode ``"open"`` also any public destination), in every mode.
+    ``limits`` are the caps on its traffic (:class:`NetLimits`; ``NetLimits()``: none)."""
 
     sandbox: str = ""
     network: str = ""
@@ -307,12 +325,15 @@ class NetworkInfo(_Model):
     rx_bytes: int = 0
     tx_bytes: int = 0
     proxy: Optional[str] = None
+    limits: NetLimits = field(default_factory=NetLimits)
     raw: Dict[str, Any] = _raw()
 
     @classmethod
     def from_dict(cls, data: Optional[Dict[str, Any]]) -> "NetworkInfo":
         obj = super().from_dict(data)
         obj.allow = list(obj.allow or [])
+        if not isinstance(obj.limits, NetLimits):
+            obj.limits = NetLimits.from_dict(obj.limits)
         return obj
 
 

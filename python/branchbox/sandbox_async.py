@@ -24,6 +24,7 @@ from .models import (
     GcResult,
     ImageInfo,
     ImageProgress,
+    NetLimits,
     NetworkInfo,
     PoolStats,
     PortInfo,
@@ -188,6 +189,7 @@ class AsyncSandbox:
         network: Optional[str] = None,
         allow: Optional[Sequence[str]] = None,
         proxy: bool = False,
+        net_limits: Union[NetLimits, Mapping[str, Any], None] = None,
         metadata: Optional[Mapping[str, str]] = None,
         template: Union[str, TemplateInfo, None] = None,
         lifecycle: Optional[Mapping[str, Any]] = None,
@@ -204,7 +206,7 @@ class AsyncSandbox:
             info = await http.call(
                 _core.create_sandbox(
                     image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot,
-                    volumes, allow, proxy,
+                    volumes, allow, proxy, net_limits,
                 )
             )
         except BaseException:
@@ -428,21 +430,27 @@ class AsyncSandbox:
 
 
 class AsyncNetwork:
-    """``sbx.network`` (async): the sandbox's network mode and allow entries (see
+    """``sbx.network`` (async): the sandbox's network mode, allow entries and limits (see
     :class:`branchbox.sandbox_sync.Network`)."""
 
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sbx = sandbox
 
     async def get(self) -> NetworkInfo:
-        """The sandbox's network now: mode, allow entries, address, proxy, bytes received and sent."""
+        """The sandbox's network now: mode, allow entries, address, proxy, limits, bytes received and sent."""
         return await self._sbx._http.call(_core.get_network(self._sbx.id))
 
-    async def update(self, network: Optional[str] = None, allow: Optional[Sequence[str]] = None) -> NetworkInfo:
-        """Change the mode and/or the allow entries (None: unchanged; ``allow=[]`` clears them);
+    async def update(
+        self,
+        network: Optional[str] = None,
+        allow: Optional[Sequence[str]] = None,
+        limits: Union[NetLimits, Mapping[str, Any], None] = None,
+    ) -> NetworkInfo:
+        """Change the mode, the allow entries and/or the limits (None: unchanged; ``allow=[]``
+        clears the entries; ``limits`` replaces the limits as a whole, ``{}`` lifts them);
         connections made from then on follow the new rules. See
         :meth:`branchbox.sandbox_sync.Network.update`."""
-        return await self._sbx._http.call(_core.update_network(self._sbx.id, network, allow))
+        return await self._sbx._http.call(_core.update_network(self._sbx.id, network, allow, limits))
 
     def __repr__(self) -> str:
         return "AsyncNetwork(sandbox=%r)" % self._sbx.id

@@ -30,6 +30,7 @@ from .models import (
     GcResult,
     ImageInfo,
     ImageProgress,
+    NetLimits,
     NetworkInfo,
     PoolStats,
     PortInfo,
@@ -387,6 +388,7 @@ class Sandbox:
         network: Optional[str] = None,
         allow: Optional[Sequence[str]] = None,
         proxy: bool = False,
+        net_limits: Union[NetLimits, Mapping[str, Any], None] = None,
         metadata: Optional[Mapping[str, str]] = None,
         template: Union[str, TemplateInfo, None] = None,
         lifecycle: Optional[Mapping[str, Any]] = None,
@@ -438,6 +440,15 @@ class Sandbox:
         the proxy alone. Credentials configured on the daemon are added to plaintext requests for
         their host on the way out (the sandbox never sees them). Fork children keep the proxy.
 
+        ``net_limits`` caps the sandbox's traffic: a :class:`NetLimits` or a dict of its keys,
+        ``{"max_connections": 64, "bandwidth_mbps": 100}`` (each optional). ``max_connections``
+        (1..65536) is the most TCP connections open at once through its ``eth0`` (a new one past
+        it is reset) and, counted apart, through its proxy; ``bandwidth_mbps`` (0.1..100000) is
+        megabits per second each way on its ``eth0`` (modes ``"allowlist"`` and ``"open"``). Not
+        given: no limits, or with ``snapshot`` or ``template`` theirs (``{}`` lifts them). Fork
+        children inherit them; change them with ``sbx.network.update(limits=...)``. A wrong type,
+        key or value is refused before any request (:class:`InvalidArgumentError`).
+
         ``daemon``/``token`` default to ``$BRANCHBOX_URL``/``$BRANCHBOX_TOKEN``;
         ``request_timeout`` bounds each HTTP request; ``transport`` replaces the
         network transport (tests).
@@ -447,7 +458,7 @@ class Sandbox:
             info = http.call(
                 _core.create_sandbox(
                     image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot,
-                    volumes, allow, proxy,
+                    volumes, allow, proxy, net_limits,
                 )
             )
         except BaseException:
@@ -688,23 +699,31 @@ class Sandbox:
 
 
 class Network:
-    """``sbx.network``: the sandbox's network mode and allow entries (see
+    """``sbx.network``: the sandbox's network mode, allow entries and limits (see
     :meth:`Sandbox.create`), read and changed while it runs."""
 
     def __init__(self, sandbox: Sandbox) -> None:
         self._sbx = sandbox
 
     def get(self) -> NetworkInfo:
-        """The sandbox's network now: mode, allow entries, address, proxy, bytes received and sent."""
+        """The sandbox's network now: mode, allow entries, address, proxy, limits, bytes received and sent."""
         return self._sbx._http.call(_core.get_network(self._sbx.id))
 
-    def update(self, network: Optional[str] = None, allow: Optional[Sequence[str]] = None) -> NetworkInfo:
-        """Change the mode and/or the allow entries (None: unchanged; ``allow=[]`` clears them,
-        ``network="none"`` too); connections made from then on follow the new rules. Returns
-        the network as it now is. A bad mode or a non-list ``allow`` is refused before any
-        request (:class:`InvalidArgumentError`, also a ``ValueError``); a bad entry by the
-        daemon (:class:`InvalidArgumentError`, nothing changed)."""
-        return self._sbx._http.call(_core.update_network(self._sbx.id, network, allow))
+    def update(
+        self,
+        network: Optional[str] = None,
+        allow: Optional[Sequence[str]] = None,
+        limits: Union[NetLimits, Mapping[str, Any], None] = None,
+    ) -> NetworkInfo:
+        """Change the mode, the allow entries and/or the limits (None: unchanged; ``allow=[]``
+        clears the entries, ``network="none"`` too); connections made from then on follow the
+        new rules. ``limits`` (a :class:`NetLimits` or a dict of its keys, see
+        :meth:`Sandbox.create`'s ``net_limits``) replaces the limits as a whole: a cap it leaves
+        out is lifted, ``{}`` lifts them all. Returns the network as it now is. A bad mode, a
+        non-list ``allow`` or bad limits are refused before any request
+        (:class:`InvalidArgumentError`, also a ``ValueError``); a bad entry by the daemon
+        (:class:`InvalidArgumentError`, nothing changed)."""
+        return self._sbx._http.call(_core.update_network(self._sbx.id, network, allow, limits))
 
     def __repr__(self) -> str:
         return "Network(sandbox=%r)" % self._sbx.id

@@ -137,6 +137,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def do_POST(self):
+        # Any path: the body is read and dropped; the answer is its length (upload tests).
+        left = int(self.headers.get("Content-Length") or 0)
+        got = 0
+        while left > 0:
+            b = self.rfile.read(min(left, 1 << 16))
+            if not b:
+                break
+            got += len(b)
+            left -= len(b)
+        body = ("got %d" % got).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def do_GET(self):
         url = urlsplit(self.path)
         if url.path == "/headers":

@@ -114,6 +114,42 @@ def parse_allow(allow: Optional[List[str]], clear: bool = False) -> Optional[Lis
     return list(allow) if allow else None
 
 
+#: ``--max-connections``' help.
+MAX_CONNECTIONS_HELP = (
+    "Most TCP connections the sandbox may have open at once through eth0 (a new one past it is reset) and, "
+    "counted apart, through its proxy (%d..%d)." % _core.MAX_CONNECTIONS
+)
+#: ``--bandwidth-mbps``' help.
+BANDWIDTH_HELP = "Bandwidth each way on eth0, megabits per second (%g..%g; modes allowlist and open)." % _core.BANDWIDTH_MBPS
+
+
+def max_connections_option(help_prefix: str = "") -> Any:
+    lo, hi = _core.MAX_CONNECTIONS
+    return typer.Option(None, "--max-connections", metavar="N", min=lo, max=hi, help=help_prefix + MAX_CONNECTIONS_HELP)
+
+
+def bandwidth_option(help_prefix: str = "") -> Any:
+    lo, hi = _core.BANDWIDTH_MBPS
+    return typer.Option(None, "--bandwidth-mbps", metavar="MBPS", min=lo, max=hi, help=help_prefix + BANDWIDTH_HELP)
+
+
+def parse_limits(
+    max_connections: Optional[int], bandwidth_mbps: Optional[float], clear: bool = False
+) -> Optional[Dict[str, Any]]:
+    """The ``--max-connections``/``--bandwidth-mbps`` limits (None: neither given), or ``{}`` with
+    ``--clear-limits``."""
+    given = max_connections is not None or bandwidth_mbps is not None
+    if clear:
+        if given:
+            raise typer.BadParameter(
+                "give --max-connections/--bandwidth-mbps or --clear-limits, not both", param_hint="--clear-limits"
+            )
+        return {}
+    if not given:
+        return None
+    return {k: v for k, v in (("max_connections", max_connections), ("bandwidth_mbps", bandwidth_mbps)) if v is not None}
+
+
 def exit_code_of(result: Any) -> int:
     """Shell-style exit status of a CommandResult (124 for a timeout, 128+N for signal N)."""
     if result.timed_out:
@@ -367,11 +403,14 @@ def sandbox_create(
         "it lets through what --allow lists (with --network open also any public destination), in every mode "
         "(with none it is the only way out).",
     ),
+    max_connections: Optional[int] = max_connections_option(),
+    bandwidth_mbps: Optional[float] = bandwidth_option(),
     as_json: bool = typer.Option(False, "--json", help="Print the SandboxInfo JSON."),
 ) -> None:
     """Create a sandbox and print its id."""
     c = ctx_of(ctx)
     network = parse_network(network)
+    net_limits = parse_limits(max_connections, bandwidth_mbps)
     sbx = Sandbox.create(
         image,
         cpu=cpu,
@@ -387,6 +426,7 @@ def sandbox_create(
         network=network,
         allow=parse_allow(allow),
         proxy=proxy,
+        net_limits=net_limits,
         **c.sdk(),
     )
     sbx.close()
@@ -718,13 +758,24 @@ def sandbox_ports(
 # ----------------------------------------------------------------------------- network
 
 
+def limits_text(limits: Any) -> str:
+    """``"64 connections, 100 Mbit/s"`` (a NetLimits; ``-`` without limits)."""
+    parts = []
+    if limits is not None and limits.max_connections is not None:
+        parts.append("%d connection%s" % (limits.max_connections, "" if limits.max_connections == 1 else "s"))
+    if limits is not None and limits.bandwidth_mbps is not None:
+        parts.append("%g Mbit/s" % limits.bandwidth_mbps)
+    return ", ".join(parts) or "-"
+
+
 def network_lines(info: NetworkInfo) -> List[str]:
-    """A NetworkInfo as aligned ``key value`` lines (mode, address, allow, proxy, rx, tx)."""
+    """A NetworkInfo as aligned ``key value`` lines (mode, address, allow, proxy, limits, rx, tx)."""
     return [
         "mode     %s" % (info.network or "-"),
         "address  %s" % (info.address or "-"),
         "allow    %s" % (", ".join(info.allow) if info.allow else "-"),
         "proxy    %s" % (info.proxy or "-"),
+        "limits   %s" % limits_text(info.limits),
         "rx       %s" % fmt_bytes(info.rx_bytes),
         "tx       %s" % fmt_bytes(info.tx_bytes),
     ]
@@ -740,20 +791,27 @@ def sandbox_network(
         None, "--allow", metavar="ENTRY", help="Replace the allow entries with these. " + ALLOW_HELP
     ),
     clear_allow: bool = typer.Option(False, "--clear-allow", help="Remove every allow entry."),
+    max_connections: Optional[int] = max_connections_option("Replace the limits (one not given is lifted). "),
+    bandwidth_mbps: Optional[float] = bandwidth_option("Replace the limits (one not given is lifted). "),
+    clear_limits: bool = typer.Option(False, "--clear-limits", help="Lift every limit."),
     as_json: bool = typer.Option(False, "--json", help="Print the NetworkInfo JSON."),
 ) -> None:
-    """Show a sandbox's network (mode, address, allow entries, proxy, bytes received and sent), or change it.
+    """Show a sandbox's network (mode, address, allow entries, proxy, limits, bytes received and sent), or change it.
 
-    With --set-mode, --allow or --clear-allow the new rules apply to connections made from then on; what is left out stays as it is (--set-mode none also clears the entries)."""
+    With --set-mode, --allow, --clear-allow, --max-connections, --bandwidth-mbps or --clear-limits the new rules apply to connections made from then on; what is left out stays as it is (--set-mode none also clears the entries; --max-connections and --bandwidth-mbps replace the limits together: one not given is lifted)."""
     mode = parse_network(set_mode, "--set-mode")
     entries = parse_allow(allow, clear_allow)
+    limits = parse_limits(max_connections, bandwidth_mbps, clear_limits)
     with connected(ctx, sandbox_id) as sbx:
-        if mode is None and entries is None:
+        if mode is None and entries is None and limits is None:
             info = sbx.network.get()
         else:
-            info = sbx.network.update(network=mode, allow=entries)
+            info = sbx.network.update(network=mode, allow=entries, limits=limits)
     if as_json:
-        print_json(info.raw or {"sandbox": info.sandbox, "network": info.network, "allow": info.allow})
+        print_json(
+            info.raw
+            or {"sandbox": info.sandbox, "network": info.network, "allow": info.allow, "limits": _core.net_limits_body(info.limits)}
+        )
         return
     for line in network_lines(info):
         out.print(Text(line))

@@ -33,6 +33,7 @@ EXPECTED_ALL = {
     "SessionInfo",
     "PortInfo",
     "NetworkInfo",
+    "NetLimits",
     "ImageInfo",
     "ImageProgress",
     "Snapshots",

@@ -1,5 +1,6 @@
-"""CLI for sandbox network modes: ``sandbox create --network MODE --allow ENTRY [--proxy]``, ``sandbox fork
---network/--allow/--clear-allow`` and ``sandbox network ID [--set-mode|--allow|--clear-allow|--json]``."""
+"""CLI for sandbox network modes: ``sandbox create --network MODE --allow ENTRY [--proxy] [--max-connections N]
+[--bandwidth-mbps X]``, ``sandbox fork --network/--allow/--clear-allow`` and ``sandbox network ID
+[--set-mode|--allow|--clear-allow|--max-connections|--bandwidth-mbps|--clear-limits|--json]``."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from branchbox import NetworkInfo
+from branchbox import NetLimits, NetworkInfo
 from branchbox_cli import app as cli
 from conftest import BASE, SANDBOX, SID, FakeDaemon, invoke, one_red_line
 from test_network_sdk import (
-    ADDRESS, ENTRIES, NETWORK, PROXY, SANDBOX_NET, SANDBOX_PROXY, Network, error, fork_answer, routes,
+    ADDRESS, ENTRIES, LIMITS, NETWORK, PROXY, SANDBOX_NET, SANDBOX_PROXY, Network, error, fork_answer, routes,
 )
 
 
@@ -123,6 +124,7 @@ def test_network_shows_the_network(runner: CliRunner, daemon: FakeDaemon, nd: Ne
         ["address", ADDRESS],
         ["allow", "api.example.com, *.example.org"],
         ["proxy", "-"],
+        ["limits", "-"],
         ["rx", "2.0 MiB"],
         ["tx", "512 B"],
     ]
@@ -195,7 +197,7 @@ def test_network_errors_are_one_red_line(runner: CliRunner, daemon: FakeDaemon, 
 
 def test_network_lines_without_fields() -> None:
     assert cli.network_lines(NetworkInfo()) == [
-        "mode     -", "address  -", "allow    -", "proxy    -", "rx       0 B", "tx       0 B",
+        "mode     -", "address  -", "allow    -", "proxy    -", "limits   -", "rx       0 B", "tx       0 B",
     ]
 
 
@@ -216,9 +218,90 @@ def test_help_lists_network_and_its_flags(runner: CliRunner) -> None:
     assert r.exit_code == 0
     names = [line.strip("│ ").split(" ")[0] for line in r.stdout.splitlines()]
     assert "network" in names
-    for cmd, flags in (("network", ("--set-mode", "--allow", "--clear-allow", "--json")),
-                       ("create", ("--network", "--allow", "--proxy")), ("fork", ("--network", "--allow", "--clear-allow"))):
+    for cmd, flags in (("network", ("--set-mode", "--allow", "--clear-allow", "--max-connections", "--bandwidth-mbps",
+                                    "--clear-limits", "--json")),
+                       ("create", ("--network", "--allow", "--proxy", "--max-connections", "--bandwidth-mbps")),
+                       ("fork", ("--network", "--allow", "--clear-allow"))):
         r = invoke(runner, "sandbox", cmd, "--help")
         assert r.exit_code == 0
         for flag in flags:
             assert flag in r.stdout, (cmd, flag)
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+def test_create_with_limits(runner: CliRunner, daemon: FakeDaemon) -> None:
+    r = invoke(runner, "sandbox", "create", "--network", "open", "--max-connections", "64", "--bandwidth-mbps", "2.5")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.strip() == SID
+    assert daemon.body() == {
+        "image": "base", "timeout": 300.0, "network": "open", "net_limits": {"max_connections": 64, "bandwidth_mbps": 2.5},
+    }
+    r = invoke(runner, "sandbox", "create", "--max-connections", "8")
+    assert r.exit_code == 0 and daemon.body()["net_limits"] == {"max_connections": 8}
+    r = invoke(runner, "sandbox", "create", "--bandwidth-mbps", "100")
+    assert r.exit_code == 0 and daemon.body()["net_limits"] == {"bandwidth_mbps": 100.0}
+    r = invoke(runner, "sandbox", "create", "-s", "sn-000000000001", "--max-connections", "1")
+    assert r.exit_code == 0 and daemon.body() == {
+        "snapshot": "sn-000000000001", "timeout": 300.0, "net_limits": {"max_connections": 1},
+    }
+    r = invoke(runner, "sandbox", "create")
+    assert r.exit_code == 0 and "net_limits" not in daemon.body(), "sent only when given"
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--max-connections", "0"), ("--max-connections", "65537"), ("--max-connections", "many"),
+    ("--bandwidth-mbps", "0.05"), ("--bandwidth-mbps", "100001"), ("--bandwidth-mbps", "fast"),
+])
+def test_create_bad_limits_are_usage_errors(runner: CliRunner, daemon: FakeDaemon, flag: str, value: str) -> None:
+    r = invoke(runner, "sandbox", "create", flag, value)
+    assert r.exit_code == 2 and flag in r.output + r.stderr
+    r = invoke(runner, "sandbox", "network", SID, flag, value)
+    assert r.exit_code == 2 and flag in r.output + r.stderr
+    assert daemon.requests == []
+
+
+def test_network_shows_the_limits(runner: CliRunner, daemon: FakeDaemon, nd: Network) -> None:
+    nd.limits = dict(LIMITS)
+    r = invoke(runner, "sandbox", "network", SID)
+    assert r.exit_code == 0, r.stderr
+    assert "limits   64 connections, 2.5 Mbit/s" in r.stdout.splitlines()
+    r = invoke(runner, "sandbox", "network", SID, "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["limits"] == LIMITS
+    assert cli.limits_text(NetLimits(bandwidth_mbps=100.0)) == "100 Mbit/s"
+    assert cli.limits_text(NetLimits(max_connections=1)) == "1 connection"
+    assert cli.limits_text(NetLimits()) == "-"
+
+
+def test_network_limit_updates(runner: CliRunner, daemon: FakeDaemon, nd: Network) -> None:
+    r = invoke(runner, "sandbox", "network", SID, "--max-connections", "64", "--bandwidth-mbps", "2.5")
+    assert r.exit_code == 0, r.stderr
+    assert (daemon.last.method, daemon.last.url.path) == ("PUT", NETWORK)
+    assert daemon.body() == {"limits": {"max_connections": 64, "bandwidth_mbps": 2.5}}
+    assert "limits   64 connections, 2.5 Mbit/s" in r.stdout and nd.limits == LIMITS
+    r = invoke(runner, "sandbox", "network", SID, "--bandwidth-mbps", "10")  # replaces the limits
+    assert r.exit_code == 0 and daemon.body() == {"limits": {"bandwidth_mbps": 10.0}}
+    assert "limits   10 Mbit/s" in r.stdout
+    r = invoke(runner, "sandbox", "network", SID, "--set-mode", "open", "--max-connections", "3")
+    assert r.exit_code == 0 and daemon.body() == {"network": "open", "limits": {"max_connections": 3}}
+    r = invoke(runner, "sandbox", "network", SID, "--set-mode", "allowlist")
+    assert r.exit_code == 0 and "limits" not in daemon.body() and nd.limits == {"max_connections": 3}, "kept"
+    r = invoke(runner, "sandbox", "network", SID, "--clear-limits")
+    assert r.exit_code == 0 and daemon.body() == {"limits": {}} and nd.limits == {}
+    assert "limits   -" in r.stdout
+    r = invoke(runner, "sandbox", "network", SID, "--clear-limits", "--clear-allow", "--json")
+    assert r.exit_code == 0 and daemon.body() == {"allow": [], "limits": {}} and json.loads(r.stdout)["limits"] == {}
+
+
+def test_network_limit_usage_errors(runner: CliRunner, daemon: FakeDaemon, nd: Network) -> None:
+    for extra in (("--max-connections", "4"), ("--bandwidth-mbps", "1")):
+        r = invoke(runner, "sandbox", "network", SID, "--clear-limits", *extra)
+        assert r.exit_code == 2 and "--clear-limits" in r.output + r.stderr
+    assert daemon.requests == []
+
+
+def test_network_limit_refusal_is_one_red_line(runner: CliRunner, daemon: FakeDaemon, nd: Network) -> None:
+    daemon.on("PUT", NETWORK, error("bad_request", "network limits: not supported by this kernel", 400))
+    line = one_red_line(invoke(runner, "sandbox", "network", SID, "--max-connections", "4"))
+    assert line == "error: network limits: not supported by this kernel"

@@ -1,11 +1,12 @@
-"""Sandbox network modes in the sync and async SDKs: ``Sandbox.create(network=..., allow=..., proxy=...)``,
-``sbx.fork(..., network=..., allow=...)`` and ``sbx.network.get()`` / ``.update()`` against the
-contract of ``/v1/sandboxes`` and ``/v1/sandboxes/{id}/network``."""
+"""Sandbox network modes in the sync and async SDKs: ``Sandbox.create(network=..., allow=..., proxy=...,
+net_limits=...)``, ``sbx.fork(..., network=..., allow=...)`` and ``sbx.network.get()`` / ``.update()``
+against the contract of ``/v1/sandboxes`` and ``/v1/sandboxes/{id}/network``."""
 
 from __future__ import annotations
 
 import inspect
 import json
+import math
 from typing import List, Optional
 
 import httpx
@@ -14,6 +15,7 @@ import pytest
 from branchbox import (
     AsyncSandbox,
     InvalidArgumentError,
+    NetLimits,
     NetworkInfo,
     NotFoundError,
     Sandbox,
@@ -38,10 +40,14 @@ SANDBOX_NET = dict(
 SANDBOX_PROXY = dict(SANDBOX, allow=["allowed.test"], proxy=PROXY, net_rx_bytes=0, net_tx_bytes=0)
 
 
+#: Limits as the daemon answers them (``NetworkInfo.limits``).
+LIMITS = {"max_connections": 64, "bandwidth_mbps": 2.5}
+
+
 def net_info(network: str = "allowlist", allow: Optional[List[str]] = None, address: Optional[str] = ADDRESS,
-             rx: int = 0, tx: int = 0, proxy: Optional[str] = None) -> dict:
+             rx: int = 0, tx: int = 0, proxy: Optional[str] = None, limits: Optional[dict] = None) -> dict:
     return {"sandbox": SID, "network": network, "allow": list(allow or []), "address": address,
-            "rx_bytes": rx, "tx_bytes": tx, "proxy": proxy}
+            "rx_bytes": rx, "tx_bytes": tx, "proxy": proxy, "limits": dict(limits or {})}
 
 
 def error(code: str, message: str, status: int) -> httpx.Response:
@@ -52,17 +58,19 @@ class Network:
     """The daemon's network of sandbox ``SID``: the daemon's rules (an unknown mode, a bad
     entry or ``none`` with entries answer 400 and change nothing; ``none`` alone clears the
     entries; an address while the mode has egress; ``proxy``: the sandbox's proxy URL, if any,
-    which no update changes)."""
+    which no update changes; ``limits``, replaced as a whole by an update that gives them, a bad
+    one answering 400)."""
 
     def __init__(self, network: str = "none", allow: Optional[List[str]] = None) -> None:
         self.network = network
         self.allow = list(allow or [])
         self.rx, self.tx = 1500, 700
         self.proxy: Optional[str] = None
+        self.limits: dict = {}
 
     def info(self) -> dict:
         address = ADDRESS if self.network != "none" else None
-        return net_info(self.network, self.allow, address, self.rx, self.tx, self.proxy)
+        return net_info(self.network, self.allow, address, self.rx, self.tx, self.proxy, self.limits)
 
     def get(self, request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json=self.info())
@@ -80,7 +88,12 @@ class Network:
                 return error("bad_request", "allow entry %r: not a name, an IPv4 address or a CIDR" % entry, 400)
         if network == "none" and allow and self.proxy is None:
             return error("bad_request", "network mode \"none\" takes no allow entries: use \"allowlist\"", 400)
-        self.network, self.allow = network, list(allow)
+        limits = body.get("limits", self.limits)
+        if set(limits) - {"max_connections", "bandwidth_mbps"}:
+            return error("bad_request", "limits: unknown field", 400)
+        if not 1 <= limits.get("max_connections", 1) <= 65536:
+            return error("bad_request", "network limits: max_connections must be from 1 to 65536", 400)
+        self.network, self.allow, self.limits = network, list(allow), dict(limits)
         return httpx.Response(200, json=self.info())
 
 
@@ -191,7 +204,7 @@ def test_core_network_call_shapes() -> None:
 
 
 def test_core_update_with_nothing_to_change_is_refused() -> None:
-    with pytest.raises(InvalidArgumentError, match="network and/or allow") as ei:
+    with pytest.raises(InvalidArgumentError, match="network, allow and/or limits") as ei:
         _core.update_network(SID)
     assert isinstance(ei.value, ValueError) and ei.value.status_code is None
 
@@ -416,7 +429,7 @@ def test_network_get_and_update(sbx: Sandbox, fake: FakeDaemon, net: Network) ->
 
 def test_network_update_refusals(sbx: Sandbox, fake: FakeDaemon, net: Network) -> None:
     before = len(fake.requests)
-    with pytest.raises(InvalidArgumentError, match="network and/or allow"):
+    with pytest.raises(InvalidArgumentError, match="network, allow and/or limits"):
         sbx.network.update()
     with pytest.raises(ValueError, match="not a single string"):
         sbx.network.update(allow="allowed.test")
@@ -526,7 +539,7 @@ def test_network_objects_mirror() -> None:
         assert list(sp.parameters) == list(ap.parameters)
         assert inspect.iscoroutinefunction(getattr(a, name)) and not inspect.iscoroutinefunction(getattr(s, name))
         assert getattr(s, name).__doc__ and getattr(a, name).__doc__
-    assert list(inspect.signature(s.update).parameters) == ["self", "network", "allow"]
+    assert list(inspect.signature(s.update).parameters) == ["self", "network", "allow", "limits"]
     assert {n for n in dir(s) if not n.startswith("_")} == {n for n in dir(a) if not n.startswith("_")} == {"get", "update"}
 
 
@@ -542,3 +555,196 @@ def test_proxy_parameter_on_both_creates() -> None:
         params = inspect.signature(cls.create).parameters
         assert params["proxy"].default is False and params["proxy"].kind is inspect.Parameter.KEYWORD_ONLY, cls
     assert list(inspect.signature(Sandbox.create).parameters) == list(inspect.signature(AsyncSandbox.create).parameters)
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+def test_net_limits_model() -> None:
+    import branchbox
+
+    assert "NetLimits" in branchbox.__all__ and branchbox.NetLimits is NetLimits
+    assert NetLimits() == NetLimits(None, None) and (NetLimits().max_connections, NetLimits().bandwidth_mbps) == (None, None)
+    lim = NetLimits.from_dict(dict(LIMITS, future=1))
+    assert lim == NetLimits(64, 2.5) and lim.raw == dict(LIMITS, future=1) and "raw" not in repr(lim)
+    assert NetLimits.from_dict(None) == NetLimits() == NetLimits.from_dict({})
+
+
+def test_network_info_limits() -> None:
+    info = NetworkInfo.from_dict(net_info(limits=LIMITS))
+    assert isinstance(info.limits, NetLimits) and info.limits == NetLimits(max_connections=64, bandwidth_mbps=2.5)
+    assert NetworkInfo.from_dict(net_info(limits={"max_connections": 8})).limits == NetLimits(max_connections=8)
+    # {} (no limits), null, or left out by an older daemon: empty.
+    for data in (net_info(), dict(net_info(), limits=None), {k: v for k, v in net_info().items() if k != "limits"}):
+        assert NetworkInfo.from_dict(data).limits == NetLimits(), data
+    a, b = NetworkInfo(), NetworkInfo()
+    a.limits.max_connections = 1
+    assert b.limits == NetLimits(), "no shared default"
+    assert NetworkInfo.from_dict(None) == NetworkInfo()
+
+
+def test_net_limits_body_good() -> None:
+    f = _core.net_limits_body
+    assert f(NetLimits(64, 2.5)) == {"max_connections": 64, "bandwidth_mbps": 2.5}
+    assert f(NetLimits(max_connections=8)) == {"max_connections": 8}, "None keys dropped"
+    assert f(NetLimits(bandwidth_mbps=100)) == {"bandwidth_mbps": 100.0}
+    assert isinstance(f({"bandwidth_mbps": 100})["bandwidth_mbps"], float)
+    assert f({"max_connections": 64, "bandwidth_mbps": None}) == {"max_connections": 64}
+    assert f({}) == {} and f(NetLimits()) == {}, "no limits"
+    assert f({"max_connections": 1, "bandwidth_mbps": 0.1}) == {"max_connections": 1, "bandwidth_mbps": 0.1}
+    assert f({"max_connections": 65536, "bandwidth_mbps": 100000}) == {"max_connections": 65536, "bandwidth_mbps": 100000.0}
+    assert (_core.MAX_CONNECTIONS, _core.BANDWIDTH_MBPS) == ((1, 65536), (0.1, 100000.0))
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"max_connections": 0}, "max_connections must be an int from 1 to 65536"),
+    ({"max_connections": 65537}, "max_connections must be an int"),
+    ({"max_connections": -1}, "max_connections must be an int"),
+    ({"max_connections": True}, "max_connections must be an int"),
+    ({"max_connections": 64.0}, "max_connections must be an int"),
+    ({"max_connections": "64"}, "max_connections must be an int"),
+    (NetLimits(max_connections=0), "max_connections must be an int"),
+    ({"bandwidth_mbps": 0.05}, "bandwidth_mbps must be a number from 0.1 to 100000"),
+    ({"bandwidth_mbps": 0}, "bandwidth_mbps must be a number"),
+    ({"bandwidth_mbps": 100000.5}, "bandwidth_mbps must be a number"),
+    ({"bandwidth_mbps": math.nan}, "bandwidth_mbps must be a number"),
+    ({"bandwidth_mbps": math.inf}, "bandwidth_mbps must be a number"),
+    ({"bandwidth_mbps": False}, "bandwidth_mbps must be a number"),
+    ({"bandwidth_mbps": "100"}, "bandwidth_mbps must be a number"),
+    (NetLimits(bandwidth_mbps=-3.0), "bandwidth_mbps must be a number"),
+    ({"max_connections": 64, "bandwidth": 10}, "takes the keys max_connections and bandwidth_mbps, not bandwidth"),
+    ({"rate": 1, "conns": 2}, "not conns, rate"),
+    ([("max_connections", 64)], "must be a NetLimits or a dict"),
+    (64, "must be a NetLimits or a dict"),
+    ("64", "must be a NetLimits or a dict"),
+])
+def test_net_limits_bad(bad, needle) -> None:
+    with pytest.raises(InvalidArgumentError, match=needle) as ei:
+        _core.net_limits_body(bad)
+    assert isinstance(ei.value, ValueError) and ei.value.status_code is None
+    for build in (
+        lambda: _core.create_sandbox(net_limits=bad),
+        lambda: _core.update_network(SID, limits=bad),
+        lambda: _core.update_network(SID, network="open", limits=bad),
+    ):
+        with pytest.raises(InvalidArgumentError, match=needle):
+            build()
+
+
+def test_net_limits_refusals_name_the_parameter() -> None:
+    for bad in (64, {"rate": 1}):
+        with pytest.raises(InvalidArgumentError, match="^net_limits "):
+            _core.create_sandbox(net_limits=bad)
+        with pytest.raises(InvalidArgumentError, match="^limits "):
+            _core.update_network(SID, limits=bad)
+
+
+def test_core_create_bodies_with_limits() -> None:
+    body = lambda **kw: _core.create_sandbox(**kw).json  # noqa: E731
+    assert "net_limits" not in body(), "not sent unless given"
+    assert body(net_limits=NetLimits(64, 2.5)) == {
+        "image": "base", "timeout": 300, "network": "none", "net_limits": {"max_connections": 64, "bandwidth_mbps": 2.5},
+    }
+    assert body(network="open", net_limits={"bandwidth_mbps": 10}) == {
+        "image": "base", "timeout": 300, "network": "open", "net_limits": {"bandwidth_mbps": 10.0},
+    }
+    assert body(net_limits={"max_connections": 8, "bandwidth_mbps": None})["net_limits"] == {"max_connections": 8}
+    # From a snapshot or a template: theirs unless given; {} lifts them.
+    assert body(image=None, snapshot="sn-000000000001") == {"snapshot": "sn-000000000001", "timeout": 300}
+    assert body(image=None, snapshot="sn-000000000001", net_limits={}) == {
+        "snapshot": "sn-000000000001", "timeout": 300, "net_limits": {},
+    }
+    assert body(image=None, template="py", net_limits=NetLimits()) == {"template": "py", "timeout": 300, "net_limits": {}}
+    assert body(image=None, template="py", net_limits=NetLimits(max_connections=4)) == {
+        "template": "py", "timeout": 300, "net_limits": {"max_connections": 4},
+    }
+
+
+def test_core_update_network_limits_shapes() -> None:
+    cases = [
+        ({"limits": NetLimits(64, 2.5)}, {"limits": {"max_connections": 64, "bandwidth_mbps": 2.5}}),
+        ({"limits": {"max_connections": 8}}, {"limits": {"max_connections": 8}}),
+        ({"limits": {"bandwidth_mbps": 1, "max_connections": None}}, {"limits": {"bandwidth_mbps": 1.0}}),
+        ({"limits": {}}, {"limits": {}}),
+        ({"limits": NetLimits()}, {"limits": {}}),
+        ({"network": "open", "allow": [], "limits": {"max_connections": 2}},
+         {"network": "open", "allow": [], "limits": {"max_connections": 2}}),
+    ]
+    for kwargs, body in cases:
+        call = _core.update_network(SID, **kwargs)
+        assert (call.method, call.path, call.json) == ("PUT", NETWORK, body), kwargs
+    assert "limits" not in _core.update_network(SID, network="open").json, "left out: unchanged"
+    assert _core.update_network(SID, None, None, {"max_connections": 3}).json == {"limits": {"max_connections": 3}}
+
+
+def test_create_sends_net_limits(fake: FakeDaemon) -> None:
+    Sandbox.create(network="open", net_limits=NetLimits(max_connections=64, bandwidth_mbps=2.5), transport=fake.transport()).close()
+    assert fake.shape() == ("POST", "/v1/sandboxes", {
+        "image": "base", "timeout": 300, "network": "open", "net_limits": {"max_connections": 64, "bandwidth_mbps": 2.5},
+    })
+    Sandbox.create(net_limits={"bandwidth_mbps": 100}, transport=fake.transport()).close()
+    assert fake.body()["net_limits"] == {"bandwidth_mbps": 100.0}
+    Sandbox.create(snapshot="sn-000000000001", net_limits={}, transport=fake.transport()).close()
+    assert fake.body() == {"snapshot": "sn-000000000001", "timeout": 300, "net_limits": {}}
+    Sandbox.create(transport=fake.transport()).close()
+    assert "net_limits" not in fake.body()
+
+
+def test_create_bad_net_limits_sends_nothing(fake: FakeDaemon) -> None:
+    for bad in ({"max_connections": 0}, {"bandwidth_mbps": 1e9}, {"conns": 1}, [64], NetLimits(max_connections=1.5)):
+        with pytest.raises(InvalidArgumentError):
+            Sandbox.create(net_limits=bad, transport=fake.transport())
+    assert fake.requests == []
+
+
+def test_create_daemon_refusing_net_limits(fake: FakeDaemon) -> None:
+    fake.on("POST", "/v1/sandboxes", error("bad_request", "unknown field `net_limits`", 400))
+    with pytest.raises(InvalidArgumentError, match="net_limits") as ei:
+        Sandbox.create(net_limits={"max_connections": 4}, transport=fake.transport())
+    assert ei.value.status_code == 400
+
+
+def test_network_update_limits(sbx: Sandbox, fake: FakeDaemon, net: Network) -> None:
+    assert sbx.network.get().limits == NetLimits()
+    n = sbx.network.update(limits=NetLimits(64, 2.5))
+    assert fake.shape() == ("PUT", NETWORK, {"limits": {"max_connections": 64, "bandwidth_mbps": 2.5}})
+    assert n.limits == NetLimits(64, 2.5) and n.network == "none"
+    n = sbx.network.update(network="open")
+    assert fake.body() == {"network": "open"} and n.limits == NetLimits(64, 2.5), "limits left as they were"
+    n = sbx.network.update(limits={"bandwidth_mbps": 10})
+    assert fake.body() == {"limits": {"bandwidth_mbps": 10.0}}
+    assert n.limits == NetLimits(bandwidth_mbps=10.0), "replaced as a whole"
+    n = sbx.network.update("allowlist", ["a.test"], {"max_connections": 5})
+    assert fake.body() == {"network": "allowlist", "allow": ["a.test"], "limits": {"max_connections": 5}}
+    n = sbx.network.update(limits={})
+    assert fake.body() == {"limits": {}} and n.limits == NetLimits(), "{} lifts them"
+    assert sbx.network.get() == n
+    before = len(fake.requests)
+    for bad in ({"max_connections": 65537}, {"bandwidth_mbps": 0.01}, {"x": 1}, "fast"):
+        with pytest.raises(InvalidArgumentError):
+            sbx.network.update(limits=bad)
+    assert len(fake.requests) == before, "refused before any request"
+
+
+async def test_async_net_limits(fake: FakeDaemon, net: Network) -> None:
+    s = await AsyncSandbox.create(network="open", net_limits={"max_connections": 16}, transport=fake.transport())
+    assert fake.body() == {"image": "base", "timeout": 300, "network": "open", "net_limits": {"max_connections": 16}}
+    n = await s.network.update(limits=NetLimits(bandwidth_mbps=0.5))
+    assert fake.shape() == ("PUT", NETWORK, {"limits": {"bandwidth_mbps": 0.5}}) and n.limits == NetLimits(bandwidth_mbps=0.5)
+    n = await s.network.update(limits={})
+    assert fake.body() == {"limits": {}} and (await s.network.get()).limits == NetLimits()
+    before = len(fake.requests)
+    with pytest.raises(InvalidArgumentError, match="max_connections"):
+        await AsyncSandbox.create(net_limits={"max_connections": 0}, transport=fake.transport())
+    with pytest.raises(InvalidArgumentError, match="bandwidth_mbps"):
+        await s.network.update(limits={"bandwidth_mbps": math.inf})
+    assert len(fake.requests) == before
+    await s.close()
+
+
+def test_net_limits_parameter_on_both_creates() -> None:
+    for cls in (Sandbox, AsyncSandbox):
+        param = inspect.signature(cls.create).parameters["net_limits"]
+        assert param.default is None and param.kind is inspect.Parameter.KEYWORD_ONLY, cls
+    for cls in (sandbox_sync.Network, sandbox_async.AsyncNetwork):
+        assert inspect.signature(cls.update).parameters["limits"].default is None

@@ -1,11 +1,13 @@
 """Network modes: ``none`` reaches nothing but lo; ``allowlist`` reaches the names (and the
 addresses they resolved to), addresses and ports it lists, nothing else; ``open`` reaches the
 outside but never the host, other sandboxes or link-local/metadata addresses unless listed.
-Rules change on a running sandbox and hold across pause/resume, rollback and fork.
+Rules change on a running sandbox and hold across pause/resume, rollback and fork. Limits cap
+the connections open at once and the bandwidth each way.
 
 All traffic stays on this machine: the "outside" is a network namespace the tests make
 (networld.py); the suite's daemon forwards DNS there (--net-dns in conftest.py).
 """
+import json
 import signal
 import socket
 import threading
@@ -14,7 +16,7 @@ import uuid
 import pytest
 
 from branchbox import InvalidArgumentError, Pool, Sandbox, Templates
-from helpers import URL
+from helpers import URL, wait_until
 
 from branchbox_bench import networld
 from branchbox_bench.networld import ALLOWED, HOST_ADDR, METADATA, OTHER
@@ -328,3 +330,102 @@ def test_a_template_builds_with_its_network_and_hands_it_to_its_sandboxes(world,
                 Sandbox.connect(s.id, daemon=URL, resume=False).kill()
         templates.remove(name)
         templates.close()
+
+
+HOLD = r"""
+import json, os, socket, sys, time
+host, phases = sys.argv[1], [int(n) for n in sys.argv[2].split(",")]
+held = []
+def attempt():
+    s = socket.socket()
+    s.settimeout(5)
+    try:
+        s.connect((host, 80))
+    except ConnectionRefusedError:
+        s.close()
+        return "refused"
+    except OSError as e:
+        s.close()
+        return "error %s" % e
+    held.append(s)
+    return "ok"
+for i, n in enumerate(phases):
+    if i:
+        while not os.path.exists("/tmp/go%d" % i):
+            time.sleep(0.02)
+    print(json.dumps([attempt() for _ in range(n)]), flush=True)
+    open("/tmp/done%d" % i, "w").close()
+"""
+
+
+def test_a_connection_cap_resets_connections_past_it_and_changes_on_a_running_sandbox(world, make_sandbox):
+    sbx = make_sandbox(network="allowlist", allow=[ALLOWED + ":80"], net_limits={"max_connections": 3})
+    assert sbx.network.get().raw["limits"] == {"max_connections": 3}
+    sbx.files.write("/tmp/hold.py", HOLD)
+    # The connections are held open: four attempts, the fourth past the cap.
+    h = sbx.commands.run("python3 /tmp/hold.py %s 4,1,6" % ALLOWED, background=True, timeout=60)
+
+    def phase(i):
+        if i:
+            sbx.files.write("/tmp/go%d" % i, "")
+        wait_until(lambda: sbx.files.exists("/tmp/done%d" % i), timeout=30, what="attempts of phase %d" % i)
+
+    phase(0)
+    # A change of the allow entries keeps the count: the three held still count.
+    sbx.network.update(allow=[ALLOWED + ":80", OTHER + ":80"])
+    phase(1)
+    # A new cap counts the connections made from then on: five more fit, the sixth does not.
+    net = sbx.network.update(limits={"max_connections": 5})
+    assert net.raw["limits"] == {"max_connections": 5} and net.allow == [ALLOWED + ":80", OTHER + ":80"], net
+    phase(2)
+    r = h.wait(timeout=60)
+    got = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    assert got == [["ok", "ok", "ok", "refused"], ["refused"], ["ok"] * 5 + ["refused"]], r.stdout
+    # The cap is kept by a fork child.
+    (child,) = sbx.fork(1)
+    try:
+        assert child.network.get().raw["limits"] == {"max_connections": 5}
+    finally:
+        child.kill()
+
+
+SPEED = r"""
+import socket, sys, time
+host, way, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+s = socket.create_connection((host, 80), timeout=60)
+t0 = time.monotonic()
+if way == "down":
+    s.sendall(b"GET /bytes/%d HTTP/1.0\r\nHost: w\r\n\r\n" % n)
+    while s.recv(1 << 16):
+        pass
+else:
+    s.sendall(b"POST /up HTTP/1.0\r\nHost: w\r\nContent-Length: %d\r\n\r\n" % n)
+    chunk, left = b"x" * 65536, n
+    while left > 0:
+        s.sendall(chunk[:left])
+        left -= len(chunk)
+    while s.recv(1 << 16):
+        pass
+print(n * 8 / 1e6 / (time.monotonic() - t0))
+"""
+
+
+def test_a_bandwidth_cap_holds_each_way_and_lifts(world, make_sandbox):
+    sbx = make_sandbox(network="allowlist", allow=[ALLOWED + ":80"], net_limits={"bandwidth_mbps": 40})
+    sbx.files.write("/tmp/speed.py", SPEED)
+
+    def mbps(way, n):
+        r = sbx.commands.run("python3 /tmp/speed.py %s %s %d" % (ALLOWED, way, n), timeout=120)
+        assert r.exit_code == 0, r
+        return float(r.stdout)
+
+    # 4 MB each way at 40 Mbit/s: about 0.8 s; a cap that held lets no more than its burst past.
+    for way in ("down", "up"):
+        got = mbps(way, 4_000_000)
+        assert got < 60, "%s at %.0f Mbit/s under a 40 Mbit/s cap" % (way, got)
+    # Lifted: far past it (the same transfer runs at memory speed here).
+    sbx.network.update(limits={})
+    assert sbx.network.get().raw["limits"] == {}
+    for way in ("down", "up"):
+        got = mbps(way, 32_000_000)
+        assert got > 200, "%s at %.0f Mbit/s with no cap" % (way, got)

@@ -499,3 +499,32 @@ def test_allow_changes_reach_the_proxy_and_it_listens_again_after_a_daemon_resta
     # The entries as changed, not as created.
     assert sbx.info().proxy == PROXY and sbx.network.get().allow == ["allowed.test", "other.test"]
     assert get(sbx, "http://other.test/") == {"status": 200, "body": "/ %s:80" % OTHER}
+
+
+CAP = r"""
+import json, socket, time
+def conn():
+    return socket.create_connection(("127.0.0.1", 3128), timeout=5)
+def served(s):
+    try:
+        s.sendall(b"GET http://allowed.test/ HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+        return s.recv(12).startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
+a, b = conn(), conn()
+print(json.dumps([served(a), served(b), served(conn())]))
+a.close()
+for _ in range(100):
+    if served(conn()):
+        print("served again")
+        break
+    time.sleep(0.05)
+"""
+
+
+def test_the_connection_cap_holds_on_the_proxy(world, make_sandbox):
+    sbx = make_sandbox(network="none", proxy=True, allow=["allowed.test"], net_limits={"max_connections": 2})
+    out = py_in(sbx, CAP, timeout=60).strip().split("\n")
+    # Two held open are served; the third is closed at once; one closed makes room again.
+    assert json.loads(out[0]) == [True, True, False], out
+    assert out[1:] == ["served again"], out

@@ -43,6 +43,10 @@ pub struct CreateSandbox {
     /// unless given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proxy: Option<bool>,
+    /// Caps on its traffic: `{"max_connections": 64, "bandwidth_mbps": 100}` (from a snapshot
+    /// or a template: theirs unless given; fork children inherit them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net_limits: Option<crate::net::policy::Limits>,
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
     /// What happens at the timeout, and whether a paused sandbox wakes on use.
@@ -95,6 +99,9 @@ pub struct SandboxSpec {
     /// Port of the daemon's proxy inside the sandbox (None: no proxy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proxy_port: Option<u16>,
+    /// Caps on its traffic (see [`CreateSandbox::net_limits`]).
+    #[serde(default, skip_serializing_if = "crate::net::policy::Limits::is_none")]
+    pub net_limits: crate::net::policy::Limits,
     pub metadata: BTreeMap<String, String>,
     /// Seconds of life a sandbox gets at creation and at each resume (None: no limit).
     #[serde(default)]
@@ -488,6 +495,8 @@ pub struct NetworkUpdate {
     pub network: Option<String>,
     /// The allow entries (default: unchanged; `[]` clears them).
     pub allow: Option<Vec<String>>,
+    /// Caps on its traffic (default: unchanged; `{}` lifts them).
+    pub limits: Option<crate::net::policy::Limits>,
 }
 
 /// A sandbox's network as it stands.
@@ -500,6 +509,8 @@ pub struct NetworkInfo {
     pub address: Option<String>,
     /// The daemon's proxy as the sandbox reaches it, if it has one.
     pub proxy: Option<String>,
+    /// Caps on its traffic.
+    pub limits: crate::net::policy::Limits,
     pub rx_bytes: u64,
     pub tx_bytes: u64,
 }

@@ -66,6 +66,7 @@ fn shell_spec(image: &bb_layers::Image) -> SandboxSpec {
         network: "none".into(),
         allow: Vec::new(),
         proxy_port: None,
+        net_limits: Default::default(),
         metadata: Default::default(),
         timeout: None,
         lifecycle: Default::default(),

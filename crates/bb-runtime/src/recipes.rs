@@ -228,6 +228,7 @@ impl Runtime {
             network: req.network.clone(),
             allow: req.allow.clone(),
             proxy: req.proxy,
+            net_limits: None,
             metadata,
             template: None,
             snapshot: None,
@@ -396,8 +397,15 @@ impl Runtime {
         let allow =
             if req.network.is_none() && req.allow.is_empty() { snap.spec.allow.clone() } else { req.allow.clone() };
         let proxy = req.proxy.or(Some(snap.spec.proxy_port.is_some()));
-        let (mut spec, timeout, _) =
-            self.validate(CreateSandbox { image: Some(row.image.clone()), network, allow, proxy, ..req.clone() })?;
+        let net_limits = req.net_limits.or(Some(snap.spec.net_limits));
+        let (mut spec, timeout, _) = self.validate(CreateSandbox {
+            image: Some(row.image.clone()),
+            network,
+            allow,
+            proxy,
+            net_limits,
+            ..req.clone()
+        })?;
         // The template's own settings, unless the request sets them.
         spec.layers = snap.spec.layers.clone();
         spec.image_env = snap.spec.image_env.clone();

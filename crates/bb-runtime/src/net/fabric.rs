@@ -21,7 +21,7 @@
 //! refuses the rest (TCP with a reset, so the caller learns at once). A policy change replaces
 //! the chain's rules and sets in one nftables transaction.
 
-use super::policy::{Mode, Policy, Ports};
+use super::policy::{Limits, Mode, Policy, Ports};
 use ipnet::Ipv4Net;
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -160,9 +160,12 @@ table inet {t} {{
             let rules = scope.spawn(|| {
                 run("nft", &["-f", "-"], Some(&self.chain_script(n, policy, true)), "add the sandbox's rules")
             });
-            let links = run("ip", &["-batch", "-"], Some(&host), "make the sandbox's veth").and_then(|()| {
-                run("nsenter", &[&ns, "ip", "-batch", "-"], Some(&inside), "address the sandbox's eth0")
-            });
+            let links = run("ip", &["-batch", "-"], Some(&host), "make the sandbox's veth")
+                .and_then(|()| run("nsenter", &[&ns, "ip", "-batch", "-"], Some(&inside), "address the sandbox's eth0"))
+                .and_then(|()| match policy.limits.bandwidth_mbps {
+                    Some(_) => self.shape(n, pid, &policy.limits),
+                    None => Ok(()),
+                });
             (rules.join().unwrap_or(Err(FabricError::Panicked)), links)
         });
         match (rules, links) {
@@ -183,8 +186,31 @@ table inet {t} {{
     }
 
     /// Replace slot `n`'s rules with `policy`'s (one transaction).
-    pub fn update(&self, n: u32, policy: &Policy) -> Result<(), FabricError> {
-        run("nft", &["-f", "-"], Some(&self.chain_script(n, policy, false)), "change the sandbox's rules")
+    /// The connection count restarts when the cap changes from `was`'s (each counted
+    /// connection holds the cap it was counted under), so a new cap counts the connections made
+    /// from then on.
+    pub fn update(&self, n: u32, policy: &Policy, was: &Policy) -> Result<(), FabricError> {
+        let mut script = self.chain_script(n, policy, false);
+        if policy.limits.max_connections != was.limits.max_connections {
+            script.insert_str(0, &format!("flush set inet {} c{n}\n", self.table));
+        }
+        run("nft", &["-f", "-"], Some(&script), "change the sandbox's rules")
+    }
+
+    /// Give slot `n` (its sandbox's init `pid`) the bandwidth of `limits`, each way: a token
+    /// bucket on the host side of its veth (what reaches the sandbox) and on its `eth0` (what
+    /// leaves it; the sandbox holds no CAP_NET_ADMIN to lift it). No bandwidth: both removed.
+    pub fn shape(&self, n: u32, pid: i32, limits: &Limits) -> Result<(), FabricError> {
+        let (hif, ns) = (self.host_if(n), format!("--net=/proc/{pid}/ns/net"));
+        let Some(line) = limits.bandwidth_mbps.map(tbf) else {
+            // Absent already is fine.
+            let _ = run("tc", &["qdisc", "del", "dev", &hif, "root"], None, "");
+            let _ = run("nsenter", &[&ns, "tc", "qdisc", "del", "dev", "eth0", "root"], None, "");
+            return Ok(());
+        };
+        let what = "limit the sandbox's bandwidth";
+        run("tc", &["-batch", "-"], Some(&format!("qdisc replace dev {hif} {line}")), what)?;
+        run("nsenter", &[&ns, "tc", "-batch", "-"], Some(&format!("qdisc replace dev eth0 {line}")), what)
     }
 
     /// Remove slot `n`: its veth (the sandbox's eth0 goes with it) and its rules.
@@ -199,7 +225,7 @@ table inet {t} {{
         let t = &self.table;
         format!(
             "delete element inet {t} sandboxes {{ {ip} }}\nflush chain inet {t} s{n}\ndelete chain inet {t} s{n}\n\
-             delete set inet {t} r{n}\ndelete set inet {t} d{n}\n",
+             delete set inet {t} r{n}\ndelete set inet {t} d{n}\ndelete set inet {t} c{n}\n",
             ip = self.address(n)
         )
     }
@@ -211,9 +237,19 @@ table inet {t} {{
         if new {
             let _ = writeln!(s, "add set inet {t} r{n} {{ type ipv4_addr . inet_service; flags interval; }}");
             let _ = writeln!(s, "add set inet {t} d{n} {{ type ipv4_addr . inet_service; flags interval, timeout; }}");
+            let _ = writeln!(s, "add set inet {t} c{n} {{ type ipv4_addr; size 16; flags dynamic; }}");
             let _ = writeln!(s, "add chain inet {t} s{n}");
         } else {
             let _ = writeln!(s, "flush chain inet {t} s{n}\nflush set inet {t} r{n}\nflush set inet {t} d{n}");
+        }
+        // The connection cap first: a new connection past it is reset whatever its address.
+        // (Its set is kept across other changes: the connections open stay counted.)
+        if let Some(m) = policy.limits.max_connections {
+            let _ = writeln!(
+                s,
+                "add rule inet {t} s{n} meta l4proto tcp ct state new add @c{n} {{ ip saddr ct count over {m} }} \
+                 reject with tcp reset"
+            );
         }
         let nets: Vec<String> = policy.nets().map(|(net, p)| format!("{net} . {}", p.nft())).collect();
         if !nets.is_empty() {
@@ -254,6 +290,13 @@ table inet {t} {{
         let script = format!("add element inet {} d{n} {{ {} }}\n", self.table, elems.join(", "));
         run("nft", &["-f", "-"], Some(&script), "let the sandbox reach a name's addresses")
     }
+}
+
+/// A token bucket qdisc of `mbps` (`root tbf ...`): bursts of 20 ms, at least 64 KiB.
+fn tbf(mbps: f64) -> String {
+    let kbit = (mbps * 1000.0).round().max(1.0) as u64;
+    let burst = (kbit * 1000 / 8 / 50).max(64 << 10);
+    format!("root tbf rate {kbit}kbit burst {burst} latency 50ms\n")
 }
 
 /// Bytes (received, sent) by the sandbox whose veth's host side is `host_if` (which counts them

@@ -145,9 +145,14 @@ impl Net {
                 id TEXT PRIMARY KEY,
                 slot INTEGER NOT NULL,
                 mode TEXT NOT NULL,
-                allow TEXT NOT NULL
+                allow TEXT NOT NULL,
+                limits TEXT NOT NULL DEFAULT '{}'
             );",
         )?;
+        // A table made before limits existed.
+        if conn.prepare("SELECT limits FROM networks LIMIT 0").is_err() {
+            conn.execute_batch("ALTER TABLE networks ADD COLUMN limits TEXT NOT NULL DEFAULT '{}'")?;
+        }
         let dns_upstream = cfg.net_dns.or_else(host_nameserver);
         let credentials = match &cfg.proxy_credentials {
             Some(path) => proxy::load_credentials(path)?,
@@ -203,11 +208,13 @@ impl Net {
         self.wired.lock().get(id).cloned()
     }
 
-    fn save(&self, id: &str, w: &Wired) -> std::result::Result<(), NetError> {
-        let allow = serde_json::to_string(&w.policy.allow).expect("strings serialise");
+    /// Record sandbox `id`'s `policy` on `slot` (0: unwired) for a daemon restart.
+    fn save(&self, id: &str, slot: u32, policy: &Policy) -> std::result::Result<(), NetError> {
+        let allow = serde_json::to_string(&policy.allow).expect("strings serialise");
+        let limits = serde_json::to_string(&policy.limits).expect("limits serialise");
         self.db.lock().execute(
-            "INSERT OR REPLACE INTO networks (id, slot, mode, allow) VALUES (?1, ?2, ?3, ?4)",
-            params![id, w.slot, w.policy.mode.as_str(), allow],
+            "INSERT OR REPLACE INTO networks (id, slot, mode, allow, limits) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![id, slot, policy.mode.as_str(), allow, limits],
         )?;
         Ok(())
     }
@@ -233,7 +240,7 @@ impl Net {
         };
         let w = self.wired_at(slot, policy);
         let done = self.fabric.attach(slot, pid, &w.policy).map_err(NetError::from).and_then(|()| {
-            self.save(id, &w).inspect_err(|_| {
+            self.save(id, slot, &w.policy).inspect_err(|_| {
                 let _ = self.fabric.detach(slot);
             })
         });
@@ -249,25 +256,23 @@ impl Net {
         }
     }
 
-    /// Give wired sandbox `id` `policy` (both with egress). Blocking.
-    pub(crate) fn update(&self, id: &str, policy: Policy) -> std::result::Result<Wired, NetError> {
+    /// Give wired sandbox `id` (init `pid`) `policy` (both with egress). Blocking.
+    pub(crate) fn update(&self, id: &str, pid: i32, policy: Policy) -> std::result::Result<Wired, NetError> {
         let Some(mut w) = self.wired(id) else { return Err(NetError::NotWired(id.to_string())) };
-        self.fabric.update(w.slot, &policy)?;
+        self.fabric.update(w.slot, &policy, &w.policy)?;
+        if policy.limits.bandwidth_mbps != w.policy.limits.bandwidth_mbps {
+            self.fabric.shape(w.slot, pid, &policy.limits)?;
+        }
         w.policy = policy;
-        self.save(id, &w)?;
+        self.save(id, w.slot, &w.policy)?;
         self.wired.lock().insert(id.to_string(), w.clone());
         Ok(w)
     }
 
     /// Record the policy of sandbox `id`, unwired (mode none with the proxy's entries), for a
-    /// daemon restart (slot 0: none).
+    /// daemon restart.
     pub(crate) fn save_unwired(&self, id: &str, policy: &Policy) -> std::result::Result<(), NetError> {
-        let allow = serde_json::to_string(&policy.allow).expect("strings serialise");
-        self.db.lock().execute(
-            "INSERT OR REPLACE INTO networks (id, slot, mode, allow) VALUES (?1, 0, ?2, ?3)",
-            params![id, policy.mode.as_str(), allow],
-        )?;
-        Ok(())
+        self.save(id, 0, policy)
     }
 
     /// Unwire sandbox `id`, if it is wired, and forget its record. Blocking.
@@ -283,23 +288,24 @@ impl Net {
     /// on with their inits); the records of the others go. Returns the networks recorded (the
     /// wired ones, and the policies changed on unwired sandboxes with the proxy).
     pub(crate) fn recover(self: &Arc<Self>, live: &HashMap<String, Arc<Sandbox>>) -> Vec<(String, NetState)> {
-        let rows: Vec<(String, u32, String, String)> = {
+        let rows: Vec<(String, u32, String, String, String)> = {
             let db = self.db.lock();
-            let mut stmt = match db.prepare("SELECT id, slot, mode, allow FROM networks") {
+            let mut stmt = match db.prepare("SELECT id, slot, mode, allow, limits FROM networks") {
                 Ok(s) => s,
                 Err(e) => {
                     tracing::warn!("reading sandbox networks: {e}");
                     return Vec::new();
                 }
             };
-            let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)));
+            let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)));
             rows.map(|it| it.filter_map(|r| r.ok()).collect()).unwrap_or_default()
         };
         let mut out = Vec::new();
-        for (id, slot, mode, allow) in rows {
+        for (id, slot, mode, allow, limits) in rows {
+            let limits = serde_json::from_str(&limits).unwrap_or_default();
             let policy = serde_json::from_str::<Vec<String>>(&allow)
                 .ok()
-                .and_then(|a| Policy::parse_for(&mode, &a, slot == 0).ok());
+                .and_then(|a| Policy::parse_for(&mode, &a, slot == 0).and_then(|p| p.with_limits(limits)).ok());
             let restored = match (live.contains_key(&id), policy) {
                 (true, Some(policy)) if slot == 0 => Ok(NetState { policy, wired: None }),
                 (true, Some(policy)) => self.ensure_up().and_then(|()| {
@@ -333,7 +339,9 @@ impl Net {
 impl Runtime {
     /// The policy a sandbox is created with.
     pub(crate) fn spec_policy(spec: &SandboxSpec) -> Result<Policy> {
-        Ok(Policy::parse_for(&spec.network, &spec.allow, spec.proxy_port.is_some()).map_err(NetError::from)?)
+        Ok(Policy::parse_for(&spec.network, &spec.allow, spec.proxy_port.is_some())
+            .and_then(|p| p.with_limits(spec.net_limits))
+            .map_err(NetError::from)?)
     }
 
     /// Wire a new sandbox (init `pid`, root at `rootfs` on the host) whose spec asks for
@@ -369,8 +377,11 @@ impl Runtime {
     /// mode none, with the proxy's entries as created) and its proxy again.
     pub(crate) fn net_recover(&self, sb: &Arc<Sandbox>, recorded: Option<NetState>) {
         *sb.net.lock() = recorded.unwrap_or_else(|| NetState {
-            policy: Policy::parse_for("none", &sb.spec.allow, sb.spec.proxy_port.is_some())
-                .unwrap_or_else(|_| Policy::none()),
+            policy: Self::spec_policy(&sb.spec)
+                .ok()
+                .filter(|_| sb.spec.proxy_port.is_some())
+                .map(|p| Policy { mode: Mode::None, ..p })
+                .unwrap_or_else(Policy::none),
             wired: None,
         });
         if let Some(port) = sb.spec.proxy_port.filter(|_| !sb.is_dead()) {
@@ -423,6 +434,7 @@ impl Runtime {
         let net = sb.net.lock();
         spec.network = net.policy.mode.as_str().to_string();
         spec.allow = net.policy.allow.clone();
+        spec.net_limits = net.policy.limits;
         spec
     }
 
@@ -445,7 +457,10 @@ impl Runtime {
             let proxied = sb.spec.proxy_port.is_some();
             // Entries left out are kept, but for a change to none without the proxy.
             let allow = req.allow.unwrap_or(if mode == "none" && !proxied { Vec::new() } else { now.allow });
-            let policy = Policy::parse_for(&mode, &allow, proxied).map_err(NetError::from)?;
+            let limits = req.limits.unwrap_or(now.net_limits);
+            let policy = Policy::parse_for(&mode, &allow, proxied)
+                .and_then(|p| p.with_limits(limits))
+                .map_err(NetError::from)?;
             let wired = rt.net.wired(&sb.id).is_some();
             let next = match (wired, policy.mode) {
                 (false, Mode::None) => None,
@@ -458,7 +473,7 @@ impl Runtime {
                     rt.ensure_resolver(&sb.id, &sb.rootfs());
                     Some(w)
                 }
-                (true, _) => Some(rt.net.update(&sb.id, policy.clone())?),
+                (true, _) => Some(rt.net.update(&sb.id, sb.init_pid, policy.clone())?),
             };
             // Unwired with the proxy: its entries are kept for a daemon restart.
             if next.is_none() && proxied {
@@ -484,6 +499,7 @@ pub(crate) fn network_info(sb: &Sandbox) -> NetworkInfo {
         allow: net.policy.allow,
         address: net.wired.as_ref().map(|w| w.address.to_string()),
         proxy: sb.spec.proxy_port.map(proxy::Proxy::url),
+        limits: net.policy.limits,
         rx_bytes: rx,
         tx_bytes: tx,
     }

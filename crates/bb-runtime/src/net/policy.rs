@@ -81,12 +81,55 @@ pub struct Rule {
     pub ports: Ports,
 }
 
-/// A sandbox's mode and allow entries, as given (for the API) and parsed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Caps on a sandbox's traffic: on its `eth0` (modes with egress); the connection cap holds on
+/// its proxy connections too.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// Most TCP connections it may have open at once (a new one past it is reset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<u32>,
+    /// Bandwidth each way, megabits per second (past it, packets wait or are dropped, and TCP
+    /// slows down).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bandwidth_mbps: Option<f64>,
+}
+
+/// Largest `max_connections`.
+pub const MAX_CONNECTIONS_SETTING: u32 = 65536;
+/// Bounds of `bandwidth_mbps`.
+pub const BANDWIDTH_MBPS: (f64, f64) = (0.1, 100_000.0);
+
+impl Limits {
+    pub fn is_none(&self) -> bool {
+        *self == Limits::default()
+    }
+
+    pub fn check(&self) -> Result<(), PolicyError> {
+        if let Some(m) = self.max_connections {
+            if !(1..=MAX_CONNECTIONS_SETTING).contains(&m) {
+                return Err(PolicyError::Limit(format!(
+                    "max_connections must be from 1 to {MAX_CONNECTIONS_SETTING}; got {m}"
+                )));
+            }
+        }
+        if let Some(b) = self.bandwidth_mbps {
+            let (lo, hi) = BANDWIDTH_MBPS;
+            if !(b.is_finite() && (lo..=hi).contains(&b)) {
+                return Err(PolicyError::Limit(format!("bandwidth_mbps must be from {lo} to {hi}; got {b}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A sandbox's mode and allow entries, as given (for the API) and parsed, and its limits.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Policy {
     pub mode: Mode,
     pub allow: Vec<String>,
     pub rules: Vec<Rule>,
+    pub limits: Limits,
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -102,11 +145,13 @@ pub enum PolicyError {
          or turn the daemon's proxy on (proxy: true) to let requests to them out through it"
     )]
     NoneWithAllow,
+    #[error("network limits: {0}")]
+    Limit(String),
 }
 
 impl Policy {
     pub fn none() -> Policy {
-        Policy { mode: Mode::None, allow: Vec::new(), rules: Vec::new() }
+        Policy { mode: Mode::None, allow: Vec::new(), rules: Vec::new(), limits: Limits::default() }
     }
 
     pub fn parse(mode: &str, allow: &[String]) -> Result<Policy, PolicyError> {
@@ -124,7 +169,13 @@ impl Policy {
             return Err(PolicyError::NoneWithAllow);
         }
         let rules = allow.iter().map(|e| parse_rule(e)).collect::<Result<Vec<_>, _>>()?;
-        Ok(Policy { mode, allow: allow.to_vec(), rules })
+        Ok(Policy { mode, allow: allow.to_vec(), rules, limits: Limits::default() })
+    }
+
+    /// This policy with `limits` (checked).
+    pub fn with_limits(self, limits: Limits) -> Result<Policy, PolicyError> {
+        limits.check()?;
+        Ok(Policy { limits, ..self })
     }
 
     /// The ports of every name entry `name` matches (none: the name is not allowed).
@@ -267,6 +318,14 @@ mod tests {
         assert_eq!(p("wide", &[]).unwrap_err(), PolicyError::Mode("wide".into()));
         assert_eq!(p("none", &["a.com"]).unwrap_err(), PolicyError::NoneWithAllow);
         assert_eq!(Policy::parse_for("none", &["a.com".into()], true).unwrap().allow, vec!["a.com"]);
+        let limits = |m, b| Policy::none().with_limits(Limits { max_connections: m, bandwidth_mbps: b });
+        assert!(limits(Some(1), Some(0.1)).is_ok() && limits(Some(MAX_CONNECTIONS_SETTING), Some(100_000.0)).is_ok());
+        for (m, b) in
+            [(Some(0), None), (Some(MAX_CONNECTIONS_SETTING + 1), None), (None, Some(0.0)), (None, Some(f64::NAN))]
+        {
+            let e = limits(m, b).unwrap_err().to_string();
+            assert!(e.contains("must be from"), "{e}");
+        }
         for e in [
             "",
             "a.com:0",

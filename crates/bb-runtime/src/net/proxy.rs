@@ -443,8 +443,18 @@ fn strip_hop_by_hop(h: &mut hyper::HeaderMap) {
     }
 }
 
+/// One connection to the proxy, counted while it is open.
+struct Counted(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 async fn accept_loop(proxy: Arc<Proxy>, id: String, sb: Weak<Sandbox>, listener: TcpListener) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    use std::sync::atomic::Ordering;
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
@@ -455,10 +465,15 @@ async fn accept_loop(proxy: Arc<Proxy>, id: String, sb: Weak<Sandbox>, listener:
                 continue;
             }
         };
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            tracing::info!(sandbox = %id, "proxy: {MAX_CONNECTIONS} connections open, the most a sandbox may: closed a new one");
+        // The sandbox's own cap (its policy now), within the proxy's.
+        let cap = sb.upgrade().and_then(|sb| sb.net.lock().policy.limits.max_connections).map(|m| m as usize);
+        let cap = cap.unwrap_or(MAX_CONNECTIONS).min(MAX_CONNECTIONS);
+        if open.fetch_add(1, Ordering::SeqCst) >= cap {
+            open.fetch_sub(1, Ordering::SeqCst);
+            tracing::info!(sandbox = %id, "proxy: {cap} connections open, the most the sandbox may: closed a new one");
             continue;
-        };
+        }
+        let permit = Counted(open.clone());
         let _ = stream.set_nodelay(true);
         let (proxy, id, sb) = (proxy.clone(), id.clone(), sb.clone());
         tokio::spawn(async move {

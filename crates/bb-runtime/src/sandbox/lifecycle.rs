@@ -84,7 +84,9 @@ impl Runtime {
         }
         let network = req.network.unwrap_or_else(|| "none".into());
         let proxy_port = req.proxy.unwrap_or(false).then_some(c.proxy_port);
+        let net_limits = req.net_limits.unwrap_or_default();
         crate::net::policy::Policy::parse_for(&network, &req.allow, proxy_port.is_some())
+            .and_then(|p| p.with_limits(net_limits))
             .map_err(crate::net::NetError::from)?;
         let timeout = req.timeout.unwrap_or(300.0);
         if !(timeout >= 0.0 && timeout.is_finite()) {
@@ -125,6 +127,7 @@ impl Runtime {
             network,
             allow: req.allow,
             proxy_port,
+            net_limits,
             metadata: req.metadata,
             timeout: (timeout > 0.0).then_some(timeout),
             lifecycle,

@@ -534,6 +534,9 @@ impl Runtime {
         if let Some(on) = req.proxy {
             spec.proxy_port = on.then_some(self.cfg.proxy_port);
         }
+        if let Some(l) = req.net_limits {
+            spec.net_limits = l;
+        }
         Self::spec_policy(&spec)?;
         if id.is_none() && self.get(&snap.sandbox_id).is_ok_and(|p| !p.is_dead()) {
             let (mut children, why) = self.fork_snapshot(&snap, &spec, 1, timeout).await?;
