@@ -182,8 +182,18 @@ def test_open_files_and_sockets_of_a_copy(parent, raw):
     # A file open for appending is reopened by path in the child's own root; a socket (an
     # object shared with the parent's sandbox) is closed.
     py(raw, parent, "import socket; f = open('/root/log', 'a'); f.write('p1\\n'); f.flush(); s = socket.socket()")
+    # A pipe too: no fd of the copy may hold it (not even a stray duplicate).
+    pipe = py(raw, parent, "import os; pr, pw = os.pipe(); os.readlink('/proc/self/fd/%d' % pw)").strip("'")
     c = fork(raw, parent, 1)["sandboxes"][0]["id"]
     try:
+        links = py(raw, c, "import os\n"
+                           "def link(n):\n"
+                           "    try:\n"
+                           "        return os.readlink('/proc/self/fd/' + n)\n"
+                           "    except OSError:  # listdir's own fd, gone\n"
+                           "        return ''\n"
+                           "sorted(link(n) for n in os.listdir('/proc/self/fd'))")
+        assert pipe.startswith("pipe:[") and pipe not in links, (pipe, links)
         py(raw, c, "f.write('child\\n'); f.flush()")
         py(raw, parent, "f.write('p2\\n'); f.flush()")
         assert sh(raw, c, "cat /root/log") == "p1\nchild\n"

@@ -900,8 +900,15 @@ def _close_all_but(keep):
 
 def _connected_tcp(fd):
     try:
-        s = socket.socket(fileno=os.dup(fd))
+        dup = os.dup(fd)
     except OSError:
+        return False
+    try:
+        s = socket.socket(fileno=dup)
+    except OSError:
+        # Not a socket: the copy is closed here (socket() leaves it open), or the object
+        # (a pipe shared with the other sandbox...) would stay open through it.
+        os.close(dup)
         return False
     try:
         if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
