@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 
 import httpx
@@ -653,3 +654,27 @@ def shared_store(daemon, kind, node="s", extra=()):
         store.close()
         if not os.environ.get("BB_KEEP_REMOTE_TEST"):
             shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def host_server(addr):
+    """A TCP server on the host at ``addr`` answering "host" to anything; yields its port."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((addr, 0))
+    srv.listen(8)
+
+    def loop():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 4\r\n\r\nhost")
+            c.close()
+
+    threading.Thread(target=loop, daemon=True).start()
+    try:
+        yield srv.getsockname()[1]
+    finally:
+        srv.close()

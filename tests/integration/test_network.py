@@ -10,13 +10,12 @@ All traffic stays on this machine: the "outside" is a network namespace the test
 import json
 import signal
 import socket
-import threading
 import uuid
 
 import pytest
 
 from branchbox import InvalidArgumentError, Pool, Sandbox, Templates
-from helpers import URL, wait_until
+from helpers import URL, host_server, wait_until
 
 from branchbox_bench import networld
 from branchbox_bench.networld import ALLOWED, HOST_ADDR, METADATA, OTHER
@@ -116,26 +115,6 @@ def test_allowlist_reaches_what_it_lists_and_nothing_else(world, make_sandbox):
     assert after.net_rx_bytes > 2_000_000 and after.net_tx_bytes > 0, (after.net_rx_bytes, after.net_tx_bytes)
 
 
-def _host_server(addr):
-    """A TCP server on the host at ``addr`` that answers "host"; returns (port, close)."""
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind((addr, 0))
-    srv.listen(8)
-
-    def loop():
-        while True:
-            try:
-                c, _ = srv.accept()
-            except OSError:
-                return
-            c.sendall(b"HTTP/1.0 200 OK\r\n\r\nhost")
-            c.close()
-
-    threading.Thread(target=loop, daemon=True).start()
-    return srv.getsockname()[1], srv.close
-
-
 def test_open_reaches_out_but_not_the_host_other_sandboxes_or_metadata(world, make_sandbox):
     a = make_sandbox(network="open")
     b = make_sandbox(network="open")
@@ -149,12 +128,9 @@ def test_open_reaches_out_but_not_the_host_other_sandboxes_or_metadata(world, ma
     # Host services: on the host's address toward the world and on the bridge's gateway.
     gateway = a.info().address.rsplit(".", 1)[0] + ".1"
     for addr in (HOST_ADDR, "0.0.0.0"):
-        port, close = _host_server(addr)
-        try:
+        with host_server(addr) as port:
             blocked(a, HOST_ADDR, port)
             blocked(a, gateway, port)
-        finally:
-            close()
     # Another sandbox's server.
     b.commands.run("python3 -m http.server 8000 --bind 0.0.0.0", background=True)
     b.commands.run("for i in $(seq 100); do python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 8000))' 2>/dev/null && break; sleep 0.05; done")

@@ -10,20 +10,18 @@ All traffic stays on this machine: the "outside" is networld.py's namespace (HTT
 443 with a test CA's certificate); the suite's daemon has --proxy-credentials and --proxy-ca
 (conftest.py).
 """
-import contextlib
 import errno
 import hashlib
 import json
 import os
 import socket
-import threading
 import time
 import urllib.request
 import uuid
 
 import pytest
 
-from helpers import CGROUP_PARENT, UID_BASE, py_in, sh_in, wait_until
+from helpers import CGROUP_PARENT, UID_BASE, host_server, py_in, sh_in, wait_until
 
 from branchbox_bench import networld
 from branchbox_bench.networld import ALLOWED, HOST_ADDR, METADATA, OTHER
@@ -219,30 +217,6 @@ def world_sni():
 
 def sha256(s):
     return hashlib.sha256(s.encode()).hexdigest()
-
-
-@contextlib.contextmanager
-def host_server(addr):
-    """A TCP server on the host at ``addr`` answering "host" to anything; yields its port."""
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind((addr, 0))
-    srv.listen(8)
-
-    def loop():
-        while True:
-            try:
-                c, _ = srv.accept()
-            except OSError:
-                return
-            c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 4\r\n\r\nhost")
-            c.close()
-
-    threading.Thread(target=loop, daemon=True).start()
-    try:
-        yield srv.getsockname()[1]
-    finally:
-        srv.close()
 
 
 def test_none_with_the_proxy_reaches_what_allow_lists_through_it_only(world, make_sandbox):
