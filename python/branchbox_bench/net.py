@@ -576,11 +576,17 @@ class _Run:
         for i in range(self.cfg.ckpt_samples):
             self.progress("checkpoint %d/%d" % (i + 1, self.cfg.ckpt_samples))
             sbx.files.write("/root/bb-bench-net.txt", "change %d\n" % i)
-            t0 = time.perf_counter()
-            info = sbx.checkpoint_info("bench net %d" % i)
-            self.res.add("ckpt", _ms(t0))
-            if info.took_ms is not None:
-                self.res.ckpt_server_ms.append(info.took_ms)
+            self._timed_checkpoint(sbx, "bench net %d" % i, "ckpt", self.res.ckpt_server_ms)
+
+    def _timed_checkpoint(self, sbx: Sandbox, label: str, key: str, server_ms: List[float]):
+        """A checkpoint of ``sbx``, its round trip added to sample ``key`` and the daemon's own
+        time (if it says) to ``server_ms``; returns its info."""
+        t0 = time.perf_counter()
+        info = sbx.checkpoint_info(label)
+        self.res.add(key, _ms(t0))
+        if info.took_ms is not None:
+            server_ms.append(info.took_ms)
+        return info
 
     def inflight_checkpoints(self) -> None:
         """Rounds of checkpoints of a proxied sandbox in mode ``none``: one while the round's
@@ -606,21 +612,17 @@ class _Run:
             # The same process, waiting for the go file: no request sent yet.
             self._wait_for(sbx, ready, proc, what, "ready")
             time.sleep(INFLIGHT_SETTLE)
-            t0 = time.perf_counter()
-            info = sbx.checkpoint_info("bench net same process idle %d" % i)
-            self.res.add("ckpt_same_process_idle", _ms(t0))
-            if info.took_ms is not None:
-                self.res.same_process_idle_server_ms.append(info.took_ms)
+            self._timed_checkpoint(
+                sbx, "bench net same process idle %d" % i, "ckpt_same_process_idle", self.res.same_process_idle_server_ms
+            )
             # Its request in flight.
             self.progress("checkpoint %d/%d with a request in flight" % (i + 1, n))
             sbx.files.write(go, "go\n")
             self._wait_for(sbx, sent, proc, what, "sent")
             time.sleep(INFLIGHT_SETTLE)
-            t0 = time.perf_counter()
-            info = sbx.checkpoint_info("bench net in flight %d" % i)
-            self.res.add("ckpt_during_inflight", _ms(t0))
-            if info.took_ms is not None:
-                self.res.inflight_server_ms.append(info.took_ms)
+            info = self._timed_checkpoint(
+                sbx, "bench net in flight %d" % i, "ckpt_during_inflight", self.res.inflight_server_ms
+            )
             if sbx.files.exists(out):
                 self.res.answered_before_ckpt += 1
             r = proc.wait(timeout=COMMAND_TIMEOUT)
