@@ -19,7 +19,9 @@ that make requests:
   ``http://198.18.0.1/`` from inside it, until the command's answer) and
   ``create_none_first_command_ms_p50`` (create, then the same program told to make no
   request: the baseline of a first command). The warm pool's hits and misses per mode are in
-  ``pool``.
+  ``pool``. ``create_allowlist_names_ms_p50``: ``Sandbox.create(network="allowlist",
+  allow=["allowed.test", "*.allowed.test"])`` in the same rounds (names only: the daemon's DNS
+  lets their addresses through; no address entry to add to the sandbox's rules), create only.
 - ``fork16_allowlist_ms``: from ``fork(16)`` of an allowlist parent until each of the 16
   children has made one successful GET (the children's commands run concurrently, one thread
   each); ``fork16_none_ms``: the same with a parent in mode ``none`` and the no-request program.
@@ -98,6 +100,8 @@ MIB = 1 << 20
 #: The upstream server every request goes to, and the allow entry that lets sandboxes reach it.
 UPSTREAM = (networld.ALLOWED, 80)
 ALLOW = ["%s:%d" % UPSTREAM]
+#: The names-only allow list of ``create_allowlist_names``.
+NAMES_ALLOW = ["allowed.test", "*.allowed.test"]
 #: Arguments of :data:`GET_SCRIPT` that make it skip the request (the no-network baseline).
 NO_REQUEST = ["-", "0"]
 #: Sandbox TTLs (s): the create samples' sandboxes, and the others (a killed bench leaves none
@@ -111,6 +115,7 @@ FORK_N = 16
 SUMMARY_KEYS = (
     "create_none_ms_p50",
     "create_allowlist_ms_p50",
+    "create_allowlist_names_ms_p50",
     "create_none_first_command_ms_p50",
     "create_allowlist_first_request_ms_p50",
     "fork16_none_ms",
@@ -140,6 +145,7 @@ SUMMARY_KEYS = (
 METRICS = (
     "create_none",
     "create_allowlist",
+    "create_allowlist_names",
     "create_none_first_command",
     "create_allowlist_first_request",
     "fork16_none",
@@ -298,7 +304,13 @@ class NetResult:
 
     def summary(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
-        for m in ("create_none", "create_allowlist", "create_none_first_command", "create_allowlist_first_request"):
+        for m in (
+            "create_none",
+            "create_allowlist",
+            "create_allowlist_names",
+            "create_none_first_command",
+            "create_allowlist_first_request",
+        ):
             out[m + "_ms_p50"] = self.p(m)
         out["fork16_none_ms"] = self.p("fork16_none")
         out["fork16_allowlist_ms"] = self.p("fork16_allowlist")
@@ -328,6 +340,9 @@ class NetResult:
         out["image"] = cfg.image
         out["http_rtt_ms"] = {side: self._spread(m) for side, m in (("sandbox", "http_rtt"), ("host", "host_http_rtt"))}
         out["create_allowlist_extra_ms_p50"] = _diff(out["create_allowlist_ms_p50"], out["create_none_ms_p50"])
+        out["create_allowlist_names_extra_ms_p50"] = _diff(
+            out["create_allowlist_names_ms_p50"], out["create_none_ms_p50"]
+        )
         out["first_request_extra_ms_p50"] = _diff(
             out["create_allowlist_first_request_ms_p50"], out["create_none_first_command_ms_p50"]
         )
@@ -481,11 +496,19 @@ class _Run:
         self.res.add("create_" + network, created)
         self.res.add("create_none_first_command" if network == "none" else "create_allowlist_first_request", first)
 
+    def create_names_sample(self) -> None:
+        """One create of an allowlist of names only (:data:`NAMES_ALLOW`), timed alone."""
+        t0 = time.perf_counter()
+        sbx = Sandbox.create(self.cfg.image, network="allowlist", allow=NAMES_ALLOW, timeout=SAMPLE_TTL, **self.kw)
+        with sbx:
+            self.res.add("create_allowlist_names", _ms(t0))
+
     def creates(self) -> None:
         for i in range(self.cfg.samples):
-            self.progress("creates %d/%d (none and allowlist)" % (i + 1, self.cfg.samples))
+            self.progress("creates %d/%d (none, allowlist, allowlist of names)" % (i + 1, self.cfg.samples))
             for network in ("none", "allowlist") if i % 2 == 0 else ("allowlist", "none"):
                 self.create_sample(network)
+            self.create_names_sample()
         pool = self.res.pool
         if pool.get("none") != pool.get("allowlist"):
             self.res.notes.append(

@@ -369,9 +369,10 @@ def net_report_lines(s: Dict[str, Any]) -> List[str]:
     rtt = s.get("http_rtt_ms") or {}
     p99 = lambda side: fmt_num((rtt.get(side) or {}).get("p99"), " ms", "%.3f")  # noqa: E731
     lines = [
-        "create p50: allowlist %s vs none %s; with the first request %s vs a first command without network %s"
-        % (ms("create_allowlist_ms_p50"), ms("create_none_ms_p50"), ms("create_allowlist_first_request_ms_p50"),
-           ms("create_none_first_command_ms_p50")),
+        "create p50: allowlist %s (names only %s) vs none %s; with the first request %s vs a first command"
+        " without network %s"
+        % (ms("create_allowlist_ms_p50"), ms("create_allowlist_names_ms_p50"), ms("create_none_ms_p50"),
+           ms("create_allowlist_first_request_ms_p50"), ms("create_none_first_command_ms_p50")),
         "fork(16) until every child made one request: allowlist %s vs none %s (without requests)"
         % (ms("fork16_allowlist_ms"), ms("fork16_none_ms")),
         "HTTP round trip to %s p50: sandbox %s vs host %s (ratio %s); p99 %s vs %s"

@@ -173,6 +173,7 @@ def fake_result() -> bn.NetResult:
     for ms in (10.0, 30.0, 20.0):
         res.add("create_none", ms)
         res.add("create_allowlist", ms + 5)
+        res.add("create_allowlist_names", ms + 2)
         res.add("create_none_first_command", ms + 40)
         res.add("create_allowlist_first_request", ms + 60)
     res.add("fork16_none", 100.0)
@@ -205,6 +206,7 @@ def test_summary_shape_and_ratios() -> None:
     assert (s["create_none_ms_p50"], s["create_allowlist_ms_p50"]) == (20.0, 25.0)
     assert (s["create_none_first_command_ms_p50"], s["create_allowlist_first_request_ms_p50"]) == (60.0, 80.0)
     assert (s["create_allowlist_extra_ms_p50"], s["first_request_extra_ms_p50"]) == (5.0, 20.0)
+    assert (s["create_allowlist_names_ms_p50"], s["create_allowlist_names_extra_ms_p50"]) == (22.0, 2.0)
     assert (s["fork16_none_ms"], s["fork16_allowlist_ms"]) == (100.0, 150.0)
     assert (s["http_rtt_ms_p50"], s["host_http_rtt_ms_p50"], s["http_rtt_vs_host_ratio"]) == (0.75, 0.5, 1.5)
     assert s["http_rtt_ms"]["sandbox"]["p99"] == pytest.approx(1.191)
@@ -272,7 +274,7 @@ def test_cli_prints_the_json_last(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s["http_rtt_vs_host_ratio"] == 1.5 and s["throughput_vs_host_ratio"] == 0.375
     text = r.stdout
     assert "create_allowlist_first_request" in text and "fork16_allowlist" in text
-    assert "create p50: allowlist 25.0 ms vs none 20.0 ms" in text
+    assert "create p50: allowlist 25.0 ms (names only 22.0 ms) vs none 20.0 ms" in text
     assert "HTTP round trip to 198.18.0.1:80 p50: sandbox 0.750 ms vs host 0.500 ms (ratio 1.50)" in text
     assert "download of 8 MiB: sandbox 750 MB/s vs host 2000 MB/s (ratio 0.38)" in text
     assert "checkpoint of an idle allowlist sandbox p50: 10.0 ms; with a request in flight through the proxy: " \
@@ -516,10 +518,11 @@ def test_whole_run_on_a_fake_daemon(net_daemon: NetDaemon) -> None:
     for key in bn.SUMMARY_KEYS[:14]:
         assert s[key] is not None and s[key] > 0, key
     assert s["ckpt_inflight_vs_idle_ms"] == round(s["ckpt_during_inflight_ms_p50"] - s["ckpt_ms_p50"], 3)
-    # Creates alternate, and flip the order each round; allowlist lists the upstream only.
-    assert d.created[:4] == [("none", None), ("allowlist", ["198.18.0.1:80"]), ("allowlist", ["198.18.0.1:80"]),
-                             ("none", None)]
-    assert [len(s["samples_ms"][k]) for k in bn.METRICS if k in s["samples_ms"]] == [2, 2, 2, 2, 2, 2, 3, 2, 2]
+    # Creates alternate, and flip the order each round; allowlist lists the upstream only; each
+    # round ends with an allowlist of names.
+    up, names = ("allowlist", ["198.18.0.1:80"]), ("allowlist", ["allowed.test", "*.allowed.test"])
+    assert d.created[:6] == [("none", None), up, names, up, ("none", None), names]
+    assert [len(s["samples_ms"][k]) for k in bn.METRICS if k in s["samples_ms"]] == [2, 2, 2, 2, 2, 2, 2, 3, 2, 2]
     assert s["pool"] == {"none": {"hits": 2, "misses": 0}, "allowlist": {"hits": 2, "misses": 0}}
     # fork(16) twice per mode with the children's TTL; each child ran one command.
     assert [b["count"] for _, b in d.forks] == [16] * 4 and all(b["timeout"] == bn.SAMPLE_TTL for _, b in d.forks)

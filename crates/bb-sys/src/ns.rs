@@ -90,18 +90,28 @@ pub fn umount2(path: &Path, flags: libc::c_int) -> SysResult<()> {
 }
 
 /// A new TCP/IPv4 socket (non-blocking, close-on-exec) in network namespace `netns` (e.g.
-/// `/proc/<pid>/ns/net`). A thread of its own enters the namespace, makes the socket and ends:
-/// a socket stays in the namespace it was made in, and the caller's threads never change
-/// namespace.
+/// `/proc/<pid>/ns/net`); see [`socket_in`].
 pub fn tcp_socket_in(netns: &Path) -> SysResult<OwnedFd> {
+    socket_in(netns, libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0)
+}
+
+/// A new close-on-exec rtnetlink socket (blocking) in network namespace `netns`, to change its
+/// links, addresses and routes; see [`socket_in`].
+pub fn rtnetlink_socket_in(netns: &Path) -> SysResult<OwnedFd> {
+    socket_in(netns, libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE)
+}
+
+/// `socket(domain, ty, protocol)` in network namespace `netns`. A thread of its own enters the
+/// namespace, makes the socket and ends: a socket stays in the namespace it was made in, and
+/// the caller's threads never change namespace.
+pub fn socket_in(netns: &Path, domain: libc::c_int, ty: libc::c_int, protocol: libc::c_int) -> SysResult<OwnedFd> {
     let ns = std::fs::File::open(netns).map_err(|source| crate::SysError { call: "open netns", source })?;
     std::thread::scope(|s| {
         s.spawn(|| {
             use std::os::fd::AsFd;
             setns(ns.as_fd(), libc::CLONE_NEWNET)?;
             // SAFETY: plain integer arguments.
-            let fd =
-                unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC, 0) };
+            let fd = unsafe { libc::socket(domain, ty, protocol) };
             let fd = check("socket", fd as libc::c_long)?;
             // SAFETY: socket returned a fresh fd that we own.
             Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })

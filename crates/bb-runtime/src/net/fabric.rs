@@ -1,5 +1,6 @@
 //! The host side of sandbox egress: one bridge, one veth per sandbox with egress, and one
-//! nftables table, made and changed with `ip` and `nft` (iproute2 and nftables).
+//! nftables table. The bridge is made with `ip`, the veths over rtnetlink ([`super::link`]),
+//! the rules with `nft`; chains can be made ahead of their sandboxes ([`Fabric::prepare`]).
 //!
 //! ```text
 //!  sandbox netns            host netns
@@ -21,6 +22,7 @@
 //! refuses the rest (TCP with a reset, so the caller learns at once). A policy change replaces
 //! the chain's rules and sets in one nftables transaction.
 
+use super::link;
 use super::policy::{Limits, Mode, Policy, Ports};
 use ipnet::Ipv4Net;
 use std::fmt::Write as _;
@@ -41,6 +43,12 @@ pub enum FabricError {
     Failed { tool: &'static str, what: String, stderr: String },
     #[error("a thread running nft panicked")]
     Panicked,
+    #[error("network link ({what}): {source}")]
+    Link {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("enabling IPv4 forwarding: {0}")]
     Forwarding(#[source] std::io::Error),
 }
@@ -134,39 +142,42 @@ table inet {t} {{
         )
     }
 
+    /// Make the chains of `slots` ahead of their sandboxes, in the [`parked`] shape (nothing is
+    /// reached but what the daemon's DNS lets through): a sandbox wired on one of them whose
+    /// chain would be the same (mode `allowlist` with names only) runs no `nft`.
+    pub fn prepare(&self, slots: &[u32]) -> Result<(), FabricError> {
+        let parked = parked();
+        let script: String = slots.iter().map(|&n| self.chain_script(n, &parked, true)).collect();
+        run("nft", &["-f", "-"], Some(&script), "make sandboxes' rules ahead")
+    }
+
     /// Wire slot `n` into the network namespace of process `pid` as `eth0`, and give it
-    /// `policy`'s chain.
-    pub fn attach(&self, n: u32, pid: i32, policy: &Policy) -> Result<(), FabricError> {
-        let (hif, br) = (self.host_if(n), &self.bridge);
+    /// `policy`'s chain (`prepared`: [`Fabric::prepare`] made it, in the parked shape).
+    pub fn attach(&self, n: u32, pid: i32, policy: &Policy, prepared: bool) -> Result<(), FabricError> {
+        let hif = self.host_if(n);
         // A veth left by a crash (its sandbox's init alive, unknown to this daemon) holds the name.
         if std::path::Path::new("/sys/class/net").join(&hif).exists() {
-            let _ = run("ip", &["link", "del", &hif], None, "");
+            let _ = link::Rtnl::host().and_then(|mut h| h.delete(&hif));
         }
-        let host = format!(
-            "link add {hif} type veth peer name eth0 netns {pid}\n\
-             link set {hif} master {br}\n\
-             link set dev {hif} type bridge_slave isolated on\n\
-             link set {hif} up\n"
-        );
-        let inside = format!(
-            "addr add {}/{} dev eth0\nlink set eth0 up\nroute add default via {}\n",
-            self.address(n),
-            self.range.prefix_len(),
-            self.gateway()
-        );
-        let ns = format!("--net=/proc/{pid}/ns/net");
+        let rules = self.rules_script(n, policy, prepared);
         // The rules are keyed by address, not by interface: made beside the links.
+        let t0 = std::time::Instant::now();
         let (rules, links) = std::thread::scope(|scope| {
-            let rules = scope.spawn(|| {
-                run("nft", &["-f", "-"], Some(&self.chain_script(n, policy, true)), "add the sandbox's rules")
+            let rules = rules.map(|script| {
+                scope.spawn(move || {
+                    let r = run("nft", &["-f", "-"], Some(&script), "add the sandbox's rules");
+                    (r, t0.elapsed())
+                })
             });
-            let links = run("ip", &["-batch", "-"], Some(&host), "make the sandbox's veth")
-                .and_then(|()| run("nsenter", &[&ns, "ip", "-batch", "-"], Some(&inside), "address the sandbox's eth0"))
-                .and_then(|()| match policy.limits.bandwidth_mbps {
-                    Some(_) => self.shape(n, pid, &policy.limits),
-                    None => Ok(()),
-                });
-            (rules.join().unwrap_or(Err(FabricError::Panicked)), links)
+            let links = self.wire(n, pid).and_then(|()| match policy.limits.bandwidth_mbps {
+                Some(_) => self.shape(n, pid, &policy.limits),
+                None => Ok(()),
+            });
+            let t_links = t0.elapsed();
+            let (rules, t_rules) = rules
+                .map_or((Ok(()), None), |r| r.join().map_or((Err(FabricError::Panicked), None), |(r, t)| (r, Some(t))));
+            tracing::debug!(slot = n, prepared, ?t_links, ?t_rules, "sandbox wired");
+            (rules, links)
         });
         match (rules, links) {
             (Ok(()), Ok(())) => Ok(()),
@@ -174,10 +185,42 @@ table inet {t} {{
                 if rules.is_ok() {
                     let _ = run("nft", &["-f", "-"], Some(&self.unchain_script(n)), "");
                 }
-                let _ = run("ip", &["link", "del", &hif], None, "");
+                let _ = link::Rtnl::host().and_then(|mut h| h.delete(&hif));
                 links.and(rules)
             }
         }
+    }
+
+    /// The `nft` script that gives slot `n` `policy`'s chain (`prepared`: made ahead, parked);
+    /// `None`: nothing to run.
+    fn rules_script(&self, n: u32, policy: &Policy, prepared: bool) -> Option<String> {
+        if !prepared {
+            Some(self.chain_script(n, policy, true))
+        } else if self.chain_script(n, &Policy { rules: Vec::new(), ..policy.clone() }, false)
+            == self.chain_script(n, &parked(), false)
+        {
+            // The chain made ahead is the policy's but for its address entries (if any).
+            self.nets_element(n, policy)
+        } else {
+            Some(self.update_script(n, policy, &parked()))
+        }
+    }
+
+    /// Slot `n`'s veth: its host side an isolated port of the bridge, `eth0` in the namespace
+    /// of `pid` with the slot's address and the default route via the gateway.
+    fn wire(&self, n: u32, pid: i32) -> Result<(), FabricError> {
+        let err = |what| move |source| FabricError::Link { what, source };
+        let hif = self.host_if(n);
+        let bridge = link::index(&self.bridge).map_err(err("find the bridge"))?;
+        let mut host = link::Rtnl::host().map_err(err("open rtnetlink"))?;
+        host.add_veth(&hif, bridge, pid).map_err(err("make the sandbox's veth"))?;
+        host.isolate_port_up(&hif).map_err(err("set the sandbox's veth up"))?;
+        let netns = format!("/proc/{pid}/ns/net");
+        let mut inside =
+            link::Rtnl::in_netns(std::path::Path::new(&netns)).map_err(err("enter the sandbox's netns"))?;
+        inside
+            .address_eth0(self.address(n), self.range.prefix_len(), self.gateway())
+            .map_err(err("address the sandbox's eth0"))
     }
 
     /// Slot `n`'s rules again (a daemon restart made the table afresh; the veth lived on).
@@ -190,11 +233,15 @@ table inet {t} {{
     /// connection holds the cap it was counted under), so a new cap counts the connections made
     /// from then on.
     pub fn update(&self, n: u32, policy: &Policy, was: &Policy) -> Result<(), FabricError> {
+        run("nft", &["-f", "-"], Some(&self.update_script(n, policy, was)), "change the sandbox's rules")
+    }
+
+    fn update_script(&self, n: u32, policy: &Policy, was: &Policy) -> String {
         let mut script = self.chain_script(n, policy, false);
         if policy.limits.max_connections != was.limits.max_connections {
             script.insert_str(0, &format!("flush set inet {} c{n}\n", self.table));
         }
-        run("nft", &["-f", "-"], Some(&script), "change the sandbox's rules")
+        script
     }
 
     /// Give slot `n` (its sandbox's init `pid`) the bandwidth of `limits`, each way: a token
@@ -216,7 +263,9 @@ table inet {t} {{
     /// Remove slot `n`: its veth (the sandbox's eth0 goes with it) and its rules.
     pub fn detach(&self, n: u32) -> Result<(), FabricError> {
         let rules = run("nft", &["-f", "-"], Some(&self.unchain_script(n)), "remove the sandbox's rules");
-        let link = run("ip", &["link", "del", &self.host_if(n)], None, "remove the sandbox's veth");
+        let link = link::Rtnl::host()
+            .and_then(|mut h| h.delete(&self.host_if(n)))
+            .map_err(|source| FabricError::Link { what: "remove the sandbox's veth", source });
         rules.and(link)
     }
 
@@ -251,10 +300,7 @@ table inet {t} {{
                  reject with tcp reset"
             );
         }
-        let nets: Vec<String> = policy.nets().map(|(net, p)| format!("{net} . {}", p.nft())).collect();
-        if !nets.is_empty() {
-            let _ = writeln!(s, "add element inet {t} r{n} {{ {} }}", nets.join(", "));
-        }
+        s.extend(self.nets_element(n, policy));
         let _ = writeln!(s, "add rule inet {t} s{n} meta l4proto {{ tcp, udp }} ip daddr . th dport @r{n} accept");
         let _ = writeln!(s, "add rule inet {t} s{n} ip daddr @blocked meta l4proto tcp reject with tcp reset");
         let _ = writeln!(s, "add rule inet {t} s{n} ip daddr @blocked reject with icmpx admin-prohibited");
@@ -276,6 +322,12 @@ table inet {t} {{
         s
     }
 
+    /// The address entries of `policy` into slot `n`'s set `rN` (none: `None`).
+    fn nets_element(&self, n: u32, policy: &Policy) -> Option<String> {
+        let nets: Vec<String> = policy.nets().map(|(net, p)| format!("{net} . {}", p.nft())).collect();
+        (!nets.is_empty()).then(|| format!("add element inet {} r{n} {{ {} }}\n", self.table, nets.join(", ")))
+    }
+
     /// Let slot `n` reach `addrs` on `ports` for `ttl` seconds (an allowed name's answer).
     pub fn allow_answers(&self, n: u32, addrs: &[Ipv4Addr], ports: &[Ports], ttl: u32) -> Result<(), FabricError> {
         if addrs.is_empty() || ports.is_empty() {
@@ -290,6 +342,11 @@ table inet {t} {{
         let script = format!("add element inet {} d{n} {{ {} }}\n", self.table, elems.join(", "));
         run("nft", &["-f", "-"], Some(&script), "let the sandbox reach a name's addresses")
     }
+}
+
+/// The policy of a chain made ahead ([`Fabric::prepare`]): mode `allowlist`, nothing listed.
+pub fn parked() -> Policy {
+    Policy { mode: Mode::Allowlist, ..Policy::none() }
 }
 
 /// A token bucket qdisc of `mbps` (`root tbf ...`): bursts of 20 ms, at least 64 KiB.
@@ -370,6 +427,29 @@ mod tests {
         // Blocked addresses are refused before the mode's verdict, listed ones accepted first.
         let (r, b, o) = (s.find("@r5 accept").unwrap(), s.find("@blocked").unwrap(), s.find("s5 accept").unwrap());
         assert!(r < b && b < o);
+    }
+
+    #[test]
+    fn a_chain_made_ahead_is_changed_only_where_the_policy_differs() {
+        let f = fabric();
+        let p = |mode, allow: &[&str]| Policy::parse(mode, &allow.iter().map(|a| a.to_string()).collect::<Vec<_>>());
+        // Not made ahead: the whole chain.
+        let names = p("allowlist", &["a.test", "*.b.test"]).unwrap();
+        assert!(f.rules_script(7, &names, false).unwrap().contains("add chain inet branchbox_bbt0 s7"));
+        // Names alone: the parked chain is theirs (the DNS fills d7).
+        assert_eq!(f.rules_script(7, &names, true), None);
+        // Address entries: their elements only.
+        let nets = p("allowlist", &["a.test", "10.0.0.0/8:443"]).unwrap();
+        assert_eq!(
+            f.rules_script(7, &nets, true).as_deref(),
+            Some("add element inet branchbox_bbt0 r7 { 10.0.0.0/8 . 443 }\n")
+        );
+        // Another mode or a connection cap: the chain is replaced.
+        let open = f.rules_script(7, &p("open", &[]).unwrap(), true).unwrap();
+        assert!(open.contains("flush chain inet branchbox_bbt0 s7") && open.contains("s7 accept"), "{open}");
+        let capped = names.clone().with_limits(Limits { max_connections: Some(4), bandwidth_mbps: None }).unwrap();
+        let capped = f.rules_script(7, &capped, true).unwrap();
+        assert!(capped.contains("flush set inet branchbox_bbt0 c7") && capped.contains("ct count over 4"), "{capped}");
     }
 
     #[test]

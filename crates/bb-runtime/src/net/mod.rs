@@ -15,6 +15,7 @@
 
 pub mod dns;
 pub mod fabric;
+pub mod link;
 pub mod policy;
 pub mod ports;
 pub mod proxy;
@@ -28,7 +29,7 @@ use fabric::{Fabric, FabricError};
 use parking_lot::Mutex;
 use policy::{Mode, Policy, PolicyError};
 use rusqlite::{params, Connection};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
@@ -123,8 +124,22 @@ pub struct Net {
     wired: Mutex<HashMap<String, Wired>>,
     /// The slot handed out last.
     cursor: Mutex<u32>,
+    /// Slots whose chains are made ahead of their sandboxes.
+    ahead: Mutex<Ahead>,
     db: Mutex<Connection>,
 }
+
+/// Slots taken off the free ones for chains made ahead ([`fabric::Fabric::prepare`]).
+#[derive(Default)]
+struct Ahead {
+    /// Their chains are made: handed out first.
+    ready: VecDeque<u32>,
+    /// Being made (a thread runs `nft`), or ready.
+    reserved: BTreeSet<u32>,
+}
+
+/// How many slots have their chains made ahead at most.
+const AHEAD: usize = 8;
 
 /// The first nameserver of the host's resolv.conf, port 53.
 fn host_nameserver() -> Option<SocketAddr> {
@@ -167,6 +182,7 @@ impl Net {
             up: Mutex::new(false),
             wired: Default::default(),
             cursor: Mutex::new(1),
+            ahead: Default::default(),
             db: Mutex::new(conn),
         })
     }
@@ -219,31 +235,85 @@ impl Net {
         Ok(())
     }
 
-    /// Wire sandbox `id` (init `pid`) with `policy` on a free slot. Blocking.
+    /// The next free slot round the range from the one handed out last (which it becomes):
+    /// not lowest first, so that an address comes back to another sandbox as late as can be
+    /// (after its conntrack entries and any DNS answer still on its way to the old holder's set
+    /// are long gone).
+    fn next_free(&self, wired: &HashMap<String, Wired>, ahead: &Ahead) -> Option<u32> {
+        let used: BTreeSet<u32> = wired.values().map(|w| w.slot).collect();
+        let (n, mut cursor) = (self.fabric.slots(), self.cursor.lock());
+        let slot =
+            (1..=n).map(|i| 2 + (*cursor + i - 2) % n).find(|s| !used.contains(s) && !ahead.reserved.contains(s))?;
+        *cursor = slot;
+        Some(slot)
+    }
+
+    /// Make chains ahead for up to [`AHEAD`] free slots (at most a quarter of the range), on a
+    /// thread of its own; one batch at a time.
+    fn prepare_ahead(self: &Arc<Self>) {
+        let slots = {
+            let wired = self.wired.lock();
+            let mut ahead = self.ahead.lock();
+            if ahead.reserved.len() > ahead.ready.len() {
+                return; // a batch is being made
+            }
+            let want = AHEAD.min(self.fabric.slots() as usize / 4).saturating_sub(ahead.ready.len());
+            let mut slots = Vec::new();
+            while slots.len() < want {
+                let Some(s) = self.next_free(&wired, &ahead) else { break };
+                ahead.reserved.insert(s);
+                slots.push(s);
+            }
+            slots
+        };
+        if slots.is_empty() {
+            return;
+        }
+        let net = self.clone();
+        let made = std::thread::Builder::new().name("bb-net-ahead".into()).spawn(move || {
+            let done = net.fabric.prepare(&slots);
+            let mut ahead = net.ahead.lock();
+            match done {
+                Ok(()) => ahead.ready.extend(slots),
+                Err(e) => {
+                    tracing::warn!("making sandboxes' rules ahead: {e}");
+                    for s in slots {
+                        ahead.reserved.remove(&s);
+                    }
+                }
+            }
+        });
+        if let Err(e) = made {
+            tracing::warn!("making sandboxes' rules ahead: {e}");
+        }
+    }
+
+    /// Wire sandbox `id` (init `pid`) with `policy` on a free slot, one whose chain is made
+    /// ahead first. Blocking.
     pub(crate) fn attach(self: &Arc<Self>, id: &str, pid: i32, policy: Policy) -> std::result::Result<Wired, NetError> {
         self.ensure_up()?;
         // The slot is taken under the lock and wired outside it (nothing else uses it meanwhile).
-        // Slots are handed out round the range, not lowest first: an address comes back to
-        // another sandbox as late as can be (after its conntrack entries and any DNS answer
-        // still on its way to the old holder's set are long gone).
-        let slot = {
+        let (slot, prepared) = {
             let mut wired = self.wired.lock();
-            let used: BTreeSet<u32> = wired.values().map(|w| w.slot).collect();
-            let (n, mut cursor) = (self.fabric.slots(), self.cursor.lock());
-            let slot = (1..=n)
-                .map(|i| 2 + (*cursor + i - 2) % n)
-                .find(|s| !used.contains(s))
-                .ok_or(NetError::Full(self.fabric.range))?;
-            *cursor = slot;
-            wired.insert(id.to_string(), self.wired_at(slot, Policy::none()));
-            slot
+            let mut ahead = self.ahead.lock();
+            let taken = match ahead.ready.pop_front() {
+                Some(s) => {
+                    ahead.reserved.remove(&s);
+                    (s, true)
+                }
+                None => (self.next_free(&wired, &ahead).ok_or(NetError::Full(self.fabric.range))?, false),
+            };
+            wired.insert(id.to_string(), self.wired_at(taken.0, Policy::none()));
+            taken
         };
         let w = self.wired_at(slot, policy);
-        let done = self.fabric.attach(slot, pid, &w.policy).map_err(NetError::from).and_then(|()| {
+        let done = self.fabric.attach(slot, pid, &w.policy, prepared).map_err(NetError::from).and_then(|()| {
             self.save(id, slot, &w.policy).inspect_err(|_| {
                 let _ = self.fabric.detach(slot);
             })
         });
+        // Once wired: its `nft` would compete with this sandbox's wiring for the CPU.
+        self.prepare_ahead();
         match done {
             Ok(()) => {
                 self.wired.lock().insert(id.to_string(), w.clone());
@@ -351,8 +421,11 @@ impl Runtime {
         let wired = if policy.mode == Mode::None {
             None
         } else {
-            let w = self.net.attach(id, pid, policy.clone())?;
-            self.ensure_resolver(id, rootfs);
+            // Independent: the resolver is written while the links and rules are made.
+            let w = std::thread::scope(|scope| {
+                scope.spawn(|| self.ensure_resolver(id, rootfs));
+                self.net.attach(id, pid, policy.clone())
+            })?;
             Some(w)
         };
         let proxy = match spec.proxy_port.map(|port| self.net.proxy.listen(id, pid, port)).transpose() {
@@ -419,7 +492,8 @@ impl Runtime {
             up.file()
                 .write_all(format!("nameserver {gw}\n").as_bytes())
                 .map_err(RuntimeError::io("write /etc/resolv.conf"))?;
-            fs.commit(up)?;
+            // Not synced: written again at every wiring, if lost.
+            fs.commit_with(up, false)?;
             Ok(())
         })();
         if let Err(e) = done {

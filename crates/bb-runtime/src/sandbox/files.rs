@@ -244,9 +244,15 @@ impl SandboxFs {
         Ok(up)
     }
 
-    /// Atomically put an upload in place.
-    pub fn commit(&self, mut up: Upload) -> Result<EntryInfo> {
-        if let Some(f) = up.file.take() {
+    /// Atomically put an upload in place, its data on disk first.
+    pub fn commit(&self, up: Upload) -> Result<EntryInfo> {
+        self.commit_with(up, true)
+    }
+
+    /// [`SandboxFs::commit`]; `sync: false` leaves the data to the page cache (for a file the
+    /// daemon writes again whenever it is needed).
+    pub fn commit_with(&self, mut up: Upload, sync: bool) -> Result<EntryInfo> {
+        if let Some(f) = up.file.take().filter(|_| sync) {
             f.sync_data().ok();
         }
         nix::fcntl::renameat(Some(up.dir.as_raw_fd()), up.tmp.as_str(), Some(up.dir.as_raw_fd()), up.dst.name())
