@@ -22,8 +22,8 @@
 //! refuses the rest (TCP with a reset, so the caller learns at once). A policy change replaces
 //! the chain's rules and sets in one nftables transaction.
 
-use super::link;
 use super::policy::{Limits, Mode, Policy, Ports};
+use super::{link, nftset};
 use ipnet::Ipv4Net;
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -45,6 +45,12 @@ pub enum FabricError {
     Panicked,
     #[error("network link ({what}): {source}")]
     Link {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("nftables set ({what}): {source}")]
+    Set {
         what: &'static str,
         #[source]
         source: std::io::Error,
@@ -159,17 +165,22 @@ table inet {t} {{
         if std::path::Path::new("/sys/class/net").join(&hif).exists() {
             let _ = link::Rtnl::host().and_then(|mut h| h.delete(&hif));
         }
-        let rules = self.rules_script(n, policy, prepared);
+        let (script, elements) = match self.rules(n, policy, prepared) {
+            Rules::Script(s) => (Some(s), Vec::new()),
+            Rules::Elements(e) => (None, e),
+        };
         // The rules are keyed by address, not by interface: made beside the links.
         let t0 = std::time::Instant::now();
         let (rules, links) = std::thread::scope(|scope| {
-            let rules = rules.map(|script| {
+            let rules = script.map(|script| {
                 scope.spawn(move || {
                     let r = run("nft", &["-f", "-"], Some(&script), "add the sandbox's rules");
                     (r, t0.elapsed())
                 })
             });
-            let links = self.wire(n, pid).and_then(|()| match policy.limits.bandwidth_mbps {
+            let links = nftset::add(&self.table, &format!("r{n}"), &elements)
+                .map_err(|source| FabricError::Set { what: "add the sandbox's address entries", source });
+            let links = links.and_then(|()| self.wire(n, pid)).and_then(|()| match policy.limits.bandwidth_mbps {
                 Some(_) => self.shape(n, pid, &policy.limits),
                 None => Ok(()),
             });
@@ -191,18 +202,17 @@ table inet {t} {{
         }
     }
 
-    /// The `nft` script that gives slot `n` `policy`'s chain (`prepared`: made ahead, parked);
-    /// `None`: nothing to run.
-    fn rules_script(&self, n: u32, policy: &Policy, prepared: bool) -> Option<String> {
+    /// What gives slot `n` `policy`'s chain (`prepared`: made ahead, parked).
+    fn rules(&self, n: u32, policy: &Policy, prepared: bool) -> Rules {
         if !prepared {
-            Some(self.chain_script(n, policy, true))
+            Rules::Script(self.chain_script(n, policy, true))
         } else if self.chain_script(n, &Policy { rules: Vec::new(), ..policy.clone() }, false)
             == self.chain_script(n, &parked(), false)
         {
             // The chain made ahead is the policy's but for its address entries (if any).
-            self.nets_element(n, policy)
+            Rules::Elements(net_elements(policy))
         } else {
-            Some(self.update_script(n, policy, &parked()))
+            Rules::Script(self.update_script(n, policy, &parked()))
         }
     }
 
@@ -333,15 +343,32 @@ table inet {t} {{
         if addrs.is_empty() || ports.is_empty() {
             return Ok(());
         }
-        let mut elems = Vec::new();
-        for a in addrs {
-            for p in ports {
-                elems.push(format!("{a} . {} timeout {ttl}s", p.nft()));
-            }
-        }
-        let script = format!("add element inet {} d{n} {{ {} }}\n", self.table, elems.join(", "));
-        run("nft", &["-f", "-"], Some(&script), "let the sandbox reach a name's addresses")
+        let elements: Vec<nftset::Element> = addrs
+            .iter()
+            .flat_map(|&a| {
+                ports.iter().map(move |&ports| nftset::Element { first: a, last: a, ports, timeout: Some(ttl) })
+            })
+            .collect();
+        nftset::add(&self.table, &format!("d{n}"), &elements)
+            .map_err(|source| FabricError::Set { what: "let the sandbox reach a name's addresses", source })
     }
+}
+
+/// What gives a slot its policy's chain.
+#[derive(Debug, PartialEq)]
+enum Rules {
+    /// An `nft` script.
+    Script(String),
+    /// Elements of its set `rN` alone (none: nothing to do).
+    Elements(Vec<nftset::Element>),
+}
+
+/// `policy`'s address entries as elements of a set.
+fn net_elements(policy: &Policy) -> Vec<nftset::Element> {
+    policy
+        .nets()
+        .map(|(net, ports)| nftset::Element { first: net.network(), last: net.broadcast(), ports, timeout: None })
+        .collect()
 }
 
 /// The policy of a chain made ahead ([`Fabric::prepare`]): mode `allowlist`, nothing listed.
@@ -435,20 +462,27 @@ mod tests {
         let p = |mode, allow: &[&str]| Policy::parse(mode, &allow.iter().map(|a| a.to_string()).collect::<Vec<_>>());
         // Not made ahead: the whole chain.
         let names = p("allowlist", &["a.test", "*.b.test"]).unwrap();
-        assert!(f.rules_script(7, &names, false).unwrap().contains("add chain inet branchbox_bbt0 s7"));
+        let script = |r| match r {
+            Rules::Script(s) => s,
+            other => panic!("not a script: {other:?}"),
+        };
+        assert!(script(f.rules(7, &names, false)).contains("add chain inet branchbox_bbt0 s7"));
         // Names alone: the parked chain is theirs (the DNS fills d7).
-        assert_eq!(f.rules_script(7, &names, true), None);
+        assert_eq!(f.rules(7, &names, true), Rules::Elements(Vec::new()));
         // Address entries: their elements only.
         let nets = p("allowlist", &["a.test", "10.0.0.0/8:443"]).unwrap();
-        assert_eq!(
-            f.rules_script(7, &nets, true).as_deref(),
-            Some("add element inet branchbox_bbt0 r7 { 10.0.0.0/8 . 443 }\n")
-        );
+        let ten = nftset::Element {
+            first: Ipv4Addr::new(10, 0, 0, 0),
+            last: Ipv4Addr::new(10, 255, 255, 255),
+            ports: Ports { low: 443, high: 443 },
+            timeout: None,
+        };
+        assert_eq!(f.rules(7, &nets, true), Rules::Elements(vec![ten]));
         // Another mode or a connection cap: the chain is replaced.
-        let open = f.rules_script(7, &p("open", &[]).unwrap(), true).unwrap();
+        let open = script(f.rules(7, &p("open", &[]).unwrap(), true));
         assert!(open.contains("flush chain inet branchbox_bbt0 s7") && open.contains("s7 accept"), "{open}");
         let capped = names.clone().with_limits(Limits { max_connections: Some(4), bandwidth_mbps: None }).unwrap();
-        let capped = f.rules_script(7, &capped, true).unwrap();
+        let capped = script(f.rules(7, &capped, true));
         assert!(capped.contains("flush set inet branchbox_bbt0 c7") && capped.contains("ct count over 4"), "{capped}");
     }
 

@@ -16,6 +16,7 @@
 pub mod dns;
 pub mod fabric;
 pub mod link;
+pub mod nftset;
 pub mod policy;
 pub mod ports;
 pub mod proxy;
