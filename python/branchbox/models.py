@@ -603,11 +603,14 @@ class GcResult(_Model):
 @dataclass
 class PoolImageStats(_Model):
     """One image's warm pool: ``min`` ready sandboxes are kept by the background refill,
-    killed sandboxes are recycled while fewer than ``max`` are ready; ``ready`` now."""
+    killed sandboxes are recycled while fewer than ``max`` are ready; ``ready`` now, of which
+    ``wired`` have their network made ahead for creates with egress (their share follows the
+    recent creates of the image)."""
 
     min: int = 0
     max: int = 0
     ready: int = 0
+    wired: int = 0
     raw: Dict[str, Any] = _raw()
 
 

@@ -1475,7 +1475,7 @@ def _pool_line(s: PoolStats, image: str) -> str:
 @pool_app.command("ls")
 @cli_errors
 def pool_ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Print the PoolStats JSON.")) -> None:
-    """Show the warm pool: per image min/max/ready, then the counters."""
+    """Show the warm pool: per image min/max/ready (and how many are wired for egress), then the counters."""
     c = ctx_of(ctx)
     with Pool(**c.sdk()) as pool:
         stats = pool.stats()
@@ -1484,10 +1484,10 @@ def pool_ls(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", he
         return
     if stats.images:
         table = Table(box=None, header_style="bold")
-        for col in ("IMAGE", "MIN", "MAX", "READY"):
+        for col in ("IMAGE", "MIN", "MAX", "READY", "WIRED"):
             table.add_column(col, no_wrap=True, justify="left" if col == "IMAGE" else "right")
         for name, p in sorted(stats.images.items()):
-            table.add_row(name, str(p.min), str(p.max), str(p.ready))
+            table.add_row(name, str(p.min), str(p.max), str(p.ready), str(p.wired))
         out.print(table)
     else:
         out.print("no pools (set one with `branchbox pool set IMAGE --min N`)")

@@ -227,8 +227,8 @@ def test_pool_ls(runner: CliRunner, daemon: FakeDaemon) -> None:
     r = invoke(runner, "pool", "ls")
     assert r.exit_code == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].split() == ["IMAGE", "MIN", "MAX", "READY"]
-    assert lines[1].split() == ["base", "2", "4", "1"] and lines[2].split() == ["py", "0", "0", "0"]
+    assert lines[0].split() == ["IMAGE", "MIN", "MAX", "READY", "WIRED"]
+    assert lines[1].split() == ["base", "2", "4", "1", "1"] and lines[2].split() == ["py", "0", "0", "0", "0"]
     assert "hits 5, misses 2, recycled 3, created 7, failures 1" in r.stdout
     assert "refill p50 12.5 ms, p99 30.0 ms; cgroup placement migrate (p50 6.5 ms)" in r.stdout
     assert 'last error: image "gone" not found' in r.stdout

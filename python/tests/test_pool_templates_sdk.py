@@ -32,7 +32,7 @@ from conftest import BASE, SANDBOX, SID, FakeDaemon, ndjson
 from test_volumes_sdk import FORKED, VID, VID2, mount
 
 POOL = {
-    "images": {"base": {"min": 2, "max": 4, "ready": 1}, "py": {"min": 0, "max": 0, "ready": 0}},
+    "images": {"base": {"min": 2, "max": 4, "ready": 1, "wired": 1}, "py": {"min": 0, "max": 0, "ready": 0}},
     "hits": 5,
     "misses": 2,
     "recycled": 3,
@@ -81,7 +81,8 @@ def _stream(*events, split=0) -> httpx.Response:
 
 def test_pool_stats_model() -> None:
     s = PoolStats.from_dict(POOL)
-    assert s.images["base"] == PoolImageStats(min=2, max=4, ready=1)
+    assert s.images["base"] == PoolImageStats(min=2, max=4, ready=1, wired=1)
+    assert s.images["py"].wired == 0, "a daemon that does not say has none wired"
     assert isinstance(s.images["py"], PoolImageStats)
     assert (s.hits, s.misses, s.recycled, s.created, s.failures) == (5, 2, 3, 7, 1)
     assert s.last_error.startswith("image") and s.cgroup_placement == "migrate"

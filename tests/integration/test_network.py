@@ -8,6 +8,7 @@ All traffic stays on this machine: the "outside" is a network namespace the test
 (networld.py); the suite's daemon forwards DNS there (--net-dns in conftest.py).
 """
 import json
+import os
 import signal
 import socket
 import uuid
@@ -15,7 +16,7 @@ import uuid
 import pytest
 
 from branchbox import InvalidArgumentError, Pool, Sandbox, Templates
-from helpers import URL, host_server, wait_until
+from helpers import NET_BRIDGE, URL, host_server, wait_until
 
 from branchbox_bench import networld
 from branchbox_bench.networld import ALLOWED, HOST_ADDR, METADATA, OTHER
@@ -257,6 +258,58 @@ def test_a_recycled_pool_shell_has_only_loopback(world, make_sandbox):
     finally:
         pool.set("base", 0, 0)
         pool.close()
+
+
+def test_pool_shells_are_wired_ahead_for_creates_with_egress(world, make_sandbox):
+    pool = Pool(daemon=URL)
+    pool.set("base", 1, 2)
+    try:
+        wired = lambda: pool.stats().images["base"].wired  # noqa: E731
+        ready = lambda: pool.stats().images["base"].ready  # noqa: E731
+        wait_until(lambda: ready() >= 1, timeout=30, what="a ready shell")
+        assert wired() == 0, "nothing is wired before a create asks for egress"
+        # The first create with egress is wired on its path; its kill (recycled) or the refill
+        # leaves a shell wired ahead.
+        first = make_sandbox(network="allowlist", allow=["allowed.test"])
+        first.kill()
+        wait_until(lambda: wired() >= 1, timeout=30, what="a shell wired ahead")
+        hits = pool.stats().hits
+        # Names only: the chain made ahead is kept.
+        a = make_sandbox(network="allowlist", allow=["allowed.test"])
+        assert pool.stats().hits == hits + 1, "served from the pool"
+        assert a.info().address and interfaces(a) == ["eth0", "lo"]
+        ok(a, "allowed.test")
+        blocked(a, "other.test", how=("dns",))
+        blocked(a, OTHER)
+        blocked(a, METADATA)
+        a.kill()
+        # An address entry and a connection cap on a shell wired ahead (its chain is replaced).
+        wait_until(lambda: wired() >= 1, timeout=30, what="a shell wired ahead again")
+        b = make_sandbox(network="allowlist", allow=[ALLOWED + ":80"], net_limits={"max_connections": 3})
+        assert b.network.get().raw["limits"] == {"max_connections": 3}
+        assert ok(b, ALLOWED).startswith("/ " + ALLOWED)
+        blocked(b, ALLOWED, 8080)
+        blocked(b, "allowed.test", how=("dns",))
+        b.kill()
+        # Creates in mode none take unwired shells first; once only wired ones are ready (the
+        # refill wires while recent creates had egress), one takes a wired shell, made unwired:
+        # each has only loopback.
+        for _ in range(6):
+            wait_until(lambda: ready() >= 1, timeout=30, what="a ready shell")
+            st = pool.stats().images["base"]
+            c = make_sandbox()
+            assert interfaces(c) == ["lo"] and c.info().address is None
+            blocked(c, ALLOWED, how=("error",))
+            if st.wired == st.ready:
+                break
+        else:
+            pytest.fail("no create in mode none was given a shell wired ahead")
+    finally:
+        pool.set("base", 0, 0)
+        pool.close()
+    # Drained: the shells wired ahead gave their veths back (no sandbox with egress is left).
+    ports = "/sys/class/net/%s/brif" % NET_BRIDGE
+    wait_until(lambda: os.listdir(ports) == [], timeout=10, what="no veth left on the bridge")
 
 
 def test_a_daemon_restart_keeps_every_sandboxs_rules(world, daemon, make_sandbox):

@@ -630,6 +630,9 @@ pub struct PoolImageStats {
     pub max: usize,
     /// Ready now.
     pub ready: usize,
+    /// Of those, wired ahead for creates with egress (their share follows the recent creates).
+    #[serde(default)]
+    pub wired: usize,
 }
 
 /// `GET /v1/pool`: the warm pool's configuration and counters since the daemon started.

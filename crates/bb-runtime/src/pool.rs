@@ -23,6 +23,12 @@
 //!
 //! Only then does the shell enter the pool, so a claim can never see a half-cleaned one.
 //!
+//! **Network.** A shell built or recycled is wired for egress ahead of its claim
+//! ([`crate::net::Net::prewire`]: veth, address, a chain that lets nothing through) while fewer
+//! ready shells are wired than the share of the image's recent claims that had egress
+//! ([`PoolState::wants_wired`]). A claim takes a shell of its kind first; a claim in mode `none`
+//! given a wired shell has it unwired before the sandbox is handed out.
+//!
 //! **Limits.** A shell being built or recycled holds a [`Slot`] in its image's pool, reserved
 //! under the pool lock when the work is decided: slots count like ready shells against `min`
 //! (refill) and `max` (recycling), so concurrent kills cannot all pass the check, and a slot
@@ -90,6 +96,8 @@ pub struct PoolShell {
     pub launched: Launched,
     /// Keeps the image's layers on disk until the shell is torn down or recorded as a sandbox.
     pub pin: LayerPin,
+    /// Wired ahead for a claim with egress ([`crate::net::Net::prewire`]).
+    pub wired: bool,
 }
 
 /// Image layers that unrecorded sandboxes (pool shells being built, ready, recycled or claimed)
@@ -199,6 +207,9 @@ pub struct PoolState {
     /// pause ([`PoolState::quiet_wait`]).
     last_take: Option<Instant>,
     deferred_since: Option<Instant>,
+    /// Per image, whether each of its last [`DEMAND_KEPT`] claims asked for egress: how many of
+    /// its shells are wired ahead ([`PoolState::wants_wired`]).
+    demand: HashMap<String, VecDeque<bool>>,
 }
 
 /// The warm pool mechanism: its bookkeeping under one lock, the wake-up of its refill task, the
@@ -269,6 +280,8 @@ impl PoolTargets {
 }
 
 const KEEP_TIMES: usize = 64;
+/// Claims per image whose network decides how many of its shells are wired ahead.
+const DEMAND_KEPT: usize = 16;
 /// Most shells a pool may hold, over all images.
 pub const MAX_SHELLS: usize = 512;
 /// Pause before retrying an image whose refill failed; it doubles with each failure in a row.
@@ -287,12 +300,22 @@ impl PoolState {
         self.ready.values().map(VecDeque::len).sum::<usize>() + self.in_flight.values().sum::<usize>()
     }
 
-    /// A ready shell of `image` (made from image id `image_id`), if any. Counts a hit or miss.
-    fn take(&mut self, image: &str, image_id: &str) -> Option<PoolShell> {
+    /// A ready shell of `image` (made from image id `image_id`), if any: one wired ahead if the
+    /// claim asks for `egress`, an unwired one otherwise, the other kind when there is none of
+    /// that (wired or unwired on the claim's path). Counts a hit or miss and the claim's kind.
+    fn take(&mut self, image: &str, image_id: &str, egress: bool) -> Option<PoolShell> {
+        if self.targets.contains_key(image) {
+            let d = self.demand.entry(image.to_string()).or_default();
+            d.push_back(egress);
+            if d.len() > DEMAND_KEPT {
+                d.pop_front();
+            }
+        }
         let q = self.ready.get_mut(image);
         let shell = q.and_then(|q| {
             // Shells of a replaced image are useless; they are torn down by the refill task.
-            let i = q.iter().position(|s| s.image_id == image_id)?;
+            let fits = |s: &PoolShell| s.image_id == image_id;
+            let i = q.iter().position(|s| fits(s) && s.wired == egress).or_else(|| q.iter().position(fits))?;
             q.remove(i)
         });
         if shell.is_some() {
@@ -302,6 +325,21 @@ impl PoolState {
             self.misses += 1;
         }
         shell
+    }
+
+    /// Whether the next shell of `image` should be wired ahead: fewer of its ready shells are
+    /// than the share of its last [`DEMAND_KEPT`] claims that had egress, of its ready shells
+    /// with this one; at least one if any of those claims had egress.
+    fn wants_wired(&self, image: &str) -> bool {
+        let Some(d) = self.demand.get(image) else { return false };
+        let egress = d.iter().filter(|&&e| e).count();
+        if egress == 0 {
+            return false;
+        }
+        let q = self.ready.get(image);
+        let (n, wired) = q.map_or((0, 0), |q| (q.len(), q.iter().filter(|s| s.wired).count()));
+        let want = (((n + 1) * egress) as f64 / d.len() as f64).round().max(1.0) as usize;
+        wired < want
     }
 
     /// How long the refill of `image` should still wait for claims to pause: None when the
@@ -432,6 +470,7 @@ impl PoolState {
     fn forget(&mut self, image: &str) -> Vec<PoolShell> {
         self.targets.remove(image);
         self.failing.remove(image);
+        self.demand.remove(image);
         self.ready.remove(image).map(Vec::from).unwrap_or_default()
     }
 
@@ -444,11 +483,13 @@ impl PoolState {
         let pct = |p: f64| pct_of(&self.build_ms, p);
         let mut images: BTreeMap<String, PoolImageStats> = BTreeMap::new();
         for (name, t) in &self.targets {
-            images.insert(name.clone(), PoolImageStats { min: t.min, max: t.max, ready: 0 });
+            images.insert(name.clone(), PoolImageStats { min: t.min, max: t.max, ready: 0, wired: 0 });
         }
         // Shells of an image with no target are only listed while some are still there.
         for (name, q) in self.ready.iter().filter(|(_, q)| !q.is_empty()) {
-            images.entry(name.clone()).or_insert(PoolImageStats { min: 0, max: 0, ready: 0 }).ready = q.len();
+            let e = images.entry(name.clone()).or_insert(PoolImageStats { min: 0, max: 0, ready: 0, wired: 0 });
+            e.ready = q.len();
+            e.wired = q.iter().filter(|s| s.wired).count();
         }
         PoolStats {
             images,
@@ -697,7 +738,8 @@ impl Runtime {
             // Background work: leave the CPU to requests.
             let shell = {
                 let _nice = bb_sys::process::niced_thread(10);
-                rt.build_shell(&image)?
+                let shell = rt.build_shell(&image)?;
+                rt.wire_if_wanted(&image, shell)
             };
             {
                 let mut pool = rt.pool.state.lock();
@@ -722,11 +764,30 @@ impl Runtime {
         let layers: Vec<PathBuf> = image.layers.iter().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
         let launched = launch::launch(&self.cfg, &self.cgroups, &id, &spec, &layers)?;
         self.note_placement(launched.placement);
-        Ok(PoolShell { id, image_id: image.id, launched, pin })
+        Ok(PoolShell { id, image_id: image.id, launched, pin, wired: false })
+    }
+
+    /// `shell` of `image`, wired ahead if its pool wants one more wired shell
+    /// ([`PoolState::wants_wired`]); unwired if wiring it fails (logged).
+    fn wire_if_wanted(&self, image: &str, mut shell: PoolShell) -> PoolShell {
+        if !self.pool.state.lock().wants_wired(image) {
+            return shell;
+        }
+        match self.net.prewire(&shell.id, shell.launched.init_pid) {
+            Ok(_) => {
+                self.ensure_resolver(&shell.id, &SandboxDirs::new(&self.cfg.state_dir, &shell.id).rootfs());
+                shell.wired = true;
+            }
+            Err(e) => tracing::warn!(shell = %shell.id, "wiring a pooled sandbox ahead failed ({e}); it stays unwired"),
+        }
+        shell
     }
 
     fn discard_shells(&self, shells: Vec<PoolShell>) {
         for s in shells {
+            if s.wired {
+                self.net.detach(&s.id);
+            }
             let _ =
                 launch::teardown(&self.cfg, &self.cgroups, &s.id, Some((s.launched.init_pid, s.launched.init_start)));
             self.remove_layer_dir(&s.launched.upper);
@@ -737,7 +798,7 @@ impl Runtime {
     /// the caller starts one cold). Blocking.
     pub(crate) fn claim_pooled(&self, spec: &SandboxSpec, timeout: Option<f64>) -> Option<Result<Arc<Sandbox>>> {
         let image = self.images.get(&spec.image).ok()?;
-        let shell = self.pool.state.lock().take(&spec.image, &image.id)?;
+        let shell = self.pool.state.lock().take(&spec.image, &image.id, spec.network != "none")?;
         let res = (|| -> Result<()> {
             shell.launched.cgroup.set_limits(&launch::limits(spec))?;
             launch::make_cwd(&self.cfg, spec, &SandboxDirs::new(&self.cfg.state_dir, &shell.id).rootfs())
@@ -840,7 +901,8 @@ impl Runtime {
             cgroup,
             upper: lid,
         };
-        let shell = PoolShell { id: new_id, image_id: image.id, launched, pin };
+        let shell = self
+            .wire_if_wanted(&sb.spec.image, PoolShell { id: new_id, image_id: image.id, launched, pin, wired: false });
         if slot.fill(shell) {
             self.pool.state.lock().recycled += 1;
         }
@@ -886,7 +948,38 @@ mod tests {
                 upper: format!("sl-{id}"),
             },
             pin: LayerPins::default().pin(&[]),
+            wired: false,
         }
+    }
+
+    #[test]
+    fn claims_take_their_kind_first_and_their_share_decides_what_is_wired() {
+        let d = tempfile::tempdir().unwrap();
+        let mut p = PoolState::default();
+        p.targets.insert("base".into(), Target { min: 2, max: 4 });
+        assert!(!p.wants_wired("base"), "no claim with egress yet: nothing is wired ahead");
+        p.push("base", shell(d.path(), "plain", "img"));
+        p.push("base", PoolShell { wired: true, ..shell(d.path(), "wired", "img") });
+        assert_eq!(p.stats().images["base"].wired, 1);
+        assert_eq!(p.take("base", "img", true).map(|s| s.id), Some("wired".into()), "egress takes the wired one");
+        p.push("base", PoolShell { wired: true, ..shell(d.path(), "wired2", "img") });
+        assert_eq!(p.take("base", "img", false).map(|s| s.id), Some("plain".into()), "none takes the unwired one");
+        assert_eq!(p.take("base", "img", false).map(|s| s.id), Some("wired2".into()), "else the other kind");
+        // Claims so far: egress, none, none: a third of the shells, at least one, wired ahead.
+        assert!(p.wants_wired("base"));
+        p.push("base", PoolShell { wired: true, ..shell(d.path(), "w3", "img") });
+        assert!(!p.wants_wired("base"));
+        for _ in 0..DEMAND_KEPT {
+            p.take("base", "none-of-these", true);
+        }
+        assert!(p.wants_wired("base"), "every recent claim had egress: every shell");
+        for _ in 0..DEMAND_KEPT {
+            p.take("base", "none-of-these", false);
+        }
+        assert!(!p.wants_wired("base"), "the claims with egress aged out");
+        assert!(!p.wants_wired("other"), "no target: no demand is kept");
+        p.take("other", "x", true);
+        assert!(!p.wants_wired("other"));
     }
 
     #[test]
@@ -900,9 +993,9 @@ mod tests {
         p.push("base", shell(d.path(), "b", "img-new"));
         assert!(!p.wants("base", false), "min reached");
         assert!(p.wants("base", true), "below max: recycle");
-        assert_eq!(p.take("base", "img-new").map(|s| s.id), Some("b".into()));
-        assert!(p.take("base", "img-new").is_none(), "a shell of the old image is not handed out");
-        assert!(p.take("nope", "x").is_none());
+        assert_eq!(p.take("base", "img-new", false).map(|s| s.id), Some("b".into()));
+        assert!(p.take("base", "img-new", false).is_none(), "a shell of the old image is not handed out");
+        assert!(p.take("nope", "x", false).is_none());
         let s = p.stats();
         assert_eq!((s.hits, s.misses), (1, 2));
         assert_eq!(s.images["base"].ready, 1);
@@ -966,12 +1059,12 @@ mod tests {
         let mut p = PoolState::default();
         p.targets.insert("base".into(), Target { min: 0, max: 1 });
         p.push("base", shell(d.path(), "a", "img"));
-        assert!(p.take("base", "img").is_some());
+        assert!(p.take("base", "img", false).is_some());
         p.targets.remove("base");
         assert!(p.stats().images.is_empty(), "no target, nothing ready: not listed ({:?})", p.stats().images);
         // Shells still there (being torn down) keep it listed until they are gone.
         p.push("py", shell(d.path(), "b", "img"));
-        assert_eq!(p.stats().images["py"], PoolImageStats { min: 0, max: 0, ready: 1 });
+        assert_eq!(p.stats().images["py"], PoolImageStats { min: 0, max: 0, ready: 1, wired: 0 });
     }
 
     #[test]
@@ -1064,7 +1157,7 @@ mod tests {
         for i in 0..3 {
             p.push("base", shell(d.path(), &format!("s{i}"), "img"));
         }
-        assert!(p.take("base", "img").is_some());
+        assert!(p.take("base", "img", false).is_some());
         let now = Instant::now();
         let w = p.quiet_wait("base", now).expect("a claim just now: wait");
         assert!(w <= REFILL_QUIET);
@@ -1079,7 +1172,7 @@ mod tests {
         );
         assert_eq!(p.quiet_wait("base", now + 2 * REFILL_MAX_DEFER), None, "deferred long enough");
         // No ready shell left: creates would start cold, refill at once.
-        assert!(p.take("base", "img").is_some() && p.take("base", "img").is_some());
+        assert!(p.take("base", "img", false).is_some() && p.take("base", "img", false).is_some());
         assert_eq!(p.quiet_wait("base", Instant::now()), None);
     }
 

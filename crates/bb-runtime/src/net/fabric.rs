@@ -165,28 +165,17 @@ table inet {t} {{
         if std::path::Path::new("/sys/class/net").join(&hif).exists() {
             let _ = link::Rtnl::host().and_then(|mut h| h.delete(&hif));
         }
-        let (script, elements) = match self.rules(n, policy, prepared) {
-            Rules::Script(s) => (Some(s), Vec::new()),
-            Rules::Elements(e) => (None, e),
-        };
+        let rules = self.rules(n, policy, prepared);
         // The rules are keyed by address, not by interface: made beside the links.
         let t0 = std::time::Instant::now();
         let (rules, links) = std::thread::scope(|scope| {
-            let rules = script.map(|script| {
-                scope.spawn(move || {
-                    let r = run("nft", &["-f", "-"], Some(&script), "add the sandbox's rules");
-                    (r, t0.elapsed())
-                })
+            let rules = scope.spawn(|| {
+                let r = self.apply(n, rules);
+                (r, t0.elapsed())
             });
-            let links = nftset::add(&self.table, &format!("r{n}"), &elements)
-                .map_err(|source| FabricError::Set { what: "add the sandbox's address entries", source });
-            let links = links.and_then(|()| self.wire(n, pid)).and_then(|()| match policy.limits.bandwidth_mbps {
-                Some(_) => self.shape(n, pid, &policy.limits),
-                None => Ok(()),
-            });
+            let links = self.wire(n, pid).and_then(|()| self.limit_bandwidth(n, pid, &policy.limits));
             let t_links = t0.elapsed();
-            let (rules, t_rules) = rules
-                .map_or((Ok(()), None), |r| r.join().map_or((Err(FabricError::Panicked), None), |(r, t)| (r, Some(t))));
+            let (rules, t_rules) = rules.join().map_or((Err(FabricError::Panicked), None), |(r, t)| (r, Some(t)));
             tracing::debug!(slot = n, prepared, ?t_links, ?t_rules, "sandbox wired");
             (rules, links)
         });
@@ -213,6 +202,29 @@ table inet {t} {{
             Rules::Elements(net_elements(policy))
         } else {
             Rules::Script(self.update_script(n, policy, &parked()))
+        }
+    }
+
+    /// Give slot `n`, wired with the [`parked`] chain, `policy` (with egress) instead: its
+    /// address entries alone, or the chain's replacement, and its bandwidth.
+    pub fn assign(&self, n: u32, pid: i32, policy: &Policy) -> Result<(), FabricError> {
+        self.apply(n, self.rules(n, policy, true))?;
+        self.limit_bandwidth(n, pid, &policy.limits)
+    }
+
+    /// A new wiring's bandwidth limit, if `limits` has one.
+    fn limit_bandwidth(&self, n: u32, pid: i32, limits: &Limits) -> Result<(), FabricError> {
+        match limits.bandwidth_mbps {
+            Some(_) => self.shape(n, pid, limits),
+            None => Ok(()),
+        }
+    }
+
+    fn apply(&self, n: u32, rules: Rules) -> Result<(), FabricError> {
+        match rules {
+            Rules::Script(script) => run("nft", &["-f", "-"], Some(&script), "add the sandbox's rules"),
+            Rules::Elements(elements) => nftset::add(&self.table, &format!("r{n}"), &elements)
+                .map_err(|source| FabricError::Set { what: "add the sandbox's address entries", source }),
         }
     }
 

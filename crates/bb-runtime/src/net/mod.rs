@@ -327,6 +327,26 @@ impl Net {
         }
     }
 
+    /// Wire warm-pool shell `id` (init `pid`) ahead of its claim, in the [`fabric::parked`]
+    /// shape: its veth, address and route, and a chain that lets nothing through (its DNS
+    /// answers no name). A claim with egress then only sets the rules
+    /// ([`Net::claim_prewired`]). Blocking.
+    pub(crate) fn prewire(self: &Arc<Self>, id: &str, pid: i32) -> std::result::Result<Wired, NetError> {
+        self.attach(id, pid, fabric::parked())
+    }
+
+    /// Give sandbox `id` (init `pid`), wired ahead by [`Net::prewire`], `policy` (with egress):
+    /// its address entries or chain, and its bandwidth. Blocking.
+    pub(crate) fn claim_prewired(&self, id: &str, pid: i32, policy: Policy) -> std::result::Result<Wired, NetError> {
+        let Some(mut w) = self.wired(id) else { return Err(NetError::NotWired(id.to_string())) };
+        debug_assert_eq!(w.policy, fabric::parked());
+        self.fabric.assign(w.slot, pid, &policy)?;
+        w.policy = policy;
+        self.save(id, w.slot, &w.policy)?;
+        self.wired.lock().insert(id.to_string(), w.clone());
+        Ok(w)
+    }
+
     /// Give wired sandbox `id` (init `pid`) `policy` (both with egress). Blocking.
     pub(crate) fn update(&self, id: &str, pid: i32, policy: Policy) -> std::result::Result<Wired, NetError> {
         let Some(mut w) = self.wired(id) else { return Err(NetError::NotWired(id.to_string())) };
@@ -419,15 +439,23 @@ impl Runtime {
     /// egress. Blocking.
     pub(crate) fn net_wire(&self, id: &str, pid: i32, rootfs: &Path, spec: &SandboxSpec) -> Result<NetWiring> {
         let policy = Self::spec_policy(spec)?;
-        let wired = if policy.mode == Mode::None {
-            None
-        } else {
-            // Independent: the resolver is written while the links and rules are made.
-            let w = std::thread::scope(|scope| {
-                scope.spawn(|| self.ensure_resolver(id, rootfs));
-                self.net.attach(id, pid, policy.clone())
-            })?;
-            Some(w)
+        // A warm-pool shell may have been wired ahead ([`Net::prewire`]; its resolver written).
+        let prewired = self.net.wired(id).is_some();
+        let wired = match (policy.mode, prewired) {
+            (Mode::None, false) => None,
+            (Mode::None, true) => {
+                self.net.detach(id);
+                None
+            }
+            (_, true) => Some(self.net.claim_prewired(id, pid, policy.clone()).inspect_err(|_| self.net.detach(id))?),
+            (_, false) => {
+                // Independent: the resolver is written while the links and rules are made.
+                let w = std::thread::scope(|scope| {
+                    scope.spawn(|| self.ensure_resolver(id, rootfs));
+                    self.net.attach(id, pid, policy.clone())
+                })?;
+                Some(w)
+            }
         };
         let proxy = match spec.proxy_port.map(|port| self.net.proxy.listen(id, pid, port)).transpose() {
             Ok(p) => p,
