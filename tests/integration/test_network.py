@@ -173,6 +173,8 @@ def test_rules_change_on_a_running_sandbox(world, make_sandbox):
 def test_fork_children_get_their_own_address_and_the_parents_rules(world, make_sandbox):
     parent = make_sandbox(network="allowlist", allow=["allowed.test"])
     ok(parent, "allowed.test")
+    # A session: the fork is live (children nested in the parent, shells kept for the next).
+    assert parent.run_code("x = 41").error is None
     children = parent.fork(3)
     try:
         addrs = {c.info().address for c in children} | {parent.info().address}
@@ -182,6 +184,17 @@ def test_fork_children_get_their_own_address_and_the_parents_rules(world, make_s
             ok(c, "allowed.test")
             blocked(c, "other.test", how=("dns",))
             blocked(c, OTHER)
+        # The parent's next children have their shells wired ahead (parent, 3 children, 3
+        # shells on the bridge): a fork then only sets their rules, whatever it says.
+        ports = "/sys/class/net/%s/brif" % NET_BRIDGE
+        wait_until(lambda: len(os.listdir(ports)) >= 7, timeout=30, what="the parent's fork shells wired ahead")
+        (again,) = parent.fork(1)
+        children.append(again)
+        assert again.info().address not in addrs
+        assert again.run_code("x + 1").text == "42"
+        ok(again, "allowed.test")
+        blocked(again, "other.test", how=("dns",))
+        blocked(again, OTHER)
         # A fork can say otherwise.
         (opened,) = parent.fork(1, network="open")
         children.append(opened)

@@ -12,7 +12,9 @@
 //! A shell is an idle nested init with a root of the parent's image layers and an empty
 //! writable layer. Shells are not recorded in SQLite: a clean daemon shutdown tears them down
 //! ([`Runtime::shutdown_pools`]), after a crash they are strays reaped at the next start. They die
-//! with their parent (its pid namespace) and are torn down when it is killed.
+//! with their parent (its pid namespace) and are torn down when it is killed. A parent with
+//! egress has its shells wired ahead, as the warm pool's ([`crate::net::Net::prewire`]): its
+//! children then only get their rules.
 
 use crate::error::{Result, RuntimeError};
 use crate::model::SandboxSpec;
@@ -45,6 +47,8 @@ pub struct ForkShell {
     /// The writable layer and work dir its claim mounts (made with the shell, off the request's
     /// path: on a busy filesystem each new directory costs), as [`new_upper`] returns them.
     pub spare: Option<(String, PathBuf, PathBuf)>,
+    /// Wired ahead ([`crate::net::Net::prewire`]): its parent had egress when it was built.
+    pub wired: bool,
 }
 
 /// Pre-built shells of every parent, and how many to keep ready for each.
@@ -117,7 +121,7 @@ impl Runtime {
         spec: &SandboxSpec,
         timeout: Option<f64>,
     ) -> Result<Arc<Sandbox>> {
-        let ForkShell { id, launched, spare } = shell;
+        let ForkShell { id, launched, spare, wired } = shell;
         let dirs = SandboxDirs::new(&self.cfg.state_dir, &id);
         let t0 = std::time::Instant::now();
         let res = (|| -> Result<Generation> {
@@ -175,6 +179,9 @@ impl Runtime {
                 self.register(id, spec.clone(), launched, gen, Some(parent.id.clone()), timeout)
             }
             Err(e) => {
+                if wired {
+                    self.net.detach(&id);
+                }
                 let _ = launch::teardown(&self.cfg, &self.cgroups, &id, Some((launched.init_pid, launched.init_start)));
                 self.remove_layer_dir(&launched.upper);
                 Err(e)
@@ -191,6 +198,9 @@ impl Runtime {
     /// Tear down shells taken out of the pool. Blocking.
     pub(crate) fn discard_nested_shells(&self, shells: Vec<ForkShell>) {
         for s in shells {
+            if s.wired {
+                self.net.detach(&s.id);
+            }
             let _ =
                 launch::teardown(&self.cfg, &self.cgroups, &s.id, Some((s.launched.init_pid, s.launched.init_start)));
             self.remove_layer_dir(&s.launched.upper);
@@ -231,7 +241,17 @@ impl Runtime {
                         |launched| {
                             // Without a spare, the claim makes the layer itself.
                             let spare = new_upper(&rt2.cfg, &SandboxDirs::new(&rt2.cfg.state_dir, &id), 1).ok();
-                            ForkShell { id, launched, spare }
+                            // Children get the parent's policy unless the fork says otherwise.
+                            let egress = p.net.lock().wired.is_some();
+                            let wired = egress
+                                && rt2
+                                    .net
+                                    .prewire(&id, launched.init_pid)
+                                    .inspect_err(|e| {
+                                        tracing::warn!(parent = %p.id, "wiring a fork shell ahead failed ({e}); it stays unwired")
+                                    })
+                                    .is_ok();
+                            ForkShell { id, launched, spare, wired }
                         },
                     )
                 })
@@ -294,6 +314,7 @@ mod tests {
                 upper: format!("sl-{id}"),
             },
             spare: None,
+            wired: false,
         }
     }
 

@@ -439,7 +439,7 @@ impl Runtime {
     /// egress. Blocking.
     pub(crate) fn net_wire(&self, id: &str, pid: i32, rootfs: &Path, spec: &SandboxSpec) -> Result<NetWiring> {
         let policy = Self::spec_policy(spec)?;
-        // A warm-pool shell may have been wired ahead ([`Net::prewire`]; its resolver written).
+        // A warm-pool or fork shell may have been wired ahead ([`Net::prewire`]).
         let prewired = self.net.wired(id).is_some();
         let wired = match (policy.mode, prewired) {
             (Mode::None, false) => None,
@@ -447,7 +447,14 @@ impl Runtime {
                 self.net.detach(id);
                 None
             }
-            (_, true) => Some(self.net.claim_prewired(id, pid, policy.clone()).inspect_err(|_| self.net.detach(id))?),
+            (_, true) => {
+                // A fork shell's root is the snapshot's now: it may lack the resolver.
+                let w = std::thread::scope(|scope| {
+                    scope.spawn(|| self.ensure_resolver(id, rootfs));
+                    self.net.claim_prewired(id, pid, policy.clone()).inspect_err(|_| self.net.detach(id))
+                })?;
+                Some(w)
+            }
             (_, false) => {
                 // Independent: the resolver is written while the links and rules are made.
                 let w = std::thread::scope(|scope| {
