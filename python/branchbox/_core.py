@@ -379,6 +379,7 @@ def create_sandbox(
     allow: Optional[Sequence[str]] = None,
     proxy: bool = False,
     net_limits: Any = None,
+    proxy_record: Optional[bool] = None,
 ) -> Call:
     """``image=None`` means ``"base"``, or the template's image when ``template`` is given
     (the daemon refuses an image other than the template's); with ``snapshot``, the
@@ -387,11 +388,14 @@ def create_sandbox(
 
     ``network=None`` means ``"none"``, or with ``snapshot`` or ``template`` the snapshot's or
     template's mode (not sent); ``allow`` (see :func:`allow_entries`) is sent only when given.
-    ``proxy`` (the daemon's HTTP(S) proxy in the sandbox) is sent only when True. ``net_limits``
+    ``proxy`` (the daemon's HTTP(S) proxy in the sandbox) is sent only when True,
+    ``proxy_record`` only when given. ``net_limits``
     (see :func:`net_limits_body`) is sent only when given (``{}``: none, e.g. not the snapshot's
     or template's)."""
     if not isinstance(proxy, bool):
         raise _NetworkError("proxy must be True or False, not %r" % (proxy,))
+    if proxy_record is not None and not isinstance(proxy_record, bool):
+        raise _NetworkError("proxy_record must be True, False or None, not %r" % (proxy_record,))
     limits = net_limits_body(net_limits, "net_limits") if net_limits is not None else None
     name = template_name(template) if template is not None else None
     sid = snapshot_id(snapshot) if snapshot is not None else None
@@ -415,6 +419,7 @@ def create_sandbox(
             "network": network,
             "allow": allow_entries(allow) if allow is not None else None,
             "proxy": True if proxy else None,
+            "proxy_record": proxy_record,
             "net_limits": limits,
             "metadata": _env(metadata),
             "lifecycle": dict(lifecycle) if lifecycle is not None else None,

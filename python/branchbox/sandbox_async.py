@@ -189,6 +189,7 @@ class AsyncSandbox:
         network: Optional[str] = None,
         allow: Optional[Sequence[str]] = None,
         proxy: bool = False,
+        proxy_record: Optional[bool] = None,
         net_limits: Union[NetLimits, Mapping[str, Any], None] = None,
         metadata: Optional[Mapping[str, str]] = None,
         template: Union[str, TemplateInfo, None] = None,
@@ -206,7 +207,7 @@ class AsyncSandbox:
             info = await http.call(
                 _core.create_sandbox(
                     image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot,
-                    volumes, allow, proxy, net_limits,
+                    volumes, allow, proxy, net_limits, proxy_record,
                 )
             )
         except BaseException:

@@ -388,6 +388,7 @@ class Sandbox:
         network: Optional[str] = None,
         allow: Optional[Sequence[str]] = None,
         proxy: bool = False,
+        proxy_record: Optional[bool] = None,
         net_limits: Union[NetLimits, Mapping[str, Any], None] = None,
         metadata: Optional[Mapping[str, str]] = None,
         template: Union[str, TemplateInfo, None] = None,
@@ -440,6 +441,15 @@ class Sandbox:
         the proxy alone. Credentials configured on the daemon are added to plaintext requests for
         their host on the way out (the sandbox never sees them). Fork children keep the proxy.
 
+        ``proxy_record=True`` (with ``proxy=True``) records the proxy's answers to the sandbox's
+        plaintext requests (plain HTTP, and HTTPS the proxy opens itself for a host with
+        credentials; not ``CONNECT`` tunnels): after a rollback to a snapshot, in its fork
+        children and in sandboxes created from it, the same requests in the same order get the
+        answers recorded after that snapshot, without reaching the upstream (deterministic
+        replays for tree search); a request that differs goes upstream and is recorded in turn.
+        Kept in the daemon's memory (lost at its restart). With ``snapshot`` or ``template``:
+        theirs unless given.
+
         ``net_limits`` caps the sandbox's traffic: a :class:`NetLimits` or a dict of its keys,
         ``{"max_connections": 64, "bandwidth_mbps": 100}`` (each optional). ``max_connections``
         (1..65536) is the most TCP connections open at once through its ``eth0`` (a new one past
@@ -458,7 +468,7 @@ class Sandbox:
             info = http.call(
                 _core.create_sandbox(
                     image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot,
-                    volumes, allow, proxy, net_limits,
+                    volumes, allow, proxy, net_limits, proxy_record,
                 )
             )
         except BaseException:

@@ -16,8 +16,9 @@ HTTP servers on ports 80 and 8080 of the three addresses; HTTPS servers on port 
 (names lowercased; a repeated header's values as a list) with ``"_scheme"`` ("http" or "https")
 and ``"_server"`` ("<address>:<port>") added (``/headers?sha256``: each value's sha256 in hex
 instead, for values the asker must not see), ``/sni`` answers the JSON list of the server names
-(null: none) of every TLS ClientHello the HTTPS servers got so far; anything else answers
-"<path> <address>:<port>".
+(null: none) of every TLS ClientHello the HTTPS servers got so far, ``/count`` answers "count N"
+(N: how many requests to ``/count`` the servers got so far; a POST: "count N got <body length>");
+anything else answers "<path> <address>:<port>".
 
 The certificates are files of the repository (tests/integration/data), found from this file's
 own place (python/branchbox_bench): ``CA_PEM``, ``SERVER_CERT`` and ``SERVER_KEY`` are their
@@ -122,6 +123,15 @@ def world():
 
 # Server names (None: no SNI) of the ClientHellos the HTTPS servers got, in order.
 SNI_SEEN = []
+# Requests to /count so far (every server), under its lock.
+COUNT = [0]
+COUNT_LOCK = threading.Lock()
+
+
+def _next_count():
+    with COUNT_LOCK:
+        COUNT[0] += 1
+        return COUNT[0]
 
 
 def _note_sni(sock, name, ctx):
@@ -148,6 +158,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             got += len(b)
             left -= len(b)
         body = ("got %d" % got).encode()
+        if urlsplit(self.path).path == "/count":
+            body = b"count %d " % _next_count() + body
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -171,6 +183,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return self._json(out)
         if url.path == "/sni":
             return self._json(list(SNI_SEEN))
+        if url.path == "/count":
+            body = b"count %d" % _next_count()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         if self.path.startswith("/slow"):
             time.sleep(2)
         if self.path.startswith("/bytes/"):

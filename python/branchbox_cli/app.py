@@ -403,6 +403,11 @@ def sandbox_create(
         "it lets through what --allow lists (with --network open also any public destination), in every mode "
         "(with none it is the only way out).",
     ),
+    proxy_record: bool = typer.Option(
+        False, "--proxy-record",
+        help="Record the proxy's answers (plain HTTP): after a rollback, in fork children and in sandboxes made from "
+        "a snapshot the same requests get the same answers. Needs --proxy.",
+    ),
     max_connections: Optional[int] = max_connections_option(),
     bandwidth_mbps: Optional[float] = bandwidth_option(),
     as_json: bool = typer.Option(False, "--json", help="Print the SandboxInfo JSON."),
@@ -426,6 +431,7 @@ def sandbox_create(
         network=network,
         allow=parse_allow(allow),
         proxy=proxy,
+        proxy_record=True if proxy_record else None,
         net_limits=net_limits,
         **c.sdk(),
     )

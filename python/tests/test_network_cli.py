@@ -61,6 +61,11 @@ def test_create_with_a_proxy(runner: CliRunner, daemon: FakeDaemon) -> None:
     assert json.loads(r.stdout)["proxy"] == PROXY
     r = invoke(runner, "sandbox", "create", "--allow", "a.test")
     assert r.exit_code == 0 and "proxy" not in daemon.body(), "sent only with --proxy"
+    r = invoke(runner, "sandbox", "create", "--proxy", "--proxy-record")
+    assert r.exit_code == 0, r.stderr
+    assert daemon.body() == {"image": "base", "timeout": 300.0, "network": "none", "proxy": True, "proxy_record": True}
+    r = invoke(runner, "sandbox", "create", "--proxy")
+    assert "proxy_record" not in daemon.body(), "sent only with --proxy-record"
 
 
 def test_create_from_a_snapshot_keeps_its_network_unless_given(runner: CliRunner, daemon: FakeDaemon) -> None:
@@ -220,7 +225,7 @@ def test_help_lists_network_and_its_flags(runner: CliRunner) -> None:
     assert "network" in names
     for cmd, flags in (("network", ("--set-mode", "--allow", "--clear-allow", "--max-connections", "--bandwidth-mbps",
                                     "--clear-limits", "--json")),
-                       ("create", ("--network", "--allow", "--proxy", "--max-connections", "--bandwidth-mbps")),
+                       ("create", ("--network", "--allow", "--proxy", "--proxy-record", "--max-connections", "--bandwidth-mbps")),
                        ("fork", ("--network", "--allow", "--clear-allow"))):
         r = invoke(runner, "sandbox", cmd, "--help")
         assert r.exit_code == 0

@@ -288,6 +288,20 @@ def test_core_create_bodies_with_a_proxy() -> None:
     assert body(image=None, template="py", proxy=True) == {"template": "py", "timeout": 300, "proxy": True}
 
 
+def test_core_create_bodies_with_proxy_record() -> None:
+    body = lambda **kw: _core.create_sandbox(**kw).json  # noqa: E731
+    assert body(proxy=True, proxy_record=True) == {
+        "image": "base", "timeout": 300, "network": "none", "proxy": True, "proxy_record": True,
+    }
+    assert "proxy_record" not in body(proxy=True), "sent only when given"
+    assert body(image=None, snapshot="sn-000000000001", proxy_record=False) == {
+        "snapshot": "sn-000000000001", "timeout": 300, "proxy_record": False,
+    }, "False turns a snapshot's recording off"
+    for bad in ("yes", 1, 0):
+        with pytest.raises(InvalidArgumentError, match="proxy_record must be True, False or None"):
+            _core.create_sandbox(proxy=True, proxy_record=bad)
+
+
 @pytest.mark.parametrize("bad", ["yes", 1, 0, None, "true"])
 def test_core_create_proxy_must_be_a_bool(bad) -> None:
     with pytest.raises(InvalidArgumentError, match="proxy must be True or False") as ei:
@@ -554,6 +568,7 @@ def test_proxy_parameter_on_both_creates() -> None:
     for cls in (Sandbox, AsyncSandbox):
         params = inspect.signature(cls.create).parameters
         assert params["proxy"].default is False and params["proxy"].kind is inspect.Parameter.KEYWORD_ONLY, cls
+        assert params["proxy_record"].default is None and params["proxy_record"].kind is inspect.Parameter.KEYWORD_ONLY
     assert list(inspect.signature(Sandbox.create).parameters) == list(inspect.signature(AsyncSandbox.create).parameters)
 
 

@@ -446,6 +446,61 @@ def test_a_fork_child_finds_the_parents_proxied_connection_reset(world, make_san
     assert ex.error is None and ex.stdout.startswith("HTTP/1.1 200") and ("/ %s:80" % ALLOWED) in ex.stdout, ex
 
 
+# A POST of argv[2] to argv[1] through the environment's proxy; prints {"status", "body"}.
+URLPOST = r'''
+import json, sys, urllib.request
+with urllib.request.urlopen(urllib.request.Request(sys.argv[1], data=sys.argv[2].encode()), timeout=10) as r:
+    print(json.dumps({"status": r.status, "body": r.read().decode()}))
+'''
+COUNT = "http://allowed.test/count"
+
+
+def counts(sbx, n):
+    return [get(sbx, COUNT)["body"] for _ in range(n)]
+
+
+def post(sbx, url, data):
+    return json.loads(py_in(sbx, URLPOST, url, data, timeout=60))["body"]
+
+
+def test_recorded_answers_replay_after_a_rollback_in_children_and_from_a_snapshot(world, make_sandbox):
+    sbx = make_sandbox(network="none", proxy=True, proxy_record=True, allow=["allowed.test"])
+    snap = sbx.checkpoint()
+    first = counts(sbx, 2)
+    assert first[0] != first[1] and all(b.startswith("count ") for b in first), first
+    # Back at the snapshot, the same requests get the answers recorded after it.
+    sbx.rollback(snap)
+    assert counts(sbx, 2) == first
+    # Past the record: upstream again (and recorded).
+    (third,) = counts(sbx, 1)
+    assert third not in first
+    # A sandbox made from the snapshot, and a fork child of it, replay the same.
+    assert counts(make_sandbox(snapshot=snap), 3) == first + [third]
+    (child,) = sbx.fork(1)
+    # The fork's snapshot was taken after the three answers: nothing recorded after it yet.
+    assert counts(child, 1)[0] not in first + [third]
+    # The body is part of the request: another body is another request, both branches kept.
+    snap2 = sbx.checkpoint()
+    a = post(sbx, COUNT, "a")
+    sbx.rollback(snap2)
+    bb = post(sbx, COUNT, "bb")
+    assert bb.endswith(" got 2") and bb.split()[1] != a.split()[1], (a, bb)
+    sbx.rollback(snap2)
+    assert post(sbx, COUNT, "a") == a
+    sbx.rollback(snap2)
+    assert post(sbx, COUNT, "bb") == bb
+
+
+def test_answers_are_not_recorded_unless_asked(world, make_sandbox):
+    sbx = make_sandbox(network="none", proxy=True, allow=["allowed.test"])
+    snap = sbx.checkpoint()
+    (before,) = counts(sbx, 1)
+    sbx.rollback(snap)
+    assert counts(sbx, 1) != [before]
+    with pytest.raises(Exception, match="proxy=True"):
+        make_sandbox(proxy_record=True, allow=["allowed.test"])
+
+
 def test_open_through_the_proxy_reaches_out_but_never_the_host_or_metadata(world, make_sandbox):
     sbx = make_sandbox(network="open", proxy=True)
     assert proxy_get(sbx, "http://other.test/") == {"status": 200, "body": "/ %s:80" % OTHER}

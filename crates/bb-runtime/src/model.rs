@@ -43,6 +43,13 @@ pub struct CreateSandbox {
     /// unless given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proxy: Option<bool>,
+    /// Record the proxy's answers to the sandbox's plaintext requests (plain HTTP, and HTTPS
+    /// the proxy opens itself for a host with credentials), so that after a rollback, in a fork
+    /// child or in a sandbox created from a snapshot the same requests, in the same order, get
+    /// the same answers (deterministic replays for tree search). Needs `proxy`. Kept in the
+    /// daemon's memory (lost at its restart). From a snapshot: theirs unless given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy_record: Option<bool>,
     /// Caps on its traffic: `{"max_connections": 64, "bandwidth_mbps": 100}` (from a snapshot
     /// or a template: theirs unless given; fork children inherit them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -99,6 +106,9 @@ pub struct SandboxSpec {
     /// Port of the daemon's proxy inside the sandbox (None: no proxy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proxy_port: Option<u16>,
+    /// The proxy's answers are recorded (see [`CreateSandbox::proxy_record`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub proxy_record: bool,
     /// Caps on its traffic (see [`CreateSandbox::net_limits`]).
     #[serde(default, skip_serializing_if = "crate::net::policy::Limits::is_none")]
     pub net_limits: crate::net::policy::Limits,

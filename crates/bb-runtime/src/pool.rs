@@ -72,6 +72,7 @@ fn shell_spec(image: &bb_layers::Image) -> SandboxSpec {
         network: "none".into(),
         allow: Vec::new(),
         proxy_port: None,
+        proxy_record: false,
         net_limits: Default::default(),
         metadata: Default::default(),
         timeout: None,

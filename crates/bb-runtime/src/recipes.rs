@@ -228,6 +228,7 @@ impl Runtime {
             network: req.network.clone(),
             allow: req.allow.clone(),
             proxy: req.proxy,
+            proxy_record: None,
             net_limits: None,
             metadata,
             template: None,
@@ -397,12 +398,14 @@ impl Runtime {
         let allow =
             if req.network.is_none() && req.allow.is_empty() { snap.spec.allow.clone() } else { req.allow.clone() };
         let proxy = req.proxy.or(Some(snap.spec.proxy_port.is_some()));
+        let proxy_record = req.proxy_record.or(Some(snap.spec.proxy_record));
         let net_limits = req.net_limits.or(Some(snap.spec.net_limits));
         let (mut spec, timeout, _) = self.validate(CreateSandbox {
             image: Some(row.image.clone()),
             network,
             allow,
             proxy,
+            proxy_record,
             net_limits,
             ..req.clone()
         })?;

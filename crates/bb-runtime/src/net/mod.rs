@@ -20,6 +20,7 @@ pub mod nftset;
 pub mod policy;
 pub mod ports;
 pub mod proxy;
+pub mod record;
 
 use crate::db::{self, DbError};
 use crate::error::{ErrorKind, Result, RuntimeError};
@@ -493,6 +494,10 @@ impl Runtime {
                 .unwrap_or_else(Policy::none),
             wired: None,
         });
+        if sb.spec.proxy_record {
+            // The records were the old daemon's: nothing is replayed.
+            self.net.proxy.recorder.start(&sb.id, None);
+        }
         if let Some(port) = sb.spec.proxy_port.filter(|_| !sb.is_dead()) {
             match self.net.proxy.listen(&sb.id, sb.init_pid, port) {
                 Ok(l) => self.net.proxy.serve(l, sb),

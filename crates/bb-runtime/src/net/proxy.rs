@@ -23,9 +23,13 @@
 //! copies no socket) does not wait for a request in flight, and its answer reaches the process
 //! that asked. A fork child does not get its parent's connections (a session copy's are reset,
 //! see `session/server.py`). A sandbox's connections are limited to [`MAX_CONNECTIONS`] at once.
+//!
+//! A sandbox created with `proxy_record` has the answers to its plaintext requests recorded
+//! and replayed after a rollback or in a fork child ([`super::record`]).
 
 use super::dns;
 use super::policy::{Mode, Policy};
+use super::record::{self, Recorder};
 use crate::sandbox::Sandbox;
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
@@ -170,6 +174,8 @@ pub struct Proxy {
     range: Ipv4Net,
     dns: Option<SocketAddr>,
     open: Mutex<HashMap<String, Entry>>,
+    /// Answers recorded for the sandboxes created with `proxy_record`.
+    pub(crate) recorder: Arc<Recorder>,
 }
 
 /// A request the proxy answers itself.
@@ -195,7 +201,12 @@ impl Refusal {
 type Body = BoxBody<Bytes, hyper::Error>;
 
 fn full(s: String) -> Body {
-    Full::new(Bytes::from(s)).map_err(|never| match never {}).boxed()
+    whole(Bytes::from(s))
+}
+
+/// A body of `b`, all at once.
+fn whole(b: Bytes) -> Body {
+    Full::new(b).map_err(|never| match never {}).boxed()
 }
 
 /// The host's own IPv4 addresses (a proxied request never reaches a host service).
@@ -212,7 +223,15 @@ impl Proxy {
         range: Ipv4Net,
         dns: Option<SocketAddr>,
     ) -> Result<Proxy, ProxyError> {
-        Ok(Proxy { port, credentials, tls: tls_connector(ca)?, range, dns, open: Mutex::new(HashMap::new()) })
+        Ok(Proxy {
+            port,
+            credentials,
+            tls: tls_connector(ca)?,
+            range,
+            dns,
+            open: Mutex::new(HashMap::new()),
+            recorder: Arc::default(),
+        })
     }
 
     /// The proxy's URL as seen inside a sandbox.
@@ -254,6 +273,7 @@ impl Proxy {
     /// Stop listening for sandbox `id` (killed). Its connections end with their peers.
     pub(crate) fn close(&self, id: &str) {
         self.open.lock().remove(id);
+        self.recorder.forget(id);
     }
 
     fn refused(&self, ip: Ipv4Addr, local: &[Ipv4Addr]) -> bool {
@@ -306,7 +326,7 @@ impl Proxy {
         let done = if req.method() == Method::CONNECT {
             self.tunnel(id, &policy, req).await
         } else {
-            self.forward(&policy, req).await
+            self.forward(id, &policy, req).await
         };
         done.unwrap_or_else(|r| {
             tracing::info!(sandbox = %id, status = %r.status, "proxy: {}", r.why);
@@ -342,7 +362,7 @@ impl Proxy {
     }
 
     /// A plaintext request in absolute form, forwarded (with its host's credential).
-    async fn forward(&self, policy: &Policy, mut req: Request<Incoming>) -> Result<Response<Body>, Refusal> {
+    async fn forward(&self, id: &str, policy: &Policy, req: Request<Incoming>) -> Result<Response<Body>, Refusal> {
         let uri = req.uri().clone();
         match uri.scheme_str() {
             Some("http") => {}
@@ -366,6 +386,28 @@ impl Proxy {
         };
         let addr = self.destination(policy, &host, port).await?;
         let path = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+        // A recording sandbox's request is read whole (to match it), and may be answered from
+        // the record.
+        let (mut req, key) = if self.recorder.records(id) {
+            let (parts, body) = req.into_parts();
+            let body = http_body_util::Limited::new(body, record::MAX_REQUEST).collect().await.map_err(|e| {
+                Refusal::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!(
+                        "a recording sandbox's request body is read whole, at most {} MiB: {e}",
+                        record::MAX_REQUEST >> 20
+                    ),
+                )
+            })?;
+            let body = body.to_bytes();
+            let key = record::key(parts.method.as_str(), &host, asked, path, &body);
+            if let Some(a) = self.recorder.replay(id, &key) {
+                return Ok(replayed(&a));
+            }
+            (Request::from_parts(parts, whole(body)), Some(key))
+        } else {
+            (req.map(BodyExt::boxed), None)
+        };
         *req.uri_mut() = path.parse().map_err(|_| Refusal::new(StatusCode::BAD_REQUEST, "bad request path"))?;
         strip_hop_by_hop(req.headers_mut());
         let host_header = if cred.is_some() || port == 80 { host.clone() } else { format!("{host}:{port}") };
@@ -396,7 +438,96 @@ impl Proxy {
         let mut resp = resp.map(|b| b.boxed());
         // The proxy answers in its own version (RFC 9110 7.6.1), whatever the upstream spoke.
         *resp.version_mut() = hyper::Version::HTTP_11;
+        if let Some(key) = key {
+            resp = self.recording(id, key, resp);
+        }
         Ok(resp)
+    }
+
+    /// `resp`, its body recorded as the answer to `key` once it has all passed.
+    fn recording(&self, id: &str, key: record::Key, resp: Response<Body>) -> Response<Body> {
+        let (parts, body) = resp.into_parts();
+        let (status, headers) = (parts.status, parts.headers.clone());
+        let (rec, id) = (self.recorder.clone(), id.to_string());
+        let done = Box::new(move |body: Bytes| rec.record(&id, key, record::Answer { status, headers, body }));
+        Response::from_parts(parts, Tee::new(body, done).boxed())
+    }
+}
+
+/// A recorded answer, sent again.
+fn replayed(a: &record::Answer) -> Response<Body> {
+    let mut r = Response::new(whole(a.body.clone()));
+    *r.status_mut() = a.status;
+    *r.headers_mut() = a.headers.clone();
+    // Framed anew for the whole body.
+    r.headers_mut().remove(hyper::header::TRANSFER_ENCODING);
+    r.headers_mut().insert(hyper::header::CONTENT_LENGTH, HeaderValue::from(a.body.len()));
+    r
+}
+
+/// A body passed on as it comes and kept (up to [`record::MAX_ANSWER`]): once it has all
+/// passed, `done` gets it (not if it failed or was too large).
+struct Tee {
+    inner: Body,
+    kept: Option<Vec<u8>>,
+    done: Option<Box<dyn FnOnce(Bytes) + Send + Sync>>,
+}
+
+impl Tee {
+    fn new(inner: Body, done: Box<dyn FnOnce(Bytes) + Send + Sync>) -> Tee {
+        let mut t = Tee { inner, kept: Some(Vec::new()), done: Some(done) };
+        // An empty body may never be polled.
+        if hyper::body::Body::is_end_stream(&t.inner) {
+            t.finish();
+        }
+        t
+    }
+
+    fn finish(&mut self) {
+        if let (Some(kept), Some(done)) = (self.kept.take(), self.done.take()) {
+            done(Bytes::from(kept));
+        }
+    }
+}
+
+impl hyper::body::Body for Tee {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        let polled = std::pin::Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(data), Some(kept)) = (frame.data_ref(), this.kept.as_mut()) {
+                    if kept.len() + data.len() > record::MAX_ANSWER {
+                        this.kept = None;
+                    } else {
+                        kept.extend_from_slice(data);
+                    }
+                }
+                // The server stops polling once the body says it ended.
+                if this.inner.is_end_stream() {
+                    this.finish();
+                }
+            }
+            Poll::Ready(Some(Err(_))) => this.kept = None,
+            Poll::Ready(None) => this.finish(),
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
     }
 }
 

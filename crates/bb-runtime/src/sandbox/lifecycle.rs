@@ -84,6 +84,8 @@ impl Runtime {
         }
         let network = req.network.unwrap_or_else(|| "none".into());
         let proxy_port = req.proxy.unwrap_or(false).then_some(c.proxy_port);
+        let proxy_record = req.proxy_record.unwrap_or(false);
+        crate::net::record::check(proxy_record, proxy_port)?;
         let net_limits = req.net_limits.unwrap_or_default();
         crate::net::policy::Policy::parse_for(&network, &req.allow, proxy_port.is_some())
             .and_then(|p| p.with_limits(net_limits))
@@ -127,6 +129,7 @@ impl Runtime {
             network,
             allow: req.allow,
             proxy_port,
+            proxy_record,
             net_limits,
             metadata: req.metadata,
             timeout: (timeout > 0.0).then_some(timeout),
@@ -305,6 +308,8 @@ impl Runtime {
             let _ = self.snapshots.records().delete_generation(&id);
             return Err(e.into());
         }
+        // A recording sandbox made from a snapshot replays what was answered after it.
+        let record_from = spec.proxy_record.then(|| gen.base.clone());
         let mut sb = Sandbox::new(
             id.clone(),
             spec,
@@ -319,6 +324,9 @@ impl Runtime {
         sb.nest_parent = nest_parent;
         let sb = Arc::new(sb);
         self.net_start(&sb, wiring);
+        if let Some(from) = record_from {
+            self.net.proxy.recorder.start(&sb.id, from.as_deref());
+        }
         self.sandboxes.insert(sb.clone());
         Ok(sb)
     }

@@ -252,6 +252,7 @@ mod tests {
             network: "none".into(),
             allow: Vec::new(),
             proxy_port: Some(3128),
+            proxy_record: false,
             net_limits: crate::net::policy::Limits { max_connections: Some(8), bandwidth_mbps: None },
             metadata: [("k".to_string(), "v".to_string())].into(),
             timeout: None,

@@ -534,6 +534,10 @@ impl Runtime {
         if let Some(on) = req.proxy {
             spec.proxy_port = on.then_some(self.cfg.proxy_port);
         }
+        if let Some(on) = req.proxy_record {
+            spec.proxy_record = on;
+        }
+        crate::net::record::check(spec.proxy_record, spec.proxy_port)?;
         if let Some(l) = req.net_limits {
             spec.net_limits = l;
         }

@@ -135,6 +135,7 @@ impl Runtime {
     pub(crate) fn record_snapshot(&self, sb: &Sandbox, row: &SnapshotRow, g: Generation) -> Result<()> {
         self.snapshots.records().insert_with_generation(row, &sb.id, &g)?;
         *sb.gen.lock() = Some(g);
+        self.net.proxy.recorder.mark(&sb.id, &row.id);
         Ok(())
     }
 

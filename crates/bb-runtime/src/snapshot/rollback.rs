@@ -117,6 +117,8 @@ impl Runtime {
             }
         };
         let t_swapped = t0.elapsed();
+        // The proxy's record too: what is asked from here on was answered after the snapshot.
+        self.net.proxy.recorder.rewind(&sb.id, &snap.id);
         // The copies exist (their own start-up overlaps the answer).
         let mut ready: Vec<Option<(Session, std::os::unix::net::UnixStream)>> = Vec::new();
         for (ss, p) in snap.sessions.iter().zip(restored) {

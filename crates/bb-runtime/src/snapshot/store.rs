@@ -543,6 +543,7 @@ mod tests {
             network: "none".into(),
             allow: Vec::new(),
             proxy_port: None,
+            proxy_record: false,
             net_limits: Default::default(),
             metadata: Default::default(),
             timeout: None,
