@@ -102,7 +102,11 @@ impl Fabric {
         if !std::path::Path::new("/sys/class/net").join(br).exists() {
             run("ip", &["link", "add", br, "type", "bridge"], None, "make the bridge")?;
         }
-        let batch = format!("addr replace {gw}/{len} dev {br}\nlink set {br} up\n");
+        // A MAC of its own: left to the kernel, a bridge takes its lowest port's, so a veth
+        // joining or leaving would change the gateway's MAC under every sandbox's ARP cache
+        // (their traffic then goes nowhere until it expires).
+        let batch =
+            format!("link set {br} address {}\naddr replace {gw}/{len} dev {br}\nlink set {br} up\n", bridge_mac(gw));
         run("ip", &["-batch", "-"], Some(&batch), "address the bridge")?;
         std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").map_err(FabricError::Forwarding)?;
         run("nft", &["-f", "-"], Some(&self.table_script()), "make the table")?;
@@ -388,6 +392,12 @@ pub fn parked() -> Policy {
     Policy { mode: Mode::Allowlist, ..Policy::none() }
 }
 
+/// The bridge's MAC: locally administered, unicast, from its gateway address (one per range).
+fn bridge_mac(gw: Ipv4Addr) -> String {
+    let [a, b, c, d] = gw.octets();
+    format!("02:62:{a:02x}:{b:02x}:{c:02x}:{d:02x}")
+}
+
 /// A token bucket qdisc of `mbps` (`root tbf ...`): bursts of 20 ms, at least 64 KiB.
 fn tbf(mbps: f64) -> String {
     let kbit = (mbps * 1000.0).round().max(1.0) as u64;
@@ -436,6 +446,13 @@ mod tests {
 
     fn fabric() -> Fabric {
         Fabric::new("bbt0", "10.213.0.0/24".parse().unwrap())
+    }
+
+    #[test]
+    fn the_bridge_has_a_fixed_local_unicast_mac() {
+        assert_eq!(bridge_mac(Ipv4Addr::new(10, 213, 0, 1)), "02:62:0a:d5:00:01");
+        let first = u8::from_str_radix(&bridge_mac(Ipv4Addr::new(10, 231, 0, 1))[..2], 16).unwrap();
+        assert!(first & 0x02 != 0 && first & 0x01 == 0, "locally administered, unicast");
     }
 
     #[test]
