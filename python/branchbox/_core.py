@@ -953,9 +953,11 @@ def fork(
     isolated: bool = False,
     network: Optional[str] = None,
     allow: Optional[Sequence[str]] = None,
+    replay_inflight: bool = False,
 ) -> Call:
     """``network``/``allow``: the children's (see :func:`network_body`; default: the parent's
-    at the fork, or with ``snapshot`` the snapshot's)."""
+    at the fork, or with ``snapshot`` the snapshot's). ``replay_inflight``: the children get the
+    answers to the parent's proxied requests in flight at the checkpoint (not with ``snapshot``)."""
     if isinstance(count, bool) or not isinstance(count, int):
         raise exc.InvalidArgumentError("n (the number of children) must be an int, not %r" % (count,))
     if not 1 <= count <= MAX_FORK:
@@ -964,6 +966,12 @@ def fork(
         raise exc.InvalidArgumentError("timeout (the children's TTL) must be a number >= 0 (0 = none), got %r" % (timeout,))
     if not isinstance(isolated, bool):
         raise exc.InvalidArgumentError("isolated must be True or False, not %r" % (isolated,))
+    if not isinstance(replay_inflight, bool):
+        raise exc.InvalidArgumentError("replay_inflight must be True or False, not %r" % (replay_inflight,))
+    if replay_inflight and snapshot is not None:
+        raise exc.InvalidArgumentError(
+            "replay_inflight hands on the requests in flight at a checkpoint the fork takes now: leave snapshot out"
+        )
     body = _compact(
         {
             "count": count,
@@ -971,6 +979,7 @@ def fork(
             "timeout": timeout,
             # Sent only when set: the default (live copies of the sessions) is the daemon's.
             "isolated": True if isolated else None,
+            "replay_inflight": True if replay_inflight else None,
             **network_body(network, allow),
         }
     )

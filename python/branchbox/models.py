@@ -579,6 +579,7 @@ class ForkResult(_Model):
     snapshot: str = ""
     sandboxes: List[SandboxInfo] = field(default_factory=list)
     sessions_restarted: bool = False
+    inflight_handed: int = 0
     took_ms: Optional[float] = None
     raw: Dict[str, Any] = _raw()
 

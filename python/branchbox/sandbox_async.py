@@ -345,6 +345,7 @@ class AsyncSandbox:
         isolated: bool = False,
         network: Optional[str] = None,
         allow: Optional[Sequence[str]] = None,
+        replay_inflight: bool = False,
     ) -> List["AsyncSandbox"]:
         """Start ``n`` (1..64) new sandboxes from ``snapshot`` (see :meth:`branchbox.Sandbox.fork`;
         ``network``/``allow``: the children's, default the parent's).
@@ -352,7 +353,7 @@ class AsyncSandbox:
         Each child has its own connection with this sandbox's settings: close (or kill)
         them when done.
         """
-        return (await self.fork_info(n, snapshot, timeout, isolated, network, allow))[0]
+        return (await self.fork_info(n, snapshot, timeout, isolated, network, allow, replay_inflight))[0]
 
     async def fork_info(
         self,
@@ -362,10 +363,12 @@ class AsyncSandbox:
         isolated: bool = False,
         network: Optional[str] = None,
         allow: Optional[Sequence[str]] = None,
+        replay_inflight: bool = False,
     ) -> Tuple[List["AsyncSandbox"], ForkResult]:
         """:meth:`fork`, also returning the daemon's :class:`ForkResult` (see
         :meth:`branchbox.Sandbox.fork_info`)."""
-        result = await self._http.call(_core.fork(self.id, n, snapshot, timeout, isolated, network, allow))
+        call = _core.fork(self.id, n, snapshot, timeout, isolated, network, allow, replay_inflight)
+        result = await self._http.call(call)
         children = [AsyncSandbox(info.id, _http=_AsyncHTTP(self._http.config), info=info) for info in result.sandboxes]
         return children, result
 

@@ -607,6 +607,7 @@ class Sandbox:
         isolated: bool = False,
         network: Optional[str] = None,
         allow: Optional[Sequence[str]] = None,
+        replay_inflight: bool = False,
     ) -> List["Sandbox"]:
         """Start ``n`` (1..64) new sandboxes from ``snapshot`` (default: a checkpoint taken
         now). ``timeout`` is the children's time to live in seconds (0 = none).
@@ -619,10 +620,16 @@ class Sandbox:
         as they are at the fork (with ``snapshot``: the snapshot's); ``network`` and ``allow``
         (see :meth:`create`) set theirs instead (``allow`` alone keeps the mode).
 
+        ``replay_inflight=True`` hands the answers to this sandbox's proxied requests in flight
+        at the checkpoint to every child: a child's first request matching one of them (same
+        method, URL and body; its copy of the connection to the proxy is reset, so a client that
+        retries sends it again) gets the parent's answer instead of going upstream. Needs the
+        sandbox's proxy (``proxy=True``) and a checkpoint taken now (no ``snapshot``).
+
         Each child has its own connection with this sandbox's settings: close (or kill)
         them when done, e.g. ``with child: ...``.
         """
-        return self.fork_info(n, snapshot, timeout, isolated, network, allow)[0]
+        return self.fork_info(n, snapshot, timeout, isolated, network, allow, replay_inflight)[0]
 
     def fork_info(
         self,
@@ -632,10 +639,12 @@ class Sandbox:
         isolated: bool = False,
         network: Optional[str] = None,
         allow: Optional[Sequence[str]] = None,
+        replay_inflight: bool = False,
     ) -> Tuple[List["Sandbox"], ForkResult]:
         """:meth:`fork`, also returning the daemon's whole answer: the :class:`ForkResult`
-        (the snapshot forked from, ``sessions_restarted``, ``took_ms``)."""
-        result = self._http.call(_core.fork(self.id, n, snapshot, timeout, isolated, network, allow))
+        (the snapshot forked from, ``sessions_restarted``, ``inflight_handed``, ``took_ms``)."""
+        call = _core.fork(self.id, n, snapshot, timeout, isolated, network, allow, replay_inflight)
+        result = self._http.call(call)
         return [Sandbox(info.id, _http=_HTTP(self._http.config), info=info) for info in result.sandboxes], result
 
     def snapshots(self) -> List[SnapshotInfo]:

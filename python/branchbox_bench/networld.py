@@ -17,7 +17,9 @@ HTTP servers on ports 80 and 8080 of the three addresses; HTTPS servers on port 
 and ``"_server"`` ("<address>:<port>") added (``/headers?sha256``: each value's sha256 in hex
 instead, for values the asker must not see), ``/sni`` answers the JSON list of the server names
 (null: none) of every TLS ClientHello the HTTPS servers got so far, ``/count`` answers "count N"
-(N: how many requests to ``/count`` the servers got so far; a POST: "count N got <body length>");
+(N: how many requests to ``/count`` the servers got so far; a POST: "count N got <body length>";
+``/count?wait=S``: N taken on arrival, answered after S seconds), ``/counted`` answers "count N"
+without counting itself;
 anything else answers "<path> <address>:<port>".
 
 The certificates are files of the repository (tests/integration/data), found from this file's
@@ -41,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 NETNS = "bbworld"
 HOST_IF, WORLD_IF = "bbw-h", "bbw-w"
@@ -183,8 +185,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return self._json(out)
         if url.path == "/sni":
             return self._json(list(SNI_SEEN))
-        if url.path == "/count":
-            body = b"count %d" % _next_count()
+        if url.path in ("/count", "/counted"):
+            if url.path == "/counted":
+                with COUNT_LOCK:
+                    body = b"count %d" % COUNT[0]
+            else:
+                body = b"count %d" % _next_count()
+                wait = parse_qs(url.query).get("wait")
+                if wait:
+                    time.sleep(float(wait[0]))
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

@@ -685,6 +685,12 @@ def sandbox_fork(
         None, "--allow", metavar="ENTRY", help="The children's allow entries (default: ID's). " + ALLOW_HELP
     ),
     clear_allow: bool = typer.Option(False, "--clear-allow", help="The children get no allow entries."),
+    replay_inflight: bool = typer.Option(
+        False,
+        "--replay-inflight",
+        help="Children that send a request the parent has in flight through the proxy get the parent's answer "
+        "(needs --proxy on the sandbox).",
+    ),
 ) -> None:
     """Start new sandboxes from a snapshot of ID; prints the child ids, one per line."""
     c = ctx_of(ctx)
@@ -692,7 +698,9 @@ def sandbox_fork(
     entries = parse_allow(allow, clear_allow)
     sbx = Sandbox.connect(sandbox_id, resume=False, **c.sdk())
     try:
-        children = sbx.fork(n, snapshot=snapshot, isolated=isolated, network=network, allow=entries)
+        children = sbx.fork(
+            n, snapshot=snapshot, isolated=isolated, network=network, allow=entries, replay_inflight=replay_inflight
+        )
     finally:
         sbx.close()
     for child in children:

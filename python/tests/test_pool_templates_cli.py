@@ -283,3 +283,15 @@ def test_sandbox_fork_isolated(runner: CliRunner, daemon: FakeDaemon) -> None:
     assert r.stdout.split() == ["sb-child0000001"]
     invoke(runner, "sandbox", "fork", SANDBOX["id"])
     assert daemon.body() == {"count": 1}
+
+
+def test_sandbox_fork_replay_inflight(runner: CliRunner, daemon: FakeDaemon) -> None:
+    daemon.on("POST", BASE + "/fork", dict(FORK, inflight_handed=1), 201)
+    r = invoke(runner, "sandbox", "fork", SANDBOX["id"], "-n", "2", "--replay-inflight")
+    assert r.exit_code == 0, r.stderr
+    assert daemon.body() == {"count": 2, "replay_inflight": True}
+    assert r.stdout.split() == ["sb-child0000001"]
+    r = invoke(runner, "sandbox", "fork", SANDBOX["id"], "--isolated", "--replay-inflight")
+    assert r.exit_code == 0, r.stderr
+    assert daemon.body() == {"count": 1, "isolated": True, "replay_inflight": True}
+    assert "leave snapshot out" in one_red_line(invoke(runner, "sandbox", "fork", SANDBOX["id"], "-s", "sn-1", "--replay-inflight"))

@@ -171,6 +171,24 @@ def test_fork_isolated(fake: FakeDaemon) -> None:
         s.fork(1, isolated="yes")  # type: ignore[arg-type]
 
 
+def test_fork_replay_inflight(fake: FakeDaemon) -> None:
+    fake.on("POST", BASE + "/fork", dict(FORK, inflight_handed=2), 201)
+    s = Sandbox.create(transport=fake.transport())
+    kids, result = s.fork_info(2, replay_inflight=True)
+    assert fake.body() == {"count": 2, "replay_inflight": True}
+    assert [k.id for k in kids] == ["sb-child0000001"] and result.inflight_handed == 2
+    s.fork(3, isolated=True, replay_inflight=True)
+    assert fake.body() == {"count": 3, "isolated": True, "replay_inflight": True}
+    s.fork(1, replay_inflight=False)
+    assert fake.body() == {"count": 1}, "replay_inflight is only sent when set"
+    sent = len(fake.requests)
+    with pytest.raises(InvalidArgumentError, match="replay_inflight must be True or False"):
+        s.fork(1, replay_inflight=1)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="leave snapshot out"):
+        s.fork(1, snapshot="sn-1", replay_inflight=True)
+    assert len(fake.requests) == sent, "rejected before anything is sent"
+
+
 def test_nested_in_is_parsed(fake: FakeDaemon) -> None:
     fake.on("POST", "/v1/sandboxes", dict(SANDBOX, nested_in="sb-aaaaaaaaaaaa"), 201)
     s = Sandbox.create(template="py", transport=fake.transport())
@@ -402,6 +420,10 @@ async def test_async_create_from_template_and_fork(fake: FakeDaemon) -> None:
     assert fake.body() == {"template": "py", "timeout": 300}
     kids = await s.fork(3, isolated=True)
     assert fake.body() == {"count": 3, "isolated": True} and kids[0].id == "sb-child0000001"
+    kids, result = await s.fork_info(2, replay_inflight=True)
+    assert fake.body() == {"count": 2, "replay_inflight": True} and result.inflight_handed == 0
+    with pytest.raises(InvalidArgumentError, match="leave snapshot out"):
+        await s.fork(1, snapshot="sn-1", replay_inflight=True)
     fake.on("POST", "/v1/sandboxes", NOT_FOUND, 404)
     with pytest.raises(NotFoundError):
         await AsyncSandbox.create(template="nope", transport=fake.transport())
@@ -481,5 +503,9 @@ def test_create_and_fork_signatures_mirror() -> None:
         assert list(s) == list(a), name
     assert "template" in inspect.signature(Sandbox.create).parameters
     assert inspect.signature(Sandbox.fork).parameters["isolated"].default is False
+    for name in ("fork", "fork_info"):
+        assert list(inspect.signature(getattr(Sandbox, name)).parameters)[-1] == "replay_inflight", name
+        assert inspect.signature(getattr(Sandbox, name)).parameters["replay_inflight"].default is False, name
+        assert inspect.signature(getattr(AsyncSandbox, name)).parameters["replay_inflight"].default is False, name
     assert sandbox_sync.__all__[-3:] == ["Templates", "Pool", "health"]
     assert sandbox_async.__all__[-3:] == ["AsyncTemplates", "AsyncPool", "health"]

@@ -117,6 +117,9 @@ def test_fork_result_parsing() -> None:
     assert r.snapshot == SN1 and r.took_ms == 8.0 and r.sessions_restarted is False
     assert all(isinstance(s, SandboxInfo) for s in r.sandboxes)
     assert [s.id for s in r.sandboxes] == ["sb-child000001", "sb-child000002"]
+    assert r.inflight_handed == 0, "inflight_handed defaults to 0 (no replay_inflight, or an older daemon)"
+    r = ForkResult.from_dict(dict(FORK, inflight_handed=3))
+    assert r.inflight_handed == 3 and r.raw["inflight_handed"] == 3
 
 
 # ----------------------------------------------------------------------------- _core calls
@@ -131,6 +134,8 @@ def test_core_call_shapes() -> None:
         (_core.rollback(SID, SN1, True), "POST", BASE + "/rollback", {"snapshot": SN1, "lazy_pages": True}),
         (_core.fork(SID), "POST", BASE + "/fork", {"count": 1}),
         (_core.fork(SID, 3, SN1, 0), "POST", BASE + "/fork", {"count": 3, "snapshot": SN1, "timeout": 0}),
+        (_core.fork(SID, 2, replay_inflight=True), "POST", BASE + "/fork", {"count": 2, "replay_inflight": True}),
+        (_core.fork(SID, 3, SN1, replay_inflight=False), "POST", BASE + "/fork", {"count": 3, "snapshot": SN1}),
         (_core.evaluate(SID, {"cmd": "true"}), "POST", BASE + "/evaluate", {"cmd": "true"}),
         (_core.sandbox_snapshots(SID), "GET", BASE + "/snapshots", None),
         (_core.list_snapshots(), "GET", "/v1/snapshots", None),
@@ -424,7 +429,9 @@ def test_sandbox_snapshot_signatures() -> None:
     params = inspect.signature(Sandbox.evaluate).parameters
     assert list(params) == ["self", "cmd", "env", "cwd", "timeout"]
     assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in ("env", "cwd", "timeout"))
-    assert list(inspect.signature(Sandbox.fork).parameters) == ["self", "n", "snapshot", "timeout", "isolated", "network", "allow"]
+    assert list(inspect.signature(Sandbox.fork).parameters) == [
+        "self", "n", "snapshot", "timeout", "isolated", "network", "allow", "replay_inflight"
+    ]
     assert inspect.signature(Sandbox.fork).parameters["n"].default == 1
 
 

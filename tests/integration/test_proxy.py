@@ -491,6 +491,96 @@ def test_recorded_answers_replay_after_a_rollback_in_children_and_from_a_snapsho
     assert post(sbx, COUNT, "bb") == bb
 
 
+# A client in a session with a request in flight through the proxy (`conn`: /count?wait=2, so
+# "count N" is taken when the upstream gets it and answered 2 s later); `ask()` reads the answer
+# and, like a client that retries, sends the same request again if the connection was reset.
+IN_FLIGHT = r'''
+import socket
+def send():
+    c = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+    c.sendall(b"GET http://allowed.test/count?wait=2 HTTP/1.1\r\nHost: allowed.test\r\nConnection: close\r\n\r\n")
+    return c
+def answer(c):
+    c.settimeout(20)
+    data = b""
+    while True:
+        b = c.recv(65536)
+        if not b:
+            break
+        data += b
+    head, _, body = data.decode().partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 200"), head
+    return body
+def ask():
+    global conn
+    try:
+        return answer(conn)
+    except ConnectionResetError:
+        conn = send()
+        return answer(conn)
+conn = send()
+'''
+
+
+def send_in_flight(sbx, code):
+    """Run `code` (which sends a /count?wait=2 request) in sbx's session; returns once the
+    upstream got the request (the proxy then has it in flight)."""
+    (before,) = [get(sbx, "http://allowed.test/counted")["body"]]
+    ex = sbx.run_code(code)
+    assert ex.error is None, ex
+    n = int(before.split()[1]) + 1
+    wait_until(lambda: get(sbx, "http://allowed.test/counted")["body"] == "count %d" % n, timeout=10,
+               what="the upstream to get the request")
+    return n
+
+
+def ask(sbx):
+    ex = sbx.run_code("print(ask())")
+    assert ex.error is None, ex
+    return ex.stdout.strip()
+
+
+def test_a_fork_can_hand_the_answer_in_flight_to_every_child(world, make_sandbox):
+    sbx = make_sandbox(network="none", proxy=True, allow=["allowed.test"])
+    n = send_in_flight(sbx, IN_FLIGHT)
+    children, result = sbx.fork_info(2, replay_inflight=True)
+    try:
+        assert result.inflight_handed == 1, result.raw
+        # Each child's copy of the connection is reset; its retry gets the parent's answer, which
+        # the upstream gave once.
+        for child in children:
+            assert ask(child) == "count %d" % n
+        assert ask(sbx) == "count %d" % n
+        assert get(sbx, "http://allowed.test/counted")["body"] == "count %d" % n
+        # Once per child: the next request goes upstream.
+        assert ask_again(children[0]) == "count %d" % (n + 1)
+    finally:
+        for child in children:
+            child.kill()
+            child.close()
+    # Without the option, children's retries go upstream.
+    n = send_in_flight(sbx, "conn = send()")
+    (child,), result = sbx.fork_info(1)
+    try:
+        assert result.inflight_handed == 0, result.raw
+        assert ask(child) == "count %d" % (n + 1)
+        assert ask(sbx) == "count %d" % n
+    finally:
+        child.kill()
+        child.close()
+    # The daemon says what is missing.
+    plain = make_sandbox(network="none")
+    plain.run_code("x = 1")
+    with pytest.raises(Exception, match="proxy=True"):
+        plain.fork(1, replay_inflight=True)
+
+
+def ask_again(sbx):
+    ex = sbx.run_code("conn = send()\nprint(answer(conn))")
+    assert ex.error is None, ex
+    return ex.stdout.strip()
+
+
 def test_answers_are_not_recorded_unless_asked(world, make_sandbox):
     sbx = make_sandbox(network="none", proxy=True, allow=["allowed.test"])
     snap = sbx.checkpoint()

@@ -494,6 +494,14 @@ pub struct ForkRequest {
     /// parent's mode).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allow: Option<Vec<String>>,
+    /// The answers to the parent's proxied requests in flight at the fork's checkpoint are
+    /// handed to every child: a child's first request that matches one (same method, URL and
+    /// body; its copy of the parent's connection to the proxy is reset, so a client that
+    /// retries sends it again) gets the parent's answer once it arrives instead of going
+    /// upstream. Plaintext requests only (plain HTTP, and hosts the proxy adds credentials
+    /// for); needs the sandbox's proxy and a checkpoint taken now (not `snapshot`).
+    #[serde(default)]
+    pub replay_inflight: bool,
 }
 
 /// A new network policy for a running sandbox (`PUT /v1/sandboxes/{id}/network`): it applies to
@@ -615,6 +623,10 @@ pub struct ForkResult {
     /// Why, when they were.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_reason: Option<String>,
+    /// How many of the parent's proxied requests in flight were handed to the children
+    /// (`replay_inflight`).
+    #[serde(default)]
+    pub inflight_handed: u32,
     pub took_ms: f64,
 }
 

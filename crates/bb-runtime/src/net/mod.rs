@@ -15,6 +15,7 @@
 
 pub mod dns;
 pub mod fabric;
+pub mod inflight;
 pub mod link;
 pub mod nftset;
 pub mod policy;

@@ -28,6 +28,7 @@
 //! and replayed after a rollback or in a fork child ([`super::record`]).
 
 use super::dns;
+use super::inflight::{self, Flight, Flying, InFlight};
 use super::policy::{Mode, Policy};
 use super::record::{self, Recorder};
 use crate::sandbox::Sandbox;
@@ -176,6 +177,8 @@ pub struct Proxy {
     open: Mutex<HashMap<String, Entry>>,
     /// Answers recorded for the sandboxes created with `proxy_record`.
     pub(crate) recorder: Arc<Recorder>,
+    /// Requests in flight, and those handed to fork children (fork option `replay_inflight`).
+    pub(crate) inflight: Arc<InFlight>,
 }
 
 /// A request the proxy answers itself.
@@ -231,6 +234,7 @@ impl Proxy {
             dns,
             open: Mutex::new(HashMap::new()),
             recorder: Arc::default(),
+            inflight: Arc::default(),
         })
     }
 
@@ -274,6 +278,7 @@ impl Proxy {
     pub(crate) fn close(&self, id: &str) {
         self.open.lock().remove(id);
         self.recorder.forget(id);
+        self.inflight.forget(id);
     }
 
     fn refused(&self, ip: Ipv4Addr, local: &[Ipv4Addr]) -> bool {
@@ -386,9 +391,11 @@ impl Proxy {
         };
         let addr = self.destination(policy, &host, port).await?;
         let path = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
-        // A recording sandbox's request is read whole (to match it), and may be answered from
-        // the record.
-        let (mut req, key) = if self.recorder.records(id) {
+        // The request of a recording sandbox, or of a fork child handed its parent's requests in
+        // flight, is read whole (to match it), and may be answered from the record or with the
+        // parent's answer.
+        let recording = self.recorder.records(id);
+        let (mut req, key) = if recording || self.inflight.owes(id) {
             let (parts, body) = req.into_parts();
             let body = http_body_util::Limited::new(body, record::MAX_REQUEST).collect().await.map_err(|e| {
                 Refusal::new(
@@ -401,6 +408,12 @@ impl Proxy {
             })?;
             let body = body.to_bytes();
             let key = record::key(parts.method.as_str(), &host, asked, path, &body);
+            if let Some(parents) = self.inflight.take(id, &key) {
+                if let Some(a) = parents.answer().await {
+                    self.recorder.record(id, key, a.clone());
+                    return Ok(replayed(&a));
+                }
+            }
             if let Some(a) = self.recorder.replay(id, &key) {
                 return Ok(replayed(&a));
             }
@@ -408,6 +421,12 @@ impl Proxy {
         } else {
             (req.map(BodyExt::boxed), None)
         };
+        let flying = self.inflight.begin(id, key);
+        if key.is_none() {
+            let hasher = record::hasher(req.method().as_str(), &host, asked, path);
+            let flight = flying.flight().clone();
+            req = req.map(|b| Keyed::new(b, hasher, flight).boxed());
+        }
         *req.uri_mut() = path.parse().map_err(|_| Refusal::new(StatusCode::BAD_REQUEST, "bad request path"))?;
         strip_hop_by_hop(req.headers_mut());
         let host_header = if cred.is_some() || port == 80 { host.clone() } else { format!("{host}:{port}") };
@@ -438,19 +457,25 @@ impl Proxy {
         let mut resp = resp.map(|b| b.boxed());
         // The proxy answers in its own version (RFC 9110 7.6.1), whatever the upstream spoke.
         *resp.version_mut() = hyper::Version::HTTP_11;
-        if let Some(key) = key {
-            resp = self.recording(id, key, resp);
-        }
-        Ok(resp)
+        Ok(self.keeping(id, recording.then_some(key).flatten(), flying, resp))
     }
 
-    /// `resp`, its body recorded as the answer to `key` once it has all passed.
-    fn recording(&self, id: &str, key: record::Key, resp: Response<Body>) -> Response<Body> {
+    /// `resp`, its body kept as it passes: once it has all passed it settles `flying` and, for a
+    /// recording sandbox, is recorded as the answer to `key`.
+    fn keeping(&self, id: &str, key: Option<record::Key>, flying: Flying, resp: Response<Body>) -> Response<Body> {
         let (parts, body) = resp.into_parts();
         let (status, headers) = (parts.status, parts.headers.clone());
-        let (rec, id) = (self.recorder.clone(), id.to_string());
-        let done = Box::new(move |body: Bytes| rec.record(&id, key, record::Answer { status, headers, body }));
-        Response::from_parts(parts, Tee::new(body, done).boxed())
+        let (rec, inflight, id) = (self.recorder.clone(), self.inflight.clone(), id.to_string());
+        let done = Box::new(move |body: Option<Bytes>| {
+            let answer = body.map(|body| Arc::new(record::Answer { status, headers, body }));
+            if let (Some(key), Some(a)) = (key, &answer) {
+                rec.record(&id, key, a.clone());
+            }
+            flying.settle(answer);
+            inflight.prune(&id);
+        });
+        let limit = if key.is_some() { record::MAX_ANSWER } else { inflight::MAX_KEPT };
+        Response::from_parts(parts, Tee::new(body, limit, done).boxed())
     }
 }
 
@@ -465,17 +490,30 @@ fn replayed(a: &record::Answer) -> Response<Body> {
     r
 }
 
-/// A body passed on as it comes and kept (up to [`record::MAX_ANSWER`]): once it has all
-/// passed, `done` gets it (not if it failed or was too large).
+/// What a [`Tee`] calls once its body has passed: with the body, or None if it failed, was
+/// dropped first or was larger than kept.
+type TeeDone = Box<dyn FnOnce(Option<Bytes>) + Send + Sync>;
+
+/// A body passed on as it comes and kept (up to `limit` bytes): once it has all passed, `done`
+/// gets it.
 struct Tee {
     inner: Body,
+    limit: usize,
     kept: Option<Vec<u8>>,
-    done: Option<Box<dyn FnOnce(Bytes) + Send + Sync>>,
+    done: Option<TeeDone>,
+}
+
+impl Drop for Tee {
+    fn drop(&mut self) {
+        if let Some(done) = self.done.take() {
+            done(None);
+        }
+    }
 }
 
 impl Tee {
-    fn new(inner: Body, done: Box<dyn FnOnce(Bytes) + Send + Sync>) -> Tee {
-        let mut t = Tee { inner, kept: Some(Vec::new()), done: Some(done) };
+    fn new(inner: Body, limit: usize, done: TeeDone) -> Tee {
+        let mut t = Tee { inner, limit, kept: Some(Vec::new()), done: Some(done) };
         // An empty body may never be polled.
         if hyper::body::Body::is_end_stream(&t.inner) {
             t.finish();
@@ -484,8 +522,8 @@ impl Tee {
     }
 
     fn finish(&mut self) {
-        if let (Some(kept), Some(done)) = (self.kept.take(), self.done.take()) {
-            done(Bytes::from(kept));
+        if let Some(done) = self.done.take() {
+            done(self.kept.take().map(Bytes::from));
         }
     }
 }
@@ -504,7 +542,7 @@ impl hyper::body::Body for Tee {
         match &polled {
             Poll::Ready(Some(Ok(frame))) => {
                 if let (Some(data), Some(kept)) = (frame.data_ref(), this.kept.as_mut()) {
-                    if kept.len() + data.len() > record::MAX_ANSWER {
+                    if kept.len() + data.len() > this.limit {
                         this.kept = None;
                     } else {
                         kept.extend_from_slice(data);
@@ -515,7 +553,71 @@ impl hyper::body::Body for Tee {
                     this.finish();
                 }
             }
-            Poll::Ready(Some(Err(_))) => this.kept = None,
+            Poll::Ready(Some(Err(_))) => {
+                this.kept = None;
+                this.finish();
+            }
+            Poll::Ready(None) => this.finish(),
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A request body passed on as it comes and hashed: once it has all come, its flight is keyed
+/// (see [`record::hasher`]).
+struct Keyed {
+    inner: Body,
+    hasher: Option<blake3::Hasher>,
+    flight: Arc<Flight>,
+}
+
+impl Keyed {
+    fn new(inner: Body, hasher: blake3::Hasher, flight: Arc<Flight>) -> Keyed {
+        let mut k = Keyed { inner, hasher: Some(hasher), flight };
+        if hyper::body::Body::is_end_stream(&k.inner) {
+            k.finish();
+        }
+        k
+    }
+
+    fn finish(&mut self) {
+        if let Some(h) = self.hasher.take() {
+            self.flight.keyed(*h.finalize().as_bytes());
+        }
+    }
+}
+
+impl hyper::body::Body for Keyed {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        let polled = std::pin::Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(data), Some(h)) = (frame.data_ref(), this.hasher.as_mut()) {
+                    h.update(data);
+                }
+                if this.inner.is_end_stream() {
+                    this.finish();
+                }
+            }
+            // Never keyed: no child's request matches it.
+            Poll::Ready(Some(Err(_))) => this.hasher = None,
             Poll::Ready(None) => this.finish(),
             Poll::Pending => {}
         }

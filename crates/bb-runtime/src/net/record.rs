@@ -45,13 +45,19 @@ pub type Key = [u8; 32];
 
 /// The key of a request.
 pub fn key(method: &str, host: &str, port: u16, path: &str, body: &[u8]) -> Key {
+    let mut h = hasher(method, host, port, path);
+    h.update(body);
+    *h.finalize().as_bytes()
+}
+
+/// A request's key as its body comes: [`key`] is this hasher fed the body, then finalized.
+pub fn hasher(method: &str, host: &str, port: u16, path: &str) -> blake3::Hasher {
     let mut h = blake3::Hasher::new();
     for part in [method.as_bytes(), host.as_bytes(), &port.to_be_bytes(), path.as_bytes()] {
         h.update(&(part.len() as u64).to_be_bytes());
         h.update(part);
     }
-    h.update(body);
-    *h.finalize().as_bytes()
+    h
 }
 
 /// A recorded answer.
@@ -145,7 +151,7 @@ impl Recorder {
     }
 
     /// Record `answer` to request `key` after sandbox `id`'s cursor (which moves to it).
-    pub fn record(&self, id: &str, key: Key, answer: Answer) {
+    pub fn record(&self, id: &str, key: Key, answer: Arc<Answer>) {
         let mut r = self.0.lock();
         let Some(&at) = r.at.get(id) else { return };
         if let Some(&next) = r.nodes[at].next.get(&key) {
@@ -162,7 +168,7 @@ impl Recorder {
             return;
         }
         r.bytes += size;
-        let next = r.node(Some(Arc::new(answer)));
+        let next = r.node(Some(answer));
         r.nodes[at].next.insert(key, next);
         r.at.insert(id.to_string(), next);
     }
@@ -172,8 +178,8 @@ impl Recorder {
 mod tests {
     use super::*;
 
-    fn answer(body: &str) -> Answer {
-        Answer { status: StatusCode::OK, headers: HeaderMap::new(), body: Bytes::from(body.to_string()) }
+    fn answer(body: &str) -> Arc<Answer> {
+        Arc::new(Answer { status: StatusCode::OK, headers: HeaderMap::new(), body: Bytes::from(body.to_string()) })
     }
 
     fn body(a: Option<Arc<Answer>>) -> Option<String> {

@@ -310,6 +310,8 @@ impl Runtime {
         }
         // A recording sandbox made from a snapshot replays what was answered after it.
         let record_from = spec.proxy_record.then(|| gen.base.clone());
+        // A fork child made for `replay_inflight` takes on its parent's proxied requests in flight.
+        let handed_from = gen.base.clone().filter(|_| spec.proxy_port.is_some());
         let mut sb = Sandbox::new(
             id.clone(),
             spec,
@@ -323,6 +325,9 @@ impl Runtime {
         );
         sb.nest_parent = nest_parent;
         let sb = Arc::new(sb);
+        if let Some(base) = handed_from {
+            self.net.proxy.inflight.adopt(&sb.id, &base);
+        }
         self.net_start(&sb, wiring);
         if let Some(from) = record_from {
             self.net.proxy.recorder.start(&sb.id, from.as_deref());

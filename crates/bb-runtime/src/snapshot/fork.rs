@@ -82,11 +82,32 @@ impl Runtime {
             allow = a;
         }
         crate::net::policy::Policy::parse_for(&network, &allow, proxied).map_err(crate::net::NetError::from)?;
-        let snap = match source {
-            Source::Named(snap) => *snap,
+        if req.replay_inflight && matches!(source, Source::Named(_)) {
+            return Err(RuntimeError::BadRequest(
+                "replay_inflight hands on the requests in flight at a checkpoint the fork takes now: leave snapshot out"
+                    .into(),
+            ));
+        }
+        if req.replay_inflight && !proxied {
+            return Err(RuntimeError::BadRequest(
+                "replay_inflight replays the proxy's answers: the sandbox has no proxy (create it with proxy=True)"
+                    .into(),
+            ));
+        }
+        let inflight = &self.net.proxy.inflight;
+        let (snap, handed) = match source {
+            Source::Named(snap) => (*snap, None),
             Source::Live(sb) => {
                 let _op = sb.begin_op().await;
-                self.checkpoint_locked(&sb, Some("fork".into()), true, false).await?.0
+                if req.replay_inflight {
+                    inflight.hold(&sb.id);
+                }
+                let taken = self.checkpoint_locked(&sb, Some("fork".into()), true, false).await;
+                // The children adopt the parent's requests in flight until `handed` drops.
+                let handed = req
+                    .replay_inflight
+                    .then(|| inflight.hand_down(&sb.id, taken.as_ref().ok().map(|t| t.0.id.as_str())));
+                (taken?.0, handed)
             }
         };
         let spec = SandboxSpec { network, allow, ..snap.spec.clone() };
@@ -108,6 +129,7 @@ impl Runtime {
             sandboxes: children.iter().map(|c| c.info()).collect(),
             sessions_restarted: restart_reason.is_some(),
             restart_reason,
+            inflight_handed: handed.map_or(0, |h| h.count as u32),
             took_ms: ms(t0),
         })
     }
