@@ -657,6 +657,19 @@ def shared_store(daemon, kind, node="s", extra=()):
 
 
 @contextlib.contextmanager
+def killing(sandboxes):
+    """Yields ``sandboxes``; afterwards each is killed and its connection closed."""
+    try:
+        yield sandboxes
+    finally:
+        for sbx in sandboxes:
+            try:
+                sbx.kill()
+            finally:
+                sbx.close()
+
+
+@contextlib.contextmanager
 def host_server(addr):
     """A TCP server on the host at ``addr`` answering "host" to anything; yields its port."""
     srv = socket.socket()

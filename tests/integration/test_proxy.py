@@ -21,7 +21,7 @@ import uuid
 
 import pytest
 
-from helpers import CGROUP_PARENT, UID_BASE, host_server, py_in, sh_in, wait_until
+from helpers import CGROUP_PARENT, UID_BASE, host_server, killing, py_in, sh_in, wait_until
 
 from branchbox_bench import networld
 from branchbox_bench.networld import ALLOWED, HOST_ADDR, METADATA, OTHER
@@ -544,7 +544,7 @@ def test_a_fork_can_hand_the_answer_in_flight_to_every_child(world, make_sandbox
     sbx = make_sandbox(network="none", proxy=True, allow=["allowed.test"])
     n = send_in_flight(sbx, IN_FLIGHT)
     children, result = sbx.fork_info(2, replay_inflight=True)
-    try:
+    with killing(children):
         assert result.inflight_handed == 1, result.raw
         # Each child's copy of the connection is reset; its retry gets the parent's answer, which
         # the upstream gave once.
@@ -554,20 +554,13 @@ def test_a_fork_can_hand_the_answer_in_flight_to_every_child(world, make_sandbox
         assert get(sbx, "http://allowed.test/counted")["body"] == "count %d" % n
         # Once per child: the next request goes upstream.
         assert ask_again(children[0]) == "count %d" % (n + 1)
-    finally:
-        for child in children:
-            child.kill()
-            child.close()
     # Without the option, children's retries go upstream.
     n = send_in_flight(sbx, "conn = send()")
-    (child,), result = sbx.fork_info(1)
-    try:
+    children, result = sbx.fork_info(1)
+    with killing(children):
         assert result.inflight_handed == 0, result.raw
-        assert ask(child) == "count %d" % (n + 1)
+        assert ask(children[0]) == "count %d" % (n + 1)
         assert ask(sbx) == "count %d" % n
-    finally:
-        child.kill()
-        child.close()
     # The daemon says what is missing.
     plain = make_sandbox(network="none")
     plain.run_code("x = 1")

@@ -799,7 +799,8 @@ impl Runtime {
     /// the caller starts one cold). Blocking.
     pub(crate) fn claim_pooled(&self, spec: &SandboxSpec, timeout: Option<f64>) -> Option<Result<Arc<Sandbox>>> {
         let image = self.images.get(&spec.image).ok()?;
-        let shell = self.pool.state.lock().take(&spec.image, &image.id, spec.network != "none")?;
+        let egress = Self::spec_policy(spec).is_ok_and(|p| p.mode != crate::net::policy::Mode::None);
+        let shell = self.pool.state.lock().take(&spec.image, &image.id, egress)?;
         let res = (|| -> Result<()> {
             shell.launched.cgroup.set_limits(&launch::limits(spec))?;
             launch::make_cwd(&self.cfg, spec, &SandboxDirs::new(&self.cfg.state_dir, &shell.id).rootfs())

@@ -5,7 +5,7 @@
 //! [`Flight`]: the request's key once its body has all come, see [`super::record::key`], and
 //! then its answer, kept as it passes, up to [`MAX_KEPT`]). A fork with `replay_inflight` holds
 //! the parent's flights while it takes its checkpoint and hands those still in flight when it
-//! began to the snapshot ([`InFlight::hand_down`]); each child made from the snapshot takes them
+//! began to the snapshot ([`Holding::hand_down`]); each child made from the snapshot takes them
 //! on when it is registered ([`InFlight::adopt`]). A child's copy of the parent's connection to
 //! the proxy is reset, so a client that retries sends the same request again on a new
 //! connection: a child's first request that matches a flight handed to it waits for the
@@ -115,6 +115,39 @@ impl Books {
 #[derive(Default)]
 pub struct InFlight(Mutex<Books>);
 
+/// A fork's hold on its parent's flights while it checkpoints: the ones in flight from then on
+/// are kept until [`Holding::hand_down`] (or the hold drops).
+pub struct Holding<'a> {
+    books: &'a InFlight,
+    parent: String,
+    since: Instant,
+}
+
+impl Drop for Holding<'_> {
+    fn drop(&mut self) {
+        let mut b = self.books.0.lock();
+        b.held.remove(&self.parent);
+        b.prune(&self.parent);
+    }
+}
+
+impl<'a> Holding<'a> {
+    /// Hand the parent's flights in flight since the hold to `snapshot` (None: the checkpoint
+    /// failed), for the children made from it until the returned guard drops.
+    pub fn hand_down(self, snapshot: Option<&str>) -> Handed<'a> {
+        let mut handed = Handed { books: self.books, snapshot: None, count: 0 };
+        if let Some(snapshot) = snapshot {
+            let mut b = self.books.0.lock();
+            let flights: Vec<_> =
+                b.flying.get(&self.parent).into_iter().flatten().filter(|f| f.flying_at(self.since)).cloned().collect();
+            handed.count = flights.len();
+            b.handed.insert(snapshot.to_string(), flights);
+            handed.snapshot = Some(snapshot.to_string());
+        }
+        handed
+    }
+}
+
 /// Flights handed to a snapshot: dropped once its children are made (they adopted them).
 pub struct Handed<'a> {
     books: &'a InFlight,
@@ -145,27 +178,11 @@ impl InFlight {
         self.0.lock().prune(id);
     }
 
-    /// Sandbox `parent` is about to be checkpointed for a fork that hands on its flights: the
-    /// ones in flight from now on are kept until [`InFlight::hand_down`].
-    pub fn hold(&self, parent: &str) {
-        self.0.lock().held.insert(parent.to_string(), Instant::now());
-    }
-
-    /// Hand `parent`'s flights in flight since [`InFlight::hold`] to `snapshot` (None: the
-    /// checkpoint failed), for the children made from it until the returned guard drops.
-    pub fn hand_down(&self, parent: &str, snapshot: Option<&str>) -> Handed<'_> {
-        let mut b = self.0.lock();
-        let since = b.held.remove(parent);
-        let mut handed = Handed { books: self, snapshot: None, count: 0 };
-        if let (Some(since), Some(snapshot)) = (since, snapshot) {
-            let flights: Vec<_> =
-                b.flying.get(parent).into_iter().flatten().filter(|f| f.flying_at(since)).cloned().collect();
-            handed.count = flights.len();
-            b.handed.insert(snapshot.to_string(), flights);
-            handed.snapshot = Some(snapshot.to_string());
-        }
-        b.prune(parent);
-        handed
+    /// Sandbox `parent` is about to be checkpointed for a fork that hands on its flights.
+    pub fn hold(&self, parent: &str) -> Holding<'_> {
+        let since = Instant::now();
+        self.0.lock().held.insert(parent.to_string(), since);
+        Holding { books: self, parent: parent.to_string(), since }
     }
 
     /// Fork child `child` of `snapshot` takes on what was handed to the snapshot, if anything.
@@ -226,8 +243,7 @@ mod tests {
         done.settle(answer("old"));
         let a = inf.begin("p", Some(A));
         let b = inf.begin("p", None);
-        inf.hold("p");
-        let handed = inf.hand_down("p", Some("snap"));
+        let handed = inf.hold("p").hand_down(Some("snap"));
         assert_eq!(handed.count, 2, "the flights still in flight, not the one answered before");
         inf.adopt("c1", "snap");
         inf.adopt("c2", "snap");
@@ -255,20 +271,21 @@ mod tests {
     async fn a_hold_keeps_what_is_answered_during_the_checkpoint() {
         let inf = InFlight::default();
         let a = inf.begin("p", Some(A));
-        inf.hold("p");
+        let hold = inf.hold("p");
         a.settle(answer("a"));
         // Another request meanwhile prunes, but not what the hold keeps.
         let _b = inf.begin("p", Some(B));
-        let handed = inf.hand_down("p", Some("snap"));
+        let handed = hold.hand_down(Some("snap"));
         assert_eq!(handed.count, 2);
         inf.adopt("c", "snap");
         assert_eq!(body(inf.take("c", &A).unwrap().answer().await).as_deref(), Some("a"));
         // After the hand-down, settled flights are dropped again.
         assert_eq!(inf.0.lock().flying["p"].len(), 1);
-        // A checkpoint that failed hands nothing.
-        inf.hold("p");
-        let none = inf.hand_down("p", None);
+        // A checkpoint that failed hands nothing; a hold dropped (a fork cancelled) ends.
+        let none = inf.hold("p").hand_down(None);
         assert_eq!(none.count, 0);
+        assert!(inf.0.lock().held.is_empty());
+        drop(inf.hold("p"));
         assert!(inf.0.lock().held.is_empty());
     }
 }

@@ -425,7 +425,7 @@ impl Proxy {
         if key.is_none() {
             let hasher = record::hasher(req.method().as_str(), &host, asked, path);
             let flight = flying.flight().clone();
-            req = req.map(|b| Keyed::new(b, hasher, flight).boxed());
+            req = req.map(|b| Watched::new(b, Keyed { hasher: Some(hasher), flight }).boxed());
         }
         *req.uri_mut() = path.parse().map_err(|_| Refusal::new(StatusCode::BAD_REQUEST, "bad request path"))?;
         strip_hop_by_hop(req.headers_mut());
@@ -475,7 +475,7 @@ impl Proxy {
             inflight.prune(&id);
         });
         let limit = if key.is_some() { record::MAX_ANSWER } else { inflight::MAX_KEPT };
-        Response::from_parts(parts, Tee::new(body, limit, done).boxed())
+        Response::from_parts(parts, Watched::new(body, Tee::new(limit, done)).boxed())
     }
 }
 
@@ -490,35 +490,94 @@ fn replayed(a: &record::Answer) -> Response<Body> {
     r
 }
 
+/// What a [`Watched`] body is told as it passes.
+trait Watcher: Send + Sync + Unpin {
+    fn data(&mut self, data: &Bytes);
+    /// The body has all passed (told once; never after [`Watcher::failed`]).
+    fn end(&mut self);
+    fn failed(&mut self);
+}
+
+/// A body passed on as it comes, told to its watcher.
+struct Watched<W> {
+    inner: Body,
+    watcher: W,
+    over: bool,
+}
+
+impl<W: Watcher> Watched<W> {
+    fn new(inner: Body, watcher: W) -> Watched<W> {
+        let mut w = Watched { inner, watcher, over: false };
+        // An empty body may never be polled.
+        if hyper::body::Body::is_end_stream(&w.inner) {
+            w.over = true;
+            w.watcher.end();
+        }
+        w
+    }
+}
+
+impl<W: Watcher> hyper::body::Body for Watched<W> {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        let polled = std::pin::Pin::new(&mut this.inner).poll_frame(cx);
+        if this.over {
+            return polled;
+        }
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    this.watcher.data(data);
+                }
+                // The server stops polling once the body says it ended.
+                if this.inner.is_end_stream() {
+                    this.over = true;
+                    this.watcher.end();
+                }
+            }
+            Poll::Ready(Some(Err(_))) => {
+                this.over = true;
+                this.watcher.failed();
+            }
+            Poll::Ready(None) => {
+                this.over = true;
+                this.watcher.end();
+            }
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// What a [`Tee`] calls once its body has passed: with the body, or None if it failed, was
 /// dropped first or was larger than kept.
 type TeeDone = Box<dyn FnOnce(Option<Bytes>) + Send + Sync>;
 
-/// A body passed on as it comes and kept (up to `limit` bytes): once it has all passed, `done`
-/// gets it.
+/// Keeps a body as it passes (up to `limit` bytes): once it has all passed, `done` gets it.
 struct Tee {
-    inner: Body,
     limit: usize,
     kept: Option<Vec<u8>>,
     done: Option<TeeDone>,
 }
 
-impl Drop for Tee {
-    fn drop(&mut self) {
-        if let Some(done) = self.done.take() {
-            done(None);
-        }
-    }
-}
-
 impl Tee {
-    fn new(inner: Body, limit: usize, done: TeeDone) -> Tee {
-        let mut t = Tee { inner, limit, kept: Some(Vec::new()), done: Some(done) };
-        // An empty body may never be polled.
-        if hyper::body::Body::is_end_stream(&t.inner) {
-            t.finish();
-        }
-        t
+    fn new(limit: usize, done: TeeDone) -> Tee {
+        Tee { limit, kept: Some(Vec::new()), done: Some(done) }
     }
 
     fn finish(&mut self) {
@@ -528,108 +587,56 @@ impl Tee {
     }
 }
 
-impl hyper::body::Body for Tee {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
-        use std::task::Poll;
-        let this = &mut *self;
-        let polled = std::pin::Pin::new(&mut this.inner).poll_frame(cx);
-        match &polled {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let (Some(data), Some(kept)) = (frame.data_ref(), this.kept.as_mut()) {
-                    if kept.len() + data.len() > this.limit {
-                        this.kept = None;
-                    } else {
-                        kept.extend_from_slice(data);
-                    }
-                }
-                // The server stops polling once the body says it ended.
-                if this.inner.is_end_stream() {
-                    this.finish();
-                }
+impl Watcher for Tee {
+    fn data(&mut self, data: &Bytes) {
+        if let Some(kept) = self.kept.as_mut() {
+            if kept.len() + data.len() > self.limit {
+                self.kept = None;
+            } else {
+                kept.extend_from_slice(data);
             }
-            Poll::Ready(Some(Err(_))) => {
-                this.kept = None;
-                this.finish();
-            }
-            Poll::Ready(None) => this.finish(),
-            Poll::Pending => {}
         }
-        polled
     }
 
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+    fn end(&mut self) {
+        self.finish();
     }
 
-    fn size_hint(&self) -> hyper::body::SizeHint {
-        self.inner.size_hint()
+    fn failed(&mut self) {
+        self.kept = None;
+        self.finish();
     }
 }
 
-/// A request body passed on as it comes and hashed: once it has all come, its flight is keyed
-/// (see [`record::hasher`]).
+impl Drop for Tee {
+    fn drop(&mut self) {
+        self.failed();
+    }
+}
+
+/// Hashes a request body as it comes: once it has all come, its flight is keyed (see
+/// [`record::hasher`]).
 struct Keyed {
-    inner: Body,
     hasher: Option<blake3::Hasher>,
     flight: Arc<Flight>,
 }
 
-impl Keyed {
-    fn new(inner: Body, hasher: blake3::Hasher, flight: Arc<Flight>) -> Keyed {
-        let mut k = Keyed { inner, hasher: Some(hasher), flight };
-        if hyper::body::Body::is_end_stream(&k.inner) {
-            k.finish();
+impl Watcher for Keyed {
+    fn data(&mut self, data: &Bytes) {
+        if let Some(h) = self.hasher.as_mut() {
+            h.update(data);
         }
-        k
     }
 
-    fn finish(&mut self) {
+    fn end(&mut self) {
         if let Some(h) = self.hasher.take() {
             self.flight.keyed(*h.finalize().as_bytes());
         }
     }
-}
 
-impl hyper::body::Body for Keyed {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
-        use std::task::Poll;
-        let this = &mut *self;
-        let polled = std::pin::Pin::new(&mut this.inner).poll_frame(cx);
-        match &polled {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let (Some(data), Some(h)) = (frame.data_ref(), this.hasher.as_mut()) {
-                    h.update(data);
-                }
-                if this.inner.is_end_stream() {
-                    this.finish();
-                }
-            }
-            // Never keyed: no child's request matches it.
-            Poll::Ready(Some(Err(_))) => this.hasher = None,
-            Poll::Ready(None) => this.finish(),
-            Poll::Pending => {}
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> hyper::body::SizeHint {
-        self.inner.size_hint()
+    /// Never keyed: no child's request matches it.
+    fn failed(&mut self) {
+        self.hasher = None;
     }
 }
 

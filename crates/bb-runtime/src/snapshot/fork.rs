@@ -99,14 +99,10 @@ impl Runtime {
             Source::Named(snap) => (*snap, None),
             Source::Live(sb) => {
                 let _op = sb.begin_op().await;
-                if req.replay_inflight {
-                    inflight.hold(&sb.id);
-                }
+                let holding = req.replay_inflight.then(|| inflight.hold(&sb.id));
                 let taken = self.checkpoint_locked(&sb, Some("fork".into()), true, false).await;
                 // The children adopt the parent's requests in flight until `handed` drops.
-                let handed = req
-                    .replay_inflight
-                    .then(|| inflight.hand_down(&sb.id, taken.as_ref().ok().map(|t| t.0.id.as_str())));
+                let handed = holding.map(|h| h.hand_down(taken.as_ref().ok().map(|t| t.0.id.as_str())));
                 (taken?.0, handed)
             }
         };
