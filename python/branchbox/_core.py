@@ -334,6 +334,17 @@ def _env(env: Optional[Mapping[str, Any]]) -> Optional[Dict[str, str]]:
     return {str(k): str(v) for k, v in env.items()}
 
 
+def user_name(user: Any) -> Optional[str]:
+    """``user`` (a user of the sandbox's /etc/passwd, e.g. ``"user"``) if it is a non-empty
+    string, None for None (root: the field is not sent), else :class:`InvalidArgumentError`.
+    Whether the sandbox has that user is the daemon's to check (it answers 400 naming it)."""
+    if user is None:
+        return None
+    if not isinstance(user, str) or not user.strip():
+        raise exc.InvalidArgumentError("user must be a non-empty user name (str), not %r" % (user,))
+    return user
+
+
 def format_mode(mode: Union[int, str, None]) -> Optional[str]:
     """``0o644`` / ``"644"`` / ``"0644"`` -> ``"0644"`` (octal, as the API expects)."""
     if mode is None:
@@ -469,7 +480,10 @@ def command_body(
     env: Optional[Mapping[str, Any]] = None,
     timeout: Optional[float] = 60,
     stdin: StdinT = None,
+    user: Optional[str] = None,
 ) -> Dict[str, Any]:
+    """``user``: run as that user of the sandbox (its uid/gid, HOME/USER/LOGNAME, its home as
+    the default cwd); sent only when given (default: root)."""
     body: Dict[str, Any] = {}
     if isinstance(cmd, str):
         if not cmd.strip():
@@ -493,6 +507,9 @@ def command_body(
         body["stdin_b64"] = base64.b64encode(bytes(stdin)).decode("ascii")
     elif stdin is not None:
         raise exc.InvalidArgumentError("stdin must be str or bytes")
+    name = user_name(user)
+    if name is not None:
+        body["user"] = name
     if background:
         body["background"] = True
     return body
@@ -759,12 +776,22 @@ def read_file(files: str, path: str) -> Call:
 
 
 def write_file(
-    files: str, path: str, content: Any, mode: Union[int, str, None] = None, length: Optional[int] = None
+    files: str,
+    path: str,
+    content: Any,
+    mode: Union[int, str, None] = None,
+    length: Optional[int] = None,
+    user: Optional[str] = None,
 ) -> Call:
+    """``user``: the file (and parent directories made) belong to that sandbox user; sent only
+    when given (sandbox files only: the daemon answers 400 for a volume's)."""
     params = {"path": path}
     m = format_mode(mode)
     if m is not None:
         params["mode"] = m
+    name = user_name(user)
+    if name is not None:
+        params["user"] = name
     headers = {"Content-Type": "application/octet-stream"}
     if length is not None:
         headers["Content-Length"] = str(length)
@@ -791,11 +818,12 @@ def stat(files: str, path: str) -> Call:
     return Call("GET", files + "/stat", params={"path": path}, parse=EntryInfo.from_dict)
 
 
-def make_dir(files: str, path: str, parents: bool = True) -> Call:
+def make_dir(files: str, path: str, parents: bool = True, user: Optional[str] = None) -> Call:
+    """``user``: as for :func:`write_file`."""
     return Call(
         "POST",
         files + "/mkdir",
-        json={"path": path, "parents": bool(parents)},
+        json=_compact({"path": path, "parents": bool(parents), "user": user_name(user)}),
         parse=EntryInfo.from_dict,
     )
 

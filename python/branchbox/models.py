@@ -183,13 +183,18 @@ class ProcessInfo(_Model):
 
 @dataclass
 class EntryInfo(_Model):
-    """A filesystem entry. ``type`` is ``file``, ``dir``, ``symlink`` or ``other``."""
+    """A filesystem entry. ``type`` is ``file``, ``dir``, ``symlink`` or ``other``.
+
+    ``uid``/``gid`` are its owner and group as ids inside the sandbox (0 from a daemon that
+    does not send them)."""
 
     name: str = ""
     path: str = ""
     type: str = ""
     size: int = 0
     mode: int = 0
+    uid: int = 0
+    gid: int = 0
     mtime: Optional[float] = None
     symlink_target: Optional[str] = None
     raw: Dict[str, Any] = _raw()

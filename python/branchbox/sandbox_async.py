@@ -497,9 +497,10 @@ class AsyncCommands:
         stdin: Union[str, bytes, None] = None,
         on_stdout: Optional[Callable[[str], Any]] = None,
         on_stderr: Optional[Callable[[str], Any]] = None,
+        user: Optional[str] = None,
     ) -> Any:
         """See :meth:`branchbox.sandbox_sync.Commands.run`."""
-        body = _core.command_body(cmd, background, cwd, env, timeout, stdin)
+        body = _core.command_body(cmd, background, cwd, env, timeout, stdin, user)
         http = self._sbx._http
         if background:
             if on_stdout is not None or on_stderr is not None:
@@ -602,7 +603,9 @@ class AsyncFiles:
             data = await stream.read()
         return data.decode("utf-8", "replace") if format == "text" else data
 
-    async def write(self, path: str, data: Any, mode: Union[int, str, None] = None) -> EntryInfo:
+    async def write(
+        self, path: str, data: Any, mode: Union[int, str, None] = None, *, user: Optional[str] = None
+    ) -> EntryInfo:
         """Write str, bytes, a (sync or async) file object or an (async) iterable of chunks."""
         payload = _core.bytes_payload(data)
         if payload is not None:
@@ -614,7 +617,7 @@ class AsyncFiles:
             content, length = _aiter_chunks(data), None
         else:
             raise InvalidArgumentError("data must be str, bytes, a file object or an iterable of bytes")
-        return await self._http.call(_core.write_file(self._prefix, path, content, mode, length))
+        return await self._http.call(_core.write_file(self._prefix, path, content, mode, length, user))
 
     async def list(self, path: str = "/", depth: int = 1) -> List[EntryInfo]:
         return await self._http.call(_core.list_dir(self._prefix, path, depth))
@@ -629,8 +632,10 @@ class AsyncFiles:
             return False
         return True
 
-    async def make_dir(self, path: str, parents: bool = True) -> EntryInfo:
-        return await self._http.call(_core.make_dir(self._prefix, path, parents))
+    async def make_dir(self, path: str, parents: bool = True, *, user: Optional[str] = None) -> EntryInfo:
+        """Create ``path`` (with ``parents``, missing parents too and no error if it exists);
+        ``user``: new directories belong to that sandbox user (default root)."""
+        return await self._http.call(_core.make_dir(self._prefix, path, parents, user))
 
     async def remove(self, path: str, recursive: bool = False) -> bool:
         return await self._http.call(_core.remove(self._prefix, path, recursive))
@@ -638,10 +643,17 @@ class AsyncFiles:
     async def rename(self, src: str, dst: str) -> EntryInfo:
         return await self._http.call(_core.rename(self._prefix, src, dst))
 
-    async def upload(self, local_path: Union[str, "os.PathLike[str]"], remote_path: str, mode: Union[int, str, None] = None) -> EntryInfo:
-        """Stream a local file to ``remote_path``."""
+    async def upload(
+        self,
+        local_path: Union[str, "os.PathLike[str]"],
+        remote_path: str,
+        mode: Union[int, str, None] = None,
+        *,
+        user: Optional[str] = None,
+    ) -> EntryInfo:
+        """Stream a local file to ``remote_path`` (``user``: as for :meth:`write`)."""
         with open(local_path, "rb") as f:
-            return await self.write(remote_path, f, mode=mode)
+            return await self.write(remote_path, f, mode=mode, user=user)
 
     async def download(self, remote_path: str, local_path: Union[str, "os.PathLike[str]"]) -> str:
         """Stream ``remote_path`` to ``local_path``; returns the local path."""

@@ -786,14 +786,17 @@ class Commands:
         stdin: Union[str, bytes, None] = None,
         on_stdout: Optional[_core.Callback] = None,
         on_stderr: Optional[_core.Callback] = None,
+        user: Optional[str] = None,
     ) -> Any:
         """Run ``cmd`` (a ``/bin/sh -c`` string, or an argv list).
 
         Returns a :class:`CommandResult` (a nonzero exit is not an error: use
         ``.check()``), or a :class:`CommandHandle` with ``background=True``. With
         ``on_stdout``/``on_stderr`` output is streamed and the callbacks get each chunk.
+        ``user`` runs it as that user of the sandbox (e.g. ``"user"``; its uid/gid,
+        HOME/USER/LOGNAME, its home as the default cwd); default root.
         """
-        body = _core.command_body(cmd, background, cwd, env, timeout, stdin)
+        body = _core.command_body(cmd, background, cwd, env, timeout, stdin, user)
         http = self._sbx._http
         if background:
             if on_stdout is not None or on_stderr is not None:
@@ -881,10 +884,14 @@ class Files:
             data = stream.read()
         return data.decode("utf-8", "replace") if format == "text" else data
 
-    def write(self, path: str, data: Any, mode: Union[int, str, None] = None) -> EntryInfo:
+    def write(
+        self, path: str, data: Any, mode: Union[int, str, None] = None, *, user: Optional[str] = None
+    ) -> EntryInfo:
         """Write ``data`` (str, bytes, a binary/text file object or an iterable of chunks).
 
-        File objects and iterables are streamed. Parent directories are created.
+        File objects and iterables are streamed. Parent directories are created. ``user``:
+        the file (and parent directories made) belong to that sandbox user (default root;
+        sandbox files only, the daemon refuses it for a volume's).
         """
         payload = _core.bytes_payload(data)
         if payload is not None:
@@ -896,7 +903,7 @@ class Files:
             content, length = _core.iter_chunks(data), None
         else:
             raise InvalidArgumentError("data must be str, bytes, a file object or an iterable of bytes")
-        return self._http.call(_core.write_file(self._prefix, path, content, mode, length))
+        return self._http.call(_core.write_file(self._prefix, path, content, mode, length, user))
 
     def list(self, path: str = "/", depth: int = 1) -> List[EntryInfo]:
         return self._http.call(_core.list_dir(self._prefix, path, depth))
@@ -911,8 +918,10 @@ class Files:
             return False
         return True
 
-    def make_dir(self, path: str, parents: bool = True) -> EntryInfo:
-        return self._http.call(_core.make_dir(self._prefix, path, parents))
+    def make_dir(self, path: str, parents: bool = True, *, user: Optional[str] = None) -> EntryInfo:
+        """Create ``path`` (with ``parents``, missing parents too and no error if it exists);
+        ``user``: new directories belong to that sandbox user (default root)."""
+        return self._http.call(_core.make_dir(self._prefix, path, parents, user))
 
     def remove(self, path: str, recursive: bool = False) -> bool:
         return self._http.call(_core.remove(self._prefix, path, recursive))
@@ -920,10 +929,17 @@ class Files:
     def rename(self, src: str, dst: str) -> EntryInfo:
         return self._http.call(_core.rename(self._prefix, src, dst))
 
-    def upload(self, local_path: Union[str, "os.PathLike[str]"], remote_path: str, mode: Union[int, str, None] = None) -> EntryInfo:
-        """Stream a local file to ``remote_path``."""
+    def upload(
+        self,
+        local_path: Union[str, "os.PathLike[str]"],
+        remote_path: str,
+        mode: Union[int, str, None] = None,
+        *,
+        user: Optional[str] = None,
+    ) -> EntryInfo:
+        """Stream a local file to ``remote_path`` (``user``: as for :meth:`write`)."""
         with open(local_path, "rb") as f:
-            return self.write(remote_path, f, mode=mode)
+            return self.write(remote_path, f, mode=mode, user=user)
 
     def download(self, remote_path: str, local_path: Union[str, "os.PathLike[str]"]) -> str:
         """Stream ``remote_path`` to ``local_path``; returns the local path."""

@@ -7,8 +7,10 @@
   template; idle memory; many sandboxes at once;
 - ``net`` (:mod:`branchbox_bench.net`): network modes, allowlist against none and a
   sandbox's traffic against the host's, to upstream servers of :mod:`branchbox_bench.networld`
-  (a network namespace it brings up, as root).
+  (a network namespace it brings up, as root);
+- ``e2b`` (:mod:`branchbox_bench.e2b`): the daemon's E2B-compatible endpoint, driven by E2B's
+  own SDKs (``e2b``, ``e2b-code-interpreter``), against branchbox's SDK on the same daemon.
 
-They drive the daemon through the public ``branchbox`` SDK only. Nothing here is imported
+They drive the daemon through the public ``branchbox`` SDK only (``e2b``: and E2B's SDKs). Nothing here is imported
 by ``import branchbox``.
 """

@@ -455,6 +455,9 @@ def sandbox_exec(
     env: Optional[List[str]] = typer.Option(None, "--env", "-e", help="KEY=VALUE (repeatable)."),
     timeout: float = typer.Option(600, "--timeout", help="Kill the command after this many seconds."),
     stdin: bool = typer.Option(False, "--stdin", "-i", help="Forward this process's stdin."),
+    user: Optional[str] = typer.Option(
+        None, "--user", "-u", help="Run as this user of the sandbox (e.g. user; its home is the default cwd). Default root."
+    ),
 ) -> None:
     """Run a command, streaming its output; exits with the command's exit code."""
     c = ctx_of(ctx)
@@ -479,6 +482,7 @@ def sandbox_exec(
             env=parse_env(env) or None,
             timeout=timeout,
             stdin=data,
+            user=user,
             on_stdout=write(sys.stdout),
             on_stderr=write(sys.stderr),
         )

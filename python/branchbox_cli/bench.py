@@ -12,7 +12,7 @@ from rich.text import Text
 
 from branchbox_bench.stats import summary_tail_lines
 
-from .base import cli_errors, ctx_of, err, fmt_bytes, fmt_num, out
+from .base import cli_errors, ctx_of, err, fail, fmt_bytes, fmt_num, out
 
 bench_app = typer.Typer(help="Benchmarks (the last line of stdout is the JSON summary).", no_args_is_help=True)
 
@@ -418,3 +418,73 @@ def bench_net(
         result = net.run_net_bench(cfg, progress=lambda m: status.update("bench net: " + m))
     summary = result.summary()
     _report("branchbox bench net (ms)", result.rows(), net_report_lines(summary), summary, as_json)
+
+
+def e2b_report_lines(s: Dict[str, Any]) -> List[str]:
+    """Human-readable summary lines of a ``bench e2b`` JSON summary."""
+    ms = lambda k: fmt_num(s.get(k), " ms", "%.2f")  # noqa: E731
+    ratio = lambda k: fmt_num(s.get(k), "", "%.2f")  # noqa: E731
+    pool = s.get("pool") or {}
+    hits = lambda side: "%s/%s" % (  # noqa: E731
+        (pool.get(side) or {}).get("hits", "-"),
+        sum((pool.get(side) or {}).values()) if pool.get(side) else "-",
+    )
+    lines = [
+        "E2B endpoint %s (E2B SDK) vs branchbox's SDK on the same daemon; ratio = E2B / branchbox" % s.get("e2b_url"),
+        "create p50: E2B %s vs branchbox %s (ratio %s); warm pool hits: E2B %s, branchbox %s"
+        % (ms("e2b_create_ms_p50"), ms("bb_create_ms_p50"), ratio("e2b_overhead_ratio_create"), hits("e2b"), hits("bb")),
+        "commands.run(\"true\") p50: E2B %s vs branchbox %s (ratio %s); branchbox running E2B's argv "
+        "(/bin/bash -l -c true) %s (ratio %s)"
+        % (ms("e2b_run_true_ms_p50"), ms("bb_run_true_ms_p50"), ratio("e2b_overhead_ratio_run"),
+           ms("bb_run_bash_login_true_ms_p50"), ratio("e2b_overhead_ratio_run_same_argv")),
+        "run_code(\"1+1\") p50: E2B code interpreter %s vs branchbox %s (ratio %s)"
+        % (ms("e2b_run_code_ms_p50"), ms("bb_run_code_ms_p50"), ratio("e2b_overhead_ratio_run_code")),
+        "fork(%s), median of %s: E2B %s vs branchbox %s (ratio %s)"
+        % (s.get("fork_n"), s.get("fork_reps"), ms("e2b_fork16_ms"), ms("bb_fork16_ms"), ratio("e2b_overhead_ratio_fork16")),
+        "E2B cloud create %s (documented by E2B, not measured) / E2B endpoint create p50 %s: %s faster"
+        % (fmt_num(s.get("e2b_cloud_create_ms"), " ms", "%.0f"), ms("e2b_create_ms_p50"),
+           fmt_num(s.get("e2b_vs_cloud_create_speedup"), "x", "%.1f")),
+    ]
+    return lines + summary_tail_lines(s)
+
+
+@bench_app.command("e2b")
+@cli_errors
+def bench_e2b(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Only print the JSON summary line."),
+    samples: int = typer.Option(15, "--samples", min=1, help="Samples of create, run and run_code, per side."),
+    fork_reps: int = typer.Option(3, "--fork-reps", min=1, help="fork(16)s per side (the median is reported)."),
+    image: str = typer.Option("base", "--image", help="Image (E2B template id) of every sandbox."),
+    e2b_url: str = typer.Option(
+        "http://127.0.0.1:49999", "--e2b-url", envvar="BRANCHBOX_E2B_URL",
+        help="The daemon's E2B endpoint (its --e2b-listen address).",
+    ),
+    e2b_api_key: Optional[str] = typer.Option(
+        None, "--e2b-api-key", envvar="BRANCHBOX_TOKEN", show_default=False,
+        help="The E2B API key: the daemon's --token (default: --token).",
+    ),
+) -> None:
+    """branchbox's E2B-compatible endpoint, driven by E2B's SDKs, against branchbox's own SDK.
+
+    create, commands.run("true"), run_code("1+1") and fork(16), the two sides interleaved in one
+    process on the same daemon (--daemon and --e2b-url must name the same one). Needs the `e2b`
+    and `e2b-code-interpreter` packages. The last line of stdout is always the JSON summary.
+    """
+    c = ctx_of(ctx)
+    key = e2b_api_key or c.token
+    if not key:
+        raise fail(
+            "bench e2b: no API key for the E2B endpoint: pass the daemon's token as --e2b-api-key "
+            "(or set BRANCHBOX_TOKEN)"
+        )
+    from branchbox_bench import e2b as be
+
+    cfg = be.E2bConfig(
+        e2b_url=e2b_url, e2b_api_key=key, daemon=c.daemon, token=c.token, image=image, samples=samples,
+        fork_reps=fork_reps,
+    )
+    with err.status("benchmarking") as status:
+        result = be.run_e2b_bench(cfg, progress=lambda m: status.update("bench e2b: " + m))
+    summary = result.summary()
+    _report("branchbox bench e2b (ms)", result.rows(), e2b_report_lines(summary), summary, as_json)

@@ -131,6 +131,9 @@ def files_cp(
     recursive: bool = typer.Option(
         False, "-r", "--recursive", help="Copy a directory and its contents (symlinks and special files are skipped)."
     ),
+    user: Optional[str] = typer.Option(
+        None, "--user", "-u", help="Copying in: the files and directories made belong to this sandbox user (default root)."
+    ),
 ) -> None:
     """Copy a file into a sandbox or out of it: exactly one of SRC and DST is SANDBOX:/path.
 
@@ -141,9 +144,11 @@ def files_cp(
         raise fail("both %s and %s are sandbox paths: copy out to a local file, then in" % (src, dst))
     if into is None and out_of is None:
         raise fail("neither %s nor %s is a sandbox path: write one side as SANDBOX:/path" % (src, dst))
+    if into is None and user is not None:
+        raise fail("--user sets who owns files copied into a sandbox: drop it when copying out")
     if into is not None:
         with connected(ctx, into[0]) as sbx:
-            _upload(sbx, src, into[1], recursive)
+            _upload(sbx, src, into[1], recursive, user)
     else:
         assert out_of is not None
         with connected(ctx, out_of[0]) as sbx:
@@ -157,14 +162,14 @@ def _remote_dir(sbx: Sandbox, path: str) -> bool:
         return False
 
 
-def _upload(sbx: Sandbox, src: str, dst: str, recursive: bool) -> None:
+def _upload(sbx: Sandbox, src: str, dst: str, recursive: bool, user: Optional[str] = None) -> None:
     where = "%s:%s" % (sbx.id, dst)
     if src == "-":
         if recursive:
             raise fail("- (stdin) is one file's content, not a directory: drop -r")
         if dst.endswith("/") or _remote_dir(sbx, dst):
             raise fail("%s is a directory: name the file stdin goes to, e.g. %s" % (where, posixpath.join(where, "stdin")))
-        sbx.files.write(dst, sys.stdin.buffer)
+        sbx.files.write(dst, sys.stdin.buffer, user=user)
         return
     try:
         st = os.stat(src)
@@ -175,17 +180,18 @@ def _upload(sbx: Sandbox, src: str, dst: str, recursive: bool) -> None:
     if stat.S_ISDIR(st.st_mode):
         if not recursive:
             raise fail("%s is a directory: add -r to copy it with its contents" % src)
-        _report_skipped(_upload_tree(sbx, src, target))
+        _report_skipped(_upload_tree(sbx, src, target, user))
     elif stat.S_ISREG(st.st_mode):
-        sbx.files.upload(src, target, mode=stat.S_IMODE(st.st_mode) & 0o777)
+        sbx.files.upload(src, target, mode=stat.S_IMODE(st.st_mode) & 0o777, user=user)
     else:
         raise fail("%s is not a regular file or a directory: only those can be copied" % src)
 
 
-def _upload_tree(sbx: Sandbox, root: str, target: str) -> List[str]:
-    """Copy the local directory ``root`` to ``target`` in the sandbox; returns what was skipped."""
+def _upload_tree(sbx: Sandbox, root: str, target: str, user: Optional[str] = None) -> List[str]:
+    """Copy the local directory ``root`` to ``target`` in the sandbox (what it makes owned by
+    ``user``); returns what was skipped."""
     skipped: List[str] = []
-    sbx.files.make_dir(target, parents=True)
+    sbx.files.make_dir(target, parents=True, user=user)
 
     def raise_error(e: OSError) -> None:
         raise e
@@ -198,12 +204,12 @@ def _upload_tree(sbx: Sandbox, root: str, target: str) -> List[str]:
             if os.path.islink(local):  # os.walk does not descend into it either
                 skipped.append(local)
             else:
-                sbx.files.make_dir(posixpath.join(rdir, name), parents=True)
+                sbx.files.make_dir(posixpath.join(rdir, name), parents=True, user=user)
         for name in sorted(filenames):
             local = os.path.join(dirpath, name)
             st = os.lstat(local)
             if stat.S_ISREG(st.st_mode):
-                sbx.files.upload(local, posixpath.join(rdir, name), mode=stat.S_IMODE(st.st_mode) & 0o777)
+                sbx.files.upload(local, posixpath.join(rdir, name), mode=stat.S_IMODE(st.st_mode) & 0o777, user=user)
             else:
                 skipped.append(local)
     return skipped
@@ -297,9 +303,12 @@ def files_mkdir(
     sandbox_id: str = typer.Argument(..., metavar="SANDBOX"),
     path: str = typer.Argument(..., metavar="PATH", help="Directory to create in the sandbox."),
     parents: bool = typer.Option(False, "-p", "--parents", help="Create missing parents too; no error if it exists."),
+    user: Optional[str] = typer.Option(
+        None, "--user", "-u", help="The directories made belong to this sandbox user (default root)."
+    ),
 ) -> None:
     """Create a directory in a sandbox."""
     hint = "the parent of %s does not exist in %s: add -p to create it too" % (path, sandbox_id)
     with connected(ctx, sandbox_id) as sbx, _flag_hint(NotFoundError, parents, hint):
-        sbx.files.make_dir(path, parents)
+        sbx.files.make_dir(path, parents, user=user)
     out.print("created %s:%s" % (sandbox_id, path))

@@ -86,6 +86,22 @@ def test_sandbox_exec_streams_and_exits_with_code(runner: CliRunner, daemon: Fak
     assert daemon.body()["args"] == ["ls", "-la"]
 
 
+def test_sandbox_exec_as_user(runner: CliRunner, daemon: FakeDaemon) -> None:
+    events = [{"type": "stdout", "data": "user\n"}, {"type": "exit", "exit_code": 0, "signal": None, "timed_out": False}]
+    daemon.on("POST", BASE + "/commands/stream", lambda r: httpx.Response(200, stream=ndjson(*events)))
+    r = invoke(runner, "sandbox", "exec", "--user", "user", SID, "--", "whoami")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout == "user\n"
+    assert daemon.body() == {"cmd": "whoami", "timeout": 600.0, "user": "user"}
+    assert invoke(runner, "sandbox", "exec", "-u", "user", SID, "id").exit_code == 0
+    assert daemon.body()["user"] == "user"
+    assert invoke(runner, "sandbox", "exec", SID, "id").exit_code == 0
+    assert "user" not in daemon.body()
+    daemon.on("POST", BASE + "/commands/stream", {"error": {"code": "bad_request", "message": "no user bob in the sandbox"}}, 400)
+    r = invoke(runner, "sandbox", "exec", "--user", "bob", SID, "id")
+    assert r.exit_code != 0 and "bob" in r.stderr
+
+
 def test_sandbox_ls_info_kill(runner: CliRunner, daemon: FakeDaemon) -> None:
     daemon.on("GET", "/v1/sandboxes", {"sandboxes": [SANDBOX, dict(SANDBOX, id="sb-dead", state="dead", oom_killed=True)]})
     r = invoke(runner, "sandbox", "ls")

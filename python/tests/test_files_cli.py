@@ -258,3 +258,42 @@ def test_mkdir(runner: CliRunner, daemon: FakeDaemon) -> None:
     assert one_red_line(invoke(runner, "files", "mkdir", SID, "/a/b")) == (
         "error: the parent of /a/b does not exist in %s: add -p to create it too" % SID
     )
+
+
+def test_mkdir_and_cp_as_user(runner: CliRunner, daemon: FakeDaemon, tmp_path) -> None:
+    daemon.on("POST", FILES + "/mkdir", entry("/home/user/d", "dir"))
+    assert invoke(runner, "files", "mkdir", "-p", "--user", "user", SID, "/home/user/d").exit_code == 0
+    assert daemon.body() == {"path": "/home/user/d", "parents": True, "user": "user"}
+
+    daemon.on("GET", FILES + "/stat", by_path({"/home/user": entry("/home/user", "dir")}))
+    accept_puts(daemon)
+    local = tmp_path / "a.txt"
+    local.write_bytes(b"abc")
+    r = invoke(runner, "files", "cp", "--user", "user", str(local), SID + ":/home/user/a.txt")
+    assert r.exit_code == 0, r.stderr
+    assert puts(daemon)[-1].url.params["user"] == "user"
+    r = invoke(runner, "files", "cp", "-u", "user", "-", SID + ":/home/user/in", input=b"x")
+    assert r.exit_code == 0, r.stderr
+    assert puts(daemon)[-1].url.params["user"] == "user"
+
+    tree = tmp_path / "proj"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "f").write_bytes(b"f")
+    n = len(daemon.requests)
+    r = invoke(runner, "files", "cp", "-r", "--user", "user", str(tree), SID + ":/home/user/")
+    assert r.exit_code == 0, r.stderr
+    made = [daemon.body(q) for q in daemon.requests[n:] if q.url.path == FILES + "/mkdir"]
+    assert made == [
+        {"path": "/home/user/proj", "parents": True, "user": "user"},
+        {"path": "/home/user/proj/sub", "parents": True, "user": "user"},
+    ]
+    assert [dict(p.url.params) for p in puts(daemon)[-1:]] == [
+        {"path": "/home/user/proj/sub/f", "mode": "%04o" % (stat.S_IMODE(os.stat(tree / "sub" / "f").st_mode) & 0o777), "user": "user"}
+    ]
+
+    r = invoke(runner, "files", "cp", str(local), SID + ":/root/b.txt")
+    assert r.exit_code == 0, r.stderr
+    assert "user" not in puts(daemon)[-1].url.params
+    n = len(daemon.requests)
+    assert "--user" in one_red_line(invoke(runner, "files", "cp", "--user", "user", SID + ":/root/b.txt", "-"))
+    assert len(daemon.requests) == n

@@ -183,6 +183,47 @@ async def test_files(sbx: AsyncSandbox, fake: FakeDaemon, tmp_path) -> None:
         await sbx.files.read("/../x")
 
 
+async def test_user_only_when_given(sbx: AsyncSandbox, fake: FakeDaemon, tmp_path) -> None:
+    fake.on("POST", BASE + "/commands", RESULT)
+    await sbx.commands.run("id", user="user")
+    assert fake.body() == {"cmd": "id", "timeout": 60, "user": "user"}
+    await sbx.commands.run("id")
+    assert "user" not in fake.body()
+
+    fake.on("POST", BASE + "/commands", {"pid": 8}, 201)
+    h = await sbx.commands.run("sleep 1", background=True, user="user")
+    assert h.pid == 8 and fake.body() == {"cmd": "sleep 1", "timeout": 60, "user": "user", "background": True}
+
+    events = [{"type": "exit", "exit_code": 0, "signal": None, "timed_out": False}]
+    fake.on("POST", BASE + "/commands/stream", httpx.Response(200, stream=ndjson(*events)))
+    await sbx.commands.run("id", on_stdout=print, user="user")
+    assert fake.last.url.path == BASE + "/commands/stream"
+    assert fake.body() == {"cmd": "id", "timeout": 60, "user": "user"}
+
+    fake.on("PUT", BASE + "/files", dict(ENTRY, uid=1000, gid=1000))
+    fake.on("POST", BASE + "/files/mkdir", dict(ENTRY, type="dir", uid=1000, gid=1000))
+    info = await sbx.files.write("/home/user/x", b"x", user="user")
+    assert dict(fake.last.url.params) == {"path": "/home/user/x", "user": "user"}
+    assert (info.uid, info.gid) == (1000, 1000)
+    await sbx.files.write("/x", b"x")
+    assert dict(fake.last.url.params) == {"path": "/x"}
+    src = tmp_path / "up"
+    src.write_bytes(b"u")
+    await sbx.files.upload(src, "/home/user/up", mode=0o644, user="user")
+    assert dict(fake.last.url.params) == {"path": "/home/user/up", "mode": "0644", "user": "user"}
+    d = await sbx.files.make_dir("/home/user/d", user="user")
+    assert fake.body() == {"path": "/home/user/d", "parents": True, "user": "user"} and d.uid == 1000
+    await sbx.files.make_dir("/d")
+    assert fake.body() == {"path": "/d", "parents": True}
+
+    fake.on("GET", BASE + "/files/list", {"entries": [dict(ENTRY, uid=1000, gid=100), ENTRY]})
+    owned, old = await sbx.files.list("/a")
+    assert (owned.uid, owned.gid, old.uid, old.gid) == (1000, 100, 0, 0)
+
+    with pytest.raises(branchbox.InvalidArgumentError, match="user"):
+        await sbx.commands.run("x", user="")
+
+
 async def test_images(fake: FakeDaemon) -> None:
     fake.on("GET", "/v1/images", {"images": [IMAGE]})
     events = [{"type": "progress", "stage": "s", "done": 1, "total": 2}, {"type": "done", "image": IMAGE}]

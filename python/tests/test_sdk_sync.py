@@ -448,6 +448,79 @@ def test_file_metadata_ops(sbx: Sandbox, fake: FakeDaemon) -> None:
     assert sbx.files.exists("/nope") is False
 
 
+def test_run_as_user_only_when_given(sbx: Sandbox, fake: FakeDaemon) -> None:
+    fake.on("POST", BASE + "/commands", RESULT)
+    sbx.commands.run("id -u", user="user")
+    assert fake.body() == {"cmd": "id -u", "timeout": 60, "user": "user"}
+    sbx.commands.run("id -u", user=None)
+    assert "user" not in fake.body()
+
+    fake.on("POST", BASE + "/commands", {"pid": 8}, 201)
+    sbx.commands.run("sleep 10", background=True, user="user")
+    assert fake.body() == {"cmd": "sleep 10", "timeout": 60, "user": "user", "background": True}
+    sbx.commands.run("sleep 10", background=True)
+    assert "user" not in fake.body()
+
+    events = [{"type": "start", "pid": 7}, {"type": "exit", "exit_code": 0, "signal": None, "timed_out": False}]
+    fake.on("POST", BASE + "/commands/stream", httpx.Response(200, stream=ndjson(*events)))
+    sbx.commands.run(["whoami"], on_stdout=print, user="user")
+    assert fake.last.url.path == BASE + "/commands/stream"
+    assert fake.body() == {"args": ["whoami"], "timeout": 60, "user": "user"}
+    fake.on("POST", BASE + "/commands/stream", httpx.Response(200, stream=ndjson(*events)))
+    sbx.commands.run(["whoami"], on_stdout=print)
+    assert "user" not in fake.body()
+
+    n = len(fake.requests)
+    for bad in ("", "  ", 1000):
+        with pytest.raises(InvalidArgumentError, match="user"):
+            sbx.commands.run("x", user=bad)  # type: ignore[arg-type]
+    assert len(fake.requests) == n
+
+
+def test_unknown_user_is_the_daemons_400(sbx: Sandbox, fake: FakeDaemon) -> None:
+    fake.on("POST", BASE + "/commands", {"error": {"code": "bad_request", "message": "no user nobody2 in the sandbox"}}, 400)
+    with pytest.raises(InvalidArgumentError, match="nobody2"):
+        sbx.commands.run("x", user="nobody2")
+
+
+def test_files_as_user_only_when_given(sbx: Sandbox, fake: FakeDaemon, tmp_path) -> None:
+    fake.on("PUT", BASE + "/files", dict(ENTRY, uid=1000, gid=1000))
+    fake.on("POST", BASE + "/files/mkdir", dict(ENTRY, type="dir", uid=1000, gid=1000))
+    info = sbx.files.write("/home/user/a", "x", mode=0o600, user="user")
+    assert dict(fake.last.url.params) == {"path": "/home/user/a", "mode": "0600", "user": "user"}
+    assert (info.uid, info.gid) == (1000, 1000)
+    sbx.files.write("/a/b", "x")
+    assert dict(fake.last.url.params) == {"path": "/a/b"}
+
+    src = tmp_path / "f"
+    src.write_bytes(b"data")
+    sbx.files.upload(src, "/home/user/f", user="user")
+    assert dict(fake.last.url.params) == {"path": "/home/user/f", "user": "user"} and fake.last.content == b"data"
+    sbx.files.upload(src, "/f")
+    assert "user" not in fake.last.url.params
+
+    d = sbx.files.make_dir("/home/user/d", user="user")
+    assert fake.body() == {"path": "/home/user/d", "parents": True, "user": "user"}
+    assert d.is_dir and (d.uid, d.gid) == (1000, 1000)
+    sbx.files.make_dir("/d", parents=False)
+    assert fake.body() == {"path": "/d", "parents": False}
+
+    with pytest.raises(InvalidArgumentError, match="user"):
+        sbx.files.write("/a", "x", user="")
+    with pytest.raises(InvalidArgumentError, match="user"):
+        sbx.files.make_dir("/a", user=0)  # type: ignore[arg-type]
+
+
+def test_entries_parse_uid_gid_and_default_to_root(sbx: Sandbox, fake: FakeDaemon) -> None:
+    fake.on("GET", BASE + "/files/list", {"entries": [dict(ENTRY, uid=1000, gid=100), ENTRY]})
+    fake.on("GET", BASE + "/files/stat", dict(ENTRY, uid=65534, gid=65534))
+    owned, old = sbx.files.list("/a")
+    assert (owned.uid, owned.gid) == (1000, 100)
+    assert (old.uid, old.gid) == (0, 0)  # an older daemon sends neither
+    assert (sbx.files.stat("/a/b").uid, sbx.files.stat("/a/b").gid) == (65534, 65534)
+    assert EntryInfo.from_dict(ENTRY) == EntryInfo.from_dict(dict(ENTRY, uid=0, gid=0))
+
+
 # ----------------------------------------------------------------------------- images
 
 

@@ -111,12 +111,18 @@ def test_pipelined_requests(py: SessionProcess) -> None:
 
 def test_python_state_and_last_expression(py: SessionProcess) -> None:
     r = py.run("x = 1\ndef inc(v):\n    return v + 1\n")
-    assert r == {"stdout": "", "stderr": "", "result": None, "error": None}
+    assert r == {"stdout": "", "stderr": "", "result": None, "error": None, "execution_count": 1}
     assert py.run("inc(x)")["result"] == "2"
     assert py.run("x = inc(x)\nx * 10")["result"] == "20"
     assert py.run("'s'")["result"] == "'s'"
     assert py.run("None")["result"] is None
-    assert py.run("print('p')\n[1, 2]") == {"stdout": "p\n", "stderr": "", "result": "[1, 2]", "error": None}
+    assert py.run("print('p')\n[1, 2]") == {
+        "stdout": "p\n",
+        "stderr": "",
+        "result": "[1, 2]",
+        "error": None,
+        "execution_count": 6,
+    }
     assert py.run("x = 5")["result"] is None  # an assignment is not an expression
     assert py.run("__name__")["result"] == "'__main__'"
     assert py.run("_")["result"] == "'__main__'"  # REPL-style last result
@@ -209,15 +215,36 @@ def test_python_sigint_while_the_server_finishes_a_run_is_that_runs_error(py: Se
         "stderr": "",
         "result": None,
         "error": {"name": "KeyboardInterrupt", "value": "", "traceback": "KeyboardInterrupt\n"},
+        "execution_count": 2,
     }
     assert _fds(py.proc.pid) == {0, 1, 2, 3}
     assert py.run("print('next')")["stdout"] == "next\n"  # sys.stdout and fd 1 are the server's again
 
 
+def test_python_rich_outputs_come_as_displays(py: SessionProcess) -> None:
+    r = py.run(
+        "class H:\n"
+        "    def _repr_html_(self): return '<b>h</b>'\n"
+        "    def _repr_png_(self): return b'PNG'\n"
+        "    def __repr__(self): return 'H()'\n"
+        "display(1, H())\n"
+        "H()"
+    )
+    assert r["result"] == "H()" and r["execution_count"] == 1
+    assert r["displays"] == [
+        {"text": "1"},
+        {"text": "H()", "html": "<b>h</b>", "png": "UE5H"},
+        {"html": "<b>h</b>", "png": "UE5H", "is_main_result": True},
+    ]
+    # A plain value, or a class (its _repr_*_ are unbound), has no displays: its text is the result.
+    assert "displays" not in py.run("42")
+    assert "displays" not in py.run("H")
+
+
 def test_python_sigint_while_idle_is_dropped(py: SessionProcess) -> None:
     py.run("x = 1")
     os.kill(py.proc.pid, signal.SIGINT)  # the answer was sent: the server idles (or is about to)
-    assert py.run("x + 1") == {"stdout": "", "stderr": "", "result": "2", "error": None}
+    assert py.run("x + 1") == {"stdout": "", "stderr": "", "result": "2", "error": None, "execution_count": 2}
     assert py.request({"op": "ping"})["ok"] is True
 
 

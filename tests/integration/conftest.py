@@ -47,6 +47,8 @@ class Daemon:
         # restarts.
         self.tcp_port = _free_port()
         self.tcp_token = "bbtest-" + uuid.uuid4().hex
+        # The E2B-compatible endpoint (test_e2b.py), its API key the token.
+        self.e2b_port = _free_port()
 
     def start(self, extra=()) -> None:
         os.makedirs(RUN, exist_ok=True)
@@ -61,7 +63,8 @@ class Daemon:
                 # The proxy's credentials for the world's hosts, and the CA of the world's HTTPS
                 # servers (test_proxy.py).
                 "--proxy-credentials", PROXY_CREDENTIALS, "--proxy-ca", PROXY_CA,
-                "--listen", "127.0.0.1:%d" % self.tcp_port, "--token", self.tcp_token]
+                "--listen", "127.0.0.1:%d" % self.tcp_port, "--token", self.tcp_token,
+                "--e2b-listen", "127.0.0.1:%d" % self.e2b_port]
         if os.environ.get("BRANCHBOX_INIT_BIN"):  # default: branchbox-init next to the daemon binary
             argv += ["--init-bin", os.environ["BRANCHBOX_INIT_BIN"]]
         argv += extra

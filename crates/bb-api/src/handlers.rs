@@ -444,6 +444,8 @@ pub struct WriteQuery {
     pub path: String,
     /// Octal file mode, e.g. `0644`.
     pub mode: Option<String>,
+    /// The sandbox user the file belongs to (default root), e.g. `user`.
+    pub user: Option<String>,
 }
 
 #[derive(Deserialize, IntoParams)]
@@ -468,9 +470,22 @@ enum FsOf {
 impl FsOf {
     /// `write`: the request changes files.
     async fn open(&self, rt: &AppState, write: bool) -> ApiResult<bb_runtime::sandbox::files::SandboxFs> {
-        Ok(match self {
-            FsOf::Sandbox(id) => rt.fs(id).await?,
-            FsOf::Volume(vid) => rt.volume_fs(vid, write).await?,
+        self.open_as(rt, write, None).await
+    }
+
+    /// [`open`](Self::open), new files and directories owned by `user` (a sandbox's user).
+    async fn open_as(
+        &self,
+        rt: &AppState,
+        write: bool,
+        user: Option<&str>,
+    ) -> ApiResult<bb_runtime::sandbox::files::SandboxFs> {
+        Ok(match (self, user) {
+            (FsOf::Sandbox(id), user) => rt.fs_as(id, user).await?,
+            (FsOf::Volume(vid), None) => rt.volume_fs(vid, write).await?,
+            (FsOf::Volume(_), Some(_)) => {
+                return Err(ApiError::bad_request("user is for sandbox files: volume files belong to root"))
+            }
         })
     }
 }
@@ -534,7 +549,7 @@ async fn write_in(rt: AppState, of: FsOf, q: WriteQuery, body: Body) -> ApiResul
         FsOf::Volume(vid) => rt.volume_room(vid).await?,
         FsOf::Sandbox(_) => None,
     };
-    let fs = std::sync::Arc::new(of.open(&rt, true).await?);
+    let fs = std::sync::Arc::new(of.open_as(&rt, true, q.user.as_deref()).await?);
     let fs2 = fs.clone();
     let mut upload = blocking(move || fs2.begin_write(&path, mode)).await?;
     let mut file = tokio::fs::File::from_std(upload.take_file());
@@ -621,7 +636,7 @@ pub async fn make_dir(
 
 async fn mkdir_in(rt: AppState, of: FsOf, req: MakeDir) -> ApiResult<Json<EntryInfo>> {
     let path = SbPath::parse(&req.path)?;
-    let fs = of.open(&rt, true).await?;
+    let fs = of.open_as(&rt, true, req.user.as_deref()).await?;
     Ok(Json(blocking(move || fs.mkdir(&path, req.parents)).await?))
 }
 

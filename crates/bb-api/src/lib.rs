@@ -102,7 +102,26 @@ pub fn router(rt: Arc<Runtime>, token: Option<String>) -> Router {
         })),
         None => r,
     };
-    r.layer(axum::middleware::from_fn(keepalive::close_if_body_unread))
+    let r = r.layer(axum::middleware::from_fn(keepalive::close_if_body_unread));
+    // Sandbox ids are also taken in their dashless form (the one the E2B endpoint shows): the
+    // path is rewritten before routing, so every handler sees the runtime's own id.
+    Router::new().fallback_service(tower::ServiceBuilder::new().map_request(canonical_sandbox_path).service(r))
+}
+
+/// `/v1/sandboxes/sb0123456789ab/...` → `/v1/sandboxes/sb-0123456789ab/...`.
+fn canonical_sandbox_path(mut req: axum::extract::Request) -> axum::extract::Request {
+    let uri = req.uri();
+    let Some(rest) = uri.path().strip_prefix("/v1/sandboxes/") else { return req };
+    let (id, tail) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let canon = bb_runtime::sandbox::lifecycle::canonical_id(id);
+    if canon == id {
+        return req;
+    }
+    let query = uri.query().map(|q| format!("?{q}")).unwrap_or_default();
+    if let Ok(u) = format!("/v1/sandboxes/{canon}{tail}{query}").parse() {
+        *req.uri_mut() = u;
+    }
+    req
 }
 
 /// `r` with the Host-header form of sandbox ports in front of it: a request to

@@ -16,6 +16,8 @@ pub struct Prepared {
     candidates: Vec<CString>,
     argv_ptrs: Vec<*const libc::c_char>,
     envp_ptrs: Vec<*const libc::c_char>,
+    /// uid and gid to take before exec (root's otherwise).
+    ids: Option<(u32, u32)>,
 }
 
 fn cstr(what: &str, s: &str) -> Result<CString, String> {
@@ -42,7 +44,7 @@ impl Prepared {
                 .collect::<Result<_, _>>()?
         };
         let (argv_ptrs, envp_ptrs) = (ptrs(&argv), ptrs(&envp));
-        Ok(Prepared { argv, _envp: envp, cwd, candidates, argv_ptrs, envp_ptrs })
+        Ok(Prepared { argv, _envp: envp, cwd, candidates, argv_ptrs, envp_ptrs, ids: req.ids })
     }
 }
 
@@ -52,7 +54,7 @@ pub struct SpawnFailure {
     pub message: String,
 }
 
-const STAGES: &[&str] = &["dup2", "chdir", "setsid", "seccomp", "execve", "capabilities"];
+const STAGES: &[&str] = &["dup2", "chdir", "setsid", "seccomp", "execve", "capabilities", "set user"];
 
 /// Stack of the vforked child until it execs.
 const CHILD_STACK: usize = 64 * 1024;
@@ -112,9 +114,6 @@ fn child(p: &Prepared, stdio: [Option<RawFd>; 4], policy: &bb_isolation::Seccomp
                 return (0, errno());
             }
         }
-        if libc::chdir(p.cwd.as_ptr()) < 0 {
-            return (1, errno());
-        }
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         let mut empty: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut empty);
@@ -124,6 +123,20 @@ fn child(p: &Prepared, stdio: [Option<RawFd>; 4], policy: &bb_isolation::Seccomp
     // Neither call allocates. `apply` sets no_new_privs first.
     if bb_isolation::drop_capabilities().is_err() {
         return (5, errno());
+    }
+    // Another user: no supplementary groups, then gid and uid (which clears the capabilities
+    // left); the working directory is entered as that user.
+    if let Some((uid, gid)) = p.ids {
+        // SAFETY: plain syscalls on this process's own credentials.
+        unsafe {
+            if libc::setgroups(0, std::ptr::null()) < 0 || libc::setgid(gid) < 0 || libc::setuid(uid) < 0 {
+                return (6, errno());
+            }
+        }
+    }
+    // SAFETY: chdir with a NUL-terminated path prepared before the clone.
+    if unsafe { libc::chdir(p.cwd.as_ptr()) } < 0 {
+        return (1, errno());
     }
     if policy.apply().is_err() {
         return (3, errno());

@@ -202,6 +202,7 @@ pub(crate) fn finalize_rootfs(root: &Path) -> Result<(), LayersError> {
     // debootstrap copies the host's resolv.conf; the sandbox must not inherit it. An (empty)
     // file stays so the runtime can bind-mount or overwrite its own.
     write_new(&root.join("etc/resolv.conf"), b"", 0o644)?;
+    add_user(root)?;
     for (d, mode) in [
         ("root", 0o700),
         ("tmp", 0o1777),
@@ -212,6 +213,59 @@ pub(crate) fn finalize_rootfs(root: &Path) -> Result<(), LayersError> {
         ("run", 0o755),
     ] {
         ensure_dir(&root.join(d), mode)?;
+    }
+    Ok(())
+}
+
+/// The unprivileged account every image built here has (as E2B's base template): `user`, uid and
+/// gid [`USER_ID`], home `/home/user` (a copy of /etc/skel), bash, and passwordless sudo when sudo
+/// is installed. An image that already has it is left alone.
+pub const USER_NAME: &str = "user";
+pub const USER_ID: u32 = 1000;
+
+fn add_user(root: &Path) -> Result<(), LayersError> {
+    let passwd = root.join("etc/passwd");
+    let have = fs::read_to_string(&passwd).unwrap_or_default();
+    if have.lines().any(|l| l.split(':').next() == Some(USER_NAME)) {
+        return Ok(());
+    }
+    let append = |rel: &str, line: String| -> Result<(), LayersError> {
+        let path = root.join(rel);
+        if !path.exists() {
+            return Ok(());
+        }
+        let mut f = fs::OpenOptions::new()
+            .append(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&path)
+            .map_err(io_err(format!("opening {}", path.display())))?;
+        f.write_all(line.as_bytes()).map_err(io_err(format!("writing {}", path.display())))
+    };
+    let (name, id) = (USER_NAME, USER_ID);
+    append("etc/passwd", format!("{name}:x:{id}:{id}::/home/{name}:/bin/bash\n"))?;
+    append("etc/group", format!("{name}:x:{id}:\n"))?;
+    append("etc/shadow", format!("{name}:*:19000:0:99999:7:::\n"))?;
+    append("etc/gshadow", format!("{name}:!::\n"))?;
+    let home = root.join("home").join(name);
+    ensure_dir(&root.join("home"), 0o755)?;
+    ensure_dir(&home, 0o750)?;
+    if let Ok(rd) = fs::read_dir(root.join("etc/skel")) {
+        for e in rd.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_file()) {
+                let to = home.join(e.file_name());
+                fs::copy(e.path(), &to).map_err(io_err(format!("copying {}", to.display())))?;
+                std::os::unix::fs::lchown(&to, Some(id), Some(id))
+                    .map_err(io_err(format!("chown {}", to.display())))?;
+            }
+        }
+    }
+    std::os::unix::fs::lchown(&home, Some(id), Some(id)).map_err(io_err(format!("chown {}", home.display())))?;
+    if root.join("etc/sudoers.d").is_dir() {
+        write_new(
+            &root.join("etc/sudoers.d").join(name),
+            format!("{name} ALL=(ALL:ALL) NOPASSWD: ALL\n").as_bytes(),
+            0o440,
+        )?;
     }
     Ok(())
 }
@@ -439,5 +493,32 @@ mod tests {
         assert_eq!(mode("tmp"), 0o1777);
         assert_eq!(mode("var/tmp"), 0o1777);
         assert_eq!(mode("root"), 0o700);
+    }
+
+    /// Needs root (chown to the user's ids).
+    #[test]
+    fn images_get_an_unprivileged_user_with_sudo_once() {
+        use std::os::unix::fs::MetadataExt;
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let r = d.path();
+        for p in ["etc/skel", "etc/sudoers.d"] {
+            fs::create_dir_all(r.join(p)).unwrap();
+        }
+        fs::write(r.join("etc/passwd"), "root:x:0:0:root:/root:/bin/bash\n").unwrap();
+        fs::write(r.join("etc/group"), "root:x:0:\n").unwrap();
+        fs::write(r.join("etc/skel/.bashrc"), "# rc\n").unwrap();
+        add_user(r).unwrap();
+        add_user(r).unwrap();
+        let passwd = fs::read_to_string(r.join("etc/passwd")).unwrap();
+        assert_eq!(passwd.matches("user:x:1000:1000::/home/user:/bin/bash").count(), 1, "{passwd}");
+        assert!(fs::read_to_string(r.join("etc/group")).unwrap().contains("user:x:1000:"));
+        let sudo = fs::read_to_string(r.join("etc/sudoers.d/user")).unwrap();
+        assert_eq!(sudo, "user ALL=(ALL:ALL) NOPASSWD: ALL\n");
+        let home = fs::metadata(r.join("home/user")).unwrap();
+        assert_eq!((home.uid(), home.gid()), (1000, 1000));
+        assert_eq!(fs::metadata(r.join("home/user/.bashrc")).unwrap().uid(), 1000);
     }
 }

@@ -81,6 +81,9 @@ pub struct SpawnRequest {
     pub fd3: bool,
     /// Shown in process listings (usually the command line).
     pub tag: String,
+    /// Run as this uid and gid of the sandbox (supplementary groups: none); root when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ids: Option<(u32, u32)>,
 }
 
 impl SpawnRequest {
@@ -96,6 +99,7 @@ impl SpawnRequest {
             stderr: false,
             fd3: false,
             tag: String::new(),
+            ids: None,
         }
     }
 }
@@ -302,6 +306,7 @@ mod tests {
             stderr: false,
             fd3: false,
             tag: "echo hi".into(),
+            ids: Some((1000, 1000)),
         });
         send(a.as_raw_fd(), &req, &[pw.as_raw_fd()]).unwrap();
         drop(pw);

@@ -197,6 +197,10 @@ pub struct RunCommand {
     pub stdin_b64: Option<String>,
     #[serde(default)]
     pub background: bool,
+    /// Run as this user of the sandbox (its /etc/passwd; default root): its uid and gid, no
+    /// supplementary groups, HOME/USER/LOGNAME set, and its home as the default cwd.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
@@ -291,6 +295,17 @@ pub struct SessionResult {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,
     pub timed_out: bool,
+    /// Python: rich outputs of the run, in order: `display(obj)` calls, matplotlib figures left
+    /// open (as `png`), then the last expression's when it has more than text
+    /// (`is_main_result`; its text is `result`). Each holds `text` (its repr) and what the
+    /// object offers of `html`, `markdown`, `svg`, `png`, `jpeg`, `pdf`, `latex`, `json`,
+    /// `javascript` (binary ones base64).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schema(value_type = Vec<Object>)]
+    pub displays: Vec<serde_json::Value>,
+    /// Python: how many runs the session has had, this one included.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub execution_count: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema, PartialEq)]
@@ -302,6 +317,11 @@ pub struct EntryInfo {
     pub kind: String,
     pub size: u64,
     pub mode: u32,
+    /// Owner and group, as ids inside the sandbox (65534 when outside its range).
+    #[serde(default)]
+    pub uid: u32,
+    #[serde(default)]
+    pub gid: u32,
     pub mtime: f64,
     pub symlink_target: Option<String>,
 }
@@ -317,6 +337,9 @@ pub struct MakeDir {
     pub path: String,
     #[serde(default = "yes")]
     pub parents: bool,
+    /// The sandbox user new directories belong to (default root).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 fn yes() -> bool {

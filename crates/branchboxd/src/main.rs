@@ -155,6 +155,15 @@ struct Args {
     /// PEM file of CA certificates the proxy trusts upstream (beside the system's).
     #[arg(long)]
     proxy_ca: Option<PathBuf>,
+    /// Serve an E2B-compatible endpoint on this TCP address (e.g. 127.0.0.1:49999): E2B's SDKs
+    /// reach it with E2B_API_URL and E2B_SANDBOX_URL set to `http://ADDR` and E2B_API_KEY to the
+    /// daemon's token (--token, required). Off by default.
+    #[arg(long)]
+    e2b_listen: Option<String>,
+    /// The `domain` the E2B endpoint answers for its sandboxes: `{port}-{sandboxID}.{domain}` on
+    /// the E2B listener reaches that port of that sandbox.
+    #[arg(long, default_value = "localhost")]
+    e2b_domain: String,
     /// Print the OpenAPI document and exit.
     #[arg(long)]
     print_openapi: bool,
@@ -192,6 +201,9 @@ fn main() -> anyhow::Result<()> {
 async fn run(args: Args, store_credentials: Option<(String, String)>) -> anyhow::Result<()> {
     if args.listen.is_some() && args.token.as_deref().unwrap_or("").is_empty() {
         bail!("--listen needs --token (or BRANCHBOX_TOKEN): the TCP API must not be open to anyone");
+    }
+    if args.e2b_listen.is_some() && args.token.as_deref().unwrap_or("").is_empty() {
+        bail!("--e2b-listen needs --token (or BRANCHBOX_TOKEN): it is the endpoint's API key (E2B_API_KEY)");
     }
     let init_bin = match args.init_bin {
         Some(p) => p,
@@ -326,6 +338,29 @@ async fn run(args: Args, store_credentials: Option<(String, String)>) -> anyhow:
             bb_api::with_port_hosts(bb_api::router(rt.clone(), args.token.clone()), rt.clone(), &args.port_domain);
         tokio::spawn(async move {
             let _ = axum::serve(tcp, app).await;
+        });
+    }
+
+    if let Some(addr) = &args.e2b_listen {
+        let tcp = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        tracing::info!(%addr, "serving the E2B-compatible endpoint (X-API-KEY = the token)");
+        let cfg = bb_e2b::E2bConfig {
+            api_key: args.token.clone().unwrap_or_default(),
+            domain: args.e2b_domain.trim_matches('.').to_string(),
+        };
+        let app = bb_e2b::router(rt.clone(), cfg);
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = tcp.accept().await else { continue };
+                let _ = stream.set_nodelay(true);
+                let svc = TowerToHyperService::new(app.clone());
+                // HTTP/1.1 and HTTP/2 without TLS (prior knowledge): E2B's SDKs speak HTTP/2.
+                tokio::spawn(async move {
+                    let _ = auto::Builder::new(TokioExecutor::new())
+                        .serve_connection_with_upgrades(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
         });
     }
 

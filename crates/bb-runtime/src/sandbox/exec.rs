@@ -5,7 +5,8 @@ use crate::initconn::{init_error, unexpected, InitConn};
 use crate::model::{CommandEvent, CommandResult, ProcessInfo, RunCommand};
 use crate::sandbox::Sandbox;
 use base64::Engine;
-use bb_proto::{ExitStatus, Request, Response, SpawnRequest};
+pub use bb_proto::ExitStatus;
+use bb_proto::{Request, Response, SpawnRequest};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,6 +26,8 @@ pub struct Resolved {
     pub stdin: Option<Vec<u8>>,
     pub timeout: Option<Duration>,
     pub tag: String,
+    /// uid and gid to run as (root when None).
+    pub ids: Option<(u32, u32)>,
 }
 
 pub fn resolve(sb: &Sandbox, req: &RunCommand) -> Result<Resolved> {
@@ -58,13 +61,25 @@ pub fn resolve(sb: &Sandbox, req: &RunCommand) -> Result<Resolved> {
         Some(0.0) => None,
         Some(t) => Some(Duration::from_secs_f64(t)),
     };
+    let mut env = req.env.clone();
+    let (ids, home) = match req.user.as_deref() {
+        None | Some("root") => (None, None),
+        Some(name) => {
+            let u = crate::sandbox::files::lookup_user(&sb.rootfs(), name)?;
+            for (k, v) in [("HOME", u.home.as_str()), ("USER", name), ("LOGNAME", name)] {
+                env.entry(k.into()).or_insert_with(|| v.into());
+            }
+            (Some((u.uid, u.gid)), Some(u.home))
+        }
+    };
     Ok(Resolved {
         argv,
-        env: sb.env_with(&req.env),
-        cwd: req.cwd.clone().unwrap_or_else(|| sb.spec.cwd.clone()),
+        env: sb.env_with(&env),
+        cwd: req.cwd.clone().or(home).unwrap_or_else(|| sb.spec.cwd.clone()),
         stdin,
         timeout,
         tag,
+        ids,
     })
 }
 
@@ -84,6 +99,7 @@ async fn send_spawn(
         stdout: true,
         stderr: true,
         tag: std::mem::take(&mut r.tag),
+        ids: r.ids,
         ..SpawnRequest::new(std::mem::take(&mut r.argv), std::mem::take(&mut r.env), std::mem::take(&mut r.cwd))
     };
     let fds: Vec<RawFd> = stdin.into_iter().chain([stdout, stderr]).collect();
@@ -147,10 +163,37 @@ impl Collector {
     }
 }
 
+/// Where a pipe's bytes go: a collector (buffered and maybe streamed as text), or raw chunks to
+/// an attached process's owner.
+enum Sink {
+    Collect(Collector),
+    Raw { tx: mpsc::Sender<Attached>, is_err: bool },
+}
+
+impl Sink {
+    async fn push(&mut self, data: &[u8]) {
+        match self {
+            Sink::Collect(c) => c.push(data).await,
+            Sink::Raw { tx, is_err } => {
+                let chunk = bytes::Bytes::copy_from_slice(data);
+                let ev = if *is_err { Attached::Stderr(chunk) } else { Attached::Stdout(chunk) };
+                let _ = tx.send(ev).await;
+            }
+        }
+    }
+}
+
 /// Read a pipe until EOF, or — once `exited` fires — until it is momentarily empty: what the
 /// process wrote before exiting is already in the pipe, and a grandchild that keeps the pipe open
 /// must not hold the answer hostage.
-async fn collect(rx: pipe::Receiver, mut col: Collector, mut exited: watch::Receiver<bool>) -> (String, bool) {
+async fn collect(rx: pipe::Receiver, col: Collector, exited: watch::Receiver<bool>) -> (String, bool) {
+    match drain(rx, Sink::Collect(col), exited).await {
+        Sink::Collect(col) => col.finish().await,
+        Sink::Raw { .. } => unreachable!("drain hands back the sink it was given"),
+    }
+}
+
+async fn drain(rx: pipe::Receiver, mut col: Sink, mut exited: watch::Receiver<bool>) -> Sink {
     let mut buf = vec![0u8; 64 * 1024];
     let mut draining = false;
     loop {
@@ -181,7 +224,7 @@ async fn collect(rx: pipe::Receiver, mut col: Collector, mut exited: watch::Rece
             _ = exited.changed() => draining = true,
         }
     }
-    col.finish().await
+    col
 }
 
 /// Run a command in the foreground. With `events`, output is also streamed as it comes.
@@ -327,6 +370,70 @@ pub async fn start_background(sb: &Sandbox, req: &RunCommand) -> Result<i32> {
         });
     }
     Ok(pid)
+}
+
+/// What an attached process sends its owner: output as it comes, then its exit (or nothing, when
+/// the sandbox went away under it: the channel just closes).
+#[derive(Debug)]
+pub enum Attached {
+    Stdout(bytes::Bytes),
+    Stderr(bytes::Bytes),
+    Exit(ExitStatus),
+}
+
+/// A process whose owner holds its stdin and reads its output as raw bytes, for as long as it
+/// runs (no timeout): it outlives the request that started it, not the daemon. Like a foreground
+/// command, it holds an init connection (init kills its process group if that drops), so a
+/// checkpoint or pause waits for it to end.
+pub struct AttachedProcess {
+    pub pid: i32,
+    /// Its stdin, when asked for (dropping it closes the process's stdin).
+    pub stdin: Option<pipe::Sender>,
+    pub events: mpsc::Receiver<Attached>,
+}
+
+/// Start `req` attached (see [`AttachedProcess`]); `req.stdin` and `req.timeout` are not used.
+pub async fn start_attached(sb: &Sandbox, req: &RunCommand, stdin: bool) -> Result<AttachedProcess> {
+    let mut r = resolve(sb, req)?;
+    let (out_r, out_w) = pipe_pair()?;
+    let (err_r, err_w) = pipe_pair()?;
+    let stdin_pipe = if stdin { Some(pipe_pair()?) } else { None };
+    let stdin_rd = stdin_pipe.as_ref().map(|(rd, _)| rd.as_raw_fd());
+    let conn = send_spawn(sb, &mut r, false, stdin_rd, out_w.as_raw_fd(), err_w.as_raw_fd()).await?;
+    drop((out_w, err_w));
+    let stdin = match stdin_pipe {
+        Some((rd, wr)) => {
+            drop(rd);
+            Some(pipe::Sender::from_owned_fd(wr).map_err(RuntimeError::io("stdin pipe"))?)
+        }
+        None => None,
+    };
+    let pid = match conn.recv().await? {
+        Response::Started { pid } => pid,
+        Response::Error { errno, message } => return Err(init_error(errno, message)),
+        other => return Err(unexpected(other)),
+    };
+    let (tx, events) = mpsc::channel(256);
+    let (out, err) = (receiver(out_r)?, receiver(err_r)?);
+    tokio::spawn(async move {
+        let (exited_tx, exited) = watch::channel(false);
+        let out_task = tokio::spawn(drain(out, Sink::Raw { tx: tx.clone(), is_err: false }, exited.clone()));
+        let err_task = tokio::spawn(drain(err, Sink::Raw { tx: tx.clone(), is_err: true }, exited));
+        let status = loop {
+            match conn.recv().await {
+                Ok(Response::Exited { status, .. }) => break Some(status),
+                Ok(_) => continue,
+                Err(_) => break None, // the sandbox (its init) went away
+            }
+        };
+        let _ = exited_tx.send(true);
+        let _ = out_task.await;
+        let _ = err_task.await;
+        if let Some(status) = status {
+            let _ = tx.send(Attached::Exit(status)).await;
+        }
+    });
+    Ok(AttachedProcess { pid, stdin, events })
 }
 
 fn read_log(path: &std::path::Path) -> (String, bool) {
@@ -479,6 +586,12 @@ impl crate::Runtime {
     pub async fn wait_process(self: &Arc<Self>, id: &str, pid: i32, timeout: Option<f64>) -> Result<CommandResult> {
         let sb = self.ready(id).await?;
         wait(&sb, pid, timeout).await
+    }
+
+    /// Start a process attached to its caller (see [`AttachedProcess`]).
+    pub async fn start_attached(self: &Arc<Self>, id: &str, req: RunCommand, stdin: bool) -> Result<AttachedProcess> {
+        let sb = self.ready(id).await?;
+        start_attached(&sb, &req, stdin).await
     }
 
     pub async fn kill_process(self: &Arc<Self>, id: &str, pid: i32, signal: Option<i32>) -> Result<()> {

@@ -86,6 +86,10 @@ impl SbPath {
 pub struct SandboxFs {
     root: OwnedFd,
     uid: u32,
+    /// Host gid new files and directories get (the uid's own group unless [`Self::owned_by`]).
+    gid: u32,
+    /// Host id of the sandbox's root (in-sandbox ids are host ids minus it).
+    base: u32,
     /// Held while the handle lives: a checkpoint or rollback (which swaps the root under us)
     /// waits for file operations in flight, and new ones wait for it.
     _gate: Option<tokio::sync::OwnedRwLockReadGuard<()>>,
@@ -127,7 +131,13 @@ fn sys_to_nix(e: bb_sys::SysError) -> nix::Error {
     nix::Error::from_raw(e.errno())
 }
 
-fn entry(path: &SbPath, st: &FileStat, target: Option<String>) -> EntryInfo {
+/// The in-sandbox id of a host id (`base`: host id of the sandbox's root); ids outside the
+/// sandbox's range show as 65534 (nobody).
+fn sandbox_id(host: u32, base: u32) -> u32 {
+    host.checked_sub(base).filter(|id| *id < 65_536).unwrap_or(65_534)
+}
+
+fn entry(path: &SbPath, st: &FileStat, target: Option<String>, base: u32) -> EntryInfo {
     let fmt = SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits());
     let kind = match fmt {
         SFlag::S_IFREG => "file",
@@ -141,6 +151,8 @@ fn entry(path: &SbPath, st: &FileStat, target: Option<String>) -> EntryInfo {
         kind: kind.into(),
         size: st.st_size as u64,
         mode: st.st_mode & 0o7777,
+        uid: sandbox_id(st.st_uid, base),
+        gid: sandbox_id(st.st_gid, base),
         mtime: st.st_mtime as f64 + st.st_mtime_nsec as f64 / 1e9,
         symlink_target: target,
     }
@@ -154,7 +166,14 @@ impl SandboxFs {
             .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
             .open(rootfs)
             .map_err(RuntimeError::io("open sandbox root"))?;
-        Ok(SandboxFs { root: root.into(), uid, _gate: None })
+        Ok(SandboxFs { root: root.into(), uid, gid: uid, base: uid, _gate: None })
+    }
+
+    /// New files and directories are owned by host `uid` and `gid` (a sandbox user's).
+    pub fn owned_by(mut self, uid: u32, gid: u32) -> SandboxFs {
+        self.uid = uid;
+        self.gid = gid;
+        self
     }
 
     /// Like [`open`](Self::open), holding `gate` (the sandbox's root-swap lock) while alive.
@@ -174,13 +193,13 @@ impl SandboxFs {
     }
 
     fn stat_in(&self, dir: BorrowedFd<'_>, path: &SbPath) -> Result<EntryInfo> {
-        stat_named(dir, std::ffi::OsStr::new(path.name()), path)
+        stat_named(dir, std::ffi::OsStr::new(path.name()), path, self.base)
     }
 
     pub fn stat(&self, path: &SbPath) -> Result<EntryInfo> {
         if path.is_root() {
             let st = nix::sys::stat::fstat(self.root.as_raw_fd()).map_err(|e| errno_to_error("stat", path, e))?;
-            return Ok(entry(path, &st, None));
+            return Ok(entry(path, &st, None, self.base));
         }
         let dir = self.parent_dir(path)?;
         self.stat_in(dir.as_fd(), path)
@@ -238,7 +257,7 @@ impl SandboxFs {
         .map_err(|e| errno_to_error("create", path, sys_to_nix(e)))?;
         let up = Upload { file: Some(File::from(fd)), dir, tmp, dst: path.clone(), committed: false };
         let raw = up.file.as_ref().expect("set").as_raw_fd();
-        nix::unistd::fchown(raw, Some(self.uid.into()), Some(self.uid.into()))
+        nix::unistd::fchown(raw, Some(self.uid.into()), Some(self.gid.into()))
             .map_err(|e| errno_to_error("chown", path, e))?;
         nix::sys::stat::fchmod(raw, Mode::from_bits_truncate(mode)).map_err(|e| errno_to_error("chmod", path, e))?;
         Ok(up)
@@ -280,7 +299,7 @@ impl SandboxFs {
                         Some(parent.as_raw_fd()),
                         part.as_str(),
                         Some(self.uid.into()),
-                        Some(self.uid.into()),
+                        Some(self.gid.into()),
                         AtFlags::AT_SYMLINK_NOFOLLOW,
                     )
                     .map_err(|e| errno_to_error("chown", &cur, e))?;
@@ -324,7 +343,7 @@ impl SandboxFs {
                 )));
             }
             let child = path.join(&name.to_string_lossy());
-            let info = match stat_named(dirfd, &name, &child) {
+            let info = match stat_named(dirfd, &name, &child, self.base) {
                 Ok(i) => i,
                 Err(RuntimeError::NotFound { .. }) => continue, // removed meanwhile
                 Err(e) => return Err(e),
@@ -416,7 +435,7 @@ impl Drop for Upload {
 
 /// Remove everything below an open directory without following symlinks.
 /// Stat entry `name` (any bytes) of `dir`; `shown` is its path as the answer names it.
-fn stat_named(dir: BorrowedFd<'_>, name: &std::ffi::OsStr, shown: &SbPath) -> Result<EntryInfo> {
+fn stat_named(dir: BorrowedFd<'_>, name: &std::ffi::OsStr, shown: &SbPath, base: u32) -> Result<EntryInfo> {
     let st = fstatat(Some(dir.as_raw_fd()), name, AtFlags::AT_SYMLINK_NOFOLLOW)
         .map_err(|e| errno_to_error("stat", shown, e))?;
     let target = if st.st_mode & SFlag::S_IFMT.bits() == SFlag::S_IFLNK.bits() {
@@ -424,7 +443,7 @@ fn stat_named(dir: BorrowedFd<'_>, name: &std::ffi::OsStr, shown: &SbPath) -> Re
     } else {
         None
     };
-    Ok(entry(shown, &st, target))
+    Ok(entry(shown, &st, target, base))
 }
 
 fn remove_contents(dir: OwnedFd, path: &SbPath) -> Result<()> {
@@ -462,17 +481,122 @@ fn remove_contents(dir: OwnedFd, path: &SbPath) -> Result<()> {
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::Arc;
 
+/// A user of a sandbox, from its /etc/passwd.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SandboxUser {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub home: String,
+}
+
+/// Find `name` in a passwd file's text.
+pub fn find_user(passwd: &str, name: &str) -> Option<SandboxUser> {
+    passwd.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        if f.len() < 7 || f[0] != name {
+            return None;
+        }
+        Some(SandboxUser { name: name.into(), uid: f[2].parse().ok()?, gid: f[3].parse().ok()?, home: f[5].into() })
+    })
+}
+
+/// Names of the ids of a passwd or group file's text (third field), by id.
+pub fn id_names(text: &str) -> std::collections::HashMap<u32, String> {
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.split(':');
+            let name = f.next()?;
+            let id = f.nth(1)?.parse().ok()?;
+            Some((id, name.to_string()))
+        })
+        .collect()
+}
+
+/// A text file of the sandbox whose merged root is `rootfs` (at most 4 MiB of it), read through
+/// its root.
+fn read_small(rootfs: &Path, path: &str) -> Result<String> {
+    use std::io::Read;
+    let fs = SandboxFs::open(rootfs, 0)?;
+    let (file, _) = fs.open_read(&SbPath::parse(path)?)?;
+    let mut text = String::new();
+    file.take(4 << 20).read_to_string(&mut text).map_err(RuntimeError::io("read a sandbox file"))?;
+    Ok(text)
+}
+
+/// Look a user up in the sandbox whose merged root is `rootfs` (read through its root, so a
+/// symlinked /etc/passwd cannot point outside).
+pub fn lookup_user(rootfs: &Path, name: &str) -> Result<SandboxUser> {
+    let unknown = || {
+        RuntimeError::BadRequest(format!(
+            "user {name:?} does not exist in the sandbox: use \"root\" or a user of its /etc/passwd"
+        ))
+    };
+    if name.is_empty() || name.contains(':') {
+        return Err(unknown());
+    }
+    let text = read_small(rootfs, "/etc/passwd").map_err(|_| unknown())?;
+    find_user(&text, name).ok_or_else(unknown)
+}
+
 impl crate::Runtime {
     pub async fn fs(self: &Arc<Self>, id: &str) -> Result<SandboxFs> {
+        self.fs_as(id, None).await
+    }
+
+    /// A user of the sandbox (its /etc/passwd).
+    pub fn sandbox_user(&self, id: &str, name: &str) -> Result<SandboxUser> {
+        lookup_user(&self.get(id)?.rootfs(), name)
+    }
+
+    /// The sandbox's user and group names by id (from its /etc/passwd and /etc/group; empty
+    /// where it has none).
+    pub fn sandbox_id_names(
+        &self,
+        id: &str,
+    ) -> Result<(std::collections::HashMap<u32, String>, std::collections::HashMap<u32, String>)> {
+        let root = self.get(id)?.rootfs();
+        let names = |f: &str| read_small(&root, f).map(|t| id_names(&t)).unwrap_or_default();
+        Ok((names("/etc/passwd"), names("/etc/group")))
+    }
+
+    /// The sandbox's files, new ones owned by `user` (root when None).
+    pub async fn fs_as(self: &Arc<Self>, id: &str, user: Option<&str>) -> Result<SandboxFs> {
         let sb = self.ready(id).await?;
         let gate = sb.fs_gate.clone().read_owned().await;
-        SandboxFs::open_gated(&sb.rootfs(), self.cfg.idmap.host_base, gate)
+        let map = self.cfg.idmap;
+        let fs = SandboxFs::open_gated(&sb.rootfs(), map.host_base, gate)?;
+        match user {
+            None | Some("root") => Ok(fs),
+            Some(name) => {
+                let u = lookup_user(&sb.rootfs(), name)?;
+                match (map.to_host(u.uid), map.to_host(u.gid)) {
+                    (Some(uid), Some(gid)) => Ok(fs.owned_by(uid, gid)),
+                    _ => Err(RuntimeError::BadRequest(format!(
+                        "user {name:?} has ids outside the sandbox's user namespace: use another user"
+                    ))),
+                }
+            }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn users_and_id_names_come_from_passwd_text() {
+        let passwd = "root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000::/home/user:/bin/bash\nbad:line\n";
+        let u = find_user(passwd, "user").unwrap();
+        assert_eq!((u.uid, u.gid, u.home.as_str()), (1000, 1000, "/home/user"));
+        assert!(find_user(passwd, "nobody").is_none() && find_user(passwd, "bad").is_none());
+        let names = id_names(passwd);
+        assert_eq!(names.get(&1000).map(String::as_str), Some("user"));
+        assert_eq!(names.len(), 2);
+        assert_eq!(sandbox_id(1_001_000, 1_000_000), 1000);
+        assert_eq!(sandbox_id(5, 1_000_000), 65_534);
+    }
 
     #[test]
     fn lexical_escape_is_refused_and_paths_normalise() {

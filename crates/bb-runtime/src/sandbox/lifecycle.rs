@@ -22,6 +22,23 @@ pub(crate) fn new_sandbox_id() -> String {
     format!("sb-{}", &uuid::Uuid::new_v4().simple().to_string()[..12])
 }
 
+/// A sandbox id as the runtime keeps it: `sb` followed by 12 hex digits (its dashless form, the
+/// one the E2B endpoint shows, as E2B ids are `[a-z0-9]+`) gets its dash back; anything else is
+/// unchanged.
+pub fn canonical_id(id: &str) -> std::borrow::Cow<'_, str> {
+    match id.strip_prefix("sb") {
+        Some(hex) if hex.len() == 12 && hex.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()) => {
+            format!("sb-{hex}").into()
+        }
+        _ => id.into(),
+    }
+}
+
+/// The dashless form of a sandbox id (see [`canonical_id`]).
+pub fn dashless_id(id: &str) -> String {
+    id.replace('-', "")
+}
+
 impl Runtime {
     pub fn count(&self) -> usize {
         self.sandboxes.count()

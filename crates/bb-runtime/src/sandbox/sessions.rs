@@ -45,6 +45,19 @@ impl Runtime {
         run(&sb, &s, &req.code, crate::sandbox::exec::timeout_of(req.timeout)?).await
     }
 
+    /// Start a session afresh under the same id (kind and cwd kept; env from `req`).
+    pub async fn restart_session(self: &Arc<Self>, id: &str, sid: &str, req: CreateSession) -> Result<SessionInfo> {
+        let sb = self.ready(id).await?;
+        let old = self.session(&sb, sid).await?;
+        let kind = old.info().kind;
+        sb.sessions.lock().await.remove(sid);
+        kill(&sb, &old).await?;
+        let s = Arc::new(create_as(&sb, Some(sid.to_string()), &kind, false, req.cwd, &req.env).await?);
+        let info = s.info();
+        sb.sessions.lock().await.insert(s.id.clone(), s);
+        Ok(info)
+    }
+
     pub async fn kill_session(&self, id: &str, sid: &str) -> Result<()> {
         let sb = self.get(id)?;
         let s = sb.sessions.lock().await.remove(sid).ok_or_else(|| RuntimeError::NotFound {
@@ -64,23 +77,32 @@ impl Runtime {
         }
         let sb = self.ready(id).await?;
         let _busy = self.activity.busy();
-        let s = {
-            let mut default = sb.default_session.lock().await;
-            let existing = match default.as_ref() {
-                Some(sid) => sb.sessions.lock().await.get(sid).filter(|s| s.is_alive()).cloned(),
-                None => None,
-            };
-            match existing {
-                Some(s) => s,
-                None => {
-                    let s = Arc::new(create(&sb, "python", true, None, &Default::default()).await?);
-                    sb.sessions.lock().await.insert(s.id.clone(), s.clone());
-                    *default = Some(s.id.clone());
-                    s
-                }
-            }
-        };
+        let s = default_python(&sb, None).await?;
         run(&sb, &s, &req.code, crate::sandbox::exec::timeout_of(req.timeout)?).await
+    }
+
+    /// The sandbox's default python session (the one `run_code` uses), started in `cwd` (the
+    /// sandbox's cwd when None) if there is none alive.
+    pub async fn default_session(self: &Arc<Self>, id: &str, cwd: Option<String>) -> Result<SessionInfo> {
+        let sb = self.ready(id).await?;
+        Ok(default_python(&sb, cwd).await?.info())
+    }
+}
+
+async fn default_python(sb: &Sandbox, cwd: Option<String>) -> Result<Arc<Session>> {
+    let mut default = sb.default_session.lock().await;
+    let existing = match default.as_ref() {
+        Some(sid) => sb.sessions.lock().await.get(sid).filter(|s| s.is_alive()).cloned(),
+        None => None,
+    };
+    match existing {
+        Some(s) => Ok(s),
+        None => {
+            let s = Arc::new(create(sb, "python", true, cwd, &Default::default()).await?);
+            sb.sessions.lock().await.insert(s.id.clone(), s.clone());
+            *default = Some(s.id.clone());
+            Ok(s)
+        }
     }
 }
 
@@ -162,6 +184,7 @@ pub async fn create_as(
             stderr: true,
             fd3: true,
             tag: session_tag(&id, kind, default),
+            ids: None,
         }),
         &[log.as_raw_fd(), log.as_raw_fd(), theirs.as_raw_fd()],
     )?;
@@ -227,6 +250,8 @@ pub async fn run(sb: &Sandbox, session: &Session, code: &str, timeout: Option<Du
         error: v.get("error").filter(|e| !e.is_null()).cloned(),
         exit_code: v.get("exit_code").and_then(|x| x.as_i64()).map(|c| c as i32),
         timed_out: false,
+        displays: v.get("displays").and_then(|d| d.as_array()).cloned().unwrap_or_default(),
+        execution_count: v.get("execution_count").and_then(|x| x.as_u64()),
     })
 }
 

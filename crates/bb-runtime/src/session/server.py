@@ -94,6 +94,7 @@ interactive interpreter.
 
 import array
 import ast
+import base64
 import builtins
 import gc
 import fcntl
@@ -306,6 +307,40 @@ class PythonKernel(object):
         self.globals = main.__dict__
         self.counter = 0
         sys.argv = [""]
+        # Rich outputs of the current run: display() calls, open matplotlib figures, then the
+        # last expression's representations (answered as "displays").
+        self.displays = []
+        self.main_bundle = None
+        main.__dict__["display"] = self.display
+        # matplotlib draws off-screen (figures are returned as PNG).
+        os.environ.setdefault("MPLBACKEND", "Agg")
+
+    def display(self, *objs):
+        """Show objects as rich outputs of the current run (IPython's display())."""
+        for obj in objs:
+            self.displays.append(_bundle(obj, _fit(_clean(repr(obj)), False, MAX_RESULT)[0]))
+
+    def _collect_figures(self):
+        plt = sys.modules.get("matplotlib.pyplot")
+        if plt is None:
+            return
+        try:
+            nums = plt.get_fignums()
+        except Exception:
+            return
+        for n in nums:
+            try:
+                fig = plt.figure(n)
+                buf = io.BytesIO()
+                fig.savefig(buf, format="png", bbox_inches="tight")
+                png = base64.b64encode(buf.getvalue()).decode("ascii")
+                self.displays.append({"text": _clean(repr(fig)), "png": png})
+            except Exception:
+                pass
+        try:
+            plt.close("all")
+        except Exception:
+            pass
 
     @staticmethod
     def _setup_paths():
@@ -346,7 +381,10 @@ class PythonKernel(object):
             new_stderr = _text_stream(2)
             sys.stdout, sys.stderr = new_stdout, new_stderr
             try:
+                self.displays = []
+                self.main_bundle = None
                 result, error = self._execute(code, filename)
+                self._collect_figures()
             finally:
                 for f in (sys.stdout, sys.stderr, new_stdout, new_stderr):
                     try:
@@ -365,6 +403,13 @@ class PythonKernel(object):
             os.close(err_fd)
         res["result"] = result
         res["error"] = error
+        res["execution_count"] = self.counter
+        displays, self.displays = self.displays, []
+        if self.main_bundle is not None:
+            displays.append(self.main_bundle)
+            self.main_bundle = None
+        if displays:
+            res["displays"] = _fit_displays(displays)
         return res
 
     def _execute(self, code, filename):
@@ -396,11 +441,69 @@ class PythonKernel(object):
             if value is not None:
                 g["_"] = value
                 text = _fit(_clean(repr(value)), False, MAX_RESULT)[0]
+                # Its text is the answer's "result": the bundle only carries what more it has.
+                rich = _bundle(value, None)
+                if rich:
+                    self.main_bundle = dict(rich, is_main_result=True)
             interrupts.user = False
         except BaseException as exc:  # SystemExit / KeyboardInterrupt must not kill us
             interrupts.user = False
             return None, _format_error(exc)
         return text, None
+
+
+_MIME = (
+    ("html", "_repr_html_"),
+    ("markdown", "_repr_markdown_"),
+    ("svg", "_repr_svg_"),
+    ("png", "_repr_png_"),
+    ("jpeg", "_repr_jpeg_"),
+    ("pdf", "_repr_pdf_"),
+    ("latex", "_repr_latex_"),
+    ("json", "_repr_json_"),
+    ("javascript", "_repr_javascript_"),
+)
+MAX_DISPLAYS = 16 * 1024 * 1024  # bytes of rich outputs per run (beyond: text only)
+
+
+def _bundle(value, text):
+    """The representations of a value, as IPython's display formatter gathers them (with
+    ``text`` when given)."""
+    out = {} if text is None else {"text": text}
+    if isinstance(value, type):  # a class: its _repr_*_ are unbound functions
+        return out
+    for key, name in _MIME:
+        try:
+            f = getattr(value, name, None)
+            if not callable(f):
+                continue
+            r = f()
+        except Exception:
+            continue
+        if isinstance(r, tuple) and r:
+            r = r[0]
+        if isinstance(r, bytes):
+            r = base64.b64encode(r).decode("ascii")
+        if key == "json":
+            if isinstance(r, (dict, list)):
+                out[key] = r
+        elif isinstance(r, str):
+            out[key] = _clean(r)
+    return out
+
+
+def _fit_displays(displays):
+    """Keep rich outputs under MAX_DISPLAYS bytes: past it, only their text."""
+    total = 0
+    kept = []
+    for d in displays:
+        size = sum(len(v) for v in d.values() if isinstance(v, str))
+        if total + size > MAX_DISPLAYS:
+            d = {k: v for k, v in d.items() if k in ("text", "is_main_result")}
+            size = len(d.get("text", ""))
+        total += size
+        kept.append(d)
+    return kept
 
 
 def _text_stream(fd):

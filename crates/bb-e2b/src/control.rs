@@ -1,0 +1,550 @@
+//! E2B's control plane (`api.e2b.app` in their cloud), mapped onto the runtime: sandboxes are
+//! created, listed, timed, paused, resumed (by connect), forked and snapshotted by branchbox's own
+//! calls. Sandbox ids are shown dashless (`sb0123456789ab`: E2B ids are `[a-z0-9]+`).
+
+use crate::error::{E2bError, E2bResult};
+use crate::{access_token, E2b};
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use bb_runtime::model::{self, CreateSandbox, Lifecycle, OnTimeout, SandboxInfo};
+use bb_runtime::sandbox::lifecycle::{canonical_id, dashless_id};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// Metadata key holding the template id a sandbox was created from (not shown as metadata).
+pub const TEMPLATE_KEY: &str = "branchbox.e2b.template";
+/// What the endpoint answers as `envdVersion`: the envd whose features the data plane serves.
+pub const ENVD_VERSION: &str = "0.6.4";
+/// Answered as `clientID`.
+const CLIENT_ID: &str = "branchbox";
+/// Default sandbox lifetime, as E2B's.
+const DEFAULT_TIMEOUT: u64 = 300;
+/// Largest page of a list.
+const MAX_LIMIT: usize = 1000;
+
+type St = State<Arc<E2b>>;
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: Option<String>,
+    timeout: Option<u64>,
+    auto_pause: Option<bool>,
+    auto_resume: Option<AutoResume>,
+    secure: Option<bool>,
+    // The SDK sends this one field in snake case.
+    #[serde(alias = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+    #[serde(default)]
+    metadata: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    env_vars: Option<BTreeMap<String, String>>,
+}
+
+#[derive(Deserialize, Default)]
+pub struct AutoResume {
+    #[serde(default)]
+    enabled: bool,
+}
+
+/// What a template id names, in the order looked up: a snapshot, a branchbox template, an image.
+enum Source {
+    Snapshot(String),
+    Template(String),
+    Image(String),
+}
+
+fn resolve_template(e: &E2b, id: &str) -> Source {
+    let id = id.strip_suffix(":latest").unwrap_or(id);
+    if e.rt.snapshot(id).is_ok() {
+        Source::Snapshot(id.into())
+    } else if e.rt.template(id).is_ok() {
+        Source::Template(id.into())
+    } else {
+        Source::Image(id.into())
+    }
+}
+
+/// Parse a JSON body (an empty one is `{}`), E2B-shaped errors.
+fn body<T: for<'de> Deserialize<'de> + Default>(bytes: &[u8]) -> E2bResult<T> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(bytes).map_err(|err| E2bError::bad_request(format!("invalid JSON body: {err}")))
+}
+
+pub async fn create(State(e): St, bytes: axum::body::Bytes) -> E2bResult<Response> {
+    let req: NewSandbox = body(&bytes)?;
+    let template = req.template_id.clone().unwrap_or_else(|| "base".into());
+    if template.is_empty() {
+        return Err(E2bError::bad_request("templateID is empty: give a template (e.g. \"base\")"));
+    }
+    let mut metadata = req.metadata.unwrap_or_default();
+    if metadata.keys().any(|k| k.starts_with("branchbox.")) {
+        return Err(E2bError::bad_request("metadata keys starting with \"branchbox.\" are reserved: rename them"));
+    }
+    metadata.insert(TEMPLATE_KEY.into(), template.clone());
+    let on_timeout = if req.auto_pause.unwrap_or(false) { OnTimeout::Pause } else { OnTimeout::Kill };
+    let auto_resume = req.auto_resume.is_some_and(|a| a.enabled);
+    if auto_resume && on_timeout != OnTimeout::Pause {
+        return Err(E2bError::bad_request(
+            "autoResume needs autoPause: a sandbox only resumes if its timeout paused it",
+        ));
+    }
+    let mut spec = CreateSandbox {
+        env: req.env_vars.unwrap_or_default(),
+        timeout: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT) as f64),
+        network: Some(if req.allow_internet_access == Some(true) { "open" } else { "none" }.into()),
+        metadata,
+        lifecycle: Some(Lifecycle { on_timeout, auto_resume }),
+        ..Default::default()
+    };
+    match resolve_template(&e, &template) {
+        Source::Snapshot(s) => spec.snapshot = Some(s),
+        Source::Template(t) => spec.template = Some(t),
+        Source::Image(i) => {
+            let image = if i == "base" || i == "code-interpreter-v1" { "base".to_string() } else { i };
+            if e.rt.images().get(&image).is_err() {
+                return Err(E2bError::not_found(format!(
+                    "template {template:?} not found: use \"base\", an image, a branchbox template or a snapshot id"
+                )));
+            }
+            spec.image = Some(image);
+        }
+    }
+    let info = e.rt.create(spec).await?;
+    let secure = req.secure.unwrap_or(true);
+    Ok((StatusCode::CREATED, Json(created(&e, &info, secure))).into_response())
+}
+
+/// The `Sandbox` record of create, connect and fork.
+fn created(e: &E2b, info: &SandboxInfo, secure: bool) -> Value {
+    let mut v = json!({
+        "templateID": template_of(info),
+        "sandboxID": dashless_id(&info.id),
+        "clientID": CLIENT_ID,
+        "envdVersion": ENVD_VERSION,
+        "domain": e.cfg.domain,
+    });
+    if secure {
+        v["envdAccessToken"] = json!(access_token(&e.cfg.api_key, &info.id));
+    }
+    v
+}
+
+fn template_of(info: &SandboxInfo) -> String {
+    info.metadata.get(TEMPLATE_KEY).cloned().unwrap_or_else(|| info.image.clone())
+}
+
+/// The user's metadata (keys the runtime or this endpoint keep are left out).
+fn user_metadata(info: &SandboxInfo) -> BTreeMap<String, String> {
+    info.metadata.iter().filter(|(k, _)| !k.starts_with("branchbox.")).map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+fn rfc3339(secs: f64) -> String {
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs_f64(secs.max(0.0));
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+fn state_of(info: &SandboxInfo) -> &'static str {
+    if info.state == "paused" {
+        "paused"
+    } else {
+        "running"
+    }
+}
+
+/// `ListedSandbox`, and with `detail` the rest of `SandboxDetail`.
+fn listed(e: &E2b, info: &SandboxInfo, detail: bool) -> Value {
+    let end = info.expires_at.unwrap_or(info.created_at + 100.0 * 365.0 * 86400.0);
+    let mut v = json!({
+        "templateID": template_of(info),
+        "sandboxID": dashless_id(&info.id),
+        "clientID": CLIENT_ID,
+        "startedAt": rfc3339(info.created_at),
+        "endAt": rfc3339(end),
+        "cpuCount": info.cpu.ceil().max(1.0) as u64,
+        "memoryMB": info.memory_mb,
+        "diskSizeMB": 0,
+        "state": state_of(info),
+        "envdVersion": ENVD_VERSION,
+        "metadata": user_metadata(info),
+    });
+    if detail {
+        v["domain"] = json!(e.cfg.domain);
+        v["envdAccessToken"] = json!(access_token(&e.cfg.api_key, &info.id));
+        v["allowInternetAccess"] = json!(info.network != "none");
+        v["lifecycle"] = json!({
+            "onTimeout": if info.lifecycle.on_timeout == OnTimeout::Pause { "pause" } else { "kill" },
+            "autoResume": info.lifecycle.auto_resume,
+        });
+    }
+    v
+}
+
+/// A sandbox the E2B endpoint may show: not the pool's, a template's hidden one, or dead.
+fn visible(info: &SandboxInfo) -> bool {
+    info.state != "dead" && !info.metadata.contains_key(bb_runtime::recipes::TEMPLATE_KEY)
+}
+
+fn info_of(e: &E2b, id: &str) -> E2bResult<SandboxInfo> {
+    let info = e.rt.info(&canonical_id(id)).map_err(|_| not_found(id))?;
+    if !visible(&info) {
+        return Err(not_found(id));
+    }
+    Ok(info)
+}
+
+fn not_found(id: &str) -> E2bError {
+    E2bError::not_found(format!("sandbox \"{id}\" not found"))
+}
+
+pub async fn get_sandbox(State(e): St, Path(id): Path<String>) -> E2bResult<Json<Value>> {
+    Ok(Json(listed(&e, &info_of(&e, &id)?, true)))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct ListQuery {
+    metadata: Option<String>,
+    state: Option<String>,
+    started_after: Option<String>,
+    template: Option<String>,
+    order: Option<String>,
+    next_token: Option<String>,
+    limit: Option<usize>,
+}
+
+/// `GET /sandboxes` (v1: running sandboxes, all at once).
+pub async fn list_v1(State(e): St, Query(q): Query<ListQuery>) -> E2bResult<Json<Value>> {
+    let q = ListQuery { state: Some(q.state.unwrap_or_else(|| "running".into())), limit: Some(MAX_LIMIT), ..q };
+    let (page, _) = select(&e, &q)?;
+    Ok(Json(Value::Array(page)))
+}
+
+/// `GET /v2/sandboxes`: newest first by default, filtered, paged with `X-Next-Token`.
+pub async fn list_v2(State(e): St, Query(q): Query<ListQuery>) -> E2bResult<Response> {
+    let (page, next) = select(&e, &q)?;
+    let mut resp = Json(Value::Array(page)).into_response();
+    if let Some(next) = next.and_then(|n| HeaderValue::from_str(&n).ok()) {
+        resp.headers_mut().insert("x-next-token", next);
+    }
+    Ok(resp)
+}
+
+/// `k=v&k2=v2`, keys and values percent-encoded twice (the SDK quotes each, then url-encodes the
+/// pairs; the query string's own encoding is undone on the way in).
+fn parse_metadata_filter(raw: &str) -> E2bResult<Vec<(String, String)>> {
+    raw.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|pair| {
+            let (k, v) = pair.split_once('=').ok_or_else(|| {
+                E2bError::bad_request(format!("metadata filter {pair:?} is not key=value: give k=v pairs joined by &"))
+            })?;
+            Ok((percent_decode(&percent_decode(k)), percent_decode(&percent_decode(v))))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let byte = (b[i] == b'%')
+            .then(|| b.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match byte {
+            Some(byte) => {
+                out.push(byte);
+                i += 3;
+            }
+            None => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn select(e: &E2b, q: &ListQuery) -> E2bResult<(Vec<Value>, Option<String>)> {
+    let states: Vec<String> = match &q.state {
+        Some(s) => s.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect(),
+        None => vec!["running".into(), "paused".into()],
+    };
+    if let Some(bad) = states.iter().find(|s| *s != "running" && *s != "paused") {
+        return Err(E2bError::bad_request(format!("state {bad:?} is not one of running, paused")));
+    }
+    let wanted = q.metadata.as_deref().map(parse_metadata_filter).transpose()?.unwrap_or_default();
+    let after = match &q.started_after {
+        Some(t) => Some(
+            humantime::parse_rfc3339_weak(t.trim_end_matches('Z').split('+').next().unwrap_or(t))
+                .map_err(|err| E2bError::bad_request(format!("startedAfter {t:?} is not an RFC 3339 time: {err}")))?
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs_f64())
+                .unwrap_or(0.0),
+        ),
+        None => None,
+    };
+    let desc = match q.order.as_deref() {
+        None | Some("desc") => true,
+        Some("asc") => false,
+        Some(o) => return Err(E2bError::bad_request(format!("order {o:?} is not asc or desc"))),
+    };
+    let limit = q.limit.unwrap_or(100);
+    if limit == 0 || limit > MAX_LIMIT {
+        return Err(E2bError::bad_request(format!("limit {limit} is out of range: give 1 to {MAX_LIMIT}")));
+    }
+    let mut all: Vec<SandboxInfo> =
+        e.rt.list(&[])
+            .into_iter()
+            .filter(visible)
+            .filter(|i| states.iter().any(|s| s == state_of(i)))
+            .filter(|i| wanted.iter().all(|(k, v)| i.metadata.get(k) == Some(v)))
+            .filter(|i| after.is_none_or(|a| i.created_at > a))
+            .filter(|i| q.template.as_ref().is_none_or(|t| &template_of(i) == t))
+            .collect();
+    // Ties broken by id, so a page boundary is stable.
+    all.sort_by(|a, b| a.created_at.total_cmp(&b.created_at).then_with(|| a.id.cmp(&b.id)));
+    if desc {
+        all.reverse();
+    }
+    let start = match &q.next_token {
+        None => 0,
+        Some(tok) => {
+            let id = canonical_id(tok);
+            all.iter()
+                .position(|i| i.id == id)
+                .ok_or_else(|| E2bError::bad_request(format!("nextToken {tok:?} is unknown or expired: list again")))?
+        }
+    };
+    let page: Vec<Value> = all.iter().skip(start).take(limit).map(|i| listed(e, i, false)).collect();
+    let next = all.get(start + limit).map(|i| dashless_id(&i.id));
+    Ok((page, next))
+}
+
+pub async fn kill(State(e): St, Path(id): Path<String>) -> E2bResult<StatusCode> {
+    info_of(&e, &id)?;
+    e.rt.kill(&canonical_id(&id)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize, Default)]
+pub struct TimeoutReq {
+    timeout: Option<i64>,
+}
+
+pub async fn set_timeout(State(e): St, Path(id): Path<String>, bytes: axum::body::Bytes) -> E2bResult<Response> {
+    let req: TimeoutReq = body(&bytes)?;
+    let Some(t) = req.timeout.filter(|t| *t >= 0) else {
+        return Err(E2bError::bad_request("timeout must be a number of seconds >= 0"));
+    };
+    let info = info_of(&e, &id)?;
+    let cid = canonical_id(&id);
+    if t == 0 {
+        // Now: the sandbox ends as its lifecycle says (paused, or killed).
+        if info.lifecycle.on_timeout == OnTimeout::Pause {
+            e.rt.pause(&cid).await?;
+        } else {
+            e.rt.kill(&cid).await?;
+        }
+    } else {
+        e.rt.set_timeout(&cid, t as f64)?;
+    }
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[derive(Deserialize, Default)]
+pub struct ConnectReq {
+    timeout: Option<u64>,
+}
+
+/// Connect: a running sandbox answers 200, a paused one is resumed (201). The end time only
+/// grows: a timeout shorter than what is left is ignored.
+pub async fn connect(State(e): St, Path(id): Path<String>, bytes: axum::body::Bytes) -> E2bResult<Response> {
+    let req: ConnectReq = body(&bytes)?;
+    let info = info_of(&e, &id)?;
+    let cid = canonical_id(&id).into_owned();
+    let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT) as f64;
+    let (status, info) = if info.state == "paused" {
+        let r = e.rt.resume(&cid, model::ResumeSandbox { timeout: Some(timeout) }).await?;
+        (StatusCode::CREATED, r.sandbox)
+    } else {
+        (StatusCode::OK, info)
+    };
+    let left = info.expires_at.map(|x| x - bb_runtime::now());
+    let info = if left.is_some_and(|l| l < timeout) { e.rt.set_timeout(&cid, timeout)? } else { info };
+    Ok((status, Json(created(&e, &info, true))).into_response())
+}
+
+#[derive(Deserialize, Default)]
+pub struct PauseReq {}
+
+pub async fn pause(State(e): St, Path(id): Path<String>) -> E2bResult<StatusCode> {
+    let info = info_of(&e, &id)?;
+    if info.state == "paused" {
+        return Err(E2bError::Status(StatusCode::CONFLICT, format!("sandbox \"{id}\" is already paused")));
+    }
+    // The SDK takes any 409 for "already paused": other reasons a pause is refused say so as 400.
+    match e.rt.pause(&canonical_id(&id)).await {
+        Ok(_) => Ok(StatusCode::NO_CONTENT),
+        Err(err @ bb_runtime::RuntimeError::Conflict(_)) => Err(E2bError::bad_request(err.to_string())),
+        Err(err) => Err(err.into()),
+    }
+}
+
+/// `POST /sandboxes/{id}/resume` (deprecated in E2B's API, still answered).
+pub async fn resume(State(e): St, Path(id): Path<String>, bytes: axum::body::Bytes) -> E2bResult<Response> {
+    let req: ConnectReq = body(&bytes)?;
+    let info = info_of(&e, &id)?;
+    if info.state != "paused" {
+        return Err(E2bError::Status(StatusCode::CONFLICT, format!("sandbox \"{id}\" is not paused")));
+    }
+    let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT) as f64;
+    let r = e.rt.resume(&canonical_id(&id), model::ResumeSandbox { timeout: Some(timeout) }).await?;
+    Ok((StatusCode::CREATED, Json(created(&e, &r.sandbox, true))).into_response())
+}
+
+#[derive(Deserialize, Default)]
+pub struct ForkReq {
+    timeout: Option<u64>,
+    count: Option<u32>,
+}
+
+/// Fork: N children of the sandbox as it is now (files, sessions and code contexts), each
+/// answered as `{"sandbox": Sandbox}`.
+pub async fn fork(State(e): St, Path(id): Path<String>, bytes: axum::body::Bytes) -> E2bResult<Response> {
+    let req: ForkReq = body(&bytes)?;
+    info_of(&e, &id)?;
+    let r =
+        e.rt.fork(
+            &canonical_id(&id),
+            model::ForkRequest {
+                count: Some(req.count.unwrap_or(1)),
+                timeout: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT) as f64),
+                ..Default::default()
+            },
+        )
+        .await?;
+    let children = r.sandboxes.iter().map(|c| json!({"sandbox": created(&e, c, true)})).collect();
+    Ok((StatusCode::CREATED, Json(Value::Array(children))).into_response())
+}
+
+#[derive(Deserialize, Default)]
+pub struct SnapshotReq {
+    name: Option<String>,
+}
+
+/// A snapshot of the sandbox (files and process state, branchbox's checkpoint): its id is a
+/// template id for `POST /sandboxes`, and a rollback target.
+pub async fn snapshot(State(e): St, Path(id): Path<String>, bytes: axum::body::Bytes) -> E2bResult<Response> {
+    let req: SnapshotReq = body(&bytes)?;
+    info_of(&e, &id)?;
+    let snap =
+        e.rt.checkpoint(&canonical_id(&id), model::CheckpointRequest { label: req.name.clone(), ..Default::default() })
+            .await?;
+    let names: Vec<String> = req.name.into_iter().collect();
+    Ok((StatusCode::CREATED, Json(json!({"snapshotID": snap.id, "names": names}))).into_response())
+}
+
+#[derive(Deserialize, Default)]
+pub struct SnapshotsQuery {
+    #[serde(rename = "sandboxID")]
+    sandbox_id: Option<String>,
+}
+
+pub async fn list_snapshots(State(e): St, Query(q): Query<SnapshotsQuery>) -> E2bResult<Json<Value>> {
+    let sandbox = q.sandbox_id.map(|s| canonical_id(&s).into_owned());
+    let all = e.rt.list_snapshots(sandbox.as_deref())?;
+    let items = all
+        .snapshots
+        .iter()
+        .map(|s| json!({"snapshotID": s.id, "names": s.label.iter().collect::<Vec<_>>()}))
+        .collect();
+    Ok(Json(Value::Array(items)))
+}
+
+#[derive(Deserialize, Default)]
+pub struct RollbackReq {
+    #[serde(rename = "snapshotID")]
+    snapshot_id: Option<String>,
+}
+
+/// branchbox's rollback in E2B's shape: `POST /sandboxes/{id}/rollback {"snapshotID": ...}`.
+pub async fn rollback(State(e): St, Path(id): Path<String>, bytes: axum::body::Bytes) -> E2bResult<Json<Value>> {
+    let req: RollbackReq = body(&bytes)?;
+    let Some(snapshot) = req.snapshot_id else {
+        return Err(E2bError::bad_request("give snapshotID: the snapshot to return to"));
+    };
+    info_of(&e, &id)?;
+    let cid = canonical_id(&id);
+    e.rt.rollback(&cid, model::RollbackRequest { snapshot, lazy_pages: None }).await?;
+    Ok(Json(created(&e, &e.rt.info(&cid)?, true)))
+}
+
+/// `DELETE /templates/{id}`: a snapshot (what E2B's SDK deletes snapshots with).
+pub async fn delete_template(State(e): St, Path(id): Path<String>) -> E2bResult<StatusCode> {
+    if e.rt.snapshot(&id).is_err() {
+        return Err(E2bError::not_found(format!("template \"{id}\" not found (only snapshots are deleted here)")));
+    }
+    e.rt.delete_snapshot(&id, false).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+pub async fn alias(State(e): St, Path(alias): Path<String>) -> E2bResult<Json<Value>> {
+    let known = match resolve_template(&e, &alias) {
+        Source::Image(i) => i == "base" || i == "code-interpreter-v1" || e.rt.images().get(&i).is_ok(),
+        _ => true,
+    };
+    if !known {
+        return Err(E2bError::not_found(format!("template alias \"{alias}\" not found")));
+    }
+    Ok(Json(json!({"templateID": alias, "public": true})))
+}
+
+/// `GET /sandboxes/{id}/metrics`: one sample, now.
+pub async fn metrics(State(e): St, Path(id): Path<String>) -> E2bResult<Json<Value>> {
+    let info = info_of(&e, &id)?;
+    let now = bb_runtime::now();
+    Ok(Json(json!([{
+        "timestamp": rfc3339(now),
+        "timestampUnix": now as i64,
+        "cpuCount": info.cpu.ceil().max(1.0) as u64,
+        "cpuUsedPct": 0.0,
+        "memUsed": info.memory_bytes,
+        "memTotal": info.memory_mb << 20,
+        "memCache": 0,
+        "diskUsed": 0,
+        "diskTotal": 0,
+    }])))
+}
+
+/// Every control-plane request carries the daemon's token as `X-API-KEY`.
+pub fn authorized(e: &E2b, headers: &HeaderMap) -> bool {
+    let given = headers.get("x-api-key").and_then(|v| v.to_str().ok()).unwrap_or("");
+    crate::same(given, &e.cfg.api_key)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_filters_decode_twice_quoted_pairs() {
+        assert_eq!(
+            parse_metadata_filter("a=1&user%2520id=x%2526y").unwrap(),
+            vec![("a".into(), "1".into()), ("user id".into(), "x&y".into())]
+        );
+        assert!(parse_metadata_filter("novalue").is_err());
+        assert_eq!(percent_decode("100%"), "100%");
+        assert_eq!(percent_decode("%zz"), "%zz");
+    }
+}

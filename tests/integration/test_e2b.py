@@ -1,0 +1,1242 @@
+"""The official `e2b` Python SDK, unchanged, against branchboxd's E2B-compatible endpoint
+(`--e2b-listen`, API key = the daemon's token): control plane (create, info, list, timeout, kill,
+pause/resume, snapshots, fork), commands, users, files, the code interpreter
+(`e2b_code_interpreter`: run_code, contexts, rich results, fork/snapshot of code state),
+branchbox's checkpoint/rollback on E2B ids, what is not served yet, and bad input.
+
+The SDK is pointed at the endpoint with E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY (set for this
+module only). Sandbox ids it shows are branchbox's without the dash. Every sandbox made here
+carries the metadata ``suite=<TAG>`` and is killed at the end of the module (a fork's children
+are found by listing: they are killed too)."""
+import asyncio
+import base64
+import gzip as gzip_mod
+import hashlib
+import io
+import json
+import os
+import re
+import struct
+import time
+import uuid
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from e2b import (
+    AsyncSandbox,
+    AuthenticationException,
+    CommandExitException,
+    ConnectionConfig,
+    FileNotFoundException,
+    FileType,
+    InvalidArgumentException,
+    NotFoundException,
+    PtySize,
+    Sandbox,
+    SandboxException,
+    SandboxNotFoundException,
+    SandboxNotRunningException,
+    SandboxQuery,
+    SandboxState,
+    TimeoutException,
+)
+from e2b_code_interpreter import AsyncSandbox as CIAsyncSandbox, Sandbox as CISandbox
+
+from branchbox import Sandbox as BBSandbox
+from helpers import URL, wait_until
+
+TAG = "e2bt-" + uuid.uuid4().hex[:10]
+MB = 1 << 20
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def bb_id(e2b_id):
+    """branchbox's id of a sandbox the endpoint shows as ``e2b_id`` (``sb0123...`` -> ``sb-0123...``)."""
+    assert e2b_id.startswith("sb") and "-" not in e2b_id, e2b_id
+    return "sb-" + e2b_id[2:]
+
+
+def all_listed(query=None, limit=None):
+    """Every SandboxInfo of a list, page by page; also the pages (lists of ids)."""
+    p = Sandbox.list(query=query, limit=limit)
+    items, pages = [], []
+    while p.has_next:
+        page = p.next_items()
+        items += page
+        pages.append([i.sandbox_id for i in page])
+    return items, pages
+
+
+def ids_now():
+    return {i.sandbox_id for i in all_listed()[0]}
+
+
+def kill_quietly(sandbox_id):
+    try:
+        Sandbox.kill(sandbox_id)
+    except Exception:
+        pass
+
+
+def delete_snapshots_of(sandbox_id):
+    try:
+        p = Sandbox.list_snapshots(sandbox_id=sandbox_id)
+        while p.has_next:
+            for snap in p.next_items():
+                Sandbox.delete_snapshot(snap.snapshot_id)
+    except Exception:
+        pass
+
+
+def envd_headers(sbx, token=True, **extra):
+    h = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983"}
+    if token:
+        h["X-Access-Token"] = sbx._envd_access_token
+    h.update(extra)
+    return h
+
+
+def envelope(payload: bytes, flags=0) -> bytes:
+    return struct.pack(">BI", flags, len(payload)) + payload
+
+
+def envelopes(body: bytes):
+    """[(flags, parsed JSON)] of a Connect streaming body."""
+    out, i = [], 0
+    while i < len(body):
+        assert len(body) - i >= 5, "truncated envelope header in %r" % body
+        flags, n = struct.unpack(">BI", body[i:i + 5])
+        out.append((flags, json.loads(body[i + 5:i + 5 + n])))
+        i += 5 + n
+    return out
+
+
+PAT = "".join(chr(97 + i % 26) for i in range(MB))
+PRINT_PAT = "python3 -c \"import sys; sys.stdout.write(''.join(chr(97 + i % 26) for i in range(1 << 20)))\""
+
+# A background process that counts in /tmp/<name>.n and leaves its pid in /tmp/<name>.pid.
+COUNTER = ("nohup python3 -c 'import os, time\nopen(\"/tmp/{n}.pid\", \"w\").write(str(os.getpid()))\nc = 0\n"
+           "while True:\n    c += 1\n    open(\"/tmp/{n}.tmp\", \"w\").write(str(c))\n"
+           "    os.rename(\"/tmp/{n}.tmp\", \"/tmp/{n}.n\")\n    time.sleep(0.02)' >/dev/null 2>&1 &")
+
+
+def counter_value(sbx, name):
+    try:
+        return int(sbx.files.read("/tmp/%s.n" % name))
+    except FileNotFoundException:
+        return None
+
+
+def counter_advances(sbx, name):
+    first = wait_until(lambda: counter_value(sbx, name), timeout=15, what="the counter %s to start" % name)
+    wait_until(lambda: (counter_value(sbx, name) or 0) > first, timeout=15, what="the counter %s to advance" % name)
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def e2b(daemon):
+    """The SDK's environment pointed at the daemon's E2B endpoint, for this module."""
+    mp = pytest.MonkeyPatch()
+    url = "http://127.0.0.1:%d" % daemon.e2b_port
+    mp.setenv("E2B_API_URL", url)
+    mp.setenv("E2B_SANDBOX_URL", url)
+    mp.setenv("E2B_API_KEY", daemon.tcp_token)
+    for v in ("E2B_DEBUG", "E2B_DOMAIN", "E2B_ACCESS_TOKEN"):
+        mp.delenv(v, raising=False)
+    try:
+        yield SimpleNamespace(url=url, key=daemon.tcp_token, daemon=daemon)
+    finally:
+        try:
+            daemon.ensure_running()
+            for info in all_listed(SandboxQuery(metadata={"suite": TAG}))[0]:
+                kill_quietly(info.sandbox_id)
+        finally:
+            mp.undo()
+
+
+@pytest.fixture(scope="module")
+def box(e2b):
+    """One sandbox shared by the tests that do not conflict (each uses paths of its own)."""
+    s = Sandbox.create(envs={"FOO": "created"}, metadata={"suite": TAG, "role": "box"}, timeout=600)
+    yield s
+    kill_quietly(s.sandbox_id)
+
+
+@pytest.fixture(scope="module")
+def me(box):
+    """Who the box's commands run as by default: user, home (from /etc/passwd), default cwd."""
+    user, home, cwd = box.commands.run('id -un; getent passwd "$(id -un)" | cut -d: -f6; pwd').stdout.split("\n")[:3]
+    return SimpleNamespace(user=user, home=home, cwd=cwd)
+
+
+@pytest.fixture
+def make(e2b):
+    """Factory ``make(**create_kwargs)`` (sync Sandbox); each is killed at teardown, and so is
+    any sandbox that appeared during the test (a fork's children, even if the SDK lost them)."""
+    before = ids_now()
+    made = []
+
+    def create(**kw):
+        kw.setdefault("timeout", 300)
+        kw["metadata"] = dict({"suite": TAG}, **kw.get("metadata", {}) or {})
+        s = Sandbox.create(**kw)
+        made.append(s.sandbox_id)
+        return s
+
+    create.adopt = made.append  # a sandbox made otherwise, to kill at teardown
+    yield create
+    e2b.daemon.ensure_running()
+    gone = set(made) | (ids_now() - before)
+    for sid in gone:
+        kill_quietly(sid)
+    # Snapshots outlive their sandboxes, the ones a fork takes too.
+    for sid in gone:
+        delete_snapshots_of(sid)
+
+
+@pytest.fixture
+def snapshots(e2b):
+    """``snapshots(SnapshotInfo)`` registers a snapshot to delete at teardown (snapshots outlive
+    their sandboxes); returns it."""
+    made = []
+
+    def keep(info):
+        made.append(info.snapshot_id)
+        return info
+
+    yield keep
+    for sid in made:
+        try:
+            Sandbox.delete_snapshot(sid)
+        except Exception:
+            pass
+
+
+@pytest.fixture
+def raw(e2b):
+    with httpx.Client(base_url=e2b.url, timeout=30) as c:
+        yield c
+
+
+# ----------------------------------------------------------------------------- control plane
+
+
+def test_create_info_and_ids(e2b, make):
+    s = make(metadata={"who": "info"}, envs={"A": "1"}, timeout=123)
+    info = s.get_info()
+    assert info.sandbox_id == s.sandbox_id and "-" not in s.sandbox_id
+    assert info.template_id == "base"
+    assert info.metadata == {"suite": TAG, "who": "info"}
+    assert info.state == SandboxState.RUNNING
+    assert info.envd_version and info.cpu_count >= 1 and info.memory_mb > 0
+    assert abs((info.end_at - info.started_at).total_seconds() - 123) < 5, (info.started_at, info.end_at)
+    assert info.lifecycle == {"on_timeout": "kill", "auto_resume": False}
+    # Class form, and the same sandbox as branchbox's own SDK sees it (dashed id).
+    assert Sandbox.get_info(s.sandbox_id).sandbox_id == s.sandbox_id
+    bb = BBSandbox.connect(bb_id(s.sandbox_id), daemon=URL, resume=False)
+    assert bb.info().metadata.get("who") == "info"
+    s.files.write("/tmp/from-e2b", "x")
+    assert bb.files.read("/tmp/from-e2b") == "x"
+    assert s.is_running()
+    (m,) = s.get_metrics()
+    assert m.cpu_count >= 1 and m.mem_total > 0
+
+
+def test_allow_internet_access_is_kept(make):
+    """The SDK sends `allow_internet_access` (snake case: api/client/models/new_sandbox_v2.py)."""
+    s = make(allow_internet_access=True)
+    assert s.get_info().allow_internet_access is True
+
+
+def test_set_timeout_moves_end_and_zero_kills(make):
+    s = make(timeout=100)
+    i0 = s.get_info()
+    s.set_timeout(900)
+    i1 = s.get_info()
+    assert i1.end_at > i0.end_at
+    assert abs((i1.end_at - i0.end_at).total_seconds() - 800) < 30
+    Sandbox.set_timeout(s.sandbox_id, 50)  # class form, shorter: end moves back
+    assert s.get_info().end_at < i1.end_at
+    s.set_timeout(0)
+    assert not s.is_running()
+    with pytest.raises(SandboxNotFoundException):
+        s.get_info()
+    assert s.kill() is False
+
+
+def test_set_timeout_zero_pauses_with_lifecycle_pause(make):
+    s = make(lifecycle={"on_timeout": "pause"})
+    assert s.get_info().lifecycle["on_timeout"] == "pause"
+    s.files.write("/tmp/kept", "yes")
+    s.set_timeout(0)
+    assert s.get_info().state == SandboxState.PAUSED
+    assert not s.is_running()
+    again = Sandbox.connect(s.sandbox_id)
+    assert again.get_info().state == SandboxState.RUNNING
+    assert again.files.read("/tmp/kept") == "yes"
+
+
+def test_kill_forms_and_unknown_ids(make):
+    a, b = make(), make()
+    assert a.kill() is True
+    assert a.kill() is False
+    assert Sandbox.kill(b.sandbox_id) is True
+    assert Sandbox.kill(b.sandbox_id) is False
+    assert Sandbox.kill("sb000000000000") is False
+    listed = ids_now()
+    assert a.sandbox_id not in listed and b.sandbox_id not in listed
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info(a.sandbox_id)
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(a.sandbox_id)
+    with pytest.raises(NotFoundException):
+        Sandbox.connect("sb000000000000")
+
+
+def test_connect_by_id(box):
+    s = Sandbox.connect(box.sandbox_id)
+    assert s.sandbox_id == box.sandbox_id
+    assert s.commands.run("echo $FOO").stdout == "created\n"
+    # branchbox's dashed form is accepted too.
+    assert Sandbox.connect(bb_id(box.sandbox_id)).commands.run("true").exit_code == 0
+
+
+def test_list_filters_paging_newest_first(make):
+    t = uuid.uuid4().hex[:8]
+    made = [make(metadata={"lt": t, "n": str(n)}) for n in range(3)]
+    items, pages = all_listed(SandboxQuery(metadata={"lt": t}), limit=2)
+    ids = [s.sandbox_id for s in made]
+    assert pages == [[ids[2], ids[1]], [ids[0]]]
+    assert [i.metadata["n"] for i in items] == ["2", "1", "0"]
+    assert all(i.state == SandboxState.RUNNING and i.template_id == "base" for i in items)
+    # By state: one paused; the default lists both states.
+    assert made[1].pause() is True
+    paused, _ = all_listed(SandboxQuery(metadata={"lt": t}, state=[SandboxState.PAUSED]))
+    running, _ = all_listed(SandboxQuery(metadata={"lt": t}, state=[SandboxState.RUNNING]))
+    both, _ = all_listed(SandboxQuery(metadata={"lt": t}))
+    assert [i.sandbox_id for i in paused] == [ids[1]]
+    assert [i.sandbox_id for i in running] == [ids[2], ids[0]]
+    assert [(i.sandbox_id, i.state) for i in both] == [
+        (ids[2], SandboxState.RUNNING), (ids[1], SandboxState.PAUSED), (ids[0], SandboxState.RUNNING)]
+    # Several metadata pairs are ANDed.
+    one, _ = all_listed(SandboxQuery(metadata={"lt": t, "n": "0"}))
+    assert [i.sandbox_id for i in one] == [ids[0]]
+
+
+def test_list_metadata_filter_with_characters_to_escape(make):
+    """The SDK quotes each key and value, then urlencodes the pairs (sandbox_sync/paginator.py
+    next_items): the endpoint must undo both (plus the URL's own encoding)."""
+    t = uuid.uuid4().hex[:8]
+    s = make(metadata={"lt": t, "a key": "x&y=z/ü"})
+    found, _ = all_listed(SandboxQuery(metadata={"lt": t, "a key": "x&y=z/ü"}))
+    assert [i.sandbox_id for i in found] == [s.sandbox_id]
+
+
+def test_pause_connect_keeps_processes_and_tmp(make):
+    s = make()
+    s.commands.run(COUNTER.format(n="pc"))
+    counter_advances(s, "pc")
+    s.files.write("/tmp/pc.file", "still here")
+    pid = s.files.read("/tmp/pc.pid")
+    assert s.pause() is True
+    assert s.get_info().state == SandboxState.PAUSED
+    assert s.is_running() is False
+    assert s.pause() is False  # already paused (409)
+    with pytest.raises(SandboxNotRunningException):
+        s.commands.run("true")
+    s.connect()
+    assert s.get_info().state == SandboxState.RUNNING
+    assert s.is_running()
+    assert s.files.read("/tmp/pc.file") == "still here"
+    assert s.commands.run("kill -0 %s && cat /tmp/pc.pid" % pid).stdout == pid
+    counter_advances(s, "pc")
+
+
+def test_pause_refused_while_a_command_runs(make):
+    """Commands started through the endpoint are attached to the daemon (their output streams to
+    it): a pause cannot keep them, so it is refused with a 400 naming them (not the 409 the SDK
+    reads as "already paused", sandbox_sync/sandbox_api.py _cls_pause) until they end; what a
+    command left detached (nohup ... &) is kept (test_pause_connect_keeps_processes_and_tmp)."""
+    s = make()
+    h = s.commands.run("sleep 1000", background=True)
+    with pytest.raises(SandboxException) as ei:
+        s.pause()
+    assert "400" in str(ei.value) and "command" in str(ei.value), str(ei.value)
+    assert s.get_info().state == SandboxState.RUNNING
+    assert s.commands.run("echo still").stdout == "still\n"
+    assert h.kill() is True
+    wait_until(lambda: h.pid not in {p.pid for p in s.commands.list()}, what="the killed command to leave the list")
+    assert s.pause() is True
+    s.connect()
+    assert s.commands.run("echo back").stdout == "back\n"
+
+
+def test_snapshot_then_create_from_it(make, snapshots):
+    s = make()
+    s.files.write("/tmp/snap.txt", "in the snapshot")
+    snap = snapshots(s.create_snapshot(name="e2b-" + TAG))
+    assert snap.snapshot_id and snap.names == ["e2b-" + TAG]
+    assert s.get_info().state == SandboxState.RUNNING  # the source keeps running
+    s.files.write("/tmp/snap.txt", "after the snapshot")
+    c = make(template=snap.snapshot_id)
+    assert c.files.read("/tmp/snap.txt") == "in the snapshot"
+    assert c.commands.run("cat /tmp/snap.txt").stdout == "in the snapshot"
+    assert s.files.read("/tmp/snap.txt") == "after the snapshot"
+
+
+def test_list_and_delete_snapshots(make, snapshots):
+    a, b = make(), make()
+    sa = snapshots(a.create_snapshot())
+    sb = snapshots(Sandbox.create_snapshot(b.sandbox_id))
+    every = [x.snapshot_id for x in Sandbox.list_snapshots().next_items()]
+    assert sa.snapshot_id in every and sb.snapshot_id in every
+    # The SDK sends ?sandboxID= for a sandbox's own snapshots (sandbox_sync/paginator.py SnapshotPaginator).
+    assert [x.snapshot_id for x in a.list_snapshots().next_items()] == [sa.snapshot_id]
+    assert [x.snapshot_id for x in Sandbox.list_snapshots(sandbox_id=b.sandbox_id).next_items()] == [sb.snapshot_id]
+    assert Sandbox.delete_snapshot(sb.snapshot_id) is True
+    assert Sandbox.delete_snapshot(sb.snapshot_id) is False
+    assert sb.snapshot_id not in [x.snapshot_id for x in Sandbox.list_snapshots().next_items()]
+
+
+def test_fork_children_are_independent(make):
+    s = make(metadata={"role": "fork-parent"})
+    s.files.write("/tmp/fork.txt", "parent")
+    kids = s.fork(count=2)
+    assert len(kids) == 2 and all(isinstance(k, Sandbox) for k in kids), kids
+    ids = {k.sandbox_id for k in kids}
+    assert len(ids) == 2 and s.sandbox_id not in ids
+    for k in kids:
+        assert k.files.read("/tmp/fork.txt") == "parent"
+    kids[0].files.write("/tmp/fork.txt", "child0")
+    assert kids[1].files.read("/tmp/fork.txt") == "parent"
+    assert s.files.read("/tmp/fork.txt") == "parent"
+    kids[1].kill()
+    assert kids[0].is_running() and s.is_running()
+    (k,) = Sandbox.fork(s.sandbox_id, count=1)  # class form
+    assert k.commands.run("cat /tmp/fork.txt").stdout == "parent"
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def test_envs_at_create_and_per_command(box):
+    assert box.commands.run("echo $FOO").stdout == "created\n"
+    r = box.commands.run('echo "$FOO $BAR"', envs={"FOO": "override", "BAR": "bar"})
+    assert r.stdout == "override bar\n"
+    assert box.commands.run('echo "$FOO ${BAR-unset}"').stdout == "created unset\n"
+
+
+def test_foreground_output_and_exit_codes(box):
+    r = box.commands.run("echo out; echo err >&2")
+    assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 0)
+    with pytest.raises(CommandExitException) as ei:
+        box.commands.run("echo partial; echo bad >&2; exit 7")
+    assert (ei.value.exit_code, ei.value.stdout, ei.value.stderr) == (7, "partial\n", "bad\n")
+
+
+def test_cwd(box, me):
+    assert box.commands.run("pwd").stdout == me.home + "\n"
+    assert box.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+    box.files.make_dir("cwd-rel")
+    assert box.commands.run("pwd", cwd="cwd-rel").stdout == me.home + "/cwd-rel\n"
+
+
+def test_streaming_callbacks(box):
+    """Output reaches the callback while the command runs: it waits for stdin that the
+    on_stdout callback only sends once it saw the first line."""
+    h = box.commands.run('echo first; read x; echo "second $x"; echo e1 >&2', background=True, stdin=True)
+    outs, errs = [], []
+
+    def on_out(chunk):
+        outs.append(chunk)
+        if "first" in chunk and len(outs) == 1:
+            box.commands.send_stdin(h.pid, "go\n")
+
+    r = h.wait(on_stdout=on_out, on_stderr=errs.append)
+    assert r.stdout == "first\nsecond go\n" == "".join(outs)
+    assert r.stderr == "e1\n" == "".join(errs)
+    outs2, errs2 = [], []
+    r = box.commands.run("for i in 1 2 3; do echo o$i; echo e$i >&2; done", on_stdout=outs2.append, on_stderr=errs2.append)
+    assert "".join(outs2) == r.stdout == "o1\no2\no3\n"
+    assert "".join(errs2) == r.stderr == "e1\ne2\ne3\n"
+
+
+def test_background_list_and_kill(box):
+    h = box.commands.run("sleep 1000", background=True)
+    procs = {p.pid: p for p in box.commands.list()}
+    assert h.pid in procs
+    assert procs[h.pid].cmd == "/bin/bash" and procs[h.pid].args[-1] == "sleep 1000"
+    assert h.kill() is True
+    with pytest.raises(CommandExitException) as ei:
+        h.wait()
+    assert ei.value.exit_code == -1
+    h2 = box.commands.run("sleep 1000", background=True)
+    assert box.commands.kill(h2.pid) is True
+    wait_until(lambda: h2.pid not in {p.pid for p in box.commands.list()}, what="the killed command to leave the list")
+    assert box.commands.kill(h2.pid) is False
+    assert box.commands.kill(987654) is False
+
+
+def test_stdin(box):
+    h = box.commands.run("cat", background=True, stdin=True)
+    h.send_stdin("hello\n")
+    box.commands.send_stdin(h.pid, b"world\n")
+    h.close_stdin()
+    assert h.wait().stdout == "hello\nworld\n"
+    h = box.commands.run("head -n1", background=True, stdin=True)
+    h.send_stdin("line one\nline two\n")
+    assert h.wait().stdout == "line one\n"
+
+
+def test_connect_to_running_command(box):
+    h = box.commands.run('echo ready; read x; echo "got $x"', background=True, stdin=True)
+    for out, _, _ in h:
+        if out and "ready" in out:
+            break
+    h.disconnect()
+    c = box.commands.connect(h.pid)
+    assert c.pid == h.pid
+    box.commands.send_stdin(h.pid, "hi\n")
+    assert "got hi\n" in c.wait().stdout
+    with pytest.raises(NotFoundException):
+        box.commands.connect(987654)
+
+
+def test_long_output_arrives_complete(box):
+    r = box.commands.run(PRINT_PAT)
+    assert len(r.stdout) == MB
+    assert hashlib.sha256(r.stdout.encode()).hexdigest() == hashlib.sha256(PAT.encode()).hexdigest()
+
+
+def test_default_user_is_user(box, me):
+    """E2B's default user: commands run as `user` in /home/user, and files written with a
+    relative path land in its home, owned by it."""
+    assert (me.user, me.home, me.cwd) == ("user", "/home/user", "/home/user")
+    assert box.commands.run("whoami").stdout == "user\n"
+    assert box.commands.run("pwd").stdout == "/home/user\n"
+    home, uid = box.commands.run("echo $HOME; id -u").stdout.split()
+    assert home == "/home/user" and uid != "0"
+    info = box.files.write("users-rel.txt", "mine")
+    assert info.path == "/home/user/users-rel.txt"
+    assert box.commands.run("stat -c %U:%G /home/user/users-rel.txt").stdout == "user:user\n"
+    assert box.files.get_info("users-rel.txt").owner == "user"
+    box.commands.run("echo made > by-cmd.txt")
+    assert box.commands.run("stat -c %U:%G /home/user/by-cmd.txt").stdout == "user:user\n"
+
+
+def test_user_root(box):
+    assert box.commands.run("whoami", user="root").stdout == "root\n"
+    assert box.commands.run("pwd", user="root").stdout == "/root\n"
+    assert box.files.write("/tmp/by-root", "r", user="root").path == "/tmp/by-root"
+    assert box.commands.run("stat -c %U:%G /tmp/by-root").stdout == "root:root\n"
+    assert box.files.get_info("/tmp/by-root").owner == "root"
+    box.commands.run("echo r > /tmp/by-root-cmd", user="root")
+    assert box.commands.run("stat -c %U:%G /tmp/by-root-cmd").stdout == "root:root\n"
+    # Explicit user="user" is the default's twin.
+    assert box.files.write("/tmp/by-user", "u", user="user").path == "/tmp/by-user"
+    assert box.commands.run("stat -c %U:%G /tmp/by-user", user="root").stdout == "user:user\n"
+    # What root wrote, the user cannot overwrite.
+    box.commands.run("chmod 644 /tmp/by-root", user="root")
+    with pytest.raises(CommandExitException):
+        box.commands.run("echo x > /tmp/by-root")
+
+
+def test_unknown_user_is_refused_cleanly(box):
+    """(An upload as an unknown user is refused too, but before its body is read, which breaks
+    the SDK's pooled connection for whatever request comes next: see
+    test_keepalive_survives_refused_uploads.)"""
+    for call in (lambda: box.commands.run("true", user="no-such-user"),
+                 lambda: box.files.read("/etc/hostname", user="no-such-user"),
+                 lambda: box.files.list("/tmp", user="no-such-user")):
+        with pytest.raises((InvalidArgumentException, SandboxException)) as ei:
+            call()
+        assert "no-such-user" in str(ei.value), str(ei.value)
+    assert box.commands.run("whoami").stdout == "user\n"
+
+
+@pytest.mark.xfail(strict=True, reason="sandboxes run with no_new_privs: sudo's setuid bit grants nothing "
+                                       "(`sudo: The \"no new privileges\" flag is set`), though the image's "
+                                       "/etc/sudoers.d/user allows it")
+def test_sudo_works_for_user(box):
+    assert box.commands.run("sudo -n true").exit_code == 0
+    assert box.commands.run("sudo -n whoami").stdout == "root\n"
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def test_files_write_and_read_forms(box):
+    f = box.files
+    info = f.write("/tmp/fw/a.txt", "text ü")
+    assert (info.name, info.path, info.type) == ("a.txt", "/tmp/fw/a.txt", FileType.FILE)
+    assert f.read("/tmp/fw/a.txt") == "text ü"
+    data = bytes(range(256)) * 64
+    f.write("/tmp/fw/multipart.bin", data)  # multipart (default for bytes)
+    f.write("/tmp/fw/octet.bin", data, use_octet_stream=True)
+    f.write("/tmp/fw/fileobj.bin", io.BytesIO(data))  # file-like: octet-stream, streamed
+    for p in ("multipart", "octet", "fileobj"):
+        assert f.read("/tmp/fw/%s.bin" % p, format="bytes") == data, p
+    big = os.urandom(3 * MB)
+    f.write("/tmp/fw/big.bin", big, gzip=True)
+    # Stored decompressed: the sandbox sees the bytes that were sent.
+    assert box.commands.run("sha256sum /tmp/fw/big.bin").stdout.split()[0] == hashlib.sha256(big).hexdigest()
+    assert f.read("/tmp/fw/big.bin", format="bytes", gzip=True) == big
+    assert f.read("/tmp/fw/big.bin", format="bytes") == big
+    with f.read("/tmp/fw/big.bin", format="stream") as st:
+        assert b"".join(st) == big
+    # Overwrite.
+    f.write("/tmp/fw/a.txt", "second")
+    assert f.read("/tmp/fw/a.txt") == "second"
+
+
+def test_files_gzip_download_is_gzip_encoded(box, raw):
+    box.files.write("/tmp/fz.txt", "z" * 10000)
+    r = raw.get("/files", params={"path": "/tmp/fz.txt"}, headers=envd_headers(box, **{"Accept-Encoding": "gzip"}))
+    assert r.status_code == 200
+    assert r.headers.get("content-encoding") == "gzip"
+    assert r.content == b"z" * 10000  # httpx decodes
+    up = raw.post("/files", params={"path": "/tmp/fz2.txt"}, content=gzip_mod.compress(b"up" * 500),
+                  headers=envd_headers(box, **{"Content-Type": "application/octet-stream", "Content-Encoding": "gzip"}))
+    assert up.status_code == 200, up.text
+    assert box.files.read("/tmp/fz2.txt") == "up" * 500
+
+
+def test_files_write_files_and_relative_paths(box, me):
+    f = box.files
+    out = f.write_files([{"path": "/tmp/wf/one", "data": "1"}, {"path": "/tmp/wf/two", "data": b"2"}])
+    assert [w.path for w in out] == ["/tmp/wf/one", "/tmp/wf/two"]
+    out = f.write_files([{"path": "/tmp/wf/three", "data": "3"}, {"path": "wf-rel/four", "data": b"4"}], use_octet_stream=True)
+    assert [w.path for w in out] == ["/tmp/wf/three", me.home + "/wf-rel/four"]
+    assert [e.name for e in f.list("/tmp/wf")] == ["one", "three", "two"]
+    assert f.read("wf-rel/four") == "4" == f.read(me.home + "/wf-rel/four")
+    f.write("~/wf-tilde", "t")
+    assert box.commands.run("cat %s/wf-tilde" % me.home).stdout == "t"
+    assert f.exists("wf-rel/four")
+    assert f.get_info("wf-rel").path == me.home + "/wf-rel"
+
+
+def test_files_list_stat_mkdir_rename_remove(box, me):
+    f = box.files
+    assert f.make_dir("/tmp/fl/d1/d2") is True
+    assert f.make_dir("/tmp/fl/d1/d2") is False
+    f.write("/tmp/fl/d1/d2/x", "xx")
+    f.write("/tmp/fl/d1/y", "y")
+    assert [(e.path, e.type) for e in f.list("/tmp/fl/d1")] == [("/tmp/fl/d1/d2", FileType.DIR), ("/tmp/fl/d1/y", FileType.FILE)]
+    assert [e.path for e in f.list("/tmp/fl/d1", depth=2)] == ["/tmp/fl/d1/d2", "/tmp/fl/d1/d2/x", "/tmp/fl/d1/y"]
+    assert f.exists("/tmp/fl/d1/d2/x") and not f.exists("/tmp/fl/nope")
+    i = f.get_info("/tmp/fl/d1/d2/x")
+    assert (i.name, i.type, i.path, i.size) == ("x", FileType.FILE, "/tmp/fl/d1/d2/x", 2)
+    assert i.permissions.startswith("-")
+    assert box.commands.run("stat -c %U /tmp/fl/d1/d2/x").stdout == me.user + "\n"
+    assert i.owner == me.user, "EntryInfo.owner %r, the file's owner is %r" % (i.owner, me.user)
+    assert f.get_info("/tmp/fl/d1").type == FileType.DIR
+    with pytest.raises(FileNotFoundException):
+        f.get_info("/tmp/fl/nope")
+    moved = f.rename("/tmp/fl/d1/d2/x", "/tmp/fl/moved")
+    assert (moved.path, moved.name) == ("/tmp/fl/moved", "moved")
+    assert not f.exists("/tmp/fl/d1/d2/x") and f.read("/tmp/fl/moved") == "xx"
+    f.remove("/tmp/fl/d1")
+    assert not f.exists("/tmp/fl/d1")
+    for call in (lambda: f.read("/tmp/fl/nope"), lambda: f.list("/tmp/fl/nope"),
+                 lambda: f.rename("/tmp/fl/nope", "/tmp/fl/nope2"), lambda: f.remove("/tmp/fl/nope")):
+        with pytest.raises(FileNotFoundException):
+            call()
+
+
+@pytest.mark.xfail(strict=True, reason="download_url/upload_url (signed /files URLs) are not served by the endpoint yet")
+def test_signed_urls(box):
+    url = box.download_url("/etc/hostname")
+    assert httpx.get(url).status_code == 200
+
+
+# ----------------------------------------------------------------------------- not served yet
+
+
+def test_pty_is_refused_cleanly(box):
+    with pytest.raises(SandboxException) as ei:
+        box.pty.create(PtySize(rows=24, cols=80), timeout=20)
+    assert "PTY" in str(ei.value) and "UNIMPLEMENTED" in str(ei.value).upper()
+    assert box.commands.run("echo ok").stdout == "ok\n"
+
+
+def test_watch_dir_is_refused_cleanly(box):
+    with pytest.raises(SandboxException) as ei:
+        box.files.watch_dir("/tmp", request_timeout=20)
+    assert "UNIMPLEMENTED" in str(ei.value).upper()
+
+
+# ----------------------------------------------------------------------------- code interpreter
+
+# A value with rich representations, as IPython's formatter finds them.
+RICH = (
+    "class Rich:\n"
+    "    def _repr_html_(self): return '<b>rich</b>'\n"
+    "    def _repr_png_(self): return b'\\x89PNG not really'\n"
+    "    def __repr__(self): return 'Rich()'\n"
+)
+
+
+@pytest.fixture(scope="module")
+def ci(e2b):
+    """One code-interpreter sandbox shared by the tests that do not conflict (each uses names of
+    its own in the default context)."""
+    s = CISandbox.create(timeout=600, metadata={"suite": TAG, "role": "ci"})
+    yield s
+    kill_quietly(s.sandbox_id)
+
+
+def ci_make(**kw):
+    kw.setdefault("timeout", 300)
+    kw["metadata"] = dict({"suite": TAG}, **kw.get("metadata", {}) or {})
+    return CISandbox.create(**kw)
+
+
+def context_ids(sbx):
+    return {c.id for c in sbx.list_code_contexts()}
+
+
+def test_ci_run_code_results_and_counter(ci):
+    # The SDK's default template, code-interpreter-v1, is served by the base image.
+    assert ci.get_info().template_id == "code-interpreter-v1"
+    assert ci.commands.run("whoami").stdout == "user\n"
+    e = ci.run_code("x = 1+1\nprint('hi')\nx")
+    assert e.logs.stdout == ["hi\n"] and e.logs.stderr == [] and e.error is None
+    (r,) = e.results
+    assert r.text == "2" and r.is_main_result and e.text == "2"
+    # State persists across calls; the counter moves by one per run.
+    e2 = ci.run_code("y = x * 21\ny")
+    assert e2.text == "42" and e2.execution_count == e.execution_count + 1
+    e3 = ci.run_code("y = None")  # no last expression: no result
+    assert e3.results == [] and e3.logs.stdout == [] and e3.execution_count == e2.execution_count + 1
+
+
+def test_ci_exception(ci):
+    e = ci.run_code("z0 = 'before'\n1/0")
+    assert e.error is not None and e.results == []
+    assert e.error.name == "ZeroDivisionError"
+    assert "division by zero" in e.error.value
+    assert "ZeroDivisionError" in e.error.traceback
+    # What ran before the error stays; the context keeps working.
+    assert ci.run_code("z0").text == "'before'"
+    errs = []
+    e = ci.run_code("raise ValueError('bad value')", on_error=errs.append)
+    assert (e.error.name, e.error.value) == ("ValueError", "bad value")
+    assert [x.name for x in errs] == ["ValueError"]
+
+
+def test_ci_callbacks(ci):
+    outs, errs, results = [], [], []
+    e = ci.run_code("import sys\nprint('o1')\nprint('e1', file=sys.stderr)\n6 * 7",
+                    on_stdout=outs.append, on_stderr=errs.append, on_result=results.append)
+    assert "".join(m.line for m in outs) == "o1\n" == "".join(e.logs.stdout)
+    assert not any(m.error for m in outs)
+    assert "".join(m.line for m in errs) == "e1\n" == "".join(e.logs.stderr)
+    assert all(m.error for m in errs)
+    assert [r.text for r in results] == ["42"] and results[0].is_main_result
+
+
+def test_ci_bash(ci):
+    e = ci.run_code("echo $((6*7))", language="bash")
+    assert e.logs.stdout == ["42\n"] and e.error is None
+    # The bash context keeps its shell state too, apart from python's.
+    ci.run_code("CI_BASH=kept; cd /tmp", language="bash")
+    assert ci.run_code('echo "$CI_BASH $PWD"', language="bash").logs.stdout == ["kept /tmp\n"]
+    assert ci.run_code("CI_BASH").error.name == "NameError"
+
+
+def test_ci_contexts(ci):
+    ci.run_code("ctx_var = 'default'")
+    ctx = ci.create_code_context()
+    assert ctx.language == "python" and ctx.cwd == "/home/user"
+    assert ctx.id in context_ids(ci)
+    # Isolated from the default context, both ways.
+    assert ci.run_code("ctx_var", context=ctx).error.name == "NameError"
+    assert ci.run_code("ctx_var = 'ctx'", context=ctx).error is None
+    assert ci.run_code("ctx_var").text == "'default'"
+    assert ci.run_code("ctx_var", context=ctx).text == "'ctx'"
+    assert ci.run_code("import os\nos.getcwd()", context=ctx).text == "'/home/user'"
+    # Restart: same context, fresh state.
+    ci.restart_code_context(ctx)
+    assert ci.run_code("ctx_var", context=ctx).error.name == "NameError"
+    assert ctx.id in context_ids(ci)
+    ci.remove_code_context(ctx)
+    assert ctx.id not in context_ids(ci)
+    with pytest.raises(NotFoundException):
+        ci.run_code("1", context=ctx)
+    assert ci.run_code("ctx_var").text == "'default'"
+    # A bash context with its own cwd; removed by id.
+    b = ci.create_code_context(cwd="/tmp", language="bash")
+    assert b.language == "bash" and b.cwd == "/tmp"
+    assert ci.run_code("pwd", context=b).logs.stdout == ["/tmp\n"]
+    ci.remove_code_context(b.id)
+    assert b.id not in context_ids(ci)
+    with pytest.raises(InvalidArgumentException):  # the SDK refuses both at once
+        ci.run_code("1", language="python", context=ctx)
+
+
+def test_ci_rich_results_and_display(ci):
+    e = ci.run_code(RICH + "Rich()")
+    (r,) = e.results
+    assert r.is_main_result
+    assert r.html == "<b>rich</b>"
+    assert base64.b64decode(r.png) == b"\x89PNG not really"
+    assert r.text == "Rich()"
+    assert {"html", "png"} <= set(r.formats())
+    # display() adds results that are not the main one.
+    seen = []
+    e = ci.run_code("display(Rich())\nprint('between')\n'last'", on_result=seen.append)
+    assert [(x.is_main_result, x.html, x.text) for x in e.results] == [(False, "<b>rich</b>", "Rich()"), (True, None, "'last'")]
+    assert base64.b64decode(e.results[0].png) == b"\x89PNG not really"
+    assert e.logs.stdout == ["between\n"] and len(seen) == 2
+    assert e.text == "'last'"  # Execution.text is the main result's
+
+
+def test_ci_unsupported_is_refused_cleanly(ci):
+    with pytest.raises(SandboxException) as ei:
+        ci.run_code("import os\nos.environ.get('CI_ENV')", envs={"CI_ENV": "x"})
+    assert "400" in str(ei.value) and "envs" in str(ei.value), str(ei.value)
+    with pytest.raises(SandboxException) as ei:
+        ci.run_code("1 + 1", language="javascript")
+    assert "400" in str(ei.value) and "javascript" in str(ei.value), str(ei.value)
+    with pytest.raises(SandboxException) as ei:
+        ci.create_code_context(language="r")
+    assert "400" in str(ei.value), str(ei.value)
+    assert ci.run_code("'still fine'").text == "'still fine'"
+
+
+def test_ci_client_timeout_interrupts_the_run(ci):
+    ci.run_code("timeout_state = 'kept'")
+    with pytest.raises(TimeoutException):
+        ci.run_code("import time\ntime.sleep(30)", timeout=2)
+
+    def usable():
+        try:
+            return ci.run_code("1", timeout=5).text == "1"
+        except TimeoutException:
+            return False
+
+    # The server interrupts the run (SIGINT) when the client goes away: the context is free well
+    # before the 30 s sleep would have ended, and keeps its state.
+    wait_until(usable, timeout=10, interval=0.2, what="the context to be usable after a client-side timeout")
+    assert ci.run_code("timeout_state").text == "'kept'"
+
+
+def extra_contexts(sbx, n=2):
+    """``n`` more python contexts, made after the default one (each holding a variable of its
+    own): a fork or a snapshot must keep telling the default context from them."""
+    ctxs = [sbx.create_code_context() for _ in range(n)]
+    for i, c in enumerate(ctxs):
+        assert sbx.run_code("cv = 'ctx%d'" % i, context=c).error is None
+    return ctxs
+
+
+def default_context_is_kept(sbx, expect):
+    """The default context still is the one that ran first (the others' counters are lower)."""
+    e = sbx.run_code("v")
+    assert e.error is None, "the default context is another one: %s: %s" % (e.error.name, e.error.value)
+    assert e.text == expect
+
+
+def test_ci_fork_children_carry_code_state(e2b, make):
+    s = ci_make(metadata={"role": "ci-fork"})
+    make.adopt(s.sandbox_id)
+    s.run_code("v = 'parent'\nn = 41")
+    ctxs = extra_contexts(s)
+    kids = s.fork(count=3)
+    assert len(kids) == 3 and all(isinstance(k, CISandbox) for k in kids), kids
+    for k in kids:
+        make.adopt(k.sandbox_id)
+    for k in kids:
+        assert context_ids(k) == context_ids(s)
+        for i, c in enumerate(ctxs):
+            assert k.run_code("cv", context=c).text == "'ctx%d'" % i
+        default_context_is_kept(k, "'parent'")
+    kids[0].run_code("v = 'child'\nn += 1")
+    assert kids[0].run_code("(v, n)").text == "('child', 42)"
+    assert kids[1].run_code("(v, n)").text == "('parent', 41)"
+    assert s.run_code("(v, n)").text == "('parent', 41)"
+    kids[1].run_code("cv = 'changed'", context=ctxs[0])
+    assert s.run_code("cv", context=ctxs[0]).text == "'ctx0'"
+
+
+def test_ci_snapshot_carries_code_state(e2b, make, snapshots):
+    s = ci_make()
+    make.adopt(s.sandbox_id)
+    s.run_code("v = [1, 2, 3]")
+    ctxs = extra_contexts(s)
+    snap = snapshots(s.create_snapshot())
+    s.run_code("v.append(4)")
+    for _ in range(3):
+        c = ci_make(template=snap.snapshot_id)
+        make.adopt(c.sandbox_id)
+        assert c.run_code("cv", context=ctxs[1]).text == "'ctx1'"
+        default_context_is_kept(c, "[1, 2, 3]")
+    assert s.run_code("v").text == "[1, 2, 3, 4]"
+
+
+async def test_ci_async(e2b):
+    s = await CIAsyncSandbox.create(timeout=300, metadata={"suite": TAG, "role": "ci-async"})
+    try:
+        outs, results = [], []
+
+        async def on_result(r):
+            results.append(r)
+
+        e = await s.run_code("x = 1+1\nprint('hi')\nx", on_stdout=outs.append, on_result=on_result)
+        assert e.logs.stdout == ["hi\n"] and e.text == "2" and e.results[0].is_main_result
+        assert [m.line for m in outs] == ["hi\n"] and [r.text for r in results] == ["2"]
+        e2 = await s.run_code("x + 40")
+        assert e2.text == "42" and e2.execution_count == e.execution_count + 1
+        err = (await s.run_code("1/0")).error
+        assert err.name == "ZeroDivisionError" and "ZeroDivisionError" in err.traceback
+        assert (await s.run_code("echo $((6*7))", language="bash")).logs.stdout == ["42\n"]
+        ctx = await s.create_code_context()
+        assert (await s.run_code("x", context=ctx)).error.name == "NameError"
+        assert ctx.id in {c.id for c in await s.list_code_contexts()}
+        await s.remove_code_context(ctx)
+        assert ctx.id not in {c.id for c in await s.list_code_contexts()}
+        with pytest.raises(SandboxException) as ei:
+            await s.run_code("1", envs={"A": "b"})
+        assert "envs" in str(ei.value)
+    finally:
+        await CIAsyncSandbox.kill(s.sandbox_id)
+
+
+# ----------------------------------------------------------------------------- branchbox extras on E2B ids
+
+
+def test_branchbox_checkpoint_rollback_on_e2b_sandbox(make, snapshots):
+    s = make()
+    s.files.write("/tmp/rb.txt", "v1")
+    bb = BBSandbox.connect(s.sandbox_id, daemon=URL)  # the dashless id is accepted
+    try:
+        assert bb.info().id == bb_id(s.sandbox_id)
+        snap = snapshots(SimpleNamespace(snapshot_id=bb.checkpoint(label="e2b-rb"))).snapshot_id
+        s.files.write("/tmp/rb.txt", "v2")
+        s.files.write("/tmp/rb-new.txt", "new")
+        bb.rollback(snap)
+        assert s.files.read("/tmp/rb.txt") == "v1"
+        assert not s.files.exists("/tmp/rb-new.txt")
+        assert s.commands.run("cat /tmp/rb.txt").stdout == "v1"
+        assert s.get_info().state == SandboxState.RUNNING
+    finally:
+        bb.close()
+
+
+def test_branchbox_rollback_of_code_state(e2b, make, snapshots):
+    s = ci_make()
+    make.adopt(s.sandbox_id)
+    s.run_code("v = 'at checkpoint'")
+    extra_contexts(s, 6)  # the more contexts, the likelier a mix-up shows
+    bb = BBSandbox.connect(s.sandbox_id, daemon=URL)
+    try:
+        snap = snapshots(SimpleNamespace(snapshot_id=bb.checkpoint())).snapshot_id
+        s.run_code("v = 'later'")
+        bb.rollback(snap)
+    finally:
+        bb.close()  # not `with`: its exit kills the sandbox
+    default_context_is_kept(s, "'at checkpoint'")
+
+
+def test_raw_rollback_endpoint(make, raw):
+    s = make()
+    key = {"X-API-KEY": os.environ["E2B_API_KEY"]}
+    s.files.write("/tmp/rr.txt", "before")
+    r = raw.post("/sandboxes/%s/snapshots" % s.sandbox_id, headers=key, json={})
+    assert r.status_code == 201, r.text
+    snap = r.json()["snapshotID"]
+    try:
+        s.files.write("/tmp/rr.txt", "after")
+        r = raw.post("/sandboxes/%s/rollback" % s.sandbox_id, headers=key, json={"snapshotID": snap})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["sandboxID"] == s.sandbox_id, body
+        assert s.files.read("/tmp/rr.txt") == "before"
+        # Bad input: no snapshot, an unknown one, an unknown sandbox.
+        r = raw.post("/sandboxes/%s/rollback" % s.sandbox_id, headers=key, json={})
+        assert r.status_code == 400, r.text
+        r = raw.post("/sandboxes/%s/rollback" % s.sandbox_id, headers=key, json={"snapshotID": "no-such-snap"})
+        assert r.status_code == 404, r.text
+        r = raw.post("/sandboxes/sb000000000000/rollback", headers=key, json={"snapshotID": snap})
+        assert r.status_code == 404, r.text
+        r = raw.post("/sandboxes/%s/rollback" % s.sandbox_id, json={"snapshotID": snap})
+        assert r.status_code == 401, r.text
+    finally:
+        Sandbox.delete_snapshot(snap)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_wrong_api_key(e2b):
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="not-the-token", timeout=30)
+    with pytest.raises(AuthenticationException):
+        Sandbox.list(api_key="not-the-token").next_items()
+
+
+def test_unknown_template(e2b):
+    with pytest.raises(SandboxException) as ei:
+        Sandbox.create(template="no-such-template-" + TAG, timeout=30)
+    assert "404" in str(ei.value)
+
+
+def test_data_plane_of_a_killed_sandbox(make, raw):
+    s = make()
+    s.kill()
+    assert s.is_running() is False
+    for call in (lambda: s.commands.run("true"), lambda: s.files.read("/etc/hostname"),
+                 lambda: s.files.write("/tmp/x", "x"), lambda: s.files.list("/tmp"), lambda: s.commands.list()):
+        with pytest.raises(SandboxNotRunningException):
+            call()
+    r = raw.get("/health", headers=envd_headers(s))
+    assert r.status_code == 502 and "was not found" in r.json()["message"]
+
+
+def test_raw_connect_protocol_errors(box, raw):
+    h = envd_headers(box, **{"Content-Type": "application/connect+json"})
+    # A streaming RPC with a malformed envelope: HTTP 200, one end-stream envelope with the error.
+    for body in (b"\x00\x00\x00", b"\x00\x00\x00\x00\x09not json!", envelope(b"{}") + b"\x00"):
+        r = raw.post("/process.Process/Start", headers=h, content=body)
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"].startswith("application/connect+json")
+        ((flags, msg),) = envelopes(r.content)
+        assert flags & 0x02 and msg["error"]["code"] == "invalid_argument", (flags, msg)
+    # Unary RPCs with bad JSON: 400 {"code": "invalid_argument"}.
+    hu = envd_headers(box, **{"Content-Type": "application/json"})
+    for rpc in ("filesystem.Filesystem/Stat", "filesystem.Filesystem/ListDir", "filesystem.Filesystem/MakeDir",
+                "process.Process/SendInput", "process.Process/CloseStdin", "process.Process/SendSignal"):
+        r = raw.post("/" + rpc, headers=hu, content=b"{not json")
+        assert r.status_code == 400 and r.json()["code"] == "invalid_argument", (rpc, r.status_code, r.text)
+    # No / a wrong access token.
+    for hdrs in (envd_headers(box, token=False), envd_headers(box, **{"X-Access-Token": "wrong"})):
+        r = raw.post("/filesystem.Filesystem/Stat", headers=dict(hdrs, **{"Content-Type": "application/json"}),
+                     content=b'{"path": "/tmp"}')
+        assert r.status_code == 401 and r.json()["code"] == "unauthenticated", r.text
+        r = raw.post("/process.Process/Start", headers=dict(hdrs, **{"Content-Type": "application/connect+json"}),
+                     content=envelope(json.dumps({"process": {"cmd": "/bin/true"}}).encode()))
+        ((flags, msg),) = envelopes(r.content)
+        assert flags & 0x02 and msg["error"]["code"] == "unauthenticated", msg
+        r = raw.get("/files", params={"path": "/etc/hostname"}, headers=hdrs)
+        assert r.status_code == 401, r.text
+    # The SDK with a wrong token gets AuthenticationException.
+    cfg = ConnectionConfig(extra_sandbox_headers={"E2b-Sandbox-Id": box.sandbox_id, "E2b-Sandbox-Port": "49983",
+                                                  "X-Access-Token": "wrong"})
+    bad = Sandbox(sandbox_id=box.sandbox_id, sandbox_domain=None, envd_version=box._envd_version,
+                  envd_access_token="wrong", connection_config=cfg)
+    with pytest.raises(AuthenticationException):
+        bad.files.list("/tmp")
+    with pytest.raises(AuthenticationException):
+        bad.commands.run("true")
+
+
+def test_list_rpc_with_bad_json(box, raw):
+    """Every unary RPC parses its request: `{not json` is invalid_argument, List's too."""
+    r = raw.post("/process.Process/List", headers=envd_headers(box, **{"Content-Type": "application/json"}),
+                 content=b"{not json")
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument", (r.status_code, r.text)
+
+
+def test_path_traversal_is_refused(box, make, raw):
+    other = make()
+    with open("/etc/passwd", "rb") as fh:
+        host_before = hashlib.sha256(fh.read()).hexdigest()
+    inside_before = box.commands.run("sha256sum /etc/passwd").stdout
+    h = envd_headers(box)
+    # (Refused uploads on connections of their own: the refusal leaves the body unread, and the
+    # connection dies under the next request: test_keepalive_survives_refused_uploads.)
+    hc = dict(h, Connection="close")
+    r = raw.post("/files?path=/../../etc/passwd", headers=dict(hc, **{"Content-Type": "application/octet-stream"}),
+                 content=b"pwned\n")
+    assert r.status_code == 400, r.text
+    r = raw.post("/files", params={"path": "/../../etc/passwd"}, headers=hc, files={"file": ("passwd", b"pwned\n")})
+    assert r.status_code == 400, r.text
+    r = raw.get("/files", params={"path": "/../../../etc/shadow"}, headers=h)
+    assert r.status_code == 400, r.text
+    with open("/etc/passwd", "rb") as fh:
+        assert hashlib.sha256(fh.read()).hexdigest() == host_before
+    assert box.commands.run("sha256sum /etc/passwd").stdout == inside_before
+    # The daemon keeps serving: another sandbox's health, and a fresh sandbox.
+    assert raw.get("/health", headers=envd_headers(other)).status_code in (200, 204)
+    assert other.is_running()
+    assert make().commands.run("echo alive").stdout == "alive\n"
+
+
+def test_daemon_still_works_after_bad_input(make):
+    s = make(envs={"AFTER": "bad-input"})
+    assert s.commands.run("echo $AFTER").stdout == "bad-input\n"
+
+
+def test_keepalive_connections_survive_early_answers(make, raw):
+    """A keep-alive client must be able to send its next request on the connection an answer
+    came on. Answers given before the request body was read (a paused sandbox's 502 to a
+    streamed Start body, `pause` ignoring its JSON body) must not leave a connection the server
+    closes without saying so: the SDK's pool (pyqwest) reuses it and the next call fails with
+    "connection closed before message completed"."""
+    s = make()
+    key = {"X-API-KEY": os.environ["E2B_API_KEY"]}
+    closing = []
+    for _ in range(10):
+        r = raw.post("/sandboxes/%s/pause" % s.sandbox_id, headers=key, json={})
+        assert r.status_code == 204, r.text
+        closing += [r.headers.get("connection")] if r.headers.get("connection") == "close" else []
+        assert raw.post("/v2/sandboxes/%s/connect" % s.sandbox_id, headers=key, json={}).status_code == 201
+    assert raw.post("/sandboxes/%s/pause" % s.sandbox_id, headers=key, json={}).status_code == 204
+    h = envd_headers(s, **{"Content-Type": "application/connect+json"})
+    body = envelope(json.dumps({"process": {"cmd": "/bin/true"}}).encode())
+    errors = []
+    for i in range(30):
+        for content in (lambda: iter([body]), lambda: body):  # chunked, then sized
+            try:
+                r = raw.post("/process.Process/Start", headers=h, content=content())
+                assert r.status_code == 502, r.text
+            except httpx.TransportError as e:
+                errors.append("%d: %s: %s" % (i, type(e).__name__, e))
+    assert not errors, "requests after early answers failed on a closed keep-alive connection:\n" + "\n".join(errors)
+    assert not closing, "pause answered Connection: close %d times out of 10" % len(closing)
+
+
+def pipelined(port, first, second):
+    """Send two HTTP/1.1 requests back to back on one connection (the second asks to close it),
+    read until the server closes it, and return the status codes it answered: a server that
+    answers the first without reading its body closes the connection and never answers the
+    second (what a keep-alive client sees, at random, as a reused connection closed under it)."""
+    import socket
+
+    data = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as c:
+        c.sendall(first + second)
+        try:
+            while True:
+                chunk = c.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        except ConnectionResetError:
+            pass
+    return [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", data)]
+
+
+def http_request(method, target, headers, body=b"", close=False):
+    h = dict(headers, Host="127.0.0.1", **{"Content-Length": str(len(body))})
+    if close:
+        h["Connection"] = "close"
+    head = "%s %s HTTP/1.1\r\n" % (method, target) + "".join("%s: %s\r\n" % kv for kv in h.items()) + "\r\n"
+    return head.encode() + body
+
+
+@pytest.mark.parametrize("case", ["unknown-user", "path-climbs-out", "no-path", "wrong-token", "gone-sandbox"])
+def test_keepalive_survives_refused_uploads(e2b, box, make, case):
+    """Every early answer to an upload reads the body first, so the connection serves the next
+    request. (Through the SDK, the unknown-user case is `files.write(..., user="no-such-user")`
+    then `files.exists()` failing now and then with SandboxUnreachableException "connection
+    closed before message completed": test_unknown_user_is_refused_cleanly.)"""
+    target = box
+    if case == "gone-sandbox":
+        target = make()
+        target.kill()
+    h = envd_headers(target, **{"Content-Type": "application/octet-stream"})
+    query = {"unknown-user": "?path=/tmp/ka&username=no-such-user", "path-climbs-out": "?path=/../../etc/ka",
+             "no-path": "", "wrong-token": "?path=/tmp/ka", "gone-sandbox": "?path=/tmp/ka"}[case]
+    if case == "wrong-token":
+        h["X-Access-Token"] = "wrong"
+    first = http_request("POST", "/files" + query, h, b"x" * (64 << 10))
+    second = http_request("GET", "/health", envd_headers(box), close=True)
+    codes = pipelined(e2b.daemon.e2b_port, first, second)
+    assert len(codes) == 2 and codes[0] >= 400 and codes[1] in (200, 204), \
+        "%s: answers %r: the connection was closed after the refusal, its body unread" % (case, codes)
+    assert not box.files.exists("/tmp/ka")
+
+
+# ----------------------------------------------------------------------------- async
+
+
+async def _acleanup(*boxes):
+    await asyncio.gather(*(AsyncSandbox.kill(b.sandbox_id) for b in boxes), return_exceptions=True)
+
+
+async def test_async_main_surface(e2b):
+    s = await AsyncSandbox.create(envs={"X": "async"}, metadata={"suite": TAG, "role": "async"}, timeout=300)
+    try:
+        assert (await s.commands.run("echo $X")).stdout == "async\n"
+        with pytest.raises(CommandExitException) as ei:
+            await s.commands.run("exit 5")
+        assert ei.value.exit_code == 5
+        # Streaming: the callback sees the first line before the command (waiting on stdin) ends.
+        outs = []
+        h = await s.commands.run("echo first; read x; echo got $x", background=True, stdin=True, on_stdout=outs.append)
+        deadline = time.monotonic() + 15
+        while not any("first" in o for o in outs):
+            assert time.monotonic() < deadline, "no output streamed before the command ended"
+            await asyncio.sleep(0.02)
+        await h.send_stdin("yes\n")
+        assert (await h.wait()).stdout == "first\ngot yes\n"
+        h = await s.commands.run("sleep 1000", background=True)
+        assert h.pid in [p.pid for p in await s.commands.list()]
+        assert await s.commands.kill(h.pid) is True
+        await s.files.write("/tmp/a.txt", "async file")
+        assert await s.files.read("/tmp/a.txt") == "async file"
+        assert await s.files.read("/tmp/a.txt", format="bytes", gzip=True) == bytearray(b"async file")
+        assert [e.name for e in await s.files.list("/tmp")] == ["a.txt"]
+        assert await s.files.exists("/tmp/a.txt")
+        info = await s.get_info()
+        assert info.state == SandboxState.RUNNING and info.metadata["role"] == "async"
+        p = AsyncSandbox.list(query=SandboxQuery(metadata={"suite": TAG, "role": "async"}))
+        assert [i.sandbox_id for i in await p.next_items()] == [s.sandbox_id]
+        assert await s.pause() is True
+        assert await s.is_running() is False
+        await s.connect()
+        assert await s.is_running()
+        assert await s.files.read("/tmp/a.txt") == "async file"
+        assert await s.kill() is True
+        assert await AsyncSandbox.kill(s.sandbox_id) is False
+        with pytest.raises(SandboxNotRunningException):
+            await s.commands.run("true")
+    finally:
+        await _acleanup(s)
+
+
+async def test_async_fork(e2b):
+    before = ids_now()
+    s = await AsyncSandbox.create(metadata={"suite": TAG}, timeout=300)
+    try:
+        await s.files.write("/tmp/f", "parent")
+        (k,) = await s.fork(count=1)
+        assert isinstance(k, AsyncSandbox)
+        assert await k.files.read("/tmp/f") == "parent"
+        await k.files.write("/tmp/f", "child")
+        assert await s.files.read("/tmp/f") == "parent"
+    finally:
+        await _acleanup(s)
+        for sid in ids_now() - before:
+            kill_quietly(sid)
+        delete_snapshots_of(s.sandbox_id)  # the fork's
+
+
+async def test_async_snapshot_and_errors(e2b):
+    s = await AsyncSandbox.create(metadata={"suite": TAG}, timeout=300)
+    c = None
+    try:
+        with pytest.raises(AuthenticationException):
+            await AsyncSandbox.create(api_key="wrong", timeout=30)
+        with pytest.raises(NotFoundException):
+            await AsyncSandbox.connect("sb000000000000")
+        await s.files.write("/tmp/s.txt", "snap")
+        snap = await s.create_snapshot()
+        try:
+            c = await AsyncSandbox.create(snap.snapshot_id, metadata={"suite": TAG}, timeout=300)
+            assert await c.files.read("/tmp/s.txt") == "snap"
+        finally:
+            await AsyncSandbox.delete_snapshot(snap.snapshot_id)
+    finally:
+        await _acleanup(*(x for x in (s, c) if x is not None))
+
+
+
+
