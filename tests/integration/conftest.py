@@ -112,6 +112,14 @@ class Daemon:
             self.start()
 
 
+def _base_has_user() -> bool:
+    s = Sandbox.create(daemon=URL, timeout=60)
+    try:
+        return s.commands.run("id -u user").exit_code == 0
+    finally:
+        s.kill()
+
+
 @pytest.fixture(scope="session")
 def daemon():
     if os.geteuid() != 0:
@@ -122,7 +130,9 @@ def daemon():
     d.start()
     os.environ["BRANCHBOX_URL"] = URL
     imgs = Images(daemon=URL)
-    if not any(i.name == "base" for i in imgs.list()):
+    # A base image kept in the state dir from before images had the `user` account (E2B's
+    # default user, test_e2b.py) is built again, once.
+    if not any(i.name == "base" for i in imgs.list()) or not _base_has_user():
         imgs.build("base")
     yield d
     # Kill whatever the tests left, then stop.
