@@ -59,8 +59,14 @@ enum Source {
     Image(String),
 }
 
+/// E2B's default templates: the `base` image.
+const DEFAULT_TEMPLATES: [&str; 2] = ["base", "code-interpreter-v1"];
+
 fn resolve_template(e: &E2b, id: &str) -> Source {
     let id = id.strip_suffix(":latest").unwrap_or(id);
+    if DEFAULT_TEMPLATES.contains(&id) {
+        return Source::Image("base".into()); // the common case, without a lookup
+    }
     if e.rt.snapshot(id).is_ok() {
         Source::Snapshot(id.into())
     } else if e.rt.template(id).is_ok() {
@@ -108,7 +114,7 @@ pub async fn create(State(e): St, bytes: axum::body::Bytes) -> E2bResult<Respons
         Source::Snapshot(s) => spec.snapshot = Some(s),
         Source::Template(t) => spec.template = Some(t),
         Source::Image(i) => {
-            let image = if i == "base" || i == "code-interpreter-v1" { "base".to_string() } else { i };
+            let image = i;
             if e.rt.images().get(&image).is_err() {
                 return Err(E2bError::not_found(format!(
                     "template {template:?} not found: use \"base\", an image, a branchbox template or a snapshot id"
@@ -501,7 +507,7 @@ pub async fn delete_template(State(e): St, Path(id): Path<String>) -> E2bResult<
 
 pub async fn alias(State(e): St, Path(alias): Path<String>) -> E2bResult<Json<Value>> {
     let known = match resolve_template(&e, &alias) {
-        Source::Image(i) => i == "base" || i == "code-interpreter-v1" || e.rt.images().get(&i).is_ok(),
+        Source::Image(i) => e.rt.images().get(&i).is_ok(),
         _ => true,
     };
     if !known {

@@ -179,23 +179,23 @@ struct ExecuteReq {
 /// (python: the sandbox's default session, the one branchbox's `run_code` uses; bash: its oldest
 /// live shell session), made on first use.
 async fn session_for(e: &E2b, t: &Target, req: &ExecuteReq) -> Result<SessionInfo, InterpError> {
-    let sessions = e.rt.list_sessions(&t.id).await.map_err(InterpError::from)?.sessions;
     if let Some(cid) = &req.context_id {
+        let sessions = e.rt.list_sessions(&t.id).await.map_err(InterpError::from)?.sessions;
         return sessions.into_iter().find(|s| &s.id == cid && s.alive).ok_or_else(|| {
             error(StatusCode::NOT_FOUND, format!("context {cid:?} not found: create one with create_code_context()"))
         });
     }
     let kind = kind_of(req.language.as_deref())?;
-    let cwd = home(e, t);
     if kind == "python" {
         // branchbox's own run_code uses the same session: both SDKs see one python state.
-        let s = e.rt.default_session(&t.id, Some(cwd.clone())).await.map_err(InterpError::from)?;
-        e.contexts.lock().expect("contexts lock").entry(s.id.clone()).or_insert(cwd);
+        let s = e.rt.default_session(&t.id, || Some(home(e, t))).await.map_err(InterpError::from)?;
         return Ok(s);
     }
+    let sessions = e.rt.list_sessions(&t.id).await.map_err(InterpError::from)?.sessions;
     if let Some(s) = sessions.into_iter().find(|s| s.kind == kind && s.alive) {
         return Ok(s);
     }
+    let cwd = home(e, t);
     let s = e
         .rt
         .create_session(&t.id, CreateSession { kind: Some(kind.into()), cwd: Some(cwd.clone()), env: BTreeMap::new() })

@@ -163,9 +163,9 @@ async fn dispatch(e: Arc<E2b>, planes: Planes, mut req: Request) -> Response {
     };
     let cid = canonical_id(&id).into_owned();
     // Unknown, dead, and paused sandboxes (unless they wake on use) answer as E2B's edge does.
-    match e.rt.info(&cid) {
-        Ok(info) if info.state == "running" => {}
-        Ok(info) if info.state == "paused" && info.lifecycle.auto_resume => {}
+    // (A state check, not `info()`: that reads the cgroup's counters, on every request.)
+    match e.rt.get(&cid) {
+        Ok(sb) if !sb.is_dead() && (!sb.is_paused() || sb.spec.lifecycle.auto_resume) => {}
         _ => {
             drain(req).await;
             return sandbox_gone(&id);

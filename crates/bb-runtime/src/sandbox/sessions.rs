@@ -77,19 +77,23 @@ impl Runtime {
         }
         let sb = self.ready(id).await?;
         let _busy = self.activity.busy();
-        let s = default_python(&sb, None).await?;
+        let s = default_python(&sb, || None).await?;
         run(&sb, &s, &req.code, crate::sandbox::exec::timeout_of(req.timeout)?).await
     }
 
-    /// The sandbox's default python session (the one `run_code` uses), started in `cwd` (the
-    /// sandbox's cwd when None) if there is none alive.
-    pub async fn default_session(self: &Arc<Self>, id: &str, cwd: Option<String>) -> Result<SessionInfo> {
+    /// The sandbox's default python session (the one `run_code` uses), started in what `cwd`
+    /// says (the sandbox's cwd when None) if there is none alive.
+    pub async fn default_session(
+        self: &Arc<Self>,
+        id: &str,
+        cwd: impl FnOnce() -> Option<String>,
+    ) -> Result<SessionInfo> {
         let sb = self.ready(id).await?;
         Ok(default_python(&sb, cwd).await?.info())
     }
 }
 
-async fn default_python(sb: &Sandbox, cwd: Option<String>) -> Result<Arc<Session>> {
+async fn default_python(sb: &Sandbox, cwd: impl FnOnce() -> Option<String>) -> Result<Arc<Session>> {
     let mut default = sb.default_session.lock().await;
     let existing = match default.as_ref() {
         Some(sid) => sb.sessions.lock().await.get(sid).filter(|s| s.is_alive()).cloned(),
@@ -98,7 +102,7 @@ async fn default_python(sb: &Sandbox, cwd: Option<String>) -> Result<Arc<Session
     match existing {
         Some(s) => Ok(s),
         None => {
-            let s = Arc::new(create(sb, "python", true, cwd, &Default::default()).await?);
+            let s = Arc::new(create(sb, "python", true, cwd(), &Default::default()).await?);
             sb.sessions.lock().await.insert(s.id.clone(), s.clone());
             *default = Some(s.id.clone());
             Ok(s)
