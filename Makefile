@@ -64,6 +64,7 @@ test-python:
 	$(VENV)/bin/pytest -q python/tests
 
 test-integration:
+	@scripts/install-e2b-clients.sh
 	BRANCHBOX_DAEMON_BIN=$(LIBDIR)/branchboxd $(VENV)/bin/pytest -q tests/integration
 
 ## openapi: regenerate the checked-in spec after changing the API.

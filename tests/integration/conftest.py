@@ -46,7 +46,7 @@ class Daemon:
         # Its TCP listener (the Host-header form of ports, test_ports.py), the same port across
         # restarts.
         self.tcp_port = _free_port()
-        self.tcp_token = "bbtest-" + uuid.uuid4().hex
+        self.tcp_token = "e2b_" + uuid.uuid4().hex  # E2B SDKs of some versions accept no other form
         # The E2B-compatible endpoint (test_e2b.py), its API key the token.
         self.e2b_port = _free_port()
 

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import struct
+import threading
 import time
 import uuid
 from types import SimpleNamespace
@@ -649,26 +650,203 @@ def test_files_list_stat_mkdir_rename_remove(box, me):
             call()
 
 
-@pytest.mark.xfail(strict=True, reason="download_url/upload_url (signed /files URLs) are not served by the endpoint yet")
-def test_signed_urls(box):
-    url = box.download_url("/etc/hostname")
-    assert httpx.get(url).status_code == 200
+def test_files_metadata_is_kept_as_xattrs(box, raw):
+    f = box.files
+    w = f.write("/tmp/md/a.txt", "m", metadata={"Owner": "alice", "note": "two words"})
+    assert w.metadata == {"owner": "alice", "note": "two words"}  # keys lowercased, as envd does
+    assert f.get_info("/tmp/md/a.txt").metadata == {"owner": "alice", "note": "two words"}
+    assert [(e.name, e.metadata) for e in f.list("/tmp/md")] == [("a.txt", {"owner": "alice", "note": "two words"})]
+    # Kept where E2B keeps them: user.e2b.* extended attributes, visible in the sandbox.
+    got = box.commands.run("python3 -c \"import os; print(os.getxattr('/tmp/md/a.txt', 'user.e2b.owner').decode())\"")
+    assert got.stdout == "alice\n"
+    # Set in the sandbox, read through the endpoint; a move keeps them.
+    box.commands.run("python3 -c \"import os; os.setxattr('/tmp/md/a.txt', 'user.e2b.extra', b'x')\"")
+    assert f.rename("/tmp/md/a.txt", "/tmp/md/b.txt").metadata == {"owner": "alice", "note": "two words", "extra": "x"}
+    assert f.write("/tmp/md/plain.txt", "p").metadata is None and f.get_info("/tmp/md/plain.txt").metadata is None
+    # Uploads of several files carry the same map; an overwrite without metadata has none.
+    out = f.write_files([{"path": "/tmp/md/m1", "data": "1"}, {"path": "/tmp/md/m2", "data": "2"}], metadata={"k": "v"})
+    assert [w.metadata for w in out] == [{"k": "v"}, {"k": "v"}]
+    assert f.write("/tmp/md/m1", "again").metadata is None and f.get_info("/tmp/md/m1").metadata is None
+    # Bad values are refused before anything is written (the SDK checks too: sent raw here).
+    r = raw.post("/files", params={"path": "/tmp/md/bad"}, content=b"x",
+                 headers=envd_headers(box, **{"Content-Type": "application/octet-stream", "X-Metadata-k": "v" * 9000}))
+    assert r.status_code == 400 and "metadata" in r.json()["message"], r.text
+    assert not f.exists("/tmp/md/bad")
 
 
-# ----------------------------------------------------------------------------- not served yet
+def test_signed_urls(box, raw):
+    box.files.write("/tmp/su/a.txt", "signed")
+    url = box.download_url("/tmp/su/a.txt")
+    assert "signature=v1_" in url
+    # No sandbox header and no access token: the signature names the sandbox.
+    r = httpx.get(url)
+    assert (r.status_code, r.text) == (200, "signed")
+    assert httpx.get(box.download_url("/tmp/su/a.txt", use_signature_expiration=60)).text == "signed"
+    expired = httpx.get(box.download_url("/tmp/su/a.txt", use_signature_expiration=-5))
+    assert expired.status_code == 401 and "expired" in expired.json()["message"]
+    # A signature is for one path and one operation.
+    r = httpx.get(url.replace("a.txt", "b.txt"))
+    assert r.status_code == 401 and "signature" in r.json()["message"]
+    assert httpx.post(url, files={"file": ("x", b"x")}).status_code == 401
+    r = httpx.get(url, headers={"E2b-Sandbox-Id": box.sandbox_id, "E2b-Sandbox-Port": "49983"})
+    assert r.status_code == 200  # through the sandbox's header too
+    up = box.upload_url("/tmp/su/up.txt")
+    r = httpx.post(up, files={"file": ("up.txt", b"uploaded")})
+    assert r.status_code == 200, r.text
+    assert box.files.read("/tmp/su/up.txt") == "uploaded"
+    assert box.files.get_info("/tmp/su/up.txt").owner == box.files.get_info("/tmp/su/a.txt").owner
+    # The daemon answers the rest unharmed.
+    assert raw.get("/files", params={"path": "/tmp/su/a.txt", "signature": "v1_nope"}).status_code == 401
 
 
-def test_pty_is_refused_cleanly(box):
+def collect_events(handle, want, timeout=20):
+    """Poll a watch handle until every (name, type) of ``want`` was seen; returns all events."""
+    seen = []
+
+    def done():
+        seen.extend(handle.get_new_events())
+        got = {(e.name, e.type.name) for e in seen}
+        return want <= got
+
+    wait_until(done, timeout=timeout, what="events %s (seen %s)" % (sorted(want), [(e.name, e.type.name) for e in seen]))
+    return seen
+
+
+def test_watch_dir_polled(box):
+    f = box.files
+    f.make_dir("/tmp/wd")
+    h = f.watch_dir("/tmp/wd", request_timeout=20)
+    f.write("/tmp/wd/a.txt", "1")
+    box.commands.run("echo x >> /tmp/wd/b.txt && mkdir /tmp/wd/sub && chmod 600 /tmp/wd/b.txt && "
+                     "mv /tmp/wd/b.txt /tmp/wd/c.txt && rm /tmp/wd/a.txt && echo y > /tmp/wd/sub/not-watched")
+    want = {("a.txt", "CREATE"), ("a.txt", "WRITE"), ("b.txt", "CREATE"), ("b.txt", "WRITE"), ("sub", "CREATE"),
+            ("b.txt", "CHMOD"), ("b.txt", "RENAME"), ("c.txt", "CREATE"), ("a.txt", "REMOVE")}
+    seen = collect_events(h, want)
+    names = {e.name for e in seen}
+    assert not any(n.startswith(".branchbox") for n in names), names  # the upload's temporary file
+    assert "sub/not-watched" not in names  # not recursive
+    assert all(e.entry is None for e in seen)
+    h.stop()
+    with pytest.raises(SandboxException):
+        h.get_new_events()
+
+
+def test_watch_dir_recursive_with_entries(box):
+    f = box.files
+    f.make_dir("/tmp/wr/old")
+    h = f.watch_dir("/tmp/wr", recursive=True, include_entry=True, request_timeout=20)
+    f.write("/tmp/wr/old/x", "x")
+    box.commands.run("mkdir /tmp/wr/new")
+    collect_events(h, {("old/x", "WRITE"), ("new", "CREATE")})
+    # A directory made after the watch started is watched once its creation was seen.
+    box.commands.run("echo hello > /tmp/wr/new/y")
+    seen = collect_events(h, {("new/y", "CREATE"), ("new/y", "WRITE")})
+    y = [e for e in seen if e.name == "new/y" and e.entry is not None]
+    assert y and y[-1].entry.path == "/tmp/wr/new/y" and y[-1].entry.type == FileType.FILE
+    h.stop()
+
+
+def test_watch_dir_errors(box):
+    with pytest.raises(NotFoundException):
+        box.files.watch_dir("/tmp/no-such-dir", request_timeout=20)
+    box.files.write("/tmp/wfile", "f")
+    with pytest.raises(InvalidArgumentException):
+        box.files.watch_dir("/tmp/wfile", request_timeout=20)
+    # A removed watched directory fails the watcher with a clear error.
+    box.files.make_dir("/tmp/wgone")
+    h = box.files.watch_dir("/tmp/wgone", request_timeout=20)
+    box.commands.run("rmdir /tmp/wgone")
+
+    def failed():
+        try:
+            h.get_new_events()
+            return False
+        except SandboxException as e:
+            return "removed" in str(e)
+
+    wait_until(failed, timeout=20, what="the watcher of a removed directory to fail")
+
+
+def test_watch_survives_a_checkpoint(box, snapshots):
+    """A checkpoint mounts the sandbox's root anew: the watch re-arms on it."""
+    box.files.make_dir("/tmp/wc")
+    h = box.files.watch_dir("/tmp/wc", request_timeout=20)
+    bb = BBSandbox.connect(bb_id(box.sandbox_id), daemon=URL, resume=False)
+    snapshots(SimpleNamespace(snapshot_id=bb.checkpoint(label="e2b-watch")))
+    # Changes made right after the swap may be missed (the watch notices it within half a
+    # second): keep writing until one is seen.
+    n = [0]
+
+    def seen():
+        n[0] += 1
+        box.files.write("/tmp/wc/after-%d" % n[0], "x")
+        return any(e.name.startswith("after-") for e in h.get_new_events())
+
+    wait_until(seen, timeout=20, what="an event after the checkpoint")
+    h.stop()
+
+
+# ----------------------------------------------------------------------------- PTY
+
+
+def pty_reader(h):
+    """Read a PTY handle's output on a thread: (output so far, {"result" or "error"}, thread)."""
+    out, end = bytearray(), {}
+
+    def run():
+        try:
+            end["result"] = h.wait(on_pty=out.extend)
+        except Exception as e:  # an exit code other than 0 raises; kept for the test to look at
+            end["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return out, end, t
+
+
+def test_pty_input_resize_and_exit(make, me):
+    s = make()
+    h = s.pty.create(PtySize(rows=24, cols=80), timeout=60)
+    out, end, t = pty_reader(h)
+    s.pty.send_stdin(h.pid, b"tty; stty size; echo T=$TERM; id -un\n")
+    wait_until(lambda: b"24 80" in out and b"T=xterm-256color" in out, timeout=20, what="the terminal's answers: %r" % out)
+    assert b"/dev/pts/" in out  # a terminal of the sandbox's own devpts
+    assert ("\n%s\r\n" % me.user).encode() in out.replace(b"\r\r", b"\r")  # as the default user
+    s.pty.resize(h.pid, PtySize(rows=40, cols=100))
+    s.pty.send_stdin(h.pid, b"stty size\n")
+    wait_until(lambda: b"40 100" in out, timeout=20, what="the new size: %r" % out)
+    s.pty.send_stdin(h.pid, b"exit 3\n")
+    t.join(20)
+    assert isinstance(end.get("error"), CommandExitException) and end["error"].exit_code == 3, end
+
+
+def test_pty_reconnect_kill_and_bad_input(make):
+    s = make()
+    h = s.pty.create(PtySize(rows=24, cols=80), timeout=60)
+    pid = h.pid
+    h.disconnect()
+    s.pty.send_stdin(pid, b"echo before-$((20+1))\n")  # while nobody listens: the shell keeps running
+    h2 = s.pty.connect(pid, timeout=60)
+    out, end, t = pty_reader(h2)
+    s.pty.send_stdin(pid, b"echo again-$((40+2))\n")
+    wait_until(lambda: b"again-42" in out, timeout=20, what="output after reconnecting: %r" % out)
+    assert pid in [p.pid for p in s.commands.list()]
+    # Terminal input to a process without one, and a resize of it, are refused clearly.
+    c = s.commands.run("sleep 600", background=True)
     with pytest.raises(SandboxException) as ei:
-        box.pty.create(PtySize(rows=24, cols=80), timeout=20)
-    assert "PTY" in str(ei.value) and "UNIMPLEMENTED" in str(ei.value).upper()
-    assert box.commands.run("echo ok").stdout == "ok\n"
-
-
-def test_watch_dir_is_refused_cleanly(box):
+        s.pty.send_stdin(c.pid, b"x")
+    assert "no terminal" in str(ei.value)
     with pytest.raises(SandboxException) as ei:
-        box.files.watch_dir("/tmp", request_timeout=20)
-    assert "UNIMPLEMENTED" in str(ei.value).upper()
+        s.pty.resize(c.pid, PtySize(rows=10, cols=10))
+    assert "no terminal" in str(ei.value)
+    with pytest.raises(SandboxException):
+        s.pty.create(PtySize(rows=0, cols=80), timeout=20)
+    c.kill()
+    assert s.pty.kill(pid) is True
+    t.join(20)
+    assert not t.is_alive() and "error" in end, end  # killed: no clean exit
+    wait_until(lambda: pid not in [p.pid for p in s.commands.list()], timeout=10, what="the killed PTY to leave the list")
+    assert s.commands.run("echo ok").stdout == "ok\n"
 
 
 # ----------------------------------------------------------------------------- code interpreter
@@ -1240,3 +1418,41 @@ async def test_async_snapshot_and_errors(e2b):
 
 
 
+
+
+async def test_async_pty(e2b):
+    s = await AsyncSandbox.create(metadata={"suite": TAG, "role": "async-pty"}, timeout=300)
+    try:
+        out = bytearray()
+        h = await s.pty.create(PtySize(rows=30, cols=90), on_data=out.extend, timeout=60)
+        await s.pty.send_stdin(h.pid, b"stty size; exit\n")
+        r = await h.wait()
+        assert r.exit_code == 0 and b"30 90" in out, out
+    finally:
+        await _acleanup(s)
+
+
+async def test_async_watch_dir_streams_events(e2b):
+    s = await AsyncSandbox.create(metadata={"suite": TAG, "role": "async-watch"}, timeout=300)
+    try:
+        got, exits = [], []
+        await s.files.make_dir("/tmp/aw")
+        h = await s.files.watch_dir("/tmp/aw", on_event=got.append, on_exit=exits.append, timeout=0)
+        await s.files.write("/tmp/aw/x.txt", "x")
+        await s.commands.run("mkdir /tmp/aw/d && rm /tmp/aw/x.txt")
+        want = {("x.txt", "CREATE"), ("x.txt", "WRITE"), ("d", "CREATE"), ("x.txt", "REMOVE")}
+        deadline = time.monotonic() + 20
+        while not want <= {(e.name, e.type.name) for e in got}:
+            assert time.monotonic() < deadline, "events %s, seen %s" % (want, [(e.name, e.type.name) for e in got])
+            await asyncio.sleep(0.05)
+        await h.stop()
+        # Killing the sandbox under a second watch ends it with an error, not silently.
+        h2 = await s.files.watch_dir("/tmp", on_event=lambda e: None, on_exit=exits.append, timeout=0)
+        await s.kill()
+        deadline = time.monotonic() + 20
+        while not any(x is not None for x in exits):
+            assert time.monotonic() < deadline, "the watch of a killed sandbox did not end: %r" % exits
+            await asyncio.sleep(0.05)
+        await h2.stop()
+    finally:
+        await _acleanup(s)

@@ -31,6 +31,8 @@ use tokio::sync::mpsc;
 pub const ENVD_PORT: u16 = 49983;
 /// The user commands, code and files run as unless a request names another (E2B's default).
 pub const DEFAULT_USER: &str = "user";
+/// How long a SIGKILL's answer waits for the process to be gone.
+const KILL_WAIT: Duration = Duration::from_secs(5);
 /// Keepalive interval when the client asks for none.
 const KEEPALIVE: Duration = Duration::from_secs(50);
 
@@ -61,24 +63,16 @@ pub fn router(e: Arc<E2b>) -> Router {
         .route("/filesystem.Filesystem/MakeDir", post(make_dir))
         .route("/filesystem.Filesystem/Move", post(move_entry))
         .route("/filesystem.Filesystem/Remove", post(remove))
-        .route("/filesystem.Filesystem/WatchDir", post(unsupported_stream))
-        .route("/filesystem.Filesystem/CreateWatcher", post(unsupported))
-        .route("/filesystem.Filesystem/GetWatcherEvents", post(unsupported))
-        .route("/filesystem.Filesystem/RemoveWatcher", post(unsupported))
+        .route("/filesystem.Filesystem/WatchDir", post(crate::watch::watch_dir))
+        .route("/filesystem.Filesystem/CreateWatcher", post(crate::watch::create_watcher))
+        .route("/filesystem.Filesystem/GetWatcherEvents", post(crate::watch::get_watcher_events))
+        .route("/filesystem.Filesystem/RemoveWatcher", post(crate::watch::remove_watcher))
         .fallback(no_route)
         .with_state(e)
 }
 
 async fn no_route(uri: axum::http::Uri) -> Response {
     files_error(StatusCode::NOT_FOUND, format!("no envd route {}", uri.path()))
-}
-
-async fn unsupported() -> Response {
-    RpcError::new(Code::Unimplemented, "directory watchers are not served by branchbox's E2B endpoint yet").unary()
-}
-
-async fn unsupported_stream() -> Response {
-    RpcError::new(Code::Unimplemented, "directory watchers are not served by branchbox's E2B endpoint yet").stream()
 }
 
 async fn health() -> StatusCode {
@@ -93,7 +87,7 @@ async fn envs(State(e): St, Extension(t): Tgt) -> Response {
 }
 
 /// The user a request names (`Authorization: Basic base64(user:)`), if it names one.
-fn user_header(headers: &HeaderMap) -> Option<String> {
+pub(crate) fn user_header(headers: &HeaderMap) -> Option<String> {
     let v = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok())?;
     let b = v.strip_prefix("Basic ")?;
     let decoded = B64.decode(b.trim()).ok().and_then(|d| String::from_utf8(d).ok())?;
@@ -101,14 +95,14 @@ fn user_header(headers: &HeaderMap) -> Option<String> {
 }
 
 /// Who a request runs as, and the home its relative paths are taken against.
-struct Who {
+pub(crate) struct Who {
     /// None: root.
-    user: Option<String>,
-    home: String,
+    pub user: Option<String>,
+    pub home: String,
 }
 
 /// The user asked for, or E2B's default `user` when the sandbox has one (root otherwise).
-fn who(e: &E2b, t: &Target, asked: Option<String>) -> Result<Who, RpcError> {
+pub(crate) fn who(e: &E2b, t: &Target, asked: Option<String>) -> Result<Who, RpcError> {
     let root = || Who { user: None, home: "/root".into() };
     match asked.as_deref() {
         Some("root") => Ok(root()),
@@ -124,7 +118,7 @@ fn who(e: &E2b, t: &Target, asked: Option<String>) -> Result<Who, RpcError> {
 }
 
 /// A path as envd takes it: absolute, or relative to the user's home (`~` is the home too).
-fn sb_path(p: &str, home: &str) -> Result<SbPath, RpcError> {
+pub(crate) fn sb_path(p: &str, home: &str) -> Result<SbPath, RpcError> {
     let p = p.strip_prefix('~').map(|rest| format!("{home}{rest}")).unwrap_or_else(|| p.to_string());
     let full = if p.starts_with('/') { p } else { format!("{home}/{p}") };
     Ok(SbPath::parse(&full)?)
@@ -148,9 +142,44 @@ struct ProcessConfig {
 struct StartReq {
     #[serde(default)]
     process: ProcessConfig,
-    pty: Option<Value>,
+    pty: Option<PtyReq>,
     tag: Option<String>,
     stdin: Option<bool>,
+}
+
+/// envd's `PTY`: the terminal's size.
+#[derive(Deserialize, Default)]
+struct PtyReq {
+    #[serde(default)]
+    size: PtySize,
+}
+
+#[derive(Deserialize, Default)]
+struct PtySize {
+    #[serde(default)]
+    rows: u32,
+    #[serde(default)]
+    cols: u32,
+}
+
+impl PtySize {
+    fn checked(&self) -> Result<(u16, u16), RpcError> {
+        let fits = |n: u32| u16::try_from(n).ok().filter(|n| *n > 0);
+        match (fits(self.rows), fits(self.cols)) {
+            (Some(r), Some(c)) => Ok((r, c)),
+            _ => Err(RpcError::new(
+                Code::InvalidArgument,
+                format!("pty size {}x{}: rows and cols are 1 to 65535", self.rows, self.cols),
+            )),
+        }
+    }
+}
+
+#[derive(Deserialize, Default)]
+struct UpdateReq {
+    #[serde(default)]
+    process: Selector,
+    pty: Option<PtyReq>,
 }
 
 #[derive(Deserialize, Default)]
@@ -187,7 +216,7 @@ struct SignalReq {
     signal: Value,
 }
 
-fn keepalive_of(headers: &HeaderMap) -> Duration {
+pub(crate) fn keepalive_of(headers: &HeaderMap) -> Duration {
     headers
         .get("keepalive-ping-interval")
         .and_then(|v| v.to_str().ok())
@@ -212,12 +241,7 @@ async fn start_process(
 ) -> Result<(u32, mpsc::Receiver<Ev>), RpcError> {
     let req: StartReq = connect::single_envelope(body)?;
     let who = who(e, t, user_header(headers))?;
-    if req.pty.is_some() {
-        return Err(RpcError::new(
-            Code::Unimplemented,
-            "PTY processes are not served by branchbox's E2B endpoint yet: run without pty",
-        ));
-    }
+    let pty = req.pty.as_ref().map(|p| p.size.checked()).transpose()?;
     if req.process.cmd.is_empty() {
         return Err(RpcError::new(Code::InvalidArgument, "process.cmd is empty: give the program to run"));
     }
@@ -236,9 +260,9 @@ async fn start_process(
         user: who.user,
         ..Default::default()
     };
-    let attached = e.rt.start_attached(&t.id, run, req.stdin.unwrap_or(false)).await?;
+    let attached = e.rt.start_attached(&t.id, run, req.stdin.unwrap_or(false), pty).await?;
     let pid = attached.pid as u32;
-    let (_, rx) = e.procs.adopt(&t.id, pid, config, req.tag, attached.stdin, attached.events);
+    let (_, rx) = e.procs.adopt(&t.id, config, req.tag, attached);
     Ok((pid, rx))
 }
 
@@ -267,6 +291,7 @@ fn stream_events(pid: u32, mut rx: mpsc::Receiver<Ev>, keepalive: Duration) -> R
             let chunk = match msg {
                 Some(Ev::Stdout(b)) => event(json!({"data": {"stdout": B64.encode(&b)}})),
                 Some(Ev::Stderr(b)) => event(json!({"data": {"stderr": B64.encode(&b)}})),
+                Some(Ev::Pty(b)) => event(json!({"data": {"pty": B64.encode(&b)}})),
                 Some(Ev::End { code, signal }) => {
                     let _ = out.send(Ok(event(json!({"end": end_event(code, signal)})))).await;
                     let _ = out.send(Ok(connect::end_stream(None))).await;
@@ -324,7 +349,7 @@ async fn connect_process(State(e): St, Extension(t): Tgt, headers: HeaderMap, bo
     }
 }
 
-fn unary(r: Result<Value, RpcError>) -> Response {
+pub(crate) fn unary(r: Result<Value, RpcError>) -> Response {
     match r {
         Ok(v) => connect::unary_response(&v),
         Err(err) => err.unary(),
@@ -350,6 +375,27 @@ async fn list(State(e): St, Extension(t): Tgt, body: Bytes) -> Response {
     unary(Ok(json!({ "processes": processes })))
 }
 
+/// Input for a process: its stdin, or its terminal's (`pty`) for one started on a terminal.
+async fn write_input(p: &crate::procs::Proc, input: &Input) -> Result<(), RpcError> {
+    let decode = |b64: &str, what: &str| {
+        B64.decode(b64)
+            .map_err(|err| RpcError::new(Code::InvalidArgument, format!("input.{what} is not base64: {err}")))
+    };
+    match (&input.pty, &p.pty) {
+        (Some(b64), Some(pty)) => {
+            let data = decode(b64, "pty")?;
+            pty.write(&data).await.map_err(|err| {
+                RpcError::new(Code::FailedPrecondition, format!("writing to the terminal of process {}: {err}", p.pid))
+            })
+        }
+        (Some(_), None) => Err(RpcError::new(
+            Code::FailedPrecondition,
+            format!("process {} has no terminal: send input.stdin (or start it with pty)", p.pid),
+        )),
+        (None, _) => write_stdin(p, &decode(input.stdin.as_deref().unwrap_or(""), "stdin")?).await,
+    }
+}
+
 async fn write_stdin(p: &crate::procs::Proc, data: &[u8]) -> Result<(), RpcError> {
     let mut stdin = p.stdin.lock().await;
     let Some(w) = stdin.as_mut() else {
@@ -363,19 +409,11 @@ async fn write_stdin(p: &crate::procs::Proc, data: &[u8]) -> Result<(), RpcError
     })
 }
 
-fn decode_input(input: &Input) -> Result<Vec<u8>, RpcError> {
-    if input.pty.is_some() {
-        return Err(RpcError::new(Code::Unimplemented, "PTY input: PTY processes are not served yet"));
-    }
-    let b64 = input.stdin.as_deref().unwrap_or("");
-    B64.decode(b64).map_err(|err| RpcError::new(Code::InvalidArgument, format!("input.stdin is not base64: {err}")))
-}
-
 async fn send_input(State(e): St, Extension(t): Tgt, body: Bytes) -> Response {
     let r = async {
         let req: InputReq = connect::parse(&body)?;
         let p = select(&e, &t, &req.process)?;
-        write_stdin(&p, &decode_input(&req.input)?).await?;
+        write_input(&p, &req.input).await?;
         Ok(json!({}))
     };
     unary(r.await)
@@ -406,7 +444,7 @@ async fn stream_input(State(e): St, Extension(t): Tgt, body: Bytes) -> Response 
             }
             if let Some(d) = m.data {
                 let p = proc.as_ref().ok_or_else(|| RpcError::new(Code::InvalidArgument, "data came before start"))?;
-                write_stdin(p, &decode_input(&d.input)?).await?;
+                write_input(p, &d.input).await?;
             }
         }
         Ok::<(), RpcError>(())
@@ -444,14 +482,42 @@ async fn send_signal(State(e): St, Extension(t): Tgt, body: Bytes) -> Response {
                 ))
             }
         };
+        // Watching before the signal: a SIGKILL is answered once the process is gone (what runs
+        // attached holds off a pause, and the SDK's `kill()` then `pause()` must work).
+        let mut events = p.subscribe();
         e.rt.kill_process(&t.id, p.pid as i32, Some(sig)).await?;
+        if sig == libc::SIGKILL {
+            let gone = async {
+                while let Some(ev) = events.recv().await {
+                    if matches!(ev, Ev::End { .. } | Ev::Lost) {
+                        break;
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(KILL_WAIT, gone).await;
+        }
         Ok(json!({}))
     };
     unary(r.await)
 }
 
-async fn update() -> Response {
-    RpcError::new(Code::Unimplemented, "Update resizes PTYs: PTY processes are not served yet").unary()
+/// `Update`: resize a process's terminal.
+async fn update(State(e): St, Extension(t): Tgt, body: Bytes) -> Response {
+    let r = async {
+        let req: UpdateReq = connect::parse(&body)?;
+        let p = select(&e, &t, &req.process)?;
+        let Some(size) = &req.pty else { return Ok(json!({})) };
+        let (rows, cols) = size.size.checked()?;
+        let Some(pty) = &p.pty else {
+            return Err(RpcError::new(
+                Code::FailedPrecondition,
+                format!("process {} has no terminal to resize: start it with pty", p.pid),
+            ));
+        };
+        pty.resize(rows, cols)?;
+        Ok(json!({}))
+    };
+    unary(r.await)
 }
 
 // ---- filesystem ----
@@ -494,14 +560,14 @@ fn permissions(kind: &str, mode: u32) -> String {
 }
 
 /// User and group names by id, for entries' `owner` and `group`.
-type Names = (std::collections::HashMap<u32, String>, std::collections::HashMap<u32, String>);
+pub(crate) type Names = (std::collections::HashMap<u32, String>, std::collections::HashMap<u32, String>);
 
-fn names_of(e: &E2b, t: &Target) -> Names {
+pub(crate) fn names_of(e: &E2b, t: &Target) -> Names {
     e.rt.sandbox_id_names(&t.id).unwrap_or_default()
 }
 
 /// envd's `EntryInfo`.
-fn entry_json(en: &EntryInfo, names: &Names) -> Value {
+pub(crate) fn entry_json(en: &EntryInfo, meta: &Meta, names: &Names) -> Value {
     let name =
         |m: &std::collections::HashMap<u32, String>, id: u32| m.get(&id).cloned().unwrap_or_else(|| id.to_string());
     let kind = match en.kind.as_str() {
@@ -524,7 +590,21 @@ fn entry_json(en: &EntryInfo, names: &Names) -> Value {
     if let Some(target) = &en.symlink_target {
         v["symlinkTarget"] = json!(target);
     }
+    if !meta.is_empty() {
+        v["metadata"] = json!(meta);
+    }
     v
+}
+
+/// A file's E2B metadata: its `user.e2b.*` extended attributes.
+pub(crate) type Meta = BTreeMap<String, String>;
+/// Where E2B keeps a file's metadata (envd's `X-Metadata-*` upload headers).
+pub(crate) const META_XATTR_PREFIX: &str = "user.e2b.";
+
+/// An entry with its metadata (none when it cannot be read: the entry is still answered).
+pub(crate) fn with_meta(fs: &bb_runtime::sandbox::files::SandboxFs, en: EntryInfo) -> (EntryInfo, Meta) {
+    let meta = SbPath::parse(&en.path).and_then(|p| fs.user_xattrs(&p, META_XATTR_PREFIX)).unwrap_or_default();
+    (en, meta)
 }
 
 async fn fs_call<T: Send + 'static>(
@@ -545,8 +625,8 @@ async fn stat(State(e): St, Extension(t): Tgt, headers: HeaderMap, body: Bytes) 
         let req: PathReq = connect::parse(&body)?;
         let who = who(&e, &t, user_header(&headers))?;
         let path = sb_path(&req.path, &who.home)?;
-        let en = fs_call(&e, &t, &who, move |fs| fs.stat(&path)).await?;
-        Ok(json!({"entry": entry_json(&en, &names_of(&e, &t))}))
+        let (en, meta) = fs_call(&e, &t, &who, move |fs| Ok(with_meta(fs, fs.stat(&path)?))).await?;
+        Ok(json!({"entry": entry_json(&en, &meta, &names_of(&e, &t))}))
     };
     unary(r.await)
 }
@@ -557,10 +637,13 @@ async fn list_dir(State(e): St, Extension(t): Tgt, headers: HeaderMap, body: Byt
         let who = who(&e, &t, user_header(&headers))?;
         let path = sb_path(&req.path, &who.home)?;
         let depth = req.depth.max(1);
-        let mut entries = fs_call(&e, &t, &who, move |fs| fs.list(&path, depth)).await?;
-        entries.sort_by(|a, b| a.path.cmp(&b.path));
+        let mut entries = fs_call(&e, &t, &who, move |fs| {
+            Ok(fs.list(&path, depth)?.into_iter().map(|en| with_meta(fs, en)).collect::<Vec<_>>())
+        })
+        .await?;
+        entries.sort_by(|a, b| a.0.path.cmp(&b.0.path));
         let names = names_of(&e, &t);
-        Ok(json!({"entries": entries.iter().map(|en| entry_json(en, &names)).collect::<Vec<_>>()}))
+        Ok(json!({"entries": entries.iter().map(|(en, meta)| entry_json(en, meta, &names)).collect::<Vec<_>>()}))
     };
     unary(r.await)
 }
@@ -579,7 +662,7 @@ async fn make_dir(State(e): St, Extension(t): Tgt, headers: HeaderMap, body: Byt
         })
         .await?;
         match made {
-            Some(en) => Ok(json!({"entry": entry_json(&en, &names_of(&e, &t))})),
+            Some(en) => Ok(json!({"entry": entry_json(&en, &Meta::new(), &names_of(&e, &t))})),
             None => Err(RpcError::new(Code::AlreadyExists, format!("{shown} already exists"))),
         }
     };
@@ -591,8 +674,8 @@ async fn move_entry(State(e): St, Extension(t): Tgt, headers: HeaderMap, body: B
         let req: MoveReq = connect::parse(&body)?;
         let who = who(&e, &t, user_header(&headers))?;
         let (from, to) = (sb_path(&req.source, &who.home)?, sb_path(&req.destination, &who.home)?);
-        let en = fs_call(&e, &t, &who, move |fs| fs.rename(&from, &to)).await?;
-        Ok(json!({"entry": entry_json(&en, &names_of(&e, &t))}))
+        let (en, meta) = fs_call(&e, &t, &who, move |fs| Ok(with_meta(fs, fs.rename(&from, &to)?))).await?;
+        Ok(json!({"entry": entry_json(&en, &meta, &names_of(&e, &t))}))
     };
     unary(r.await)
 }
@@ -719,6 +802,7 @@ async fn write_one<S, E>(
     who: &Who,
     path: SbPath,
     gzip: bool,
+    meta: &Meta,
     mut chunks: S,
 ) -> Result<Value, RpcError>
 where
@@ -756,18 +840,55 @@ where
         return Err(too_large());
     }
     up.put_file(file);
+    for (k, v) in meta {
+        up.set_xattr(&format!("{META_XATTR_PREFIX}{k}"), v.as_bytes())?;
+    }
     let en = tokio::task::spawn_blocking(move || fs.commit(up))
         .await
         .map_err(|err| RpcError::new(Code::Internal, format!("upload task: {err}")))??;
-    Ok(json!({"name": en.name, "type": "file", "path": en.path}))
+    let mut v = json!({"name": en.name, "type": "file", "path": en.path});
+    if !meta.is_empty() {
+        v["metadata"] = json!(meta);
+    }
+    Ok(v)
+}
+
+/// Most metadata entries one upload may carry, and their largest key and value.
+const MAX_META_KEYS: usize = 64;
+const MAX_META_KEY: usize = 200;
+const MAX_META_VALUE: usize = 8 << 10;
+
+/// An upload's `X-Metadata-<key>: <value>` headers (keys lowercased, as envd stores them).
+fn upload_meta(headers: &HeaderMap) -> Result<Meta, RpcError> {
+    let mut meta = Meta::new();
+    for (name, value) in headers {
+        let Some(key) = name.as_str().strip_prefix("x-metadata-") else { continue };
+        let bad = |why: String| RpcError::new(Code::InvalidArgument, format!("metadata {key:?}: {why}"));
+        if key.is_empty() || key.len() > MAX_META_KEY {
+            return Err(bad(format!("keys are 1 to {MAX_META_KEY} characters")));
+        }
+        let v = value.to_str().ok().filter(|v| v.bytes().all(|b| (0x20..0x7f).contains(&b)));
+        let Some(v) = v else { return Err(bad("values are printable US-ASCII".into())) };
+        if v.len() > MAX_META_VALUE {
+            return Err(bad(format!("values are at most {MAX_META_VALUE} bytes")));
+        }
+        meta.insert(key.to_ascii_lowercase(), v.to_string());
+    }
+    if meta.len() > MAX_META_KEYS {
+        return Err(RpcError::new(
+            Code::InvalidArgument,
+            format!("at most {MAX_META_KEYS} metadata entries per upload"),
+        ));
+    }
+    Ok(meta)
 }
 
 async fn upload(State(e): St, Extension(t): Tgt, headers: HeaderMap, req: Request) -> Response {
     // What can be refused before the body is read is checked first, the body then drained (an
     // answer given over an unread body makes hyper close a connection the client may reuse).
-    let checked =
-        files_query(req.uri()).and_then(|q| Ok((who(&e, &t, q.username.clone().filter(|u| !u.is_empty()))?, q)));
-    let (who, q) = match checked {
+    let checked = files_query(req.uri())
+        .and_then(|q| Ok((who(&e, &t, q.username.clone().filter(|u| !u.is_empty()))?, q, upload_meta(&headers)?)));
+    let (who, q, meta) = match checked {
         Ok(x) => x,
         Err(err) => {
             crate::drain(req).await;
@@ -805,7 +926,7 @@ async fn upload(State(e): St, Extension(t): Tgt, headers: HeaderMap, req: Reques
                     }
                 };
                 let path = sb_path(&target, &who.home)?;
-                written.push(write_one(&e, &t, &who, path, false, Box::pin(field)).await?);
+                written.push(write_one(&e, &t, &who, path, false, &meta, Box::pin(field)).await?);
             }
             if written.is_empty() {
                 return Err(RpcError::new(Code::InvalidArgument, "the multipart body holds no file"));
@@ -817,7 +938,7 @@ async fn upload(State(e): St, Extension(t): Tgt, headers: HeaderMap, req: Reques
                 return Err(RpcError::new(Code::InvalidArgument, "give the file's path: ?path=/home/user/file.txt"));
             };
             let stream = req.into_body().into_data_stream();
-            Ok(Value::Array(vec![write_one(&e, &t, &who, path, gzip, stream).await?]))
+            Ok(Value::Array(vec![write_one(&e, &t, &who, path, gzip, &meta, stream).await?]))
         }
     };
     match r.await {

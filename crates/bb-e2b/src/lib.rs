@@ -12,6 +12,7 @@ pub mod envd;
 pub mod error;
 pub mod interp;
 pub mod procs;
+pub mod watch;
 
 use axum::body::Body;
 use axum::extract::Request;
@@ -39,6 +40,8 @@ pub struct E2b {
     pub procs: Arc<procs::Procs>,
     /// Working directories of code contexts (sessions), by session id.
     pub contexts: std::sync::Mutex<std::collections::HashMap<String, String>>,
+    /// Polled directory watchers (`CreateWatcher`).
+    pub watchers: watch::Watchers,
 }
 
 /// A sandbox's `envdAccessToken`: derived from the API key and its id, so any holder of the key
@@ -50,6 +53,12 @@ pub fn access_token(api_key: &str, id: &str) -> String {
     h.update(b"\0");
     h.update(canonical_id(id).as_bytes());
     hex::encode(&h.finalize()[..20])
+}
+
+/// Whether `key` has the form some E2B SDKs require of an API key (`e2b_` and hex digits).
+pub fn key_looks_like_e2bs(key: &str) -> bool {
+    key.strip_prefix("e2b_")
+        .is_some_and(|h| !h.is_empty() && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
 }
 
 /// Constant-time equality (no early exit on the first differing byte).
@@ -86,7 +95,13 @@ fn control_router(e: Arc<E2b>) -> Router {
 
 /// The endpoint: one router for both planes.
 pub fn router(rt: Arc<Runtime>, cfg: E2bConfig) -> Router {
-    let e = Arc::new(E2b { rt, cfg, procs: Arc::new(procs::Procs::default()), contexts: Default::default() });
+    let e = Arc::new(E2b {
+        rt,
+        cfg,
+        procs: Arc::new(procs::Procs::default()),
+        contexts: Default::default(),
+        watchers: Default::default(),
+    });
     let planes =
         Planes { control: control_router(e.clone()), envd: envd::router(e.clone()), interp: interp::router(e.clone()) };
     Router::new().fallback(move |req: Request| {
@@ -139,7 +154,20 @@ struct Planes {
 }
 
 async fn dispatch(e: Arc<E2b>, planes: Planes, mut req: Request) -> Response {
-    let Some((id, port)) = target_of(&e, &req) else {
+    // A signed `/files` URL may come without the sandbox's header (`E2B_SANDBOX_URL`): the
+    // signature names the sandbox (it is made with that sandbox's access token).
+    let target = target_of(&e, &req).or_else(|| {
+        let q = signed_query(&req)?;
+        let id = e.rt.live_ids().into_iter().find(|id| signature_matches(&e, id, &req, &q))?;
+        Some((id, envd::ENVD_PORT))
+    });
+    let Some((id, port)) = target else {
+        if signed_query(&req).is_some() {
+            drain(req).await;
+            return signature_refused(
+                "the signature matches no sandbox: ask the SDK for a new download_url/upload_url",
+            );
+        }
         // Control-plane bodies are small JSON: read whole first, so every answer (errors too)
         // comes after the body.
         let (parts, body) = req.into_parts();
@@ -189,7 +217,20 @@ async fn dispatch(e: Arc<E2b>, planes: Planes, mut req: Request) -> Response {
             }
         };
     }
-    if req.uri().path() != "/health" && !token_ok(&e, &cid, &req) {
+    if let Some(q) = signed_query(&req) {
+        // A signed URL carries no token: its signature (and expiry) is what lets it in.
+        let refused = if !signature_matches(&e, &cid, &req, &q) {
+            Some("invalid signature: ask the SDK for a new download_url/upload_url")
+        } else if q.signature_expiration.is_some_and(|t| t < now_secs()) {
+            Some("the signature has expired: ask the SDK for a new download_url/upload_url")
+        } else {
+            None
+        };
+        if let Some(why) = refused {
+            drain(req).await;
+            return signature_refused(why);
+        }
+    } else if req.uri().path() != "/health" && !token_ok(&e, &cid, &req) {
         let answer = envd_unauthorized(&req);
         drain(req).await;
         return answer;
@@ -208,6 +249,51 @@ fn into_response(r: Result<Response, std::convert::Infallible>) -> Response {
 fn token_ok(e: &E2b, id: &str, req: &Request) -> bool {
     let given = req.headers().get("x-access-token").and_then(|v| v.to_str().ok()).unwrap_or("");
     same(given, &access_token(&e.cfg.api_key, id))
+}
+
+/// The query of a signed `/files` URL.
+#[derive(serde::Deserialize)]
+struct SignedQuery {
+    #[serde(default)]
+    path: String,
+    #[serde(default)]
+    username: String,
+    signature: String,
+    signature_expiration: Option<i64>,
+}
+
+fn signed_query(req: &Request) -> Option<SignedQuery> {
+    if req.uri().path() != "/files" {
+        return None;
+    }
+    axum::extract::Query::<SignedQuery>::try_from_uri(req.uri()).ok().map(|q| q.0)
+}
+
+/// The SDK's signature of a `/files` URL (`get_signature`): `v1_` and the unpadded base64 of
+/// sha256(`path:operation:username:token[:expiration]`), `operation` being read or write.
+pub fn file_signature(path: &str, write: bool, username: &str, token: &str, expiration: Option<i64>) -> String {
+    use base64::Engine;
+    let op = if write { "write" } else { "read" };
+    let raw = match expiration {
+        Some(t) => format!("{path}:{op}:{username}:{token}:{t}"),
+        None => format!("{path}:{op}:{username}:{token}"),
+    };
+    let digest = sha2::Sha256::digest(raw.as_bytes());
+    format!("v1_{}", base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest))
+}
+
+fn signature_matches(e: &E2b, id: &str, req: &Request, q: &SignedQuery) -> bool {
+    let write = req.method() == axum::http::Method::POST;
+    let token = access_token(&e.cfg.api_key, id);
+    same(&q.signature, &file_signature(&q.path, write, &q.username, &token, q.signature_expiration))
+}
+
+fn now_secs() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
+}
+
+fn signature_refused(why: &str) -> Response {
+    (StatusCode::UNAUTHORIZED, axum::Json(serde_json::json!({"code": 401, "message": why}))).into_response()
 }
 
 fn envd_unauthorized(req: &Request) -> Response {
@@ -235,5 +321,18 @@ mod tests {
         assert_ne!(t, access_token("key2", "sb-0123456789ab"));
         assert_ne!(t, access_token("key", "sb-0123456789ac"));
         assert!(same("abc", "abc") && !same("abc", "abd") && !same("abc", "ab"));
+        assert!(
+            key_looks_like_e2bs("e2b_0123abcdef") && !key_looks_like_e2bs("e2b_") && !key_looks_like_e2bs("e2b_XYZ")
+        );
+        assert!(!key_looks_like_e2bs("bbtest-01"));
+    }
+
+    #[test]
+    fn file_signatures_are_the_sdks() {
+        // Python: "v1_" + base64(sha256(b"/home/user/a.txt:read::tok")).rstrip("=")
+        let s = file_signature("/home/user/a.txt", false, "", "tok", None);
+        assert_eq!(s, "v1_Zkbb3914oLJLvMBzCAHQhm2ydBLxbSx2eQUR/kLdvIY");
+        assert_ne!(s, file_signature("/home/user/a.txt", true, "", "tok", None));
+        assert_ne!(s, file_signature("/home/user/a.txt", false, "", "tok", Some(1)));
     }
 }

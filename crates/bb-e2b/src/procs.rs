@@ -2,7 +2,7 @@
 //! output read) for as long as it runs, whoever is listening. Streams (`Start`, `Connect`)
 //! subscribe to its output; one that goes away leaves the process running, as envd does.
 
-use bb_runtime::sandbox::exec::Attached;
+use bb_runtime::sandbox::exec::{Attached, AttachedProcess, Pty};
 use bytes::Bytes;
 use serde_json::Value;
 use std::collections::HashMap;
@@ -15,6 +15,8 @@ use tokio::sync::mpsc;
 pub enum Ev {
     Stdout(Bytes),
     Stderr(Bytes),
+    /// What the process's terminal shows (a process started on one).
+    Pty(Bytes),
     /// Exit code, or the signal that killed it.
     End {
         code: Option<i32>,
@@ -45,6 +47,8 @@ pub struct Proc {
     pub config: Value,
     pub tag: Option<String>,
     pub stdin: tokio::sync::Mutex<Option<pipe::Sender>>,
+    /// Its terminal, when started on one.
+    pub pty: Option<Pty>,
     subs: Mutex<Subscribers>,
 }
 
@@ -91,17 +95,18 @@ impl Procs {
     pub fn adopt(
         self: &Arc<Self>,
         sandbox: &str,
-        pid: u32,
         config: Value,
         tag: Option<String>,
-        stdin: Option<pipe::Sender>,
-        mut events: mpsc::Receiver<Attached>,
+        attached: AttachedProcess,
     ) -> (Arc<Proc>, mpsc::Receiver<Ev>) {
+        let AttachedProcess { pid, stdin, pty, mut events } = attached;
+        let pid = pid as u32;
         let proc = Arc::new(Proc {
             pid,
             config,
             tag,
             stdin: tokio::sync::Mutex::new(stdin),
+            pty,
             subs: Mutex::new(Subscribers::default()),
         });
         let first = proc.subscribe();
@@ -114,6 +119,7 @@ impl Procs {
                 match a {
                     Attached::Stdout(b) => p.publish(Ev::Stdout(b)).await,
                     Attached::Stderr(b) => p.publish(Ev::Stderr(b)).await,
+                    Attached::Pty(b) => p.publish(Ev::Pty(b)).await,
                     Attached::Exit(st) => end = Ev::End { code: st.code, signal: st.signal },
                 }
             }
@@ -148,8 +154,9 @@ mod tests {
     #[tokio::test]
     async fn streams_get_output_then_the_end_and_late_ones_the_end_only() {
         let procs = Arc::new(Procs::default());
-        let (tx, rx) = mpsc::channel(8);
-        let (proc, mut first) = procs.adopt("sb-1", 7, Value::Null, Some("t".into()), None, rx);
+        let (tx, events) = mpsc::channel(8);
+        let attached = AttachedProcess { pid: 7, stdin: None, pty: None, events };
+        let (proc, mut first) = procs.adopt("sb-1", Value::Null, Some("t".into()), attached);
         assert!(procs.get("sb-1", 7).is_some() && procs.by_tag("sb-1", "t").is_some());
         assert!(procs.get("sb-2", 7).is_none());
         tx.send(Attached::Stdout(Bytes::from_static(b"hi"))).await.unwrap();
@@ -171,8 +178,9 @@ mod tests {
     #[tokio::test]
     async fn a_sandbox_that_goes_away_breaks_the_streams() {
         let procs = Arc::new(Procs::default());
-        let (tx, rx) = mpsc::channel(8);
-        let (_proc, mut first) = procs.adopt("sb-1", 9, Value::Null, None, None, rx);
+        let (tx, events) = mpsc::channel(8);
+        let attached = AttachedProcess { pid: 9, stdin: None, pty: None, events };
+        let (_proc, mut first) = procs.adopt("sb-1", Value::Null, None, attached);
         drop(tx);
         assert!(matches!(first.recv().await, Some(Ev::Lost)));
     }

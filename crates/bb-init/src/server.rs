@@ -341,8 +341,37 @@ impl Server {
             };
             return self.reply(fd, &resp);
         }
-        let mut it = fds.iter();
-        let stdio: [Option<RawFd>; 4] = wanted.map(|w| if w { it.next().map(|f| f.as_raw_fd()) } else { None });
+        // A terminal: a new pty of the sandbox's devpts, the slave the process's stdio (owned by
+        // the user it runs as), the master handed back with `Started`.
+        let pty = match req.pty {
+            Some(_) if !fds.is_empty() => {
+                let message = "a spawn on a pty takes no stdio fds".to_string();
+                return self.reply(fd, &Response::Error { errno: libc::EINVAL, message });
+            }
+            Some((rows, cols)) => match bb_sys::pty::open_pty(rows, cols) {
+                Ok((master, slave)) => {
+                    if let Some((uid, gid)) = req.ids {
+                        let _ = nix::unistd::fchown(slave.as_raw_fd(), Some(uid.into()), Some(gid.into()));
+                    }
+                    Some((master, slave))
+                }
+                Err(e) => {
+                    let message = format!("cannot open a pseudo-terminal: {e}");
+                    return self.reply(fd, &Response::Error { errno: e.errno(), message });
+                }
+            },
+            None => None,
+        };
+        let stdio: [Option<RawFd>; 4] = match &pty {
+            Some((_, slave)) => {
+                let s = slave.as_raw_fd();
+                [Some(s), Some(s), Some(s), None]
+            }
+            None => {
+                let mut it = fds.iter();
+                wanted.map(|w| if w { it.next().map(|f| f.as_raw_fd()) } else { None })
+            }
+        };
         let prepared = match Prepared::new(&req) {
             Ok(p) => p,
             Err(message) => return self.reply(fd, &Response::Error { errno: libc::EINVAL, message }),
@@ -358,7 +387,10 @@ impl Server {
                         c.waits_for = Some(pid);
                     }
                 }
-                self.reply(fd, &Response::Started { pid });
+                let master: Vec<RawFd> = pty.as_ref().map(|(m, _)| m.as_raw_fd()).into_iter().collect();
+                if bb_proto::send(fd, &Response::Started { pid }, &master).is_err() {
+                    self.drop_conn(fd);
+                }
             }
             Err(f) => self.reply(fd, &Response::Error { errno: f.errno, message: f.message }),
         }

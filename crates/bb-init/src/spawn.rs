@@ -18,6 +18,8 @@ pub struct Prepared {
     envp_ptrs: Vec<*const libc::c_char>,
     /// uid and gid to take before exec (root's otherwise).
     ids: Option<(u32, u32)>,
+    /// Stdin is a terminal to make the controlling one.
+    tty: bool,
 }
 
 fn cstr(what: &str, s: &str) -> Result<CString, String> {
@@ -44,7 +46,7 @@ impl Prepared {
                 .collect::<Result<_, _>>()?
         };
         let (argv_ptrs, envp_ptrs) = (ptrs(&argv), ptrs(&envp));
-        Ok(Prepared { argv, _envp: envp, cwd, candidates, argv_ptrs, envp_ptrs, ids: req.ids })
+        Ok(Prepared { argv, _envp: envp, cwd, candidates, argv_ptrs, envp_ptrs, ids: req.ids, tty: req.pty.is_some() })
     }
 }
 
@@ -54,7 +56,8 @@ pub struct SpawnFailure {
     pub message: String,
 }
 
-const STAGES: &[&str] = &["dup2", "chdir", "setsid", "seccomp", "execve", "capabilities", "set user"];
+const STAGES: &[&str] =
+    &["dup2", "chdir", "setsid", "seccomp", "execve", "capabilities", "set user", "controlling terminal"];
 
 /// Stack of the vforked child until it execs.
 const CHILD_STACK: usize = 64 * 1024;
@@ -113,6 +116,9 @@ fn child(p: &Prepared, stdio: [Option<RawFd>; 4], policy: &bb_isolation::Seccomp
             if libc::dup2(src, target as i32) < 0 {
                 return (0, errno());
             }
+        }
+        if p.tty && bb_sys::pty::set_controlling_terminal(0).is_err() {
+            return (7, errno());
         }
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         let mut empty: libc::sigset_t = std::mem::zeroed();

@@ -84,6 +84,11 @@ pub struct SpawnRequest {
     /// Run as this uid and gid of the sandbox (supplementary groups: none); root when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ids: Option<(u32, u32)>,
+    /// Run on a new pseudo-terminal of the sandbox's devpts, this size (rows, cols): it is the
+    /// process's stdin, stdout, stderr and controlling terminal, and `Started` carries its master.
+    /// The stdio flags are then all false (no fds attached).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<(u16, u16)>,
 }
 
 impl SpawnRequest {
@@ -100,6 +105,7 @@ impl SpawnRequest {
             fd3: false,
             tag: String::new(),
             ids: None,
+            pty: None,
         }
     }
 }
@@ -307,6 +313,7 @@ mod tests {
             fd3: false,
             tag: "echo hi".into(),
             ids: Some((1000, 1000)),
+            pty: Some((24, 80)),
         });
         send(a.as_raw_fd(), &req, &[pw.as_raw_fd()]).unwrap();
         drop(pw);

@@ -76,10 +76,15 @@ impl InitConn {
     }
 
     pub async fn recv(&self) -> Result<Response> {
+        Ok(self.recv_fds().await?.0)
+    }
+
+    /// Read one response and the fds attached to it.
+    pub async fn recv_fds(&self) -> Result<(Response, Vec<OwnedFd>)> {
         loop {
             let mut guard = self.fd.readable().await.map_err(InitError::Poll)?;
             match bb_proto::recv::<Response>(self.fd.get_ref().as_raw_fd()) {
-                Ok((resp, _fds)) => return Ok(resp),
+                Ok(x) => return Ok(x),
                 Err(ProtoError::Io(nix::Error::EAGAIN)) => guard.clear_ready(),
                 Err(e) => return Err(InitError::Proto(e).into()),
             }

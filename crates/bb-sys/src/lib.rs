@@ -11,6 +11,7 @@ pub mod mount_api;
 pub mod ns;
 pub mod process;
 pub mod ptrace;
+pub mod pty;
 pub mod secret;
 pub mod signaller;
 

@@ -344,6 +344,12 @@ async fn run(args: Args, store_credentials: Option<(String, String)>) -> anyhow:
     if let Some(addr) = &args.e2b_listen {
         let tcp = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
         tracing::info!(%addr, "serving the E2B-compatible endpoint (X-API-KEY = the token)");
+        if !bb_e2b::key_looks_like_e2bs(args.token.as_deref().unwrap_or("")) {
+            tracing::warn!(
+                "the token is not of the form e2b_<hex>: some E2B SDK versions (e.g. e2b 2.44) refuse such API keys \
+                 before sending them; use a token like e2b_$(openssl rand -hex 20) for those"
+            );
+        }
         let cfg = bb_e2b::E2bConfig {
             api_key: args.token.clone().unwrap_or_default(),
             domain: args.e2b_domain.trim_matches('.').to_string(),

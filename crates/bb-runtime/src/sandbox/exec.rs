@@ -378,7 +378,71 @@ pub async fn start_background(sb: &Sandbox, req: &RunCommand) -> Result<i32> {
 pub enum Attached {
     Stdout(bytes::Bytes),
     Stderr(bytes::Bytes),
+    /// Output of a process on a pseudo-terminal (its stdout and stderr, as the terminal shows them).
+    Pty(bytes::Bytes),
     Exit(ExitStatus),
+}
+
+/// The master of a pseudo-terminal a process was started on, held by the daemon: input goes in,
+/// the terminal's size changes here.
+#[derive(Clone)]
+pub struct Pty {
+    fd: Arc<tokio::io::unix::AsyncFd<OwnedFd>>,
+}
+
+impl Pty {
+    /// Type `data` into the terminal.
+    pub async fn write(&self, mut data: &[u8]) -> Result<()> {
+        while !data.is_empty() {
+            let mut guard = self.fd.writable().await.map_err(RuntimeError::io("pty"))?;
+            match nix::unistd::write(self.fd.get_ref(), data) {
+                Ok(n) => data = &data[n..],
+                Err(nix::Error::EAGAIN) => guard.clear_ready(),
+                Err(nix::Error::EINTR) => {}
+                Err(e) => return Err(RuntimeError::io("write to the pty")(e.into())),
+            }
+        }
+        Ok(())
+    }
+
+    /// Resize the terminal (its foreground process group gets SIGWINCH).
+    pub fn resize(&self, rows: u16, cols: u16) -> Result<()> {
+        use std::os::fd::AsFd;
+        bb_sys::pty::set_window_size(self.fd.get_ref().as_fd(), rows, cols)
+            .map_err(|e| RuntimeError::io("resize the pty")(e.source))
+    }
+}
+
+/// Read a pty's output until the terminal closes, or, once the process exited, until nothing is
+/// left (processes it left behind may keep the terminal open).
+async fn drain_pty(pty: Pty, tx: mpsc::Sender<Attached>, mut exited: watch::Receiver<bool>) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let raw = pty.fd.get_ref().as_raw_fd();
+    loop {
+        if *exited.borrow() {
+            match nix::unistd::read(raw, &mut buf) {
+                Ok(n) if n > 0 => {
+                    let _ = tx.send(Attached::Pty(bytes::Bytes::copy_from_slice(&buf[..n]))).await;
+                    continue;
+                }
+                Err(nix::Error::EINTR) => continue,
+                _ => return, // EAGAIN (empty), EIO (closed)
+            }
+        }
+        tokio::select! {
+            ready = pty.fd.readable() => {
+                let Ok(mut guard) = ready else { return };
+                match nix::unistd::read(raw, &mut buf) {
+                    Ok(0) => return,
+                    Ok(n) => { let _ = tx.send(Attached::Pty(bytes::Bytes::copy_from_slice(&buf[..n]))).await; }
+                    Err(nix::Error::EAGAIN) => guard.clear_ready(),
+                    Err(nix::Error::EINTR) => {}
+                    Err(_) => return, // EIO: every holder of the terminal closed it
+                }
+            }
+            _ = exited.changed() => {}
+        }
+    }
 }
 
 /// A process whose owner holds its stdin and reads its output as raw bytes, for as long as it
@@ -389,11 +453,22 @@ pub struct AttachedProcess {
     pub pid: i32,
     /// Its stdin, when asked for (dropping it closes the process's stdin).
     pub stdin: Option<pipe::Sender>,
+    /// Its terminal, when started on one (then `stdin` is None: input goes through the terminal).
+    pub pty: Option<Pty>,
     pub events: mpsc::Receiver<Attached>,
 }
 
 /// Start `req` attached (see [`AttachedProcess`]); `req.stdin` and `req.timeout` are not used.
-pub async fn start_attached(sb: &Sandbox, req: &RunCommand, stdin: bool) -> Result<AttachedProcess> {
+/// `pty`: on a new pseudo-terminal of this size (rows, cols) instead of pipes.
+pub async fn start_attached(
+    sb: &Sandbox,
+    req: &RunCommand,
+    stdin: bool,
+    pty: Option<(u16, u16)>,
+) -> Result<AttachedProcess> {
+    if let Some(size) = pty {
+        return start_on_pty(sb, req, size).await;
+    }
     let mut r = resolve(sb, req)?;
     let (out_r, out_w) = pipe_pair()?;
     let (err_r, err_w) = pipe_pair()?;
@@ -419,21 +494,72 @@ pub async fn start_attached(sb: &Sandbox, req: &RunCommand, stdin: bool) -> Resu
         let (exited_tx, exited) = watch::channel(false);
         let out_task = tokio::spawn(drain(out, Sink::Raw { tx: tx.clone(), is_err: false }, exited.clone()));
         let err_task = tokio::spawn(drain(err, Sink::Raw { tx: tx.clone(), is_err: true }, exited));
-        let status = loop {
-            match conn.recv().await {
-                Ok(Response::Exited { status, .. }) => break Some(status),
-                Ok(_) => continue,
-                Err(_) => break None, // the sandbox (its init) went away
-            }
+        let readers = async move {
+            let _ = out_task.await;
+            let _ = err_task.await;
         };
-        let _ = exited_tx.send(true);
-        let _ = out_task.await;
-        let _ = err_task.await;
-        if let Some(status) = status {
-            let _ = tx.send(Attached::Exit(status)).await;
-        }
+        watch_exit(conn, readers, exited_tx, tx).await;
     });
-    Ok(AttachedProcess { pid, stdin, events })
+    Ok(AttachedProcess { pid, stdin, pty: None, events })
+}
+
+/// Wait for an attached process's exit on `conn` (None: the sandbox went away), then for its
+/// output readers, and report the exit.
+async fn watch_exit(
+    conn: InitConn,
+    readers: impl std::future::Future<Output = ()>,
+    exited_tx: watch::Sender<bool>,
+    tx: mpsc::Sender<Attached>,
+) {
+    let status = loop {
+        match conn.recv().await {
+            Ok(Response::Exited { status, .. }) => break Some(status),
+            Ok(_) => continue,
+            Err(_) => break None, // the sandbox (its init) went away
+        }
+    };
+    let _ = exited_tx.send(true);
+    readers.await;
+    if let Some(status) = status {
+        let _ = tx.send(Attached::Exit(status)).await;
+    }
+}
+
+async fn start_on_pty(sb: &Sandbox, req: &RunCommand, (rows, cols): (u16, u16)) -> Result<AttachedProcess> {
+    if rows == 0 || cols == 0 {
+        return Err(RuntimeError::BadRequest(format!("a terminal of {rows}x{cols}: give at least 1 row and 1 column")));
+    }
+    let mut r = resolve(sb, req)?;
+    let conn = InitConn::connect(&sb.dirs.sock()).await?;
+    let spawn = SpawnRequest {
+        tag: std::mem::take(&mut r.tag),
+        ids: r.ids,
+        pty: Some((rows, cols)),
+        ..SpawnRequest::new(std::mem::take(&mut r.argv), std::mem::take(&mut r.env), std::mem::take(&mut r.cwd))
+    };
+    conn.send(&Request::Spawn(spawn), &[])?;
+    let (pid, master) = match conn.recv_fds().await? {
+        (Response::Started { pid }, fds) => match fds.into_iter().next() {
+            Some(m) => (pid, m),
+            None => return Err(unexpected(Response::Started { pid })),
+        },
+        (Response::Error { errno, message }, _) => return Err(init_error(errno, message)),
+        (other, _) => return Err(unexpected(other)),
+    };
+    nix::fcntl::fcntl(master.as_raw_fd(), nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK))
+        .map_err(|e| RuntimeError::io("pty")(e.into()))?;
+    // SAFETY: `master` is an fd we own, moved into the AsyncFd, which keeps it open while it lives.
+    let fd =
+        unsafe { tokio::io::unix::AsyncFd::register(master) }.map_err(|e| RuntimeError::io("pty")(e.into_parts().1))?;
+    let pty = Pty { fd: Arc::new(fd) };
+    let (tx, events) = mpsc::channel(256);
+    let reader = pty.clone();
+    tokio::spawn(async move {
+        let (exited_tx, exited) = watch::channel(false);
+        let out = tokio::spawn(drain_pty(reader, tx.clone(), exited));
+        watch_exit(conn, async move { drop(out.await) }, exited_tx, tx).await;
+    });
+    Ok(AttachedProcess { pid, stdin: None, pty: Some(pty), events })
 }
 
 fn read_log(path: &std::path::Path) -> (String, bool) {
@@ -589,9 +715,15 @@ impl crate::Runtime {
     }
 
     /// Start a process attached to its caller (see [`AttachedProcess`]).
-    pub async fn start_attached(self: &Arc<Self>, id: &str, req: RunCommand, stdin: bool) -> Result<AttachedProcess> {
+    pub async fn start_attached(
+        self: &Arc<Self>,
+        id: &str,
+        req: RunCommand,
+        stdin: bool,
+        pty: Option<(u16, u16)>,
+    ) -> Result<AttachedProcess> {
         let sb = self.ready(id).await?;
-        start_attached(&sb, &req, stdin).await
+        start_attached(&sb, &req, stdin, pty).await
     }
 
     pub async fn kill_process(self: &Arc<Self>, id: &str, pid: i32, signal: Option<i32>) -> Result<()> {

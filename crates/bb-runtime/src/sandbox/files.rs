@@ -19,6 +19,10 @@ use std::path::Path;
 const IN_ROOT: u64 = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS;
 /// Most entries one `list` call returns.
 pub const MAX_LIST_ENTRIES: usize = 100_000;
+/// Name prefix of the temporary file an upload is written to before it is renamed in place.
+pub const UPLOAD_TMP_PREFIX: &str = ".branchbox-upload-";
+/// Largest value of an extended attribute read back (larger ones are skipped).
+const MAX_XATTR_VALUE: usize = 64 << 10;
 
 /// A normalised absolute path inside the sandbox.
 #[derive(Debug, Clone, PartialEq)]
@@ -81,6 +85,13 @@ impl SbPath {
         parts.push(name.to_string());
         SbPath { parts }
     }
+
+    /// This path joined with a relative one of plain names (`a/b`; empty: this path).
+    pub fn join_rel(&self, rel: &str) -> SbPath {
+        let mut parts = self.parts.clone();
+        parts.extend(rel.split('/').filter(|c| !c.is_empty()).map(str::to_string));
+        SbPath { parts }
+    }
 }
 
 pub struct SandboxFs {
@@ -125,6 +136,10 @@ fn errno_to_error(what: &str, path: &SbPath, e: nix::Error) -> RuntimeError {
         }
         e => FilesError { what: what.to_string(), path: p, source: e }.into(),
     }
+}
+
+fn io_to_nix(e: std::io::Error) -> nix::Error {
+    nix::Error::from_raw(e.raw_os_error().unwrap_or(libc::EIO))
 }
 
 fn sys_to_nix(e: bb_sys::SysError) -> nix::Error {
@@ -188,6 +203,35 @@ impl SandboxFs {
             .map_err(|e| errno_to_error("open", path, sys_to_nix(e)))
     }
 
+    /// An `O_PATH` fd of a directory of the sandbox (for watching it).
+    pub(crate) fn open_dir(&self, path: &SbPath) -> Result<OwnedFd> {
+        self.open_at(path, libc::O_PATH | libc::O_DIRECTORY, 0)
+    }
+
+    /// The extended attributes of `path` whose names start with `prefix` (prefix stripped), as
+    /// text; symlinks, special files and attributes that are not UTF-8 give none.
+    pub fn user_xattrs(&self, path: &SbPath, prefix: &str) -> Result<std::collections::BTreeMap<String, String>> {
+        let mut out = std::collections::BTreeMap::new();
+        let fd = self.open_at(path, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
+        let st = nix::sys::stat::fstat(fd.as_raw_fd()).map_err(|e| errno_to_error("stat", path, e))?;
+        let fmt = st.st_mode & SFlag::S_IFMT.bits();
+        if fmt != SFlag::S_IFREG.bits() && fmt != SFlag::S_IFDIR.bits() {
+            return Ok(out);
+        }
+        // An O_PATH fd takes no f*xattr calls; its /proc/self/fd link reaches the same inode.
+        let via = format!("/proc/self/fd/{}", fd.as_raw_fd());
+        let names = xattr::list_deref(&via).map_err(|e| errno_to_error("list xattrs of", path, io_to_nix(e)))?;
+        for name in names {
+            let Some(key) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else { continue };
+            let value =
+                xattr::get_deref(&via, &name).map_err(|e| errno_to_error("read xattr of", path, io_to_nix(e)))?;
+            if let Some(v) = value.filter(|v| v.len() <= MAX_XATTR_VALUE).and_then(|v| String::from_utf8(v).ok()) {
+                out.insert(key.to_string(), v);
+            }
+        }
+        Ok(out)
+    }
+
     fn parent_dir(&self, path: &SbPath) -> Result<OwnedFd> {
         self.open_at(&path.parent(), libc::O_PATH | libc::O_DIRECTORY, 0)
     }
@@ -246,7 +290,7 @@ impl SandboxFs {
             .or(existing.filter(|st| st.st_mode & SFlag::S_IFMT.bits() == SFlag::S_IFREG.bits()).map(|st| st.st_mode))
             .unwrap_or(0o644)
             & 0o7777;
-        let tmp = format!(".branchbox-upload-{}", uuid::Uuid::new_v4().simple());
+        let tmp = format!("{UPLOAD_TMP_PREFIX}{}", uuid::Uuid::new_v4().simple());
         let fd = openat2(
             dir.as_fd(),
             &tmp,
@@ -418,6 +462,22 @@ impl Upload {
     }
     pub fn put_file(&mut self, f: File) {
         self.file = Some(f);
+    }
+    /// Set an extended attribute on the file before it is committed (so it appears with it).
+    pub fn set_xattr(&self, name: &str, value: &[u8]) -> Result<()> {
+        use xattr::FileExt;
+        let f = self.file.as_ref().expect("upload already committed");
+        f.set_xattr(name, value).map_err(|e| match e.raw_os_error() {
+            Some(libc::ENOTSUP) => RuntimeError::BadRequest(format!(
+                "{}: the sandbox's filesystem keeps no extended attributes: upload without metadata",
+                self.dst.display()
+            )),
+            Some(libc::E2BIG) | Some(libc::ENOSPC) | Some(libc::ERANGE) => RuntimeError::TooLarge(format!(
+                "{}: the file's metadata is too large for its filesystem's extended attributes",
+                self.dst.display()
+            )),
+            _ => errno_to_error("set xattr of", &self.dst, io_to_nix(e)),
+        })
     }
 }
 

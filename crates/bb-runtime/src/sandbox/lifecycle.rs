@@ -48,6 +48,11 @@ impl Runtime {
         self.sandboxes.get(id).ok_or_else(|| RuntimeError::sandbox(id))
     }
 
+    /// Ids of the sandboxes whose init lives (running or paused).
+    pub fn live_ids(&self) -> Vec<String> {
+        self.sandboxes.all().iter().filter(|s| !s.is_dead()).map(|s| s.id.clone()).collect()
+    }
+
     /// Like [`get`](Self::get) but refuses a sandbox whose init has died, or that is paused.
     pub(crate) fn live(&self, id: &str) -> Result<Arc<Sandbox>> {
         let sb = self.get(id)?;

@@ -9,6 +9,7 @@ pub mod registry;
 pub mod rootswap;
 pub mod sessions;
 pub mod store;
+pub mod watch;
 
 use crate::model::{SandboxInfo, SandboxSpec};
 use crate::sandbox::launch::SandboxDirs;

@@ -189,6 +189,7 @@ pub async fn create_as(
             fd3: true,
             tag: session_tag(&id, kind, default),
             ids: None,
+            pty: None,
         }),
         &[log.as_raw_fd(), log.as_raw_fd(), theirs.as_raw_fd()],
     )?;

@@ -1,0 +1,83 @@
+"""E2B clients other than the current Python SDK, unchanged, against branchboxd's E2B endpoint:
+the JS SDK (npm `e2b`) and an older 2.x Python SDK that calls the routes newer ones replaced
+(`POST /sandboxes`, `POST /sandboxes/{id}/connect`). Both are installed by scripts/install-e2b-clients.sh (pinned);
+each runs a client script in a subprocess that prints one JSON object, checked here."""
+import json
+import os
+import subprocess
+import uuid
+
+import httpx
+import pytest
+
+OLD_VENV = os.environ.get("E2B_OLD_VENV", "/opt/branchbox/venv-e2b-old")
+JS_DIR = os.environ.get("E2B_JS_DIR", "/opt/branchbox/e2b-js")
+HERE = os.path.join(os.path.dirname(__file__), "e2b_clients")
+
+
+def client_env(daemon, suite):
+    url = "http://127.0.0.1:%d" % daemon.e2b_port
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    env.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=daemon.tcp_token, SUITE=suite)
+    return env
+
+
+def run_client(argv, env, cwd=None):
+    p = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, "client failed (%d):\nstdout: %s\nstderr: %s" % (p.returncode, p.stdout, p.stderr[-4000:])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def leftovers(daemon, suite):
+    """Sandboxes a client left behind (found by their metadata), killed; their ids."""
+    url = "http://127.0.0.1:%d" % daemon.e2b_port
+    with httpx.Client(base_url=url, headers={"X-API-KEY": daemon.tcp_token}, timeout=60) as c:
+        r = c.get("/v2/sandboxes", params={"metadata": "suite=" + suite})
+        r.raise_for_status()
+        left = [s["sandboxID"] for s in r.json()]
+        for sid in left:
+            c.delete("/sandboxes/" + sid)
+    return left
+
+
+def test_js_sdk(daemon, tmp_path):
+    if not os.path.isdir(os.path.join(JS_DIR, "node_modules", "e2b")):
+        pytest.fail("the JS SDK is not installed: run scripts/install-e2b-clients.sh (make test does)")
+    suite = "e2bjs-" + uuid.uuid4().hex[:8]
+    # ESM resolves packages from the script's directory up: give it the installed node_modules.
+    os.symlink(os.path.join(JS_DIR, "node_modules"), tmp_path / "node_modules")
+    script = tmp_path / "client.mjs"
+    script.write_text(open(os.path.join(HERE, "client.mjs")).read())
+    try:
+        out = run_client(["node", str(script)], client_env(daemon, suite), cwd=tmp_path)
+    finally:
+        left = leftovers(daemon, suite)
+    assert out["run"] == "hello-42\nuser\n"
+    assert out["streamed"] == "line-1\nline-2\nline-3\n"
+    assert out["exit"] == {"isExitError": True, "code": 7, "stderr": "oops\n"}
+    assert out["listed"] is True and out["killedCommand"] is True
+    assert out["read"] == "from js" == out["cat"]
+    assert out["list"] == ["a.txt"] and out["exists"] == [True, False] and out["afterRemove"] == 0
+    assert out["state"] == "running" and out["listedSandbox"] is True
+    assert out["killed"] is True and out["runningAfterKill"] is False
+    assert left == []
+
+
+def test_older_python_sdk(daemon):
+    py = os.path.join(OLD_VENV, "bin", "python")
+    if not os.path.exists(py):
+        pytest.fail("the older Python SDK is not installed: run scripts/install-e2b-clients.sh (make test does)")
+    suite = "e2bold-" + uuid.uuid4().hex[:8]
+    try:
+        out = run_client([py, os.path.join(HERE, "old_sdk.py")], client_env(daemon, suite))
+    finally:
+        left = leftovers(daemon, suite)
+    assert out["run"] == "old-42\nuser\n"
+    assert out["read"] == "from an older SDK" and out["list"] == ["a.txt"]
+    assert out["listed"] is True and out["killed_command"] is True
+    assert out["running_while_paused"] is False
+    assert out["after_resume"] == "from an older SDK"
+    assert out["listed_sandbox"] is True and out["killed"] is True
+    assert out["ci"] == {"text": "42", "stdout": ["printed\n"], "error": None}
+    assert out["ci_error"] == "ZeroDivisionError"
+    assert left == []
