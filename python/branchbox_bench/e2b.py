@@ -17,6 +17,9 @@ after a warm-up of each:
   killed afterwards (not timed). Before each create the bench waits (up to :data:`POOL_WAIT`
   s) for the image's warm pool to have a sandbox ready, so both sides are measured from the
   pool; the pool's hits and misses per side are in ``pool``.
+  ``e2b_http_create_ms_p50`` is the same create as a bare ``POST /sandboxes`` (the body the
+  SDK sends) on one kept-alive HTTP/1.1 connection, in the same rounds: the endpoint's own cost
+  without the E2B SDK's; ``e2b_endpoint_overhead_ratio_create`` = it / ``bb_create_ms_p50``.
 - ``e2b_run_true_ms_p50``: ``commands.run("true")`` in a sandbox made by the E2B SDK, against
   ``bb_run_true_ms_p50``, branchbox's ``commands.run("true")`` (``/bin/sh -c true``). The E2B
   SDK runs its command as ``/bin/bash -l -c true`` (a login shell, which reads the profile):
@@ -114,6 +117,7 @@ SUMMARY_KEYS = (
 #: Millisecond metrics of the table, in its order.
 METRICS = (
     "e2b_create",
+    "e2b_http_create",
     "bb_create",
     "e2b_run_true",
     "bb_run_true",
@@ -149,6 +153,8 @@ class E2bSdk:
     #: ``e2b_code_interpreter.Sandbox``.
     code_sandbox: Any
     versions: Dict[str, Optional[str]] = field(default_factory=dict)
+    #: The transport of the bare-HTTP side (None: the network; tests give a fake).
+    http_transport: Optional[httpx.BaseTransport] = None
 
 
 def load_e2b_sdk() -> E2bSdk:
@@ -243,6 +249,8 @@ class E2bResult:
         out["fork_reps"] = cfg.fork_reps
         out["sample_counts"] = {m: len(self.samples.get(m) or []) for m in METRICS}
         # Details.
+        out["e2b_http_create_ms_p50"] = self.p("e2b_http_create")
+        out["e2b_endpoint_overhead_ratio_create"] = _ratio(out["e2b_http_create_ms_p50"], out["bb_create_ms_p50"])
         out["bb_run_bash_login_true_ms_p50"] = self.p("bb_run_bash_login_true")
         out["e2b_overhead_ratio_run_same_argv"] = _ratio(out["e2b_run_true_ms_p50"], out["bb_run_bash_login_true_ms_p50"])
         for _, e2b_m, bb_m in PAIRS[:3]:
@@ -332,6 +340,15 @@ class _Run:
         self.run_id = uuid.uuid4().hex[:12]
         self.metadata = {RUN_KEY: self.run_id}
         self.pool = stack.enter_context(Pool(**self.kw))
+        #: The endpoint without the E2B SDK: one kept-alive HTTP/1.1 connection.
+        self.http = stack.enter_context(
+            httpx.Client(
+                base_url=cfg.url,
+                headers={"X-API-KEY": cfg.e2b_api_key or ""},
+                timeout=60.0,
+                transport=sdk.http_transport,
+            )
+        )
         self.threads = stack.enter_context(ThreadPoolExecutor(max_workers=FORK_N))
         #: Live sandboxes by id: the E2B SDK's (its ids) and branchbox's.
         self.e2b_live: Dict[str, Any] = {}
@@ -493,16 +510,36 @@ class _Run:
         self.wait_for_pool()
         self.bb_kill(self.bb_create(SAMPLE_TTL)[0])
 
+    def http_create(self) -> Tuple[str, float]:
+        """``POST /sandboxes`` with the body the E2B SDK sends, on a kept-alive connection: the
+        endpoint's own cost, without the SDK's. The new sandbox's id and the ms."""
+        body = {"templateID": self.cfg.image, "timeout": SAMPLE_TTL, "metadata": dict(self.metadata)}
+        t0 = time.perf_counter()
+        r = self.http.post("/sandboxes", json=body)
+        ms = _ms(t0)
+        if r.status_code != 201:
+            raise BenchError("bench e2b: POST /sandboxes answered %d: %s" % (r.status_code, r.text[:400]))
+        return r.json()["sandboxID"], ms  # left over on failure: the final sweep (by metadata) kills it
+
+    def http_kill(self, sid: str) -> None:
+        r = self.http.delete("/sandboxes/" + sid)
+        if r.status_code != 204:
+            self.bb_kill_id(bb_id(sid))
+
     def create_sample(self, side: str) -> None:
         self.wait_for_pool()
         hits, misses = self.pool_counts()
         if side == "e2b":
             sbx, ms = self.e2b_create(ttl=SAMPLE_TTL)
+        elif side == "e2b_http":
+            sbx, ms = self.http_create()
         else:
             sbx, ms = self.bb_create(SAMPLE_TTL)
         hits2, misses2 = self.pool_counts()
         if side == "e2b":
             self.e2b_kill(sbx)
+        elif side == "e2b_http":
+            self.http_kill(sbx)
         else:
             self.bb_kill(sbx)
         pool = self.res.pool.setdefault(side, {"hits": 0, "misses": 0})
@@ -514,7 +551,7 @@ class _Run:
         n = self.cfg.samples
         for i in range(n):
             self.progress("create %d/%d (E2B endpoint, branchbox SDK)" % (i + 1, n))
-            for side in _order(i, ("e2b", "bb")):
+            for side in _order(i, ("e2b", "e2b_http", "bb")):
                 self.create_sample(side)
         if self.has_pool and any(v.get("misses") for v in self.res.pool.values()):
             self.res.notes.append(

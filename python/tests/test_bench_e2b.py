@@ -55,6 +55,7 @@ def fake_result() -> be.E2bResult:
     res = be.E2bResult(be.E2bConfig(samples=3, fork_reps=1, e2b_api_key="k"), versions={"e2b": "2.63.0"})
     for e2b_ms, bb_ms in ((4.0, 2.0), (6.0, 1.0), (3.0, 3.0)):
         res.add("e2b_create", e2b_ms)
+        res.add("e2b_http_create", bb_ms * 1.5)
         res.add("bb_create", bb_ms)
         res.add("e2b_run_true", e2b_ms * 3)
         res.add("bb_run_true", bb_ms * 3)
@@ -72,6 +73,7 @@ def test_summary_shape_and_ratios() -> None:
     assert tuple(s)[: len(be.SUMMARY_KEYS)] == be.SUMMARY_KEYS
     assert json.loads(json.dumps(s)) == s
     assert (s["e2b_create_ms_p50"], s["bb_create_ms_p50"], s["e2b_overhead_ratio_create"]) == (4.0, 2.0, 2.0)
+    assert (s["e2b_http_create_ms_p50"], s["e2b_endpoint_overhead_ratio_create"]) == (3.0, 1.5)
     assert (s["e2b_run_true_ms_p50"], s["bb_run_true_ms_p50"], s["e2b_overhead_ratio_run"]) == (12.0, 6.0, 2.0)
     assert (s["bb_run_bash_login_true_ms_p50"], s["e2b_overhead_ratio_run_same_argv"]) == (12.0, 1.0)
     assert (s["e2b_run_code_ms_p50"], s["bb_run_code_ms_p50"], s["e2b_overhead_ratio_run_code"]) == (2.0, 1.0, 2.0)
@@ -222,6 +224,13 @@ class Daemon:
                 ready = self.ready_script.pop(0) if self.ready_script else self.pool["ready"]
                 images["base"] = dict(self.pool, ready=ready)
             return ok({"images": images, "hits": self.hits, "misses": self.misses})
+        if (m, path) == ("POST", "/sandboxes"):  # the bench's bare-HTTP create, on the E2B endpoint
+            self.events.append(("e2b_http", "create"))
+            sid = self.new("e2b_http", body.get("metadata"))["id"]
+            return ok({"sandboxID": sid.replace("-", ""), "templateID": body["templateID"]}, 201)
+        mk = re.match(r"^/sandboxes/(sb[0-9a-f]+)$", path)
+        if m == "DELETE" and mk:
+            return httpx.Response(204 if self.kill("e2b_http", mk.group(1)) else 404)
         if (m, path) == ("POST", "/v1/sandboxes"):
             self.bodies.append(("create", body))
             self.events.append(("bb", "create"))
@@ -328,7 +337,8 @@ class FakeE2b:
                 world.d.events.append(("e2b", "run_code"))
                 return SimpleNamespace(text="2" if code == "1+1" else None, error=None)
 
-        self.sdk = be.E2bSdk(sandbox=Sandbox, code_sandbox=CodeSandbox, versions={"e2b": "fake"})
+        self.sdk = be.E2bSdk(sandbox=Sandbox, code_sandbox=CodeSandbox, versions={"e2b": "fake"},
+                             http_transport=httpx.MockTransport(d))
 
 
 @pytest.fixture
@@ -379,8 +389,9 @@ def test_whole_run_on_a_fake_daemon(world: FakeE2b) -> None:
     assert [c["timeout"] for c in world.creates] == [be.SAMPLE_TTL] * 4 + [be.TTL] * 2
     # Warm-up, then creates alternating with the order flipped each sample.
     creates = [side for side, what in d.events if what.startswith("create") or what == "create"]
-    assert creates[:8] == ["e2b", "bb", "e2b", "bb", "bb", "e2b", "e2b", "bb"]
-    assert s["pool"] == {"e2b": {"hits": 3, "misses": 0}, "bb": {"hits": 3, "misses": 0}}
+    assert creates[:8] == ["e2b", "bb", "e2b", "e2b_http", "bb", "bb", "e2b_http", "e2b"]
+    assert s["pool"] == {side: {"hits": 3, "misses": 0} for side in ("e2b", "e2b_http", "bb")}
+    assert s["e2b_http_create_ms_p50"] > 0 and s["e2b_endpoint_overhead_ratio_create"] > 0
     # Commands: one warm-up of each, then rounds of the three, the order reversed each round;
     # branchbox runs "true" (sh -c) and E2B's own argv.
     runs = [(side, what) for side, what in d.events if what.startswith("run ")]
@@ -440,7 +451,7 @@ def test_a_failed_fork_child_fails_the_run_and_everything_is_killed(world: FakeE
 def test_a_kill_the_e2b_sdk_fails_goes_through_branchbox(world: FakeE2b) -> None:
     world.kill_fails = True
     s = be.run_e2b_bench(cfg(samples=1, fork_reps=1), sdk=world.sdk).summary()
-    assert world.d.sandboxes == {} and all(side == "bb" for side, _ in world.d.killed)
+    assert world.d.sandboxes == {} and all(side in ("bb", "e2b_http") for side, _ in world.d.killed)
     assert any("the E2B SDK's kill of sb" in n and "killed through branchbox's SDK" in n for n in s["notes"])
 
 
