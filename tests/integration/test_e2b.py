@@ -255,6 +255,25 @@ def test_allow_internet_access_is_kept(make):
     assert s.get_info().allow_internet_access is True
 
 
+def test_insecure_sandbox_needs_no_access_token(e2b, make, raw):
+    """``secure: false`` at create (older SDKs send it; 2.63 ignores its ``secure`` argument)."""
+    r = raw.post("/sandboxes", json={"templateID": "base", "secure": False, "timeout": 120,
+                                     "metadata": {"suite": TAG}}, headers={"X-API-KEY": e2b.key})
+    assert r.status_code == 201 and "envdAccessToken" not in r.json(), r.text
+    sid = r.json()["sandboxID"]
+    make.adopt(sid)
+    s = Sandbox.connect(sid)
+    assert s._envd_access_token is None
+    assert s.commands.run("echo open").stdout == "open\n"
+    s.files.write("/tmp/insecure.txt", "x")
+    assert raw.get("/files", params={"path": "/tmp/insecure.txt"}, headers=envd_headers(s, token=False)).text == "x"
+    assert "branchbox.e2b.insecure" not in (s.get_info().metadata or {})
+    # A secure one still refuses requests without its token.
+    t = make()
+    r = raw.get("/files", params={"path": "/etc/hostname"}, headers=envd_headers(t, token=False))
+    assert r.status_code == 401
+
+
 def test_set_timeout_moves_end_and_zero_kills(make):
     s = make(timeout=100)
     i0 = s.get_info()

@@ -17,6 +17,8 @@ use std::sync::Arc;
 
 /// Metadata key holding the template id a sandbox was created from (not shown as metadata).
 pub const TEMPLATE_KEY: &str = "branchbox.e2b.template";
+/// Metadata key of a sandbox created with `secure: false`: its data plane takes no access token.
+pub const INSECURE_KEY: &str = "branchbox.e2b.insecure";
 /// What the endpoint answers as `envdVersion`: the envd whose features the data plane serves.
 pub const ENVD_VERSION: &str = "0.6.4";
 /// Answered as `clientID`.
@@ -95,6 +97,10 @@ pub async fn create(State(e): St, bytes: axum::body::Bytes) -> E2bResult<Respons
         return Err(E2bError::bad_request("metadata keys starting with \"branchbox.\" are reserved: rename them"));
     }
     metadata.insert(TEMPLATE_KEY.into(), template.clone());
+    let secure = req.secure.unwrap_or(true);
+    if !secure {
+        metadata.insert(INSECURE_KEY.into(), "true".into());
+    }
     let on_timeout = if req.auto_pause.unwrap_or(false) { OnTimeout::Pause } else { OnTimeout::Kill };
     let auto_resume = req.auto_resume.is_some_and(|a| a.enabled);
     if auto_resume && on_timeout != OnTimeout::Pause {
@@ -113,8 +119,7 @@ pub async fn create(State(e): St, bytes: axum::body::Bytes) -> E2bResult<Respons
     match resolve_template(&e, &template) {
         Source::Snapshot(s) => spec.snapshot = Some(s),
         Source::Template(t) => spec.template = Some(t),
-        Source::Image(i) => {
-            let image = i;
+        Source::Image(image) => {
             if e.rt.images().get(&image).is_err() {
                 return Err(E2bError::not_found(format!(
                     "template {template:?} not found: use \"base\", an image, a branchbox template or a snapshot id"
@@ -124,12 +129,13 @@ pub async fn create(State(e): St, bytes: axum::body::Bytes) -> E2bResult<Respons
         }
     }
     let info = e.rt.create(spec).await?;
-    let secure = req.secure.unwrap_or(true);
-    Ok((StatusCode::CREATED, Json(created(&e, &info, secure))).into_response())
+    Ok((StatusCode::CREATED, Json(created(&e, &info))).into_response())
 }
 
-/// The `Sandbox` record of create, connect and fork.
-fn created(e: &E2b, info: &SandboxInfo, secure: bool) -> Value {
+/// The `Sandbox` record of create, connect and fork (its `envdAccessToken` unless it was created
+/// with `secure: false`).
+fn created(e: &E2b, info: &SandboxInfo) -> Value {
+    let secure = !info.metadata.contains_key(INSECURE_KEY);
     let mut v = json!({
         "templateID": template_of(info),
         "sandboxID": dashless_id(&info.id),
@@ -183,7 +189,9 @@ fn listed(e: &E2b, info: &SandboxInfo, detail: bool) -> Value {
     });
     if detail {
         v["domain"] = json!(e.cfg.domain);
-        v["envdAccessToken"] = json!(access_token(&e.cfg.api_key, &info.id));
+        if !info.metadata.contains_key(INSECURE_KEY) {
+            v["envdAccessToken"] = json!(access_token(&e.cfg.api_key, &info.id));
+        }
         v["allowInternetAccess"] = json!(info.network != "none");
         v["lifecycle"] = json!({
             "onTimeout": if info.lifecycle.on_timeout == OnTimeout::Pause { "pause" } else { "kill" },
@@ -388,7 +396,7 @@ pub async fn connect(State(e): St, Path(id): Path<String>, bytes: axum::body::By
     };
     let left = info.expires_at.map(|x| x - bb_runtime::now());
     let info = if left.is_some_and(|l| l < timeout) { e.rt.set_timeout(&cid, timeout)? } else { info };
-    Ok((status, Json(created(&e, &info, true))).into_response())
+    Ok((status, Json(created(&e, &info))).into_response())
 }
 
 #[derive(Deserialize, Default)]
@@ -416,7 +424,7 @@ pub async fn resume(State(e): St, Path(id): Path<String>, bytes: axum::body::Byt
     }
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT) as f64;
     let r = e.rt.resume(&canonical_id(&id), model::ResumeSandbox { timeout: Some(timeout) }).await?;
-    Ok((StatusCode::CREATED, Json(created(&e, &r.sandbox, true))).into_response())
+    Ok((StatusCode::CREATED, Json(created(&e, &r.sandbox))).into_response())
 }
 
 #[derive(Deserialize, Default)]
@@ -440,7 +448,7 @@ pub async fn fork(State(e): St, Path(id): Path<String>, bytes: axum::body::Bytes
             },
         )
         .await?;
-    let children = r.sandboxes.iter().map(|c| json!({"sandbox": created(&e, c, true)})).collect();
+    let children = r.sandboxes.iter().map(|c| json!({"sandbox": created(&e, c)})).collect();
     Ok((StatusCode::CREATED, Json(Value::Array(children))).into_response())
 }
 
@@ -493,7 +501,7 @@ pub async fn rollback(State(e): St, Path(id): Path<String>, bytes: axum::body::B
     info_of(&e, &id)?;
     let cid = canonical_id(&id);
     e.rt.rollback(&cid, model::RollbackRequest { snapshot, lazy_pages: None }).await?;
-    Ok(Json(created(&e, &e.rt.info(&cid)?, true)))
+    Ok(Json(created(&e, &e.rt.info(&cid)?)))
 }
 
 /// `DELETE /templates/{id}`: a snapshot (what E2B's SDK deletes snapshots with).

@@ -285,13 +285,13 @@ async fn execute(State(e): St, Extension(t): Tgt, body: Bytes) -> Response {
         };
         match result {
             Ok(r) => {
+                // The run's answer is whole: its lines go in one chunk (one write, one read).
+                let mut b = Vec::new();
                 for line in lines(&r) {
-                    let mut b = serde_json::to_vec(&line).expect("JSON values serialize");
+                    serde_json::to_writer(&mut b, &line).expect("JSON values serialize");
                     b.push(b'\n');
-                    if tx.send(Ok(Bytes::from(b))).await.is_err() {
-                        return;
-                    }
                 }
+                let _ = tx.send(Ok(Bytes::from(b))).await;
             }
             Err(err) => {
                 // The sandbox or the session went away mid-run: break the stream.

@@ -192,16 +192,18 @@ async fn dispatch(e: Arc<E2b>, planes: Planes, mut req: Request) -> Response {
     let cid = canonical_id(&id).into_owned();
     // Unknown, dead, and paused sandboxes (unless they wake on use) answer as E2B's edge does.
     // (A state check, not `info()`: that reads the cgroup's counters, on every request.)
-    match e.rt.get(&cid) {
-        Ok(sb) if !sb.is_dead() && (!sb.is_paused() || sb.spec.lifecycle.auto_resume) => {}
+    let insecure = match e.rt.get(&cid) {
+        Ok(sb) if !sb.is_dead() && (!sb.is_paused() || sb.spec.lifecycle.auto_resume) => {
+            sb.spec.metadata.contains_key(control::INSECURE_KEY)
+        }
         _ => {
             drain(req).await;
             return sandbox_gone(&id);
         }
-    }
+    };
     if port == interp::JUPYTER_PORT {
         // The SDK sends the access token with code to run, not with context requests.
-        if req.uri().path() == "/execute" && !token_ok(&e, &cid, &req) {
+        if req.uri().path() == "/execute" && !insecure && !token_ok(&e, &cid, &req) {
             drain(req).await;
             return (StatusCode::UNAUTHORIZED, "missing or wrong X-Access-Token").into_response();
         }
@@ -217,23 +219,23 @@ async fn dispatch(e: Arc<E2b>, planes: Planes, mut req: Request) -> Response {
             }
         };
     }
-    if let Some(q) = signed_query(&req) {
-        // A signed URL carries no token: its signature (and expiry) is what lets it in.
-        let refused = if !signature_matches(&e, &cid, &req, &q) {
-            Some("invalid signature: ask the SDK for a new download_url/upload_url")
-        } else if q.signature_expiration.is_some_and(|t| t < now_secs()) {
-            Some("the signature has expired: ask the SDK for a new download_url/upload_url")
-        } else {
-            None
+    // The access token lets anything in; a signed URL (no token) its signature and expiry; a
+    // sandbox created with `secure: false` needs neither.
+    if !insecure && !token_ok(&e, &cid, &req) && req.uri().path() != "/health" {
+        let refused = match signed_query(&req) {
+            Some(q) if !signature_matches(&e, &cid, &req, &q) => {
+                Some(signature_refused("invalid signature: ask the SDK for a new download_url/upload_url"))
+            }
+            Some(q) if q.signature_expiration.is_some_and(|t| t < now_secs()) => {
+                Some(signature_refused("the signature has expired: ask the SDK for a new download_url/upload_url"))
+            }
+            Some(_) => None,
+            None => Some(envd_unauthorized(&req)),
         };
-        if let Some(why) = refused {
+        if let Some(answer) = refused {
             drain(req).await;
-            return signature_refused(why);
+            return answer;
         }
-    } else if req.uri().path() != "/health" && !token_ok(&e, &cid, &req) {
-        let answer = envd_unauthorized(&req);
-        drain(req).await;
-        return answer;
     }
     req.extensions_mut().insert(envd::Target { id: cid });
     into_response(planes.envd.oneshot(req).await)

@@ -171,7 +171,8 @@ impl DirWatch {
                 return Err(RuntimeError::Unavailable(format!("sandbox {} is gone", self.sb.id)));
             }
             if self.sb.rootfs() != self.armed {
-                self.arm()?;
+                // Listing a tree to watch it again is blocking work.
+                tokio::task::block_in_place(|| self.arm())?;
             }
             let ready = tokio::time::timeout(REARM_CHECK, self.ino.readable()).await;
             let Ok(ready) = ready else { continue };
@@ -185,7 +186,8 @@ impl DirWatch {
                 Err(e) => return Err(inotify_error(e)),
             };
             drop(guard);
-            let out = self.translate(raw)?;
+            // New directories of a recursive watch are listed and watched here: blocking work.
+            let out = tokio::task::block_in_place(|| self.translate(raw))?;
             if !out.is_empty() {
                 return Ok(out);
             }
