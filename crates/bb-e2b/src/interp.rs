@@ -95,8 +95,20 @@ fn home(e: &E2b, t: &Target) -> String {
     e.rt.sandbox_user(&t.id, crate::envd::DEFAULT_USER).map(|u| u.home).unwrap_or_else(|_| "/root".into())
 }
 
-fn context_json(e: &E2b, s: &SessionInfo, fallback_cwd: &str) -> Value {
-    let cwd = e.contexts.lock().expect("contexts lock").get(&s.id).cloned().unwrap_or_else(|| fallback_cwd.into());
+/// Remember where a context (session) of a sandbox started; entries of sandboxes that are gone
+/// are dropped on the way.
+fn remember_cwd(e: &E2b, t: &Target, session: &str, cwd: String) {
+    let mut contexts = e.contexts.lock().expect("contexts lock");
+    contexts.retain(|(sandbox, _), _| e.rt.get(sandbox).is_ok_and(|sb| !sb.is_dead()));
+    contexts.insert((t.id.clone(), session.to_string()), cwd);
+}
+
+fn cwd_of(e: &E2b, t: &Target, session: &str) -> Option<String> {
+    e.contexts.lock().expect("contexts lock").get(&(t.id.clone(), session.to_string())).cloned()
+}
+
+fn context_json(e: &E2b, t: &Target, s: &SessionInfo, fallback_cwd: &str) -> Value {
+    let cwd = cwd_of(e, t, &s.id).unwrap_or_else(|| fallback_cwd.into());
     json!({"id": s.id, "language": language_of(&s.kind), "cwd": cwd})
 }
 
@@ -122,8 +134,8 @@ async fn create_context(State(e): St, Extension(t): Tgt, body: Bytes) -> Respons
         .await;
     match made {
         Ok(s) => {
-            e.contexts.lock().expect("contexts lock").insert(s.id.clone(), cwd.clone());
-            axum::Json(context_json(&e, &s, &cwd)).into_response()
+            remember_cwd(&e, &t, &s.id, cwd.clone());
+            axum::Json(context_json(&e, &t, &s, &cwd)).into_response()
         }
         Err(err) => InterpError::from(err).into_response(),
     }
@@ -133,7 +145,8 @@ async fn list_contexts(State(e): St, Extension(t): Tgt) -> Response {
     let home = home(&e, &t);
     match e.rt.list_sessions(&t.id).await {
         Ok(list) => {
-            let v: Vec<Value> = list.sessions.iter().filter(|s| s.alive).map(|s| context_json(&e, s, &home)).collect();
+            let v: Vec<Value> =
+                list.sessions.iter().filter(|s| s.alive).map(|s| context_json(&e, &t, s, &home)).collect();
             axum::Json(v).into_response()
         }
         Err(err) => InterpError::from(err).into_response(),
@@ -143,7 +156,7 @@ async fn list_contexts(State(e): St, Extension(t): Tgt) -> Response {
 async fn remove_context(State(e): St, Extension(t): Tgt, Path(cid): Path<String>) -> Response {
     match e.rt.kill_session(&t.id, &cid).await {
         Ok(()) => {
-            e.contexts.lock().expect("contexts lock").remove(&cid);
+            e.contexts.lock().expect("contexts lock").remove(&(t.id.clone(), cid));
             StatusCode::NO_CONTENT.into_response()
         }
         Err(err) => InterpError::from(err).into_response(),
@@ -151,7 +164,7 @@ async fn remove_context(State(e): St, Extension(t): Tgt, Path(cid): Path<String>
 }
 
 async fn restart_context(State(e): St, Extension(t): Tgt, Path(cid): Path<String>) -> Response {
-    let cwd = e.contexts.lock().expect("contexts lock").get(&cid).cloned().unwrap_or_else(|| home(&e, &t));
+    let cwd = cwd_of(&e, &t, &cid).unwrap_or_else(|| home(&e, &t));
     let req = CreateSession { kind: None, cwd: Some(cwd), env: BTreeMap::new() };
     match e.rt.restart_session(&t.id, &cid, req).await {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
@@ -201,7 +214,7 @@ async fn session_for(e: &E2b, t: &Target, req: &ExecuteReq) -> Result<SessionInf
         .create_session(&t.id, CreateSession { kind: Some(kind.into()), cwd: Some(cwd.clone()), env: BTreeMap::new() })
         .await
         .map_err(InterpError::from)?;
-    e.contexts.lock().expect("contexts lock").insert(s.id.clone(), cwd);
+    remember_cwd(e, t, &s.id, cwd);
     Ok(s)
 }
 

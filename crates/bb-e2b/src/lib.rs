@@ -38,8 +38,8 @@ pub struct E2b {
     pub rt: Arc<Runtime>,
     pub cfg: E2bConfig,
     pub procs: Arc<procs::Procs>,
-    /// Working directories of code contexts (sessions), by session id.
-    pub contexts: std::sync::Mutex<std::collections::HashMap<String, String>>,
+    /// Working directories of code contexts (sessions), by sandbox and session id.
+    pub contexts: std::sync::Mutex<std::collections::HashMap<(String, String), String>>,
     /// Polled directory watchers (`CreateWatcher`).
     pub watchers: watch::Watchers,
 }

@@ -195,86 +195,132 @@ impl DirWatch {
     }
 
     fn translate(&mut self, raw: Vec<nix::sys::inotify::InotifyEvent>) -> Result<Vec<FsEvent>> {
-        let mut out = Vec::new();
-        let mut new_dirs = Vec::new();
-        for ev in raw {
-            let m = ev.mask;
-            if m.contains(F::IN_Q_OVERFLOW) {
-                return Err(RuntimeError::TooLarge(format!(
-                    "events under {} came faster than they were read and some were lost: watch a smaller tree",
-                    self.top.display()
-                )));
-            }
-            let Some(dir) = self.dirs.get(&ev.wd).cloned() else { continue };
-            if m.contains(F::IN_IGNORED) {
-                self.dirs.remove(&ev.wd);
-                if dir.is_empty() && self.sb.rootfs() == self.armed && !self.sb.is_dead() {
-                    return Err(RuntimeError::NotFound {
-                        kind: "watched directory",
-                        id: self.top.display(),
-                        hint: " (it was removed or moved away)",
-                    });
-                }
-                continue;
-            }
-            let Some(name) = ev.name.as_ref().map(|n| n.to_string_lossy().into_owned()) else {
-                // The directory itself: reported for the watched one only (a subdirectory's
-                // removal or move is reported by its parent).
-                if dir.is_empty() {
-                    if m.contains(F::IN_DELETE_SELF) {
-                        out.push(FsEvent { name: ".".into(), kind: FsEventKind::Remove });
-                    } else if m.contains(F::IN_MOVE_SELF) {
-                        out.push(FsEvent { name: ".".into(), kind: FsEventKind::Rename });
-                    }
-                }
-                continue;
-            };
-            let rel = if dir.is_empty() { name.clone() } else { format!("{dir}/{name}") };
-            let is_dir = m.contains(F::IN_ISDIR);
-            if name.starts_with(UPLOAD_TMP_PREFIX) {
-                if m.contains(F::IN_MOVED_FROM) {
-                    self.uploads.insert(ev.cookie);
-                }
-                continue;
-            }
-            let mut push = |kind| out.push(FsEvent { name: rel.clone(), kind });
-            if m.contains(F::IN_CREATE) {
-                push(FsEventKind::Create);
-            }
-            if m.contains(F::IN_MOVED_TO) {
-                push(FsEventKind::Create);
-                if self.uploads.remove(&ev.cookie) {
-                    push(FsEventKind::Write);
-                }
-            }
-            if m.contains(F::IN_MOVED_FROM) {
-                push(FsEventKind::Rename);
-            }
-            if m.contains(F::IN_ATTRIB) {
-                push(FsEventKind::Chmod);
-            }
-            if m.contains(F::IN_MODIFY) {
-                push(FsEventKind::Write);
-            }
-            if m.contains(F::IN_DELETE) {
-                push(FsEventKind::Remove);
-            }
-            if self.recursive && is_dir && (m.contains(F::IN_CREATE) || m.contains(F::IN_MOVED_TO)) {
-                new_dirs.push(rel);
-            }
+        let raw: Vec<RawEvent<WatchDescriptor>> = raw
+            .into_iter()
+            .map(|ev| RawEvent {
+                wd: ev.wd,
+                mask: ev.mask,
+                cookie: ev.cookie,
+                name: ev.name.map(|n| n.to_string_lossy().into_owned()),
+            })
+            .collect();
+        let t = translate_batch(raw, &mut self.dirs, &mut self.uploads, self.recursive);
+        if t.overflow {
+            return Err(RuntimeError::TooLarge(format!(
+                "events under {} came faster than they were read and some were lost: watch a smaller tree",
+                self.top.display()
+            )));
         }
-        if !new_dirs.is_empty() {
+        // The watched directory went away, and not because the root was swapped under it.
+        if t.lost_top && self.sb.rootfs() == self.armed && !self.sb.is_dead() {
+            return Err(RuntimeError::NotFound {
+                kind: "watched directory",
+                id: self.top.display(),
+                hint: " (it was removed or moved away)",
+            });
+        }
+        if !t.new_dirs.is_empty() {
             let fs = SandboxFs::open(&self.armed, self.base)?;
-            for rel in new_dirs {
+            for rel in t.new_dirs {
                 self.add(&fs, &rel)?;
             }
         }
-        // Bounded: a rename out of the tree never gets its pair.
-        if self.uploads.len() > 1024 {
-            self.uploads.clear();
-        }
-        Ok(out)
+        Ok(t.events)
     }
+}
+
+/// One inotify event, its watch descriptor of any type (the unit tests use integers).
+struct RawEvent<K> {
+    wd: K,
+    mask: F,
+    cookie: u32,
+    name: Option<String>,
+}
+
+/// What a batch of inotify events means for a watch.
+#[derive(Debug, Default, PartialEq)]
+struct Translation {
+    events: Vec<FsEvent>,
+    /// Directories (relative to the watched one) made or moved in, to watch (recursive watches).
+    new_dirs: Vec<String>,
+    /// The kernel's queue overflowed: events were lost.
+    overflow: bool,
+    /// The watched directory's own watch ended (removed, moved away, or unmounted).
+    lost_top: bool,
+}
+
+/// Map inotify events to envd's, as fsnotify reports them: `dirs` are the watched directories
+/// by descriptor (relative paths, "" for the watched one), `uploads` the rename cookies of the
+/// daemon's upload temporaries moved away (their arrival is the target's create and write).
+fn translate_batch<K: std::hash::Hash + Eq>(
+    raw: Vec<RawEvent<K>>,
+    dirs: &mut HashMap<K, String>,
+    uploads: &mut HashSet<u32>,
+    recursive: bool,
+) -> Translation {
+    let mut t = Translation::default();
+    for ev in raw {
+        let m = ev.mask;
+        if m.contains(F::IN_Q_OVERFLOW) {
+            t.overflow = true;
+            return t;
+        }
+        let Some(dir) = dirs.get(&ev.wd).cloned() else { continue };
+        if m.contains(F::IN_IGNORED) {
+            dirs.remove(&ev.wd);
+            t.lost_top |= dir.is_empty();
+            continue;
+        }
+        let Some(name) = ev.name else {
+            // The directory itself: reported for the watched one only (a subdirectory's removal
+            // or move is reported by its parent).
+            if dir.is_empty() {
+                if m.contains(F::IN_DELETE_SELF) {
+                    t.events.push(FsEvent { name: ".".into(), kind: FsEventKind::Remove });
+                } else if m.contains(F::IN_MOVE_SELF) {
+                    t.events.push(FsEvent { name: ".".into(), kind: FsEventKind::Rename });
+                }
+            }
+            continue;
+        };
+        if name.starts_with(UPLOAD_TMP_PREFIX) {
+            if m.contains(F::IN_MOVED_FROM) {
+                uploads.insert(ev.cookie);
+            }
+            continue;
+        }
+        let rel = if dir.is_empty() { name } else { format!("{dir}/{name}") };
+        let mut push = |kind| t.events.push(FsEvent { name: rel.clone(), kind });
+        if m.contains(F::IN_CREATE) {
+            push(FsEventKind::Create);
+        }
+        if m.contains(F::IN_MOVED_TO) {
+            push(FsEventKind::Create);
+            if uploads.remove(&ev.cookie) {
+                push(FsEventKind::Write);
+            }
+        }
+        if m.contains(F::IN_MOVED_FROM) {
+            push(FsEventKind::Rename);
+        }
+        if m.contains(F::IN_ATTRIB) {
+            push(FsEventKind::Chmod);
+        }
+        if m.contains(F::IN_MODIFY) {
+            push(FsEventKind::Write);
+        }
+        if m.contains(F::IN_DELETE) {
+            push(FsEventKind::Remove);
+        }
+        if recursive && m.contains(F::IN_ISDIR) && (m.contains(F::IN_CREATE) || m.contains(F::IN_MOVED_TO)) {
+            t.new_dirs.push(rel);
+        }
+    }
+    // Bounded: a temporary renamed out of the tree never gets its pair.
+    if uploads.len() > 1024 {
+        uploads.clear();
+    }
+    t
 }
 
 fn new_ino() -> Result<AsyncFd<Ino>> {
@@ -293,5 +339,88 @@ impl crate::Runtime {
         let path = path.clone();
         // Listing a tree to watch it is blocking work.
         tokio::task::block_in_place(move || DirWatch::new(sb, base, path, recursive))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(wd: i32, mask: F, cookie: u32, name: Option<&str>) -> RawEvent<i32> {
+        RawEvent { wd, mask, cookie, name: name.map(str::to_string) }
+    }
+
+    fn names(t: &Translation) -> Vec<(String, FsEventKind)> {
+        t.events.iter().map(|e| (e.name.clone(), e.kind)).collect()
+    }
+
+    fn watching() -> HashMap<i32, String> {
+        HashMap::from([(1, String::new()), (2, "sub".to_string())])
+    }
+
+    #[test]
+    fn events_map_as_fsnotify_reports_them_with_paths_under_the_watched_directory() {
+        use FsEventKind::*;
+        let (mut dirs, mut uploads) = (watching(), HashSet::new());
+        let t = translate_batch(
+            vec![
+                ev(1, F::IN_CREATE, 0, Some("a")),
+                ev(1, F::IN_MODIFY, 0, Some("a")),
+                ev(2, F::IN_ATTRIB, 0, Some("b")),
+                ev(1, F::IN_MOVED_FROM, 7, Some("a")),
+                ev(1, F::IN_MOVED_TO, 7, Some("c")),
+                ev(2, F::IN_DELETE, 0, Some("b")),
+                ev(9, F::IN_CREATE, 0, Some("unwatched")),
+            ],
+            &mut dirs,
+            &mut uploads,
+            false,
+        );
+        let want = [("a", Create), ("a", Write), ("sub/b", Chmod), ("a", Rename), ("c", Create), ("sub/b", Remove)];
+        assert_eq!(names(&t), want.map(|(n, k)| (n.to_string(), k)).to_vec());
+        assert!(!t.overflow && !t.lost_top && t.new_dirs.is_empty());
+    }
+
+    #[test]
+    fn an_upload_shows_as_its_targets_create_and_write_never_its_temporary() {
+        use FsEventKind::*;
+        let (mut dirs, mut uploads) = (watching(), HashSet::new());
+        let tmp = format!("{UPLOAD_TMP_PREFIX}0123");
+        let t = translate_batch(
+            vec![
+                ev(1, F::IN_CREATE, 0, Some(&tmp)),
+                ev(1, F::IN_ATTRIB, 0, Some(&tmp)),
+                ev(1, F::IN_MODIFY, 0, Some(&tmp)),
+                ev(1, F::IN_MOVED_FROM, 42, Some(&tmp)),
+                ev(1, F::IN_MOVED_TO, 42, Some("file.txt")),
+            ],
+            &mut dirs,
+            &mut uploads,
+            false,
+        );
+        assert_eq!(names(&t), vec![("file.txt".to_string(), Create), ("file.txt".to_string(), Write)]);
+        assert!(uploads.is_empty(), "the cookie is used once");
+    }
+
+    #[test]
+    fn new_directories_are_watched_only_when_recursive_and_the_top_can_go_away() {
+        let mk = |recursive| {
+            let (mut dirs, mut uploads) = (watching(), HashSet::new());
+            let dir_made = F::IN_CREATE | F::IN_ISDIR;
+            translate_batch(vec![ev(2, dir_made, 0, Some("d"))], &mut dirs, &mut uploads, recursive)
+        };
+        assert_eq!(mk(true).new_dirs, vec!["sub/d".to_string()]);
+        assert!(mk(false).new_dirs.is_empty());
+        let (mut dirs, mut uploads) = (watching(), HashSet::new());
+        let t = translate_batch(
+            vec![ev(2, F::IN_IGNORED, 0, None), ev(1, F::IN_DELETE_SELF, 0, None), ev(1, F::IN_IGNORED, 0, None)],
+            &mut dirs,
+            &mut uploads,
+            false,
+        );
+        assert_eq!(names(&t), vec![(".".to_string(), FsEventKind::Remove)]);
+        assert!(t.lost_top && dirs.is_empty());
+        let t = translate_batch(vec![ev(-1, F::IN_Q_OVERFLOW, 0, None)], &mut watching(), &mut uploads, false);
+        assert!(t.overflow);
     }
 }
