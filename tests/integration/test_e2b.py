@@ -1027,7 +1027,8 @@ def test_ci_client_timeout_interrupts_the_run(ci):
 def extra_contexts(sbx, n=2):
     """``n`` more python contexts, made after the default one (each holding a variable of its
     own): a fork or a snapshot must keep telling the default context from them."""
-    ctxs = [sbx.create_code_context() for _ in range(n)]
+    # The last one starts in /tmp: a fork's children list it there too.
+    ctxs = [sbx.create_code_context(cwd="/tmp" if i == n - 1 else None) for i in range(n)]
     for i, c in enumerate(ctxs):
         assert sbx.run_code("cv = 'ctx%d'" % i, context=c).error is None
     return ctxs
@@ -1049,8 +1050,11 @@ def test_ci_fork_children_carry_code_state(e2b, make):
     assert len(kids) == 3 and all(isinstance(k, CISandbox) for k in kids), kids
     for k in kids:
         make.adopt(k.sandbox_id)
+    cwds = {c.id: c.cwd for c in s.list_code_contexts()}
+    assert cwds[ctxs[-1].id] == "/tmp"
     for k in kids:
         assert context_ids(k) == context_ids(s)
+        assert {c.id: c.cwd for c in k.list_code_contexts()} == cwds
         for i, c in enumerate(ctxs):
             assert k.run_code("cv", context=c).text == "'ctx%d'" % i
         default_context_is_kept(k, "'parent'")

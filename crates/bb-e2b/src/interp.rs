@@ -103,8 +103,14 @@ fn remember_cwd(e: &E2b, t: &Target, session: &str, cwd: String) {
     contexts.insert((t.id.clone(), session.to_string()), cwd);
 }
 
+/// Where a context started: its own entry, else that of the same session in another sandbox (a
+/// fork's children keep their parent's session ids, and its working directory).
 fn cwd_of(e: &E2b, t: &Target, session: &str) -> Option<String> {
-    e.contexts.lock().expect("contexts lock").get(&(t.id.clone(), session.to_string())).cloned()
+    let contexts = e.contexts.lock().expect("contexts lock");
+    contexts
+        .get(&(t.id.clone(), session.to_string()))
+        .or_else(|| contexts.iter().find(|((_, s), _)| s == session).map(|(_, cwd)| cwd))
+        .cloned()
 }
 
 fn context_json(e: &E2b, t: &Target, s: &SessionInfo, fallback_cwd: &str) -> Value {
