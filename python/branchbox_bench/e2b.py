@@ -59,7 +59,7 @@ import httpx
 from branchbox import NotFoundError, Pool, Sandbox, SandboxError
 from branchbox.sandbox_sync import health
 
-from .stats import percentile, stats_rows
+from .stats import diff, percentile, ratio, stats_rows
 from .store import BenchError, quiet, sigterm_unwinds
 
 __all__ = [
@@ -240,9 +240,9 @@ class E2bResult:
             suffix = "_ms" if name == "fork16" else "_ms_p50"
             out[e2b_m + suffix] = self.p(e2b_m)
             out[bb_m + suffix] = self.p(bb_m)
-            out["e2b_overhead_ratio_" + name] = _ratio(out[e2b_m + suffix], out[bb_m + suffix])
+            out["e2b_overhead_ratio_" + name] = ratio(out[e2b_m + suffix], out[bb_m + suffix])
         out["e2b_cloud_create_ms"] = E2B_CLOUD_CREATE_MS
-        out["e2b_vs_cloud_create_speedup"] = _ratio(E2B_CLOUD_CREATE_MS, out["e2b_create_ms_p50"])
+        out["e2b_vs_cloud_create_speedup"] = ratio(E2B_CLOUD_CREATE_MS, out["e2b_create_ms_p50"])
         out["e2b_cloud_create_source"] = E2B_CLOUD_CREATE_SOURCE
         cfg = self.cfg
         out["samples"] = cfg.samples
@@ -250,14 +250,14 @@ class E2bResult:
         out["sample_counts"] = {m: len(self.samples.get(m) or []) for m in METRICS}
         # Details.
         out["e2b_http_create_ms_p50"] = self.p("e2b_http_create")
-        out["e2b_endpoint_overhead_ratio_create"] = _ratio(out["e2b_http_create_ms_p50"], out["bb_create_ms_p50"])
+        out["e2b_endpoint_overhead_ratio_create"] = ratio(out["e2b_http_create_ms_p50"], out["bb_create_ms_p50"])
         out["bb_run_bash_login_true_ms_p50"] = self.p("bb_run_bash_login_true")
-        out["e2b_overhead_ratio_run_same_argv"] = _ratio(out["e2b_run_true_ms_p50"], out["bb_run_bash_login_true_ms_p50"])
+        out["e2b_overhead_ratio_run_same_argv"] = ratio(out["e2b_run_true_ms_p50"], out["bb_run_bash_login_true_ms_p50"])
         for _, e2b_m, bb_m in PAIRS[:3]:
             out[e2b_m + "_ms_p99"] = self.p(e2b_m, 99)
             out[bb_m + "_ms_p99"] = self.p(bb_m, 99)
         for name, e2b_m, bb_m in PAIRS:
-            out["e2b_overhead_ms_" + name] = _diff(self.p(e2b_m), self.p(bb_m))
+            out["e2b_overhead_ms_" + name] = diff(self.p(e2b_m), self.p(bb_m))
         out["fork_n"] = FORK_N
         out["image"] = cfg.image
         out["e2b_url"] = cfg.url
@@ -270,14 +270,6 @@ class E2bResult:
 
     def rows(self) -> List[List[str]]:
         return stats_rows(self.samples, METRICS, digits=3)
-
-
-def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return None if a is None or not b else round(a / b, 3)
-
-
-def _diff(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return None if a is None or b is None else round(a - b, 3)
 
 
 def _ms(t0: float) -> float:

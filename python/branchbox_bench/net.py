@@ -78,7 +78,7 @@ from branchbox import CommandHandle, NotFoundError, Pool, Sandbox, SandboxError,
 from branchbox.sandbox_sync import health
 
 from . import networld
-from .stats import percentile, stats_rows
+from .stats import diff, percentile, ratio, stats_rows
 from .store import BenchError, quiet, sigterm_unwinds
 
 __all__ = [
@@ -316,15 +316,15 @@ class NetResult:
         out["fork16_allowlist_ms"] = self.p("fork16_allowlist")
         out["http_rtt_ms_p50"] = self.p("http_rtt")
         out["host_http_rtt_ms_p50"] = self.p("host_http_rtt")
-        out["http_rtt_vs_host_ratio"] = _ratio(out["http_rtt_ms_p50"], out["host_http_rtt_ms_p50"])
+        out["http_rtt_vs_host_ratio"] = ratio(out["http_rtt_ms_p50"], out["host_http_rtt_ms_p50"])
         out["throughput_mb_s"] = self.mb_s_p50("sandbox")
         out["host_throughput_mb_s"] = self.mb_s_p50("host")
-        out["throughput_vs_host_ratio"] = _ratio(out["throughput_mb_s"], out["host_throughput_mb_s"])
+        out["throughput_vs_host_ratio"] = ratio(out["throughput_mb_s"], out["host_throughput_mb_s"])
         out["ckpt_ms_p50"] = self.p("ckpt")
         out["ckpt_during_inflight_ms_p50"] = self.p("ckpt_during_inflight")
-        out["ckpt_inflight_vs_idle_ms"] = _diff(out["ckpt_during_inflight_ms_p50"], out["ckpt_ms_p50"])
+        out["ckpt_inflight_vs_idle_ms"] = diff(out["ckpt_during_inflight_ms_p50"], out["ckpt_ms_p50"])
         out["ckpt_same_process_idle_ms_p50"] = self.p("ckpt_same_process_idle")
-        out["ckpt_inflight_vs_same_process_idle_ms"] = _diff(
+        out["ckpt_inflight_vs_same_process_idle_ms"] = diff(
             out["ckpt_during_inflight_ms_p50"], out["ckpt_same_process_idle_ms_p50"]
         )
         cfg = self.cfg
@@ -339,11 +339,11 @@ class NetResult:
         # Details.
         out["image"] = cfg.image
         out["http_rtt_ms"] = {side: self._spread(m) for side, m in (("sandbox", "http_rtt"), ("host", "host_http_rtt"))}
-        out["create_allowlist_extra_ms_p50"] = _diff(out["create_allowlist_ms_p50"], out["create_none_ms_p50"])
-        out["create_allowlist_names_extra_ms_p50"] = _diff(
+        out["create_allowlist_extra_ms_p50"] = diff(out["create_allowlist_ms_p50"], out["create_none_ms_p50"])
+        out["create_allowlist_names_extra_ms_p50"] = diff(
             out["create_allowlist_names_ms_p50"], out["create_none_ms_p50"]
         )
-        out["first_request_extra_ms_p50"] = _diff(
+        out["first_request_extra_ms_p50"] = diff(
             out["create_allowlist_first_request_ms_p50"], out["create_none_first_command_ms_p50"]
         )
         out["fork16_request_ms_p50"] = {k: round(percentile(v, 50), 3) for k, v in self.fork_request_ms.items() if v}
@@ -367,14 +367,6 @@ class NetResult:
 
     def rows(self) -> List[List[str]]:
         return stats_rows(self.samples, METRICS, digits=3)
-
-
-def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return None if a is None or not b else round(a / b, 3)
-
-
-def _diff(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return None if a is None or b is None else round(a - b, 3)
 
 
 def _p50(xs: Sequence[float]) -> Optional[float]:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["percentile", "stats_row", "stats_rows", "summary_tail_lines"]
+__all__ = ["diff", "percentile", "ratio", "stats_row", "stats_rows", "summary_tail_lines"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -20,6 +20,16 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = int(math.floor(pos))
     hi = int(math.ceil(pos))
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """``a / b`` to 3 decimals; None when either is missing (or ``b`` is 0)."""
+    return None if a is None or not b else round(a / b, 3)
+
+
+def diff(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """``a - b`` to 3 decimals; None when either is missing."""
+    return None if a is None or b is None else round(a - b, 3)
 
 
 def stats_row(label: str, xs: Sequence[float], digits: int = 2) -> List[str]:
