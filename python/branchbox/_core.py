@@ -455,15 +455,23 @@ def set_timeout(sandbox_id: str, seconds: float) -> Call:
     )
 
 
-def pause_sandbox(sandbox_id: str, push: bool = False) -> Call:
+PAUSE_MODES = ("full", "filesystem")
+
+
+def pause_sandbox(sandbox_id: str, push: bool = False, mode: str = "full") -> Call:
     if not isinstance(push, bool):
         raise exc.InvalidArgumentError("push must be True or False, not %r" % (push,))
-    body = {"push": True} if push else None
+    if mode not in PAUSE_MODES:
+        raise exc.InvalidArgumentError("mode must be one of %s, not %r" % (", ".join(PAUSE_MODES), mode))
+    body = _compact({"push": True if push else None, "mode": mode if mode != "full" else None}) or None
     return Call("POST", _sbx(sandbox_id) + "/pause", json=body, parse=PauseResult.from_dict, unbounded=push)
 
 
-def resume_sandbox(sandbox_id: str, timeout: Optional[float] = None) -> Call:
-    return Call("POST", _sbx(sandbox_id) + "/resume", json=_compact({"timeout": timeout}), parse=ResumeResult.from_dict)
+def resume_sandbox(sandbox_id: str, timeout: Optional[float] = None, reboot: bool = False) -> Call:
+    if not isinstance(reboot, bool):
+        raise exc.InvalidArgumentError("reboot must be True or False, not %r" % (reboot,))
+    body = _compact({"timeout": timeout, "reboot": True if reboot else None})
+    return Call("POST", _sbx(sandbox_id) + "/resume", json=body, parse=ResumeResult.from_dict)
 
 
 def kill_sandbox(sandbox_id: str) -> Call:
@@ -586,8 +594,23 @@ def kill_session(sandbox_id: str, session_id: str) -> Call:
     return Call("DELETE", "%s/sessions/%s" % (_sbx(sandbox_id), _seg(session_id)), parse=_flag("killed"))
 
 
+def run_env(env: Optional[Mapping[str, str]]) -> Optional[Dict[str, str]]:
+    """A run's env, checked: str names and values (the daemon checks the names are shell
+    identifiers)."""
+    if env is None:
+        return None
+    if not isinstance(env, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise exc.InvalidArgumentError("env must map str names to str values, not %r" % (env,))
+    return dict(env) or None
+
+
 def run_session(
-    sandbox_id: str, session_id: str, code: str, timeout: Optional[float] = 60, kind: Optional[str] = None
+    sandbox_id: str,
+    session_id: str,
+    code: str,
+    timeout: Optional[float] = 60,
+    kind: Optional[str] = None,
+    env: Optional[Mapping[str, str]] = None,
 ) -> Call:
     parse: Callable[[Any], Any] = parse_run_result
     if kind == "shell":
@@ -597,19 +620,23 @@ def run_session(
     return Call(
         "POST",
         "%s/sessions/%s/run" % (_sbx(sandbox_id), _seg(session_id)),
-        json=_compact({"code": code, "timeout": timeout}),
+        json=_compact({"code": code, "timeout": timeout, "env": run_env(env)}),
         parse=parse,
         op_timeout=timeout,
     )
 
 
 def run_code(
-    sandbox_id: str, code: str, language: str = "python", timeout: Optional[float] = 60
+    sandbox_id: str,
+    code: str,
+    language: str = "python",
+    timeout: Optional[float] = 60,
+    env: Optional[Mapping[str, str]] = None,
 ) -> Call:
     return Call(
         "POST",
         _sbx(sandbox_id) + "/code",
-        json=_compact({"code": code, "language": language, "timeout": timeout}),
+        json=_compact({"code": code, "language": language, "timeout": timeout, "env": run_env(env)}),
         parse=Execution.from_dict,
         op_timeout=timeout,
     )

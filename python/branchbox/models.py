@@ -526,6 +526,8 @@ class PauseResult(_Model):
     sessions: int = 0
     image_bytes: int = 0
     took_ms: Optional[float] = None
+    #: ``"full"`` (files and processes) or ``"filesystem"`` (files only: the resume cold-boots).
+    mode: str = "full"
     #: ``"node-local"`` (kept on the daemon's disk) or ``"durable"`` (``pause(push=True)``).
     durability: str = "node-local"
     #: With ``push=True``: the snapshot holding the sandbox's state.
@@ -549,6 +551,9 @@ class ResumeResult(_Model):
     took_ms: Optional[float] = None
     #: The processes ran before their memory was all copied in (it follows in the background).
     lazy_pages: bool = False
+    #: The sandbox was cold-booted (files only, a new boot id): ``reboot=True`` or a
+    #: ``mode="filesystem"`` pause.
+    rebooted: bool = False
     raw: Dict[str, Any] = _raw()
 
     @classmethod

@@ -269,25 +269,31 @@ class AsyncSandbox:
         self._info = info
         return info
 
-    async def pause(self, push: bool = False) -> PauseResult:
+    async def pause(self, push: bool = False, mode: str = "full") -> PauseResult:
         """Pause the sandbox: every process (sessions, background commands) is dumped to disk
         and freed; files stay. Its id stays; :meth:`resume` or :meth:`connect` brings it back
         with its processes (same pids), sessions, files and env. Needs CRIU on the daemon.
+
+        ``mode="filesystem"`` keeps the files only: every process ends, nothing is dumped, and
+        the resume is a cold boot (no sessions or background processes, a new boot id). Needs
+        no CRIU.
 
         ``push=True`` makes it durable and frees the daemon of it: its state (files, sessions,
         background processes) is checkpointed and pushed to the daemon's object store, and
         any daemon sharing that store and metadata store resumes it under the same id
         (``Sandbox.connect(id, daemon=...)``), with its sessions' state; background processes
         come back with their state too (under new pids)."""
-        result = await self._http.call(_core.pause_sandbox(self.id, push))
+        result = await self._http.call(_core.pause_sandbox(self.id, push, mode))
         if result.sandbox is not None:
             self._info = result.sandbox
         return result
 
-    async def resume(self, timeout: Optional[float] = None) -> ResumeResult:
+    async def resume(self, timeout: Optional[float] = None, reboot: bool = False) -> ResumeResult:
         """Resume a paused sandbox. ``timeout``: its new time to live in seconds (0 = none;
-        default: the one it was created with)."""
-        result = await self._http.call(_core.resume_sandbox(self.id, timeout))
+        default: the one it was created with). ``reboot=True`` cold-boots it instead of
+        restoring its processes: files only, a new boot id (a ``mode="filesystem"`` pause always
+        resumes so)."""
+        result = await self._http.call(_core.resume_sandbox(self.id, timeout, reboot))
         if result.sandbox is not None:
             self._info = result.sandbox
         return result
@@ -311,9 +317,17 @@ class AsyncSandbox:
         except NotFoundError:
             return False
 
-    async def run_code(self, code: str, *, timeout: Optional[float] = 60, language: str = "python") -> Execution:
-        """Run code in the sandbox's default python session (created on first use)."""
-        return await self._http.call(_core.run_code(self.id, code, language, timeout))
+    async def run_code(
+        self,
+        code: str,
+        *,
+        timeout: Optional[float] = 60,
+        language: str = "python",
+        env: Optional[Mapping[str, str]] = None,
+    ) -> Execution:
+        """Run code in the sandbox's default python session (created on first use). ``env``:
+        environment variables for this run only (``os.environ``), put back after it."""
+        return await self._http.call(_core.run_code(self.id, code, language, timeout, env))
 
     # -- snapshots
 
@@ -681,8 +695,10 @@ class AsyncSession:
     def pid(self) -> Optional[int]:
         return self.info.pid
 
-    async def run(self, code: str, *, timeout: Optional[float] = 60) -> Union[Execution, ShellResult]:
-        return await self.sandbox._http.call(_core.run_session(self.sandbox.id, self.id, code, timeout, self.kind))
+    async def run(
+        self, code: str, *, timeout: Optional[float] = 60, env: Optional[Mapping[str, str]] = None
+    ) -> Union[Execution, ShellResult]:
+        return await self.sandbox._http.call(_core.run_session(self.sandbox.id, self.id, code, timeout, self.kind, env))
 
     async def kill(self) -> bool:
         try:

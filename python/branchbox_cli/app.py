@@ -555,11 +555,14 @@ def sandbox_kill(ctx: typer.Context, sandbox_id: str = typer.Argument(..., metav
 def sandbox_pause(
     ctx: typer.Context,
     sandbox_id: str = typer.Argument(..., metavar="ID"),
+    files_only: bool = typer.Option(
+        False, "--files-only", help="Keep the files only: every process ends, and the resume is a cold boot."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the PauseResult JSON."),
 ) -> None:
     """Pause a sandbox: its processes go to disk and free their memory; `resume` brings them back."""
     with connected(ctx, sandbox_id) as sbx:
-        r = sbx.pause()
+        r = sbx.pause(mode="filesystem" if files_only else "full")
     if as_json:
         print_json(r.raw)
         return
@@ -575,17 +578,18 @@ def sandbox_resume(
     ctx: typer.Context,
     sandbox_id: str = typer.Argument(..., metavar="ID"),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="New time to live in seconds (0 = none; default: the sandbox's own)."),
+    reboot: bool = typer.Option(False, "--reboot", help="Cold-boot it (files only, a new boot id) instead of restoring its processes."),
     as_json: bool = typer.Option(False, "--json", help="Print the ResumeResult JSON."),
 ) -> None:
     """Resume a paused sandbox: its processes come back under their pids, with their sessions."""
     with connected(ctx, sandbox_id) as sbx:
-        r = sbx.resume(timeout=timeout)
+        r = sbx.resume(timeout=timeout, reboot=reboot)
     if as_json:
         print_json(r.raw)
         return
     out.print(
-        "resumed %s: %d process tree(s), %d session(s), %s"
-        % (sandbox_id, r.processes, r.sessions, fmt_num(r.took_ms, " ms", "%.0f"))
+        "%s %s: %d process tree(s), %d session(s), %s"
+        % ("rebooted" if r.rebooted else "resumed", sandbox_id, r.processes, r.sessions, fmt_num(r.took_ms, " ms", "%.0f"))
     )
 
 

@@ -125,6 +125,22 @@ def test_set_timeout(sbx: Sandbox, fake: FakeDaemon) -> None:
     assert info.expires_at == 5.0
 
 
+def test_pause_modes_and_reboot(sbx: Sandbox, fake: FakeDaemon) -> None:
+    paused = {"sandbox": dict(SANDBOX, state="paused"), "processes": 0, "sessions": 1, "image_bytes": 0, "took_ms": 3.0}
+    fake.on("POST", BASE + "/pause", dict(paused, mode="filesystem"))
+    r = sbx.pause(mode="filesystem")
+    assert fake.body() == {"mode": "filesystem"} and r.mode == "filesystem"
+    fake.on("POST", BASE + "/pause", paused)
+    assert sbx.pause().mode == "full" and fake.last.content == b""
+    with pytest.raises(InvalidArgumentError, match="mode must be one of full, filesystem"):
+        sbx.pause(mode="memory")
+    fake.on("POST", BASE + "/resume", {"sandbox": SANDBOX, "processes": 0, "sessions": 0, "took_ms": 2.0, "rebooted": True})
+    assert sbx.resume(reboot=True).rebooted is True
+    assert fake.body() == {"reboot": True}
+    sbx.resume(timeout=5)
+    assert fake.body() == {"timeout": 5}
+
+
 def test_kill_and_is_running(sbx: Sandbox, fake: FakeDaemon) -> None:
     assert sbx.is_running() is True
     assert sbx.kill() is True
@@ -292,6 +308,16 @@ def test_run_code(sbx: Sandbox, fake: FakeDaemon) -> None:
     assert fake.body() == {"code": "x = 1\nx + 1", "language": "python", "timeout": 10}
     assert isinstance(ex, Execution)
     assert ex.result == ex.text == "2" and ex.stdout == "p\n" and ex.error is None
+
+
+def test_run_code_env(sbx: Sandbox, fake: FakeDaemon) -> None:
+    fake.on("POST", BASE + "/code", {"stdout": "", "stderr": "", "result": "'x'"})
+    sbx.run_code("import os\nos.environ['A']", env={"A": "x"})
+    assert fake.body()["env"] == {"A": "x"}
+    sbx.run_code("1")
+    assert "env" not in fake.body()
+    with pytest.raises(InvalidArgumentError, match="env must map str names to str values"):
+        sbx.run_code("1", env={"A": 1})
 
 
 def test_run_code_error(sbx: Sandbox, fake: FakeDaemon) -> None:

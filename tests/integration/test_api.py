@@ -385,6 +385,19 @@ def test_run_code_uses_a_default_session(sbx):
     assert sbx.run_code("y").text == "5"
 
 
+def test_a_runs_env_holds_for_that_run_only(sbx):
+    code = "import os, subprocess\n(os.environ.get('RUN_ENV'), subprocess.check_output('echo $RUN_ENV', shell=True, text=True))"
+    assert sbx.run_code(code, env={"RUN_ENV": "x y"}).text == "('x y', 'x y\\n')"
+    assert sbx.run_code(code).text == "(None, '\\n')"
+    sh = sbx.sessions.create("shell", env={"KEPT": "session"})
+    assert sh.run('echo "$KEPT $ONCE"', env={"KEPT": "run's", "ONCE": "1"}).stdout == "run's 1\n"
+    # What the run did to those names goes with it; other changes stay.
+    sh.run("KEPT=changed; ONCE=2; OTHER=3", env={"KEPT": "x", "ONCE": "y"})
+    assert sh.run('echo "$KEPT [$ONCE] $OTHER"').stdout == "session [] 3\n"
+    with pytest.raises(InvalidArgumentError, match="BAD-NAME"):
+        sbx.run_code("1", env={"BAD-NAME": "x"})
+
+
 def test_shell_session_persists_cwd_env_functions_and_reports_exit_code(sbx):
     """A shell session keeps cwd, exported and plain variables and functions; exit codes reported."""
     sh = sbx.sessions.create("shell")

@@ -140,6 +140,66 @@ def test_pause_frees_the_sandbox_and_resume_brings_back_a_server_with_its_pid(ma
         sbx.resume()
 
 
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id(sbx):
+    # /proc is the sandbox's own, not in its files (the files API reads its root).
+    return sbx.commands.run(["cat", BOOT_ID]).stdout
+
+
+def test_files_only_pause_ends_every_process_and_resumes_as_a_cold_boot(make_sandbox):
+    sbx = make_sandbox(timeout=0)
+    sbx.run_code("x = 'in memory'")
+    bg = sbx.commands.run(["sleep", "600"], background=True)
+    sbx.files.write("/root/note.txt", "on disk")
+    boot = boot_id(sbx)
+    r = sbx.pause(mode="filesystem")
+    assert (r.mode, r.processes, r.image_bytes, r.sessions) == ("filesystem", 0, 0, 1), r.raw
+    info = sbx.info()
+    assert info.state == "paused" and info.pids_current == 1, info
+    r = sbx.resume()
+    assert r.rebooted and r.processes == 0 and r.sessions == 0, r.raw
+    assert sbx.files.read("/root/note.txt") == "on disk"
+    assert boot_id(sbx) != boot
+    gone = sbx.run_code("x")
+    assert gone.error is not None and gone.error.name == "NameError", gone
+    procs = {p.pid: p for p in sbx.commands.list()}
+    assert bg.pid not in procs or not procs[bg.pid].running, procs
+    # A full pause resumed with reboot=True: the same cold boot, and its images are deleted
+    # (after a checkpoint: the root it swaps in carries the boot id along).
+    sbx.run_code("y = 1")
+    sbx.checkpoint()
+    boot = boot_id(sbx)
+    others = set(glob.glob(os.path.join(STATE, "images", "pi-*")))
+    assert sbx.pause().image_bytes > 0
+    images = set(glob.glob(os.path.join(STATE, "images", "pi-*"))) - others
+    assert images
+    r = sbx.resume(reboot=True)
+    assert r.rebooted and r.sessions == 0, r.raw
+    assert boot_id(sbx) != boot
+    assert not images & set(glob.glob(os.path.join(STATE, "images", "pi-*"))), "the images were kept"
+    # A full pause and a plain resume keep the boot id.
+    sbx.run_code("z = 1")
+    boot = boot_id(sbx)
+    sbx.pause()
+    r = sbx.resume()
+    assert not r.rebooted and boot_id(sbx) == boot and sbx.run_code("z").result == "1"
+
+
+def test_files_only_pause_at_the_timeout_survives_a_daemon_crash(daemon, make_sandbox):
+    sbx = make_sandbox(timeout=1, lifecycle={"on_timeout": "pause", "pause_mode": "filesystem"})
+    sbx.files.write("/root/note.txt", "kept")
+    boot = boot_id(sbx)
+    wait_until(lambda: sbx.info().state == "paused", timeout=30, what="pause at the timeout")
+    daemon.stop(signal.SIGKILL)
+    daemon.start()
+    assert Sandbox.connect(sbx.id, resume=False, daemon=URL).info().state == "paused"
+    again = Sandbox.connect(sbx.id, daemon=URL)  # resumes: a cold boot
+    assert again.files.read("/root/note.txt") == "kept" and boot_id(again) != boot
+    assert again.run_code("1 + 1").result == "2"
+
+
 def test_paused_sandbox_survives_a_daemon_crash(daemon, make_sandbox):
     sbx = make_sandbox(timeout=0)
     pid = start_server(sbx)
@@ -366,9 +426,16 @@ def test_without_criu_the_daemon_runs_degraded_and_says_why(restarted, make_sand
     why = " ".join(x["reason"] for x in r.raw["restarted"])
     assert "no process image" in why and "criu" in why.lower(), r.raw
     resp = raw.post("/v1/sandboxes/%s/pause" % sbx.id)
-    assert resp.status_code == 503 and "CRIU" in resp.text, resp.text
+    assert resp.status_code == 503 and "CRIU" in resp.text and "filesystem" in resp.text, resp.text
     resp = raw.post("/v1/sandboxes", json={"lifecycle": {"on_timeout": "pause"}})
     assert resp.status_code == 503 and "CRIU" in resp.text, resp.text
+    # A files-only pause needs no CRIU, nor does a lifecycle that pauses so.
+    sbx.files.write("/root/kept.txt", "kept")
+    assert sbx.pause(mode="filesystem").mode == "filesystem"
+    assert sbx.resume().rebooted and sbx.files.read("/root/kept.txt") == "kept"
+    resp = raw.post("/v1/sandboxes", json={"lifecycle": {"on_timeout": "pause", "pause_mode": "filesystem"}})
+    assert resp.status_code == 201, resp.text
+    raw.delete("/v1/sandboxes/%s" % resp.json()["id"])
     resp = raw.post("/v1/sandboxes/%s/checkpoint" % sbx.id, json={"processes": "all"})
     assert resp.status_code == 503 and "CRIU" in resp.text and "sessions" in resp.text, resp.text
     resp = raw.post("/v1/sandboxes/%s/checkpoint" % sbx.id, json={"processes": "some"})

@@ -397,6 +397,92 @@ def test_pause_refused_while_a_command_runs(make):
     assert s.commands.run("echo back").stdout == "back\n"
 
 
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id(sbx):
+    # /proc is the sandbox's own, not in its files (the files API reads its root).
+    return sbx.commands.run("cat " + BOOT_ID).stdout.strip()
+
+
+def test_each_sandbox_has_its_own_boot_id(make):
+    a, b = make(), make()
+    ids = {boot_id(a), boot_id(b), open(BOOT_ID).read().strip()}
+    assert len(ids) == 3 and all(re.fullmatch(r"[0-9a-f-]{36}", i) for i in ids), ids
+    # Nothing in the sandbox changes it, not even its root.
+    with pytest.raises(CommandExitException):
+        a.commands.run("echo x > %s" % BOOT_ID, user="root")
+    assert boot_id(a) in ids
+
+
+def test_pause_filesystem_mode_cold_boots(make):
+    """``mode="filesystem"`` (``keep_memory=False``): files kept, every process ends (a command
+    the client streams too: nothing of it could be kept), the resume is a cold boot with a new
+    boot id."""
+    s = make()
+    s.files.write("/tmp/fs.file", "kept")
+    s.commands.run(COUNTER.format(n="fs"))
+    counter_advances(s, "fs")
+    h = s.commands.run("sleep 1000", background=True)
+    before = boot_id(s)
+    assert s.pause(mode="filesystem") is True
+    assert s.get_info().state == SandboxState.PAUSED
+    with pytest.raises(CommandExitException):
+        h.wait()
+    s.connect()
+    assert s.get_info().state == SandboxState.RUNNING
+    assert s.files.read("/tmp/fs.file") == "kept"
+    after = boot_id(s)
+    assert after != before
+    # (pgrep -f would find the shell running it: its command line holds the pattern.)
+    assert s.commands.run("pgrep -x 'sleep|python3' || true").stdout == ""
+    assert [p.pid for p in s.commands.list()] == []
+    # The deprecated spelling does the same.
+    s.commands.run("echo again > /tmp/fs.2")
+    assert s.pause(keep_memory=False) is True
+    s.connect()
+    assert boot_id(s) not in (before, after)
+    assert s.files.read("/tmp/fs.2") == "again\n"
+
+
+def test_connect_with_reboot_cold_boots_a_full_pause(make):
+    s = make()
+    s.commands.run(COUNTER.format(n="rb"))
+    counter_advances(s, "rb")
+    before = boot_id(s)
+    assert s.pause() is True
+    Sandbox.connect(s.sandbox_id, on_resume="reboot")
+    assert boot_id(s) != before
+    assert s.commands.run("pgrep -x python3 || true").stdout == ""
+    # A full pause resumed as usual keeps the processes and the boot id.
+    s.commands.run(COUNTER.format(n="rb2"))
+    now = boot_id(s)
+    assert s.pause() is True
+    s.connect()
+    assert boot_id(s) == now
+    counter_advances(s, "rb2")
+
+
+def test_lifecycle_filesystem_pause_at_the_timeout(e2b, make, raw):
+    s = make(lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}})
+    s.files.write("/tmp/lt", "kept")
+    before = boot_id(s)
+    s.set_timeout(0)
+    assert s.get_info().state == SandboxState.PAUSED
+    again = Sandbox.connect(s.sandbox_id)
+    assert again.files.read("/tmp/lt") == "kept"
+    assert boot_id(again) != before
+    # A cold boot cannot be woken by traffic: the SDK refuses the pair, and so does the endpoint.
+    with pytest.raises(InvalidArgumentException):
+        make(lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}, "auto_resume": True})
+    key = {"X-API-KEY": e2b.key}
+    r = raw.post("/sandboxes", json={"templateID": "base", "autoPause": True, "autoPauseMemory": False,
+                                     "autoResume": {"enabled": True}}, headers=key)
+    assert r.status_code == 400 and "autoResume" in r.json()["message"], r.text
+    r = raw.post("/sandboxes", json={"templateID": "base", "autoPauseMemory": False}, headers=key)
+    assert r.status_code == 400 and "autoPause" in r.json()["message"], r.text
+
+
 def test_snapshot_then_create_from_it(make, snapshots):
     s = make()
     s.files.write("/tmp/snap.txt", "in the snapshot")
@@ -994,10 +1080,18 @@ def test_ci_rich_results_and_display(ci):
     assert e.text == "'last'"  # Execution.text is the main result's
 
 
-def test_ci_unsupported_is_refused_cleanly(ci):
+def test_ci_envs_hold_for_one_run(ci):
+    code = "import os, subprocess\n(os.environ.get('CI_ENV'), subprocess.check_output('echo $CI_ENV', shell=True, text=True))"
+    assert ci.run_code(code, envs={"CI_ENV": "x"}).text == "('x', 'x\\n')"
+    assert ci.run_code(code).text == "(None, '\\n')"
+    assert ci.run_code("echo \"[$CI_SH]\"", language="bash", envs={"CI_SH": "it's"}).logs.stdout == ["[it's]\n"]
+    assert ci.run_code("echo \"[$CI_SH]\"", language="bash").logs.stdout == ["[]\n"]
     with pytest.raises(SandboxException) as ei:
-        ci.run_code("import os\nos.environ.get('CI_ENV')", envs={"CI_ENV": "x"})
-    assert "400" in str(ei.value) and "envs" in str(ei.value), str(ei.value)
+        ci.run_code("1", envs={"NOT-A-NAME": "x"})
+    assert "400" in str(ei.value) and "NOT-A-NAME" in str(ei.value), str(ei.value)
+
+
+def test_ci_unsupported_is_refused_cleanly(ci):
     with pytest.raises(SandboxException) as ei:
         ci.run_code("1 + 1", language="javascript")
     assert "400" in str(ei.value) and "javascript" in str(ei.value), str(ei.value)
@@ -1102,9 +1196,7 @@ async def test_ci_async(e2b):
         assert ctx.id in {c.id for c in await s.list_code_contexts()}
         await s.remove_code_context(ctx)
         assert ctx.id not in {c.id for c in await s.list_code_contexts()}
-        with pytest.raises(SandboxException) as ei:
-            await s.run_code("1", envs={"A": "b"})
-        assert "envs" in str(ei.value)
+        assert (await s.run_code("import os\nos.environ['A']", envs={"A": "b"})).text == "'b'"
     finally:
         await CIAsyncSandbox.kill(s.sandbox_id)
 

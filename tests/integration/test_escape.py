@@ -373,8 +373,9 @@ import stat
     assert (res["kvm"], res["sda"], res["mem"], res["kmsg"]) == ("ENOENT",) * 4, res
     assert res["mknod-block"] == "EPERM" and res["mknod-char"] == "EPERM", res
     assert res["mknod-sh"][0] != 0 and "Operation not permitted" in res["mknod-sh"][2], res["mknod-sh"]
-    assert res["dev"] == sorted(["fd", "full", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin", "stdout",
-                                 "tty", "urandom", "zero"]), res["dev"]
+    # .bb-boot-id: the regular file init shows at /proc/sys/kernel/random/boot_id.
+    assert res["dev"] == sorted([".bb-boot-id", "fd", "full", "null", "ptmx", "pts", "random", "shm", "stderr",
+                                 "stdin", "stdout", "tty", "urandom", "zero"]), res["dev"]
     assert res["leftovers"] == []
 
 

@@ -8,7 +8,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use bb_runtime::model::{self, CreateSandbox, Lifecycle, OnTimeout, SandboxInfo};
+use bb_runtime::model::{self, CreateSandbox, Lifecycle, OnTimeout, PauseMode, SandboxInfo};
 use bb_runtime::sandbox::lifecycle::{canonical_id, dashless_id};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -37,6 +37,8 @@ pub struct NewSandbox {
     template_id: Option<String>,
     timeout: Option<u64>,
     auto_pause: Option<bool>,
+    /// With `autoPause`: false makes the timeout's pause files-only (a cold boot on resume).
+    auto_pause_memory: Option<bool>,
     auto_resume: Option<AutoResume>,
     secure: Option<bool>,
     // The SDK sends this one field in snake case.
@@ -108,12 +110,22 @@ pub async fn create(State(e): St, bytes: axum::body::Bytes) -> E2bResult<Respons
             "autoResume needs autoPause: a sandbox only resumes if its timeout paused it",
         ));
     }
+    let pause_mode = if req.auto_pause_memory == Some(false) { PauseMode::Filesystem } else { PauseMode::Full };
+    if pause_mode == PauseMode::Filesystem && on_timeout != OnTimeout::Pause {
+        return Err(E2bError::bad_request("autoPauseMemory only applies with autoPause: true"));
+    }
+    if pause_mode == PauseMode::Filesystem && auto_resume {
+        return Err(E2bError::bad_request(
+            "autoResume cannot be combined with a filesystem-only auto-pause (autoPauseMemory: false): resume such \
+             a sandbox with connect",
+        ));
+    }
     let mut spec = CreateSandbox {
         env: req.env_vars.unwrap_or_default(),
         timeout: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT) as f64),
         network: Some(if req.allow_internet_access == Some(true) { "open" } else { "none" }.into()),
         metadata,
-        lifecycle: Some(Lifecycle { on_timeout, auto_resume }),
+        lifecycle: Some(Lifecycle { on_timeout, auto_resume, pause_mode }),
         ..Default::default()
     };
     match resolve_template(&e, &template) {
@@ -366,7 +378,7 @@ pub async fn set_timeout(State(e): St, Path(id): Path<String>, bytes: axum::body
     if t == 0 {
         // Now: the sandbox ends as its lifecycle says (paused, or killed).
         if info.lifecycle.on_timeout == OnTimeout::Pause {
-            e.rt.pause(&cid).await?;
+            e.rt.pause(&cid, info.lifecycle.pause_mode).await?;
         } else {
             e.rt.kill(&cid).await?;
         }
@@ -379,6 +391,14 @@ pub async fn set_timeout(State(e): St, Path(id): Path<String>, bytes: axum::body
 #[derive(Deserialize, Default)]
 pub struct ConnectReq {
     timeout: Option<u64>,
+    /// false: a paused sandbox cold-boots (files only) instead of getting its processes back.
+    memory: Option<bool>,
+}
+
+impl ConnectReq {
+    fn resume(&self, timeout: f64) -> model::ResumeSandbox {
+        model::ResumeSandbox { timeout: Some(timeout), reboot: self.memory == Some(false) }
+    }
 }
 
 /// Connect: a running sandbox answers 200, a paused one is resumed (201). The end time only
@@ -389,7 +409,7 @@ pub async fn connect(State(e): St, Path(id): Path<String>, bytes: axum::body::By
     let cid = canonical_id(&id).into_owned();
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT) as f64;
     let (status, info) = if info.state == "paused" {
-        let r = e.rt.resume(&cid, model::ResumeSandbox { timeout: Some(timeout) }).await?;
+        let r = e.rt.resume(&cid, req.resume(timeout)).await?;
         (StatusCode::CREATED, r.sandbox)
     } else {
         (StatusCode::OK, info)
@@ -399,16 +419,23 @@ pub async fn connect(State(e): St, Path(id): Path<String>, bytes: axum::body::By
     Ok((status, Json(created(&e, &info))).into_response())
 }
 
+/// The pause body. Its `requireHealthyGuest` (refuse to pause an unresponsive guest agent) is
+/// met by every pause here: envd is served by the daemon, there is no guest agent to hang.
 #[derive(Deserialize, Default)]
-pub struct PauseReq {}
+pub struct PauseReq {
+    /// false: files only (`mode="filesystem"`); the resume cold-boots.
+    memory: Option<bool>,
+}
 
-pub async fn pause(State(e): St, Path(id): Path<String>) -> E2bResult<StatusCode> {
+pub async fn pause(State(e): St, Path(id): Path<String>, bytes: axum::body::Bytes) -> E2bResult<StatusCode> {
+    let req: PauseReq = body(&bytes)?;
     let info = info_of(&e, &id)?;
     if info.state == "paused" {
         return Err(E2bError::Status(StatusCode::CONFLICT, format!("sandbox \"{id}\" is already paused")));
     }
+    let mode = if req.memory == Some(false) { PauseMode::Filesystem } else { PauseMode::Full };
     // The SDK takes any 409 for "already paused": other reasons a pause is refused say so as 400.
-    match e.rt.pause(&canonical_id(&id)).await {
+    match e.rt.pause(&canonical_id(&id), mode).await {
         Ok(_) => Ok(StatusCode::NO_CONTENT),
         Err(err @ bb_runtime::RuntimeError::Conflict(_)) => Err(E2bError::bad_request(err.to_string())),
         Err(err) => Err(err.into()),
@@ -423,7 +450,7 @@ pub async fn resume(State(e): St, Path(id): Path<String>, bytes: axum::body::Byt
         return Err(E2bError::Status(StatusCode::CONFLICT, format!("sandbox \"{id}\" is not paused")));
     }
     let timeout = req.timeout.unwrap_or(DEFAULT_TIMEOUT) as f64;
-    let r = e.rt.resume(&canonical_id(&id), model::ResumeSandbox { timeout: Some(timeout) }).await?;
+    let r = e.rt.resume(&canonical_id(&id), req.resume(timeout)).await?;
     Ok((StatusCode::CREATED, Json(created(&e, &r.sandbox))).into_response())
 }
 

@@ -276,12 +276,10 @@ async fn execute(State(e): St, Extension(t): Tgt, body: Bytes) -> Response {
     if req.context_id.is_some() && req.language.is_some() {
         return error(StatusCode::BAD_REQUEST, "give context_id or language, not both").into_response();
     }
-    if req.env_vars.as_ref().is_some_and(|v| !v.is_empty()) {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "envs on run_code are not supported by branchbox's endpoint yet: set them at Sandbox.create(envs=...)",
-        )
-        .into_response();
+    if let Some(env) = &req.env_vars {
+        if let Err(err) = bb_runtime::sandbox::sessions::check_run_env(env) {
+            return InterpError::from(err).into_response();
+        }
     }
     let session = match session_for(&e, &t, &req).await {
         Ok(s) => s,
@@ -290,7 +288,8 @@ async fn execute(State(e): St, Extension(t): Tgt, body: Bytes) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(16);
     let (rt, id) = (e.rt.clone(), t.id.clone());
     tokio::spawn(async move {
-        let run = rt.run_session(&id, &session.id, RunCode { code: req.code, timeout: Some(0.0), language: None });
+        let env = req.env_vars.unwrap_or_default();
+        let run = rt.run_session(&id, &session.id, RunCode { code: req.code, timeout: Some(0.0), language: None, env });
         tokio::pin!(run);
         let result = tokio::select! {
             r = &mut run => r,

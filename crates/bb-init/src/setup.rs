@@ -89,6 +89,9 @@ pub fn setup(config: &InitConfig, proc_mnt: Option<std::os::fd::OwnedFd>) -> Res
     }
 
     setup_dev(&root, config)?;
+    if let Some(id) = &config.boot_id {
+        boot_id(&root, &proc_dir, id)?;
+    }
 
     let sys_dir = root.join("sys");
     io("mkdir /sys", fs::create_dir_all(&sys_dir))?;
@@ -143,6 +146,40 @@ fn remount_sys() -> Result<(), SetupError> {
     api::move_mount_to(mnt.as_fd(), sys)?;
     for p in MASKED.iter().filter(|p| p.starts_with("sys/")) {
         mask(&Path::new("/").join(p), Path::new("/"))?;
+    }
+    Ok(())
+}
+
+/// The sandbox's own boot id: a file of the sandbox's /dev (a tmpfs of its own), bound
+/// read-only over `/proc/sys/kernel/random/boot_id`. Init keeps it open at
+/// [`bb_proto::INIT_BOOT_ID_FD`] (close on exec) for the daemon to rewrite. (The file stays in
+/// /dev: CRIU refuses to dump processes of a mount namespace holding a bind mount whose
+/// filesystem has no mount of its root there.)
+fn boot_id(root: &Path, proc_dir: &Path, id: &str) -> Result<(), SetupError> {
+    use std::io::Write;
+    use std::os::fd::{AsRawFd, IntoRawFd};
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = root.join(bb_proto::BOOT_ID_FILE.trim_start_matches('/'));
+    let mut f = io(
+        "create boot id",
+        fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o444)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&file),
+    )?;
+    io("write boot id", f.write_all(format!("{id}\n").as_bytes()))?;
+    let target = proc_dir.join("sys/kernel/random/boot_id");
+    m("bind boot id", Some(&file), &target, None, MsFlags::MS_BIND, None)?;
+    let flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | NOSUID_NODEV_NOEXEC;
+    m("remount boot id read-only", None, &target, None, flags, None)?;
+    if f.as_raw_fd() == bb_proto::INIT_BOOT_ID_FD {
+        // Kept open for init's life.
+        let _ = f.into_raw_fd();
+    } else {
+        bb_sys::process::dup_cloexec_to(f.as_raw_fd(), bb_proto::INIT_BOOT_ID_FD)?;
     }
     Ok(())
 }

@@ -17,6 +17,11 @@ use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 pub const INIT_LISTEN_FD: RawFd = 3;
 /// fd on which init reports `ok` or `error: <why>` once its set-up is done, then closes it.
 pub const INIT_STATUS_FD: RawFd = 4;
+/// Init's open file holding the boot id its sandbox sees (see [`InitConfig::boot_id`]): the
+/// daemon writes a new one through `/proc/<init>/fd/5`.
+pub const INIT_BOOT_ID_FD: RawFd = 5;
+/// Where that file is in the sandbox (what `/proc/<init>/fd/5` points to).
+pub const BOOT_ID_FILE: &str = "/dev/.bb-boot-id";
 
 /// Environment variable through which init receives its [`InitConfig`] as JSON.
 pub const INIT_CONFIG_ENV: &str = "BRANCHBOX_INIT_CONFIG";
@@ -46,6 +51,11 @@ pub struct InitConfig {
     /// could not dump its processes).
     #[serde(default)]
     pub cgroupns: bool,
+    /// The sandbox's own boot id: init shows it (read-only) at
+    /// `/proc/sys/kernel/random/boot_id` and keeps the file open at [`INIT_BOOT_ID_FD`], where
+    /// the daemon rewrites it when the sandbox is cold-booted. None: the host's boot id shows.
+    #[serde(default)]
+    pub boot_id: Option<String>,
 }
 
 /// Largest message either side will send or accept.

@@ -76,6 +76,20 @@ pub enum OnTimeout {
     Pause,
 }
 
+/// What a pause keeps.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PauseMode {
+    /// Files and processes (the default): every process is dumped to a process image and
+    /// comes back at resume under its pid, with its memory. Needs CRIU.
+    #[default]
+    Full,
+    /// Files only: every process but init is ended, nothing is dumped. The resume is a cold
+    /// boot: no sessions, no background processes, a new boot id
+    /// (`/proc/sys/kernel/random/boot_id`). Fast, small, and works without CRIU.
+    Filesystem,
+}
+
 /// A sandbox's lifecycle settings (as E2B's `lifecycle`).
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -86,6 +100,10 @@ pub struct Lifecycle {
     /// request reaches it (only with `on_timeout: "pause"`).
     #[serde(default)]
     pub auto_resume: bool,
+    /// What a pause at the timeout keeps (only with `on_timeout: "pause"`; `filesystem`
+    /// cannot be combined with `auto_resume`).
+    #[serde(default)]
+    pub pause_mode: PauseMode,
 }
 
 /// What a sandbox was created with (persisted).
@@ -280,6 +298,10 @@ pub struct RunCode {
     pub timeout: Option<f64>,
     /// Only `python` (for `/code`).
     pub language: Option<String>,
+    /// Environment variables set for this run only (python: `os.environ`; shell: exported),
+    /// put back as they were when it ends. Names are shell identifiers.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
 }
 
 /// Result of a session run: python (`result`, `error`) or shell (`exit_code`).
@@ -797,6 +819,11 @@ pub struct ResumeSandbox {
     /// Seconds until the sandbox's timeout, from now (0 = no limit). Default: the timeout it was
     /// created with.
     pub timeout: Option<f64>,
+    /// Cold-boot the sandbox instead of restoring its processes: it comes back with its files
+    /// only (no sessions, no background processes, a new boot id), and the process images of
+    /// a full pause are deleted. A sandbox paused with mode `filesystem` always resumes so.
+    #[serde(default)]
+    pub reboot: bool,
 }
 
 /// `POST /v1/sandboxes/{id}/pause`.
@@ -809,6 +836,10 @@ pub struct PauseSandbox {
     /// under the same id (`resume`, or `connect`).
     #[serde(default)]
     pub push: bool,
+    /// What the pause keeps: `full` (files and processes, the default) or `filesystem` (files
+    /// only; the resume is a cold boot).
+    #[serde(default)]
+    pub mode: PauseMode,
 }
 
 /// A sandbox paused: its processes are in process images on disk, its memory is free.
@@ -821,6 +852,9 @@ pub struct PauseResult {
     /// Disk the process images take.
     pub image_bytes: u64,
     pub took_ms: f64,
+    /// What the pause kept (`filesystem`: the resume is a cold boot).
+    #[serde(default)]
+    pub mode: PauseMode,
     /// `node-local` (kept on this node's disk) or `durable` (pushed: it outlives this node).
     #[serde(default = "node_local")]
     pub durability: String,
@@ -855,6 +889,9 @@ pub struct ResumeResult {
     /// background (lazy pages; false: it was read in full first).
     #[serde(default)]
     pub lazy_pages: bool,
+    /// The sandbox was cold-booted (a `filesystem` pause, or `reboot`): files only, a new boot id.
+    #[serde(default)]
+    pub rebooted: bool,
 }
 
 /// A snapshot made durable: its layers and process images in the object store, its record in

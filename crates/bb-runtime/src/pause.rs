@@ -12,6 +12,11 @@
 //! Any failure before the commit calls the pause off: the cgroup is thawed and everything runs
 //! on as before.
 //!
+//! **Files-only pause** (`mode: filesystem`): the same locks, `Suspend` and commit, but nothing is
+//! dumped: every process but init is killed and the record keeps no trees. Its resume is a cold
+//! boot (as is any resume asked with `reboot`): init takes back no processes, the sessions start
+//! afresh on first use, and the sandbox gets a new boot id. No CRIU is needed.
+//!
 //! **Resume.** Each tree is restored into the sandbox (CRIU joins its namespaces; pids are free
 //! since only init runs), init takes the processes back (`Resume`), and each session is
 //! re-attached through the channel end its process held (`pidfd_getfd`). A tree that cannot be
@@ -24,7 +29,7 @@
 
 use crate::error::{Result, RuntimeError};
 use crate::initconn::{init_error, unexpected, InitConn};
-use crate::model::{PauseResult, ResumeResult, ResumeSandbox};
+use crate::model::{PauseMode, PauseResult, ResumeResult, ResumeSandbox};
 use crate::sandbox::store::{PauseState, PausedRow, PausedSession, PausedTree};
 use crate::sandbox::{PauseStage, Paused, Sandbox};
 use crate::session::{session_tag, Session};
@@ -92,6 +97,54 @@ async fn reattach(sb: &Sandbox, root: i32, s: &PausedSession) -> Result<Arc<Sess
     Ok(Arc::new(session))
 }
 
+/// The operation locks of `live` sessions, or a conflict naming one that is running code.
+fn idle_sessions<'a>(sb: &Sandbox, live: &'a [Arc<Session>]) -> Result<Vec<tokio::sync::MutexGuard<'a, ()>>> {
+    live.iter()
+        .map(|s| {
+            s.op_lock.try_lock().map_err(|_| {
+                RuntimeError::Conflict(format!(
+                    "session {} of sandbox {} is running code: wait for it (or interrupt it), then pause again",
+                    s.id, sb.id
+                ))
+            })
+        })
+        .collect()
+}
+
+/// Kill every process of `sb` but init and wait until init has reaped them (the pids counter
+/// counts zombies), so it has seen every exit.
+async fn end_processes(sb: &Arc<Sandbox>) -> Result<()> {
+    let sbc = sb.clone();
+    tokio::task::spawn_blocking(move || -> Result<()> {
+        crate::sandbox::procs::kill_members(&sbc, |p| p == sbc.init_pid)?;
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        while sbc.cgroup.stats()?.pids_current > 1 {
+            if Instant::now() > deadline {
+                return Err(RuntimeError::Conflict(format!(
+                    "the processes of sandbox {} were killed but its init has not reaped them in 5 s: pause again",
+                    sbc.id
+                )));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        Ok(())
+    })
+    .await?
+}
+
+/// Kill every process of a pausing sandbox but init and give back the memory they held.
+async fn free_processes(sb: &Arc<Sandbox>) -> Result<()> {
+    let sbc = sb.clone();
+    tokio::task::spawn_blocking(move || -> Result<()> {
+        crate::sandbox::procs::kill_members(&sbc, |p| p == sbc.init_pid)?;
+        if let Err(e) = sbc.cgroup.reclaim() {
+            tracing::debug!(sandbox = %sbc.id, "reclaiming a paused sandbox's memory: {e}");
+        }
+        Ok(())
+    })
+    .await?
+}
+
 async fn init_call(sb: &Sandbox, req: Request) -> Result<()> {
     match InitConn::call(&sb.dirs.sock(), &req).await? {
         Response::Ok => Ok(()),
@@ -116,11 +169,15 @@ struct Undo {
 }
 
 impl Runtime {
-    /// Sandbox `id` if it runs and may be paused (CRIU is there; it holds no named template).
-    pub(crate) fn pausable(&self, id: &str) -> Result<Arc<Sandbox>> {
+    /// Sandbox `id` if it runs and may be paused with `mode` (a full pause needs CRIU; the
+    /// sandbox holds no named template).
+    pub(crate) fn pausable(&self, id: &str, mode: PauseMode) -> Result<Arc<Sandbox>> {
         let sb = self.live(id)?;
-        if let Some(why) = self.process_images.unavailable() {
-            return Err(RuntimeError::Unavailable(format!("pausing needs CRIU, which this daemon cannot use ({why})")));
+        if let (PauseMode::Full, Some(why)) = (mode, self.process_images.unavailable()) {
+            return Err(RuntimeError::Unavailable(format!(
+                "pausing with its processes needs CRIU, which this daemon cannot use ({why}): pause with mode \
+                 \"filesystem\" (files only) instead"
+            )));
         }
         if let Some(t) = self.recipe_of(id) {
             return Err(RuntimeError::Conflict(format!(
@@ -130,14 +187,14 @@ impl Runtime {
         Ok(sb)
     }
 
-    /// Pause sandbox `id` (see the module docs).
-    pub async fn pause(self: &Arc<Self>, id: &str) -> Result<PauseResult> {
+    /// Pause sandbox `id`, keeping what `mode` says (see the module docs).
+    pub async fn pause(self: &Arc<Self>, id: &str, mode: PauseMode) -> Result<PauseResult> {
         let t0 = Instant::now();
         let sb = self.get(id)?;
         if sb.is_paused() {
             return Err(RuntimeError::Conflict(format!("sandbox {id} is already paused")));
         }
-        let sb = self.pausable(id)?;
+        let sb = self.pausable(id, mode)?;
         let _op = sb.begin_op().await;
         let _files = sb.fs_gate.clone().write_owned().await;
         {
@@ -148,20 +205,25 @@ impl Runtime {
             *paused = Some(Paused { at: now(), stage: PauseStage::Pausing });
         }
         let mut undo = Undo::default();
-        match self.pause_locked(&sb, &mut undo).await {
+        let paused = match mode {
+            PauseMode::Full => self.pause_locked(&sb, &mut undo).await,
+            PauseMode::Filesystem => self.pause_files_locked(&sb, &mut undo).await,
+        };
+        match paused {
             Ok((trees, image_bytes, sessions)) => {
                 *sb.expires_at.lock() = None;
                 if let Err(e) = self.sandboxes.records().set_expiry(id, None) {
                     tracing::warn!(sandbox = %id, "clearing the timeout of a paused sandbox: {e}");
                 }
                 let took_ms = ms(t0);
-                tracing::info!(sandbox = %id, trees, sessions, image_bytes, took_ms, "sandbox paused");
+                tracing::info!(sandbox = %id, ?mode, trees, sessions, image_bytes, took_ms, "sandbox paused");
                 Ok(PauseResult {
                     sandbox: sb.info(),
                     processes: trees,
                     sessions,
                     image_bytes,
                     took_ms,
+                    mode,
                     durability: "node-local".into(),
                     snapshot: None,
                 })
@@ -179,18 +241,7 @@ impl Runtime {
         let paused_at = sb.paused.lock().map(|p| p.at).unwrap_or_else(now);
         let mut sessions = sb.sessions.lock().await;
         let live: Vec<Arc<Session>> = sessions.values().filter(|s| s.is_alive()).cloned().collect();
-        let mut held = Vec::new();
-        for s in &live {
-            match s.op_lock.try_lock() {
-                Ok(g) => held.push(g),
-                Err(_) => {
-                    return Err(RuntimeError::Conflict(format!(
-                        "session {} of sandbox {} is running code: wait for it (or interrupt it), then pause again",
-                        s.id, sb.id
-                    )))
-                }
-            }
-        }
+        let held = idle_sessions(sb, &live)?;
         init_call(sb, Request::Suspend).await?;
         undo.suspended = true;
         // Templates first (each is dumped on its own, as when the pool evicts it): they are
@@ -215,6 +266,7 @@ impl Runtime {
             id: sb.id.clone(),
             state: PauseState::Pausing,
             paused_at,
+            mode: PauseMode::Full,
             trees: undo
                 .rechanneled
                 .iter()
@@ -277,20 +329,42 @@ impl Runtime {
         // The commit: from here on the images are the sandbox's processes.
         row.state = PauseState::Paused;
         self.sandboxes.records().set_paused(&row)?;
-        let sbc = sb.clone();
-        tokio::task::spawn_blocking(move || -> Result<()> {
-            crate::sandbox::procs::kill_members(&sbc, |p| p == sbc.init_pid)?;
-            if let Err(e) = sbc.cgroup.reclaim() {
-                tracing::debug!(sandbox = %sbc.id, "reclaiming a paused sandbox's memory: {e}");
-            }
-            Ok(())
-        })
-        .await??;
+        free_processes(sb).await?;
         sb.set_pause_stage(PauseStage::Paused);
         let n_sessions = undo.rechanneled.len();
         sessions.clear();
         drop(held);
         Ok((row.trees.len(), image_bytes, n_sessions))
+    }
+
+    /// A files-only pause, its locks held: every process but init ends (commands that stream
+    /// to a client and code running in a session too: nothing of them is kept), then init is
+    /// suspended as for a full pause, so nothing starts until the resume. Returns (0, 0,
+    /// sessions ended).
+    async fn pause_files_locked(self: &Arc<Self>, sb: &Arc<Sandbox>, undo: &mut Undo) -> Result<(usize, u64, usize)> {
+        let paused_at = sb.paused.lock().map(|p| p.at).unwrap_or_else(now);
+        let mut sessions = sb.sessions.lock().await;
+        let ended = sessions.values().filter(|s| s.is_alive()).count();
+        self.evict_sandbox_templates(sb).await;
+        self.drop_shells(&sb.id);
+        end_processes(sb).await?;
+        // Init refuses to suspend while a command it streams runs: here only one started since.
+        init_call(sb, Request::Suspend).await?;
+        undo.suspended = true;
+        let row = PausedRow {
+            id: sb.id.clone(),
+            state: PauseState::Paused,
+            paused_at,
+            trees: vec![],
+            mode: PauseMode::Filesystem,
+        };
+        self.sandboxes.records().set_paused(&row)?;
+        undo.recorded = true;
+        // What started between the kill and the suspension.
+        free_processes(sb).await?;
+        sb.set_pause_stage(PauseStage::Paused);
+        sessions.clear();
+        Ok((0, 0, ended))
     }
 
     /// Undo what a failed pause did: everything runs on as before.
@@ -348,21 +422,31 @@ impl Runtime {
         let row = self.sandboxes.records().paused(id)?.filter(|r| r.state == PauseState::Paused).ok_or_else(|| {
             RuntimeError::Conflict(format!("sandbox {id} has no committed pause record: kill it and create a new one"))
         })?;
+        let reboot = req.reboot || row.mode == PauseMode::Filesystem;
         sb.set_pause_stage(PauseStage::Resuming);
-        let mounts = sb.mounts.lock().await;
-        let restored = self.restore_trees(&sb, &row).await;
-        drop(mounts);
-        let (restored, lazy_pages) = match restored {
-            Ok(r) => r,
-            Err(e) => {
+        let (restored, lazy_pages) = if reboot {
+            // A cold boot: the machine starts again from its disk.
+            if let Err(e) = crate::sandbox::launch::new_boot_id(sb.init_pid) {
                 sb.set_pause_stage(PauseStage::Paused);
                 return Err(e);
+            }
+            (0, false)
+        } else {
+            let mounts = sb.mounts.lock().await;
+            let restored = self.restore_trees(&sb, &row).await;
+            drop(mounts);
+            match restored {
+                Ok(r) => r,
+                Err(e) => {
+                    sb.set_pause_stage(PauseStage::Paused);
+                    return Err(e);
+                }
             }
         };
         init_call(&sb, Request::Resume).await?;
         let mut sessions = sb.sessions.lock().await;
         let mut n_sessions = 0;
-        for tree in &row.trees {
+        for tree in row.trees.iter().filter(|_| !reboot) {
             let Some(s) = &tree.session else { continue };
             match reattach(&sb, tree.root, s).await {
                 Ok(session) => {
@@ -390,8 +474,15 @@ impl Runtime {
         self.sandboxes.records().set_expiry(id, exp)?;
         *sb.paused.lock() = None;
         let took_ms = ms(t0);
-        tracing::info!(sandbox = %id, trees = restored, sessions = n_sessions, took_ms, lazy_pages, "sandbox resumed");
-        Ok(ResumeResult { sandbox: sb.info(), processes: restored, sessions: n_sessions, took_ms, lazy_pages })
+        tracing::info!(sandbox = %id, trees = restored, sessions = n_sessions, took_ms, lazy_pages, reboot, "sandbox resumed");
+        Ok(ResumeResult {
+            sandbox: sb.info(),
+            processes: restored,
+            sessions: n_sessions,
+            took_ms,
+            lazy_pages,
+            rebooted: reboot,
+        })
     }
 
     /// Restore every tree of a paused sandbox; all or none (those restored are killed again
@@ -498,7 +589,8 @@ impl Runtime {
     /// Pause sandboxes whose timeout passed and whose lifecycle says so.
     pub(crate) async fn pause_expired(self: &Arc<Self>, ids: Vec<String>) {
         for id in ids {
-            match self.pause(&id).await {
+            let mode = self.get(&id).map(|sb| sb.spec.lifecycle.pause_mode).unwrap_or_default();
+            match self.pause(&id, mode).await {
                 Ok(r) => tracing::info!(%id, took_ms = r.took_ms, "sandbox reached its timeout and was paused"),
                 Err(e) => {
                     // Tried again in a minute (a command in the foreground, a busy session).

@@ -879,6 +879,8 @@ impl Runtime {
             }
         }
         std::fs::create_dir_all(dirs.logs()).map_err(RuntimeError::io("logs dir"))?;
+        // The next tenant boots a new machine, as far as it can tell.
+        launch::new_boot_id(sb.init_pid)?;
         let (lid, upper, work) = new_upper(&self.cfg, &dirs, 0)?;
         let lower: Vec<PathBuf> = image.layers.iter().rev().map(|l| layer_dir(&self.cfg, &self.images, l)).collect();
         let swapped = bb_layers::overlay_fd(

@@ -303,7 +303,7 @@ impl Runtime {
             next(tx, "code", "running the session code".into());
             let code = req.code.clone().unwrap_or_default();
             let r = self
-                .run_code(&sid, RunCode { code, timeout: Some(req.timeout.unwrap_or(600.0)), language: None })
+                .run_code(&sid, RunCode { code, timeout: Some(req.timeout.unwrap_or(600.0)), ..Default::default() })
                 .await?;
             if let Some(err) = r.error {
                 return Err(RuntimeError::BadRequest(format!(

@@ -810,10 +810,17 @@ impl Runtime {
     /// sharing the stores resumes it under its id ([`Runtime::resume`]).
     pub async fn pause_with(self: &Arc<Self>, id: &str, req: PauseSandbox) -> Result<PauseResult> {
         if !req.push {
-            return self.pause(id).await;
+            return self.pause(id, req.mode).await;
+        }
+        if req.mode == PauseMode::Filesystem {
+            return Err(RuntimeError::BadRequest(
+                "push keeps a sandbox's sessions and processes: pause with push and mode \"full\", or pause here with \
+                 mode \"filesystem\""
+                    .into(),
+            ));
         }
         let t0 = Instant::now();
-        let sb = self.pausable(id)?;
+        let sb = self.pausable(id, PauseMode::Full)?;
         if !sb.volumes.lock().is_empty() {
             return Err(RuntimeError::Conflict(format!(
                 "sandbox {id} mounts volumes, which a sandbox paused into the store does not carry yet: pause it \
@@ -846,6 +853,7 @@ impl Runtime {
             sessions: snap.sessions.len(),
             image_bytes: pushed.read_bytes,
             took_ms: ms(t0),
+            mode: PauseMode::Full,
             durability: "durable".into(),
             snapshot: Some(snap.id),
         };
@@ -858,6 +866,12 @@ impl Runtime {
     /// snapshot, then deletes the paused record. A failure keeps the record: resume again.
     pub(crate) async fn resume_pushed(self: &Arc<Self>, id: &str, req: ResumeSandbox) -> Result<ResumeResult> {
         let t0 = Instant::now();
+        if req.reboot {
+            return Err(RuntimeError::BadRequest(format!(
+                "sandbox {id} was paused into the object store, which resumes it with its processes: resume it \
+                 without reboot"
+            )));
+        }
         let o = self.remote.open().await.map_err(|e| {
             tracing::debug!(sandbox = %id, "no metadata store to look for a pushed sandbox in: {e}");
             RuntimeError::sandbox(id)
@@ -898,6 +912,7 @@ impl Runtime {
             sessions,
             took_ms: ms(t0),
             lazy_pages: false,
+            rebooted: false,
         };
         tracing::info!(sandbox = %id, snapshot = %body.snapshot, from = %record.node, took_ms = res.took_ms, "pushed sandbox resumed");
         Ok(res)

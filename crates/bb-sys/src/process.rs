@@ -87,6 +87,15 @@ pub fn dup_high(fd: RawFd, min: RawFd) -> SysResult<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(ret) })
 }
 
+/// Duplicate `fd` onto the number `target` (closed first if open), close-on-exec; the duplicate
+/// stays open for the life of the process (it is not owned by anything).
+pub fn dup_cloexec_to(fd: RawFd, target: RawFd) -> SysResult<()> {
+    // SAFETY: dup3 only changes this process's fd table; `target` is the caller's to claim.
+    let ret = unsafe { libc::dup3(fd, target, libc::O_CLOEXEC) };
+    check("dup3", ret as libc::c_long)?;
+    Ok(())
+}
+
 /// clone3 a child into new namespaces; it blocks until [`PausedChild::release`] and then execs.
 pub fn spawn_paused(spec: &NsSpawn<'_>) -> SysResult<PausedChild> {
     let (sync_r, sync_w) = cloexec_pipe()?;

@@ -63,6 +63,26 @@ impl SandboxDirs {
     }
 }
 
+/// A new boot id: a random UUID, as the kernel makes one per boot.
+pub(crate) fn fresh_boot_id() -> String {
+    uuid::Uuid::new_v4().hyphenated().to_string()
+}
+
+/// Give the sandbox whose init is `init_pid` (host pid) a new boot id, as a boot would: written
+/// in place into the file init holds at [`bb_proto::INIT_BOOT_ID_FD`] (the same length each
+/// time, so a reader never sees it empty). An init from before boot ids has no such file: its
+/// sandbox keeps showing the host's.
+pub(crate) fn new_boot_id(init_pid: i32) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let link = format!("/proc/{init_pid}/fd/{}", bb_proto::INIT_BOOT_ID_FD);
+    if std::fs::read_link(&link).ok().as_deref() != Some(Path::new(bb_proto::BOOT_ID_FILE)) {
+        tracing::debug!(init_pid, "this sandbox's init keeps no boot id of its own");
+        return Ok(());
+    }
+    let f = std::fs::OpenOptions::new().write(true).open(&link).map_err(|e| io("open boot id", e))?;
+    f.write_all_at(format!("{}\n", fresh_boot_id()).as_bytes(), 0).map_err(|e| io("write boot id", e))
+}
+
 pub struct Launched {
     /// How init was placed in its cgroup (`clone_into_cgroup` on v2, `migrate` on v1) and how
     /// long that took (ms; for clone_into_cgroup, the whole clone).
@@ -219,6 +239,8 @@ fn init_config(
         setns_key: cfg.setns_key,
         nested,
         cgroupns,
+        // A nested sandbox's /proc comes from its parent: it shares the parent's boot id.
+        boot_id: (!nested).then(fresh_boot_id),
     }
 }
 

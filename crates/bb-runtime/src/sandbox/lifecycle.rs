@@ -131,10 +131,25 @@ impl Runtime {
                 "lifecycle.auto_resume needs lifecycle.on_timeout \"pause\" (a killed sandbox cannot resume)".into(),
             ));
         }
-        if lifecycle.on_timeout == OnTimeout::Pause {
+        if lifecycle.pause_mode == PauseMode::Filesystem {
+            if lifecycle.on_timeout != OnTimeout::Pause {
+                return Err(RuntimeError::BadRequest(
+                    "lifecycle.pause_mode only applies with lifecycle.on_timeout \"pause\"".into(),
+                ));
+            }
+            if lifecycle.auto_resume {
+                return Err(RuntimeError::BadRequest(
+                    "lifecycle.auto_resume cannot be combined with pause_mode \"filesystem\": a cold boot loses the \
+                     processes a request would expect; resume such a sandbox explicitly"
+                        .into(),
+                ));
+            }
+        }
+        if lifecycle.on_timeout == OnTimeout::Pause && lifecycle.pause_mode == PauseMode::Full {
             if let Some(why) = self.process_images.unavailable() {
                 return Err(RuntimeError::Unavailable(format!(
-                    "lifecycle.on_timeout \"pause\" needs CRIU, which this daemon cannot use ({why})"
+                    "lifecycle.on_timeout \"pause\" needs CRIU, which this daemon cannot use ({why}); \
+                     lifecycle.pause_mode \"filesystem\" does not"
                 )));
             }
         }

@@ -8,6 +8,7 @@ use crate::sandbox::Sandbox;
 use crate::session::{session_tag, Session, SessionError, SERVER_SOURCE, START_TIMEOUT};
 use crate::Runtime;
 use bb_proto::{Request, Response, SpawnRequest};
+use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -42,7 +43,7 @@ impl Runtime {
         let sb = self.ready(id).await?;
         let s = self.session(&sb, sid).await?;
         let _busy = self.activity.busy();
-        run(&sb, &s, &req.code, crate::sandbox::exec::timeout_of(req.timeout)?).await
+        run(&sb, &s, &req, crate::sandbox::exec::timeout_of(req.timeout)?).await
     }
 
     /// Start a session afresh under the same id (kind and cwd kept; env from `req`).
@@ -78,7 +79,7 @@ impl Runtime {
         let sb = self.ready(id).await?;
         let _busy = self.activity.busy();
         let s = default_python(&sb, || None).await?;
-        run(&sb, &s, &req.code, crate::sandbox::exec::timeout_of(req.timeout)?).await
+        run(&sb, &s, &req, crate::sandbox::exec::timeout_of(req.timeout)?).await
     }
 
     /// The sandbox's default python session (the one `run_code` uses), started in what `cwd`
@@ -155,7 +156,7 @@ pub async fn create(
     kind: &str,
     default: bool,
     cwd: Option<String>,
-    env: &std::collections::BTreeMap<String, String>,
+    env: &BTreeMap<String, String>,
 ) -> Result<Session> {
     create_as(sb, None, kind, default, cwd, env).await
 }
@@ -167,7 +168,7 @@ pub async fn create_as(
     kind: &str,
     default: bool,
     cwd: Option<String>,
-    env: &std::collections::BTreeMap<String, String>,
+    env: &BTreeMap<String, String>,
 ) -> Result<Session> {
     if kind != "python" && kind != "shell" {
         return Err(RuntimeError::BadRequest(format!("session kind {kind:?} is unknown: use \"python\" or \"shell\"")));
@@ -236,10 +237,16 @@ pub async fn kill_process(sb: &Sandbox, pid: i32) -> Result<()> {
     Ok(())
 }
 
-pub async fn run(sb: &Sandbox, session: &Session, code: &str, timeout: Option<Duration>) -> Result<SessionResult> {
+/// Run `req.code` (with `req.env` for this run only) in `session`.
+pub async fn run(sb: &Sandbox, session: &Session, req: &RunCode, timeout: Option<Duration>) -> Result<SessionResult> {
+    check_run_env(&req.env)?;
     let _op = session.op_lock.lock().await;
     sb.dirty.store(true, Ordering::SeqCst);
-    let resp = session.request(&serde_json::json!({"op": "run", "code": code}), timeout).await?;
+    let mut msg = serde_json::json!({"op": "run", "code": req.code});
+    if !req.env.is_empty() {
+        msg["env"] = serde_json::json!(req.env);
+    }
+    let resp = session.request(&msg, timeout).await?;
     let Some(v) = resp else {
         let _ = kill_process(sb, session.pid).await;
         return Ok(SessionResult { timed_out: true, ..Default::default() });
@@ -258,6 +265,24 @@ pub async fn run(sb: &Sandbox, session: &Session, code: &str, timeout: Option<Du
         displays: v.get("displays").and_then(|d| d.as_array()).cloned().unwrap_or_default(),
         execution_count: v.get("execution_count").and_then(|x| x.as_u64()),
     })
+}
+
+/// Names a run's env may set: shell identifiers (a shell session exports them), values without
+/// NUL bytes.
+pub fn check_run_env(env: &BTreeMap<String, String>) -> Result<()> {
+    for (k, v) in env {
+        let ident = k.chars().next().is_some_and(|c| c == '_' || c.is_ascii_alphabetic())
+            && k.chars().all(|c| c == '_' || c.is_ascii_alphanumeric());
+        if !ident || k.starts_with("__bb_") {
+            return Err(RuntimeError::BadRequest(format!(
+                "env name {k:?} is not usable: letters, digits and _, not starting with a digit (nor with __bb_)"
+            )));
+        }
+        if v.contains('\0') {
+            return Err(RuntimeError::BadRequest(format!("the value of env {k:?} contains a NUL byte")));
+        }
+    }
+    Ok(())
 }
 
 pub async fn kill(sb: &Sandbox, session: &Session) -> Result<()> {

@@ -12,7 +12,7 @@
 //! its cgroup; everything else is gone. It is torn down with its last nested sandbox.
 
 use crate::db::{self, DbResult};
-use crate::model::SandboxSpec;
+use crate::model::{PauseMode, SandboxSpec};
 use rusqlite::{params, Connection, OptionalExtension};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -78,6 +78,8 @@ pub struct PausedRow {
     pub state: PauseState,
     pub paused_at: f64,
     pub trees: Vec<PausedTree>,
+    /// `filesystem`: no trees were kept, the resume cold-boots.
+    pub mode: PauseMode,
 }
 
 pub struct SandboxStore {
@@ -115,14 +117,20 @@ impl SandboxStore {
         if !has_nest {
             conn.execute_batch("ALTER TABLE sandboxes ADD COLUMN nest_parent TEXT;")?;
         }
+        // Added with files-only pauses; older records were full pauses.
+        let has_mode: bool =
+            conn.prepare("SELECT 1 FROM pragma_table_info('paused') WHERE name = 'mode'")?.exists([])?;
+        if !has_mode {
+            conn.execute_batch("ALTER TABLE paused ADD COLUMN mode TEXT NOT NULL DEFAULT '\"full\"';")?;
+        }
         Ok(SandboxStore { conn })
     }
 
     /// Write (or replace) the pause record of a sandbox.
     pub fn set_paused(&self, row: &PausedRow) -> DbResult<()> {
         self.conn.execute(
-            "INSERT OR REPLACE INTO paused (id, state, paused_at, trees) VALUES (?1, ?2, ?3, ?4)",
-            params![row.id, db::json(&row.state), row.paused_at, db::json(&row.trees)],
+            "INSERT OR REPLACE INTO paused (id, state, paused_at, trees, mode) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![row.id, db::json(&row.state), row.paused_at, db::json(&row.trees), db::json(&row.mode)],
         )?;
         Ok(())
     }
@@ -130,14 +138,21 @@ impl SandboxStore {
     pub fn paused(&self, id: &str) -> DbResult<Option<PausedRow>> {
         let row = self
             .conn
-            .query_row("SELECT id, state, paused_at, trees FROM paused WHERE id = ?1", params![id], |r| {
-                Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, f64>(2)?, r.get::<_, String>(3)?))
+            .query_row("SELECT id, state, paused_at, trees, mode FROM paused WHERE id = ?1", params![id], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, f64>(2)?,
+                    r.get::<_, String>(3)?,
+                    r.get::<_, String>(4)?,
+                ))
             })
             .optional()?;
-        let Some((id, state, paused_at, trees)) = row else { return Ok(None) };
-        let parsed = serde_json::from_str(&state).and_then(|s| Ok((s, serde_json::from_str(&trees)?)));
+        let Some((id, state, paused_at, trees, mode)) = row else { return Ok(None) };
+        let parsed = serde_json::from_str(&state)
+            .and_then(|s| Ok((s, serde_json::from_str(&trees)?, serde_json::from_str(&mode)?)));
         match parsed {
-            Ok((state, trees)) => Ok(Some(PausedRow { id, state, paused_at, trees })),
+            Ok((state, trees, mode)) => Ok(Some(PausedRow { id, state, paused_at, trees, mode })),
             Err(source) => Err(db::DbError::Record { what: "pause", id, source }),
         }
     }
@@ -304,6 +319,7 @@ mod tests {
                 PausedTree { root: 2, image: None, session: None },
                 PausedTree { root: 4, image: None, session: Some(session) },
             ],
+            mode: PauseMode::Full,
         };
         store.set_paused(&row).unwrap();
         row.state = PauseState::Paused;
@@ -313,6 +329,31 @@ mod tests {
         assert_eq!(store.paused_images().unwrap(), vec!["pi-1".to_string()]);
         store.delete("sb-1").unwrap();
         assert_eq!(store.paused("sb-1").unwrap(), None, "a deleted sandbox's pause record goes with it");
+        let cold = PausedRow {
+            id: "sb-2".into(),
+            state: PauseState::Paused,
+            paused_at: 4.0,
+            trees: vec![],
+            mode: PauseMode::Filesystem,
+        };
+        store.set_paused(&cold).unwrap();
+        assert_eq!(store.paused("sb-2").unwrap(), Some(cold));
+    }
+
+    #[test]
+    fn pause_records_of_an_older_database_read_as_full_pauses() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("b.db");
+        {
+            let conn = Connection::open(&db).unwrap();
+            conn.execute_batch(
+                "CREATE TABLE paused (id TEXT PRIMARY KEY, state TEXT NOT NULL, paused_at REAL NOT NULL, trees TEXT NOT NULL);
+                 INSERT INTO paused VALUES ('sb-9', '\"paused\"', 1.0, '[]');",
+            )
+            .unwrap();
+        }
+        let row = SandboxStore::open(&db).unwrap().paused("sb-9").unwrap().unwrap();
+        assert_eq!((row.state, row.mode), (PauseState::Paused, PauseMode::Full));
     }
 
     #[test]

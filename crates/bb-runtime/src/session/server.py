@@ -360,7 +360,20 @@ class PythonKernel(object):
             extra.extend(p for p in pp.split(os.pathsep) if p)
         sys.path[:0] = [p for p in extra if p not in sys.path]
 
-    def run(self, code):
+    def run(self, code, env=None):
+        """Run ``code``; ``env`` is set in ``os.environ`` for this run only."""
+        saved = {k: os.environ.get(k) for k in env or ()}
+        os.environ.update(env or {})
+        try:
+            return self._run(code)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def _run(self, code):
         self.counter += 1
         filename = "<cell-%d>" % self.counter
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
@@ -589,18 +602,41 @@ _NAME_PREFIXES = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_"
 _MAX_ARG = 100 * 1024  # stay well below MAX_ARG_STRLEN (128 KiB)
 
 
-def _bash_dump_code(fd):
-    """Bash code writing 4 NUL-terminated sections (vars, functions, -F, pwd) to fd."""
+def _bash_dump_code(fd, pre=""):
+    """Bash code writing 4 NUL-terminated sections (vars, functions, -F, pwd) to fd; ``pre``
+    runs first (once)."""
     names = " ".join('"${!%s@}"' % c for c in _NAME_PREFIXES)
     return (
         "{ __bb_st=$?; builtin set +xeuv; } 2>/dev/null; "
-        "if [[ -z ${__bb_done+x} ]]; then __bb_done=1; "
+        "if [[ -z ${__bb_done+x} ]]; then __bb_done=1; %s"
         "{ for __bb_n in %s; do case $__bb_n in %s) ;; "
         '*) builtin declare -p -- "$__bb_n";; esac; done; '
         'builtin printf "\\0"; builtin declare -f; builtin printf "\\0"; '
         'builtin declare -F; builtin printf "\\0"; builtin pwd; builtin printf "\\0"; '
-        "} >&%d 2>/dev/null; fi" % (names, _BASH_SKIP, fd)
+        "} >&%d 2>/dev/null; fi" % (pre, names, _BASH_SKIP, fd)
     )
+
+
+def _env_name_ok(name):
+    """A shell identifier: ASCII letters, digits and _, not starting with a digit."""
+    return (
+        name.isascii()
+        and name[:1] not in ("",) + tuple("0123456789")
+        and all(c == "_" or c.isalnum() for c in name)
+    )
+
+
+def _bash_run_env(env):
+    """(lines that save and export each of ``env``, code that puts them back as they were)."""
+    before, after = [], []
+    for i, (k, v) in enumerate(sorted(env.items())):
+        had, old = "__bb_eh%d" % i, "__bb_ev%d" % i
+        before.append(
+            "if [[ -n ${%s+x} ]]; then %s=1; %s=$%s; else %s=; fi; builtin export %s=%s"
+            % (k, had, old, k, had, k, _sh_quote(v))
+        )
+        after.append('if [[ -n $%s ]]; then %s=$%s; else builtin unset -v %s; fi; ' % (had, k, old, k))
+    return before, "".join(after)
 
 
 def _sh_quote(s):
@@ -631,7 +667,22 @@ class ShellKernel(object):
 
         self.subprocess = subprocess
 
-    def run(self, code):
+    def run(self, code, env=None):
+        """Run ``code``; ``env`` is exported for this run only (what the run leaves in those
+        variables is not kept)."""
+        env = env or {}
+        kept = {k: self.env.get(k) for k in env}
+        try:
+            return self._run(code, env)
+        finally:
+            if not self.bash:
+                for k, v in kept.items():
+                    if v is None:
+                        self.env.pop(k, None)
+                    else:
+                        self.env[k] = v
+
+    def _run(self, code, run_env):
         subprocess = self.subprocess
         code = code.replace("\0", "")
         fds = []
@@ -643,9 +694,10 @@ class ShellKernel(object):
             dump_fd = _memfd("bb-state-out")
             fds.append(dump_fd)
             if self.bash:
-                argv, env, pass_fds = self._bash_invocation(code, dump_fd, fds)
+                argv, env, pass_fds = self._bash_invocation(code, dump_fd, fds, run_env)
             else:
                 argv, env, pass_fds = self._sh_invocation(code, dump_fd, fds)
+                env = dict(env, **run_env)
             cwd = self.cwd if os.path.isdir(self.cwd) else "/"
             env = dict(env)
             env["PWD"] = cwd
@@ -669,13 +721,16 @@ class ShellKernel(object):
         return res
 
     # -- bash
-    def _bash_invocation(self, code, dump_fd, fds):
-        dump = _bash_dump_code(dump_fd)
+    def _bash_invocation(self, code, dump_fd, fds, run_env):
+        # Variables of this run only: set after the restore, put back before the dump.
+        before, after = _bash_run_env(run_env)
+        dump = _bash_dump_code(dump_fd, after)
         parts = []
         if self.vars is not None:
             parts.append(self.vars)
             parts.append(self.funcs)
             parts.extend("builtin declare -fx -- %s" % n for n in self.exported_funcs)
+        parts.extend(before)
         parts.append("builtin trap -- %s EXIT" % _sh_quote(dump + "; builtin exit $__bb_st"))
         parts.append("builtin unset -v __bb_r")
         restore = "\n".join(parts) + "\n"
@@ -1197,10 +1252,16 @@ class Server(object):
                 resp = {"ok": True, "pid": os.getpid()}
             elif op == "run":
                 code = req.get("code")
+                env = req.get("env") or {}
                 if not isinstance(code, str):
                     resp = _protocol_error('"run" needs a string "code"')
+                elif not isinstance(env, dict) or not all(
+                    isinstance(k, str) and _env_name_ok(k) and isinstance(v, str) and "\0" not in v
+                    for k, v in env.items()
+                ):
+                    resp = _protocol_error('"env" must map shell identifiers to strings')
                 else:
-                    resp = self.kernel.run(code)
+                    resp = self.kernel.run(code, env)
             else:
                 resp = _protocol_error("unknown op %r" % (op,))
         if reopened is not None:
