@@ -1024,6 +1024,34 @@ def test_ci_callbacks(ci):
     assert [r.text for r in results] == ["42"] and results[0].is_main_result
 
 
+def test_ci_output_streams_while_the_code_runs(ci):
+    """The code waits for a file the test writes when the first line reaches ``on_stdout``: the
+    run says "streamed" only if that line came while it ran (it gives up after 30 s)."""
+    flag = "/tmp/streamed-" + uuid.uuid4().hex[:8]
+
+    def on_stdout(m):
+        if m.line.startswith("first"):
+            ci.files.write(flag, "seen")
+
+    code = ("import os, sys, time\nprint('first')\nprint('to stderr', file=sys.stderr)\n"
+            "for _ in range(600):\n    if os.path.exists(%r): break\n    time.sleep(0.05)\n"
+            "print('streamed' if os.path.exists(%r) else 'not streamed')\n'done'" % (flag, flag))
+    e = ci.run_code(code, on_stdout=on_stdout)
+    assert "".join(e.logs.stdout) == "first\nstreamed\n", e.logs
+    assert "".join(e.logs.stderr) == "to stderr\n" and e.text == "'done'", e
+    # The same in a bash context (its output is its processes').
+    flag2 = flag + "-sh"
+
+    def on_sh(m):
+        if m.line.startswith("first"):
+            ci.files.write(flag2, "seen")
+
+    sh = ("echo first; for i in $(seq 600); do [ -e %s ] && break; sleep 0.05; done; "
+          "[ -e %s ] && echo streamed || echo not streamed" % (flag2, flag2))
+    e = ci.run_code(sh, language="bash", on_stdout=on_sh)
+    assert "".join(e.logs.stdout) == "first\nstreamed\n", e.logs
+
+
 def test_ci_bash(ci):
     e = ci.run_code("echo $((6*7))", language="bash")
     assert e.logs.stdout == ["42\n"] and e.error is None

@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::Router;
 use bb_runtime::model::{CreateSession, RunCode, SessionInfo, SessionResult};
+use bb_runtime::session::tail::RunOutput;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -228,6 +229,40 @@ fn now_micros() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
 }
 
+/// Output of a run passed on so far.
+#[derive(Default)]
+struct Sent {
+    stdout: String,
+    stderr: String,
+}
+
+impl Sent {
+    /// The NDJSON line of a piece of output, noted as sent.
+    fn line(&mut self, o: RunOutput) -> Value {
+        let (kind, text, seen) = match o {
+            RunOutput::Stdout(t) => ("stdout", t, &mut self.stdout),
+            RunOutput::Stderr(t) => ("stderr", t, &mut self.stderr),
+        };
+        seen.push_str(&text);
+        json!({"type": kind, "text": text, "timestamp": now_micros()})
+    }
+}
+
+/// What of a run's whole `output` was not passed on yet (`sent`). Should the two disagree
+/// (bytes the server decoded otherwise), nothing more: output is never repeated.
+fn unsent(output: &str, sent: &str) -> String {
+    output.strip_prefix(sent).unwrap_or_default().to_string()
+}
+
+fn ndjson(lines: &[Value]) -> Bytes {
+    let mut b = Vec::new();
+    for line in lines {
+        serde_json::to_writer(&mut b, line).expect("JSON values serialize");
+        b.push(b'\n');
+    }
+    Bytes::from(b)
+}
+
 /// The NDJSON lines of a finished run.
 fn lines(r: &SessionResult) -> Vec<Value> {
     let ts = now_micros();
@@ -289,30 +324,44 @@ async fn execute(State(e): St, Extension(t): Tgt, body: Bytes) -> Response {
     let (rt, id) = (e.rt.clone(), t.id.clone());
     tokio::spawn(async move {
         let env = req.env_vars.unwrap_or_default();
-        let run = rt.run_session(&id, &session.id, RunCode { code: req.code, timeout: Some(0.0), language: None, env });
+        let (out_tx, mut out_rx) = mpsc::channel::<RunOutput>(64);
+        let code = RunCode { code: req.code, timeout: Some(0.0), language: None, env };
+        let run = rt.run_session_tailed(&id, &session.id, code, out_tx);
         tokio::pin!(run);
-        let result = tokio::select! {
-            r = &mut run => r,
-            _ = tx.closed() => {
-                // The client went away: interrupt the code, and let the run end (its answer
-                // must still be read off the session's channel).
-                let _ = rt.kill_process(&id, session.pid, Some(libc::SIGINT)).await;
-                let _ = run.await;
-                return;
+        let mut sent = Sent::default();
+        let result = loop {
+            tokio::select! {
+                r = &mut run => break r,
+                Some(o) = out_rx.recv() => {
+                    // Output as it is written, one line per piece.
+                    let _ = tx.send(Ok(ndjson(&[sent.line(o)]))).await;
+                }
+                _ = tx.closed() => {
+                    // The client went away: interrupt the code, and let the run end (its answer
+                    // must still be read off the session's channel).
+                    let _ = rt.kill_process(&id, session.pid, Some(libc::SIGINT)).await;
+                    let _ = run.await;
+                    return;
+                }
             }
         };
+        let mut last = Vec::new();
+        while let Ok(o) = out_rx.try_recv() {
+            last.push(sent.line(o));
+        }
         match result {
-            Ok(r) => {
-                // The run's answer is whole: its lines go in one chunk (one write, one read).
-                let mut b = Vec::new();
-                for line in lines(&r) {
-                    serde_json::to_writer(&mut b, &line).expect("JSON values serialize");
-                    b.push(b'\n');
-                }
-                let _ = tx.send(Ok(Bytes::from(b))).await;
+            Ok(mut r) => {
+                // The answer holds all the output: what was not passed on yet goes with it.
+                r.stdout = unsent(&r.stdout, &sent.stdout);
+                r.stderr = unsent(&r.stderr, &sent.stderr);
+                last.extend(lines(&r));
+                let _ = tx.send(Ok(ndjson(&last))).await;
             }
             Err(err) => {
                 // The sandbox or the session went away mid-run: break the stream.
+                if !last.is_empty() {
+                    let _ = tx.send(Ok(ndjson(&last))).await;
+                }
                 let _ = tx.send(Err(std::io::Error::other(err.to_string()))).await;
             }
         }
@@ -327,6 +376,20 @@ async fn execute(State(e): St, Extension(t): Tgt, body: Bytes) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn output_passed_on_during_a_run_is_not_repeated_at_its_end() {
+        let mut sent = Sent::default();
+        let a = sent.line(RunOutput::Stdout("a\n".into()));
+        assert_eq!((a["type"].as_str(), a["text"].as_str()), (Some("stdout"), Some("a\n")));
+        sent.line(RunOutput::Stderr("warn\n".into()));
+        sent.line(RunOutput::Stdout("b".into()));
+        assert_eq!(unsent("a\nb\nc\n", &sent.stdout), "\nc\n");
+        assert_eq!(unsent("warn\n", &sent.stderr), "");
+        // The whole answer disagrees with what was sent: nothing more, nothing twice.
+        assert_eq!(unsent("x\n", &sent.stdout), "");
+        assert_eq!(unsent("anything", ""), "anything");
+    }
 
     #[test]
     fn a_run_becomes_the_lines_the_sdk_parses() {

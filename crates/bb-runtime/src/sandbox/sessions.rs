@@ -5,6 +5,7 @@ use crate::error::{Result, RuntimeError};
 use crate::initconn::{init_error, unexpected, InitConn};
 use crate::model::*;
 use crate::sandbox::Sandbox;
+use crate::session::tail::{OutputTail, RunOutput};
 use crate::session::{session_tag, Session, SessionError, SERVER_SOURCE, START_TIMEOUT};
 use crate::Runtime;
 use bb_proto::{Request, Response, SpawnRequest};
@@ -44,6 +45,21 @@ impl Runtime {
         let s = self.session(&sb, sid).await?;
         let _busy = self.activity.busy();
         run(&sb, &s, &req, crate::sandbox::exec::timeout_of(req.timeout)?).await
+    }
+
+    /// [`run_session`](Self::run_session), passing the run's output on to `out` as it is
+    /// written (see [`crate::session::tail`]). The answer still holds all of it.
+    pub async fn run_session_tailed(
+        self: &Arc<Self>,
+        id: &str,
+        sid: &str,
+        req: RunCode,
+        out: tokio::sync::mpsc::Sender<RunOutput>,
+    ) -> Result<SessionResult> {
+        let sb = self.ready(id).await?;
+        let s = self.session(&sb, sid).await?;
+        let _busy = self.activity.busy();
+        run_tailed(&sb, &s, &req, crate::sandbox::exec::timeout_of(req.timeout)?, Some(out)).await
     }
 
     /// Start a session afresh under the same id (kind and cwd kept; env from `req`).
@@ -239,6 +255,20 @@ pub async fn kill_process(sb: &Sandbox, pid: i32) -> Result<()> {
 
 /// Run `req.code` (with `req.env` for this run only) in `session`.
 pub async fn run(sb: &Sandbox, session: &Session, req: &RunCode, timeout: Option<Duration>) -> Result<SessionResult> {
+    run_tailed(sb, session, req, timeout, None).await
+}
+
+/// How often a tailed run's output is looked at.
+const TAIL_TICK: Duration = Duration::from_millis(50);
+
+/// [`run`], passing output on to `out` (when given) while the run goes on.
+async fn run_tailed(
+    sb: &Sandbox,
+    session: &Session,
+    req: &RunCode,
+    timeout: Option<Duration>,
+    out: Option<tokio::sync::mpsc::Sender<RunOutput>>,
+) -> Result<SessionResult> {
     check_run_env(&req.env)?;
     let _op = session.op_lock.lock().await;
     sb.dirty.store(true, Ordering::SeqCst);
@@ -246,7 +276,28 @@ pub async fn run(sb: &Sandbox, session: &Session, req: &RunCode, timeout: Option
     if !req.env.is_empty() {
         msg["env"] = serde_json::json!(req.env);
     }
-    let resp = session.request(&msg, timeout).await?;
+    let request = session.request(&msg, timeout);
+    let host_pid = out.as_ref().and_then(|_| crate::sandbox::procs::host_pid_of(sb, session.pid));
+    let resp = match (out, host_pid) {
+        (Some(tx), Some(pid)) => {
+            tokio::pin!(request);
+            let mut tail = OutputTail::new(pid);
+            let mut tick = tokio::time::interval(TAIL_TICK);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            loop {
+                tokio::select! {
+                    r = &mut request => break r,
+                    _ = tick.tick() => {
+                        for o in tail.poll() {
+                            // A listener that left does not stop the run.
+                            let _ = tx.send(o).await;
+                        }
+                    }
+                }
+            }
+        }
+        _ => request.await,
+    }?;
     let Some(v) = resp else {
         let _ = kill_process(sb, session.pid).await;
         return Ok(SessionResult { timed_out: true, ..Default::default() });

@@ -6,6 +6,7 @@
 //! (checkpoints), and its channel can be replaced after a fork (`{"op":"fork"}` + SCM_RIGHTS).
 
 pub mod fork;
+pub mod tail;
 
 use crate::error::{Result, RuntimeError};
 use crate::model::SessionInfo;
