@@ -277,18 +277,22 @@ async fn run_tailed(
         msg["env"] = serde_json::json!(req.env);
     }
     let request = session.request(&msg, timeout);
-    let host_pid = out.as_ref().and_then(|_| crate::sandbox::procs::host_pid_of(sb, session.pid));
-    let resp = match (out, host_pid) {
-        (Some(tx), Some(pid)) => {
+    let resp = match out {
+        Some(tx) => {
             tokio::pin!(request);
-            let mut tail = OutputTail::new(pid);
-            let mut tick = tokio::time::interval(TAIL_TICK);
+            // A run shorter than a tick costs nothing more: its output comes with its answer.
+            let start = tokio::time::Instant::now() + TAIL_TICK;
+            let mut tick = tokio::time::interval_at(start, TAIL_TICK);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            let mut tail = None;
             loop {
                 tokio::select! {
                     r = &mut request => break r,
                     _ = tick.tick() => {
-                        for o in tail.poll() {
+                        if tail.is_none() {
+                            tail = crate::sandbox::procs::host_pid_of(sb, session.pid).map(OutputTail::new);
+                        }
+                        for o in tail.as_mut().map(OutputTail::poll).unwrap_or_default() {
                             // A listener that left does not stop the run.
                             let _ = tx.send(o).await;
                         }
@@ -296,7 +300,7 @@ async fn run_tailed(
                 }
             }
         }
-        _ => request.await,
+        None => request.await,
     }?;
     let Some(v) = resp else {
         let _ = kill_process(sb, session.pid).await;
