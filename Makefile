@@ -7,7 +7,8 @@ STATE_DIR   ?= /var/lib/branchbox
 SOCKET      ?= /run/branchbox/branchboxd.sock
 PYTHON      ?= python3
 CARGO       ?= cargo
-APT_PKGS    := debootstrap pkg-config build-essential ca-certificates curl xfsprogs iproute2 nftables
+# (nodejs: the session server's javascript kind is unit-tested on the host, python/tests)
+APT_PKGS    := debootstrap pkg-config build-essential ca-certificates curl xfsprogs iproute2 nftables nodejs
 
 .PHONY: all deps build install python demo test lint test-rust test-python test-integration openapi clean-state
 

@@ -574,14 +574,18 @@ def kill_process(sandbox_id: str, pid: int, signal: int = 9) -> Call:
 # ----------------------------------------------------------------------------- sessions & code
 
 
+#: Session kinds: a python interpreter, a shell, node (the image needs it).
+SESSION_KINDS = ("python", "shell", "javascript")
+
+
 def create_session(
     sandbox_id: str,
     kind: str = "python",
     cwd: Optional[str] = None,
     env: Optional[Mapping[str, Any]] = None,
 ) -> Call:
-    if kind not in ("python", "shell"):
-        raise exc.InvalidArgumentError("session kind must be 'python' or 'shell', not %r" % (kind,))
+    if kind not in SESSION_KINDS:
+        raise exc.InvalidArgumentError("session kind must be 'python', 'shell' or 'javascript', not %r" % (kind,))
     body = {"kind": kind, "cwd": cwd, "env": _env(env) or {}}
     return Call("POST", _sbx(sandbox_id) + "/sessions", json=body, parse=SessionInfo.from_dict)
 
@@ -615,7 +619,7 @@ def run_session(
     parse: Callable[[Any], Any] = parse_run_result
     if kind == "shell":
         parse = ShellResult.from_dict
-    elif kind == "python":
+    elif kind in ("python", "javascript"):
         parse = Execution.from_dict
     return Call(
         "POST",

@@ -263,7 +263,7 @@ class ShellResult(_Model):
 
 @dataclass
 class SessionInfo(_Model):
-    """A stateful session (``kind`` is ``python`` or ``shell``)."""
+    """A stateful session (``kind`` is ``python``, ``shell`` or ``javascript``)."""
 
     id: str = ""
     kind: str = ""

@@ -22,9 +22,9 @@ after a warm-up of each:
   without the E2B SDK's; ``e2b_endpoint_overhead_ratio_create`` = it / ``bb_create_ms_p50``.
 - ``e2b_run_true_ms_p50``: ``commands.run("true")`` in a sandbox made by the E2B SDK, against
   ``bb_run_true_ms_p50``, branchbox's ``commands.run("true")`` (``/bin/sh -c true``). The E2B
-  SDK runs its command as ``/bin/bash -l -c true`` (a login shell, which reads the profile):
-  ``bb_run_bash_login_true_ms_p50`` is branchbox's SDK running that same argv, in the same
-  rounds, and ``e2b_overhead_ratio_run_same_argv`` the ratio against it.
+  SDK runs its command as ``/bin/bash -l -c true`` (a login shell, which reads the profile) as
+  ``user``: ``bb_run_bash_login_true_ms_p50`` is branchbox's SDK running that same argv as that
+  same user, in the same rounds, and ``e2b_overhead_ratio_run_same_argv`` the ratio against it.
 - ``e2b_run_code_ms_p50``: ``e2b_code_interpreter.Sandbox.run_code("1+1")`` against
   ``bb_run_code_ms_p50``, branchbox's ``run_code("1+1")`` (the default python session); each
   run once first (that starts the session), every answer checked ("2", no error).
@@ -84,8 +84,9 @@ E2B_URL_ENV = "BRANCHBOX_E2B_URL"
 E2B_CLOUD_CREATE_MS = 150.0
 E2B_CLOUD_CREATE_SOURCE = "E2B's documented sandbox start time in its cloud (~150 ms): a documented figure, not measured"
 FORK_N = 16
-#: The argv E2B's SDK runs for ``commands.run(cmd)``.
+#: The argv E2B's SDK runs for ``commands.run(cmd)``, and who it runs as by default.
 E2B_RUN_ARGV = ["/bin/bash", "-l", "-c", "true"]
+E2B_USER = "user"
 #: Sandbox TTLs (s): the create samples' and fork children's, and the others'.
 SAMPLE_TTL = 120
 TTL = 900
@@ -567,9 +568,9 @@ class _Run:
             raise BenchError("bench e2b: `true` in E2B sandbox %s: %r" % (sbx.sandbox_id, r))
         return ms
 
-    def bb_run(self, sbx: Sandbox, cmd: Any) -> float:
+    def bb_run(self, sbx: Sandbox, cmd: Any, user: Optional[str] = None) -> float:
         t0 = time.perf_counter()
-        r = sbx.commands.run(cmd)
+        r = sbx.commands.run(cmd, user=user)
         ms = _ms(t0)
         if r.exit_code != 0 or r.timed_out:
             raise BenchError(
@@ -581,7 +582,7 @@ class _Run:
         runs = {
             "e2b_run_true": lambda: self.e2b_true(e),
             "bb_run_true": lambda: self.bb_run(b, "true"),
-            "bb_run_bash_login_true": lambda: self.bb_run(b, E2B_RUN_ARGV),
+            "bb_run_bash_login_true": lambda: self.bb_run(b, E2B_RUN_ARGV, E2B_USER),
         }
         for run in runs.values():  # warm-up
             run()

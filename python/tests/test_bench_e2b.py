@@ -398,7 +398,8 @@ def test_whole_run_on_a_fake_daemon(world: FakeE2b) -> None:
     e2b_true, bb_true, bb_bash = ("e2b", "run true"), ("bb", "run true"), ("bb", "run /bin/bash -l -c true")
     assert runs == [e2b_true, bb_true, bb_bash] * 2 + [bb_bash, bb_true, e2b_true] + [e2b_true, bb_true, bb_bash]
     commands = [b for what, b in d.bodies if what == "commands"]
-    assert commands[0] == {"cmd": "true", "timeout": 60} and commands[1]["args"] == be.E2B_RUN_ARGV
+    assert commands[0] == {"cmd": "true", "timeout": 60}
+    assert (commands[1]["args"], commands[1]["user"]) == (be.E2B_RUN_ARGV, "user")
     # run_code: one run of each first, then alternating.
     code = [side for side, what in d.events if what == "run_code"]
     assert code == ["e2b", "bb", "e2b", "bb", "bb", "e2b", "e2b", "bb"]

@@ -396,6 +396,17 @@ def test_python_initial_env_and_cwd(tmp_path) -> None:
         s.stop()
 
 
+def test_python_numeric_thread_pools_default_to_one_thread_unless_set(tmp_path) -> None:
+    # A copy of a session is a raw clone of one thread: a BLAS pool started in the original
+    # would be missing in every copy (the copy hangs on its first matrix product).
+    s = SessionProcess("python", cwd=str(tmp_path), env={"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "4"})
+    try:
+        got = s.run("import os\n[os.environ.get(k) for k in ('OPENBLAS_NUM_THREADS', 'MKL_NUM_THREADS', 'OMP_NUM_THREADS')]")
+        assert got["result"] == repr(["1", "1", "4"])
+    finally:
+        s.stop()
+
+
 # ----------------------------------------------------------------------------- shell kind
 
 
@@ -952,3 +963,92 @@ def test_unknown_fork_role_rejected(py: SessionProcess, role) -> None:
     assert _fds(py.proc.pid) == {0, 1, 2, 3}
     assert py.request({"op": "fork", "role": "template"})["error"]["name"] == "ProtocolError"  # no fd
     assert py.request({"op": "ping"})["ok"] is True
+
+
+# ----------------------------------------------------------------------------- javascript kind
+
+
+@pytest.fixture
+def js(tmp_path):
+    # A group of its own, as in a sandbox (a SIGINT to the session reaches node too).
+    s = SessionProcess("javascript", cwd=str(tmp_path), env={"PATH": os.environ["PATH"]}, preexec_fn=os.setsid)
+    yield s
+    s.stop()
+
+
+def _children(server_pid):
+    with open("/proc/%d/task/%d/children" % (server_pid, server_pid)) as f:
+        return [int(p) for p in f.read().split()]
+
+
+def test_javascript_state_output_results_and_errors(js: SessionProcess, tmp_path) -> None:
+    assert js.run("let x = 40; function twice(n) { return 2 * n }\nx + 2") == {
+        "stdout": "", "stderr": "", "result": "42", "error": None, "displays": [], "execution_count": 1,
+    }
+    r = js.run("console.log('hi', {a: [1]}); console.error('oops'); process.stdout.write('raw'); twice(x)")
+    assert (r["stdout"], r["stderr"], r["result"], r["execution_count"]) == ("hi { a: [ 1 ] }\nraw", "oops\n", "80", 2)
+    assert js.run("'text'")["result"] == "'text'" and js.run("undefined")["result"] is None
+    err = js.run("function bad() { null.x }\nbad()")["error"]
+    assert err["name"] == "TypeError" and "reading 'x'" in err["value"]
+    # The traceback is the cell's, without the server's frames.
+    assert "at bad (<cell 5>:1:" in err["traceback"] and "[eval]" not in err["traceback"] and "node:vm" not in err["traceback"]
+    thrown = js.run("throw 'plain'")["error"]
+    assert thrown["name"] == "Error" and "plain" in thrown["value"]
+    # An error does not lose the scope; require works; the cwd is the session's.
+    assert js.run("x")["result"] == "40"
+    assert js.run("require('path').join(process.cwd(), 'x')")["result"] == repr(str(tmp_path / "x"))
+
+
+def test_javascript_top_level_await_and_run_env(js: SessionProcess) -> None:
+    assert js.run("await new Promise((r) => setTimeout(() => r(7), 5))")["result"] == "7"
+    assert js.run("const v = await Promise.resolve(5)\nv * 2;")["result"] == "10"
+    r = js.run("for (const i of [1, 2]) {\n  await null\n}")
+    assert r["error"] is None and r["result"] is None
+    assert js.run("await Promise.reject(new RangeError('no'))")["error"]["name"] == "RangeError"
+    assert js.request({"op": "run", "code": "process.env.ONLY_NOW", "env": {"ONLY_NOW": "yes"}})["result"] == "'yes'"
+    assert js.run("process.env.ONLY_NOW")["result"] is None
+
+
+def test_javascript_sigint_interrupts_the_run_not_the_kernel(js: SessionProcess) -> None:
+    js.run("let kept = 'still here'")
+    for code in ("while (true) {}", "await new Promise(() => {})"):
+        js.send({"op": "run", "code": code})
+        time.sleep(0.5)
+        os.killpg(js.proc.pid, signal.SIGINT)  # what the daemon sends to interrupt a session
+        r = js.recv(timeout=10)
+        assert r["error"] is not None and "interrupted" in r["error"]["value"].lower(), r
+        assert js.run("kept")["result"] == "'still here'"
+    # A SIGINT while idle is dropped by both.
+    os.killpg(js.proc.pid, signal.SIGINT)
+    time.sleep(0.2)
+    assert js.run("kept")["result"] == "'still here'"
+
+
+def test_javascript_copies_start_afresh_and_say_so(js: SessionProcess) -> None:
+    assert js.run("let n = 1; n")["result"] == "1"
+    (node,) = _children(js.proc.pid)
+    parent_resp, child, _ = _fork(js)
+    try:
+        # The copy holds nothing of the original's node (no fds but 0-3) and starts its own.
+        assert _fds(parent_resp["child"]) == {0, 1, 2, 3}
+        r = child.run("typeof n")
+        assert r["result"] == "'undefined'" and "javascript state is not copied" in r["stderr"], r
+        assert child.run("typeof n")["stderr"] == ""  # said once
+        assert _children(parent_resp["child"]) and _children(parent_resp["child"]) != [node]
+        assert js.run("n + 1")["result"] == "2"  # the original keeps its state and its node
+        assert set(_children(js.proc.pid)) == {node, parent_resp["child"]}  # a plain fork is its child
+    finally:
+        child.close()
+    # node ends with its server.
+    js.stop()
+    assert _gone(node)
+
+
+def test_javascript_without_node_says_what_to_install(tmp_path) -> None:
+    s = SessionProcess("javascript", cwd=str(tmp_path), env={"PATH": str(tmp_path)})
+    try:
+        with pytest.raises((EOFError, ConnectionResetError)):
+            s.request({"op": "ping"}, timeout=10)
+        assert "javascript sessions need node in the image" in s.proc.stderr.read().decode()
+    finally:
+        s.stop()

@@ -63,13 +63,22 @@ enum Source {
     Image(String),
 }
 
-/// E2B's default templates: the `base` image.
-const DEFAULT_TEMPLATES: [&str; 2] = ["base", "code-interpreter-v1"];
+/// E2B's base template: the `base` image.
+const BASE_TEMPLATE: &str = "base";
+/// The code interpreter SDK's default template: the branchbox template of that name once built
+/// (templates/code-interpreter-v1.toml), the `base` image until then.
+const CODE_INTERPRETER_TEMPLATE: &str = "code-interpreter-v1";
 
 fn resolve_template(e: &E2b, id: &str) -> Source {
     let id = id.strip_suffix(":latest").unwrap_or(id);
-    if DEFAULT_TEMPLATES.contains(&id) {
+    if id == BASE_TEMPLATE {
         return Source::Image("base".into()); // the common case, without a lookup
+    }
+    if id == CODE_INTERPRETER_TEMPLATE {
+        return match e.rt.template(id) {
+            Ok(_) => Source::Template(id.into()),
+            Err(_) => Source::Image("base".into()),
+        };
     }
     if e.rt.snapshot(id).is_ok() {
         Source::Snapshot(id.into())

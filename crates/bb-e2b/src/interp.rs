@@ -76,18 +76,19 @@ fn kind_of(language: Option<&str>) -> Result<&'static str, InterpError> {
     match language.map(str::to_ascii_lowercase).as_deref() {
         None | Some("") | Some("python") | Some("python3") => Ok("python"),
         Some("bash") | Some("sh") | Some("shell") => Ok("shell"),
+        Some("javascript") | Some("js") | Some("node") => Ok("javascript"),
         Some(other) => Err(error(
             StatusCode::BAD_REQUEST,
-            format!("language {other:?} is not available here: use \"python\" or \"bash\""),
+            format!("language {other:?} is not available here: use \"python\", \"bash\" or \"javascript\""),
         )),
     }
 }
 
 fn language_of(kind: &str) -> &'static str {
-    if kind == "shell" {
-        "bash"
-    } else {
-        "python"
+    match kind {
+        "shell" => "bash",
+        "javascript" => "javascript",
+        _ => "python",
     }
 }
 

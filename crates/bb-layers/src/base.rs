@@ -203,6 +203,7 @@ pub(crate) fn finalize_rootfs(root: &Path) -> Result<(), LayersError> {
     // file stays so the runtime can bind-mount or overwrite its own.
     write_new(&root.join("etc/resolv.conf"), b"", 0o644)?;
     add_user(root)?;
+    profile_without_id_fork(root)?;
     for (d, mode) in [
         ("root", 0o700),
         ("tmp", 0o1777),
@@ -215,6 +216,21 @@ pub(crate) fn finalize_rootfs(root: &Path) -> Result<(), LayersError> {
         ensure_dir(&root.join(d), mode)?;
     }
     Ok(())
+}
+
+/// Debian's /etc/profile asks `$(id -u)` whether it runs as root: a fork and an exec in every
+/// login shell, which is how E2B's SDKs run each command (`bash -l -c`). Bash knows the answer
+/// (`$EUID`); other shells still ask `id`.
+const PROFILE_ROOT_TEST: &str = "\"$(id -u)\"";
+const PROFILE_ROOT_TEST_FAST: &str = "\"${EUID:-$(id -u)}\"";
+
+fn profile_without_id_fork(root: &Path) -> Result<(), LayersError> {
+    let path = root.join("etc/profile");
+    let Ok(text) = fs::read_to_string(&path) else { return Ok(()) };
+    if !text.contains(PROFILE_ROOT_TEST) {
+        return Ok(());
+    }
+    write_new(&path, text.replace(PROFILE_ROOT_TEST, PROFILE_ROOT_TEST_FAST).as_bytes(), 0o644)
 }
 
 /// The unprivileged account every image built here has (as E2B's base template): `user`, uid and
@@ -493,6 +509,41 @@ mod tests {
         assert_eq!(mode("tmp"), 0o1777);
         assert_eq!(mode("var/tmp"), 0o1777);
         assert_eq!(mode("root"), 0o700);
+    }
+
+    /// Debian bookworm's /etc/profile, as debootstrap writes it.
+    const DEBIAN_PROFILE: &str = r#"# /etc/profile: system-wide .profile file for the Bourne shell (sh(1))
+if [ "$(id -u)" -eq 0 ]; then
+  PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+else
+  PATH="/usr/local/bin:/usr/bin:/bin:/usr/local/games:/usr/games"
+fi
+export PATH
+"#;
+
+    #[test]
+    fn the_profile_asks_bash_not_id_and_still_tells_root_apart() {
+        let d = tempfile::tempdir().unwrap();
+        fs::create_dir_all(d.path().join("etc")).unwrap();
+        let profile = d.path().join("etc/profile");
+        fs::write(&profile, DEBIAN_PROFILE).unwrap();
+        profile_without_id_fork(d.path()).unwrap();
+        let text = fs::read_to_string(&profile).unwrap();
+        assert!(text.contains("if [ \"${EUID:-$(id -u)}\" -eq 0 ]; then") && !text.contains("\"$(id -u)\""), "{text}");
+        profile_without_id_fork(d.path()).unwrap(); // idempotent
+        assert_eq!(fs::read_to_string(&profile).unwrap(), text);
+        // Both shells still pick the PATH of who runs them (bash by $EUID, sh by id).
+        let root = nix::unistd::geteuid().is_root();
+        for shell in ["bash", "sh"] {
+            let out = std::process::Command::new(shell)
+                .arg("-c")
+                .arg(format!(". {}; echo \"$PATH\"", profile.display()))
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{shell}: {out:?}");
+            let path = String::from_utf8(out.stdout).unwrap();
+            assert_eq!(path.starts_with("/usr/local/sbin:"), root, "{shell}: {path}");
+        }
     }
 
     /// Needs root (chown to the user's ids).

@@ -270,7 +270,8 @@ pub struct KillRequest {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSession {
-    /// `python` or `shell`.
+    /// `python` (default), `shell` or `javascript` (node in the image; its state is not
+    /// carried into copies: a fork's or rollback's copy starts afresh).
     pub kind: Option<String>,
     pub cwd: Option<String>,
     #[serde(default)]
@@ -318,7 +319,7 @@ pub struct SessionResult {
     pub exit_code: Option<i32>,
     pub timed_out: bool,
     /// Python: rich outputs of the run, in order: `display(obj)` calls, matplotlib figures left
-    /// open (as `png`), then the last expression's when it has more than text
+    /// open (as `png`, with their data as E2B's `chart` where it reads as one), then the last expression's when it has more than text
     /// (`is_main_result`; its text is `result`). Each holds `text` (its repr) and what the
     /// object offers of `html`, `markdown`, `svg`, `png`, `jpeg`, `pdf`, `latex`, `json`,
     /// `javascript` (binary ones base64).

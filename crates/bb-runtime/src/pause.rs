@@ -117,15 +117,11 @@ async fn end_processes(sb: &Arc<Sandbox>) -> Result<()> {
     let sbc = sb.clone();
     tokio::task::spawn_blocking(move || -> Result<()> {
         crate::sandbox::procs::kill_members(&sbc, |p| p == sbc.init_pid)?;
-        let deadline = Instant::now() + std::time::Duration::from_secs(5);
-        while sbc.cgroup.stats()?.pids_current > 1 {
-            if Instant::now() > deadline {
-                return Err(RuntimeError::Conflict(format!(
-                    "the processes of sandbox {} were killed but its init has not reaped them in 5 s: pause again",
-                    sbc.id
-                )));
-            }
-            std::thread::sleep(std::time::Duration::from_millis(2));
+        if !crate::sandbox::procs::wait_only_init_left(&sbc, std::time::Duration::from_secs(5))? {
+            return Err(RuntimeError::Conflict(format!(
+                "the processes of sandbox {} were killed but its init has not reaped them in 5 s: pause again",
+                sbc.id
+            )));
         }
         Ok(())
     })
@@ -573,11 +569,7 @@ impl Runtime {
                     tracing::warn!(sandbox = %sb.id, "killing the processes of a paused sandbox: {e}");
                 }
                 let _ = sb.cgroup.thaw();
-                // Until init reaped them (the pids counter counts zombies).
-                let deadline = Instant::now() + std::time::Duration::from_secs(2);
-                while sb.cgroup.stats().is_ok_and(|s| s.pids_current > 1) && Instant::now() < deadline {
-                    std::thread::sleep(std::time::Duration::from_millis(5));
-                }
+                let _ = crate::sandbox::procs::wait_only_init_left(sb, std::time::Duration::from_secs(2));
                 if let Ok(mut s) = sb.sessions.try_lock() {
                     s.clear();
                 }

@@ -584,6 +584,12 @@ fn read_small(rootfs: &Path, path: &str) -> Result<String> {
     Ok(text)
 }
 
+/// Whether `path` opens for reading as a regular file in the sandbox whose merged root is
+/// `rootfs` (symlinks followed inside it).
+pub(crate) fn is_readable_file(rootfs: &Path, path: &str) -> bool {
+    SandboxFs::open(rootfs, 0).is_ok_and(|fs| SbPath::parse(path).is_ok_and(|p| fs.open_read(&p).is_ok()))
+}
+
 /// Look a user up in the sandbox whose merged root is `rootfs` (read through its root, so a
 /// symlinked /etc/passwd cannot point outside).
 pub fn lookup_user(rootfs: &Path, name: &str) -> Result<SandboxUser> {

@@ -102,6 +102,21 @@ pub(crate) fn kill_members(sb: &Sandbox, spare: impl Fn(i32) -> bool) -> Result<
     kill_all_but(&sb.cgroup, &sb.id, spare, KILL_ROUNDS)
 }
 
+/// Wait (up to `within`) until init has reaped every other process of `sb` (the pids counter
+/// counts zombies, so 1 means init has seen every exit); whether that happened. Blocking.
+pub(crate) fn wait_only_init_left(sb: &Sandbox, within: std::time::Duration) -> Result<bool> {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if sb.cgroup.stats()?.pids_current <= 1 {
+            return Ok(true);
+        }
+        if std::time::Instant::now() >= deadline {
+            return Ok(false);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
 /// Rounds of [`kill_members`], 2 ms apart.
 const KILL_ROUNDS: usize = 500;
 

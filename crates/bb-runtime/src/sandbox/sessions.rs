@@ -186,8 +186,17 @@ pub async fn create_as(
     cwd: Option<String>,
     env: &BTreeMap<String, String>,
 ) -> Result<Session> {
-    if kind != "python" && kind != "shell" {
-        return Err(RuntimeError::BadRequest(format!("session kind {kind:?} is unknown: use \"python\" or \"shell\"")));
+    if !SESSION_KINDS.contains(&kind) {
+        return Err(RuntimeError::BadRequest(format!(
+            "session kind {kind:?} is unknown: use \"python\", \"shell\" or \"javascript\""
+        )));
+    }
+    if kind == "javascript" && !NODE_PATHS.iter().any(|p| crate::sandbox::files::is_readable_file(&sb.rootfs(), p)) {
+        return Err(RuntimeError::BadRequest(format!(
+            "image {:?} has no node: javascript sessions need it (e.g. a template whose recipe runs `apt-get install -y \
+             nodejs`, such as templates/code-interpreter-v1.toml)",
+            sb.spec.image
+        )));
     }
     let id = id.unwrap_or_else(|| format!("ss-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]));
     sb.dirty.store(true, Ordering::SeqCst);
@@ -257,6 +266,12 @@ pub async fn kill_process(sb: &Sandbox, pid: i32) -> Result<()> {
 pub async fn run(sb: &Sandbox, session: &Session, req: &RunCode, timeout: Option<Duration>) -> Result<SessionResult> {
     run_tailed(sb, session, req, timeout, None).await
 }
+
+/// What a session can be: python, a shell, or node (`javascript`).
+pub const SESSION_KINDS: [&str; 3] = ["python", "shell", "javascript"];
+
+/// Where a javascript session's node may be (the session server looks it up on its PATH).
+const NODE_PATHS: [&str; 4] = ["/usr/local/bin/node", "/usr/bin/node", "/usr/bin/nodejs", "/bin/node"];
 
 /// How often a tailed run's output is looked at.
 const TAIL_TICK: Duration = Duration::from_millis(50);

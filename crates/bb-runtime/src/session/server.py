@@ -2,7 +2,7 @@
 
 The daemon runs this file inside a sandbox as::
 
-    python3 -I -S -c "<source of this file>" python|shell
+    python3 -I -S -c "<source of this file>" python|shell|javascript
 
 with fd 3 a connected AF_UNIX SOCK_STREAM socket (the *channel*).  Nothing from the
 ``branchbox`` package is imported: this file must stay self-contained.
@@ -14,6 +14,8 @@ request, in order.  A request's ``"id"`` (any JSON value) is echoed in its respo
     {"op":"run","code":"..."}  -> python: {"stdout":s,"stderr":s,"result":s|null,
                                            "error":null|{"name","value","traceback"}}
                                   shell:  {"stdout":s,"stderr":s,"exit_code":n}
+                                  javascript: as python (result: util.inspect of the
+                                  last expression's value, a promise awaited)
                                   (+ "stdout_truncated"/"stderr_truncated": true when a
                                   stream exceeded 16 MiB or 24 MiB once JSON-escaped;
                                   exit_code is 128+N for signal N)
@@ -83,6 +85,10 @@ written, is that run's error {"name":"KeyboardInterrupt","value":"","traceback":
 between requests is dropped.  The shell kind's server ignores SIGINT: it reaches a
 command through the session's process group.
 
+The javascript kind runs code in a node process it starts (see JavaScriptKernel): its
+pipes are the only fds beyond 0-3 open between requests, closed in every fork child,
+whose node state is therefore not copied.
+
 Process model: single-threaded, fd 0 is /dev/null, only fds 0-3 are open between
 requests (memfds live for one run), and the server idles in recvmsg() - a quiescent
 point where it can fork.  A parent that forked reaps its fork children from a SIGCHLD
@@ -116,6 +122,9 @@ MAX_RESULT = 4 * 1024 * 1024  # bytes of JSON for a result repr / an error text
 MAX_FDS = 16  # ancillary fds accepted per recvmsg
 _RECV_SIZE = 256 * 1024
 _MFD_CLOEXEC = getattr(os, "MFD_CLOEXEC", 1)
+# Thread-pool sizes of OpenBLAS, OpenMP, MKL, BLIS, Accelerate and numexpr (python sessions).
+_THREAD_POOL_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+                    "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
 
 
 # --------------------------------------------------------------------------- channel
@@ -187,6 +196,13 @@ def _close_fds(fds):
 
 def _memfd(name):
     return os.memfd_create(name, _MFD_CLOEXEC)
+
+
+def _output_memfds(fds):
+    """A run's stdout and stderr memfds (the daemon finds them by name), appended to ``fds``."""
+    for name in ("bb-stdout", "bb-stderr"):
+        fds.append(_memfd(name))
+    return fds[-2], fds[-1]
 
 
 def _read_memfd(fd, limit=MAX_OUTPUT):
@@ -314,6 +330,12 @@ class PythonKernel(object):
         main.__dict__["display"] = self.display
         # matplotlib draws off-screen (figures are returned as PNG).
         os.environ.setdefault("MPLBACKEND", "Agg")
+        # Numeric libraries start their thread pools when loaded; a session is copied by a raw
+        # clone (see _fork_beside), which copies the calling thread only and runs no
+        # pthread_atfork handler, so a copy of a session that had loaded numpy would wait
+        # forever on workers it does not have. One thread each unless the user says otherwise.
+        for name in _THREAD_POOL_ENV:
+            os.environ.setdefault(name, "1")
 
     def display(self, *objs):
         """Show objects as rich outputs of the current run (IPython's display())."""
@@ -334,7 +356,11 @@ class PythonKernel(object):
                 buf = io.BytesIO()
                 fig.savefig(buf, format="png", bbox_inches="tight")
                 png = base64.b64encode(buf.getvalue()).decode("ascii")
-                self.displays.append({"text": _clean(repr(fig)), "png": png})
+                shown = {"text": _clean(repr(fig)), "png": png}
+                chart = _figure_chart(fig)  # after savefig: tick labels are drawn
+                if chart is not None:
+                    shown["chart"] = chart
+                self.displays.append(shown)
             except Exception:
                 pass
         try:
@@ -505,12 +531,186 @@ def _bundle(value, text):
     return out
 
 
+# ----------------------------------------------------------------------------- charts
+
+
+def _figure_chart(fig):
+    """The data of a matplotlib figure as E2B's code interpreter gives it (a result's ``chart``,
+    read by ``e2b_code_interpreter.charts``): a line, scatter, bar or pie chart per axes, a
+    ``superchart`` of them for a figure of several axes; None when no axes is one of those."""
+    try:
+        axes = [ax for ax in fig.get_axes() if ax.get_visible()]
+        charts = [c for c in (_axes_chart(ax) for ax in axes) if c is not None]
+    except Exception:
+        return None
+    if not charts:
+        return None
+    if len(axes) == 1:
+        return charts[0]
+    title = getattr(fig, "_suptitle", None)
+    return {"type": "superchart", "title": title.get_text() if title is not None else "", "elements": charts}
+
+
+def _num(v):
+    """A JSON-safe value of a plotted coordinate: str as is, numbers as float (None if not finite)."""
+    if isinstance(v, str):
+        return v
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    return f if f == f and f not in (float("inf"), float("-inf")) else None
+
+
+def _label(artist):
+    label = artist.get_label()
+    return "" if not isinstance(label, str) or label.startswith("_") else label
+
+
+def _box_and_whiskers(ax):
+    """The boxes of an axes drawn by ``boxplot`` (with its default fliers), or None. It draws
+    seven lines per box: the box (a closed outline of five points), two whiskers (from the
+    quartiles out to the extremes), two caps, the median (as wide as the box) and the
+    outliers (markers only); told apart by their shapes, not their order."""
+    lines = ax.get_lines()
+    if not lines or len(lines) % 7:
+        return None
+    names = {}
+    out = []
+    for i in range(0, len(lines), 7):
+        group = [[list(map(float, v)) for v in ln.get_data()] for ln in lines[i:i + 7]]
+        markers = [ln.get_linestyle() in ("None", "none", " ", "") for ln in lines[i:i + 7]]
+        boxes = [g for g in group if len(g[0]) == 5 and (g[0][0], g[1][0]) == (g[0][-1], g[1][-1])]
+        fliers = [g for g, m in zip(group, markers) if m]
+        segments = [g for g, m in zip(group, markers) if not m and len(g[0]) == 2]
+        if len(boxes) != 1 or len(fliers) != 1 or len(segments) != 5:
+            return None
+        (bx, by), (fx, fy) = boxes[0], fliers[0]
+        vertical = sum(1 for x, _ in segments if x[0] == x[1]) == 2  # the whiskers (a cap is across)
+        pos, val = (0, 1) if vertical else (1, 0)
+        whiskers = [g for g in segments if g[pos][0] == g[pos][1]]
+        across = [g for g in segments if not any(g is w for w in whiskers)]  # caps and median
+        if len(whiskers) != 2 or len(across) != 3:
+            return None
+        median = max(across, key=lambda g: abs(g[pos][1] - g[pos][0]))
+        ends = [v for g in whiskers for v in g[val]]
+        spread = by if vertical else bx
+        if not names:
+            for t in ax.get_xticklabels() if vertical else ax.get_yticklabels():
+                names[round(float(t.get_position()[pos]), 6)] = t.get_text()
+        centre = (min(boxes[0][pos]) + max(boxes[0][pos])) / 2.0
+        out.append({
+            "label": names.get(round(centre, 6)) or str(_num(centre)),
+            "min": _num(min(ends)),
+            "first_quartile": _num(min(spread)),
+            "median": _num(median[val][0]),
+            "third_quartile": _num(max(spread)),
+            "max": _num(max(ends)),
+            "outliers": [_num(v) for v in (fy if vertical else fx)],
+        })
+    return out
+
+
+def _categories(axis):
+    """{position: name} of a categorical axis ({} for others): scatter keeps positions only."""
+    mapping = getattr(getattr(axis, "units", None), "_mapping", None)
+    try:
+        return {float(v): str(k) for k, v in mapping.items()} if mapping else {}
+    except (AttributeError, TypeError, ValueError):
+        return {}
+
+
+def _scale(axis, scale):
+    """E2B's scale type of a matplotlib axis: categorical and date axes are 'linear' to it."""
+    if type(getattr(axis, "units", None)).__name__ == "UnitData":
+        return "categorical"
+    get = getattr(axis, "get_converter", None)
+    converter = get() if callable(get) else getattr(axis, "converter", None)
+    if converter is not None and "date" in type(converter).__name__.lower():
+        return "datetime"
+    return scale
+
+
+def _axes_chart(ax):
+    # Loaded with pyplot (the server imports nothing of matplotlib itself).
+    PathCollection = sys.modules["matplotlib.collections"].PathCollection
+    BarContainer = sys.modules["matplotlib.container"].BarContainer
+    Wedge = sys.modules["matplotlib.patches"].Wedge
+
+    title = ax.get_title()
+    wedges = [p for p in ax.patches if isinstance(p, Wedge)]
+    if wedges:
+        return {
+            "type": "pie",
+            "title": title,
+            "elements": [{"label": _label(w), "angle": _num(abs(w.theta2 - w.theta1)), "radius": _num(w.r)} for w in wedges],
+        }
+    two_d = {
+        "title": title,
+        "x_label": ax.get_xlabel() or None,
+        "y_label": ax.get_ylabel() or None,
+        "x_unit": None,
+        "y_unit": None,
+    }
+    bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+    if bars:
+        elements = []
+        for c in bars:
+            horizontal = getattr(c, "orientation", "vertical") == "horizontal"
+            ticks = ax.get_yticklabels() if horizontal else ax.get_xticklabels()
+            names = {}
+            for t in ticks:
+                x, y = t.get_position()
+                names[round(float(y if horizontal else x), 6)] = t.get_text()
+            for r in c.patches:
+                at = r.get_y() + r.get_height() / 2.0 if horizontal else r.get_x() + r.get_width() / 2.0
+                name = names.get(round(float(at), 6)) or str(_num(at))
+                value = r.get_width() if horizontal else r.get_height()
+                elements.append({"label": name, "group": _label(c), "value": _num(value)})
+        return dict(two_d, type="bar", elements=elements)
+    points = dict(
+        two_d,
+        x_ticks=[_num(t) for t in ax.get_xticks()],
+        x_tick_labels=[t.get_text() for t in ax.get_xticklabels()],
+        x_scale=_scale(ax.xaxis, ax.get_xscale()),
+        y_ticks=[_num(t) for t in ax.get_yticks()],
+        y_tick_labels=[t.get_text() for t in ax.get_yticklabels()],
+        y_scale=_scale(ax.yaxis, ax.get_yscale()),
+    )
+    boxes = _box_and_whiskers(ax)
+    if boxes is not None:
+        return dict(two_d, type="box_and_whisker", elements=boxes)
+    lines = [ln for ln in ax.get_lines() if len(ln.get_xdata(orig=True))]
+    if lines:
+        elements = [
+            {"label": _label(ln), "points": [[_num(x), _num(y)] for x, y in zip(ln.get_xdata(orig=True), ln.get_ydata(orig=True))]}
+            for ln in lines
+        ]
+        return dict(points, type="line", elements=elements)
+    dots = [c for c in ax.collections if isinstance(c, PathCollection) and len(c.get_offsets())]
+    if dots:
+        xs, ys = _categories(ax.xaxis), _categories(ax.yaxis)
+        elements = [
+            {"label": _label(c), "points": [[xs.get(float(x), _num(x)), ys.get(float(y), _num(y))] for x, y in c.get_offsets()]}
+            for c in dots
+        ]
+        return dict(points, type="scatter", elements=elements)
+    return None
+
+
+def _json_size(value):
+    try:
+        return len(json.dumps(value))
+    except (TypeError, ValueError):
+        return 0
+
+
 def _fit_displays(displays):
     """Keep rich outputs under MAX_DISPLAYS bytes: past it, only their text."""
     total = 0
     kept = []
     for d in displays:
-        size = sum(len(v) for v in d.values() if isinstance(v, str))
+        size = sum(len(v) if isinstance(v, str) else _json_size(v) for v in d.values())
         if total + size > MAX_DISPLAYS:
             d = {k: v for k, v in d.items() if k in ("text", "is_main_result")}
             size = len(d.get("text", ""))
@@ -687,10 +887,7 @@ class ShellKernel(object):
         code = code.replace("\0", "")
         fds = []
         try:
-            out_fd = _memfd("bb-stdout")
-            fds.append(out_fd)
-            err_fd = _memfd("bb-stderr")
-            fds.append(err_fd)
+            out_fd, err_fd = _output_memfds(fds)
             dump_fd = _memfd("bb-state-out")
             fds.append(dump_fd)
             if self.bash:
@@ -839,6 +1036,7 @@ def _parse_export_p(text):
 # --------------------------------------------------------------------------- templates
 
 _PR_SET_DUMPABLE = 4
+_PR_SET_PDEATHSIG = 1
 # Flags that only make sense when a file is created: never replayed on a reopen.
 _REOPEN_DROP = os.O_CREAT | os.O_TRUNC | os.O_EXCL | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
 _O_PATH = getattr(os, "O_PATH", 0)
@@ -1128,6 +1326,248 @@ def _after_fork_child():
         pass
 
 
+# --------------------------------------------------------------------------- javascript kind
+
+# The node side of the javascript kind: one persistent global scope (vm.runInThisContext, so
+# top-level var/let/const/function declarations of a run stay for the next), requests as JSON
+# lines on stdin, one answer line each on the fd named by argv; what the code prints goes to
+# node's stdout and stderr (pipes: synchronous writes on Linux), which the server copies into
+# the run's memfds as it arrives.
+_NODE_RUNNER = r"""
+'use strict';
+const fs = require('fs'), util = require('util'), vm = require('vm'), readline = require('readline');
+const answerFd = Number(process.argv[process.argv.length - 1]);
+globalThis.require = require;
+let count = 0, interrupt = null;
+// Idle, a SIGINT (sent to the session's process group) is dropped; while code runs it stops
+// it (breakOnSigint) and while a run awaits a promise it ends the wait.
+process.on('SIGINT', () => { if (interrupt) interrupt(); });
+// A stack without this file's frames (they start where the cell was called from).
+function cellStack(stack) {
+  const lines = String(stack).split('\n');
+  const cut = lines.findIndex((l) => /^\s+at .*(\[eval\]|node:vm:|sigintHandlersWrap)/.test(l));
+  return (cut < 0 ? lines : lines.slice(0, cut)).join('\n');
+}
+function failure(e) {
+  if (e instanceof Error || (e && typeof e === 'object' && 'stack' in e)) {
+    return {name: String(e.name || 'Error'), value: String(e.message === undefined ? e : e.message), traceback: cellStack(e.stack || e)};
+  }
+  return {name: 'Error', value: 'Uncaught ' + util.inspect(e), traceback: 'Uncaught ' + util.inspect(e)};
+}
+function interrupted() { const e = new Error('Script execution was interrupted by SIGINT'); e.name = 'Interrupted'; return e; }
+async function settle(value) {
+  if (!value || typeof value.then !== 'function') return value;
+  return await Promise.race([value, new Promise((_, reject) => { interrupt = () => reject(interrupted()); })]);
+}
+function asyncBody(code, filename) {
+  const lines = code.replace(/\s+$/, '').split('\n');
+  const last = lines.pop().replace(/;\s*$/, '');
+  const returning = '(async () => {\n' + lines.join('\n') + '\nreturn (' + last + '\n);\n})()';
+  try {
+    new vm.Script(returning, {filename});
+    return returning;
+  } catch (e) {
+    return '(async () => {\n' + code + '\n})()';
+  }
+}
+async function handle(req) {
+  const saved = {};
+  for (const [k, v] of Object.entries(req.env || {})) { saved[k] = process.env[k]; process.env[k] = v; }
+  const filename = '<cell ' + (++count) + '>';
+  let result = null, error = null;
+  try {
+    let value;
+    try {
+      value = vm.runInThisContext(req.code, {filename, breakOnSigint: true});
+    } catch (e) {
+      // Top-level await: run as the body of an async function (its declarations stay local)
+      // that returns the last line's value when that line is an expression.
+      if (!(e instanceof SyntaxError) || !/await/.test(e.message)) throw e;
+      value = vm.runInThisContext(asyncBody(req.code, filename), {filename, breakOnSigint: true});
+    }
+    value = await settle(value);
+    if (value !== undefined) result = typeof value === 'string' ? util.inspect(value) : util.inspect(value, {depth: 4});
+  } catch (e) {
+    error = failure(e);
+  } finally {
+    interrupt = null;
+    for (const [k, v] of Object.entries(saved)) { if (v === undefined) delete process.env[k]; else process.env[k] = v; }
+  }
+  fs.writeSync(answerFd, JSON.stringify({result, error, execution_count: count}) + '\n');
+}
+let queue = Promise.resolve();
+readline.createInterface({input: process.stdin}).on('line', (line) => {
+  queue = queue.then(() => handle(JSON.parse(line)));
+}).on('close', () => process.exit(0));
+"""
+
+
+class JavaScriptKernel(object):
+    """Runs code in one persistent node global scope.
+
+    node runs as a child of this server (same process group: a SIGINT to the session reaches
+    it, a kill of the session ends it), started at the first run.  A copy of the session
+    (fork, checkpoint template, rollback) is a clone of this process alone: node is not in
+    it, so the copy starts a fresh node at its first run, whose stderr says so.  Reproducing a
+    node heap in a copy would need a process dump; the python kind has no such limit.
+    """
+
+    def __init__(self, interrupts):
+        self.interrupts = interrupts
+        self.node = None
+        for d in (os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin").split(os.pathsep):
+            for name in ("node", "nodejs"):
+                path = os.path.join(d or ".", name)
+                if self.node is None and os.access(path, os.X_OK) and not os.path.isdir(path):
+                    self.node = path
+        if self.node is None:
+            raise SystemExit("javascript sessions need node in the image (e.g. apt-get install nodejs)")
+        self.proc = None  # (pid, requests fd, answers fd, stdout fd, stderr fd)
+        self.copied = False  # a copy of a session whose node state was lost
+        import select
+        import subprocess  # imported now so forked children start warm
+
+        self.select = select
+        self.subprocess = subprocess
+
+    def forget_node(self):
+        """In a fresh copy of this process (right after the fork): node is the original's."""
+        if self.proc is not None:
+            _close_fds(self.proc[1:])
+            self.proc = None
+            self.copied = True
+
+    def _start(self):
+        fds = []
+        try:
+            req_r, req_w = os.pipe()
+            fds += [req_r, req_w]
+            ans_r, ans_w = os.pipe()
+            fds += [ans_r, ans_w]
+            out_r, out_w = os.pipe()
+            fds += [out_r, out_w]
+            err_r, err_w = os.pipe()
+            fds += [err_r, err_w]
+            for fd in (req_w, ans_r, out_r, err_r):
+                os.set_inheritable(fd, False)
+            proc = self.subprocess.Popen(
+                [self.node, "--no-deprecation", "-e", _NODE_RUNNER, str(ans_w)],
+                stdin=req_r,
+                stdout=out_w,
+                stderr=err_w,
+                pass_fds=(ans_w,),
+                close_fds=True,
+                preexec_fn=_die_with_parent,
+            )
+        except BaseException:
+            _close_fds(fds)
+            raise
+        _close_fds([req_r, ans_w, out_w, err_w])
+        for fd in (out_r, err_r):
+            os.set_blocking(fd, False)
+        self.proc = (proc.pid, req_w, ans_r, out_r, err_r)
+
+    def _stop(self):
+        if self.proc is None:
+            return
+        pid = self.proc[0]
+        _close_fds(self.proc[1:])
+        self.proc = None
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+
+    def run(self, code, env=None):
+        fds = []
+        try:
+            out_fd, err_fd = _output_memfds(fds)
+            answer = self._run(code.replace("\0", ""), env or {}, out_fd, err_fd)
+            res = _capture_result(out_fd, err_fd)
+        finally:
+            _close_fds(fds)
+        res.update(answer)
+        return res
+
+    def _run(self, code, env, out_fd, err_fd):
+        if self.proc is None:
+            if self.copied:
+                self.copied = False
+                _write_all(err_fd, _JS_RESTARTED.encode())
+            self._start()
+        pid, req_w, ans_r, out_r, err_r = self.proc
+        for fd in (out_r, err_r):  # what callbacks printed between runs is not this run's
+            _drain(fd, None)
+        try:
+            _write_all(req_w, (json.dumps({"code": code, "env": env}) + "\n").encode())
+        except OSError:
+            self._stop()
+            return _js_failure("the javascript kernel (node) had exited: this run started none; run again")
+        line = b""
+        while not line.endswith(b"\n"):
+            ready = self.select.select([ans_r, out_r, err_r], [], [])[0]
+            if out_r in ready:
+                _drain(out_r, out_fd)
+            if err_r in ready:
+                _drain(err_r, err_fd)
+            if ans_r in ready:
+                chunk = os.read(ans_r, 1 << 16)
+                if not chunk:
+                    _drain(out_r, out_fd)
+                    _drain(err_r, err_fd)
+                    self._stop()
+                    return _js_failure("the javascript kernel (node) exited during the run; its state is lost")
+                line += chunk
+        _drain(out_r, out_fd)
+        _drain(err_r, err_fd)
+        try:
+            answer = json.loads(line.decode("utf-8", "replace"))
+        except ValueError:
+            self._stop()
+            return _js_failure("the javascript kernel (node) answered garbage; it was restarted")
+        out = {"result": answer.get("result"), "error": answer.get("error"), "displays": []}
+        if isinstance(answer.get("execution_count"), int):
+            out["execution_count"] = answer["execution_count"]
+        return out
+
+
+_JS_RESTARTED = (
+    "[branchbox] this javascript context is a copy (fork, checkpoint or rollback) of another: "
+    "javascript state is not copied, this one starts afresh\n"
+)
+
+
+def _js_failure(message):
+    return {"result": None, "error": {"name": "KernelError", "value": message, "traceback": message}, "displays": []}
+
+
+def _drain(fd, into):
+    """Read what is in the non-blocking pipe ``fd`` now, into fd ``into`` (None: dropped)."""
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            return
+        if not chunk:
+            return
+        if into is not None:
+            _write_all(into, chunk)
+
+
+def _die_with_parent():
+    """In a child before exec: SIGKILL when this server goes (PR_SET_PDEATHSIG)."""
+    prctl, ulong = _load_prctl()
+    if prctl is not None:
+        zero = ulong(0)
+        prctl(_PR_SET_PDEATHSIG, ulong(signal.SIGKILL), zero, zero, zero)
+
+
 # --------------------------------------------------------------------------- server
 
 
@@ -1138,8 +1578,10 @@ class Server(object):
             self.kernel = PythonKernel(self.interrupts)
         elif kind == "shell":
             self.kernel = ShellKernel()
+        elif kind == "javascript":
+            self.kernel = JavaScriptKernel(self.interrupts)
         else:
-            raise SystemExit("usage: session server <python|shell>")
+            raise SystemExit("usage: session server <python|shell|javascript>")
         self.kind = kind
         try:
             os.set_inheritable(CHANNEL_FD, False)
@@ -1311,6 +1753,9 @@ class Server(object):
             os.close(new_fd)
             self.channel = Channel(CHANNEL_FD)
             self.children = set()
+            forget = getattr(self.kernel, "forget_node", None)
+            if forget is not None:
+                forget()
             if self.reaping:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 self.reaping = False
