@@ -203,4 +203,9 @@ def test_javascript_contexts(e2b, built):
         bb.close()
     assert s.run_code("mine.length", context=ctx).text == "2"
     assert s.run_code("base", language="javascript").text == "40"
+    # Restart: the same context, a fresh node; remove: gone.
+    s.restart_code_context(ctx)
+    assert s.run_code("typeof mine", context=ctx).text == "'undefined'"
+    s.remove_code_context(ctx)
+    assert ctx.id not in {c.id for c in s.list_code_contexts()}
 
