@@ -19,15 +19,25 @@ after a warm-up of each:
   pool; the pool's hits and misses per side are in ``pool``.
   ``e2b_http_create_ms_p50`` is the same create as a bare ``POST /sandboxes`` (the body the
   SDK sends) on one kept-alive HTTP/1.1 connection, in the same rounds: the endpoint's own cost
-  without the E2B SDK's; ``e2b_endpoint_overhead_ratio_create`` = it / ``bb_create_ms_p50``.
+  without the E2B SDK's; ``e2b_endpoint_overhead_ratio_create`` = it / ``bb_create_ms_p50``,
+  and ``e2b_sdk_client_ms_create`` = ``e2b_create_ms_p50`` - it: the E2B SDK's own work.
 - ``e2b_run_true_ms_p50``: ``commands.run("true")`` in a sandbox made by the E2B SDK, against
   ``bb_run_true_ms_p50``, branchbox's ``commands.run("true")`` (``/bin/sh -c true``). The E2B
   SDK runs its command as ``/bin/bash -l -c true`` (a login shell, which reads the profile) as
   ``user``: ``bb_run_bash_login_true_ms_p50`` is branchbox's SDK running that same argv as that
   same user, in the same rounds, and ``e2b_overhead_ratio_run_same_argv`` the ratio against it.
+  ``e2b_http_run_true_ms_p50`` is the SDK's request as a bare Connect call (``POST
+  /process.Process/Start``, one JSON envelope with that argv, the user as the SDK names it,
+  the stream read to its end) on the kept-alive connection, in the same rounds;
+  ``e2b_endpoint_overhead_ratio_run`` = it / ``bb_run_true_ms_p50`` and
+  ``e2b_sdk_client_ms_run`` = ``e2b_run_true_ms_p50`` - it.
 - ``e2b_run_code_ms_p50``: ``e2b_code_interpreter.Sandbox.run_code("1+1")`` against
   ``bb_run_code_ms_p50``, branchbox's ``run_code("1+1")`` (the default python session); each
   run once first (that starts the session), every answer checked ("2", no error).
+  ``e2b_http_run_code_ms_p50`` is the same run as a bare ``POST /execute`` (the sandbox and
+  port headers and the access token the SDK sends, the NDJSON stream read to its end) on the
+  kept-alive connection, in the same rounds; ``e2b_endpoint_overhead_ratio_run_code`` = it /
+  ``bb_run_code_ms_p50`` and ``e2b_sdk_client_ms_run_code`` = ``e2b_run_code_ms_p50`` - it.
 - ``e2b_fork16_ms``: ``sbx.fork(count=16)`` of the E2B SDK's sandbox (``POST
   /sandboxes/{id}/fork``) against ``bb_fork16_ms``, branchbox's ``sbx.fork(16)``; the median
   of ``fork_reps`` forks of each (the parents of the ``run`` part), children killed after
@@ -45,6 +55,8 @@ metadata.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import time
@@ -87,6 +99,9 @@ FORK_N = 16
 #: The argv E2B's SDK runs for ``commands.run(cmd)``, and who it runs as by default.
 E2B_RUN_ARGV = ["/bin/bash", "-l", "-c", "true"]
 E2B_USER = "user"
+#: The ports of envd (processes, files) and of the code interpreter (``/execute``) in an E2B sandbox.
+E2B_ENVD_PORT = 49983
+E2B_CODE_PORT = 49999
 #: Sandbox TTLs (s): the create samples' and fork children's, and the others'.
 SAMPLE_TTL = 120
 TTL = 900
@@ -123,7 +138,9 @@ METRICS = (
     "e2b_run_true",
     "bb_run_true",
     "bb_run_bash_login_true",
+    "e2b_http_run_true",
     "e2b_run_code",
+    "e2b_http_run_code",
     "bb_run_code",
     "e2b_fork16",
     "bb_fork16",
@@ -252,8 +269,15 @@ class E2bResult:
         # Details.
         out["e2b_http_create_ms_p50"] = self.p("e2b_http_create")
         out["e2b_endpoint_overhead_ratio_create"] = ratio(out["e2b_http_create_ms_p50"], out["bb_create_ms_p50"])
+        out["e2b_sdk_client_ms_create"] = diff(out["e2b_create_ms_p50"], out["e2b_http_create_ms_p50"])
+        out["e2b_http_run_code_ms_p50"] = self.p("e2b_http_run_code")
+        out["e2b_endpoint_overhead_ratio_run_code"] = ratio(out["e2b_http_run_code_ms_p50"], out["bb_run_code_ms_p50"])
+        out["e2b_sdk_client_ms_run_code"] = diff(out["e2b_run_code_ms_p50"], out["e2b_http_run_code_ms_p50"])
         out["bb_run_bash_login_true_ms_p50"] = self.p("bb_run_bash_login_true")
         out["e2b_overhead_ratio_run_same_argv"] = ratio(out["e2b_run_true_ms_p50"], out["bb_run_bash_login_true_ms_p50"])
+        out["e2b_http_run_true_ms_p50"] = self.p("e2b_http_run_true")
+        out["e2b_endpoint_overhead_ratio_run"] = ratio(out["e2b_http_run_true_ms_p50"], out["bb_run_true_ms_p50"])
+        out["e2b_sdk_client_ms_run"] = diff(out["e2b_run_true_ms_p50"], out["e2b_http_run_true_ms_p50"])
         for _, e2b_m, bb_m in PAIRS[:3]:
             out[e2b_m + "_ms_p99"] = self.p(e2b_m, 99)
             out[bb_m + "_ms_p99"] = self.p(bb_m, 99)
@@ -578,9 +602,35 @@ class _Run:
             )
         return ms
 
+    def http_true(self, headers: Dict[str, str]) -> float:
+        """E2B's ``commands.run("true")`` as a bare Connect server-streaming call: ``Start`` of
+        its argv as ``user``, every envelope read; the ms. The end event must say exit 0."""
+        msg = json.dumps({"process": {"cmd": E2B_RUN_ARGV[0], "args": E2B_RUN_ARGV[1:], "envs": {}}, "stdin": False})
+        body = b"\x00" + len(msg).to_bytes(4, "big") + msg.encode()
+        t0 = time.perf_counter()
+        r = self.http.post("/process.Process/Start", content=body, headers=headers)
+        ms = _ms(t0)
+        messages, tail = _envelopes(r.content)
+        ends = [m["event"]["end"] for m in messages if isinstance(m.get("event"), dict) and "end" in m["event"]]
+        if r.status_code != 200 or tail != {} or len(ends) != 1 or ends[0].get("exitCode", 0) != 0:
+            raise BenchError(
+                "bench e2b: Connect Start of %s in E2B sandbox %s answered %d: %r"
+                % (" ".join(E2B_RUN_ARGV), headers["E2b-Sandbox-Id"], r.status_code, r.content[:400])
+            )
+        return ms
+
     def commands(self, e: Any, b: Sandbox) -> None:
+        connect = dict(
+            self.http_headers(e, E2B_ENVD_PORT),
+            **{
+                "Content-Type": "application/connect+json",
+                "Connect-Protocol-Version": "1",
+                "Authorization": "Basic " + base64.b64encode((E2B_USER + ":").encode()).decode(),
+            },
+        )
         runs = {
             "e2b_run_true": lambda: self.e2b_true(e),
+            "e2b_http_run_true": lambda: self.http_true(connect),
             "bb_run_true": lambda: self.bb_run(b, "true"),
             "bb_run_bash_login_true": lambda: self.bb_run(b, E2B_RUN_ARGV, E2B_USER),
         }
@@ -605,6 +655,36 @@ class _Run:
             )
         return ms
 
+    def http_headers(self, sbx: Any, port: int) -> Dict[str, str]:
+        """The routing headers of a bare request to ``port`` of E2B sandbox ``sbx``, as its SDK
+        sends them: the sandbox, the port and the sandbox's access token (its record's)."""
+        sid = sbx.sandbox_id
+        r = self.http.get("/sandboxes/" + sid)
+        if r.status_code != 200:
+            raise BenchError("bench e2b: GET /sandboxes/%s answered %d: %s" % (sid, r.status_code, r.text[:400]))
+        headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(port)}
+        token = r.json().get("envdAccessToken")
+        if token:
+            headers["X-Access-Token"] = token
+        return headers
+
+    def http_code(self, headers: Dict[str, str]) -> float:
+        """``POST /execute`` of ``1+1`` on the kept-alive connection, its stream read to the end."""
+        t0 = time.perf_counter()
+        r = self.http.post("/execute", json={"code": "1+1"}, headers=headers)
+        ms = _ms(t0)
+        try:
+            events = [json.loads(line) for line in r.text.splitlines() if line.strip()]
+        except ValueError:
+            events = []
+        ok = any(e.get("type") == "result" and e.get("text") == "2" for e in events)
+        if r.status_code != 200 or not ok or any(e.get("type") == "error" for e in events):
+            raise BenchError(
+                "bench e2b: POST /execute of 1+1 in E2B sandbox %s answered %d: %s"
+                % (headers["E2b-Sandbox-Id"], r.status_code, r.text[:400])
+            )
+        return ms
+
     def bb_code(self, sbx: Sandbox) -> float:
         t0 = time.perf_counter()
         x = sbx.run_code("1+1")
@@ -621,7 +701,13 @@ class _Run:
         self.progress("run_code: starting the python sessions")
         self.e2b_code(c)  # the first run starts the session
         self.bb_code(d)
-        runs = {"e2b_run_code": lambda: self.e2b_code(c), "bb_run_code": lambda: self.bb_code(d)}
+        headers = self.http_headers(c, E2B_CODE_PORT)
+        self.http_code(headers)
+        runs = {
+            "e2b_run_code": lambda: self.e2b_code(c),
+            "e2b_http_run_code": lambda: self.http_code(headers),
+            "bb_run_code": lambda: self.bb_code(d),
+        }
         n = self.cfg.samples
         for i in range(n):
             self.progress("run_code(\"1+1\") %d/%d" % (i + 1, n))
@@ -667,6 +753,27 @@ class _Run:
             self.progress("fork(%d) %d/%d (E2B endpoint, branchbox SDK)" % (FORK_N, i + 1, n))
             for side in _order(i, tuple(forks)):
                 forks[side]()
+
+
+def _envelopes(data: bytes) -> Tuple[List[Dict[str, Any]], Optional[Dict[str, Any]]]:
+    """A Connect stream's JSON messages, and its end-of-stream message (None if it has none or
+    the stream is malformed)."""
+    messages: List[Dict[str, Any]] = []
+    at = 0
+    while at + 5 <= len(data):
+        flags, size = data[at], int.from_bytes(data[at + 1:at + 5], "big")
+        payload = data[at + 5:at + 5 + size]
+        at += 5 + size
+        if len(payload) != size:
+            break
+        try:
+            msg = json.loads(payload)
+        except ValueError:
+            break
+        if flags & 0x02:
+            return messages, msg if at == len(data) else None
+        messages.append(msg)
+    return messages, None
 
 
 def _order(i: int, items: Tuple[str, ...]) -> Tuple[str, ...]:

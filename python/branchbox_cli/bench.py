@@ -439,6 +439,12 @@ def e2b_report_lines(s: Dict[str, Any]) -> List[str]:
            ms("bb_run_bash_login_true_ms_p50"), ratio("e2b_overhead_ratio_run_same_argv")),
         "run_code(\"1+1\") p50: E2B code interpreter %s vs branchbox %s (ratio %s)"
         % (ms("e2b_run_code_ms_p50"), ms("bb_run_code_ms_p50"), ratio("e2b_overhead_ratio_run_code")),
+        "the endpoint without the E2B SDK (bare HTTP, the SDK's requests): create %s (ratio %s), run %s (ratio %s), "
+        "run_code %s (ratio %s); the E2B SDK's own work: create %s, run %s, run_code %s"
+        % (ms("e2b_http_create_ms_p50"), ratio("e2b_endpoint_overhead_ratio_create"), ms("e2b_http_run_true_ms_p50"),
+           ratio("e2b_endpoint_overhead_ratio_run"), ms("e2b_http_run_code_ms_p50"),
+           ratio("e2b_endpoint_overhead_ratio_run_code"), ms("e2b_sdk_client_ms_create"), ms("e2b_sdk_client_ms_run"),
+           ms("e2b_sdk_client_ms_run_code")),
         "fork(%s), median of %s: E2B %s vs branchbox %s (ratio %s)"
         % (s.get("fork_n"), s.get("fork_reps"), ms("e2b_fork16_ms"), ms("bb_fork16_ms"), ratio("e2b_overhead_ratio_fork16")),
         "E2B cloud create %s (documented by E2B, not measured) / E2B endpoint create p50 %s: %s faster"

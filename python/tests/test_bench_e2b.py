@@ -60,7 +60,9 @@ def fake_result() -> be.E2bResult:
         res.add("e2b_run_true", e2b_ms * 3)
         res.add("bb_run_true", bb_ms * 3)
         res.add("bb_run_bash_login_true", bb_ms * 6)
+        res.add("e2b_http_run_true", bb_ms * 4)
         res.add("e2b_run_code", e2b_ms / 2)
+        res.add("e2b_http_run_code", bb_ms * 0.6)
         res.add("bb_run_code", bb_ms / 2)
     res.add("e2b_fork16", 120.0)
     res.add("bb_fork16", 100.0)
@@ -76,7 +78,10 @@ def test_summary_shape_and_ratios() -> None:
     assert (s["e2b_http_create_ms_p50"], s["e2b_endpoint_overhead_ratio_create"]) == (3.0, 1.5)
     assert (s["e2b_run_true_ms_p50"], s["bb_run_true_ms_p50"], s["e2b_overhead_ratio_run"]) == (12.0, 6.0, 2.0)
     assert (s["bb_run_bash_login_true_ms_p50"], s["e2b_overhead_ratio_run_same_argv"]) == (12.0, 1.0)
+    assert (s["e2b_http_run_true_ms_p50"], s["e2b_endpoint_overhead_ratio_run"], s["e2b_sdk_client_ms_run"]) == (8.0, 1.333, 4.0)
     assert (s["e2b_run_code_ms_p50"], s["bb_run_code_ms_p50"], s["e2b_overhead_ratio_run_code"]) == (2.0, 1.0, 2.0)
+    assert (s["e2b_http_run_code_ms_p50"], s["e2b_endpoint_overhead_ratio_run_code"]) == (1.2, 1.2)
+    assert (s["e2b_sdk_client_ms_create"], s["e2b_sdk_client_ms_run_code"]) == (1.0, 0.8)
     assert (s["e2b_fork16_ms"], s["bb_fork16_ms"], s["e2b_overhead_ratio_fork16"]) == (120.0, 100.0, 1.2)
     assert (s["e2b_cloud_create_ms"], s["e2b_vs_cloud_create_speedup"]) == (150.0, 37.5)
     assert "not measured" in s["e2b_cloud_create_source"]
@@ -194,6 +199,7 @@ class Daemon:
         self.ready_script: List[int] = []
         self.miss_every = 0  # every n-th create misses the pool
         self.bad_run_code = False
+        self.start_exit_code = 0  # what the bare Connect Start's end event says
 
     def new(self, side: str, metadata: Optional[Dict[str, str]], parent: Optional[str] = None) -> Dict[str, Any]:
         with self.lock:
@@ -212,8 +218,24 @@ class Daemon:
             self.killed.append((side, canonical(sid)))
             return self.sandboxes.pop(canonical(sid), None) is not None
 
+    def connect_start(self, request: httpx.Request) -> httpx.Response:
+        raw = request.content
+        size = int.from_bytes(raw[1:5], "big")
+        assert raw[0] == 0 and len(raw) == 5 + size
+        msg = json.loads(raw[5:])
+        argv = [msg["process"]["cmd"]] + msg["process"]["args"]
+        self.events.append(("e2b_http", "run " + " ".join(argv)))
+        self.bodies.append(("start", dict(msg, headers={k: request.headers.get(k) for k in (
+            "E2b-Sandbox-Id", "E2b-Sandbox-Port", "X-Access-Token", "Authorization", "Content-Type")})))
+        end = {"exitCode": self.start_exit_code, "exited": True}
+        frames = [(0, {"event": {"start": {"pid": 7}}}), (0, {"event": {"end": end}}), (2, {})]
+        out = b"".join(bytes([f]) + len(json.dumps(x)).to_bytes(4, "big") + json.dumps(x).encode() for f, x in frames)
+        return httpx.Response(200, content=out, headers={"Content-Type": "application/connect+json"})
+
     def __call__(self, request: httpx.Request) -> httpx.Response:
         m, path = request.method, request.url.path
+        if path == "/process.Process/Start":  # the bench's bare Connect run, on the E2B endpoint
+            return self.connect_start(request)
         body = json.loads(request.content) if request.content else None
         ok = lambda data, status=200: httpx.Response(status, json=data)  # noqa: E731
         if (m, path) == ("GET", "/v1/health"):
@@ -231,6 +253,18 @@ class Daemon:
         mk = re.match(r"^/sandboxes/(sb[0-9a-f]+)$", path)
         if m == "DELETE" and mk:
             return httpx.Response(204 if self.kill("e2b_http", mk.group(1)) else 404)
+        if m == "GET" and mk and canonical(mk.group(1)) in self.sandboxes:
+            return ok({"sandboxID": mk.group(1), "envdAccessToken": "tok-" + mk.group(1)})
+        if (m, path) == ("POST", "/execute"):  # the bench's bare-HTTP run_code, on the E2B endpoint
+            sid = request.headers.get("E2b-Sandbox-Id", "")
+            self.events.append(("e2b_http", "run_code"))
+            self.bodies.append(("execute", dict(body, headers={k: request.headers.get(k) for k in (
+                "E2b-Sandbox-Id", "E2b-Sandbox-Port", "X-Access-Token")})))
+            if canonical(sid) not in self.sandboxes:
+                return ok({"code": 502, "message": "sandbox not found"}, 502)
+            text = "2" if body["code"] == "1+1" and not self.bad_run_code else "3"
+            lines = [{"type": "result", "text": text, "is_main_result": True}, {"type": "end_of_execution"}]
+            return httpx.Response(200, text="".join(json.dumps(x) + "\n" for x in lines))
         if (m, path) == ("POST", "/v1/sandboxes"):
             self.bodies.append(("create", body))
             self.events.append(("bb", "create"))
@@ -396,13 +430,29 @@ def test_whole_run_on_a_fake_daemon(world: FakeE2b) -> None:
     # branchbox runs "true" (sh -c) and E2B's own argv.
     runs = [(side, what) for side, what in d.events if what.startswith("run ")]
     e2b_true, bb_true, bb_bash = ("e2b", "run true"), ("bb", "run true"), ("bb", "run /bin/bash -l -c true")
-    assert runs == [e2b_true, bb_true, bb_bash] * 2 + [bb_bash, bb_true, e2b_true] + [e2b_true, bb_true, bb_bash]
+    http_true = ("e2b_http", "run /bin/bash -l -c true")
+    one = [e2b_true, http_true, bb_true, bb_bash]
+    assert runs == one * 2 + one[::-1] + one
+    starts = [b for what, b in d.bodies if what == "start"]
+    e2b_parent = starts[0]["headers"]["E2b-Sandbox-Id"]
+    assert len(starts) == 4 and all(b == starts[0] for b in starts)
+    assert starts[0] == {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "true"], "envs": {}}, "stdin": False,
+                         "headers": {"E2b-Sandbox-Id": e2b_parent, "E2b-Sandbox-Port": "49983",
+                                     "X-Access-Token": "tok-" + e2b_parent, "Authorization": "Basic dXNlcjo=",
+                                     "Content-Type": "application/connect+json"}}
+    assert s["e2b_http_run_true_ms_p50"] > 0 and s["e2b_endpoint_overhead_ratio_run"] > 0
+    assert s["e2b_sdk_client_ms_run"] is not None
     commands = [b for what, b in d.bodies if what == "commands"]
     assert commands[0] == {"cmd": "true", "timeout": 60}
     assert (commands[1]["args"], commands[1]["user"]) == (be.E2B_RUN_ARGV, "user")
     # run_code: one run of each first, then alternating.
     code = [side for side, what in d.events if what == "run_code"]
-    assert code == ["e2b", "bb", "e2b", "bb", "bb", "e2b", "e2b", "bb"]
+    assert code == ["e2b", "bb", "e2b_http"] + ["e2b", "e2b_http", "bb", "bb", "e2b_http", "e2b"] + ["e2b", "e2b_http", "bb"]
+    code_sid = [c for c in d.killed if c[0] == "e2b"][-1][1].replace("-", "")  # the code sandbox: killed last
+    assert {tuple(sorted(b["headers"].items())) for what, b in d.bodies if what == "execute"} == {
+        (("E2b-Sandbox-Id", code_sid), ("E2b-Sandbox-Port", "49999"), ("X-Access-Token", "tok-" + code_sid))}
+    assert s["e2b_http_run_code_ms_p50"] > 0 and s["e2b_endpoint_overhead_ratio_run_code"] > 0
+    assert s["e2b_sdk_client_ms_run_code"] is not None and s["e2b_sdk_client_ms_create"] is not None
     # fork(16) of each side's parent, alternating, with the children's TTL.
     assert world.forks == [{"timeout": be.SAMPLE_TTL, "count": 16}] * 2
     assert [b for what, b in d.bodies if what == "fork"] == [{"count": 16, "timeout": be.SAMPLE_TTL}] * 2
@@ -469,6 +519,28 @@ def test_a_wrong_run_code_answer_fails_the_run(world: FakeE2b) -> None:
     with pytest.raises(be.BenchError, match=r"run_code\('1\+1'\) in sandbox sb-\w+ returned None \(error: NameError: x\)"):
         be.run_e2b_bench(cfg(), sdk=world.sdk)
     assert world.d.sandboxes == {}
+
+
+def test_a_failed_bare_connect_run_fails_the_run(world: FakeE2b) -> None:
+    world.d.start_exit_code = 1
+    with pytest.raises(be.BenchError, match=r"Connect Start of /bin/bash -l -c true in E2B sandbox sb\w+ answered 200"):
+        be.run_e2b_bench(cfg(), sdk=world.sdk)
+    assert world.d.sandboxes == {}
+
+
+def test_connect_envelopes_are_split_and_bad_streams_have_no_end() -> None:
+    def frame(flags: int, msg: Any) -> bytes:
+        raw = json.dumps(msg).encode()
+        return bytes([flags]) + len(raw).to_bytes(4, "big") + raw
+
+    ok = frame(0, {"a": 1}) + frame(0, {"b": 2}) + frame(2, {})
+    assert be._envelopes(ok) == ([{"a": 1}, {"b": 2}], {})
+    assert be._envelopes(frame(0, {"a": 1}) + frame(2, {"error": {"code": "internal"}})) == (
+        [{"a": 1}], {"error": {"code": "internal"}})
+    assert be._envelopes(ok[:-3]) == ([{"a": 1}, {"b": 2}], None), "truncated end"
+    assert be._envelopes(ok + b"x") == ([{"a": 1}, {"b": 2}], None), "bytes after the end"
+    assert be._envelopes(frame(0, {"a": 1})) == ([{"a": 1}], None), "no end"
+    assert be._envelopes(b"\x00\x00\x00\x00\x02{x") == ([], None), "not JSON"
 
 
 def test_an_interrupt_kills_everything(world: FakeE2b, monkeypatch: pytest.MonkeyPatch) -> None:

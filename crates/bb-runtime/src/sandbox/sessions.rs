@@ -191,10 +191,12 @@ pub async fn create_as(
             "session kind {kind:?} is unknown: use \"python\", \"shell\" or \"javascript\""
         )));
     }
-    if kind == "javascript" && !NODE_PATHS.iter().any(|p| crate::sandbox::files::is_readable_file(&sb.rootfs(), p)) {
+    let session_env = sb.env_with(env);
+    if kind == "javascript" && !has_node(&sb.rootfs(), &session_env) {
         return Err(RuntimeError::BadRequest(format!(
-            "image {:?} has no node: javascript sessions need it (e.g. a template whose recipe runs `apt-get install -y \
-             nodejs`, such as templates/code-interpreter-v1.toml)",
+            "image {:?} has no node on the session's PATH: javascript sessions need it (e.g. a template whose recipe \
+             runs `apt-get install -y nodejs`, such as templates/code-interpreter-v1.toml, or PATH in `env` naming \
+             node's directory)",
             sb.spec.image
         )));
     }
@@ -206,7 +208,7 @@ pub async fn create_as(
     conn.send(
         &Request::Spawn(SpawnRequest {
             argv: vec!["python3".into(), "-c".into(), SERVER_SOURCE.into(), kind.into()],
-            env: sb.env_with(env),
+            env: session_env,
             cwd: cwd.unwrap_or_else(|| sb.spec.cwd.clone()),
             background: true,
             stdin: false,
@@ -270,8 +272,27 @@ pub async fn run(sb: &Sandbox, session: &Session, req: &RunCode, timeout: Option
 /// What a session can be: python, a shell, or node (`javascript`).
 pub const SESSION_KINDS: [&str; 3] = ["python", "shell", "javascript"];
 
-/// Where a javascript session's node may be (the session server looks it up on its PATH).
-const NODE_PATHS: [&str; 4] = ["/usr/local/bin/node", "/usr/bin/node", "/usr/bin/nodejs", "/bin/node"];
+/// The names node goes by, looked up along the session's PATH (as the session server does).
+const NODE_NAMES: [&str; 2] = ["node", "nodejs"];
+/// The PATH a session server searches when its environment has none.
+const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+
+/// The absolute directories of the `PATH` in `env` (`KEY=value` entries), in order: the places
+/// the session server looks for node (relative entries are skipped there too).
+fn path_dirs(env: &[String]) -> Vec<&str> {
+    let path = env.iter().rev().find_map(|kv| kv.strip_prefix("PATH=")).unwrap_or(DEFAULT_PATH);
+    path.split(':').filter(|d| d.starts_with('/')).collect()
+}
+
+/// Whether a javascript session of environment `env` in the sandbox whose root is `rootfs`
+/// would find node.
+fn has_node(rootfs: &std::path::Path, env: &[String]) -> bool {
+    path_dirs(env).iter().any(|dir| {
+        NODE_NAMES
+            .iter()
+            .any(|n| crate::sandbox::files::is_readable_file(rootfs, &format!("{}/{n}", dir.trim_end_matches('/'))))
+    })
+}
 
 /// How often a tailed run's output is looked at.
 const TAIL_TICK: Duration = Duration::from_millis(50);
@@ -361,5 +382,33 @@ pub async fn kill(sb: &Sandbox, session: &Session) -> Result<()> {
     match kill_process(sb, session.pid).await {
         Ok(()) | Err(RuntimeError::NotFound { .. }) => Ok(()),
         Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(kvs: &[&str]) -> Vec<String> {
+        kvs.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn path_dirs_are_the_absolute_entries_of_path_or_the_default() {
+        assert_eq!(path_dirs(&env(&["HOME=/root"])), vec!["/usr/local/bin", "/usr/bin", "/bin"]);
+        assert_eq!(path_dirs(&env(&["PATH=/opt/node/bin:bin::/usr/bin"])), vec!["/opt/node/bin", "/usr/bin"]);
+    }
+
+    #[test]
+    fn node_is_found_on_a_custom_path_dir_and_only_there() {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(root.path().join("opt/node/bin")).unwrap();
+        std::fs::write(root.path().join("opt/node/bin/node"), b"").unwrap();
+        assert!(!has_node(root.path(), &env(&[])), "not on the default PATH");
+        assert!(has_node(root.path(), &env(&["PATH=/usr/bin:/opt/node/bin/"])));
+        std::fs::create_dir_all(root.path().join("usr/bin")).unwrap();
+        std::fs::write(root.path().join("usr/bin/nodejs"), b"").unwrap();
+        assert!(has_node(root.path(), &env(&[])), "nodejs on the default PATH");
+        assert!(!has_node(root.path(), &env(&["PATH=/opt"])));
     }
 }

@@ -536,8 +536,9 @@ def _bundle(value, text):
 
 def _figure_chart(fig):
     """The data of a matplotlib figure as E2B's code interpreter gives it (a result's ``chart``,
-    read by ``e2b_code_interpreter.charts``): a line, scatter, bar or pie chart per axes, a
-    ``superchart`` of them for a figure of several axes; None when no axes is one of those."""
+    read by ``e2b_code_interpreter.charts``): a line, scatter, bar, pie or box-and-whisker chart
+    per axes, a ``superchart`` of them for a figure of several axes; None when no axes is one of
+    those."""
     try:
         axes = [ax for ax in fig.get_axes() if ax.get_visible()]
         charts = [c for c in (_axes_chart(ax) for ax in axes) if c is not None]
@@ -567,6 +568,16 @@ def _label(artist):
     return "" if not isinstance(label, str) or label.startswith("_") else label
 
 
+def _tick_names(ax, horizontal):
+    """{position: text} of the ticks along an axes' category axis: x for vertical bars and
+    boxes, y for horizontal ones (positions rounded, as the patches' centres are looked up)."""
+    names = {}
+    for t in ax.get_yticklabels() if horizontal else ax.get_xticklabels():
+        x, y = t.get_position()
+        names[round(float(y if horizontal else x), 6)] = t.get_text()
+    return names
+
+
 def _box_and_whiskers(ax):
     """The boxes of an axes drawn by ``boxplot`` (with its default fliers), or None. It draws
     seven lines per box: the box (a closed outline of five points), two whiskers (from the
@@ -575,7 +586,7 @@ def _box_and_whiskers(ax):
     lines = ax.get_lines()
     if not lines or len(lines) % 7:
         return None
-    names = {}
+    names = None
     out = []
     for i in range(0, len(lines), 7):
         group = [[list(map(float, v)) for v in ln.get_data()] for ln in lines[i:i + 7]]
@@ -595,9 +606,8 @@ def _box_and_whiskers(ax):
         median = max(across, key=lambda g: abs(g[pos][1] - g[pos][0]))
         ends = [v for g in whiskers for v in g[val]]
         spread = by if vertical else bx
-        if not names:
-            for t in ax.get_xticklabels() if vertical else ax.get_yticklabels():
-                names[round(float(t.get_position()[pos]), 6)] = t.get_text()
+        if names is None:
+            names = _tick_names(ax, horizontal=not vertical)
         centre = (min(boxes[0][pos]) + max(boxes[0][pos])) / 2.0
         out.append({
             "label": names.get(round(centre, 6)) or str(_num(centre)),
@@ -657,17 +667,16 @@ def _axes_chart(ax):
         elements = []
         for c in bars:
             horizontal = getattr(c, "orientation", "vertical") == "horizontal"
-            ticks = ax.get_yticklabels() if horizontal else ax.get_xticklabels()
-            names = {}
-            for t in ticks:
-                x, y = t.get_position()
-                names[round(float(y if horizontal else x), 6)] = t.get_text()
+            names = _tick_names(ax, horizontal)
             for r in c.patches:
                 at = r.get_y() + r.get_height() / 2.0 if horizontal else r.get_x() + r.get_width() / 2.0
                 name = names.get(round(float(at), 6)) or str(_num(at))
                 value = r.get_width() if horizontal else r.get_height()
                 elements.append({"label": name, "group": _label(c), "value": _num(value)})
         return dict(two_d, type="bar", elements=elements)
+    boxes = _box_and_whiskers(ax)
+    if boxes is not None:
+        return dict(two_d, type="box_and_whisker", elements=boxes)
     points = dict(
         two_d,
         x_ticks=[_num(t) for t in ax.get_xticks()],
@@ -677,9 +686,6 @@ def _axes_chart(ax):
         y_tick_labels=[t.get_text() for t in ax.get_yticklabels()],
         y_scale=_scale(ax.yaxis, ax.get_yscale()),
     )
-    boxes = _box_and_whiskers(ax)
-    if boxes is not None:
-        return dict(two_d, type="box_and_whisker", elements=boxes)
     lines = [ln for ln in ax.get_lines() if len(ln.get_xdata(orig=True))]
     if lines:
         elements = [
@@ -1412,12 +1418,13 @@ class JavaScriptKernel(object):
     node heap in a copy would need a process dump; the python kind has no such limit.
     """
 
-    def __init__(self, interrupts):
-        self.interrupts = interrupts
+    def __init__(self):
         self.node = None
         for d in (os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin").split(os.pathsep):
+            if not d.startswith("/"):
+                continue  # as the daemon's check before the session starts: absolute dirs only
             for name in ("node", "nodejs"):
-                path = os.path.join(d or ".", name)
+                path = os.path.join(d, name)
                 if self.node is None and os.access(path, os.X_OK) and not os.path.isdir(path):
                     self.node = path
         if self.node is None:
@@ -1579,7 +1586,7 @@ class Server(object):
         elif kind == "shell":
             self.kernel = ShellKernel()
         elif kind == "javascript":
-            self.kernel = JavaScriptKernel(self.interrupts)
+            self.kernel = JavaScriptKernel()
         else:
             raise SystemExit("usage: session server <python|shell|javascript>")
         self.kind = kind
