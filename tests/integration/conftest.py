@@ -112,10 +112,12 @@ class Daemon:
             self.start()
 
 
-def _base_has_user() -> bool:
+def _base_is_current() -> bool:
+    """Whether the kept base image has what images built now have: the `user` account (E2B's
+    default user, test_e2b.py) and C.UTF-8 in a locale archive (test_smoke.py)."""
     s = Sandbox.create(daemon=URL, timeout=60)
     try:
-        return s.commands.run("id -u user").exit_code == 0
+        return s.commands.run("id -u user && test -f /usr/lib/locale/locale-archive").exit_code == 0
     finally:
         s.kill()
 
@@ -130,9 +132,9 @@ def daemon():
     d.start()
     os.environ["BRANCHBOX_URL"] = URL
     imgs = Images(daemon=URL)
-    # A base image kept in the state dir from before images had the `user` account (E2B's
-    # default user, test_e2b.py) is built again, once.
-    if not any(i.name == "base" for i in imgs.list()) or not _base_has_user():
+    # A base image kept in the state dir from before images had what they have now is built
+    # again, once.
+    if not any(i.name == "base" for i in imgs.list()) or not _base_is_current():
         imgs.build("base")
     yield d
     # Kill whatever the tests left, then stop.
