@@ -102,6 +102,17 @@ E2B_USER = "user"
 #: The ports of envd (processes, files) and of the code interpreter (``/execute``) in an E2B sandbox.
 E2B_ENVD_PORT = 49983
 E2B_CODE_PORT = 49999
+#: The E2B SDK's ``Start`` request for ``E2B_RUN_ARGV`` as one Connect envelope (flags 0, length, JSON).
+_START_MESSAGE = json.dumps(
+    {"process": {"cmd": E2B_RUN_ARGV[0], "args": E2B_RUN_ARGV[1:], "envs": {}}, "stdin": False}
+).encode()
+_START_ENVELOPE = b"\x00" + len(_START_MESSAGE).to_bytes(4, "big") + _START_MESSAGE
+#: Each E2B SDK call timed also as bare HTTP: (name, the SDK's metric, the bare one, branchbox's).
+BARE = (
+    ("create", "e2b_create", "e2b_http_create", "bb_create"),
+    ("run_code", "e2b_run_code", "e2b_http_run_code", "bb_run_code"),
+    ("run", "e2b_run_true", "e2b_http_run_true", "bb_run_true"),
+)
 #: Sandbox TTLs (s): the create samples' and fork children's, and the others'.
 SAMPLE_TTL = 120
 TTL = 900
@@ -267,17 +278,12 @@ class E2bResult:
         out["fork_reps"] = cfg.fork_reps
         out["sample_counts"] = {m: len(self.samples.get(m) or []) for m in METRICS}
         # Details.
-        out["e2b_http_create_ms_p50"] = self.p("e2b_http_create")
-        out["e2b_endpoint_overhead_ratio_create"] = ratio(out["e2b_http_create_ms_p50"], out["bb_create_ms_p50"])
-        out["e2b_sdk_client_ms_create"] = diff(out["e2b_create_ms_p50"], out["e2b_http_create_ms_p50"])
-        out["e2b_http_run_code_ms_p50"] = self.p("e2b_http_run_code")
-        out["e2b_endpoint_overhead_ratio_run_code"] = ratio(out["e2b_http_run_code_ms_p50"], out["bb_run_code_ms_p50"])
-        out["e2b_sdk_client_ms_run_code"] = diff(out["e2b_run_code_ms_p50"], out["e2b_http_run_code_ms_p50"])
+        for name, sdk_m, bare_m, bb_m in BARE:
+            out[bare_m + "_ms_p50"] = self.p(bare_m)
+            out["e2b_endpoint_overhead_ratio_" + name] = ratio(out[bare_m + "_ms_p50"], out[bb_m + "_ms_p50"])
+            out["e2b_sdk_client_ms_" + name] = diff(out[sdk_m + "_ms_p50"], out[bare_m + "_ms_p50"])
         out["bb_run_bash_login_true_ms_p50"] = self.p("bb_run_bash_login_true")
         out["e2b_overhead_ratio_run_same_argv"] = ratio(out["e2b_run_true_ms_p50"], out["bb_run_bash_login_true_ms_p50"])
-        out["e2b_http_run_true_ms_p50"] = self.p("e2b_http_run_true")
-        out["e2b_endpoint_overhead_ratio_run"] = ratio(out["e2b_http_run_true_ms_p50"], out["bb_run_true_ms_p50"])
-        out["e2b_sdk_client_ms_run"] = diff(out["e2b_run_true_ms_p50"], out["e2b_http_run_true_ms_p50"])
         for _, e2b_m, bb_m in PAIRS[:3]:
             out[e2b_m + "_ms_p99"] = self.p(e2b_m, 99)
             out[bb_m + "_ms_p99"] = self.p(bb_m, 99)
@@ -605,10 +611,8 @@ class _Run:
     def http_true(self, headers: Dict[str, str]) -> float:
         """E2B's ``commands.run("true")`` as a bare Connect server-streaming call: ``Start`` of
         its argv as ``user``, every envelope read; the ms. The end event must say exit 0."""
-        msg = json.dumps({"process": {"cmd": E2B_RUN_ARGV[0], "args": E2B_RUN_ARGV[1:], "envs": {}}, "stdin": False})
-        body = b"\x00" + len(msg).to_bytes(4, "big") + msg.encode()
         t0 = time.perf_counter()
-        r = self.http.post("/process.Process/Start", content=body, headers=headers)
+        r = self.http.post("/process.Process/Start", content=_START_ENVELOPE, headers=headers)
         ms = _ms(t0)
         messages, tail = _envelopes(r.content)
         ends = [m["event"]["end"] for m in messages if isinstance(m.get("event"), dict) and "end" in m["event"]]

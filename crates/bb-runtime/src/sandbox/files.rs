@@ -584,10 +584,11 @@ fn read_small(rootfs: &Path, path: &str) -> Result<String> {
     Ok(text)
 }
 
-/// Whether `path` opens for reading as a regular file in the sandbox whose merged root is
-/// `rootfs` (symlinks followed inside it).
-pub(crate) fn is_readable_file(rootfs: &Path, path: &str) -> bool {
-    SandboxFs::open(rootfs, 0).is_ok_and(|fs| SbPath::parse(path).is_ok_and(|p| fs.open_read(&p).is_ok()))
+/// Whether any of `paths` opens for reading as a regular file in the sandbox whose merged root
+/// is `rootfs` (symlinks followed inside it); the root is opened once for all of them.
+pub(crate) fn any_readable_file<S: AsRef<str>>(rootfs: &Path, paths: impl IntoIterator<Item = S>) -> bool {
+    let Ok(fs) = SandboxFs::open(rootfs, 0) else { return false };
+    paths.into_iter().any(|p| SbPath::parse(p.as_ref()).is_ok_and(|p| fs.open_read(&p).is_ok()))
 }
 
 /// Look a user up in the sandbox whose merged root is `rootfs` (read through its root, so a

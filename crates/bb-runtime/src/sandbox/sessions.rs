@@ -277,21 +277,21 @@ const NODE_NAMES: [&str; 2] = ["node", "nodejs"];
 /// The PATH a session server searches when its environment has none.
 const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
 
-/// The absolute directories of the `PATH` in `env` (`KEY=value` entries), in order: the places
-/// the session server looks for node (relative entries are skipped there too).
+/// The absolute directories of the `PATH` in `env` (`KEY=value` entries; the first `PATH=`, as
+/// `getenv` reads it), in order: the places the session server looks for node (relative entries
+/// are skipped there too).
 fn path_dirs(env: &[String]) -> Vec<&str> {
-    let path = env.iter().rev().find_map(|kv| kv.strip_prefix("PATH=")).unwrap_or(DEFAULT_PATH);
+    let path = env.iter().find_map(|kv| kv.strip_prefix("PATH=")).unwrap_or(DEFAULT_PATH);
     path.split(':').filter(|d| d.starts_with('/')).collect()
 }
 
 /// Whether a javascript session of environment `env` in the sandbox whose root is `rootfs`
 /// would find node.
 fn has_node(rootfs: &std::path::Path, env: &[String]) -> bool {
-    path_dirs(env).iter().any(|dir| {
-        NODE_NAMES
-            .iter()
-            .any(|n| crate::sandbox::files::is_readable_file(rootfs, &format!("{}/{n}", dir.trim_end_matches('/'))))
-    })
+    let candidates = path_dirs(env)
+        .into_iter()
+        .flat_map(|dir| NODE_NAMES.iter().map(move |n| format!("{}/{n}", dir.trim_end_matches('/'))));
+    crate::sandbox::files::any_readable_file(rootfs, candidates)
 }
 
 /// How often a tailed run's output is looked at.
