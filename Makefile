@@ -7,8 +7,9 @@ STATE_DIR   ?= /var/lib/branchbox
 SOCKET      ?= /run/branchbox/branchboxd.sock
 PYTHON      ?= python3
 CARGO       ?= cargo
-# (nodejs: the session server's javascript kind is unit-tested on the host, python/tests)
-APT_PKGS    := debootstrap pkg-config build-essential ca-certificates curl xfsprogs iproute2 nftables nodejs
+# (nodejs, node-typescript: the session server's javascript and typescript kinds are unit-tested
+# on the host, python/tests)
+APT_PKGS    := debootstrap pkg-config build-essential ca-certificates curl xfsprogs iproute2 nftables nodejs node-typescript
 
 .PHONY: all deps build install python demo test lint test-rust test-python test-integration openapi clean-state
 

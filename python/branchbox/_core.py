@@ -574,8 +574,9 @@ def kill_process(sandbox_id: str, pid: int, signal: int = 9) -> Call:
 # ----------------------------------------------------------------------------- sessions & code
 
 
-#: Session kinds: a python interpreter, a shell, node (the image needs it).
-SESSION_KINDS = ("python", "shell", "javascript")
+#: Session kinds: a python interpreter, a shell, node (the image needs it), node compiling
+#: typescript (the image needs node and the ``typescript`` package).
+SESSION_KINDS = ("python", "shell", "javascript", "typescript")
 
 
 def create_session(
@@ -585,7 +586,9 @@ def create_session(
     env: Optional[Mapping[str, Any]] = None,
 ) -> Call:
     if kind not in SESSION_KINDS:
-        raise exc.InvalidArgumentError("session kind must be 'python', 'shell' or 'javascript', not %r" % (kind,))
+        raise exc.InvalidArgumentError(
+            "session kind must be 'python', 'shell', 'javascript' or 'typescript', not %r" % (kind,)
+        )
     body = {"kind": kind, "cwd": cwd, "env": _env(env) or {}}
     return Call("POST", _sbx(sandbox_id) + "/sessions", json=body, parse=SessionInfo.from_dict)
 
@@ -619,7 +622,7 @@ def run_session(
     parse: Callable[[Any], Any] = parse_run_result
     if kind == "shell":
         parse = ShellResult.from_dict
-    elif kind in ("python", "javascript"):
+    elif kind in ("python", "javascript", "typescript"):
         parse = Execution.from_dict
     return Call(
         "POST",

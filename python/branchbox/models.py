@@ -263,7 +263,7 @@ class ShellResult(_Model):
 
 @dataclass
 class SessionInfo(_Model):
-    """A stateful session (``kind`` is ``python``, ``shell`` or ``javascript``)."""
+    """A stateful session (``kind`` is ``python``, ``shell``, ``javascript`` or ``typescript``)."""
 
     id: str = ""
     kind: str = ""

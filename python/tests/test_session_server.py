@@ -999,6 +999,13 @@ def test_javascript_state_output_results_and_errors(js: SessionProcess, tmp_path
     assert js.run("require('path').join(process.cwd(), 'x')")["result"] == repr(str(tmp_path / "x"))
 
 
+def test_javascript_runs_may_declare_the_names_the_runner_uses(js: SessionProcess) -> None:
+    # The runner's own names (fs, util, vm, count, handle...) are not in the global scope.
+    r = js.run("const fs = require('fs'); let count = 3; var util = 1; function handle() { return 'mine' }\ntypeof fs.readFileSync")
+    assert (r["result"], r["error"]) == ("'function'", None), r
+    assert js.run("[count, util, handle()]")["result"] == "[ 3, 1, 'mine' ]"  # and the runner still works
+
+
 def test_javascript_top_level_await_and_run_env(js: SessionProcess) -> None:
     assert js.run("await new Promise((r) => setTimeout(() => r(7), 5))")["result"] == "7"
     assert js.run("const v = await Promise.resolve(5)\nv * 2;")["result"] == "10"
@@ -1052,3 +1059,101 @@ def test_javascript_without_node_says_what_to_install(tmp_path) -> None:
         assert "javascript sessions need node in the image" in s.proc.stderr.read().decode()
     finally:
         s.stop()
+
+
+# ----------------------------------------------------------------------------- typescript kind
+
+# Where the session server's node runner looks for the `typescript` package after `require`'s
+# own lookup (`make` installs Debian's node-typescript on the host).
+TS_PLACES = ("/usr/share/nodejs", "/usr/local/lib/node_modules", "/usr/lib/node_modules")
+
+
+@pytest.fixture
+def ts(tmp_path):
+    if not any(os.path.isfile(os.path.join(d, "typescript", "package.json")) for d in TS_PLACES):
+        pytest.skip("no typescript package in %s: apt-get install node-typescript" % (TS_PLACES,))
+    s = SessionProcess("typescript", cwd=str(tmp_path), env={"PATH": os.environ["PATH"]}, preexec_fn=os.setsid)
+    yield s
+    s.stop()
+
+
+def test_typescript_types_are_stripped_and_declarations_kept(ts: SessionProcess) -> None:
+    r = ts.run("interface P { x: number }\nenum Color { Red, Green }\nconst p: P = { x: 40 }\nfunction twice<T extends number>(n: T): number { return 2 * n }\np.x + Color.Green")
+    assert (r["result"], r["error"], r["execution_count"]) == ("41", None, 1), r
+    assert ts.run("twice(p.x as number)")["result"] == "80"
+    assert ts.run("type Only = string")["result"] is None  # types alone run nothing
+    # Top-level await, as in the javascript kind; console output is the run's.
+    r = ts.run("const v: number = await Promise.resolve(5)\nconsole.log('got', v)\nv * 2")
+    assert (r["stdout"], r["result"]) == ("got 5\n", "10"), r
+    # Not type-checked (as a transpiler): a type error runs.
+    assert ts.run("const s: string = 3 as any as string; s")["result"] == "3"
+
+
+def test_typescript_imports_stay_for_later_runs(ts: SessionProcess, tmp_path) -> None:
+    r = ts.run("import path from 'path'\nimport * as fs from 'fs'\nimport { join as j, type ParsedPath } from 'path'\nimport type { Stats } from 'fs'\nj('a', 'b')")
+    assert (r["result"], r["error"]) == ("'a/b'", None), r
+    (tmp_path / "f.txt").write_text("data")
+    assert ts.run("fs.readFileSync(path.join(process.cwd(), 'f.txt'), 'utf8')")["result"] == "'data'"
+    assert ts.run("export const e = 1; e")["result"] == "1"  # a cell with an export still runs
+
+
+def test_typescript_syntax_errors_name_the_cell_and_keep_the_scope(ts: SessionProcess) -> None:
+    ts.run("let kept: string = 'here'")
+    err = ts.run("const x: = 1")["error"]
+    assert err["name"] == "SyntaxError" and "<cell 2>:1:10" in err["value"], err
+    assert "[eval]" not in err["traceback"]
+    assert ts.run("kept")["result"] == "'here'"
+    err = ts.run("function bad(): void { (null as any).x }\nbad()")["error"]
+    assert err["name"] == "TypeError" and "at bad (<cell 4>:" in err["traceback"], err
+
+
+def test_typescript_without_the_package_says_what_to_install(tmp_path) -> None:
+    # The server in a user and mount namespace of its own where the places node would find the
+    # package are empty tmpfs mounts.
+    wrapper = tmp_path / "python-without-typescript"
+    wrapper.write_text(
+        "#!/bin/sh\nexec unshare --user --map-root-user --mount sh -c '"
+        'for d in %s; do [ -d "$d" ] && mount -t tmpfs none "$d"; done; exec "$0" "$@"\' %s "$@"\n'
+        % (" ".join(TS_PLACES), sys.executable)
+    )
+    wrapper.chmod(0o755)
+    s = SessionProcess("typescript", cwd=str(tmp_path), env={"PATH": os.environ["PATH"]}, python=str(wrapper))
+    try:
+        err = s.run("const n: number = 1; n")["error"]
+        assert err["name"] == "KernelError" and "need the 'typescript' package" in err["value"], err
+        assert s.run("1")["error"]["name"] == "KernelError"  # the kernel stays up and says it again
+    finally:
+        s.stop()
+    # A javascript run with top-level await still runs there, its declarations local to it.
+    js = SessionProcess("javascript", cwd=str(tmp_path), env={"PATH": os.environ["PATH"]}, python=str(wrapper))
+    try:
+        assert js.run("const v = await Promise.resolve(5)\nv * 2;")["result"] == "10"
+        assert js.run("typeof v")["result"] == "'undefined'"
+    finally:
+        js.stop()
+
+
+def test_top_level_await_runs_keep_their_declarations(ts: SessionProcess, tmp_path) -> None:
+    # With the typescript package at hand, for both kinds (as the node REPL does it).
+    js = SessionProcess("javascript", cwd=str(tmp_path), env={"PATH": os.environ["PATH"]})
+    try:
+        for s in (ts, js):
+            r = s.run("const v = await Promise.resolve(5)\nlet [a, b] = [1, 2], {c} = {c: 3}\nfunction f() { return v + a }\nclass K { m() { return 'k' } }")
+            assert (r["result"], r["error"]) == (None, None), r  # declarations have no value
+            assert s.run("[v, a, b, c, f(), new K().m()]")["result"] == "[ 5, 1, 2, 3, 6, 'k' ]"
+            assert s.run("await null; v * 2;")["result"] == "10"  # the last expression's value
+            assert s.run("for (const i of [1]) { await null }\ntypeof i")["result"] == "'undefined'"  # blocks stay blocks
+    finally:
+        js.stop()
+
+
+def test_typescript_copies_start_afresh_and_say_so(ts: SessionProcess) -> None:
+    assert ts.run("let n: number = 1; n")["result"] == "1"
+    parent_resp, child, _ = _fork(ts)
+    try:
+        r = child.run("typeof n")
+        assert r["result"] == "'undefined'" and "typescript state is not copied" in r["stderr"], r
+        assert child.run("const m: number = 2; m")["result"] == "2"  # a fresh node compiles too
+        assert ts.run("n + 1")["result"] == "2"
+    finally:
+        child.close()

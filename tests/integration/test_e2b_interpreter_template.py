@@ -2,9 +2,10 @@
 `e2b-code-interpreter` SDK: built from the repo's recipe with branchbox's template API, it is
 what the SDK's default `Sandbox.create()` gets (the base image before that); matplotlib figures
 come back as PNG results with their data as E2B's charts (line, bar, pie, scatter, box and
-whisker, superchart); numpy, imported by the template's warm python session, works in the
-sandboxes forked from it and in their forks (a raw-clone copy of a session has no BLAS worker
-threads: the session keeps numeric thread pools at one thread).
+whisker, superchart); javascript and typescript contexts run on its node; numpy, imported by
+the template's warm python session, works in the sandboxes forked from it and in their forks (a
+raw-clone copy of a session has no BLAS worker threads: the session keeps numeric thread pools
+at one thread).
 
 The template is removed at the end of the module, so the E2B endpoint serves
 `code-interpreter-v1` from the base image again for whatever runs next."""
@@ -208,4 +209,32 @@ def test_javascript_contexts(e2b, built):
     assert s.run_code("typeof mine", context=ctx).text == "'undefined'"
     s.remove_code_context(ctx)
     assert ctx.id not in {c.id for c in s.list_code_contexts()}
+
+
+def test_typescript_contexts(e2b, built):
+    """E2B's documented example (`language="ts"`: types, top-level await, ESM-style imports),
+    then what a notebook expects: declarations and imports kept for the next run."""
+    s = create(e2b)
+    e = s.run_code("import path from 'path'\nconst url: string = path.join('a', 'b')\nconst value = await Promise.resolve(42)\nconsole.log(value)\nurl", language="ts")
+    assert e.error is None and e.text == "'a/b'" and e.logs.stdout == ["42\n"], e
+    assert s.run_code("interface P { n: number }\nconst p: P = { n: value }\npath.basename('/x/y.ts') + p.n", language="typescript").text == "'y.ts42'"
+    err = s.run_code("const broken: = 1", language="ts").error
+    assert err.name == "SyntaxError" and "Type expected" in err.value, err
+    ctx = s.create_code_context(language="typescript")
+    assert ctx.language == "typescript" and ctx.id in {c.id for c in s.list_code_contexts()}
+    assert s.run_code("typeof value", context=ctx).text == "'undefined'"  # a context of its own
+    assert s.run_code("enum E { A = 3 }\nE.A", context=ctx).text == "3"
+    # Its copy in a fork starts afresh, as javascript's does.
+    bb = BBSandbox.connect("sb-" + s.sandbox_id[2:], daemon=URL)
+    try:
+        (kid,) = bb.fork(1)
+        try:
+            r = CISandbox.connect("sb" + kid.id[3:]).run_code("typeof E", context=ctx)
+            assert r.text == "'undefined'" and "typescript state is not copied" in "".join(r.logs.stderr), r
+        finally:
+            kid.kill()
+            kid.close()
+    finally:
+        bb.close()
+    assert s.run_code("E.A * 2", context=ctx).text == "6"
 

@@ -77,9 +77,12 @@ fn kind_of(language: Option<&str>) -> Result<&'static str, InterpError> {
         None | Some("") | Some("python") | Some("python3") => Ok("python"),
         Some("bash") | Some("sh") | Some("shell") => Ok("shell"),
         Some("javascript") | Some("js") | Some("node") => Ok("javascript"),
+        Some("typescript") | Some("ts") => Ok("typescript"),
         Some(other) => Err(error(
             StatusCode::BAD_REQUEST,
-            format!("language {other:?} is not available here: use \"python\", \"bash\" or \"javascript\""),
+            format!(
+                "language {other:?} is not available here: use \"python\", \"bash\", \"javascript\" or \"typescript\""
+            ),
         )),
     }
 }
@@ -88,6 +91,7 @@ fn language_of(kind: &str) -> &'static str {
     match kind {
         "shell" => "bash",
         "javascript" => "javascript",
+        "typescript" => "typescript",
         _ => "python",
     }
 }
@@ -423,5 +427,7 @@ mod tests {
         assert!(kind_of(Some("R")).is_err());
         assert_eq!(kind_of(Some("Bash")).ok(), Some("shell"));
         assert_eq!(kind_of(None).ok(), Some("python"));
+        assert_eq!(kind_of(Some("ts")).ok(), Some("typescript"));
+        assert_eq!(language_of(kind_of(Some("TypeScript")).unwrap()), "typescript");
     }
 }

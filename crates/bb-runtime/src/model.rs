@@ -270,8 +270,9 @@ pub struct KillRequest {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSession {
-    /// `python` (default), `shell` or `javascript` (node in the image; its state is not
-    /// carried into copies: a fork's or rollback's copy starts afresh).
+    /// `python` (default), `shell`, `javascript` (node in the image; its state is not
+    /// carried into copies: a fork's or rollback's copy starts afresh) or `typescript` (as
+    /// `javascript`, each run compiled with the `typescript` package, which node must find).
     pub kind: Option<String>,
     pub cwd: Option<String>,
     #[serde(default)]

@@ -188,13 +188,13 @@ pub async fn create_as(
 ) -> Result<Session> {
     if !SESSION_KINDS.contains(&kind) {
         return Err(RuntimeError::BadRequest(format!(
-            "session kind {kind:?} is unknown: use \"python\", \"shell\" or \"javascript\""
+            "session kind {kind:?} is unknown: use \"python\", \"shell\", \"javascript\" or \"typescript\""
         )));
     }
     let session_env = sb.env_with(env);
-    if kind == "javascript" && !has_node(&sb.rootfs(), &session_env) {
+    if NODE_KINDS.contains(&kind) && !has_node(&sb.rootfs(), &session_env) {
         return Err(RuntimeError::BadRequest(format!(
-            "image {:?} has no node on the session's PATH: javascript sessions need it (e.g. a template whose recipe \
+            "image {:?} has no node on the session's PATH: {kind} sessions need it (e.g. a template whose recipe \
              runs `apt-get install -y nodejs`, such as templates/code-interpreter-v1.toml, or PATH in `env` naming \
              node's directory)",
             sb.spec.image
@@ -269,8 +269,11 @@ pub async fn run(sb: &Sandbox, session: &Session, req: &RunCode, timeout: Option
     run_tailed(sb, session, req, timeout, None).await
 }
 
-/// What a session can be: python, a shell, or node (`javascript`).
-pub const SESSION_KINDS: [&str; 3] = ["python", "shell", "javascript"];
+/// What a session can be: python, a shell, node (`javascript`), or node compiling each run with
+/// the `typescript` package (`typescript`).
+pub const SESSION_KINDS: [&str; 4] = ["python", "shell", "javascript", "typescript"];
+/// The kinds that run node.
+const NODE_KINDS: [&str; 2] = ["javascript", "typescript"];
 
 /// The names node goes by, looked up along the session's PATH (as the session server does).
 const NODE_NAMES: [&str; 2] = ["node", "nodejs"];
@@ -285,7 +288,7 @@ fn path_dirs(env: &[String]) -> Vec<&str> {
     path.split(':').filter(|d| d.starts_with('/')).collect()
 }
 
-/// Whether a javascript session of environment `env` in the sandbox whose root is `rootfs`
+/// Whether a javascript or typescript session of environment `env` in the sandbox whose root is `rootfs`
 /// would find node.
 fn has_node(rootfs: &std::path::Path, env: &[String]) -> bool {
     let candidates = path_dirs(env)

@@ -2,7 +2,7 @@
 
 The daemon runs this file inside a sandbox as::
 
-    python3 -I -S -c "<source of this file>" python|shell|javascript
+    python3 -I -S -c "<source of this file>" python|shell|javascript|typescript
 
 with fd 3 a connected AF_UNIX SOCK_STREAM socket (the *channel*).  Nothing from the
 ``branchbox`` package is imported: this file must stay self-contained.
@@ -16,6 +16,9 @@ request, in order.  A request's ``"id"`` (any JSON value) is echoed in its respo
                                   shell:  {"stdout":s,"stderr":s,"exit_code":n}
                                   javascript: as python (result: util.inspect of the
                                   last expression's value, a promise awaited)
+                                  typescript: as javascript, each run's code compiled
+                                  first (types stripped, imports made `var`s: see
+                                  _NODE_RUNNER)
                                   (+ "stdout_truncated"/"stderr_truncated": true when a
                                   stream exceeded 16 MiB or 24 MiB once JSON-escaped;
                                   exit_code is 128+N for signal N)
@@ -85,9 +88,9 @@ written, is that run's error {"name":"KeyboardInterrupt","value":"","traceback":
 between requests is dropped.  The shell kind's server ignores SIGINT: it reaches a
 command through the session's process group.
 
-The javascript kind runs code in a node process it starts (see JavaScriptKernel): its
-pipes are the only fds beyond 0-3 open between requests, closed in every fork child,
-whose node state is therefore not copied.
+The javascript and typescript kinds run code in a node process they start (see
+JavaScriptKernel): its pipes are the only fds beyond 0-3 open between requests, closed in
+every fork child, whose node state is therefore not copied.
 
 Process model: single-threaded, fd 0 is /dev/null, only fds 0-3 are open between
 requests (memfds live for one run), and the server idles in recvmsg() - a quiescent
@@ -1338,78 +1341,170 @@ def _after_fork_child():
 # top-level var/let/const/function declarations of a run stay for the next), requests as JSON
 # lines on stdin, one answer line each on the fd named by argv; what the code prints goes to
 # node's stdout and stderr (pipes: synchronous writes on Linux), which the server copies into
-# the run's memfds as it arrives.
+# the run's memfds as it arrives.  argv ends with the kind and the answer fd.  The typescript
+# kind compiles each run with the `typescript` package's transpileModule (loaded at the first
+# run, found as `require` finds it, else where Debian's node-typescript or `npm install -g`
+# put it): types stripped, no
+# type checking, syntax errors a SyntaxError of the run.  Its import declarations become `var`s
+# first (default imports as esModuleInterop has them), so imported names stay for later runs
+# as other top-level declarations do (compiled as they are, CommonJS would rename them).
 _NODE_RUNNER = r"""
 'use strict';
-const fs = require('fs'), util = require('util'), vm = require('vm'), readline = require('readline');
-const answerFd = Number(process.argv[process.argv.length - 1]);
-globalThis.require = require;
-let count = 0, interrupt = null;
-// Idle, a SIGINT (sent to the session's process group) is dropped; while code runs it stops
-// it (breakOnSigint) and while a run awaits a promise it ends the wait.
-process.on('SIGINT', () => { if (interrupt) interrupt(); });
-// A stack without this file's frames (they start where the cell was called from).
-function cellStack(stack) {
-  const lines = String(stack).split('\n');
-  const cut = lines.findIndex((l) => /^\s+at .*(\[eval\]|node:vm:|sigintHandlersWrap)/.test(l));
-  return (cut < 0 ? lines : lines.slice(0, cut)).join('\n');
-}
-function failure(e) {
-  if (e instanceof Error || (e && typeof e === 'object' && 'stack' in e)) {
-    return {name: String(e.name || 'Error'), value: String(e.message === undefined ? e : e.message), traceback: cellStack(e.stack || e)};
+// In a function: the runner's own names are not globals a run's declarations would clash with.
+(() => {
+  const fs = require('fs'), util = require('util'), vm = require('vm'), readline = require('readline');
+  const answerFd = Number(process.argv[process.argv.length - 1]);
+  const typescript = process.argv[process.argv.length - 2] === 'typescript';
+  globalThis.require = require;
+  let ts = null, noTypeScript = false;
+  if (typescript) {
+    // What compiled imports and exports refer to.
+    Object.defineProperty(globalThis, '__bbDefault', {value: (m) => (m && m.__esModule ? m.default : m)});
+    globalThis.exports = {};
   }
-  return {name: 'Error', value: 'Uncaught ' + util.inspect(e), traceback: 'Uncaught ' + util.inspect(e)};
-}
-function interrupted() { const e = new Error('Script execution was interrupted by SIGINT'); e.name = 'Interrupted'; return e; }
-async function settle(value) {
-  if (!value || typeof value.then !== 'function') return value;
-  return await Promise.race([value, new Promise((_, reject) => { interrupt = () => reject(interrupted()); })]);
-}
-function asyncBody(code, filename) {
-  const lines = code.replace(/\s+$/, '').split('\n');
-  const last = lines.pop().replace(/;\s*$/, '');
-  const returning = '(async () => {\n' + lines.join('\n') + '\nreturn (' + last + '\n);\n})()';
-  try {
-    new vm.Script(returning, {filename});
-    return returning;
-  } catch (e) {
+  function loadTypeScript() {
+    const places = ['/usr/share/nodejs/typescript', '/usr/local/lib/node_modules/typescript', '/usr/lib/node_modules/typescript'];
+    for (const name of ['typescript'].concat(places)) {
+      try { return require(name); } catch (e) { if (e.code !== 'MODULE_NOT_FOUND') throw e; }
+    }
+    const e = new Error("typescript contexts need the 'typescript' package where node finds it: Debian's " +
+      "node-typescript (templates/code-interpreter-v1.toml installs it), `npm install -g typescript`, or NODE_PATH");
+    e.name = 'KernelError';
+    throw e;
+  }
+  function hoistImports(code) {
+    const sf = ts.createSourceFile('cell.ts', code, ts.ScriptTarget.ES2022, true, ts.ScriptKind.TS);
+    const edits = [];
+    for (const st of sf.statements) {
+      if (!ts.isImportDeclaration(st)) continue;
+      const from = 'require(' + st.moduleSpecifier.getText(sf) + ')';
+      const c = st.importClause, out = [];
+      if (!c) out.push(from + ';');
+      else if (!c.isTypeOnly) {
+        if (c.name) out.push('var ' + c.name.text + ' = __bbDefault(' + from + ');');
+        const nb = c.namedBindings;
+        if (nb && ts.isNamespaceImport(nb)) out.push('var ' + nb.name.text + ' = ' + from + ';');
+        else if (nb) {
+          const names = nb.elements.filter((e) => !e.isTypeOnly).map((e) => JSON.stringify((e.propertyName || e.name).text) + ': ' + e.name.text);
+          if (names.length) out.push('var {' + names.join(', ') + '} = ' + from + ';');
+        }
+      }
+      edits.push([st.getStart(sf), st.end, out.join(' ')]);
+    }
+    for (const [start, end, text] of edits.reverse()) code = code.slice(0, start) + text + code.slice(end);
+    return code;
+  }
+  function compile(code, filename) {
+    if (!ts) ts = loadTypeScript();
+    const out = ts.transpileModule(hoistImports(code), {
+      compilerOptions: {target: ts.ScriptTarget.ES2022, module: ts.ModuleKind.CommonJS}, reportDiagnostics: true, fileName: 'cell.ts',
+    });
+    if (out.diagnostics.length) {
+      const d = out.diagnostics[0], where = d.file ? d.file.getLineAndCharacterOfPosition(d.start) : {line: 0, character: 0};
+      throw new SyntaxError(ts.flattenDiagnosticMessageText(d.messageText, '\n') + ' (' + filename + ':' + (where.line + 1) + ':' + (where.character + 1) + ')');
+    }
+    return out.outputText;
+  }
+  let count = 0, interrupt = null;
+  // Idle, a SIGINT (sent to the session's process group) is dropped; while code runs it stops
+  // it (breakOnSigint) and while a run awaits a promise it ends the wait.
+  process.on('SIGINT', () => { if (interrupt) interrupt(); });
+  // A stack without this file's frames (they start where the cell was called from).
+  function cellStack(stack) {
+    const lines = String(stack).split('\n');
+    const cut = lines.findIndex((l) => /^\s+at .*(\[eval\]|node:vm:|sigintHandlersWrap)/.test(l));
+    return (cut < 0 ? lines : lines.slice(0, cut)).join('\n');
+  }
+  function failure(e) {
+    if (e instanceof Error || (e && typeof e === 'object' && 'stack' in e)) {
+      return {name: String(e.name || 'Error'), value: String(e.message === undefined ? e : e.message), traceback: cellStack(e.stack || e)};
+    }
+    return {name: 'Error', value: 'Uncaught ' + util.inspect(e), traceback: 'Uncaught ' + util.inspect(e)};
+  }
+  function interrupted() { const e = new Error('Script execution was interrupted by SIGINT'); e.name = 'Interrupted'; return e; }
+  async function settle(value) {
+    if (!value || typeof value.then !== 'function') return value;
+    return await Promise.race([value, new Promise((_, reject) => { interrupt = () => reject(interrupted()); })]);
+  }
+  // A run using top-level await is the body of an async function.  With the typescript package
+  // at hand (the javascript kind loads it then, if it can), its top-level declarations become
+  // assignments, as the node REPL makes them, so they outlive the run like any run's:
+  // `const x = await f()` -> `x = await f();`, `function g() {}` -> `g = function g() {};`; and
+  // it returns its last statement's value only when that is an expression.  Without the
+  // package, the last line is returned when it parses as an expression, declarations stay local.
+  function asyncBody(code, filename) {
+    if (!ts && !noTypeScript) {
+      try { ts = loadTypeScript(); } catch (e) { noTypeScript = true; }  // the plain wrapping below
+    }
+    return ts ? asyncBodyParsed(code) : asyncBodyByLines(code, filename);
+  }
+  function asyncBodyParsed(code) {
+    const sf = ts.createSourceFile('cell.js', code, ts.ScriptTarget.ES2022, true, ts.ScriptKind.JS);
+    const edits = [], statements = sf.statements, last = statements[statements.length - 1];
+    for (const st of statements) {
+      let text = null;
+      if (ts.isVariableStatement(st)) {
+        text = st.declarationList.declarations.map((d) => {
+          const name = d.name.getText(sf), value = d.initializer ? d.initializer.getText(sf) : 'undefined';
+          return ts.isIdentifier(d.name) ? name + ' = ' + value + ';' : '(' + name + ' = ' + value + ');';
+        }).join(' ');
+      } else if ((ts.isFunctionDeclaration(st) || ts.isClassDeclaration(st)) && st.name) {
+        text = st.name.text + ' = ' + st.getText(sf) + ';';
+      } else if (st === last && ts.isExpressionStatement(st)) {
+        text = 'return (' + st.expression.getText(sf) + '\n);';
+      }
+      if (text !== null) edits.push([st.getStart(sf), st.end, text]);
+    }
+    for (const [start, end, text] of edits.reverse()) code = code.slice(0, start) + text + code.slice(end);
     return '(async () => {\n' + code + '\n})()';
   }
-}
-async function handle(req) {
-  const saved = {};
-  for (const [k, v] of Object.entries(req.env || {})) { saved[k] = process.env[k]; process.env[k] = v; }
-  const filename = '<cell ' + (++count) + '>';
-  let result = null, error = null;
-  try {
-    let value;
+  function asyncBodyByLines(code, filename) {
+    const lines = code.replace(/\s+$/, '').split('\n');
+    const last = lines.pop().replace(/;\s*$/, '');
+    const returning = '(async () => {\n' + lines.join('\n') + '\nreturn (' + last + '\n);\n})()';
     try {
-      value = vm.runInThisContext(req.code, {filename, breakOnSigint: true});
+      new vm.Script(returning, {filename});
+      return returning;
     } catch (e) {
-      // Top-level await: run as the body of an async function (its declarations stay local)
-      // that returns the last line's value when that line is an expression.
-      if (!(e instanceof SyntaxError) || !/await/.test(e.message)) throw e;
-      value = vm.runInThisContext(asyncBody(req.code, filename), {filename, breakOnSigint: true});
+      return '(async () => {\n' + code + '\n})()';
     }
-    value = await settle(value);
-    if (value !== undefined) result = typeof value === 'string' ? util.inspect(value) : util.inspect(value, {depth: 4});
-  } catch (e) {
-    error = failure(e);
-  } finally {
-    interrupt = null;
-    for (const [k, v] of Object.entries(saved)) { if (v === undefined) delete process.env[k]; else process.env[k] = v; }
   }
-  fs.writeSync(answerFd, JSON.stringify({result, error, execution_count: count}) + '\n');
-}
-let queue = Promise.resolve();
-readline.createInterface({input: process.stdin}).on('line', (line) => {
-  queue = queue.then(() => handle(JSON.parse(line)));
-}).on('close', () => process.exit(0));
+  async function handle(req) {
+    const saved = {};
+    for (const [k, v] of Object.entries(req.env || {})) { saved[k] = process.env[k]; process.env[k] = v; }
+    const filename = '<cell ' + (++count) + '>';
+    let result = null, error = null;
+    try {
+      const code = typescript ? compile(req.code, filename) : req.code;
+      let value;
+      try {
+        value = vm.runInThisContext(code, {filename, breakOnSigint: true});
+      } catch (e) {
+        // Top-level await: run as the body of an async function (its declarations stay local)
+        // that returns the last line's value when that line is an expression.
+        if (!(e instanceof SyntaxError) || !/await/.test(e.message)) throw e;
+        value = vm.runInThisContext(asyncBody(code, filename), {filename, breakOnSigint: true});
+      }
+      value = await settle(value);
+      if (value !== undefined) result = typeof value === 'string' ? util.inspect(value) : util.inspect(value, {depth: 4});
+    } catch (e) {
+      error = failure(e);
+    } finally {
+      interrupt = null;
+      for (const [k, v] of Object.entries(saved)) { if (v === undefined) delete process.env[k]; else process.env[k] = v; }
+    }
+    fs.writeSync(answerFd, JSON.stringify({result, error, execution_count: count}) + '\n');
+  }
+  let queue = Promise.resolve();
+  readline.createInterface({input: process.stdin}).on('line', (line) => {
+    queue = queue.then(() => handle(JSON.parse(line)));
+  }).on('close', () => process.exit(0));
+})();
 """
 
 
 class JavaScriptKernel(object):
-    """Runs code in one persistent node global scope.
+    """Runs code in one persistent node global scope (``kind`` "typescript": compiled first).
 
     node runs as a child of this server (same process group: a SIGINT to the session reaches
     it, a kill of the session ends it), started at the first run.  A copy of the session
@@ -1418,7 +1513,8 @@ class JavaScriptKernel(object):
     node heap in a copy would need a process dump; the python kind has no such limit.
     """
 
-    def __init__(self):
+    def __init__(self, kind):
+        self.kind = kind
         self.node = None
         for d in (os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin").split(os.pathsep):
             if not d.startswith("/"):
@@ -1428,7 +1524,7 @@ class JavaScriptKernel(object):
                 if self.node is None and os.access(path, os.X_OK) and not os.path.isdir(path):
                     self.node = path
         if self.node is None:
-            raise SystemExit("javascript sessions need node in the image (e.g. apt-get install nodejs)")
+            raise SystemExit("%s sessions need node in the image (e.g. apt-get install nodejs)" % kind)
         self.proc = None  # (pid, requests fd, answers fd, stdout fd, stderr fd)
         self.copied = False  # a copy of a session whose node state was lost
         import select
@@ -1458,7 +1554,7 @@ class JavaScriptKernel(object):
             for fd in (req_w, ans_r, out_r, err_r):
                 os.set_inheritable(fd, False)
             proc = self.subprocess.Popen(
-                [self.node, "--no-deprecation", "-e", _NODE_RUNNER, str(ans_w)],
+                [self.node, "--no-deprecation", "-e", _NODE_RUNNER, self.kind, str(ans_w)],
                 stdin=req_r,
                 stdout=out_w,
                 stderr=err_w,
@@ -1504,7 +1600,7 @@ class JavaScriptKernel(object):
         if self.proc is None:
             if self.copied:
                 self.copied = False
-                _write_all(err_fd, _JS_RESTARTED.encode())
+                _write_all(err_fd, (_JS_RESTARTED % (self.kind, self.kind)).encode())
             self._start()
         pid, req_w, ans_r, out_r, err_r = self.proc
         for fd in (out_r, err_r):  # what callbacks printed between runs is not this run's
@@ -1543,8 +1639,8 @@ class JavaScriptKernel(object):
 
 
 _JS_RESTARTED = (
-    "[branchbox] this javascript context is a copy (fork, checkpoint or rollback) of another: "
-    "javascript state is not copied, this one starts afresh\n"
+    "[branchbox] this %s context is a copy (fork, checkpoint or rollback) of another: "
+    "%s state is not copied, this one starts afresh\n"
 )
 
 
@@ -1585,10 +1681,10 @@ class Server(object):
             self.kernel = PythonKernel(self.interrupts)
         elif kind == "shell":
             self.kernel = ShellKernel()
-        elif kind == "javascript":
-            self.kernel = JavaScriptKernel()
+        elif kind in ("javascript", "typescript"):
+            self.kernel = JavaScriptKernel(kind)
         else:
-            raise SystemExit("usage: session server <python|shell|javascript>")
+            raise SystemExit("usage: session server <python|shell|javascript|typescript>")
         self.kind = kind
         try:
             os.set_inheritable(CHANNEL_FD, False)
