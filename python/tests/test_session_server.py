@@ -1133,6 +1133,22 @@ def test_typescript_without_the_package_says_what_to_install(tmp_path) -> None:
         js.stop()
 
 
+def test_javascript_await_runs_survive_a_typescript_of_another_api(tmp_path) -> None:
+    # `require('typescript')` finds the cwd's node_modules first: one without the compiler API
+    # (e.g. a native-only release) leaves await runs to the plain wrapping.
+    pkg = tmp_path / "node_modules" / "typescript"
+    pkg.mkdir(parents=True)
+    (pkg / "package.json").write_text('{"name": "typescript", "main": "index.js"}')
+    (pkg / "index.js").write_text("module.exports = {};")
+    js = SessionProcess("javascript", cwd=str(tmp_path), env={"PATH": os.environ["PATH"]})
+    try:
+        assert js.run("const v = await Promise.resolve(5)\nv * 2;") == {
+            "stdout": "", "stderr": "", "result": "10", "error": None, "displays": [], "execution_count": 1,
+        }
+    finally:
+        js.stop()
+
+
 def test_top_level_await_runs_keep_their_declarations(ts: SessionProcess, tmp_path) -> None:
     # With the typescript package at hand, for both kinds (as the node REPL does it).
     js = SessionProcess("javascript", cwd=str(tmp_path), env={"PATH": os.environ["PATH"]})

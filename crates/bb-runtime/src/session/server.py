@@ -1436,7 +1436,10 @@ _NODE_RUNNER = r"""
     if (!ts && !noTypeScript) {
       try { ts = loadTypeScript(); } catch (e) { noTypeScript = true; }  // the plain wrapping below
     }
-    return ts ? asyncBodyParsed(code) : asyncBodyByLines(code, filename);
+    if (ts) {
+      try { return asyncBodyParsed(code); } catch (e) { /* a typescript whose API differs: below */ }
+    }
+    return asyncBodyByLines(code, filename);
   }
   function asyncBodyParsed(code) {
     const sf = ts.createSourceFile('cell.js', code, ts.ScriptTarget.ES2022, true, ts.ScriptKind.JS);
