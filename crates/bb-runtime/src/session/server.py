@@ -1344,10 +1344,10 @@ def _after_fork_child():
 # the run's memfds as it arrives.  argv ends with the kind and the answer fd.  The typescript
 # kind compiles each run with the `typescript` package's transpileModule (loaded at the first
 # run, found as `require` finds it, else where Debian's node-typescript or `npm install -g`
-# put it): types stripped, no
-# type checking, syntax errors a SyntaxError of the run.  Its import declarations become `var`s
-# first (default imports as esModuleInterop has them), so imported names stay for later runs
-# as other top-level declarations do (compiled as they are, CommonJS would rename them).
+# put it): types stripped, no type checking, syntax errors a SyntaxError of the run.  Its
+# import declarations become `var`s first (default imports as esModuleInterop has them), so
+# imported names stay for later runs as other top-level declarations do (compiled as they
+# are, CommonJS would rename them).
 _NODE_RUNNER = r"""
 'use strict';
 // In a function: the runner's own names are not globals a run's declarations would clash with.
@@ -1372,6 +1372,12 @@ _NODE_RUNNER = r"""
     e.name = 'KernelError';
     throw e;
   }
+  // `code` with each [start, end, text] of `edits` (in source order, not overlapping) replacing
+  // that span.
+  function edited(code, edits) {
+    for (const [start, end, text] of edits.reverse()) code = code.slice(0, start) + text + code.slice(end);
+    return code;
+  }
   function hoistImports(code) {
     const sf = ts.createSourceFile('cell.ts', code, ts.ScriptTarget.ES2022, true, ts.ScriptKind.TS);
     const edits = [];
@@ -1391,8 +1397,7 @@ _NODE_RUNNER = r"""
       }
       edits.push([st.getStart(sf), st.end, out.join(' ')]);
     }
-    for (const [start, end, text] of edits.reverse()) code = code.slice(0, start) + text + code.slice(end);
-    return code;
+    return edited(code, edits);
   }
   function compile(code, filename) {
     if (!ts) ts = loadTypeScript();
@@ -1458,8 +1463,7 @@ _NODE_RUNNER = r"""
       }
       if (text !== null) edits.push([st.getStart(sf), st.end, text]);
     }
-    for (const [start, end, text] of edits.reverse()) code = code.slice(0, start) + text + code.slice(end);
-    return '(async () => {\n' + code + '\n})()';
+    return '(async () => {\n' + edited(code, edits) + '\n})()';
   }
   function asyncBodyByLines(code, filename) {
     const lines = code.replace(/\s+$/, '').split('\n');
