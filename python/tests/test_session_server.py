@@ -1159,6 +1159,8 @@ def test_top_level_await_runs_keep_their_declarations(ts: SessionProcess, tmp_pa
             assert s.run("[v, a, b, c, f(), new K().m()]")["result"] == "[ 5, 1, 2, 3, 6, 'k' ]"
             assert s.run("await null; v * 2;")["result"] == "10"  # the last expression's value
             assert s.run("for (const i of [1]) { await null }\ntypeof i")["result"] == "'undefined'"  # blocks stay blocks
+            # `var` without a value keeps what the name has, or makes it; `let` without one is undefined.
+            assert s.run("var v, fresh; let c; await null; [v, typeof fresh, c]")["result"] == "[ 5, 'undefined', undefined ]"
     finally:
         js.stop()
 

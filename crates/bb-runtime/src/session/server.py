@@ -1452,8 +1452,14 @@ _NODE_RUNNER = r"""
     for (const st of statements) {
       let text = null;
       if (ts.isVariableStatement(st)) {
+        const isVar = !(st.declarationList.flags & ts.NodeFlags.BlockScoped);
         text = st.declarationList.declarations.map((d) => {
-          const name = d.name.getText(sf), value = d.initializer ? d.initializer.getText(sf) : 'undefined';
+          const name = d.name.getText(sf);
+          if (!d.initializer && isVar) {
+            // `var x;` keeps the value x has (a redeclaration), else makes it.
+            return 'if (!(' + JSON.stringify(name) + ' in globalThis)) globalThis.' + name + ' = undefined;';
+          }
+          const value = d.initializer ? d.initializer.getText(sf) : 'undefined';
           return ts.isIdentifier(d.name) ? name + ' = ' + value + ';' : '(' + name + ' = ' + value + ');';
         }).join(' ');
       } else if ((ts.isFunctionDeclaration(st) || ts.isClassDeclaration(st)) && st.name) {
