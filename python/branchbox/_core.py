@@ -622,7 +622,7 @@ def run_session(
     parse: Callable[[Any], Any] = parse_run_result
     if kind == "shell":
         parse = ShellResult.from_dict
-    elif kind in ("python", "javascript", "typescript"):
+    elif kind in SESSION_KINDS:  # the kinds whose runs answer as python's do
         parse = Execution.from_dict
     return Call(
         "POST",

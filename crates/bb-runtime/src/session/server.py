@@ -1493,8 +1493,7 @@ _NODE_RUNNER = r"""
       try {
         value = vm.runInThisContext(code, {filename, breakOnSigint: true});
       } catch (e) {
-        // Top-level await: run as the body of an async function (its declarations stay local)
-        // that returns the last line's value when that line is an expression.
+        // Top-level await: run as the body of an async function (see asyncBody).
         if (!(e instanceof SyntaxError) || !/await/.test(e.message)) throw e;
         value = vm.runInThisContext(asyncBody(code, filename), {filename, breakOnSigint: true});
       }
