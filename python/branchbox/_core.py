@@ -391,6 +391,7 @@ def create_sandbox(
     proxy: bool = False,
     net_limits: Any = None,
     proxy_record: Optional[bool] = None,
+    sudo: Optional[bool] = None,
 ) -> Call:
     """``image=None`` means ``"base"``, or the template's image when ``template`` is given
     (the daemon refuses an image other than the template's); with ``snapshot``, the
@@ -402,11 +403,13 @@ def create_sandbox(
     ``proxy`` (the daemon's HTTP(S) proxy in the sandbox) is sent only when True,
     ``proxy_record`` only when given. ``net_limits``
     (see :func:`net_limits_body`) is sent only when given (``{}``: none, e.g. not the snapshot's
-    or template's)."""
+    or template's). ``sudo`` is sent only when given."""
     if not isinstance(proxy, bool):
         raise _NetworkError("proxy must be True or False, not %r" % (proxy,))
     if proxy_record is not None and not isinstance(proxy_record, bool):
         raise _NetworkError("proxy_record must be True, False or None, not %r" % (proxy_record,))
+    if sudo is not None and not isinstance(sudo, bool):
+        raise exc.InvalidArgumentError("sudo must be True, False or None, not %r" % (sudo,))
     limits = net_limits_body(net_limits, "net_limits") if net_limits is not None else None
     name = template_name(template) if template is not None else None
     sid = snapshot_id(snapshot) if snapshot is not None else None
@@ -435,6 +438,7 @@ def create_sandbox(
             "metadata": _env(metadata),
             "lifecycle": dict(lifecycle) if lifecycle is not None else None,
             "volumes": volume_mounts(volumes) if volumes is not None else None,
+            "sudo": sudo,
         }
     )
     return Call("POST", "/v1/sandboxes", json=body, parse=SandboxInfo.from_dict)

@@ -120,6 +120,8 @@ class SandboxInfo(_Model):
     paused_at: Optional[float] = None
     #: The volumes mounted in it (``Sandbox.create(volumes=...)``).
     volumes: List[VolumeMount] = field(default_factory=list)
+    #: Setuid programs (``sudo``) work for its other users (``Sandbox.create(sudo=True)``).
+    sudo: bool = False
     raw: Dict[str, Any] = _raw()
 
     @classmethod

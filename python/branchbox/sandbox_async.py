@@ -196,6 +196,7 @@ class AsyncSandbox:
         lifecycle: Optional[Mapping[str, Any]] = None,
         snapshot: Union[str, SnapshotInfo, None] = None,
         volumes: _core.VolumesT = None,
+        sudo: Optional[bool] = None,
         daemon: Optional[str] = None,
         token: Optional[str] = None,
         request_timeout: Optional[float] = 120,
@@ -207,7 +208,7 @@ class AsyncSandbox:
             info = await http.call(
                 _core.create_sandbox(
                     image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot,
-                    volumes, allow, proxy, net_limits, proxy_record,
+                    volumes, allow, proxy, net_limits, proxy_record, sudo,
                 )
             )
         except BaseException:

@@ -395,6 +395,7 @@ class Sandbox:
         lifecycle: Optional[Mapping[str, Any]] = None,
         snapshot: Union[str, SnapshotInfo, None] = None,
         volumes: _core.VolumesT = None,
+        sudo: Optional[bool] = None,
         daemon: Optional[str] = None,
         token: Optional[str] = None,
         request_timeout: Optional[float] = 120,
@@ -459,6 +460,13 @@ class Sandbox:
         children inherit them; change them with ``sbx.network.update(limits=...)``. A wrong type,
         key or value is refused before any request (:class:`InvalidArgumentError`).
 
+        ``sudo=True`` lets commands run as another user (``user="user"``) use setuid programs
+        such as ``sudo`` (the image's ``/etc/sudoers`` decides who may; ``base`` lets ``user``):
+        their processes start without ``no_new_privs``, so they can become root of the
+        sandbox's user namespace (what ``user="root"`` gives), never root of the host; seccomp
+        and the capability set stay. Default off; with ``snapshot`` or ``template`` theirs
+        unless given; fork children inherit it.
+
         ``daemon``/``token`` default to ``$BRANCHBOX_URL``/``$BRANCHBOX_TOKEN``;
         ``request_timeout`` bounds each HTTP request; ``transport`` replaces the
         network transport (tests).
@@ -468,7 +476,7 @@ class Sandbox:
             info = http.call(
                 _core.create_sandbox(
                     image, cpu, memory_mb, pids, env, cwd, timeout, network, metadata, template, lifecycle, snapshot,
-                    volumes, allow, proxy, net_limits, proxy_record,
+                    volumes, allow, proxy, net_limits, proxy_record, sudo,
                 )
             )
         except BaseException:

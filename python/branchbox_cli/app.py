@@ -410,6 +410,11 @@ def sandbox_create(
     ),
     max_connections: Optional[int] = max_connections_option(),
     bandwidth_mbps: Optional[float] = bandwidth_option(),
+    sudo: bool = typer.Option(
+        False, "--sudo",
+        help="Let commands run as another user (--user user) use sudo and other setuid programs: root of the "
+        "sandbox's user namespace, never of the host (with --snapshot or --template: theirs unless given).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the SandboxInfo JSON."),
 ) -> None:
     """Create a sandbox and print its id."""
@@ -433,6 +438,7 @@ def sandbox_create(
         proxy=proxy,
         proxy_record=True if proxy_record else None,
         net_limits=net_limits,
+        sudo=True if sudo else None,
         **c.sdk(),
     )
     sbx.close()

@@ -59,6 +59,9 @@ def test_sandbox_create(runner: CliRunner, daemon: FakeDaemon) -> None:
     r = invoke(runner, "sandbox", "create", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout) == SANDBOX
     assert daemon.body() == {"image": "base", "timeout": 300.0, "network": "none"}
+    r = invoke(runner, "sandbox", "create", "--sudo")
+    assert r.exit_code == 0, r.stderr
+    assert daemon.body() == {"image": "base", "timeout": 300.0, "network": "none", "sudo": True}
 
 
 def test_sandbox_create_bad_env(runner: CliRunner, daemon: FakeDaemon) -> None:

@@ -233,3 +233,15 @@ def test_models_tolerate_unknown_and_missing_fields() -> None:
     assert branchbox.Execution.from_dict(None).result is None
     assert isinstance(_core.parse_run_result({"stdout": "", "exit_code": 0}), branchbox.ShellResult)
     assert isinstance(_core.parse_run_result({"stdout": "", "result": None}), branchbox.Execution)
+
+
+def test_create_sends_sudo_only_when_given() -> None:
+    body = lambda **kw: _core.create_sandbox(**kw).json  # noqa: E731
+    assert "sudo" not in body()
+    assert body(sudo=True)["sudo"] is True
+    assert body(image=None, snapshot="sn-000000000001", sudo=False)["sudo"] is False, "False turns a snapshot's off"
+    for bad in ("yes", 1, 0):
+        with pytest.raises(exceptions.InvalidArgumentError, match="sudo must be True, False or None"):
+            _core.create_sandbox(sudo=bad)
+    assert branchbox.SandboxInfo.from_dict({"id": "sb-1", "sudo": True}).sudo is True
+    assert branchbox.SandboxInfo.from_dict({"id": "sb-1"}).sudo is False

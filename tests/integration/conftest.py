@@ -114,10 +114,12 @@ class Daemon:
 
 def _base_is_current() -> bool:
     """Whether the kept base image has what images built now have: the `user` account (E2B's
-    default user, test_e2b.py) and C.UTF-8 in a locale archive (test_smoke.py)."""
+    default user, test_e2b.py), C.UTF-8 in a locale archive (test_smoke.py) and a hostname that
+    resolves (myhostname, test_escape.py's sudo test)."""
     s = Sandbox.create(daemon=URL, timeout=60)
     try:
-        return s.commands.run("id -u user && test -f /usr/lib/locale/locale-archive").exit_code == 0
+        check = "id -u user && test -f /usr/lib/locale/locale-archive && getent hosts $(hostname)"
+        return s.commands.run(check).exit_code == 0
     finally:
         s.kill()
 

@@ -657,12 +657,14 @@ def test_unknown_user_is_refused_cleanly(box):
     assert box.commands.run("whoami").stdout == "user\n"
 
 
-@pytest.mark.xfail(strict=True, reason="sandboxes run with no_new_privs: sudo's setuid bit grants nothing "
-                                       "(`sudo: The \"no new privileges\" flag is set`), though the image's "
-                                       "/etc/sudoers.d/user allows it")
 def test_sudo_works_for_user(box):
-    assert box.commands.run("sudo -n true").exit_code == 0
-    assert box.commands.run("sudo -n whoami").stdout == "root\n"
+    """As in E2B's sandboxes: `user` has passwordless sudo (root of the sandbox's user namespace;
+    test_escape.py checks what that root can and cannot do), quietly: the hostname resolves."""
+    r = box.commands.run("sudo -n whoami")
+    assert (r.stdout, r.stderr) == ("root\n", ""), r
+    box.commands.run("echo by-sudo | sudo tee /root/by-sudo > /dev/null")
+    assert box.commands.run("sudo cat /root/by-sudo").stdout == "by-sudo\n"
+    assert box.commands.run("stat -c %U /root/by-sudo", user="root").stdout == "root\n"
 
 
 # ----------------------------------------------------------------------------- files

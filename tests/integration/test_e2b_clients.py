@@ -1,5 +1,5 @@
 """E2B clients other than the current Python SDK, unchanged, against branchboxd's E2B endpoint:
-the JS SDK (npm `e2b`) and an older 2.x Python SDK that calls the routes newer ones replaced
+the JS SDKs (npm `e2b`, `@e2b/code-interpreter`) and an older 2.x Python SDK that calls the routes newer ones replaced
 (`POST /sandboxes`, `POST /sandboxes/{id}/connect`). Both are installed by scripts/install-e2b-clients.sh (pinned);
 each runs a client script in a subprocess that prints one JSON object, checked here."""
 import json
@@ -40,18 +40,24 @@ def leftovers(daemon, suite):
     return left
 
 
-def test_js_sdk(daemon, tmp_path):
-    if not os.path.isdir(os.path.join(JS_DIR, "node_modules", "e2b")):
-        pytest.fail("the JS SDK is not installed: run scripts/install-e2b-clients.sh (make test does)")
-    suite = "e2bjs-" + uuid.uuid4().hex[:8]
+def run_js_client(daemon, tmp_path, package, script_name, suite):
+    """Run e2b_clients/<script_name> with node against the daemon: its JSON output, and the
+    sandboxes it left behind (killed)."""
+    if not os.path.isdir(os.path.join(JS_DIR, "node_modules", package)):
+        pytest.fail("npm %s is not installed: run scripts/install-e2b-clients.sh (make test does)" % package)
     # ESM resolves packages from the script's directory up: give it the installed node_modules.
     os.symlink(os.path.join(JS_DIR, "node_modules"), tmp_path / "node_modules")
-    script = tmp_path / "client.mjs"
-    script.write_text(open(os.path.join(HERE, "client.mjs")).read())
+    script = tmp_path / script_name
+    script.write_text(open(os.path.join(HERE, script_name)).read())
     try:
         out = run_client(["node", str(script)], client_env(daemon, suite), cwd=tmp_path)
     finally:
         left = leftovers(daemon, suite)
+    return out, left
+
+
+def test_js_sdk(daemon, tmp_path):
+    out, left = run_js_client(daemon, tmp_path, "e2b", "client.mjs", "e2bjs-" + uuid.uuid4().hex[:8])
     assert out["run"] == "hello-42\nuser\n"
     assert out["streamed"] == "line-1\nline-2\nline-3\n"
     assert out["exit"] == {"isExitError": True, "code": 7, "stderr": "oops\n"}
@@ -60,6 +66,25 @@ def test_js_sdk(daemon, tmp_path):
     assert out["list"] == ["a.txt"] and out["exists"] == [True, False] and out["afterRemove"] == 0
     assert out["state"] == "running" and out["listedSandbox"] is True
     assert out["killed"] is True and out["runningAfterKill"] is False
+    assert left == []
+
+
+def test_js_code_interpreter_sdk(daemon, tmp_path):
+    """npm `@e2b/code-interpreter`: runCode (results, errors, streaming, per-run envs), contexts
+    (create with cwd, list, restart, remove), bash, and E2B's `Sandbox.fork` whose children
+    carry the python context's state. On the base image (the template is not built here)."""
+    suite = "e2bjsci-" + uuid.uuid4().hex[:8]
+    out, left = run_js_client(daemon, tmp_path, "@e2b/code-interpreter", "code_interpreter.mjs", suite)
+    assert out["first"] == {"text": "42", "stdout": ["hi\n"], "count": 1}
+    assert out["error"] == {"name": "ZeroDivisionError", "value": "division by zero", "traceback": True}
+    assert out["streamed"] == "0\n1\n2\n"
+    assert (out["envs"], out["envsAfter"]) == ("'bar'", "'unset'"), "a run's envs hold for that run only"
+    assert out["ctxLanguage"] == "python" and out["ctx"] == "(5, '/tmp')" and out["ctxListed"] is True
+    assert out["afterRestart"] == "NameError" and out["ctxAfterRemove"] is False
+    assert out["bash"] == "42\nroot\n"
+    assert out["unknownContext"] == "NotFoundError"
+    assert out["forked"] == ["141", "141"] and out["parentAfterForks"] == "41"
+    assert out["killed"] is True
     assert left == []
 
 

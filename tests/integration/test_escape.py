@@ -402,6 +402,51 @@ def test_capabilities_no_new_privs_and_seccomp(sbx):
         assert f["NoNewPrivs"] == "1" and f["Seccomp"] == "2", (who, f)
 
 
+def status_fields(text):
+    fields = dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+    return {k: fields[k].strip() for k in ("Uid", "CapEff", "CapBnd", "NoNewPrivs", "Seccomp")}
+
+
+def test_sudo_makes_root_of_the_sandbox_only_and_only_when_asked(make_sandbox):
+    """`sudo=True`: `user`'s processes start without no_new_privs, so sudo works; what it gives
+    is root of the sandbox's user namespace with the same filter and capability set (no
+    CAP_SYS_ADMIN, mounts and new namespaces still refused). Root's processes keep
+    no_new_privs; without `sudo`, sudo is refused; fork children inherit the setting."""
+    plain = make_sandbox()
+    r = plain.commands.run("sudo -n true", user="user")
+    assert r.exit_code != 0 and "no new privileges" in r.stderr, r
+    assert status_fields(plain.commands.run("cat /proc/self/status", user="user").stdout)["NoNewPrivs"] == "1"
+    assert plain.info().sudo is False
+
+    s = make_sandbox(sudo=True)
+    assert s.info().sudo is True
+    r = s.commands.run("sudo -n whoami", user="user")
+    # The hostname (the sandbox's id) resolves: sudo does not warn about it.
+    assert (r.exit_code, r.stdout, r.stderr) == (0, "root\n", ""), r
+    assert s.commands.run("getent hosts $(hostname)").exit_code == 0
+    mine = status_fields(s.commands.run("cat /proc/self/status", user="user").stdout)
+    assert (mine["NoNewPrivs"], mine["Seccomp"]) == ("0", "2"), mine
+    as_root = status_fields(s.commands.run("sudo -n cat /proc/self/status", user="user").stdout)
+    assert as_root["Uid"].split()[0] == "0" and as_root["Seccomp"] == "2", as_root
+    for key in ("CapEff", "CapBnd"):
+        assert not int(as_root[key], 16) & (1 << CAP_SYS_ADMIN), as_root
+    # Root of the namespace maps to the unprivileged range on the host, not to root.
+    inside, outside, _ = s.commands.run("sudo -n cat /proc/self/uid_map", user="user").stdout.split()
+    assert inside == "0" and int(outside) > 0, (inside, outside)
+    r = s.commands.run("sudo -n unshare -m true; sudo -n mount -t tmpfs t /mnt", user="user")
+    assert r.exit_code != 0 and "Operation not permitted" in r.stderr, r
+    # Commands as root keep no_new_privs.
+    assert status_fields(s.commands.run("cat /proc/self/status").stdout)["NoNewPrivs"] == "1"
+
+    child = s.fork(1)[0]
+    try:
+        assert child.info().sudo is True
+        r = child.commands.run("sudo -n whoami", user="user")
+        assert (r.exit_code, r.stdout) == (0, "root\n"), r
+    finally:
+        child.kill()
+
+
 # ============================================================================ network
 
 

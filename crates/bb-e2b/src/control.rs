@@ -135,6 +135,8 @@ pub async fn create(State(e): St, bytes: axum::body::Bytes) -> E2bResult<Respons
         network: Some(if req.allow_internet_access == Some(true) { "open" } else { "none" }.into()),
         metadata,
         lifecycle: Some(Lifecycle { on_timeout, auto_resume, pause_mode }),
+        // E2B's `user` has passwordless sudo (the image's /etc/sudoers.d/user says so).
+        sudo: Some(true),
         ..Default::default()
     };
     match resolve_template(&e, &template) {

@@ -1,4 +1,5 @@
-//! Fork and exec one sandbox process, confined (new session, capabilities, no_new_privs, seccomp).
+//! Fork and exec one sandbox process, confined (new session, capabilities, no_new_privs unless
+//! setuid programs are to work, seccomp).
 
 use bb_proto::SpawnRequest;
 use std::ffi::CString;
@@ -20,6 +21,8 @@ pub struct Prepared {
     ids: Option<(u32, u32)>,
     /// Stdin is a terminal to make the controlling one.
     tty: bool,
+    /// Another user whose setuid programs take effect (no `no_new_privs`).
+    allow_setuid: bool,
 }
 
 fn cstr(what: &str, s: &str) -> Result<CString, String> {
@@ -46,7 +49,17 @@ impl Prepared {
                 .collect::<Result<_, _>>()?
         };
         let (argv_ptrs, envp_ptrs) = (ptrs(&argv), ptrs(&envp));
-        Ok(Prepared { argv, _envp: envp, cwd, candidates, argv_ptrs, envp_ptrs, ids: req.ids, tty: req.pty.is_some() })
+        Ok(Prepared {
+            argv,
+            _envp: envp,
+            cwd,
+            candidates,
+            argv_ptrs,
+            envp_ptrs,
+            ids: req.ids,
+            tty: req.pty.is_some(),
+            allow_setuid: req.allow_setuid && req.ids.is_some(),
+        })
     }
 }
 
@@ -125,6 +138,11 @@ fn child(p: &Prepared, stdio: [Option<RawFd>; 4], policy: &bb_isolation::Seccomp
         libc::sigemptyset(&mut empty);
         libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
     }
+    // Setuid programs to take effect: no no_new_privs, so the filter goes on while this child
+    // still has init's CAP_SYS_ADMIN (in the sandbox's user namespace), before the drop below.
+    if p.allow_setuid && policy.apply_keeping_setuid().is_err() {
+        return (3, errno());
+    }
     // Init keeps its capabilities (it starts nested sandboxes); its children get Docker's set.
     // Neither call allocates. `apply` sets no_new_privs first.
     if bb_isolation::drop_capabilities().is_err() {
@@ -144,7 +162,7 @@ fn child(p: &Prepared, stdio: [Option<RawFd>; 4], policy: &bb_isolation::Seccomp
     if unsafe { libc::chdir(p.cwd.as_ptr()) } < 0 {
         return (1, errno());
     }
-    if policy.apply().is_err() {
+    if !p.allow_setuid && policy.apply().is_err() {
         return (3, errno());
     }
     let mut last = libc::ENOENT;
@@ -163,6 +181,7 @@ fn child(p: &Prepared, stdio: [Option<RawFd>; 4], policy: &bb_isolation::Seccomp
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
 
     fn req(argv: &[&str], env: &[&str]) -> SpawnRequest {
         SpawnRequest::new(
@@ -212,5 +231,38 @@ mod tests {
         // Reap the failed children.
         // SAFETY: reaping our own children.
         while unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) } > 0 {}
+    }
+
+    /// Root only (a child of root has CAP_SYS_ADMIN, as init's children have in a sandbox): a
+    /// process of another user started with `allow_setuid` runs filtered without no_new_privs,
+    /// one without it (or a root one asking for it) with both.
+    #[test]
+    fn allow_setuid_leaves_out_no_new_privs_only_for_another_user() {
+        if !nix::unistd::geteuid().is_root() {
+            return;
+        }
+        let policy = bb_isolation::SeccompFilter::default_policy().unwrap();
+        let status_of = |ids: Option<(u32, u32)>, allow_setuid: bool| -> String {
+            let (read, write) = nix::unistd::pipe().unwrap();
+            let r = SpawnRequest {
+                ids,
+                allow_setuid,
+                ..req(&["/bin/sh", "-c", "grep -E '^(Uid|NoNewPrivs|Seccomp):' /proc/self/status"], &[])
+            };
+            let pid = fork_exec(&Prepared::new(&r).unwrap(), [None, Some(write.as_raw_fd()), None, None], &policy)
+                .unwrap_or_else(|f| panic!("{}", f.message));
+            drop(write);
+            let mut out = String::new();
+            std::io::Read::read_to_string(&mut std::fs::File::from(read), &mut out).unwrap();
+            let mut status = 0;
+            // SAFETY: waiting for our own child.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            assert_eq!(libc::WEXITSTATUS(status), 0, "{out}");
+            out.split_whitespace().collect::<Vec<_>>().join(" ")
+        };
+        let nobody = Some((65534, 65534));
+        assert_eq!(status_of(nobody, true), "Uid: 65534 65534 65534 65534 NoNewPrivs: 0 Seccomp: 2");
+        assert_eq!(status_of(nobody, false), "Uid: 65534 65534 65534 65534 NoNewPrivs: 1 Seccomp: 2");
+        assert_eq!(status_of(None, true), "Uid: 0 0 0 0 NoNewPrivs: 1 Seccomp: 2");
     }
 }

@@ -123,14 +123,25 @@ fn probe() -> [i32; N] {
     r
 }
 
+/// How a probe child installs the filter.
+#[derive(Clone, Copy)]
+enum Apply {
+    WithNoNewPrivs,
+    KeepingSetuid,
+}
+
 /// Run `probe` in a forked child, optionally after applying the default policy.
-fn run_probe(filter: Option<&SeccompFilter>) -> ([i32; N], String) {
+fn run_probe(filter: Option<(&SeccompFilter, Apply)>) -> ([i32; N], String) {
     let results = new_pipe();
     let out = results.write.as_raw_fd();
-    let filter = filter.cloned();
+    let filter = filter.map(|(f, how)| (f.clone(), how));
     let mut child = fork_gated(move || {
-        if let Some(f) = &filter {
-            if f.apply().is_err() {
+        if let Some((f, how)) = &filter {
+            let applied = match how {
+                Apply::WithNoNewPrivs => f.apply(),
+                Apply::KeepingSetuid => f.apply_keeping_setuid(),
+            };
+            if applied.is_err() {
                 return 10;
             }
         }
@@ -181,8 +192,21 @@ fn default_policy_denies_what_it_should_and_allows_fork_threads_exec() {
     assert_ne!(without[P::OpenTreeAttr as usize], libc::ENOSYS, "syscall 467 is not open_tree_attr here");
     differs(P::OpenTreeAttr, libc::EPERM);
 
-    let (with, status) = run_probe(Some(&filter));
-    eprintln!("with filter:    {with:?}");
+    for how in [Apply::WithNoNewPrivs, Apply::KeepingSetuid] {
+        let (with, status) = run_probe(Some((&filter, how)));
+        eprintln!("with filter:    {with:?}");
+        expect_filtered(&with);
+        // One filter (the policy's two filters are linked into a single program); apply() set
+        // no_new_privs, apply_keeping_setuid() did not.
+        assert_eq!(status_field(&status, "Seccomp"), "2");
+        assert_eq!(status_field(&status, "Seccomp_filters"), "1");
+        let nnp = if matches!(how, Apply::WithNoNewPrivs) { "1" } else { "0" };
+        assert_eq!(status_field(&status, "NoNewPrivs"), nnp);
+    }
+}
+
+/// What the default policy answers each probe.
+fn expect_filtered(with: &[i32; N]) {
     let expect = |p: P, want: i32| assert_eq!(with[p as usize], want, "{p:?}");
     expect(P::Mount, libc::EPERM);
     expect(P::UnshareUser, libc::EPERM);
@@ -201,12 +225,26 @@ fn default_policy_denies_what_it_should_and_allows_fork_threads_exec() {
     expect(P::Thread, 0);
     expect(P::ExecTrue, 0);
     expect(P::CommandTrue, 0);
+}
 
-    // One filter (the policy's two filters are linked into a single program), and apply() set
-    // no_new_privs.
-    assert_eq!(status_field(&status, "Seccomp"), "2");
-    assert_eq!(status_field(&status, "Seccomp_filters"), "1");
-    assert_eq!(status_field(&status, "NoNewPrivs"), "1");
+/// Without CAP_SYS_ADMIN (capabilities dropped to Docker's set, as every sandbox process has
+/// them), the kernel refuses a filter without no_new_privs: init must apply it first.
+#[test]
+fn keeping_setuid_needs_cap_sys_admin() {
+    require_root();
+    let filter = SeccompFilter::default_policy().unwrap();
+    let mut child = fork_gated(move || {
+        if bb_isolation::drop_capabilities().is_err() {
+            return 10;
+        }
+        match filter.apply_keeping_setuid() {
+            Ok(()) => 11,
+            Err(_) if errno() == libc::EACCES => 0,
+            Err(_) => 12,
+        }
+    });
+    child.release();
+    assert_eq!(child.wait(Duration::from_secs(10)), WaitStatus::Exited(child.pid, 0));
 }
 
 #[test]

@@ -204,6 +204,7 @@ pub(crate) fn finalize_rootfs(root: &Path) -> Result<(), LayersError> {
     write_new(&root.join("etc/resolv.conf"), b"", 0o644)?;
     add_user(root)?;
     profile_without_id_fork(root)?;
+    hostname_resolves(root)?;
     locale_archive(root);
     for (d, mode) in [
         ("root", 0o700),
@@ -232,6 +233,44 @@ fn profile_without_id_fork(root: &Path) -> Result<(), LayersError> {
         return Ok(());
     }
     write_new(&path, text.replace(PROFILE_ROOT_TEST, PROFILE_ROOT_TEST_FAST).as_bytes(), 0o644)
+}
+
+/// Each sandbox's hostname is its id, which /etc/hosts cannot know when the image is built:
+/// glibc's `myhostname` module (libnss-myhostname, in the base image's packages) answers for it,
+/// so `sudo` does not warn "unable to resolve host" (or, with a network, wait on DNS for it) and
+/// `hostname -f` works. Added to the `hosts` line of /etc/nsswitch.conf right after `files`
+/// when the module is installed; an image without it, or whose line has it, is left alone.
+fn hostname_resolves(root: &Path) -> Result<(), LayersError> {
+    let has_module = ["usr/lib", "lib"].iter().any(|dir| {
+        fs::read_dir(root.join(dir))
+            .map(|entries| entries.flatten().any(|e| e.path().join("libnss_myhostname.so.2").exists()))
+            .unwrap_or(false)
+    });
+    let path = root.join("etc/nsswitch.conf");
+    let Ok(text) = fs::read_to_string(&path) else { return Ok(()) };
+    if !has_module {
+        return Ok(());
+    }
+    let mut changed = false;
+    let lines: Vec<String> = text
+        .lines()
+        .map(|line| {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            if words.first() != Some(&"hosts:") || words.contains(&"myhostname") {
+                return line.to_string();
+            }
+            changed = true;
+            let at = words.iter().position(|w| *w == "files").map_or(1, |i| i + 1);
+            let mut out = words[..at].to_vec();
+            out.push("myhostname");
+            out.extend_from_slice(&words[at..]);
+            format!("{:<16}{}", out[0], out[1..].join(" "))
+        })
+        .collect();
+    if !changed {
+        return Ok(());
+    }
+    write_new(&path, (lines.join("\n") + "\n").as_bytes(), 0o644)
 }
 
 /// Where glibc looks for compiled locales first, and Debian's C.UTF-8 (the sandboxes' `LANG`).
@@ -570,6 +609,28 @@ export PATH
         fs::write(d.path().join(LOCALE_ARCHIVE), b"kept").unwrap();
         locale_archive(d.path()); // an archive already there: kept as it is
         assert_eq!(fs::read(d.path().join(LOCALE_ARCHIVE)).unwrap(), b"kept");
+    }
+
+    #[test]
+    fn the_hostname_resolves_through_myhostname_when_the_image_has_it() {
+        let d = tempfile::tempdir().unwrap();
+        let r = d.path();
+        fs::create_dir_all(r.join("etc")).unwrap();
+        let conf = "passwd:         files\nhosts:          files dns\nnetworks:       files\n";
+        fs::write(r.join("etc/nsswitch.conf"), conf).unwrap();
+        hostname_resolves(r).unwrap(); // no module: left alone
+        assert_eq!(fs::read_to_string(r.join("etc/nsswitch.conf")).unwrap(), conf);
+        fs::create_dir_all(r.join("usr/lib/x86_64-linux-gnu")).unwrap();
+        fs::write(r.join("usr/lib/x86_64-linux-gnu/libnss_myhostname.so.2"), b"").unwrap();
+        hostname_resolves(r).unwrap();
+        let want = "passwd:         files\nhosts:          files myhostname dns\nnetworks:       files\n";
+        assert_eq!(fs::read_to_string(r.join("etc/nsswitch.conf")).unwrap(), want);
+        hostname_resolves(r).unwrap(); // idempotent
+        assert_eq!(fs::read_to_string(r.join("etc/nsswitch.conf")).unwrap(), want);
+        // A line without `files`: myhostname comes first.
+        fs::write(r.join("etc/nsswitch.conf"), "hosts: dns\n").unwrap();
+        hostname_resolves(r).unwrap();
+        assert_eq!(fs::read_to_string(r.join("etc/nsswitch.conf")).unwrap(), "hosts:          myhostname dns\n");
     }
 
     #[test]

@@ -117,10 +117,20 @@ impl Default for BaseImageOpts {
                 .ok()
                 .filter(|m| !m.trim().is_empty())
                 .unwrap_or_else(|| "http://deb.debian.org/debian".into()),
-            packages: ["python3", "bash", "coreutils", "git", "procps", "ca-certificates", "curl", "sudo"]
-                .iter()
-                .map(|s| s.to_string())
-                .collect(),
+            packages: [
+                "python3",
+                "bash",
+                "coreutils",
+                "git",
+                "procps",
+                "ca-certificates",
+                "curl",
+                "sudo",
+                "libnss-myhostname",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
         }
     }
 }

@@ -99,6 +99,11 @@ pub struct SpawnRequest {
     /// The stdio flags are then all false (no fds attached).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pty: Option<(u16, u16)>,
+    /// With `ids`: start without `no_new_privs`, so setuid programs (`sudo`) take effect (they
+    /// can make the process root of the sandbox's user namespace, never more); the seccomp
+    /// filter is applied before the capabilities are dropped, as the kernel then requires.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_setuid: bool,
 }
 
 impl SpawnRequest {
@@ -116,6 +121,7 @@ impl SpawnRequest {
             tag: String::new(),
             ids: None,
             pty: None,
+            allow_setuid: false,
         }
     }
 }
@@ -324,6 +330,7 @@ mod tests {
             tag: "echo hi".into(),
             ids: Some((1000, 1000)),
             pty: Some((24, 80)),
+            allow_setuid: true,
         });
         send(a.as_raw_fd(), &req, &[pw.as_raw_fd()]).unwrap();
         drop(pw);

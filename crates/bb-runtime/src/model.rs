@@ -62,6 +62,14 @@ pub struct CreateSandbox {
     /// Volumes to mount (`POST /v1/volumes`), each at its own path.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<VolumeMount>,
+    /// Let commands run as another user (`user`) use setuid programs such as `sudo` (the
+    /// image's `/etc/sudoers` decides who may): their processes start without `no_new_privs`.
+    /// They can become root of the sandbox's user namespace, what `user: "root"` gives, never
+    /// root of the host; the seccomp filter and capability set stay. Default false (E2B's
+    /// endpoint sets it: E2B's `user` has passwordless sudo). From a snapshot or a template:
+    /// theirs unless given; fork children inherit it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sudo: Option<bool>,
 }
 
 /// What happens when a sandbox's timeout passes.
@@ -136,6 +144,9 @@ pub struct SandboxSpec {
     pub timeout: Option<f64>,
     #[serde(default)]
     pub lifecycle: Lifecycle,
+    /// Setuid programs work for other users (see [`CreateSandbox::sudo`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sudo: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
@@ -186,6 +197,9 @@ pub struct SandboxInfo {
     /// Volumes mounted in the sandbox (by id).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<VolumeMount>,
+    /// Setuid programs (`sudo`) work for its other users (see `CreateSandbox.sudo`).
+    #[serde(default)]
+    pub sudo: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]

@@ -77,6 +77,7 @@ fn shell_spec(image: &bb_layers::Image) -> SandboxSpec {
         metadata: Default::default(),
         timeout: None,
         lifecycle: Default::default(),
+        sudo: false,
     }
 }
 

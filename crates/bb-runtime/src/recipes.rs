@@ -235,6 +235,7 @@ impl Runtime {
             snapshot: None,
             lifecycle: None,
             volumes: req.volumes.clone(),
+            sudo: None,
         }
     }
 
@@ -400,6 +401,7 @@ impl Runtime {
         let proxy = req.proxy.or(Some(snap.spec.proxy_port.is_some()));
         let proxy_record = req.proxy_record.or(Some(snap.spec.proxy_record));
         let net_limits = req.net_limits.or(Some(snap.spec.net_limits));
+        let sudo = req.sudo.or(Some(snap.spec.sudo));
         let (mut spec, timeout, _) = self.validate(CreateSandbox {
             image: Some(row.image.clone()),
             network,
@@ -407,6 +409,7 @@ impl Runtime {
             proxy,
             proxy_record,
             net_limits,
+            sudo,
             ..req.clone()
         })?;
         // The template's own settings, unless the request sets them.

@@ -89,6 +89,27 @@ impl SeccompFilter {
         seccompiler::apply_filter(&self.program).map_err(IsolationError::SeccompApply)
     }
 
+    /// [`apply`](Self::apply) without `no_new_privs`, so that setuid programs (`sudo`) still
+    /// take effect after it: the filter stays on them. The kernel allows that only to a caller
+    /// with CAP_SYS_ADMIN in its user namespace (EACCES otherwise): apply it before dropping
+    /// capabilities. Does not allocate, also not on error. Irreversible.
+    pub fn apply_keeping_setuid(&self) -> Result<()> {
+        let prog = libc::sock_fprog {
+            len: self.program.len() as u16,
+            // seccompiler's sock_filter is the kernel's struct (repr(C), same fields as libc's).
+            filter: self.program.as_ptr() as *mut libc::sock_filter,
+        };
+        // SAFETY: the kernel copies the program in (copy_from_user) and keeps no pointer to it;
+        // `prog` and the program it points to outlive the call.
+        let rc = unsafe {
+            libc::syscall(libc::SYS_seccomp, libc::SECCOMP_SET_MODE_FILTER, 0, &prog as *const libc::sock_fprog)
+        };
+        if rc != 0 {
+            return Err(IsolationError::SeccompApply(seccompiler::Error::Seccomp(std::io::Error::last_os_error())));
+        }
+        Ok(())
+    }
+
     /// Length of the BPF program in instructions.
     pub fn instruction_count(&self) -> usize {
         self.program.len()

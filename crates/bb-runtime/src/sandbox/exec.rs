@@ -28,6 +28,8 @@ pub struct Resolved {
     pub tag: String,
     /// uid and gid to run as (root when None).
     pub ids: Option<(u32, u32)>,
+    /// That user's setuid programs (`sudo`) take effect: the sandbox's `sudo`.
+    pub allow_setuid: bool,
 }
 
 pub fn resolve(sb: &Sandbox, req: &RunCommand) -> Result<Resolved> {
@@ -79,6 +81,7 @@ pub fn resolve(sb: &Sandbox, req: &RunCommand) -> Result<Resolved> {
         stdin,
         timeout,
         tag,
+        allow_setuid: ids.is_some() && sb.spec.sudo,
         ids,
     })
 }
@@ -100,6 +103,7 @@ async fn send_spawn(
         stderr: true,
         tag: std::mem::take(&mut r.tag),
         ids: r.ids,
+        allow_setuid: r.allow_setuid,
         ..SpawnRequest::new(std::mem::take(&mut r.argv), std::mem::take(&mut r.env), std::mem::take(&mut r.cwd))
     };
     let fds: Vec<RawFd> = stdin.into_iter().chain([stdout, stderr]).collect();
@@ -534,6 +538,7 @@ async fn start_on_pty(sb: &Sandbox, req: &RunCommand, (rows, cols): (u16, u16)) 
     let spawn = SpawnRequest {
         tag: std::mem::take(&mut r.tag),
         ids: r.ids,
+        allow_setuid: r.allow_setuid,
         pty: Some((rows, cols)),
         ..SpawnRequest::new(std::mem::take(&mut r.argv), std::mem::take(&mut r.env), std::mem::take(&mut r.cwd))
     };

@@ -171,6 +171,7 @@ impl Runtime {
             metadata: req.metadata,
             timeout: (timeout > 0.0).then_some(timeout),
             lifecycle,
+            sudo: req.sudo.unwrap_or(false),
         };
         Ok((spec, (timeout > 0.0).then_some(timeout), layer_paths))
     }

@@ -296,6 +296,7 @@ impl Sandbox {
             volumes: self.volumes.lock().clone(),
             lifecycle: self.spec.lifecycle,
             paused_at,
+            sudo: self.spec.sudo,
         }
     }
 }

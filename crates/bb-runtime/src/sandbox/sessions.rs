@@ -218,6 +218,7 @@ pub async fn create_as(
             tag: session_tag(&id, kind, default),
             ids: None,
             pty: None,
+            allow_setuid: false,
         }),
         &[log.as_raw_fd(), log.as_raw_fd(), theirs.as_raw_fd()],
     )?;

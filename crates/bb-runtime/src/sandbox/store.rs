@@ -272,6 +272,7 @@ mod tests {
             metadata: [("k".to_string(), "v".to_string())].into(),
             timeout: None,
             lifecycle: Default::default(),
+            sudo: false,
         }
     }
 

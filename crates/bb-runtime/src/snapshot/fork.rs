@@ -559,6 +559,9 @@ impl Runtime {
         if let Some(l) = req.net_limits {
             spec.net_limits = l;
         }
+        if let Some(on) = req.sudo {
+            spec.sudo = on;
+        }
         Self::spec_policy(&spec)?;
         if id.is_none() && self.get(&snap.sandbox_id).is_ok_and(|p| !p.is_dead()) {
             let (mut children, why) = self.fork_snapshot(&snap, &spec, 1, timeout).await?;

@@ -548,6 +548,7 @@ mod tests {
             metadata: Default::default(),
             timeout: None,
             lifecycle: Default::default(),
+            sudo: false,
         }
     }
 
