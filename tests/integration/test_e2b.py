@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from e2b import (
+    ALL_TRAFFIC,
     AsyncSandbox,
     AuthenticationException,
     CommandExitException,
@@ -244,6 +245,33 @@ def test_allow_internet_access_is_kept(make):
     """The SDK sends `allow_internet_access` (snake case: api/client/models/new_sandbox_v2.py)."""
     s = make(allow_internet_access=True)
     assert s.get_info().allow_internet_access is True
+
+
+def test_network_allow_and_deny_map_onto_branchbox_network(make):
+    """E2B's `network` (create) and `update_network`: "deny all but" becomes branchbox's
+    allowlist; what cannot be mapped is refused with a 400, never dropped."""
+    s = make(network={"deny_out": [ALL_TRAFFIC], "allow_out": ["10.1.2.3", "*.example.com"]})
+    bb = BBSandbox.connect(bb_id(s.sandbox_id), daemon=URL, resume=False)
+    n = bb.network.get()
+    assert (n.network, n.allow) == ("allowlist", ["10.1.2.3", "*.example.com"])
+    eth0 = "test -e /sys/class/net/eth0 && echo eth0 || echo no-eth0"
+    assert s.commands.run(eth0).stdout == "eth0\n", "allowlist: the sandbox has eth0"
+    s.update_network({"deny_out": [ALL_TRAFFIC], "allow_out": ["10.9.9.9"]})
+    assert (bb.network.get().network, bb.network.get().allow) == ("allowlist", ["10.9.9.9"])
+    s.update_network({"allow_internet_access": True})
+    assert bb.network.get().network == "open" and s.get_info().allow_internet_access is True
+    s.update_network({})  # E2B clears what is left out: here, no network
+    assert (bb.network.get().network, bb.network.get().allow) == ("none", [])
+    assert s.commands.run(eth0).stdout == "no-eth0\n"
+    for bad, field in (({"deny_out": ["10.0.0.0/8"]}, "denyOut"), ({"mask_request_host": "x"}, "maskRequestHost")):
+        with pytest.raises((InvalidArgumentException, SandboxException)) as ei:
+            make(network=bad)
+        assert field in str(ei.value), str(ei.value)
+    # (update_network sends the egress fields alone: no maskRequestHost.)
+    with pytest.raises((InvalidArgumentException, SandboxException)) as ei:
+        s.update_network({"deny_out": ["10.0.0.0/8"]})
+    assert "denyOut" in str(ei.value), str(ei.value)
+    assert bb.network.get().network == "none", "a refused update changes nothing"
 
 
 def test_insecure_sandbox_needs_no_access_token(e2b, make, raw):

@@ -48,6 +48,84 @@ pub struct NewSandbox {
     metadata: Option<BTreeMap<String, String>>,
     #[serde(default)]
     env_vars: Option<BTreeMap<String, String>>,
+    network: Option<Egress>,
+}
+
+/// E2B's egress settings: `network` of a create, and the body of `PUT /sandboxes/{id}/network`
+/// (which sends `allow_internet_access` in it, in snake case).
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Egress {
+    allow_out: Option<Vec<String>>,
+    deny_out: Option<Vec<String>>,
+    dns_servers: Option<Vec<String>>,
+    egress_proxy: Option<Value>,
+    rules: Option<BTreeMap<String, Value>>,
+    allow_public_traffic: Option<bool>,
+    mask_request_host: Option<String>,
+    https_ports: Option<Vec<u16>>,
+    #[serde(alias = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+}
+
+/// E2B's name for all of IPv4 (`ALL_TRAFFIC`).
+const ALL_TRAFFIC: &str = "0.0.0.0/0";
+
+/// branchbox's network mode and allow entries for E2B's egress settings (`internet`: its
+/// `allow_internet_access`). E2B denies nothing unless told; here a sandbox has no network unless
+/// `allow_internet_access` is true or `allowOut` names what it may reach. Denying all traffic
+/// (`denyOut: [0.0.0.0/0]`, or `allow_internet_access: false`) leaves exactly `allowOut` (E2B's
+/// allow entries win over its deny ones): mode `allowlist`, or `none` when it is empty. What
+/// cannot be mapped is refused, never dropped: a partial `denyOut`, `egressProxy`, `rules`,
+/// `maskRequestHost`, `httpsPorts`, `allowPublicTraffic: false`.
+pub fn egress(internet: Option<bool>, n: &Egress) -> E2bResult<(String, Vec<String>)> {
+    let unsupported = |what: &str, instead: &str| {
+        Err(E2bError::bad_request(format!("network.{what} is not supported by this endpoint: {instead}")))
+    };
+    if n.egress_proxy.as_ref().is_some_and(|p| !p.is_null()) {
+        return unsupported("egressProxy", "leave it out (branchbox's daemon proxy: Sandbox.create(proxy=True))");
+    }
+    if n.rules.as_ref().is_some_and(|r| !r.is_empty()) {
+        return unsupported(
+            "rules",
+            "leave them out (the daemon's proxy adds credentials to requests: branchboxd --proxy-credentials)",
+        );
+    }
+    if n.mask_request_host.is_some() {
+        return unsupported("maskRequestHost", "leave it out");
+    }
+    if n.https_ports.as_ref().is_some_and(|p| !p.is_empty()) {
+        return unsupported("httpsPorts", "leave it out (ports are reached as plain HTTP)");
+    }
+    if n.allow_public_traffic == Some(false) {
+        return unsupported("allowPublicTraffic: false", "ports are reached with the API key's access, leave it out");
+    }
+    let deny = n.deny_out.as_deref().unwrap_or_default();
+    if let Some(d) = deny.iter().find(|d| d.as_str() != ALL_TRAFFIC) {
+        return Err(E2bError::bad_request(format!(
+            "network.denyOut {d:?}: only {ALL_TRAFFIC:?} (all traffic) can be denied here; deny all and list \
+             what may be reached in allowOut"
+        )));
+    }
+    let deny_all = internet == Some(false) || !deny.is_empty();
+    let mut allow: Vec<String> = n.allow_out.clone().unwrap_or_default();
+    let everything = allow.iter().any(|a| a == ALL_TRAFFIC);
+    allow.retain(|a| a != ALL_TRAFFIC);
+    if !allow.is_empty() {
+        // E2B lets all traffic to its DNS servers through when allowOut is given.
+        allow.extend(n.dns_servers.iter().flatten().cloned());
+    }
+    let mode = if everything || (!deny_all && internet == Some(true)) {
+        "open"
+    } else if allow.is_empty() {
+        "none"
+    } else {
+        "allowlist"
+    };
+    if mode == "none" {
+        allow.clear();
+    }
+    Ok((mode.into(), allow))
 }
 
 #[derive(Deserialize, Default)]
@@ -129,10 +207,12 @@ pub async fn create(State(e): St, bytes: axum::body::Bytes) -> E2bResult<Respons
              a sandbox with connect",
         ));
     }
+    let (network, allow) = egress(req.allow_internet_access, &req.network.unwrap_or_default())?;
     let mut spec = CreateSandbox {
         env: req.env_vars.unwrap_or_default(),
         timeout: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT) as f64),
-        network: Some(if req.allow_internet_access == Some(true) { "open" } else { "none" }.into()),
+        network: Some(network),
+        allow,
         metadata,
         lifecycle: Some(Lifecycle { on_timeout, auto_resume, pause_mode }),
         // E2B's `user` has passwordless sudo (the image's /etc/sudoers.d/user says so).
@@ -399,6 +479,17 @@ pub async fn set_timeout(State(e): St, Path(id): Path<String>, bytes: axum::body
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
+/// `PUT /sandboxes/{id}/network`: the sandbox's egress replaced as a whole (see [`egress`]), as
+/// E2B's `update_network` does (a setting left out is cleared). 204.
+pub async fn update_network(State(e): St, Path(id): Path<String>, bytes: axum::body::Bytes) -> E2bResult<Response> {
+    let req: Egress = body(&bytes)?;
+    info_of(&e, &id)?;
+    let (network, allow) = egress(req.allow_internet_access, &req)?;
+    let update = model::NetworkUpdate { network: Some(network), allow: Some(allow), limits: None };
+    e.rt.update_network(&canonical_id(&id), update).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
 #[derive(Deserialize, Default)]
 pub struct ConnectReq {
     timeout: Option<u64>,
@@ -598,5 +689,58 @@ mod tests {
         assert!(parse_metadata_filter("novalue").is_err());
         assert_eq!(percent_decode("100%"), "100%");
         assert_eq!(percent_decode("%zz"), "%zz");
+    }
+
+    fn net(json: serde_json::Value) -> Egress {
+        serde_json::from_value(json).unwrap()
+    }
+
+    fn mapped(internet: Option<bool>, json: serde_json::Value) -> (String, Vec<String>) {
+        egress(internet, &net(json)).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn egress_maps_onto_modes_and_allow_entries() {
+        let pair = |mode: &str, allow: &[&str]| (mode.to_string(), allow.iter().map(|a| a.to_string()).collect());
+        // No network settings: off unless the internet is allowed (this endpoint's default).
+        assert_eq!(mapped(None, json!({})), pair("none", &[]));
+        assert_eq!(mapped(Some(true), json!({})), pair("open", &[]));
+        assert_eq!(mapped(Some(false), json!({})), pair("none", &[]));
+        // E2B's "deny all but": the allow entries alone, its DNS servers with them.
+        let only =
+            json!({"denyOut": [ALL_TRAFFIC], "allowOut": ["1.1.1.1", "*.example.com"], "dnsServers": ["9.9.9.9"]});
+        assert_eq!(mapped(Some(true), only.clone()), pair("allowlist", &["1.1.1.1", "*.example.com", "9.9.9.9"]));
+        assert_eq!(mapped(None, only), pair("allowlist", &["1.1.1.1", "*.example.com", "9.9.9.9"]));
+        assert_eq!(mapped(Some(false), json!({"allowOut": ["10.0.0.0/8"]})), pair("allowlist", &["10.0.0.0/8"]));
+        assert_eq!(mapped(None, json!({"denyOut": [ALL_TRAFFIC]})), pair("none", &[]));
+        assert_eq!(mapped(None, json!({"denyOut": [ALL_TRAFFIC], "dnsServers": ["9.9.9.9"]})), pair("none", &[]));
+        // allowOut without a deny: here, what it names (E2B would open everything).
+        assert_eq!(mapped(None, json!({"allowOut": ["example.com"]})), pair("allowlist", &["example.com"]));
+        // With the internet on, allow entries let through what `open` refuses (private ranges).
+        assert_eq!(mapped(Some(true), json!({"allowOut": ["10.1.2.3"]})), pair("open", &["10.1.2.3"]));
+        assert_eq!(mapped(None, json!({"allowOut": [ALL_TRAFFIC]})), pair("open", &[]));
+        // What the SDK sends when nothing is set in those fields.
+        assert_eq!(
+            mapped(None, json!({"allowPublicTraffic": true, "rules": {}, "egressProxy": null})),
+            pair("none", &[])
+        );
+        // The update body's own snake-case field.
+        assert_eq!(net(json!({"allow_internet_access": true})).allow_internet_access, Some(true));
+    }
+
+    #[test]
+    fn egress_refuses_what_it_cannot_map() {
+        for (bad, names) in [
+            (json!({"denyOut": ["10.0.0.0/8"]}), "denyOut"),
+            (json!({"denyOut": [ALL_TRAFFIC, "1.1.1.1"]}), "denyOut"),
+            (json!({"egressProxy": {"address": "1.2.3.4:1080"}}), "egressProxy"),
+            (json!({"rules": {"api.example.com": [{"transform": {"headers": {"A": "b"}}}]}}), "rules"),
+            (json!({"maskRequestHost": "x"}), "maskRequestHost"),
+            (json!({"httpsPorts": [8443]}), "httpsPorts"),
+            (json!({"allowPublicTraffic": false}), "allowPublicTraffic"),
+        ] {
+            let err = egress(Some(true), &net(bad)).expect_err(names).to_string();
+            assert!(err.contains(names), "{err}");
+        }
     }
 }

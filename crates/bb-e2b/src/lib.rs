@@ -18,7 +18,7 @@ use axum::body::Body;
 use axum::extract::Request;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 use axum::Router;
 use bb_runtime::sandbox::lifecycle::canonical_id;
 use bb_runtime::Runtime;
@@ -69,13 +69,14 @@ pub(crate) fn same(a: &str, b: &str) -> bool {
 fn control_router(e: Arc<E2b>) -> Router {
     use control::{
         alias, connect, create, delete_template, fork, get_sandbox, kill, list_snapshots, list_v1, list_v2, metrics,
-        pause, resume, rollback, set_timeout, snapshot,
+        pause, resume, rollback, set_timeout, snapshot, update_network,
     };
     Router::new()
         .route("/sandboxes", post(create).get(list_v1))
         .route("/v2/sandboxes", post(create).get(list_v2))
         .route("/sandboxes/:id", get(get_sandbox).delete(kill))
         .route("/sandboxes/:id/timeout", post(set_timeout))
+        .route("/sandboxes/:id/network", put(update_network))
         .route("/sandboxes/:id/connect", post(connect))
         .route("/v2/sandboxes/:id/connect", post(connect))
         .route("/sandboxes/:id/pause", post(pause))
