@@ -46,7 +46,7 @@ from e2b import (
 )
 from e2b_code_interpreter import AsyncSandbox as CIAsyncSandbox, Sandbox as CISandbox
 
-from branchbox import Sandbox as BBSandbox
+from branchbox import Sandbox as BBSandbox, Volume as BBVolume
 from helpers import URL, e2b_sdk_env, wait_until
 
 TAG = "e2bt-" + uuid.uuid4().hex[:10]
@@ -272,6 +272,29 @@ def test_network_allow_and_deny_map_onto_branchbox_network(make):
         s.update_network({"deny_out": ["10.0.0.0/8"]})
     assert "denyOut" in str(ei.value), str(ei.value)
     assert bb.network.get().network == "none", "a refused update changes nothing"
+
+
+def test_volume_mounts_are_branchbox_volumes_by_name(make):
+    """`volume_mounts={path: name}` mounts the branchbox volume of that name (E2B's `Volume` API
+    itself is not served): what one sandbox writes there, the next one reads after it is gone.
+    Unknown volumes, `mcp` and `iam` are refused, not dropped."""
+    name = "e2bvol-" + uuid.uuid4().hex[:8]
+    vol = BBVolume.create(name, daemon=URL)
+    try:
+        a = make(volume_mounts={"/mnt/data": name})
+        a.files.write("/mnt/data/kept.txt", "from a")
+        assert a.commands.run("cat /mnt/data/kept.txt").stdout == "from a"
+        a.kill()
+        b = make(volume_mounts={"/mnt/data": name})
+        assert b.files.read("/mnt/data/kept.txt") == "from a"
+        b.kill()
+        for bad, says in (({"volume_mounts": {"/mnt/x": "no-such-volume-e2b"}}, "no-such-volume-e2b"),
+                          ({"mcp": {"exa": {"apiKey": "k"}}}, "mcp")):
+            with pytest.raises((InvalidArgumentException, NotFoundException, SandboxException)) as ei:
+                make(**bad)
+            assert says in str(ei.value), str(ei.value)
+    finally:
+        vol.delete()
 
 
 def test_insecure_sandbox_needs_no_access_token(e2b, make, raw):

@@ -49,6 +49,16 @@ pub struct NewSandbox {
     #[serde(default)]
     env_vars: Option<BTreeMap<String, String>>,
     network: Option<Egress>,
+    volume_mounts: Option<Vec<E2bVolumeMount>>,
+    mcp: Option<Value>,
+    iam: Option<Value>,
+}
+
+/// One of create's `volumeMounts`: a volume by name (a branchbox volume's name or id) at a path.
+#[derive(Deserialize)]
+pub struct E2bVolumeMount {
+    name: String,
+    path: String,
 }
 
 /// E2B's egress settings: `network` of a create, and the body of `PUT /sandboxes/{id}/network`
@@ -207,12 +217,29 @@ pub async fn create(State(e): St, bytes: axum::body::Bytes) -> E2bResult<Respons
              a sandbox with connect",
         ));
     }
+    if req.mcp.as_ref().is_some_and(|m| !m.is_null()) {
+        return Err(E2bError::bad_request("mcp is not supported by this endpoint: leave it out"));
+    }
+    if req.iam.as_ref().is_some_and(|i| !i.is_null()) {
+        return Err(E2bError::bad_request(
+            "iam (workload identity tokens) is not supported by this endpoint: leave it out",
+        ));
+    }
     let (network, allow) = egress(req.allow_internet_access, &req.network.unwrap_or_default())?;
+    // E2B volumes by name are branchbox volumes (`branchbox volume create NAME`), mounted
+    // writable and branching with the sandbox (fork children get copy-on-write copies).
+    let volumes = req
+        .volume_mounts
+        .unwrap_or_default()
+        .into_iter()
+        .map(|m| model::VolumeMount { volume: m.name, path: m.path, read_only: false, branch: true })
+        .collect();
     let mut spec = CreateSandbox {
         env: req.env_vars.unwrap_or_default(),
         timeout: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT) as f64),
         network: Some(network),
         allow,
+        volumes,
         metadata,
         lifecycle: Some(Lifecycle { on_timeout, auto_resume, pause_mode }),
         // E2B's `user` has passwordless sudo (the image's /etc/sudoers.d/user says so).
