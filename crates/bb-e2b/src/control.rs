@@ -108,7 +108,10 @@ pub fn egress(internet: Option<bool>, n: &Egress) -> E2bResult<(String, Vec<Stri
         return unsupported("httpsPorts", "leave it out (ports are reached as plain HTTP)");
     }
     if n.allow_public_traffic == Some(false) {
-        return unsupported("allowPublicTraffic: false", "ports are reached with the API key's access, leave it out");
+        return unsupported(
+            "allowPublicTraffic: false",
+            "ports here take no traffic token (whoever reaches the endpoint reaches them): leave it out",
+        );
     }
     let deny = n.deny_out.as_deref().unwrap_or_default();
     if let Some(d) = deny.iter().find(|d| d.as_str() != ALL_TRAFFIC) {
