@@ -135,9 +135,6 @@ pub fn egress(internet: Option<bool>, n: &Egress) -> E2bResult<(String, Vec<Stri
     } else {
         "allowlist"
     };
-    if mode == "none" {
-        allow.clear();
-    }
     Ok((mode.into(), allow))
 }
 

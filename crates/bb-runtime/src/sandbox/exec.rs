@@ -28,8 +28,6 @@ pub struct Resolved {
     pub tag: String,
     /// uid and gid to run as (root when None).
     pub ids: Option<(u32, u32)>,
-    /// That user's setuid programs (`sudo`) take effect: the sandbox's `sudo`.
-    pub allow_setuid: bool,
 }
 
 pub fn resolve(sb: &Sandbox, req: &RunCommand) -> Result<Resolved> {
@@ -81,7 +79,6 @@ pub fn resolve(sb: &Sandbox, req: &RunCommand) -> Result<Resolved> {
         stdin,
         timeout,
         tag,
-        allow_setuid: ids.is_some() && sb.spec.sudo,
         ids,
     })
 }
@@ -103,7 +100,8 @@ async fn send_spawn(
         stderr: true,
         tag: std::mem::take(&mut r.tag),
         ids: r.ids,
-        allow_setuid: r.allow_setuid,
+        // Init honours it only for another user (`ids`).
+        allow_setuid: sb.spec.sudo,
         ..SpawnRequest::new(std::mem::take(&mut r.argv), std::mem::take(&mut r.env), std::mem::take(&mut r.cwd))
     };
     let fds: Vec<RawFd> = stdin.into_iter().chain([stdout, stderr]).collect();
@@ -538,7 +536,7 @@ async fn start_on_pty(sb: &Sandbox, req: &RunCommand, (rows, cols): (u16, u16)) 
     let spawn = SpawnRequest {
         tag: std::mem::take(&mut r.tag),
         ids: r.ids,
-        allow_setuid: r.allow_setuid,
+        allow_setuid: sb.spec.sudo,
         pty: Some((rows, cols)),
         ..SpawnRequest::new(std::mem::take(&mut r.argv), std::mem::take(&mut r.env), std::mem::take(&mut r.cwd))
     };
