@@ -198,6 +198,10 @@ class EntryInfo(_Model):
     uid: int = 0
     gid: int = 0
     mtime: Optional[float] = None
+    #: Last access and last status change (seconds since the epoch; None from a daemon that
+    #: does not send them).
+    atime: Optional[float] = None
+    ctime: Optional[float] = None
     symlink_target: Optional[str] = None
     raw: Dict[str, Any] = _raw()
 

@@ -696,11 +696,13 @@ def host_server(addr):
 @contextlib.contextmanager
 def e2b_sdk_env(daemon):
     """The E2B SDKs pointed at the daemon's E2B endpoint (E2B_API_URL, E2B_SANDBOX_URL,
-    E2B_API_KEY = its token; nothing of E2B's debug or domain settings); yields the URL."""
+    E2B_VOLUME_API_URL, E2B_API_KEY = its token; nothing of E2B's debug or domain settings);
+    yields the URL."""
     mp = pytest.MonkeyPatch()
     url = "http://127.0.0.1:%d" % daemon.e2b_port
     mp.setenv("E2B_API_URL", url)
     mp.setenv("E2B_SANDBOX_URL", url)
+    mp.setenv("E2B_VOLUME_API_URL", url)
     mp.setenv("E2B_API_KEY", daemon.tcp_token)
     for v in ("E2B_DEBUG", "E2B_DOMAIN", "E2B_ACCESS_TOKEN"):
         mp.delenv(v, raising=False)

@@ -43,6 +43,11 @@ from e2b import (
     SandboxQuery,
     SandboxState,
     TimeoutException,
+    AsyncVolume,
+    Volume,
+    VolumeException,
+    VolumeNotFoundException,
+    VolumePathNotFoundException,
 )
 from e2b_code_interpreter import AsyncSandbox as CIAsyncSandbox, Sandbox as CISandbox
 
@@ -275,8 +280,8 @@ def test_network_allow_and_deny_map_onto_branchbox_network(make):
 
 
 def test_volume_mounts_are_branchbox_volumes_by_name(make):
-    """`volume_mounts={path: name}` mounts the branchbox volume of that name (E2B's `Volume` API
-    itself is not served): what one sandbox writes there, the next one reads after it is gone.
+    """`volume_mounts={path: name}` mounts the branchbox volume of that name (one made with
+    branchbox's SDK here): what one sandbox writes there, the next one reads after it is gone.
     Unknown volumes, `mcp` and `iam` are refused, not dropped."""
     name = "e2bvol-" + uuid.uuid4().hex[:8]
     vol = BBVolume.create(name, daemon=URL)
@@ -295,6 +300,115 @@ def test_volume_mounts_are_branchbox_volumes_by_name(make):
             assert says in str(ei.value), str(ei.value)
     finally:
         vol.delete()
+
+
+@pytest.fixture
+def volumes(e2b):
+    """``volumes(name)``: an E2B ``Volume.create(name)``, destroyed at teardown."""
+    made = []
+
+    def create(name=None):
+        v = Volume.create(name or "e2bv-" + uuid.uuid4().hex[:8])
+        made.append(v.volume_id)
+        return v
+
+    yield create
+    for vid in made:
+        try:
+            Volume.destroy(vid)
+        except Exception:
+            pass
+
+
+def test_volume_api_maps_onto_branchbox_volumes(e2b, make, raw, volumes):
+    """E2B's `Volume` (control plane `/volumes`, content API `/volumecontent/...` with the
+    volume's bearer token) on branchbox volumes: E2B's defaults (0666 files, 0777 directories,
+    owner 9090), new-only writes unless `force`, a root the sandbox's `user` writes into."""
+    v = volumes()
+    assert v.volume_id.startswith("vol-") and v.token
+    assert BBVolume.connect(v.name, daemon=URL).id == v.volume_id, "a branchbox volume by that name"
+    assert (v.volume_id, v.name) in [(i.volume_id, i.name) for i in Volume.list()]
+    info = Volume.get_info(v.volume_id)
+    assert (info.name, info.token) == (v.name, v.token)
+    with pytest.raises(VolumeException, match="already exists"):
+        Volume.create(v.name)
+
+    f = v.write_file("/notes/a.txt", "hello", force=True)
+    assert (f.type.value, f.path, f.size, f.mode, f.uid, f.gid) == ("file", "/notes/a.txt", 5, 0o666, 9090, 9090)
+    assert v.get_info("/notes").mode == 0o777, "parents made by force: 0777"
+    assert v.read_file("/notes/a.txt") == "hello" and v.read_file("/notes/a.txt", format="bytes") == b"hello"
+    with pytest.raises(VolumeException, match="409"):
+        v.write_file("/notes/a.txt", "again")
+    assert v.read_file("/notes/a.txt") == "hello", "a refused write changes nothing"
+    with pytest.raises(VolumePathNotFoundException):
+        v.write_file("/missing/b.txt", "x")
+    assert v.write_file("/notes/a.txt", b"\x00bin", force=True, mode=0o600, uid=1000, gid=1000).mode == 0o600
+    d = v.make_dir("/notes/sub", mode=0o750)
+    assert (d.type.value, d.mode) == ("directory", 0o750)
+    with pytest.raises(VolumeException, match="409"):
+        v.make_dir("/notes/sub")
+    assert v.make_dir("/notes/sub", force=True).mode == 0o750, "force takes an existing directory as it is"
+    with pytest.raises(VolumePathNotFoundException):
+        v.make_dir("/x/y/z")
+    assert [(e.path, e.type.value) for e in v.list("/", depth=2)] == [
+        ("/notes", "directory"), ("/notes/a.txt", "file"), ("/notes/sub", "directory")]
+    with pytest.raises(VolumeException, match="depth"):
+        v.list("/", depth=11)
+    u = v.update_metadata("/notes/a.txt", mode=0o644, uid=0)
+    assert (u.mode, u.uid, u.gid) == (0o644, 0, 1000)
+    assert v.exists("/notes/a.txt") and not v.exists("/nope")
+    with pytest.raises(VolumePathNotFoundException):
+        v.read_file("/nope")
+
+    # In a sandbox: the root is writable by `user`; what it writes, the content API reads.
+    s = make(volume_mounts={"/mnt/data": v})
+    assert s.files.read("/mnt/data/notes/a.txt", format="bytes") == b"\x00bin"
+    s.commands.run("echo from-sandbox > /mnt/data/made-by-user.txt")
+    made = v.get_info("/made-by-user.txt")
+    assert (made.uid, v.read_file("/made-by-user.txt")) == (1000, "from-sandbox\n")
+    with pytest.raises(VolumeException):
+        Volume.destroy(v.volume_id)  # mounted: refused
+    s.kill()
+
+    # Bad input: no or a wrong token, another volume's token, a path climbing out, the root.
+    url = "/volumecontent/%s/file" % v.volume_id
+    assert raw.get(url, params={"path": "/notes/a.txt"}).status_code == 401
+    other = volumes()
+    r = raw.get(url, params={"path": "/notes/a.txt"}, headers={"Authorization": "Bearer " + other.token})
+    assert r.status_code == 401 and r.json()["code"] == 401, r.text
+    auth = {"Authorization": "Bearer " + v.token}
+    r = raw.get(url, params={"path": "/../../etc/passwd"}, headers=auth)
+    assert r.status_code == 400 and "climbs above" in r.json()["message"], r.text
+    r = raw.put(url, params={"path": "/big", "mode": "99999"}, content=b"x", headers=auth)
+    assert r.status_code == 400, r.text
+    r = raw.delete("/volumecontent/%s/path" % v.volume_id, params={"path": "/"}, headers=auth)
+    assert r.status_code == 400, r.text
+    assert raw.get("/volumecontent/vol-nosuch/path", params={"path": "/"}, headers=auth).status_code == 404
+    with pytest.raises(VolumeNotFoundException):
+        Volume.get_info("vol-nosuch")
+
+    v.remove("/notes")
+    assert [e.path for e in v.list("/")] == ["/made-by-user.txt"]
+    assert Volume.destroy(v.volume_id) is True
+    assert Volume.destroy(v.volume_id) is False
+
+
+def test_async_volume(e2b, volumes):
+    """`AsyncVolume`: the same API, awaited."""
+
+    async def go():
+        v = await AsyncVolume.create("e2bva-" + uuid.uuid4().hex[:8])
+        try:
+            await v.write_file("/a/b.txt", "async", force=True)
+            assert await v.read_file("/a/b.txt") == "async"
+            assert [e.name for e in await v.list("/a")] == ["b.txt"]
+            assert (await v.get_info("/a/b.txt")).size == 5
+            await v.remove("/a/b.txt")
+            assert not await v.exists("/a/b.txt")
+        finally:
+            assert await AsyncVolume.destroy(v.volume_id)
+
+    asyncio.run(go())
 
 
 def test_insecure_sandbox_needs_no_access_token(e2b, make, raw):

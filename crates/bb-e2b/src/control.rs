@@ -178,7 +178,7 @@ fn resolve_template(e: &E2b, id: &str) -> Source {
 }
 
 /// Parse a JSON body (an empty one is `{}`), E2B-shaped errors.
-fn body<T: for<'de> Deserialize<'de> + Default>(bytes: &[u8]) -> E2bResult<T> {
+pub(crate) fn body<T: for<'de> Deserialize<'de> + Default>(bytes: &[u8]) -> E2bResult<T> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }

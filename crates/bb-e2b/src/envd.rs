@@ -538,7 +538,7 @@ struct MoveReq {
     destination: String,
 }
 
-fn rfc3339(secs: f64) -> String {
+pub(crate) fn rfc3339(secs: f64) -> String {
     let t = std::time::UNIX_EPOCH + Duration::from_secs_f64(secs.max(0.0));
     humantime::format_rfc3339_nanos(t).to_string()
 }
@@ -744,27 +744,33 @@ async fn download(State(e): St, Extension(t): Tgt, headers: HeaderMap, uri: axum
         Ok(x) => x,
         Err(err) => return files_rpc_error(err),
     };
-    let stream = tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 256 * 1024);
-    if wants_gzip(&headers) {
-        let mut enc = Some(flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast()));
-        let gz = stream.map(Some).chain(futures::stream::once(async { None })).map(
-            move |chunk| -> Result<Bytes, std::io::Error> {
-                let Some(w) = enc.as_mut() else { return Ok(Bytes::new()) };
-                match chunk {
-                    Some(c) => {
-                        w.write_all(&c?)?;
-                        Ok(Bytes::from(std::mem::take(w.get_mut())))
-                    }
-                    None => Ok(Bytes::from(enc.take().expect("encoder until the end").finish()?)),
-                }
-            },
-        );
-        return Response::builder()
-            .header(header::CONTENT_TYPE, "application/octet-stream")
-            .header(header::CONTENT_ENCODING, "gzip")
-            .body(Body::from_stream(gz))
-            .expect("valid response");
+    if !wants_gzip(&headers) {
+        return octet_stream(file, size);
     }
+    let stream = tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 256 * 1024);
+    let mut enc = Some(flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast()));
+    let gz = stream.map(Some).chain(futures::stream::once(async { None })).map(
+        move |chunk| -> Result<Bytes, std::io::Error> {
+            let Some(w) = enc.as_mut() else { return Ok(Bytes::new()) };
+            match chunk {
+                Some(c) => {
+                    w.write_all(&c?)?;
+                    Ok(Bytes::from(std::mem::take(w.get_mut())))
+                }
+                None => Ok(Bytes::from(enc.take().expect("encoder until the end").finish()?)),
+            }
+        },
+    );
+    Response::builder()
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .header(header::CONTENT_ENCODING, "gzip")
+        .body(Body::from_stream(gz))
+        .expect("valid response")
+}
+
+/// A whole file as an `application/octet-stream` answer, streamed.
+pub(crate) fn octet_stream(file: std::fs::File, size: u64) -> Response {
+    let stream = tokio_util::io::ReaderStream::with_capacity(tokio::fs::File::from_std(file), 256 * 1024);
     Response::builder()
         .header(header::CONTENT_TYPE, "application/octet-stream")
         .header(header::CONTENT_LENGTH, size)

@@ -12,6 +12,7 @@ pub mod envd;
 pub mod error;
 pub mod interp;
 pub mod procs;
+pub mod volumes;
 pub mod watch;
 
 use axum::body::Body;
@@ -88,6 +89,8 @@ fn control_router(e: Arc<E2b>) -> Router {
         .route("/snapshots", get(list_snapshots))
         .route("/templates/:id", delete(delete_template))
         .route("/templates/aliases/:alias", get(alias))
+        .route("/volumes", post(volumes::create).get(volumes::list))
+        .route("/volumes/:vid", get(volumes::get_one).delete(volumes::delete))
         .fallback(|uri: axum::http::Uri| async move {
             error::E2bError::not_found(format!("no route {} on branchbox's E2B endpoint", uri.path()))
         })
@@ -103,8 +106,12 @@ pub fn router(rt: Arc<Runtime>, cfg: E2bConfig) -> Router {
         contexts: Default::default(),
         watchers: Default::default(),
     });
-    let planes =
-        Planes { control: control_router(e.clone()), envd: envd::router(e.clone()), interp: interp::router(e.clone()) };
+    let planes = Planes {
+        control: control_router(e.clone()),
+        volumes: volumes::content_router(e.clone()),
+        envd: envd::router(e.clone()),
+        interp: interp::router(e.clone()),
+    };
     Router::new().fallback(move |req: Request| {
         let (e, planes) = (e.clone(), planes.clone());
         async move { dispatch(e, planes, req).await }
@@ -142,7 +149,12 @@ const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(2);
 /// Read (and drop) what a client sends before answering it early: an answer given while the body
 /// is unread makes hyper close the connection under a client that may reuse it.
 pub(crate) async fn drain(req: Request) {
-    let body = http_body_util::Limited::new(req.into_body(), DRAIN_LIMIT);
+    drain_body(req.into_body()).await
+}
+
+/// [`drain`] a request's body.
+pub(crate) async fn drain_body(body: Body) {
+    let body = http_body_util::Limited::new(body, DRAIN_LIMIT);
     let _ = tokio::time::timeout(DRAIN_TIME, http_body_util::BodyExt::collect(body)).await;
 }
 
@@ -150,6 +162,8 @@ pub(crate) async fn drain(req: Request) {
 #[derive(Clone)]
 struct Planes {
     control: Router,
+    /// E2B's volume content API (a bearer token per volume; bodies streamed).
+    volumes: Router,
     envd: Router,
     interp: Router,
 }
@@ -168,6 +182,9 @@ async fn dispatch(e: Arc<E2b>, planes: Planes, mut req: Request) -> Response {
             return signature_refused(
                 "the signature matches no sandbox: ask the SDK for a new download_url/upload_url",
             );
+        }
+        if req.uri().path().starts_with("/volumecontent/") {
+            return into_response(planes.volumes.oneshot(req).await);
         }
         // Control-plane bodies are small JSON: read whole first, so every answer (errors too)
         // comes after the body.

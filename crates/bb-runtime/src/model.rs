@@ -361,6 +361,11 @@ pub struct EntryInfo {
     #[serde(default)]
     pub gid: u32,
     pub mtime: f64,
+    /// Last access and last status change (seconds since the epoch).
+    #[serde(default)]
+    pub atime: f64,
+    #[serde(default)]
+    pub ctime: f64,
     pub symlink_target: Option<String>,
 }
 

@@ -101,6 +101,8 @@ pub struct SandboxFs {
     gid: u32,
     /// Host id of the sandbox's root (in-sandbox ids are host ids minus it).
     base: u32,
+    /// The mode new directories get (None: 0755 less the daemon's umask).
+    dir_mode: Option<u32>,
     /// Held while the handle lives: a checkpoint or rollback (which swaps the root under us)
     /// waits for file operations in flight, and new ones wait for it.
     _gate: Option<tokio::sync::OwnedRwLockReadGuard<()>>,
@@ -138,6 +140,18 @@ fn errno_to_error(what: &str, path: &SbPath, e: nix::Error) -> RuntimeError {
     }
 }
 
+/// chmod the inode an `O_PATH` fd names (fchmod refuses such fds; its /proc link reaches the
+/// inode itself, never following a symlink further).
+fn chmod_fd(fd: &OwnedFd, mode: u32) -> nix::Result<()> {
+    let via = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    nix::sys::stat::fchmodat(
+        None,
+        via.as_str(),
+        Mode::from_bits_truncate(mode),
+        nix::sys::stat::FchmodatFlags::FollowSymlink,
+    )
+}
+
 fn io_to_nix(e: std::io::Error) -> nix::Error {
     nix::Error::from_raw(e.raw_os_error().unwrap_or(libc::EIO))
 }
@@ -169,6 +183,8 @@ fn entry(path: &SbPath, st: &FileStat, target: Option<String>, base: u32) -> Ent
         uid: sandbox_id(st.st_uid, base),
         gid: sandbox_id(st.st_gid, base),
         mtime: st.st_mtime as f64 + st.st_mtime_nsec as f64 / 1e9,
+        atime: st.st_atime as f64 + st.st_atime_nsec as f64 / 1e9,
+        ctime: st.st_ctime as f64 + st.st_ctime_nsec as f64 / 1e9,
         symlink_target: target,
     }
 }
@@ -181,7 +197,7 @@ impl SandboxFs {
             .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
             .open(rootfs)
             .map_err(RuntimeError::io("open sandbox root"))?;
-        Ok(SandboxFs { root: root.into(), uid, gid: uid, base: uid, _gate: None })
+        Ok(SandboxFs { root: root.into(), uid, gid: uid, base: uid, dir_mode: None, _gate: None })
     }
 
     /// New files and directories are owned by host `uid` and `gid` (a sandbox user's).
@@ -189,6 +205,26 @@ impl SandboxFs {
         self.uid = uid;
         self.gid = gid;
         self
+    }
+
+    /// New files and directories are owned by in-sandbox ids `uid` and `gid` (0-65535).
+    pub fn owned_by_ids(self, uid: u32, gid: u32) -> Result<SandboxFs> {
+        let (uid, gid) = (self.host_id("uid", uid)?, self.host_id("gid", gid)?);
+        Ok(self.owned_by(uid, gid))
+    }
+
+    /// New directories get exactly `mode` (the daemon's umask does not apply).
+    pub fn with_dir_mode(mut self, mode: u32) -> SandboxFs {
+        self.dir_mode = Some(mode & 0o7777);
+        self
+    }
+
+    /// The host id of in-sandbox id `id` (`what`: uid or gid, for the error).
+    fn host_id(&self, what: &str, id: u32) -> Result<u32> {
+        if id >= 65_536 {
+            return Err(RuntimeError::BadRequest(format!("{what} {id} is outside the sandbox's ids: give 0 to 65535")));
+        }
+        Ok(self.base + id)
     }
 
     /// Like [`open`](Self::open), holding `gate` (the sandbox's root-swap lock) while alive.
@@ -324,6 +360,56 @@ impl SandboxFs {
         self.stat_in(up.dir.as_fd(), &up.dst)
     }
 
+    /// [`SandboxFs::commit`], refused (`Conflict`) if the target exists by then: the file is
+    /// new or nothing changes.
+    pub fn commit_new(&self, mut up: Upload) -> Result<EntryInfo> {
+        if let Some(f) = up.file.take() {
+            f.sync_data().ok();
+        }
+        nix::fcntl::renameat2(
+            Some(up.dir.as_raw_fd()),
+            up.tmp.as_str(),
+            Some(up.dir.as_raw_fd()),
+            up.dst.name(),
+            nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+        )
+        .map_err(|e| errno_to_error("create", &up.dst, e))?;
+        up.committed = true;
+        self.stat_in(up.dir.as_fd(), &up.dst)
+    }
+
+    /// Set the mode of `path` (a symlink's target, inside the root).
+    pub fn chmod(&self, path: &SbPath, mode: u32) -> Result<EntryInfo> {
+        if mode > 0o7777 {
+            return Err(RuntimeError::BadRequest(format!("mode {mode:o} is not a file mode: give at most 0o7777")));
+        }
+        let fd = self.open_at(path, libc::O_PATH, 0)?;
+        chmod_fd(&fd, mode).map_err(|e| errno_to_error("chmod", path, e))?;
+        self.stat_fd(&fd, path)
+    }
+
+    /// Set the owner and/or group of `path` (in-sandbox ids; a symlink's target, inside the root).
+    pub fn chown(&self, path: &SbPath, uid: Option<u32>, gid: Option<u32>) -> Result<EntryInfo> {
+        let uid = uid.map(|u| self.host_id("uid", u)).transpose()?;
+        let gid = gid.map(|g| self.host_id("gid", g)).transpose()?;
+        let fd = self.open_at(path, libc::O_PATH, 0)?;
+        nix::unistd::fchownat(
+            Some(fd.as_raw_fd()),
+            "",
+            uid.map(Into::into),
+            gid.map(Into::into),
+            AtFlags::AT_EMPTY_PATH,
+        )
+        .map_err(|e| errno_to_error("chown", path, e))?;
+        self.stat_fd(&fd, path)
+    }
+
+    /// The entry of an fd opened at `path` (its target when `path` is a symlink).
+    fn stat_fd(&self, fd: &OwnedFd, path: &SbPath) -> Result<EntryInfo> {
+        let st = nix::sys::stat::fstat(fd.as_raw_fd()).map_err(|e| errno_to_error("stat", path, e))?;
+        Ok(entry(path, &st, None, self.base))
+    }
+
     pub fn mkdir(&self, path: &SbPath, parents: bool) -> Result<EntryInfo> {
         if path.is_root() {
             return self.stat(path);
@@ -347,6 +433,19 @@ impl SandboxFs {
                         AtFlags::AT_SYMLINK_NOFOLLOW,
                     )
                     .map_err(|e| errno_to_error("chown", &cur, e))?;
+                    if let Some(mode) = self.dir_mode {
+                        // Through an fd of the new directory itself (a symlink put in its place
+                        // meanwhile is not followed).
+                        let fd = openat2(
+                            parent.as_fd(),
+                            part,
+                            libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW,
+                            0,
+                            RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS,
+                        )
+                        .map_err(|e| errno_to_error("chmod", &cur, sys_to_nix(e)))?;
+                        chmod_fd(&fd, mode).map_err(|e| errno_to_error("chmod", &cur, e))?;
+                    }
                 }
                 Err(nix::Error::EEXIST) if parents || !last => {
                     // Must be (or lead to) a directory.
@@ -741,5 +840,41 @@ mod tests {
         fs.remove(&p("/a"), true).unwrap();
         assert!(matches!(fs.stat(&p("/a")), Err(RuntimeError::NotFound { .. })));
         assert!(fs.remove(&p("/"), true).is_err());
+    }
+
+    #[test]
+    fn modes_owners_and_new_only_writes() {
+        let root = tempfile::tempdir().unwrap();
+        let me = nix::unistd::getuid().as_raw();
+        let p = |s: &str| SbPath::parse(s).unwrap();
+        assert!(matches!(
+            SandboxFs::open(root.path(), me).unwrap().owned_by_ids(65_536, 0),
+            Err(RuntimeError::BadRequest(_))
+        ));
+        // In-sandbox id 0 is the host id the handle was opened with (`me`).
+        let fs = SandboxFs::open(root.path(), me).unwrap().owned_by_ids(0, 0).unwrap().with_dir_mode(0o777);
+        // New directories get the mode asked for, the umask notwithstanding.
+        assert_eq!(fs.mkdir(&p("/d/e"), true).unwrap().mode, 0o777);
+        assert_eq!(fs.stat(&p("/d")).unwrap().mode, 0o777);
+        use std::io::Write;
+        let mut up = fs.begin_write(&p("/d/f"), Some(0o666)).unwrap();
+        up.file().write_all(b"one").unwrap();
+        let en = fs.commit_new(up).unwrap();
+        assert_eq!((en.mode, en.uid), (0o666, 0));
+        assert!(en.ctime > 0.0 && en.atime > 0.0);
+        // A second new-only write of the same path changes nothing and leaves no temporary file.
+        let mut up = fs.begin_write(&p("/d/f"), None).unwrap();
+        up.file().write_all(b"two").unwrap();
+        assert!(matches!(fs.commit_new(up), Err(RuntimeError::Conflict(_))));
+        assert_eq!(std::fs::read_to_string(root.path().join("d/f")).unwrap(), "one");
+        assert_eq!(std::fs::read_dir(root.path().join("d")).unwrap().count(), 2);
+        // chmod and chown reach a symlink's target inside the root.
+        std::os::unix::fs::symlink("/d/f", root.path().join("link")).unwrap();
+        assert_eq!(fs.chmod(&p("/link"), 0o640).unwrap().mode, 0o640);
+        assert_eq!(fs.stat(&p("/d/f")).unwrap().mode, 0o640);
+        assert!(matches!(fs.chmod(&p("/d/f"), 0o10000), Err(RuntimeError::BadRequest(_))));
+        assert_eq!(fs.chown(&p("/d/f"), Some(0), None).unwrap().uid, 0);
+        assert!(matches!(fs.chown(&p("/d/f"), None, Some(70_000)), Err(RuntimeError::BadRequest(_))));
+        assert!(matches!(fs.chmod(&p("/nope"), 0o600), Err(RuntimeError::NotFound { .. })));
     }
 }

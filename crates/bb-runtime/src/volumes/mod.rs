@@ -495,6 +495,12 @@ impl Runtime {
         Ok(VolumeList { volumes: rows.iter().map(|r| self.volume_info_of(r)).collect::<Result<_>>()? })
     }
 
+    /// The id of volume `vid` (an id or a name; opened from the metadata store if only it
+    /// knows the volume), without measuring it as [`volume_info`](Self::volume_info) does.
+    pub async fn volume_id(self: &Arc<Self>, vid: &str) -> Result<String> {
+        self.open_volume(vid).await
+    }
+
     /// Volume `vid` (opened from the metadata store if only it knows the volume).
     pub async fn volume_info(self: &Arc<Self>, vid: &str) -> Result<VolumeInfo> {
         let id = self.open_volume(vid).await?;
