@@ -191,6 +191,12 @@ impl Server {
                     Response::Error { errno: libc::EPERM, message: format!("process {pid} cannot be signalled") };
                 self.reply(fd, &resp);
             }
+            Request::Kill { pid, .. } if self.procs.get(&pid).is_some_and(|p| p.exit.is_some()) => {
+                // It has exited (and was reaped): its pid, and the group id it led, may name
+                // other processes by now, or a zombie of its group not reaped yet.
+                let resp = Response::Error { errno: libc::ESRCH, message: format!("process {pid} has exited") };
+                self.reply(fd, &resp);
+            }
             Request::Kill { pid, signal, group } => {
                 // The pid namespace confines the target.
                 let res =

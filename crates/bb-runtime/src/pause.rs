@@ -64,25 +64,41 @@ pub(crate) fn tree_roots(sb: &Sandbox) -> Result<Vec<i32>> {
 /// waits in vfork() for its child to exec or exit: CRIU seizes every process of the cgroup and
 /// waits for each to stop, and such a parent reports no stop while its seized child cannot run
 /// (CRIU then hangs until its own timeout). Such a moment lasts microseconds (a shell's vfork and
-/// exec): the group is thawed 1 ms and frozen again, [`VFORK_ATTEMPTS`] times at most.
+/// exec), but on a busy host the child may wait long for a CPU: the group is thawed until every
+/// parent seen in vfork has moved on (slept or woken since), then frozen again, for at most
+/// [`VFORK_WAIT`].
 pub(crate) fn freeze_for_criu(sb: &Sandbox) -> Result<()> {
-    for _ in 0..VFORK_ATTEMPTS {
+    let deadline = Instant::now() + VFORK_WAIT;
+    loop {
         sb.cgroup.freeze()?;
-        let in_vfork = sb.cgroup.pids()?.into_iter().any(|p| {
-            // A vfork parent sleeps in kernel_clone (no other fork sleeps there).
-            std::fs::read_to_string(format!("/proc/{p}/wchan")).is_ok_and(|w| w.trim() == "kernel_clone")
-        });
-        if !in_vfork {
+        let parents: Vec<i32> = sb.cgroup.pids()?.into_iter().filter(|p| in_vfork(*p)).collect();
+        if parents.is_empty() || Instant::now() >= deadline {
             return Ok(());
         }
         sb.cgroup.thaw()?;
-        std::thread::sleep(std::time::Duration::from_millis(1));
+        let seen: Vec<(i32, Option<u64>)> = parents.iter().map(|p| (*p, switches(*p))).collect();
+        // Moved on: gone, out of vfork, or switched since (its next vfork is another moment).
+        let moved_on = |(p, n): &(i32, Option<u64>)| !in_vfork(*p) || switches(*p) != *n;
+        while !seen.iter().all(moved_on) && Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
     }
-    Ok(sb.cgroup.freeze()?)
 }
 
-/// Freezes [`freeze_for_criu`] tries before it lets CRIU meet a vfork.
-const VFORK_ATTEMPTS: usize = 100;
+/// Whether process `pid` (a host pid) waits in vfork(): a vfork parent sleeps in kernel_clone
+/// (no other fork sleeps there).
+fn in_vfork(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/wchan")).is_ok_and(|w| w.trim() == "kernel_clone")
+}
+
+/// How many times process `pid` has given up the CPU of its own accord (None once it is gone).
+fn switches(pid: i32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix("voluntary_ctxt_switches:")).and_then(|v| v.trim().parse().ok())
+}
+
+/// Longest [`freeze_for_criu`] waits for a moment without a vfork before it lets CRIU meet one.
+const VFORK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Take back the channel of a session process whose other end it holds at `channel_fd`, and
 /// register it with init again (tag and stash, as for any session).
