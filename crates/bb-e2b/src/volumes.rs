@@ -118,8 +118,8 @@ async fn id_of(e: &E2b, vid: &str) -> E2bResult<String> {
 /// `GET /volumes/{volumeID}`: the volume and its token.
 pub async fn get_one(State(e): St, Path(vid): Path<String>) -> E2bResult<Json<Value>> {
     let id = id_of(&e, &vid).await?;
-    let name = e.rt.list_volumes()?.volumes.into_iter().find(|v| v.id == id).and_then(|v| v.name);
-    Ok(Json(with_token(&e, &id, name.as_deref())))
+    let info = e.rt.volume_info(&id).await?;
+    Ok(Json(with_token(&e, &info.id, info.name.as_deref())))
 }
 
 /// `DELETE /volumes/{volumeID}`: 204 (409 while a sandbox mounts it).
