@@ -48,11 +48,17 @@ pub struct E2b {
 /// A sandbox's `envdAccessToken`: derived from the API key and its id, so any holder of the key
 /// can tell it, nobody else can, and it outlives a daemon restart.
 pub fn access_token(api_key: &str, id: &str) -> String {
+    derived_token(b"branchbox-e2b-envd", api_key, &canonical_id(id))
+}
+
+/// A token for `purpose` and the object `id`: sha256 of both and the API key (hex, 160 bits).
+pub(crate) fn derived_token(purpose: &[u8], api_key: &str, id: &str) -> String {
     let mut h = sha2::Sha256::new();
-    h.update(b"branchbox-e2b-envd\0");
+    h.update(purpose);
+    h.update(b"\0");
     h.update(api_key.as_bytes());
     h.update(b"\0");
-    h.update(canonical_id(id).as_bytes());
+    h.update(id.as_bytes());
     hex::encode(&h.finalize()[..20])
 }
 

@@ -21,7 +21,6 @@ use bb_runtime::sandbox::files::{SandboxFs, SbPath};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use sha2::Digest;
 use std::sync::Arc;
 
 type St = State<Arc<E2b>>;
@@ -37,12 +36,7 @@ pub const MAX_DEPTH: u32 = 10;
 /// A volume's content token: derived from the API key and the volume's id, as a sandbox's
 /// access token is (any holder of the key can tell it, nobody else can; it survives restarts).
 pub fn volume_token(api_key: &str, volume_id: &str) -> String {
-    let mut h = sha2::Sha256::new();
-    h.update(b"branchbox-e2b-volume\0");
-    h.update(api_key.as_bytes());
-    h.update(b"\0");
-    h.update(volume_id.as_bytes());
-    hex::encode(&h.finalize()[..20])
+    crate::derived_token(b"branchbox-e2b-volume", api_key, volume_id)
 }
 
 // ------------------------------------------------------------------ the control plane
@@ -117,8 +111,10 @@ async fn id_of(e: &E2b, vid: &str) -> E2bResult<String> {
 
 /// `GET /volumes/{volumeID}`: the volume and its token.
 pub async fn get_one(State(e): St, Path(vid): Path<String>) -> E2bResult<Json<Value>> {
-    let id = id_of(&e, &vid).await?;
-    let info = e.rt.volume_info(&id).await?;
+    let info = e.rt.volume_info(&vid).await.map_err(|err| match err.kind() {
+        bb_runtime::error::ErrorKind::NotFound => unknown(&vid),
+        _ => err.into(),
+    })?;
     Ok(Json(with_token(&e, &info.id, info.name.as_deref())))
 }
 
@@ -439,6 +435,9 @@ mod tests {
         assert_ne!(t, volume_token("key", "vol-0124"));
         assert_ne!(t, crate::access_token("key", "vol-0123"));
         assert_eq!(t.len(), 40);
+        // The formula tokens already handed out were made with (sha256 of purpose, key, id).
+        assert_eq!(t, "4673f74f7434d8da08cb8f0e15cfca595bd47f61");
+        assert_eq!(crate::access_token("key", "sb0123456789ab"), "3947f756d6f334363ed31ba7b34d2f0a9aa81173");
     }
 
     #[test]

@@ -350,20 +350,25 @@ impl SandboxFs {
 
     /// [`SandboxFs::commit`]; `sync: false` leaves the data to the page cache (for a file the
     /// daemon writes again whenever it is needed).
-    pub fn commit_with(&self, mut up: Upload, sync: bool) -> Result<EntryInfo> {
-        if let Some(f) = up.file.take().filter(|_| sync) {
-            f.sync_data().ok();
-        }
-        nix::fcntl::renameat(Some(up.dir.as_raw_fd()), up.tmp.as_str(), Some(up.dir.as_raw_fd()), up.dst.name())
-            .map_err(|e| errno_to_error("write", &up.dst, e))?;
-        up.committed = true;
-        self.stat_in(up.dir.as_fd(), &up.dst)
+    pub fn commit_with(&self, up: Upload, sync: bool) -> Result<EntryInfo> {
+        self.put_in_place(up, sync, nix::fcntl::RenameFlags::empty(), "write")
     }
 
     /// [`SandboxFs::commit`], refused (`Conflict`) if the target exists by then: the file is
     /// new or nothing changes.
-    pub fn commit_new(&self, mut up: Upload) -> Result<EntryInfo> {
-        if let Some(f) = up.file.take() {
+    pub fn commit_new(&self, up: Upload) -> Result<EntryInfo> {
+        self.put_in_place(up, true, nix::fcntl::RenameFlags::RENAME_NOREPLACE, "create")
+    }
+
+    /// Rename an upload over its target (`flags`: renameat2's), its data on disk first if `sync`.
+    fn put_in_place(
+        &self,
+        mut up: Upload,
+        sync: bool,
+        flags: nix::fcntl::RenameFlags,
+        what: &str,
+    ) -> Result<EntryInfo> {
+        if let Some(f) = up.file.take().filter(|_| sync) {
             f.sync_data().ok();
         }
         nix::fcntl::renameat2(
@@ -371,9 +376,9 @@ impl SandboxFs {
             up.tmp.as_str(),
             Some(up.dir.as_raw_fd()),
             up.dst.name(),
-            nix::fcntl::RenameFlags::RENAME_NOREPLACE,
+            flags,
         )
-        .map_err(|e| errno_to_error("create", &up.dst, e))?;
+        .map_err(|e| errno_to_error(what, &up.dst, e))?;
         up.committed = true;
         self.stat_in(up.dir.as_fd(), &up.dst)
     }
