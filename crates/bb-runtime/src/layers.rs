@@ -65,7 +65,6 @@ impl Runtime {
         if !id.starts_with("sl-") {
             return None;
         }
-        self.volumes.forget_layer(id);
         let dir = self.layer_path(id);
         let trash = if id.starts_with(crate::volumes::volfs::LAYER_PREFIX) {
             crate::volumes::volfs::tmp_dir(&self.cfg.state_dir)

@@ -60,11 +60,8 @@ impl Runtime {
             Err(_) => return Ok(0),
         };
         let mut sizes = HashMap::new();
-        {
-            let records = self.snapshots.records();
-            for l in &local {
-                sizes.insert(l.clone(), self.frozen_layer_size(&records, l)?);
-            }
+        for l in &local {
+            sizes.insert(l.clone(), self.frozen_layer_size(l)?);
         }
         let mut total: u64 = sizes.values().sum();
         if total <= bound {

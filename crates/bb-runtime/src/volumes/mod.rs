@@ -70,19 +70,11 @@ pub struct Volumes {
     stale_devs: Mutex<HashMap<String, Vec<u64>>>,
     /// The volumes' filesystem is set up (`Some(encrypted)`), see [`volfs`].
     fs_ready: Mutex<Option<bool>>,
-    /// The last measured size of writable layers: what a layer counts for once frozen, until
-    /// its size is measured in the background (`measure_layers_later`).
-    upper_sizes: Mutex<HashMap<String, u64>>,
     /// When each volume was last mounted or used through the file API ([`cache`]).
     used: Mutex<HashMap<String, std::time::Instant>>,
 }
 
 impl Volumes {
-    /// Layer `id` is gone.
-    pub(crate) fn forget_layer(&self, id: &str) {
-        self.upper_sizes.lock().remove(id);
-    }
-
     pub(crate) fn open(db: &Path) -> Result<Volumes> {
         Ok(Volumes {
             records: Mutex::new(VolumeStore::open(db)?),
@@ -91,7 +83,6 @@ impl Volumes {
             pending: Default::default(),
             mounting: Default::default(),
             fs_ready: Default::default(),
-            upper_sizes: Default::default(),
             used: Default::default(),
             stale_devs: Default::default(),
         })
@@ -374,13 +365,13 @@ impl Runtime {
         out
     }
 
-    /// Bytes of frozen volume layer `l`: a layer frozen a moment ago is measured in the
-    /// background (a walk of every file, not on the path of an answer); meanwhile it counts
-    /// what it last measured as a writable layer.
-    fn frozen_layer_size(&self, records: &crate::snapshot::store::SnapStore, l: &str) -> Result<u64> {
-        Ok(match records.layer_size(l)? {
+    /// Bytes of frozen volume layer `l`: its recorded size, or, for a layer frozen so recently
+    /// that `measure_layers_later` has not recorded it yet, measured now (not recorded here:
+    /// a layer dir met outside a volume's row may still be a writable layer being set up).
+    fn frozen_layer_size(&self, l: &str) -> Result<u64> {
+        Ok(match self.snapshots.records().layer_size(l)? {
             Some(b) => b,
-            None => self.volumes.upper_sizes.lock().get(l).copied().unwrap_or(0),
+            None => du(&self.layer_path(l)),
         })
     }
 
@@ -402,19 +393,16 @@ impl Runtime {
         let snaps = self.volumes.records().snapshots(Some(&row.id))?.len();
         let upper_dir = self.layer_path(&row.upper);
         let upper_bytes = du(&upper_dir);
-        self.volumes.upper_sizes.lock().insert(row.upper.clone(), upper_bytes);
-        let records = self.snapshots.records();
         let mut size = upper_bytes;
         let mut backlog = upper_bytes;
         let synced: HashSet<&String> = row.synced.iter().flat_map(|s| s.chain.iter()).collect();
         for l in &row.chain {
-            let b = self.frozen_layer_size(&records, l)?;
+            let b = self.frozen_layer_size(l)?;
             size += b;
             if !synced.contains(l) {
                 backlog += b;
             }
         }
-        drop(records);
         let durable = self.head_holds(row)? && dir_is_empty(&upper_dir);
         Ok(VolumeInfo {
             id: row.id.clone(),
@@ -628,7 +616,6 @@ impl Runtime {
                 }
                 let size = du(&rt.layer_path(&l));
                 let _ = rt.snapshots.records().set_layer_size(&l, size);
-                rt.volumes.upper_sizes.lock().remove(&l);
             }
         });
     }
