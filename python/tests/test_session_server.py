@@ -1031,24 +1031,78 @@ def test_javascript_sigint_interrupts_the_run_not_the_kernel(js: SessionProcess)
     assert js.run("kept")["result"] == "'still here'"
 
 
-def test_javascript_copies_start_afresh_and_say_so(js: SessionProcess) -> None:
-    assert js.run("let n = 1; n")["result"] == "1"
+def test_javascript_copies_carry_the_global_scope(js: SessionProcess, tmp_path) -> None:
+    (tmp_path / "mod.js").write_text("exports.twice = (x) => 2 * x;\n")
+    r = js.run(
+        "let n = 1; const cfg = {deep: [1, {x: new Map([['k', new Date(0)]])}]}; var shared = cfg.deep;\n"
+        "class Point { constructor(x) { this.x = x } norm() { return Math.abs(this.x) } }\n"
+        "class Point3 extends Point { z() { return 3 } }\n"
+        "function add(a) { return a + n }\n"
+        "const fs = require('fs'); const {readFileSync} = require('fs'); const mod = require('./mod.js');\n"
+        "const p = new Point(-4); const bytes = new Uint8Array([1, 2, 3]);\n"
+        "const counter = (() => { let i = 0; return () => ++i })(); const big = 10n;"
+    )
+    assert r["error"] is None, r
     (node,) = _children(js.proc.pid)
     parent_resp, child, _ = _fork(js)
     try:
         # The copy holds nothing of the original's node (no fds but 0-3) and starts its own.
         assert _fds(parent_resp["child"]) == {0, 1, 2, 3}
-        r = child.run("typeof n")
-        assert r["result"] == "'undefined'" and "javascript state is not copied" in r["stderr"], r
-        assert child.run("typeof n")["stderr"] == ""  # said once
+        r = child.run(
+            "JSON.stringify([n, add(2), cfg.deep[1].x.get('k').getTime(), shared === cfg.deep, p instanceof Point,"
+            " p.norm(), new Point3(1).z(), typeof fs.statSync, readFileSync === fs.readFileSync, mod.twice(4),"
+            " bytes[2], String(big)])"
+        )
+        assert r["error"] is None and r["stderr"] == "", r
+        assert json.loads(eval(r["result"])) == [1, 3, 0, True, True, 4, 3, "function", True, 8, 3, "10"], r
+        assert r["execution_count"] == 2  # counting on from the original's
+        # Functions are made again from their source: a closure over a non-global is not.
+        assert child.run("counter()")["error"]["name"] == "ReferenceError"
+        # Bindings keep their kind: let stays let, const stays const.
+        assert child.run("n = 5; n")["result"] == "5"
+        assert child.run("cfg = 1")["error"]["name"] == "TypeError"
         assert _children(parent_resp["child"]) and _children(parent_resp["child"]) != [node]
         assert js.run("n + 1")["result"] == "2"  # the original keeps its state and its node
+        assert js.run("counter()")["result"] == "1"
         assert set(_children(js.proc.pid)) == {node, parent_resp["child"]}  # a plain fork is its child
     finally:
         child.close()
     # node ends with its server.
     js.stop()
     assert _gone(node)
+
+
+def test_javascript_copies_say_what_they_could_not_carry(js: SessionProcess) -> None:
+    r = js.run("const ok = 1; const sock = new (require('net').Socket)(); const bound = Math.max.bind(null)")
+    assert r["error"] is None, r
+    assert js.run("const huge = 'x'.repeat(20 << 20); 1")["error"] is None
+    assert js.run("let tdz = (() => { throw new Error('no') })()")["error"]["value"] == "no"  # tdz is never set
+    parent_resp, child, _ = _fork(js)
+    try:
+        r = child.run("[ok, typeof sock, typeof bound, typeof huge]")
+        assert r["result"] == "[ 1, 'undefined', 'undefined', 'undefined' ]", r
+        err = r["stderr"]
+        assert err.startswith("[branchbox] this javascript context is a copy") and err.count("\n") == 1, err
+        assert "sock (cannot be copied" in err and "bound (a function without source" in err, err
+        assert "huge (too large to copy" in err and "tdz (never initialised)" in err and "ok (" not in err, err
+        assert child.run("1")["stderr"] == ""  # said once
+        # A copy of the copy, before it ran anything, carries the same.
+        _, grandchild, _ = _fork(child)
+        try:
+            assert grandchild.run("ok")["result"] == "1"
+        finally:
+            grandchild.close()
+    finally:
+        child.close()
+
+
+def test_javascript_copy_of_a_session_that_never_ran_says_nothing(js: SessionProcess) -> None:
+    parent_resp, child, _ = _fork(js)
+    try:
+        r = child.run("1 + 1")
+        assert (r["result"], r["stderr"]) == ("2", ""), r
+    finally:
+        child.close()
 
 
 def test_javascript_without_node_says_what_to_install(tmp_path) -> None:
@@ -1165,13 +1219,14 @@ def test_top_level_await_runs_keep_their_declarations(ts: SessionProcess, tmp_pa
         js.stop()
 
 
-def test_typescript_copies_start_afresh_and_say_so(ts: SessionProcess) -> None:
-    assert ts.run("let n: number = 1; n")["result"] == "1"
+def test_typescript_copies_carry_the_global_scope(ts: SessionProcess) -> None:
+    r = ts.run("import * as path from 'path';\nlet n: number = 1; function f(x: number): number { return x + n }")
+    assert r["error"] is None, r
     parent_resp, child, _ = _fork(ts)
     try:
-        r = child.run("typeof n")
-        assert r["result"] == "'undefined'" and "typescript state is not copied" in r["stderr"], r
-        assert child.run("const m: number = 2; m")["result"] == "2"  # a fresh node compiles too
+        r = child.run("[typeof n, f(1), path.basename('/a/b')]")
+        assert r["result"] == "[ 'number', 2, 'b' ]" and r["stderr"] == "", r
+        assert child.run("const m: number = 2; m")["result"] == "2"  # the new node compiles too
         assert ts.run("n + 1")["result"] == "2"
     finally:
         child.close()

@@ -284,9 +284,10 @@ pub struct KillRequest {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSession {
-    /// `python` (default), `shell`, `javascript` (node in the image; its state is not
-    /// carried into copies: a fork's or rollback's copy starts afresh) or `typescript` (as
-    /// `javascript`, each run compiled with the `typescript` package, which node must find).
+    /// `python` (default), `shell`, `javascript` (node in the image; a fork's or rollback's
+    /// copy gets its global scope made again, not node's heap: see docs/E2B.md) or
+    /// `typescript` (as `javascript`, each run compiled with the `typescript` package, which
+    /// node must find).
     pub kind: Option<String>,
     pub cwd: Option<String>,
     #[serde(default)]

@@ -90,7 +90,8 @@ command through the session's process group.
 
 The javascript and typescript kinds run code in a node process they start (see
 JavaScriptKernel): its pipes are the only fds beyond 0-3 open between requests, closed in
-every fork child, whose node state is therefore not copied.
+every fork child, which starts its own node and makes the original's global scope again in it
+from what node listed before the fork.
 
 Process model: single-threaded, fd 0 is /dev/null, only fds 0-3 are open between
 requests (memfds live for one run), and the server idles in recvmsg() - a quiescent
@@ -111,10 +112,12 @@ import io
 import json
 import linecache
 import os
+import re
 import signal
 import socket
 import stat
 import sys
+import time
 import traceback
 import types
 
@@ -1352,20 +1355,33 @@ _NODE_RUNNER = r"""
 'use strict';
 // In a function: the runner's own names are not globals a run's declarations would clash with.
 (() => {
-  const fs = require('fs'), util = require('util'), vm = require('vm'), readline = require('readline');
+  const fs = require('fs'), util = require('util'), vm = require('vm'), readline = require('readline'), v8 = require('v8');
   const answerFd = Number(process.argv[process.argv.length - 1]);
   const typescript = process.argv[process.argv.length - 2] === 'typescript';
-  globalThis.require = require;
+  // What `require` gave a run, by value: how a copy gets a module again (see carry).
+  // (`require` here is globalThis.require, which becomes trackedRequire.)
+  const required = new Map(), nodeRequire = require;
+  function trackedRequire(spec) {
+    const m = nodeRequire(spec);
+    if (m !== null && (typeof m === 'object' || typeof m === 'function') && !required.has(m)) {
+      required.set(m, /^\.{0,2}\//.test(String(spec)) ? nodeRequire.resolve(spec) : spec);
+    }
+    return m;
+  }
+  Object.assign(trackedRequire, nodeRequire);  // resolve, cache, main
+  globalThis.require = trackedRequire;
   let ts = null, noTypeScript = false;
   if (typescript) {
     // What compiled imports and exports refer to.
     Object.defineProperty(globalThis, '__bbDefault', {value: (m) => (m && m.__esModule ? m.default : m)});
     globalThis.exports = {};
   }
+  // The global scope as node made it: a run's `var` and `function` names are the others.
+  const baseline = new Set(Object.getOwnPropertyNames(globalThis));
   function loadTypeScript() {
     const places = ['/usr/share/nodejs/typescript', '/usr/local/lib/node_modules/typescript', '/usr/lib/node_modules/typescript'];
     for (const name of ['typescript'].concat(places)) {
-      try { return require(name); } catch (e) { if (e.code !== 'MODULE_NOT_FOUND') throw e; }
+      try { return nodeRequire(name); } catch (e) { if (e.code !== 'MODULE_NOT_FOUND') throw e; }
     }
     const e = new Error("typescript contexts need the 'typescript' package where node finds it: Debian's " +
       "node-typescript (templates/code-interpreter-v1.toml installs it), `npm install -g typescript`, or NODE_PATH");
@@ -1482,7 +1498,182 @@ _NODE_RUNNER = r"""
       return '(async () => {\n' + code + '\n})()';
     }
   }
+  // ---- copies.  A copy of the session (fork, checkpoint, rollback) is a copy of the server
+  // alone; node's heap is not in it.  Before the copy, `carry` lists the global scope's names
+  // (var/function: new properties of globalThis; let/const/class: the inspector's list of
+  // the global lexical scope) and how each can be made again: data through v8.serialize (one
+  // graph: values shared between names stay shared), functions and classes from their source,
+  // modules (and their members) by requiring them again.  The copy's node runs `restore` before
+  // its first run.  What cannot be made again is named, with why.
+  const CARRY_LIMIT = 16 << 20;
+  let inspectorSession = null;
+  function lexicalNames() {
+    if (!inspectorSession) {
+      inspectorSession = new (nodeRequire('inspector').Session)();
+      inspectorSession.connect();
+    }
+    let names = null;
+    inspectorSession.post('Runtime.globalLexicalScopeNames', {}, (e, r) => { if (!e && r) names = r.names; });
+    if (names === null) throw new Error('the inspector did not list them');
+    return names;
+  }
+  function moduleMember(fn) {
+    for (const [m, spec] of required) {
+      for (const k of Object.getOwnPropertyNames(m)) {
+        const d = Object.getOwnPropertyDescriptor(m, k);
+        if (d && d.value === fn) return [spec, k];
+      }
+    }
+    return null;
+  }
+  // The class a value was made by, when the serializer keeps only its own properties.
+  function protoName(value) {
+    if (value === null || typeof value !== 'object') return undefined;
+    const proto = Object.getPrototypeOf(value);
+    if (!proto || proto === Object.prototype || typeof proto.constructor !== 'function') return undefined;
+    const name = proto.constructor.name;
+    return name && !(baseline.has(name) && globalThis[name] === proto.constructor) ? name : undefined;
+  }
+  function why(e) { return String(e && e.message !== undefined ? e.message : e).split('\n')[0]; }
+  function carry() {
+    const entries = [], not = [], values = [], names = [];
+    try {
+      for (const name of lexicalNames()) names.push([name, true]);
+    } catch (e) {
+      not.push(['let/const/class names', 'node could not list them: ' + why(e)]);
+    }
+    for (const name of Object.getOwnPropertyNames(globalThis)) {
+      if (baseline.has(name)) continue;
+      const d = Object.getOwnPropertyDescriptor(globalThis, name);
+      if (d && 'value' in d) names.push([name, false]);
+      else not.push([name, 'a getter or setter of globalThis']);
+    }
+    for (const [name, lexical] of names) {
+      let value, decl = 'var';
+      if (lexical) {
+        try { value = vm.runInThisContext(name); } catch (e) { not.push([name, 'never initialised']); continue; }
+        try { vm.runInThisContext(name + ' = ' + name); decl = 'let'; } catch (e) { decl = 'const'; }
+      } else {
+        value = globalThis[name];
+      }
+      const e = {name, decl};
+      if ((typeof value === 'object' || typeof value === 'function') && required.has(value)) {
+        e.require = required.get(value);
+      } else if (typeof value === 'function') {
+        const member = moduleMember(value);
+        if (member) {
+          [e.require, e.prop] = member;
+        } else {
+          const source = Function.prototype.toString.call(value);
+          try {
+            if (/\[native code\]\s*\}$/.test(source)) throw new Error('native');
+            new vm.Script('(' + source + '\n)');
+          } catch (err) {
+            not.push([name, 'a function without source to make it again from (native, bound or a method)']);
+            continue;
+          }
+          e.source = source;
+        }
+      } else {
+        e.value = values.length;
+        values.push(value);
+        const proto = protoName(value);
+        if (proto) e.proto = proto;
+      }
+      entries.push(e);
+    }
+    let data = null;
+    try { data = v8.serialize(values); } catch (e) { /* one by one below */ }
+    if (data === null || data.length > CARRY_LIMIT) {
+      // Without what cannot be serialized, then without the largest values until it fits.
+      const sizes = values.map((v) => { try { return v8.serialize(v).length; } catch (e) { return e; } });
+      const kept = [], dropped = new Set();
+      for (const e of entries) {
+        if (!('value' in e)) continue;
+        const size = sizes[e.value];
+        if (typeof size !== 'number') { not.push([e.name, 'cannot be copied: ' + why(size)]); dropped.add(e); } else kept.push(e);
+      }
+      kept.sort((a, b) => sizes[b.value] - sizes[a.value]);
+      let total = kept.reduce((t, e) => t + sizes[e.value], 0);
+      for (const e of kept) {
+        if (total <= CARRY_LIMIT) break;
+        total -= sizes[e.value];
+        not.push([e.name, 'too large to copy (' + (sizes[e.value] / (1 << 20)).toFixed(1) + ' MiB serialized; ' + (CARRY_LIMIT >> 20) + ' MiB in all)']);
+        dropped.add(e);
+      }
+      const left = [];
+      for (const e of entries.filter((e) => !dropped.has(e))) {
+        if ('value' in e) { left.push(values[e.value]); e.value = left.length - 1; }
+      }
+      entries.splice(0, entries.length, ...entries.filter((e) => !dropped.has(e)));
+      data = v8.serialize(left);
+    }
+    return {count, entries, not, data: data.toString('base64')};
+  }
+  function bind(e, value) {
+    if (e.decl === 'var') {
+      globalThis[e.name] = value;
+      return;
+    }
+    Object.defineProperty(globalThis, '__bbCarried', {value, configurable: true});
+    try {
+      vm.runInThisContext(e.decl + ' ' + e.name + ' = __bbCarried;');
+    } finally {
+      delete globalThis.__bbCarried;
+    }
+  }
+  function restore(c) {
+    count = Number(c.count) || 0;
+    const values = c.data ? v8.deserialize(Buffer.from(c.data, 'base64')) : [];
+    const entries = Array.isArray(c.entries) ? c.entries : [], carried = [], not = (c.not || []).slice();
+    const made = (e, f) => {
+      try { bind(e, f()); carried.push(e.name); return null; } catch (err) { return err; }
+    };
+    for (const e of entries.filter((e) => 'require' in e)) {
+      const err = made(e, () => { const m = trackedRequire(e.require); return 'prop' in e ? m[e.prop] : m; });
+      if (err) not.push([e.name, 'require(' + JSON.stringify(e.require) + ') failed: ' + why(err)]);
+    }
+    for (const e of entries.filter((e) => 'value' in e)) {
+      const err = made(e, () => values[e.value]);
+      if (err) not.push([e.name, why(err)]);
+    }
+    // Sources in rounds: a class may extend one made later in the list.
+    let pending = entries.filter((e) => 'source' in e);
+    while (pending.length) {
+      const next = [], errors = [];
+      for (const e of pending) {
+        const err = made(e, () => vm.runInThisContext('(' + e.source + '\n)'));
+        if (err) { next.push(e); errors.push(err); }
+      }
+      if (next.length === pending.length) {
+        next.forEach((e, i) => not.push([e.name, 'its source did not run again: ' + why(errors[i])]));
+        break;
+      }
+      pending = next;
+    }
+    for (const e of entries.filter((e) => e.proto)) {
+      const value = values[e.value];
+      try {
+        const C = vm.runInThisContext(e.proto);
+        if (typeof C === 'function' && C.prototype && Object.getPrototypeOf(value) === Object.prototype) Object.setPrototypeOf(value, C.prototype);
+      } catch (err) {
+        not.push([e.name, 'copied as a plain object: its class ' + e.proto + ' is not in the copy']);
+      }
+    }
+    return {carried, not};
+  }
   async function handle(req) {
+    if (req.op === 'carry' || req.op === 'restore') {
+      let answer;
+      try {
+        answer = req.op === 'carry' ? {carry: carry()} : restore(req.carry || {});
+      } catch (e) {
+        answer = {error: why(e)};
+      }
+      answer.seq = req.seq;
+      fs.writeSync(answerFd, JSON.stringify(answer) + '\n');
+      return;
+    }
     const saved = {};
     for (const [k, v] of Object.entries(req.env || {})) { saved[k] = process.env[k]; process.env[k] = v; }
     const filename = '<cell ' + (++count) + '>';
@@ -1505,7 +1696,7 @@ _NODE_RUNNER = r"""
       interrupt = null;
       for (const [k, v] of Object.entries(saved)) { if (v === undefined) delete process.env[k]; else process.env[k] = v; }
     }
-    fs.writeSync(answerFd, JSON.stringify({result, error, execution_count: count}) + '\n');
+    fs.writeSync(answerFd, JSON.stringify({result, error, execution_count: count, seq: req.seq}) + '\n');
   }
   let queue = Promise.resolve();
   readline.createInterface({input: process.stdin}).on('line', (line) => {
@@ -1515,14 +1706,26 @@ _NODE_RUNNER = r"""
 """
 
 
+class _NodeGone(Exception):
+    """node exited (or never took the request); the message says what it means for the run."""
+
+
+_CARRY_TIMEOUT = 5.0  # seconds node may take to list its state before a copy (see carry)
+_RESTORE_TIMEOUT = 30.0  # seconds a copy's node may take to make that state again
+_CARRY_PREFIX = b'{"carry":'
+_SEQ_TAIL = re.compile(rb',"seq":(\d+)\}\s*$')
+
+
 class JavaScriptKernel(object):
     """Runs code in one persistent node global scope (``kind`` "typescript": compiled first).
 
     node runs as a child of this server (same process group: a SIGINT to the session reaches
     it, a kill of the session ends it), started at the first run.  A copy of the session
-    (fork, checkpoint template, rollback) is a clone of this process alone: node is not in
-    it, so the copy starts a fresh node at its first run, whose stderr says so.  Reproducing a
-    node heap in a copy would need a process dump; the python kind has no such limit.
+    (fork, checkpoint template, rollback) is a clone of this process alone: node's heap is not
+    in it.  So before a copy node is asked for its global scope as it can be made again (the
+    runner's ``carry``: data serialized, functions and classes as source, modules as what was
+    required), kept here as the JSON node wrote; the copy starts its own node at its first run
+    and has it ``restore`` that.  What could not be carried is said on that run's stderr.
     """
 
     def __init__(self, kind):
@@ -1538,18 +1741,53 @@ class JavaScriptKernel(object):
         if self.node is None:
             raise SystemExit("%s sessions need node in the image (e.g. apt-get install nodejs)" % kind)
         self.proc = None  # (pid, requests fd, answers fd, stdout fd, stderr fd)
-        self.copied = False  # a copy of a session whose node state was lost
+        self.answers = bytearray()  # read from node, not yet taken
+        self.seq = 0
+        self.copied = False  # a copy of a session whose node had state
+        self.carry = None  # that state as node listed it (bytes of JSON), or None
+        self.carry_error = None  # why it could not be listed
         import select
         import subprocess  # imported now so forked children start warm
 
         self.select = select
         self.subprocess = subprocess
 
+    def prepare_copy(self):
+        """Before a copy of this process is made: what node holds, as it can be made again.  A
+        copy that has not started node yet keeps what it was given."""
+        if self.proc is None:
+            return
+        self.carry = self.carry_error = None
+        for fd in self.proc[3:]:
+            _drain(fd, None)
+        try:
+            line = self._ask({"op": "carry"}, None, None, _CARRY_TIMEOUT)
+        except _NodeGone:
+            self.carry_error = "node had exited"
+            return
+        except TimeoutError:
+            self.carry_error = "node did not list it within %g s (busy?)" % _CARRY_TIMEOUT
+            return
+        tail = _SEQ_TAIL.search(line)
+        if line.startswith(_CARRY_PREFIX) and tail is not None:
+            self.carry = bytes(line[len(_CARRY_PREFIX) : tail.start()])
+            return
+        try:
+            self.carry_error = str(json.loads(line.decode("utf-8", "replace")).get("error"))
+        except (ValueError, AttributeError):
+            self.carry_error = "node answered garbage"
+
+    def copy_made(self):
+        """In the original, after the copy: the listed state was the copy's to take."""
+        if self.proc is not None:
+            self.carry = None
+
     def forget_node(self):
         """In a fresh copy of this process (right after the fork): node is the original's."""
         if self.proc is not None:
             _close_fds(self.proc[1:])
             self.proc = None
+            self.answers = bytearray()
             self.copied = True
 
     def _start(self):
@@ -1581,6 +1819,7 @@ class JavaScriptKernel(object):
         for fd in (out_r, err_r):
             os.set_blocking(fd, False)
         self.proc = (proc.pid, req_w, ans_r, out_r, err_r)
+        self.answers = bytearray()
 
     def _stop(self):
         if self.proc is None:
@@ -1597,6 +1836,77 @@ class JavaScriptKernel(object):
         except OSError:
             pass
 
+    def _ask(self, request, out_fd, err_fd, timeout=None, raw=None):
+        """Send ``request`` (a dict; ``raw``: bytes of JSON members put before its own) to node
+        and return node's answer to it (bytes of one JSON line); what node prints meanwhile goes
+        to ``out_fd``/``err_fd`` (None: dropped).  Answers carry the request's ``seq``: a late
+        answer to an earlier request (one that timed out) is skipped.  Raises _NodeGone (node
+        stopped) or TimeoutError (node runs on)."""
+        self.seq += 1
+        request = dict(request, seq=self.seq)
+        line = json.dumps(request).encode()
+        if raw is not None:
+            line = b"{" + raw + b"," + line[1:]
+        pid, req_w, ans_r, out_r, err_r = self.proc
+        try:
+            _write_all(req_w, line + b"\n")
+        except OSError:
+            self._stop()
+            raise _NodeGone("the javascript kernel (node) had exited: this run started none; run again")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            end = self.answers.find(b"\n")
+            while end >= 0:
+                answer = bytes(self.answers[:end])
+                del self.answers[: end + 1]
+                tail = _SEQ_TAIL.search(answer)
+                if tail is not None and int(tail.group(1)) == self.seq:
+                    return answer
+                end = self.answers.find(b"\n")
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = self.select.select([ans_r, out_r, err_r], [], [], wait)[0]
+            if not ready and deadline is not None:
+                raise TimeoutError()
+            if out_r in ready:
+                _drain(out_r, out_fd)
+            if err_r in ready:
+                _drain(err_r, err_fd)
+            if ans_r in ready:
+                chunk = os.read(ans_r, 1 << 20)
+                if not chunk:
+                    _drain(out_r, out_fd)
+                    _drain(err_r, err_fd)
+                    self._stop()
+                    raise _NodeGone("the javascript kernel (node) exited during the run; its state is lost")
+                self.answers += chunk
+
+    def _restore(self, err_fd):
+        """In a copy, node just started: make the original's state again (see prepare_copy) and
+        say on ``err_fd`` what could not be."""
+        carry, self.carry = self.carry, None
+        lost = None
+        if carry is None:
+            lost = "its state could not be listed (%s)" % (self.carry_error or "unknown")
+        else:
+            try:
+                line = self._ask({"op": "restore"}, None, err_fd, _RESTORE_TIMEOUT, raw=b'"carry":' + carry)
+                answer = json.loads(line.decode("utf-8", "replace"))
+                if answer.get("error"):
+                    lost = "its state could not be made again (%s)" % answer["error"]
+                elif answer.get("not"):
+                    lost = "not carried: " + "; ".join("%s (%s)" % (n, w) for n, w in answer["not"])
+            except TimeoutError:
+                self._stop()
+                self._start()
+                lost = "making its state again took over %g s; it starts afresh" % _RESTORE_TIMEOUT
+            except _NodeGone:
+                self._start()
+                lost = "node exited while making its state again; it starts afresh"
+            except (ValueError, AttributeError, TypeError):
+                lost = "node answered garbage while making its state again"
+        if lost is not None:
+            _write_all(err_fd, (_JS_COPIED % (self.kind, lost)).encode())
+
     def run(self, code, env=None):
         fds = []
         try:
@@ -1610,35 +1920,18 @@ class JavaScriptKernel(object):
 
     def _run(self, code, env, out_fd, err_fd):
         if self.proc is None:
+            self._start()
             if self.copied:
                 self.copied = False
-                _write_all(err_fd, (_JS_RESTARTED % (self.kind, self.kind)).encode())
-            self._start()
-        pid, req_w, ans_r, out_r, err_r = self.proc
-        for fd in (out_r, err_r):  # what callbacks printed between runs is not this run's
+                self._restore(err_fd)
+        for fd in self.proc[3:]:  # what callbacks printed between runs is not this run's
             _drain(fd, None)
         try:
-            _write_all(req_w, (json.dumps({"code": code, "env": env}) + "\n").encode())
-        except OSError:
-            self._stop()
-            return _js_failure("the javascript kernel (node) had exited: this run started none; run again")
-        line = b""
-        while not line.endswith(b"\n"):
-            ready = self.select.select([ans_r, out_r, err_r], [], [])[0]
-            if out_r in ready:
-                _drain(out_r, out_fd)
-            if err_r in ready:
-                _drain(err_r, err_fd)
-            if ans_r in ready:
-                chunk = os.read(ans_r, 1 << 16)
-                if not chunk:
-                    _drain(out_r, out_fd)
-                    _drain(err_r, err_fd)
-                    self._stop()
-                    return _js_failure("the javascript kernel (node) exited during the run; its state is lost")
-                line += chunk
-        _drain(out_r, out_fd)
-        _drain(err_r, err_fd)
+            line = self._ask({"code": code, "env": env}, out_fd, err_fd)
+        except _NodeGone as e:
+            return _js_failure(str(e))
+        _drain(self.proc[3], out_fd)
+        _drain(self.proc[4], err_fd)
         try:
             answer = json.loads(line.decode("utf-8", "replace"))
         except ValueError:
@@ -1650,9 +1943,9 @@ class JavaScriptKernel(object):
         return out
 
 
-_JS_RESTARTED = (
-    "[branchbox] this %s context is a copy (fork, checkpoint or rollback) of another: "
-    "%s state is not copied, this one starts afresh\n"
+_JS_COPIED = (
+    "[branchbox] this %s context is a copy (fork, checkpoint or rollback) of another, whose "
+    "top-level names were made again in it; %s\n"
 )
 
 
@@ -1851,6 +2144,9 @@ class Server(object):
                 except OSError:
                     cwd = "/"
             record = _record_fds(frozenset((0, 1, 2, CHANNEL_FD, new_fd)))
+        prepare = getattr(self.kernel, "prepare_copy", None)
+        if prepare is not None:
+            prepare()
         # gc.freeze(): a collection would write every tracked object's header and so copy
         # the whole heap page by page in whichever process runs it.
         gc.freeze()
@@ -1882,6 +2178,9 @@ class Server(object):
                 return self._become_restored()
             return {"ok": True, "pid": os.getpid()}
         os.close(new_fd)
+        made = getattr(self.kernel, "copy_made", None)
+        if made is not None:
+            made()
         if role is not None:
             # Not our child: the child moves itself; it must have before the daemon, told the
             # child exists, may kill our process group.

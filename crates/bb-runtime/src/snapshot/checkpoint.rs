@@ -145,6 +145,7 @@ impl Runtime {
                     template: None,
                     image: None,
                     lost: None,
+                    created_at: s.created_at,
                 });
             }
         }

@@ -15,7 +15,7 @@ use crate::sandbox::Sandbox;
 use crate::session::fork as sessionfork;
 use crate::session::{self, Session};
 use crate::snapshot::store::{SnapSession, SnapshotRow};
-use crate::{now, Runtime};
+use crate::Runtime;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -413,7 +413,7 @@ impl Runtime {
             return Err(e);
         }
         let runner = copy.runner;
-        let s = Session::attach(ss.id.clone(), ss.kind.clone(), ns_pid, now(), copy.chan)?;
+        let s = Session::attach(ss.id.clone(), ss.kind.clone(), ns_pid, ss.copy_created_at(), copy.chan)?;
         let log = child.open_log(&format!("{}.log", ss.id), true)?;
         s.finish_later(log, runner);
         child.sessions.lock().await.insert(ss.id.clone(), Arc::new(s));
@@ -589,7 +589,7 @@ impl Runtime {
                         let pid = p.pid;
                         let chan = p.channel();
                         let keep = chan.try_clone().map_err(RuntimeError::io("socket"))?;
-                        let s = Session::attach(ss.id.clone(), ss.kind.clone(), pid, now(), chan)?;
+                        let s = Session::attach(ss.id.clone(), ss.kind.clone(), pid, ss.copy_created_at(), chan)?;
                         let tag = session::session_tag(&ss.id, &ss.kind, ss.default);
                         crate::sandbox::sessions::adopt(&child, pid, tag, ss.id.clone(), &keep).await?;
                         s

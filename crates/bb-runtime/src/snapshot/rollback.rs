@@ -11,7 +11,7 @@ use crate::error::{Result, RuntimeError};
 use crate::layers::Generation;
 use crate::model::*;
 use crate::session::{self, Session};
-use crate::{now, Runtime};
+use crate::Runtime;
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -130,7 +130,10 @@ impl Runtime {
             let r = (|| {
                 let chan = p.channel();
                 let keep = chan.try_clone().map_err(RuntimeError::io("socket"))?;
-                Ok::<_, RuntimeError>((Session::attach(ss.id.clone(), ss.kind.clone(), pid, now(), chan)?, keep))
+                Ok::<_, RuntimeError>((
+                    Session::attach(ss.id.clone(), ss.kind.clone(), pid, ss.copy_created_at(), chan)?,
+                    keep,
+                ))
             })();
             ready.push(match r {
                 Ok(x) => Some(x),

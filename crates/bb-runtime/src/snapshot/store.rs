@@ -27,6 +27,21 @@ pub struct SnapSession {
     /// Why the session's state is gone (a rollback starts it fresh and says this).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lost: Option<String>,
+    /// When the session was made (unix seconds; 0 in records from before it was kept): its
+    /// copies keep it, so sessions list in the same order in a fork or after a rollback.
+    #[serde(default)]
+    pub created_at: f64,
+}
+
+impl SnapSession {
+    /// The creation time a copy of this session gets: the original's.
+    pub fn copy_created_at(&self) -> f64 {
+        if self.created_at > 0.0 {
+            self.created_at
+        } else {
+            crate::now()
+        }
+    }
 }
 
 /// A background process tree a snapshot keeps (`processes: "all"`): its root's pid in the
@@ -570,6 +585,7 @@ mod tests {
                 kind: "python".into(),
                 default: true,
                 template: Some("t1".into()),
+                created_at: 5.0,
             }],
         }
     }
