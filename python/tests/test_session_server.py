@@ -1040,7 +1040,7 @@ def test_javascript_copies_carry_the_global_scope(js: SessionProcess, tmp_path) 
         "function add(a) { return a + n }\n"
         "const fs = require('fs'); const {readFileSync} = require('fs'); const mod = require('./mod.js');\n"
         "const p = new Point(-4); const bytes = new Uint8Array([1, 2, 3]);\n"
-        "const counter = (() => { let i = 0; return () => ++i })(); const big = 10n;"
+        "const counter = (() => { let i = 0; return () => ++i })(); const big = 10n; var util = 'mine';"
     )
     assert r["error"] is None, r
     (node,) = _children(js.proc.pid)
@@ -1058,6 +1058,8 @@ def test_javascript_copies_carry_the_global_scope(js: SessionProcess, tmp_path) 
         assert r["execution_count"] == 2  # counting on from the original's
         # Functions are made again from their source: a closure over a non-global is not.
         assert child.run("counter()")["error"]["name"] == "ReferenceError"
+        # A built-in module's global (`node -e` has them) a run replaced is carried as replaced.
+        assert child.run("util")["result"] == "'mine'"
         # Bindings keep their kind: let stays let, const stays const.
         assert child.run("n = 5; n")["result"] == "5"
         assert child.run("cfg = 1")["error"]["name"] == "TypeError"
@@ -1073,17 +1075,18 @@ def test_javascript_copies_carry_the_global_scope(js: SessionProcess, tmp_path) 
 
 
 def test_javascript_copies_say_what_they_could_not_carry(js: SessionProcess) -> None:
-    r = js.run("const ok = 1; const sock = new (require('net').Socket)(); const bound = Math.max.bind(null)")
+    r = js.run("const ok = 1; const sock = new (require('net').Socket)(); const bound = Math.max.bind(null); const addr = new URL('http://x/')")
     assert r["error"] is None, r
     assert js.run("const huge = 'x'.repeat(20 << 20); 1")["error"] is None
     assert js.run("let tdz = (() => { throw new Error('no') })()")["error"]["value"] == "no"  # tdz is never set
     parent_resp, child, _ = _fork(js)
     try:
-        r = child.run("[ok, typeof sock, typeof bound, typeof huge]")
-        assert r["result"] == "[ 1, 'undefined', 'undefined', 'undefined' ]", r
+        r = child.run("[ok, typeof sock, typeof bound, typeof huge, typeof addr]")
+        assert r["result"] == "[ 1, 'undefined', 'undefined', 'undefined', 'undefined' ]", r
         err = r["stderr"]
         assert err.startswith("[branchbox] this javascript context is a copy") and err.count("\n") == 1, err
         assert "sock (cannot be copied" in err and "bound (a function without source" in err, err
+        assert "addr (cannot be copied: a URL (node's own object))" in err, err
         assert "huge (too large to copy" in err and "tdz (never initialised)" in err and "ok (" not in err, err
         assert child.run("1")["stderr"] == ""  # said once
         # A copy of the copy, before it ran anything, carries the same.

@@ -1376,8 +1376,14 @@ _NODE_RUNNER = r"""
     Object.defineProperty(globalThis, '__bbDefault', {value: (m) => (m && m.__esModule ? m.default : m)});
     globalThis.exports = {};
   }
-  // The global scope as node made it: a run's `var` and `function` names are the others.
+  // The global scope as node made it: a run's `var` and `function` names are the others, and
+  // the built-in modules' globals a run assigned (`-e` makes each, e.g. `util`, a getter;
+  // `var util = 1` replaces it with a value; node's other lazy globals replace themselves).
   const baseline = new Set(Object.getOwnPropertyNames(globalThis));
+  const moduleGlobals = new Set(nodeRequire('module').builtinModules.filter((n) => {
+    const d = Object.getOwnPropertyDescriptor(globalThis, n);
+    return d && !('value' in d);
+  }));
   function loadTypeScript() {
     const places = ['/usr/share/nodejs/typescript', '/usr/local/lib/node_modules/typescript', '/usr/lib/node_modules/typescript'];
     for (const name of ['typescript'].concat(places)) {
@@ -1526,13 +1532,21 @@ _NODE_RUNNER = r"""
     }
     return null;
   }
-  // The class a value was made by, when the serializer keeps only its own properties.
+  // Node's own classes whose instances v8.serialize keeps as they are.
+  const CLONED = new Set(['Array', 'Map', 'Set', 'Date', 'RegExp', 'ArrayBuffer', 'SharedArrayBuffer', 'DataView',
+    'Boolean', 'Number', 'String', 'BigInt', 'Error', 'EvalError', 'RangeError', 'ReferenceError', 'SyntaxError',
+    'TypeError', 'URIError', 'Int8Array', 'Uint8Array', 'Uint8ClampedArray', 'Int16Array', 'Uint16Array', 'Int32Array',
+    'Uint32Array', 'Float32Array', 'Float64Array', 'BigInt64Array', 'BigUint64Array', 'Buffer']);
+  // The class a value was made by, when the serializer keeps only its own properties ('' when
+  // that is one of node's own, e.g. URL: such an instance cannot be made again that way).
   function protoName(value) {
     if (value === null || typeof value !== 'object') return undefined;
     const proto = Object.getPrototypeOf(value);
     if (!proto || proto === Object.prototype || typeof proto.constructor !== 'function') return undefined;
     const name = proto.constructor.name;
-    return name && !(baseline.has(name) && globalThis[name] === proto.constructor) ? name : undefined;
+    if (!name) return undefined;
+    if (baseline.has(name) && globalThis[name] === proto.constructor) return CLONED.has(name) ? undefined : '';
+    return name;
   }
   function why(e) { return String(e && e.message !== undefined ? e.message : e).split('\n')[0]; }
   function carry() {
@@ -1543,8 +1557,8 @@ _NODE_RUNNER = r"""
       not.push(['let/const/class names', 'node could not list them: ' + why(e)]);
     }
     for (const name of Object.getOwnPropertyNames(globalThis)) {
-      if (baseline.has(name)) continue;
       const d = Object.getOwnPropertyDescriptor(globalThis, name);
+      if (baseline.has(name) && !(moduleGlobals.has(name) && d && 'value' in d)) continue;
       if (d && 'value' in d) names.push([name, false]);
       else not.push([name, 'a getter or setter of globalThis']);
     }
@@ -1575,9 +1589,13 @@ _NODE_RUNNER = r"""
           e.source = source;
         }
       } else {
+        const proto = protoName(value);
+        if (proto === '') {
+          not.push([name, 'cannot be copied: a ' + Object.getPrototypeOf(value).constructor.name + ' (node\'s own object)']);
+          continue;
+        }
         e.value = values.length;
         values.push(value);
-        const proto = protoName(value);
         if (proto) e.proto = proto;
       }
       entries.push(e);
