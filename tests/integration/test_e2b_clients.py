@@ -18,7 +18,7 @@ HERE = os.path.join(os.path.dirname(__file__), "e2b_clients")
 def client_env(daemon, suite):
     url = "http://127.0.0.1:%d" % daemon.e2b_port
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
-    env.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=daemon.tcp_token, SUITE=suite)
+    env.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_VOLUME_API_URL=url, E2B_API_KEY=daemon.tcp_token, SUITE=suite)
     return env
 
 
@@ -66,6 +66,12 @@ def test_js_sdk(daemon, tmp_path):
     assert out["list"] == ["a.txt"] and out["exists"] == [True, False] and out["afterRemove"] == 0
     assert out["state"] == "running" and out["listedSandbox"] is True
     assert out["killed"] is True and out["runningAfterKill"] is False
+    assert out["volumeId"].startswith("vol-")
+    assert out["volumeWritten"] == {"type": True, "mode": 0o666, "uid": 9090}  # E2B's defaults
+    assert out["volumeRead"] == "vol from js" and out["volumeList"] == ["/d"]
+    assert out["volumeExists"] == [True, False] and out["volumeMissing"] is True and out["volumeListed"] is True
+    assert out["volumeInSandbox"] == "vol from js" and out["volumeFromSandbox"] == "more\n"
+    assert out["volumeAfterRemove"] is False and out["volumeDestroyed"] is True
     assert left == []
 
 
