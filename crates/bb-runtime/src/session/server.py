@@ -1619,11 +1619,11 @@ _NODE_RUNNER = r"""
         not.push([e.name, 'too large to copy (' + (sizes[e.value] / (1 << 20)).toFixed(1) + ' MiB serialized; ' + (CARRY_LIMIT >> 20) + ' MiB in all)']);
         dropped.add(e);
       }
-      const left = [];
-      for (const e of entries.filter((e) => !dropped.has(e))) {
+      const left = [], remaining = entries.filter((e) => !dropped.has(e));
+      for (const e of remaining) {
         if ('value' in e) { left.push(values[e.value]); e.value = left.length - 1; }
       }
-      entries.splice(0, entries.length, ...entries.filter((e) => !dropped.has(e)));
+      entries.splice(0, entries.length, ...remaining);
       data = v8.serialize(left);
     }
     return {count, entries, not, data: data.toString('base64')};
@@ -1734,6 +1734,12 @@ _CARRY_PREFIX = b'{"carry":'
 _SEQ_TAIL = re.compile(rb',"seq":(\d+)\}\s*$')
 
 
+def _seq_tail(answer):
+    """The match of the ``seq`` that ends each of node's answers (searched in the last bytes
+    only: a carry answer may be megabytes long)."""
+    return _SEQ_TAIL.search(answer, max(0, len(answer) - 40))
+
+
 class JavaScriptKernel(object):
     """Runs code in one persistent node global scope (``kind`` "typescript": compiled first).
 
@@ -1786,7 +1792,7 @@ class JavaScriptKernel(object):
         except TimeoutError:
             self.carry_error = "node did not list it within %g s (busy?)" % _CARRY_TIMEOUT
             return
-        tail = _SEQ_TAIL.search(line)
+        tail = _seq_tail(line)
         if line.startswith(_CARRY_PREFIX) and tail is not None:
             self.carry = bytes(line[len(_CARRY_PREFIX) : tail.start()])
             return
@@ -1877,7 +1883,7 @@ class JavaScriptKernel(object):
             while end >= 0:
                 answer = bytes(self.answers[:end])
                 del self.answers[: end + 1]
-                tail = _SEQ_TAIL.search(answer)
+                tail = _seq_tail(answer)
                 if tail is not None and int(tail.group(1)) == self.seq:
                     return answer
                 end = self.answers.find(b"\n")
