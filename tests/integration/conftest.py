@@ -22,7 +22,7 @@ import uuid
 import httpx
 import pytest
 
-from branchbox import Sandbox
+from branchbox import Sandbox, Snapshots
 from branchbox.images import Images
 
 from branchbox_bench import networld
@@ -133,6 +133,9 @@ def daemon():
     d = Daemon()
     d.start()
     os.environ["BRANCHBOX_URL"] = URL
+    # Snapshots a run left (killed mid-way) would pile up in the kept state dir, layers and
+    # process images with them: every snapshot there is a test's.
+    Snapshots(daemon=URL).gc(keep=[])
     imgs = Images(daemon=URL)
     # A base image kept in the state dir from before images had what they have now is built
     # again, once.
@@ -143,6 +146,7 @@ def daemon():
     d.ensure_running()
     for info in Sandbox.list(daemon=URL):
         Sandbox.connect(info.id, daemon=URL, resume=False).kill()
+    Snapshots(daemon=URL).gc(keep=[])
     d.stop()
     # The sandboxes' bridge and nftables table (made with the first sandbox with egress).
     subprocess.run(["nft", "delete", "table", "inet", "branchbox_" + NET_BRIDGE], capture_output=True)
