@@ -21,7 +21,8 @@ that make requests:
   request: the baseline of a first command). The warm pool's hits and misses per mode are in
   ``pool``. ``create_allowlist_names_ms_p50``: ``Sandbox.create(network="allowlist",
   allow=["allowed.test", "*.allowed.test"])`` in the same rounds (names only: the daemon's DNS
-  lets their addresses through; no address entry to add to the sandbox's rules), create only.
+  lets their addresses through; no address entry to add to the sandbox's rules), and
+  ``create_open_ms_p50``: ``Sandbox.create(network="open")``, in the same rounds, create only.
 - ``fork16_allowlist_ms``: from ``fork(16)`` of an allowlist parent until each of the 16
   children has made one successful GET (the children's commands run concurrently, one thread
   each); ``fork16_none_ms``: the same with a parent in mode ``none`` and the no-request program.
@@ -116,6 +117,7 @@ SUMMARY_KEYS = (
     "create_none_ms_p50",
     "create_allowlist_ms_p50",
     "create_allowlist_names_ms_p50",
+    "create_open_ms_p50",
     "create_none_first_command_ms_p50",
     "create_allowlist_first_request_ms_p50",
     "fork16_none_ms",
@@ -146,6 +148,7 @@ METRICS = (
     "create_none",
     "create_allowlist",
     "create_allowlist_names",
+    "create_open",
     "create_none_first_command",
     "create_allowlist_first_request",
     "fork16_none",
@@ -308,6 +311,7 @@ class NetResult:
             "create_none",
             "create_allowlist",
             "create_allowlist_names",
+            "create_open",
             "create_none_first_command",
             "create_allowlist_first_request",
         ):
@@ -343,6 +347,7 @@ class NetResult:
         out["create_allowlist_names_extra_ms_p50"] = diff(
             out["create_allowlist_names_ms_p50"], out["create_none_ms_p50"]
         )
+        out["create_open_extra_ms_p50"] = diff(out["create_open_ms_p50"], out["create_none_ms_p50"])
         out["first_request_extra_ms_p50"] = diff(
             out["create_allowlist_first_request_ms_p50"], out["create_none_first_command_ms_p50"]
         )
@@ -488,19 +493,20 @@ class _Run:
         self.res.add("create_" + network, created)
         self.res.add("create_none_first_command" if network == "none" else "create_allowlist_first_request", first)
 
-    def create_names_sample(self) -> None:
-        """One create of an allowlist of names only (:data:`NAMES_ALLOW`), timed alone."""
+    def create_only_sample(self, metric: str, network: str, allow: Sequence[str] = ()) -> None:
+        """One create in mode ``network`` with ``allow``, timed alone, as ``metric``."""
         t0 = time.perf_counter()
-        sbx = Sandbox.create(self.cfg.image, network="allowlist", allow=NAMES_ALLOW, timeout=SAMPLE_TTL, **self.kw)
+        sbx = Sandbox.create(self.cfg.image, network=network, allow=list(allow) or None, timeout=SAMPLE_TTL, **self.kw)
         with sbx:
-            self.res.add("create_allowlist_names", _ms(t0))
+            self.res.add(metric, _ms(t0))
 
     def creates(self) -> None:
         for i in range(self.cfg.samples):
-            self.progress("creates %d/%d (none, allowlist, allowlist of names)" % (i + 1, self.cfg.samples))
+            self.progress("creates %d/%d (none, allowlist, allowlist of names, open)" % (i + 1, self.cfg.samples))
             for network in ("none", "allowlist") if i % 2 == 0 else ("allowlist", "none"):
                 self.create_sample(network)
-            self.create_names_sample()
+            self.create_only_sample("create_allowlist_names", "allowlist", NAMES_ALLOW)
+            self.create_only_sample("create_open", "open")
         pool = self.res.pool
         if pool.get("none") != pool.get("allowlist"):
             self.res.notes.append(

@@ -174,6 +174,7 @@ def fake_result() -> bn.NetResult:
         res.add("create_none", ms)
         res.add("create_allowlist", ms + 5)
         res.add("create_allowlist_names", ms + 2)
+        res.add("create_open", ms + 3)
         res.add("create_none_first_command", ms + 40)
         res.add("create_allowlist_first_request", ms + 60)
     res.add("fork16_none", 100.0)
@@ -207,6 +208,7 @@ def test_summary_shape_and_ratios() -> None:
     assert (s["create_none_first_command_ms_p50"], s["create_allowlist_first_request_ms_p50"]) == (60.0, 80.0)
     assert (s["create_allowlist_extra_ms_p50"], s["first_request_extra_ms_p50"]) == (5.0, 20.0)
     assert (s["create_allowlist_names_ms_p50"], s["create_allowlist_names_extra_ms_p50"]) == (22.0, 2.0)
+    assert (s["create_open_ms_p50"], s["create_open_extra_ms_p50"]) == (23.0, 3.0)
     assert (s["fork16_none_ms"], s["fork16_allowlist_ms"]) == (100.0, 150.0)
     assert (s["http_rtt_ms_p50"], s["host_http_rtt_ms_p50"], s["http_rtt_vs_host_ratio"]) == (0.75, 0.5, 1.5)
     assert s["http_rtt_ms"]["sandbox"]["p99"] == pytest.approx(1.191)
@@ -519,10 +521,11 @@ def test_whole_run_on_a_fake_daemon(net_daemon: NetDaemon) -> None:
         assert s[key] is not None and s[key] > 0, key
     assert s["ckpt_inflight_vs_idle_ms"] == round(s["ckpt_during_inflight_ms_p50"] - s["ckpt_ms_p50"], 3)
     # Creates alternate, and flip the order each round; allowlist lists the upstream only; each
-    # round ends with an allowlist of names.
+    # round ends with an allowlist of names and mode open.
     up, names = ("allowlist", ["198.18.0.1:80"]), ("allowlist", ["allowed.test", "*.allowed.test"])
-    assert d.created[:6] == [("none", None), up, names, up, ("none", None), names]
-    assert [len(s["samples_ms"][k]) for k in bn.METRICS if k in s["samples_ms"]] == [2, 2, 2, 2, 2, 2, 2, 3, 2, 2]
+    opened = ("open", None)
+    assert d.created[:8] == [("none", None), up, names, opened, up, ("none", None), names, opened]
+    assert [len(s["samples_ms"][k]) for k in bn.METRICS if k in s["samples_ms"]] == [2, 2, 2, 2, 2, 2, 2, 2, 3, 2, 2]
     assert s["pool"] == {"none": {"hits": 2, "misses": 0}, "allowlist": {"hits": 2, "misses": 0}}
     # fork(16) twice per mode with the children's TTL; each child ran one command.
     assert [b["count"] for _, b in d.forks] == [16] * 4 and all(b["timeout"] == bn.SAMPLE_TTL for _, b in d.forks)

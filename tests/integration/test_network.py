@@ -304,6 +304,21 @@ def test_pool_shells_are_wired_ahead_for_creates_with_egress(world, make_sandbox
         blocked(b, ALLOWED, 8080)
         blocked(b, "allowed.test", how=("dns",))
         b.kill()
+        # Mode open on a shell wired ahead: its chain is kept, its sets opened.
+        wait_until(lambda: wired() >= 1, timeout=30, what="a shell wired ahead for mode open")
+        hits = pool.stats().hits
+        o = make_sandbox(network="open")
+        assert pool.stats().hits == hits + 1, "served from the pool"
+        ok(o, "other.test", 8080)
+        ok(o, OTHER)
+        blocked(o, METADATA)
+        o.kill()
+        # Recycled, the shell is parked again: names alone reach nothing else.
+        wait_until(lambda: wired() >= 1, timeout=30, what="a shell wired ahead after mode open")
+        p = make_sandbox(network="allowlist", allow=["allowed.test"])
+        ok(p, "allowed.test")
+        blocked(p, OTHER)
+        p.kill()
         # Creates in mode none take unwired shells first; once only wired ones are ready (the
         # refill wires while recent creates had egress), one takes a wired shell, made unwired:
         # each has only loopback.

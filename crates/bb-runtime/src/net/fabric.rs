@@ -18,9 +18,11 @@
 //! A sandbox's chain `sN` accepts its listed address entries (set `rN`), refuses the addresses
 //! no sandbox may reach unless listed (set `blocked`: loopback, link-local/metadata, this
 //! range, multicast), accepts the addresses its allowed names resolved to (set `dN`, filled by
-//! the daemon's DNS with the answers' TTL) in mode `allowlist`, or anything in mode `open`, and
-//! refuses the rest (TCP with a reset, so the caller learns at once). A policy change replaces
-//! the chain's rules and sets in one nftables transaction.
+//! the daemon's DNS with the answers' TTL; mode `allowlist`) and what set `oN` holds (every
+//! address on every protocol in mode `open`, nothing otherwise), and refuses the rest (TCP with
+//! a reset, so the caller learns at once). The mode is in the sets, not the rules: a chain made
+//! ahead takes any mode with elements alone. A policy change replaces the chain's rules and
+//! sets in one nftables transaction.
 
 use super::policy::{Limits, Mode, Policy, Ports};
 use super::{link, nftset};
@@ -197,13 +199,12 @@ table inet {t} {{
 
     /// What gives slot `n` `policy`'s chain (`prepared`: made ahead, parked).
     fn rules(&self, n: u32, policy: &Policy, prepared: bool) -> Rules {
+        let shape = Policy { rules: Vec::new(), mode: Mode::Allowlist, ..policy.clone() };
         if !prepared {
             Rules::Script(self.chain_script(n, policy, true))
-        } else if self.chain_script(n, &Policy { rules: Vec::new(), ..policy.clone() }, false)
-            == self.chain_script(n, &parked(), false)
-        {
-            // The chain made ahead is the policy's but for its address entries (if any).
-            Rules::Elements(net_elements(policy))
+        } else if self.chain_script(n, &shape, false) == self.chain_script(n, &parked(), false) {
+            // The chain made ahead is the policy's but for its sets' elements.
+            Rules::Elements { listed: net_elements(policy), open: policy.mode == Mode::Open }
         } else {
             Rules::Script(self.update_script(n, policy, &parked()))
         }
@@ -227,8 +228,15 @@ table inet {t} {{
     fn apply(&self, n: u32, rules: Rules) -> Result<(), FabricError> {
         match rules {
             Rules::Script(script) => run("nft", &["-f", "-"], Some(&script), "add the sandbox's rules"),
-            Rules::Elements(elements) => nftset::add(&self.table, &format!("r{n}"), &elements)
-                .map_err(|source| FabricError::Set { what: "add the sandbox's address entries", source }),
+            Rules::Elements { listed, open } => {
+                nftset::add(&self.table, &format!("r{n}"), &listed)
+                    .map_err(|source| FabricError::Set { what: "add the sandbox's address entries", source })?;
+                if open {
+                    nftset::add_everything(&self.table, &format!("o{n}"))
+                        .map_err(|source| FabricError::Set { what: "open the sandbox's egress", source })?;
+                }
+                Ok(())
+            }
         }
     }
 
@@ -300,7 +308,7 @@ table inet {t} {{
         let t = &self.table;
         format!(
             "delete element inet {t} sandboxes {{ {ip} }}\nflush chain inet {t} s{n}\ndelete chain inet {t} s{n}\n\
-             delete set inet {t} r{n}\ndelete set inet {t} d{n}\ndelete set inet {t} c{n}\n",
+             delete set inet {t} r{n}\ndelete set inet {t} d{n}\ndelete set inet {t} c{n}\ndelete set inet {t} o{n}\n",
             ip = self.address(n)
         )
     }
@@ -313,9 +321,13 @@ table inet {t} {{
             let _ = writeln!(s, "add set inet {t} r{n} {{ type ipv4_addr . inet_service; flags interval; }}");
             let _ = writeln!(s, "add set inet {t} d{n} {{ type ipv4_addr . inet_service; flags interval, timeout; }}");
             let _ = writeln!(s, "add set inet {t} c{n} {{ type ipv4_addr; size 16; flags dynamic; }}");
+            let _ = writeln!(s, "add set inet {t} o{n} {{ type ipv4_addr . inet_proto; flags interval; }}");
             let _ = writeln!(s, "add chain inet {t} s{n}");
         } else {
-            let _ = writeln!(s, "flush chain inet {t} s{n}\nflush set inet {t} r{n}\nflush set inet {t} d{n}");
+            let _ = writeln!(
+                s,
+                "flush chain inet {t} s{n}\nflush set inet {t} r{n}\nflush set inet {t} d{n}\nflush set inet {t} o{n}"
+            );
         }
         // The connection cap first: a new connection past it is reset whatever its address.
         // (Its set is kept across other changes: the connections open stay counted.)
@@ -330,15 +342,10 @@ table inet {t} {{
         let _ = writeln!(s, "add rule inet {t} s{n} meta l4proto {{ tcp, udp }} ip daddr . th dport @r{n} accept");
         let _ = writeln!(s, "add rule inet {t} s{n} ip daddr @blocked meta l4proto tcp reject with tcp reset");
         let _ = writeln!(s, "add rule inet {t} s{n} ip daddr @blocked reject with icmpx admin-prohibited");
-        match policy.mode {
-            Mode::Allowlist => {
-                let _ =
-                    writeln!(s, "add rule inet {t} s{n} meta l4proto {{ tcp, udp }} ip daddr . th dport @d{n} accept");
-            }
-            Mode::Open => {
-                let _ = writeln!(s, "add rule inet {t} s{n} accept");
-            }
-            Mode::None => {}
+        let _ = writeln!(s, "add rule inet {t} s{n} meta l4proto {{ tcp, udp }} ip daddr . th dport @d{n} accept");
+        let _ = writeln!(s, "add rule inet {t} s{n} ip daddr . meta l4proto @o{n} accept");
+        if policy.mode == Mode::Open {
+            let _ = writeln!(s, "add element inet {t} o{n} {{ 0.0.0.0/0 . 0-255 }}");
         }
         let _ = writeln!(s, "add rule inet {t} s{n} meta l4proto tcp reject with tcp reset");
         let _ = writeln!(s, "add rule inet {t} s{n} reject with icmpx admin-prohibited");
@@ -375,8 +382,9 @@ table inet {t} {{
 enum Rules {
     /// An `nft` script.
     Script(String),
-    /// Elements of its set `rN` alone (none: nothing to do).
-    Elements(Vec<nftset::Element>),
+    /// Elements alone: `listed` into its set `rN` (none: nothing), and with `open` every
+    /// address on every protocol into its set `oN`.
+    Elements { listed: Vec<nftset::Element>, open: bool },
 }
 
 /// `policy`'s address entries as elements of a set.
@@ -471,18 +479,21 @@ mod tests {
         let allow = Policy::parse("allowlist", &["10.0.0.0/8:443".into(), "a.test".into()]).unwrap();
         let s = f.chain_script(5, &allow, true);
         assert!(s.contains("add element inet branchbox_bbt0 r5 { 10.0.0.0/8 . 443 }"), "{s}");
-        assert!(s.contains("@d5 accept"));
-        assert!(!s.contains("s5 accept"));
+        assert!(s.contains("@d5 accept") && s.contains("ip daddr . meta l4proto @o5 accept"), "{s}");
+        assert!(!s.contains("add element inet branchbox_bbt0 o5"), "{s}");
         assert!(s.contains("sandboxes { 10.213.0.5 : jump s5 }"));
         let open = Policy::parse("open", &[]).unwrap();
         let s = f.chain_script(5, &open, false);
-        assert!(s.contains("flush chain inet branchbox_bbt0 s5"));
-        assert!(s.contains("add rule inet branchbox_bbt0 s5 accept"));
-        assert!(!s.contains("@d5 accept"));
-        assert!(!s.contains("jump s5"));
+        assert!(s.contains("flush chain inet branchbox_bbt0 s5") && s.contains("flush set inet branchbox_bbt0 o5"));
+        assert!(s.contains("add element inet branchbox_bbt0 o5 { 0.0.0.0/0 . 0-255 }"), "{s}");
+        assert!(!s.contains("s5 accept\n") && !s.contains("jump s5"), "{s}");
         // Blocked addresses are refused before the mode's verdict, listed ones accepted first.
-        let (r, b, o) = (s.find("@r5 accept").unwrap(), s.find("@blocked").unwrap(), s.find("s5 accept").unwrap());
+        let (r, b, o) = (s.find("@r5 accept").unwrap(), s.find("@blocked").unwrap(), s.find("@o5 accept").unwrap());
         assert!(r < b && b < o);
+        // The rules are the same whatever the mode: only the sets' elements differ.
+        let rules = |s: &str| s.lines().filter(|l| l.starts_with("add rule")).collect::<Vec<_>>().join("\n");
+        let none = Policy::parse("allowlist", &[]).unwrap();
+        assert_eq!(rules(&f.chain_script(5, &open, true)), rules(&f.chain_script(5, &none, true)));
     }
 
     #[test]
@@ -497,7 +508,7 @@ mod tests {
         };
         assert!(script(f.rules(7, &names, false)).contains("add chain inet branchbox_bbt0 s7"));
         // Names alone: the parked chain is theirs (the DNS fills d7).
-        assert_eq!(f.rules(7, &names, true), Rules::Elements(Vec::new()));
+        assert_eq!(f.rules(7, &names, true), Rules::Elements { listed: Vec::new(), open: false });
         // Address entries: their elements only.
         let nets = p("allowlist", &["a.test", "10.0.0.0/8:443"]).unwrap();
         let ten = nftset::Element {
@@ -506,10 +517,11 @@ mod tests {
             ports: Ports { low: 443, high: 443 },
             timeout: None,
         };
-        assert_eq!(f.rules(7, &nets, true), Rules::Elements(vec![ten]));
-        // Another mode or a connection cap: the chain is replaced.
-        let open = script(f.rules(7, &p("open", &[]).unwrap(), true));
-        assert!(open.contains("flush chain inet branchbox_bbt0 s7") && open.contains("s7 accept"), "{open}");
+        assert_eq!(f.rules(7, &nets, true), Rules::Elements { listed: vec![ten], open: false });
+        // Mode open: its set's one element (and its address entries).
+        let open = p("open", &["10.0.0.0/8:443"]).unwrap();
+        assert_eq!(f.rules(7, &open, true), Rules::Elements { listed: vec![ten], open: true });
+        // A connection cap: the chain is replaced.
         let capped = names.clone().with_limits(Limits { max_connections: Some(4), bandwidth_mbps: None }).unwrap();
         let capped = script(f.rules(7, &capped, true));
         assert!(capped.contains("flush set inet branchbox_bbt0 c7") && capped.contains("ct count over 4"), "{capped}");

@@ -3,9 +3,10 @@
 //! `nft` run (a process start and a read of the whole ruleset, a few milliseconds each time).
 //!
 //! Only this one operation is spoken here; tables, chains and sets are made by `nft`. The sets
-//! it fills are `ipv4_addr . inet_service` with `flags interval` (nftables' concatenated range
-//! sets): each element is a key and a key end, each field of a key padded to 4 bytes. One
-//! batch (`BATCH_BEGIN`, `NEWSETELEM`, `BATCH_END`), one acknowledgement.
+//! it fills are concatenations with `flags interval` (nftables' concatenated range sets):
+//! `ipv4_addr . inet_service` ([`add`]) and `ipv4_addr . inet_proto` ([`add_everything`]); each
+//! element is a key and a key end, each field of a key padded to 4 bytes. One batch
+//! (`BATCH_BEGIN`, `NEWSETELEM`, `BATCH_END`), one acknowledgement.
 
 use super::policy::Ports;
 use std::io;
@@ -33,8 +34,35 @@ pub struct Element {
     pub timeout: Option<u32>,
 }
 
-/// Add `elements` to set `set` of table `inet {table}` (present ones are kept).
+/// An element as the kernel takes it: its key, key end and timeout (s).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Keyed {
+    key: [u8; 8],
+    end: [u8; 8],
+    timeout: Option<u32>,
+}
+
+impl From<&Element> for Keyed {
+    fn from(e: &Element) -> Keyed {
+        Keyed { key: key(e.first, e.ports.low), end: key(e.last, e.ports.high), timeout: e.timeout }
+    }
+}
+
+/// Add `elements` to set `set` (`ipv4_addr . inet_service`) of table `inet {table}` (present
+/// ones are kept).
 pub fn add(table: &str, set: &str, elements: &[Element]) -> io::Result<()> {
+    let keyed: Vec<Keyed> = elements.iter().map(Keyed::from).collect();
+    send_elements(table, set, &keyed)
+}
+
+/// Add every address on every protocol to set `set` (`ipv4_addr . inet_proto`) of table
+/// `inet {table}`: `0.0.0.0/0 . 0-255`.
+pub fn add_everything(table: &str, set: &str) -> io::Result<()> {
+    let everything = Keyed { key: [0, 0, 0, 0, 0, 0, 0, 0], end: [255, 255, 255, 255, 255, 0, 0, 0], timeout: None };
+    send_elements(table, set, &[everything])
+}
+
+fn send_elements(table: &str, set: &str, elements: &[Keyed]) -> io::Result<()> {
     use nix::sys::socket::{recv, send, socket, AddressFamily, MsgFlags, SockFlag, SockProtocol, SockType};
     if elements.is_empty() {
         return Ok(());
@@ -71,7 +99,7 @@ const ELEM_SEQ: u32 = 2;
 const END_SEQ: u32 = 3;
 
 /// The batch that adds `elements` to `set` of `inet {table}`.
-fn batch(table: &str, set: &str, elements: &[Element]) -> Vec<u8> {
+fn batch(table: &str, set: &str, elements: &[Keyed]) -> Vec<u8> {
     let subsys = libc::NFNL_SUBSYS_NFTABLES as u16;
     let request = libc::NLM_F_REQUEST as u16;
     let mut b = Vec::with_capacity(256 + elements.len() * 64);
@@ -84,8 +112,8 @@ fn batch(table: &str, set: &str, elements: &[Element]) -> Vec<u8> {
         nest(b, NFTA_SET_ELEM_LIST_ELEMENTS, |b| {
             for e in elements {
                 nest(b, NFTA_LIST_ELEM, |b| {
-                    nest(b, NFTA_SET_ELEM_KEY, |b| attr(b, NFTA_DATA_VALUE, &key(e.first, e.ports.low)));
-                    nest(b, NFTA_SET_ELEM_KEY_END, |b| attr(b, NFTA_DATA_VALUE, &key(e.last, e.ports.high)));
+                    nest(b, NFTA_SET_ELEM_KEY, |b| attr(b, NFTA_DATA_VALUE, &e.key));
+                    nest(b, NFTA_SET_ELEM_KEY_END, |b| attr(b, NFTA_DATA_VALUE, &e.end));
                     if let Some(s) = e.timeout {
                         attr(b, NFTA_SET_ELEM_TIMEOUT, &(u64::from(s) * 1000).to_be_bytes());
                     }
@@ -155,7 +183,7 @@ mod tests {
             ports: Ports { low: 443, high: 443 },
             timeout: Some(60),
         };
-        let b = batch("t", "r7", &[e]);
+        let b = batch("t", "r7", &[Keyed::from(&e)]);
         // Three messages, each as long as its header says, the middle one the elements.
         let len = |at: usize| u32::from_ne_bytes(b[at..at + 4].try_into().unwrap()) as usize;
         let (first, second) = (len(0), len(len(0)));
