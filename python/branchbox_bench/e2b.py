@@ -21,6 +21,12 @@ after a warm-up of each:
   SDK sends) on one kept-alive HTTP/1.1 connection, in the same rounds: the endpoint's own cost
   without the E2B SDK's; ``e2b_endpoint_overhead_ratio_create`` = it / ``bb_create_ms_p50``,
   and ``e2b_sdk_client_ms_create`` = ``e2b_create_ms_p50`` - it: the E2B SDK's own work.
+  ``bb_http_create_ms_p50`` is branchbox's create as a bare ``POST /v1/sandboxes`` through the
+  same HTTP client library (httpx, one kept-alive connection to the daemon's address), in the
+  same rounds; ``e2b_endpoint_server_ratio_create`` = ``e2b_http_create_ms_p50`` / it: the two
+  servers compared with the clients alike (branchbox's SDK reaches a unix socket through
+  ``http.client``, faster than httpx, so ``e2b_endpoint_overhead_ratio_*`` counts client
+  libraries too).
 - ``e2b_run_true_ms_p50``: ``commands.run("true")`` in a sandbox made by the E2B SDK, against
   ``bb_run_true_ms_p50``, branchbox's ``commands.run("true")`` (``/bin/sh -c true``). The E2B
   SDK runs its command as ``/bin/bash -l -c true`` (a login shell, which reads the profile) as
@@ -30,7 +36,9 @@ after a warm-up of each:
   /process.Process/Start``, one JSON envelope with that argv, the user as the SDK names it,
   the stream read to its end) on the kept-alive connection, in the same rounds;
   ``e2b_endpoint_overhead_ratio_run`` = it / ``bb_run_true_ms_p50`` and
-  ``e2b_sdk_client_ms_run`` = ``e2b_run_true_ms_p50`` - it.
+  ``e2b_sdk_client_ms_run`` = ``e2b_run_true_ms_p50`` - it. ``bb_http_run_true_ms_p50``: the
+  same argv as the same user as a bare ``POST /v1/sandboxes/{id}/commands`` (httpx, as above);
+  ``e2b_endpoint_server_ratio_run`` = ``e2b_http_run_true_ms_p50`` / it.
 - ``e2b_run_code_ms_p50``: ``e2b_code_interpreter.Sandbox.run_code("1+1")`` against
   ``bb_run_code_ms_p50``, branchbox's ``run_code("1+1")`` (the default python session); each
   run once first (that starts the session), every answer checked ("2", no error).
@@ -38,6 +46,8 @@ after a warm-up of each:
   port headers and the access token the SDK sends, the NDJSON stream read to its end) on the
   kept-alive connection, in the same rounds; ``e2b_endpoint_overhead_ratio_run_code`` = it /
   ``bb_run_code_ms_p50`` and ``e2b_sdk_client_ms_run_code`` = ``e2b_run_code_ms_p50`` - it.
+  ``bb_http_run_code_ms_p50``: a bare ``POST /v1/sandboxes/{id}/code`` (httpx, as above);
+  ``e2b_endpoint_server_ratio_run_code`` = ``e2b_http_run_code_ms_p50`` / it.
 - ``e2b_fork16_ms``: ``sbx.fork(count=16)`` of the E2B SDK's sandbox (``POST
   /sandboxes/{id}/fork``) against ``bb_fork16_ms``, branchbox's ``sbx.fork(16)``; the median
   of ``fork_reps`` forks of each (the parents of the ``run`` part), children killed after
@@ -68,7 +78,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import httpx
 
-from branchbox import NotFoundError, Pool, Sandbox, SandboxError
+from branchbox import NotFoundError, Pool, Sandbox, SandboxError, sandbox_sync
 from branchbox.sandbox_sync import health
 
 from .stats import diff, percentile, ratio, stats_rows
@@ -107,12 +117,15 @@ _START_MESSAGE = json.dumps(
     {"process": {"cmd": E2B_RUN_ARGV[0], "args": E2B_RUN_ARGV[1:], "envs": {}}, "stdin": False}
 ).encode()
 _START_ENVELOPE = b"\x00" + len(_START_MESSAGE).to_bytes(4, "big") + _START_MESSAGE
-#: Each E2B SDK call timed also as bare HTTP: (name, the SDK's metric, the bare one, branchbox's).
+#: Each E2B SDK call timed also as bare HTTP: (name, the SDK's metric, the bare one, branchbox's,
+#: branchbox's as bare HTTP).
 BARE = (
-    ("create", "e2b_create", "e2b_http_create", "bb_create"),
-    ("run_code", "e2b_run_code", "e2b_http_run_code", "bb_run_code"),
-    ("run", "e2b_run_true", "e2b_http_run_true", "bb_run_true"),
+    ("create", "e2b_create", "e2b_http_create", "bb_create", "bb_http_create"),
+    ("run_code", "e2b_run_code", "e2b_http_run_code", "bb_run_code", "bb_http_run_code"),
+    ("run", "e2b_run_true", "e2b_http_run_true", "bb_run_true", "bb_http_run_true"),
 )
+#: The User-Agent of the bench's bare requests (either server's logs tell them from the SDKs').
+BARE_USER_AGENT = "branchbox-bench-bare"
 #: Sandbox TTLs (s): the create samples' and fork children's, and the others'.
 SAMPLE_TTL = 120
 TTL = 900
@@ -146,13 +159,16 @@ METRICS = (
     "e2b_create",
     "e2b_http_create",
     "bb_create",
+    "bb_http_create",
     "e2b_run_true",
     "bb_run_true",
     "bb_run_bash_login_true",
     "e2b_http_run_true",
+    "bb_http_run_true",
     "e2b_run_code",
     "e2b_http_run_code",
     "bb_run_code",
+    "bb_http_run_code",
     "e2b_fork16",
     "bb_fork16",
 )
@@ -278,10 +294,12 @@ class E2bResult:
         out["fork_reps"] = cfg.fork_reps
         out["sample_counts"] = {m: len(self.samples.get(m) or []) for m in METRICS}
         # Details.
-        for name, sdk_m, bare_m, bb_m in BARE:
+        for name, sdk_m, bare_m, bb_m, bb_bare_m in BARE:
             out[bare_m + "_ms_p50"] = self.p(bare_m)
             out["e2b_endpoint_overhead_ratio_" + name] = ratio(out[bare_m + "_ms_p50"], out[bb_m + "_ms_p50"])
             out["e2b_sdk_client_ms_" + name] = diff(out[sdk_m + "_ms_p50"], out[bare_m + "_ms_p50"])
+            out[bb_bare_m + "_ms_p50"] = self.p(bb_bare_m)
+            out["e2b_endpoint_server_ratio_" + name] = ratio(out[bare_m + "_ms_p50"], out[bb_bare_m + "_ms_p50"])
         out["bb_run_bash_login_true_ms_p50"] = self.p("bb_run_bash_login_true")
         out["e2b_overhead_ratio_run_same_argv"] = ratio(out["e2b_run_true_ms_p50"], out["bb_run_bash_login_true_ms_p50"])
         for _, e2b_m, bb_m in PAIRS[:3]:
@@ -372,6 +390,10 @@ class _Run:
                 transport=sdk.http_transport,
             )
         )
+        self.http.headers["User-Agent"] = BARE_USER_AGENT
+        #: branchbox's API without its SDK, through the same client library.
+        self.bb_http = stack.enter_context(sandbox_sync.ConnectionConfig(cfg.daemon, cfg.token).sync_client())
+        self.bb_http.headers["User-Agent"] = BARE_USER_AGENT
         self.threads = stack.enter_context(ThreadPoolExecutor(max_workers=FORK_N))
         #: Live sandboxes by id: the E2B SDK's (its ids) and branchbox's.
         self.e2b_live: Dict[str, Any] = {}
@@ -549,6 +571,21 @@ class _Run:
         if r.status_code != 204:
             self.bb_kill_id(bb_id(sid))
 
+    def bb_bare(self, what: str, path: str, body: Dict[str, Any]) -> Tuple[Dict[str, Any], float]:
+        """``POST path`` with ``body`` to branchbox's API on the bare client: the answer and the ms."""
+        t0 = time.perf_counter()
+        r = self.bb_http.post(path, json=body)
+        ms = _ms(t0)
+        if r.status_code not in (200, 201):
+            raise BenchError("bench e2b: %s (POST %s) answered %d: %s" % (what, path, r.status_code, r.text[:400]))
+        return r.json(), ms
+
+    def bb_http_create(self) -> Tuple[str, float]:
+        """branchbox's create as a bare ``POST /v1/sandboxes``: the new sandbox's id and the ms."""
+        body = {"image": self.cfg.image, "timeout": SAMPLE_TTL, "metadata": dict(self.metadata)}
+        sbx, ms = self.bb_bare("a bare create", "/v1/sandboxes", body)
+        return sbx["id"], ms  # left over on failure: the final sweep (by metadata) kills it
+
     def create_sample(self, side: str) -> None:
         self.wait_for_pool()
         hits, misses = self.pool_counts()
@@ -556,6 +593,8 @@ class _Run:
             sbx, ms = self.e2b_create(ttl=SAMPLE_TTL)
         elif side == "e2b_http":
             sbx, ms = self.http_create()
+        elif side == "bb_http":
+            sbx, ms = self.bb_http_create()
         else:
             sbx, ms = self.bb_create(SAMPLE_TTL)
         hits2, misses2 = self.pool_counts()
@@ -563,6 +602,8 @@ class _Run:
             self.e2b_kill(sbx)
         elif side == "e2b_http":
             self.http_kill(sbx)
+        elif side == "bb_http":
+            self.bb_kill_id(sbx)
         else:
             self.bb_kill(sbx)
         pool = self.res.pool.setdefault(side, {"hits": 0, "misses": 0})
@@ -574,7 +615,7 @@ class _Run:
         n = self.cfg.samples
         for i in range(n):
             self.progress("create %d/%d (E2B endpoint, branchbox SDK)" % (i + 1, n))
-            for side in _order(i, ("e2b", "e2b_http", "bb")):
+            for side in _order(i, ("e2b", "e2b_http", "bb", "bb_http")):
                 self.create_sample(side)
         if self.has_pool and any(v.get("misses") for v in self.res.pool.values()):
             self.res.notes.append(
@@ -623,6 +664,14 @@ class _Run:
             )
         return ms
 
+    def bb_http_true(self, sbx: Sandbox) -> float:
+        """E2B's argv as its user, as a bare ``POST /v1/sandboxes/{id}/commands``; the ms."""
+        what = "a bare run of %s in %s" % (" ".join(E2B_RUN_ARGV), sbx.id)
+        r, ms = self.bb_bare(what, "/v1/sandboxes/%s/commands" % sbx.id, {"args": E2B_RUN_ARGV, "user": E2B_USER})
+        if r.get("exit_code") != 0:
+            raise BenchError("bench e2b: %s: %r" % (what, r))
+        return ms
+
     def commands(self, e: Any, b: Sandbox) -> None:
         connect = dict(
             self.http_headers(e, E2B_ENVD_PORT),
@@ -637,6 +686,7 @@ class _Run:
             "e2b_http_run_true": lambda: self.http_true(connect),
             "bb_run_true": lambda: self.bb_run(b, "true"),
             "bb_run_bash_login_true": lambda: self.bb_run(b, E2B_RUN_ARGV, E2B_USER),
+            "bb_http_run_true": lambda: self.bb_http_true(b),
         }
         for run in runs.values():  # warm-up
             run()
@@ -699,6 +749,13 @@ class _Run:
             )
         return ms
 
+    def bb_http_code(self, sbx: Sandbox) -> float:
+        """``1+1`` as a bare ``POST /v1/sandboxes/{id}/code``; the ms."""
+        x, ms = self.bb_bare("a bare run_code in %s" % sbx.id, "/v1/sandboxes/%s/code" % sbx.id, {"code": "1+1"})
+        if x.get("error") is not None or x.get("result") != "2":
+            raise BenchError("bench e2b: a bare run_code('1+1') in sandbox %s returned %r" % (sbx.id, x))
+        return ms
+
     def run_code(self) -> None:
         c, _ = self.e2b_create(code=True)
         d, _ = self.bb_create()
@@ -707,10 +764,12 @@ class _Run:
         self.bb_code(d)
         headers = self.http_headers(c, E2B_CODE_PORT)
         self.http_code(headers)
+        self.bb_http_code(d)
         runs = {
             "e2b_run_code": lambda: self.e2b_code(c),
             "e2b_http_run_code": lambda: self.http_code(headers),
             "bb_run_code": lambda: self.bb_code(d),
+            "bb_http_run_code": lambda: self.bb_http_code(d),
         }
         n = self.cfg.samples
         for i in range(n):

@@ -57,13 +57,16 @@ def fake_result() -> be.E2bResult:
         res.add("e2b_create", e2b_ms)
         res.add("e2b_http_create", bb_ms * 1.5)
         res.add("bb_create", bb_ms)
+        res.add("bb_http_create", bb_ms * 1.25)
         res.add("e2b_run_true", e2b_ms * 3)
         res.add("bb_run_true", bb_ms * 3)
         res.add("bb_run_bash_login_true", bb_ms * 6)
         res.add("e2b_http_run_true", bb_ms * 4)
+        res.add("bb_http_run_true", bb_ms * 5)
         res.add("e2b_run_code", e2b_ms / 2)
         res.add("e2b_http_run_code", bb_ms * 0.6)
         res.add("bb_run_code", bb_ms / 2)
+        res.add("bb_http_run_code", bb_ms * 0.8)
     res.add("e2b_fork16", 120.0)
     res.add("bb_fork16", 100.0)
     res.pool = {"e2b": {"hits": 3, "misses": 0}, "bb": {"hits": 2, "misses": 1}}
@@ -82,6 +85,10 @@ def test_summary_shape_and_ratios() -> None:
     assert (s["e2b_run_code_ms_p50"], s["bb_run_code_ms_p50"], s["e2b_overhead_ratio_run_code"]) == (2.0, 1.0, 2.0)
     assert (s["e2b_http_run_code_ms_p50"], s["e2b_endpoint_overhead_ratio_run_code"]) == (1.2, 1.2)
     assert (s["e2b_sdk_client_ms_create"], s["e2b_sdk_client_ms_run_code"]) == (1.0, 0.8)
+    # The servers compared with the clients alike.
+    assert (s["bb_http_create_ms_p50"], s["e2b_endpoint_server_ratio_create"]) == (2.5, 1.2)
+    assert (s["bb_http_run_true_ms_p50"], s["e2b_endpoint_server_ratio_run"]) == (10.0, 0.8)
+    assert (s["bb_http_run_code_ms_p50"], s["e2b_endpoint_server_ratio_run_code"]) == (1.6, 0.75)
     assert (s["e2b_fork16_ms"], s["bb_fork16_ms"], s["e2b_overhead_ratio_fork16"]) == (120.0, 100.0, 1.2)
     assert (s["e2b_cloud_create_ms"], s["e2b_vs_cloud_create_speedup"]) == (150.0, 37.5)
     assert "not measured" in s["e2b_cloud_create_source"]
@@ -265,10 +272,12 @@ class Daemon:
             text = "2" if body["code"] == "1+1" and not self.bad_run_code else "3"
             lines = [{"type": "result", "text": text, "is_main_result": True}, {"type": "end_of_execution"}]
             return httpx.Response(200, text="".join(json.dumps(x) + "\n" for x in lines))
+        # The bench's bare requests to branchbox's API, or its SDK's.
+        side = "bb_http" if request.headers.get("User-Agent") == be.BARE_USER_AGENT else "bb"
         if (m, path) == ("POST", "/v1/sandboxes"):
             self.bodies.append(("create", body))
-            self.events.append(("bb", "create"))
-            return ok(self.new("bb", body.get("metadata")), 201)
+            self.events.append((side, "create"))
+            return ok(self.new(side, body.get("metadata")), 201)
         if (m, path) == ("GET", "/v1/sandboxes"):
             want = {k[len("metadata."):]: v for k, v in request.url.params.items() if k.startswith("metadata.")}
             listed = [s for s in self.sandboxes.values() if all(s["metadata"].get(k) == v for k, v in want.items())]
@@ -283,10 +292,10 @@ class Daemon:
                 return ok({"killed": self.kill("bb", sid)})
             if (m, rest) == ("POST", "/commands"):
                 self.bodies.append(("commands", body))
-                self.events.append(("bb", "run " + " ".join(body.get("args") or [body.get("cmd")])))
+                self.events.append((side, "run " + " ".join(body.get("args") or [body.get("cmd")])))
                 return ok(dict(RESULT, stdout=""))
             if (m, rest) == ("POST", "/code"):
-                self.events.append(("bb", "run_code"))
+                self.events.append((side, "run_code"))
                 if self.bad_run_code:
                     return ok({"stdout": "", "result": None, "error": {"name": "NameError", "value": "x"}})
                 return ok({"stdout": "", "result": "2" if body["code"] == "1+1" else None})
@@ -423,15 +432,19 @@ def test_whole_run_on_a_fake_daemon(world: FakeE2b) -> None:
     assert [c["timeout"] for c in world.creates] == [be.SAMPLE_TTL] * 4 + [be.TTL] * 2
     # Warm-up, then creates alternating with the order flipped each sample.
     creates = [side for side, what in d.events if what.startswith("create") or what == "create"]
-    assert creates[:8] == ["e2b", "bb", "e2b", "e2b_http", "bb", "bb", "e2b_http", "e2b"]
-    assert s["pool"] == {side: {"hits": 3, "misses": 0} for side in ("e2b", "e2b_http", "bb")}
+    sides = ["e2b", "e2b_http", "bb", "bb_http"]
+    assert creates[:10] == ["e2b", "bb"] + sides + sides[::-1]
+    assert s["pool"] == {side: {"hits": 3, "misses": 0} for side in sides}
     assert s["e2b_http_create_ms_p50"] > 0 and s["e2b_endpoint_overhead_ratio_create"] > 0
+    assert s["bb_http_create_ms_p50"] > 0 and s["e2b_endpoint_server_ratio_create"] > 0
+    bare = [b for what, b in d.bodies if what == "create" and be.RUN_KEY in b["metadata"]]
+    assert {"image": "base", "timeout": be.SAMPLE_TTL, "metadata": bare[0]["metadata"]} in bare
     # Commands: one warm-up of each, then rounds of the three, the order reversed each round;
     # branchbox runs "true" (sh -c) and E2B's own argv.
     runs = [(side, what) for side, what in d.events if what.startswith("run ")]
     e2b_true, bb_true, bb_bash = ("e2b", "run true"), ("bb", "run true"), ("bb", "run /bin/bash -l -c true")
-    http_true = ("e2b_http", "run /bin/bash -l -c true")
-    one = [e2b_true, http_true, bb_true, bb_bash]
+    http_true, bb_http_bash = ("e2b_http", "run /bin/bash -l -c true"), ("bb_http", "run /bin/bash -l -c true")
+    one = [e2b_true, http_true, bb_true, bb_bash, bb_http_bash]
     assert runs == one * 2 + one[::-1] + one
     starts = [b for what, b in d.bodies if what == "start"]
     e2b_parent = starts[0]["headers"]["E2b-Sandbox-Id"]
@@ -445,14 +458,18 @@ def test_whole_run_on_a_fake_daemon(world: FakeE2b) -> None:
     commands = [b for what, b in d.bodies if what == "commands"]
     assert commands[0] == {"cmd": "true", "timeout": 60}
     assert (commands[1]["args"], commands[1]["user"]) == (be.E2B_RUN_ARGV, "user")
+    assert commands[2] == {"args": be.E2B_RUN_ARGV, "user": "user"}
+    assert s["bb_http_run_true_ms_p50"] > 0 and s["e2b_endpoint_server_ratio_run"] > 0
     # run_code: one run of each first, then alternating.
     code = [side for side, what in d.events if what == "run_code"]
-    assert code == ["e2b", "bb", "e2b_http"] + ["e2b", "e2b_http", "bb", "bb", "e2b_http", "e2b"] + ["e2b", "e2b_http", "bb"]
+    rnd = ["e2b", "e2b_http", "bb", "bb_http"]
+    assert code == ["e2b", "bb", "e2b_http", "bb_http"] + rnd + rnd[::-1] + rnd
     code_sid = [c for c in d.killed if c[0] == "e2b"][-1][1].replace("-", "")  # the code sandbox: killed last
     assert {tuple(sorted(b["headers"].items())) for what, b in d.bodies if what == "execute"} == {
         (("E2b-Sandbox-Id", code_sid), ("E2b-Sandbox-Port", "49999"), ("X-Access-Token", "tok-" + code_sid))}
     assert s["e2b_http_run_code_ms_p50"] > 0 and s["e2b_endpoint_overhead_ratio_run_code"] > 0
     assert s["e2b_sdk_client_ms_run_code"] is not None and s["e2b_sdk_client_ms_create"] is not None
+    assert s["bb_http_run_code_ms_p50"] > 0 and s["e2b_endpoint_server_ratio_run_code"] > 0
     # fork(16) of each side's parent, alternating, with the children's TTL.
     assert world.forks == [{"timeout": be.SAMPLE_TTL, "count": 16}] * 2
     assert [b for what, b in d.bodies if what == "fork"] == [{"count": 16, "timeout": be.SAMPLE_TTL}] * 2
