@@ -1274,9 +1274,9 @@ def remove_template(template: Any) -> Call:
 
 # ----------------------------------------------------------------------------- volumes
 
-#: A volume's access modes: mounted by one sandbox at a time ("rwo"), or by any number,
-#: read-only ("rox").
-VOLUME_ACCESS = ("rwo", "rox")
+#: A volume's access modes: mounted by one sandbox at a time ("rwo"), by any number read-only
+#: ("rox"), or by any number read-write, all sharing one copy that never branches ("rwx").
+VOLUME_ACCESS = ("rwo", "rox", "rwx")
 _MOUNT_KEYS = ("volume", "path", "read_only", "branch")
 
 
@@ -1364,7 +1364,8 @@ def volume_mounts(volumes: Any) -> List[Dict[str, Any]]:
 def create_volume(name: Optional[str] = None, access: str = "rwo", quota_mb: Optional[int] = None) -> Call:
     if access not in VOLUME_ACCESS:
         raise exc.InvalidArgumentError(
-            'access must be "rwo" (one sandbox mounts it at a time) or "rox" (read-only mounts), not %r' % (access,)
+            'access must be "rwo" (one sandbox mounts it at a time), "rox" (read-only mounts) or "rwx" '
+            "(read-write mounts sharing one copy), not %r" % (access,)
         )
     if quota_mb is not None and (isinstance(quota_mb, bool) or not isinstance(quota_mb, int) or quota_mb < 1):
         raise exc.InvalidArgumentError("quota_mb must be an int >= 1 (MiB) or None (no quota), not %r" % (quota_mb,))

@@ -712,8 +712,9 @@ class TemplateProgress(ImageProgress):
 class VolumeInfo(_Model):
     """A persistent volume (``vol-<16 hex>``): files that outlive the sandboxes mounting them.
 
-    ``access`` is ``"rwo"`` (mounted by one sandbox at a time) or ``"rox"`` (by any number,
-    read-only; written through the files API while none mounts it); ``quota_mb`` (None: no
+    ``access`` is ``"rwo"`` (mounted by one sandbox at a time), ``"rox"`` (by any number,
+    read-only; written through the files API while none mounts it) or ``"rwx"`` (by any number
+    of this daemon's sandboxes, read-write, one copy for all; it never branches); ``quota_mb`` (None: no
     quota) bounds the MiB it may hold beyond what it was created or forked with.
     ``size_bytes`` is what it takes on the daemon's disk. ``mounts`` lists the sandboxes mounting it now (each
     mount's ``volume`` is this volume's id). ``version`` is the head committed in the metadata

@@ -1061,8 +1061,9 @@ class Volume:
         transport: Optional[httpx.BaseTransport] = None,
     ) -> "Volume":
         """Create an empty volume. ``name`` (optional, unique) may stand for its id anywhere;
-        ``access`` is ``"rwo"`` (mounted by one sandbox at a time) or ``"rox"`` (by any number,
-        read-only; written through :attr:`files` while none mounts it); ``quota_mb`` bounds
+        ``access`` is ``"rwo"`` (mounted by one sandbox at a time), ``"rox"`` (by any number,
+        read-only; written through :attr:`files` while none mounts it) or ``"rwx"`` (by any
+        number of this daemon's sandboxes, read-write, one copy for all); ``quota_mb`` bounds
         what it may hold (writes beyond fail with :class:`QuotaExceededError`). Connection
         arguments as :meth:`Sandbox.create`'s."""
         http = _HTTP(ConnectionConfig(daemon, token, request_timeout, transport))

@@ -69,7 +69,7 @@ def _durability(info: VolumeInfo) -> Text:
 def volume_create(
     ctx: typer.Context,
     name: Optional[str] = typer.Option(None, "--name", "-n", help="Name that stands for the id anywhere (unique)."),
-    access: str = typer.Option("rwo", "--access", help='"rwo" (one sandbox mounts it at a time) or "rox" (read-only mounts).'),
+    access: str = typer.Option("rwo", "--access", help='"rwo" (one sandbox mounts it at a time), "rox" (read-only mounts) or "rwx" (read-write mounts sharing one copy).'),
     quota_mb: Optional[int] = typer.Option(None, "--quota-mb", min=1, help="Size limit (MiB; default: none)."),
     as_json: bool = typer.Option(False, "--json", help="Print the VolumeInfo JSON."),
 ) -> None:

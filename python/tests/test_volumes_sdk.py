@@ -134,6 +134,7 @@ def test_core_call_shapes() -> None:
     cases = [
         (_core.create_volume(), "POST", "/v1/volumes", {"access": "rwo"}),
         (_core.create_volume("ws", "rox", 10), "POST", "/v1/volumes", {"name": "ws", "access": "rox", "quota_mb": 10}),
+        (_core.create_volume("shared", "rwx"), "POST", "/v1/volumes", {"name": "shared", "access": "rwx"}),
         (_core.list_volumes(), "GET", "/v1/volumes", None),
         (_core.get_volume(VID), "GET", VBASE, None),
         (_core.get_volume("ws"), "GET", "/v1/volumes/ws", None),
@@ -203,6 +204,11 @@ def test_file_calls_share_one_builder_for_sandboxes_and_volumes() -> None:
 def test_core_bad_input(build) -> None:
     with pytest.raises(InvalidArgumentError):
         build()
+
+
+def test_create_volume_names_the_access_modes() -> None:
+    with pytest.raises(InvalidArgumentError, match='"rwo".*"rox".*"rwx"'):
+        _core.create_volume("ws", "rw")
 
 
 # ----------------------------------------------------------------------------- volumes=

@@ -366,9 +366,18 @@ def test_volume_api_maps_onto_branchbox_volumes(e2b, make, raw, volumes):
     s.commands.run("echo from-sandbox > /mnt/data/made-by-user.txt")
     made = v.get_info("/made-by-user.txt")
     assert (made.uid, v.read_file("/made-by-user.txt")) == (1000, "from-sandbox\n")
+    # Shared as E2B's are (branchbox's `rwx`): a second sandbox mounts it while the first
+    # does, and both see one copy.
+    assert BBVolume.connect(v.volume_id, daemon=URL).info().access == "rwx"
+    s2 = make(volume_mounts={"/data": v.name})
+    assert s2.files.read("/data/made-by-user.txt") == "from-sandbox\n"
+    s2.files.write("/data/from-s2.txt", "two")
+    assert s.commands.run("cat /mnt/data/from-s2.txt").stdout == "two"
     with pytest.raises(VolumeException):
         Volume.destroy(v.volume_id)  # mounted: refused
     s.kill()
+    s2.kill()
+    v.remove("/from-s2.txt")
 
     # Bad input: no or a wrong token, another volume's token, a path climbing out, the root.
     url = "/volumecontent/%s/file" % v.volume_id

@@ -484,6 +484,58 @@ def test_rox_volume_is_shared_read_only(raw, make_volume, make_sandbox):
     assert sh_in(s3, "cat /ro/new") == "written once none mounts it"
 
 
+def test_rwx_volume_is_shared_read_write_and_freezes_in_every_holder(make_volume, make_sandbox):
+    """An rwx volume: any number of sandboxes mount it at once, read-write (or read-only), and
+    see one copy. A snapshot of it freezes every sandbox that mounts it and gives each the new
+    instance: a writer in one goes on in its open file without a gap, the others see its lines,
+    the snapshot stays as taken. It never branches: a fork child mounts the same volume, a
+    rollback leaves it; restore waits until no sandbox mounts it."""
+    v = make_volume(access="rwx")
+    a = make_sandbox(volumes={"/workspace": v})
+    b = make_sandbox(volumes={"/data": v})
+    ro = make_sandbox(volumes={"/ro": VolumeMount(volume=v.id, read_only=True)})
+    assert v.info().access == "rwx"
+    assert sorted(mounts_of(v)) == sorted(
+        [(a.id, "/workspace", False, False), (b.id, "/data", False, False), (ro.id, "/ro", True, False)])
+    sh_in(a, "echo from-a > /workspace/a.txt")
+    sh_in(b, "echo from-b > /data/b.txt")
+    assert sh_in(b, "cat /data/a.txt") == "from-a\n" and sh_in(a, "cat /workspace/b.txt") == "from-b\n"
+    assert sh_in(ro, "cat /ro/a.txt /ro/b.txt") == "from-a\nfrom-b\n"
+    v.files.write("/seed.txt", "seed")  # the file API writes it while mounted, as rwo's
+    assert py_in(ro, WRITES_REFUSED_PY, "/ro") == "refused\n"
+
+    writer = start_appender(v, a)
+    cp = a.checkpoint()
+    snap = v.snapshot()
+    at_snapshot = len(whole_lines(v.files.read("/log")))
+    frozen = make_volume.adopt(v.fork(snapshot=snap).id).files.read("/log")
+    assert frozen.endswith("\n") and consecutive(whole_lines(frozen)), "a torn snapshot: %r" % frozen[-40:]
+    assert 20 < len(whole_lines(frozen)) <= at_snapshot
+    grown(v, at_snapshot)
+    for sbx, path in ((a, "/workspace/log"), (b, "/data/log"), (ro, "/ro/log")):
+        live = sh_in(sbx, "cat " + path)
+        assert live.startswith(frozen) and consecutive(whole_lines(live)), "%s lost or repeated lines" % sbx.id
+        assert len(whole_lines(live)) > len(whole_lines(frozen))
+    sh_in(b, "echo after > /data/after.txt")
+    assert sh_in(a, "cat /workspace/after.txt") == "after\n" and v.files.read("/after.txt") == "after\n"
+    assert a.commands.kill(writer.pid) is True
+
+    # A fork child mounts the same volume, read-write as its parent did; a rollback leaves it.
+    child = make_sandbox(snapshot=cp)
+    assert [(m.volume, m.path, m.read_only) for m in child.info().volumes] == [(v.id, "/workspace", False)]
+    sh_in(child, "echo from-child > /workspace/child.txt")
+    assert sh_in(b, "cat /data/child.txt") == "from-child\n"
+    a.rollback(cp)
+    assert sh_in(a, "cat /workspace/child.txt /workspace/after.txt") == "from-child\nafter\n"
+
+    with pytest.raises(ConflictError):
+        v.restore(snap)
+    for sbx in (a, b, ro, child):
+        sbx.kill()
+    v.restore(snap)
+    assert v.files.read("/log") == frozen and not v.files.exists("/after.txt")
+
+
 def test_bad_mounts_are_refused_and_leave_nothing(raw, make_volume, make_sandbox):
     v = make_volume("bm-" + uuid.uuid4().hex[:8])
     w = make_volume()

@@ -226,8 +226,10 @@ pub async fn create(State(e): St, bytes: axum::body::Bytes) -> E2bResult<Respons
         ));
     }
     let (network, allow) = egress(req.allow_internet_access, &req.network.unwrap_or_default())?;
-    // E2B volumes by name are branchbox volumes (`branchbox volume create NAME`), mounted
-    // writable and branching with the sandbox (fork children get copy-on-write copies).
+    // E2B volumes by name are branchbox volumes, mounted writable: one made by E2B's
+    // `Volume.create` (`rwx`) is shared by every sandbox that mounts it, fork children too; an
+    // `rwo` one (`branchbox volume create NAME`) branches with the sandbox (fork children get
+    // copy-on-write copies).
     let volumes = req
         .volume_mounts
         .unwrap_or_default()

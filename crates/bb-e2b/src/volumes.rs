@@ -16,7 +16,7 @@ use axum::http::{header, HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use bb_runtime::model::{CreateVolume, EntryInfo};
+use bb_runtime::model::{Access, CreateVolume, EntryInfo};
 use bb_runtime::sandbox::files::{SandboxFs, SbPath};
 use futures::StreamExt;
 use serde::Deserialize;
@@ -56,7 +56,9 @@ pub async fn create(State(e): St, bytes: Bytes) -> E2bResult<Response> {
     let Some(name) = req.name.filter(|n| !n.is_empty()) else {
         return Err(E2bError::bad_request("give the volume a name: {\"name\": \"my-data\"}"));
     };
-    let info = match e.rt.create_volume(CreateVolume { name: Some(name.clone()), ..Default::default() }).await {
+    // Shared as E2B's are: any number of sandboxes mount it read-write at once (`rwx`).
+    let made = e.rt.create_volume(CreateVolume { name: Some(name.clone()), access: Access::Rwx, ..Default::default() });
+    let info = match made.await {
         Ok(info) => info,
         // E2B answers a taken name with a 400.
         Err(err) if err.kind() == bb_runtime::error::ErrorKind::Conflict => {

@@ -1016,14 +1016,30 @@ pub struct StoreGcResult {
     pub took_ms: f64,
 }
 
-/// Who may mount a volume: `rwo` (one sandbox at a time, read-write or read-only) or `rox`
-/// (any number of sandboxes, read-only; written through the file API while no sandbox mounts it).
+/// Who may mount a volume: `rwo` (one sandbox at a time, read-write or read-only; it branches
+/// with that sandbox), `rox` (any number of sandboxes, read-only; written through the file API
+/// while no sandbox mounts it) or `rwx` (any number of sandboxes of this daemon, read-write, all
+/// seeing one copy: shared storage that never branches).
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq, ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Access {
     #[default]
     Rwo,
     Rox,
+    Rwx,
+}
+
+impl Access {
+    /// Mounted by any number of sandboxes at once, one copy for all: fork children, rollbacks
+    /// and checkpoints leave it as it is (it never branches).
+    pub fn shared(self) -> bool {
+        matches!(self, Access::Rox | Access::Rwx)
+    }
+
+    /// Sandboxes may write it: one node at a time does (the writer lease of a synced volume).
+    pub fn writable(self) -> bool {
+        matches!(self, Access::Rwo | Access::Rwx)
+    }
 }
 
 /// `POST /v1/volumes`.
@@ -1166,4 +1182,21 @@ pub struct PortInfo {
 pub struct PortList {
     /// By port.
     pub ports: Vec<PortInfo>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Access;
+
+    #[test]
+    fn access_modes_parse_and_say_who_shares_and_who_writes() {
+        let parsed: Vec<Access> = serde_json::from_str(r#"["rwo", "rox", "rwx"]"#).unwrap();
+        assert_eq!(parsed, [Access::Rwo, Access::Rox, Access::Rwx]);
+        assert_eq!(serde_json::to_string(&Access::Rwx).unwrap(), r#""rwx""#);
+        assert!(serde_json::from_str::<Access>(r#""rw""#).is_err());
+        let shared: Vec<bool> = parsed.iter().map(|a| a.shared()).collect();
+        let writable: Vec<bool> = parsed.iter().map(|a| a.writable()).collect();
+        assert_eq!(shared, [false, true, true]);
+        assert_eq!(writable, [true, false, true]);
+    }
 }

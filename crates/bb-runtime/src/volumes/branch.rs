@@ -107,11 +107,7 @@ impl Runtime {
         let root = self.ensure_volume_mounted(row)?;
         let dev = std::fs::metadata(&root).map_err(RuntimeError::io("stat a volume"))?.dev();
         let fd = self.volume_instance(next)?;
-        let host_mnt = bb_sys::ns::open_tree(
-            fd.as_fd(),
-            Path::new(""),
-            bb_sys::ns::OPEN_TREE_CLONE | bb_sys::ns::OPEN_TREE_CLOEXEC,
-        )?;
+        let host_mnt = super::clone_instance(fd.as_fd(), false)?;
         if m.read_only {
             bb_sys::mount_api::mount_setattr(fd.as_fd(), bb_sys::mount_api::MOUNT_ATTR_RDONLY)?;
         }
@@ -240,40 +236,112 @@ impl Runtime {
         scan: &(std::path::PathBuf, Vec<i32>),
         stale: &mut crate::snapshot::swap::StaleCwds,
     ) -> Result<()> {
-        let (proc, nspids) = (&scan.0, &scan.1);
-        let mut files = Vec::new();
-        if swap.pin {
-            // Paths as the sandbox sees them through the current mount, relative to the volume
-            // root; through a replaced (detached) instance they are relative to it already.
-            let at = Path::new(swap.path.trim_start_matches('/'));
-            files.extend(rootswap::written_files(proc, nspids, swap.dev).into_iter().filter_map(|f| {
-                let path = f.path.strip_prefix(at).ok()?.to_path_buf();
-                (!path.as_os_str().is_empty()).then_some(rootswap::WrittenFile { path, ino: f.ino })
-            }));
-            let mut cwds = rootswap::stale_cwds(proc, nspids, swap.dev);
-            for old in self.volumes.stale_devs.lock().get(vid).cloned().unwrap_or_default() {
-                files.extend(rootswap::written_files(proc, nspids, old));
-                for (pid, p) in rootswap::stale_cwds(proc, nspids, old) {
-                    cwds.push((pid, Path::new(swap.path).join(p.strip_prefix("/").unwrap_or(&p))));
-                }
-            }
-            request_rebase(sb, cwds, stale)?;
-            if let Err(e) = rootswap::pin_open_files(&files, swap.old_upper, swap.new_upper) {
-                rootswap::unpin(&files, swap.old_upper, swap.new_upper);
-                return Err(e);
-            }
+        let files = if swap.pin { self.written_in_volume(sb, vid, swap, scan, stale)? } else { Vec::new() };
+        if let Err(e) = rootswap::pin_open_files(&files, swap.old_upper, swap.new_upper) {
+            rootswap::unpin(&files, swap.old_upper, swap.new_upper);
+            return Err(e);
         }
         if let Err(e) = rootswap::mount_in_sandbox(sb.init_pid, mnt, Path::new(swap.path), true) {
             rootswap::unpin(&files, swap.old_upper, swap.new_upper);
             return Err(e);
         }
+        self.note_stale_dev(vid, swap.dev);
+        Ok(())
+    }
+
+    /// With `sb` frozen: the files its processes write in volume `vid` (mounted at `swap.path`)
+    /// through the instance being replaced or an older one old fds still reach, by path in the
+    /// volume; its processes with a working directory there are asked to stop to be moved
+    /// (`stale`).
+    fn written_in_volume(
+        &self,
+        sb: &Sandbox,
+        vid: &str,
+        swap: &MountSwap<'_>,
+        scan: &(std::path::PathBuf, Vec<i32>),
+        stale: &mut crate::snapshot::swap::StaleCwds,
+    ) -> Result<Vec<rootswap::WrittenFile>> {
+        let (proc, nspids) = (&scan.0, &scan.1);
+        // Paths as the sandbox sees them through the current mount, relative to the volume
+        // root; through a replaced (detached) instance they are relative to it already.
+        let at = Path::new(swap.path.trim_start_matches('/'));
+        let mut files: Vec<rootswap::WrittenFile> = rootswap::written_files(proc, nspids, swap.dev)
+            .into_iter()
+            .filter_map(|f| {
+                let path = f.path.strip_prefix(at).ok()?.to_path_buf();
+                (!path.as_os_str().is_empty()).then_some(rootswap::WrittenFile { path, ino: f.ino })
+            })
+            .collect();
+        let mut cwds = rootswap::stale_cwds(proc, nspids, swap.dev);
+        for old in self.volumes.stale_devs.lock().get(vid).cloned().unwrap_or_default() {
+            files.extend(rootswap::written_files(proc, nspids, old));
+            for (pid, p) in rootswap::stale_cwds(proc, nspids, old) {
+                cwds.push((pid, Path::new(swap.path).join(p.strip_prefix("/").unwrap_or(&p))));
+            }
+        }
+        request_rebase(sb, cwds, stale)?;
+        Ok(files)
+    }
+
+    /// Instance `dev` of volume `vid` was replaced: old fds may still reach it.
+    fn note_stale_dev(&self, vid: &str, dev: u64) {
         let mut devs = self.volumes.stale_devs.lock();
         let v = devs.entry(vid.to_string()).or_default();
-        v.retain(|d| *d != swap.dev);
-        v.push(swap.dev);
+        v.retain(|d| *d != dev);
+        v.push(dev);
         if v.len() > MAX_STALE_DEVS {
             v.remove(0);
         }
+    }
+
+    /// A freeze of a volume that `holders` mount (a shared, `rwx`, volume may have several),
+    /// with all of them frozen: the one new instance of prepared volume `p` replaces the mount
+    /// in each (a mount of its own per sandbox, read-only where theirs was), files any of them
+    /// writes are pinned into the new writable layer once. All or nothing: when a mount cannot
+    /// be replaced, those replaced go back to the old instance and nothing stays pinned.
+    pub(super) fn swap_mounts_frozen(
+        &self,
+        holders: &[(Arc<Sandbox>, VolumeMount)],
+        p: &mut PreparedVolume,
+        stale: &mut crate::snapshot::swap::StaleCwds,
+    ) -> Result<()> {
+        let Some(s) = p.swap.as_mut() else { return Ok(()) };
+        let (old_upper, new_upper) = (self.layer_path(&p.old_upper), self.layer_path(&p.next.upper));
+        let vid = p.next.id.as_str();
+        let mut mnts = vec![s.sandbox_mnt.take().expect("a prepared volume swaps once")];
+        for (_, m) in holders.iter().skip(1) {
+            mnts.push(super::clone_instance(s.host_mnt.as_fd(), m.read_only)?);
+        }
+        let mut files = Vec::new();
+        for (sb, m) in holders {
+            let templates = self.session_templates.pids_of(&sb.id);
+            let scan = crate::sandbox::procs::own_pids(sb, &templates)
+                .unwrap_or_else(|_| (crate::sandbox::procs::sandbox_proc(sb), Vec::new()));
+            let swap = MountSwap { path: &m.path, dev: s.dev, old_upper: &old_upper, new_upper: &new_upper, pin: true };
+            files.extend(self.written_in_volume(sb, vid, &swap, &scan, stale)?);
+        }
+        if let Err(e) = rootswap::pin_open_files(&files, &old_upper, &new_upper) {
+            rootswap::unpin(&files, &old_upper, &new_upper);
+            return Err(e);
+        }
+        for (i, ((sb, m), mnt)) in holders.iter().zip(mnts).enumerate() {
+            if let Err(e) = rootswap::mount_in_sandbox(sb.init_pid, mnt, Path::new(&m.path), true) {
+                // The old instance is still the host's view of the volume.
+                for (sb, m) in &holders[..i] {
+                    let back = std::fs::File::open(self.volume_root(vid))
+                        .map_err(RuntimeError::io("open a volume's view"))
+                        .and_then(|root| super::clone_instance(root.as_fd(), m.read_only))
+                        .and_then(|fd| rootswap::mount_in_sandbox(sb.init_pid, fd, Path::new(&m.path), true));
+                    if let Err(e) = back {
+                        tracing::error!(sandbox = %sb.id, volume = %vid, path = %m.path, "a failed freeze could not give the volume's old instance back: {e}");
+                    }
+                }
+                rootswap::unpin(&files, &old_upper, &new_upper);
+                return Err(e);
+            }
+        }
+        self.note_stale_dev(vid, s.dev);
+        s.done = true;
         Ok(())
     }
 
@@ -320,23 +388,23 @@ impl Runtime {
     }
 
     /// Record the volumes' states a sandbox checkpoint (snapshot `sid`) of `sb` took, and the
-    /// `rox` volumes it mounts (shared with its fork children as they are).
+    /// shared (`rox`, `rwx`) volumes it mounts (its fork children mount the same ones).
     pub(crate) fn record_checkpoint_volumes(
         &self,
         sb: &Sandbox,
         sid: &str,
         states: &[(VolumeMount, Vec<String>)],
     ) -> Result<()> {
-        let rox: Vec<(VolumeMount, Vec<String>)> = sb
+        let shared: Vec<(VolumeMount, Vec<String>)> = sb
             .volumes
             .lock()
             .iter()
             .filter_map(|m| {
-                let r = self.volume_row(&m.volume).ok().filter(|r| r.access == crate::model::Access::Rox)?;
+                let r = self.volume_row(&m.volume).ok().filter(|r| r.access.shared())?;
                 Some((m.clone(), r.chain))
             })
             .collect();
-        for (m, chain) in states.iter().chain(&rox) {
+        for (m, chain) in states.iter().chain(&shared) {
             let shared = !m.branch;
             self.volumes.records().insert_snapshot(&VolumeSnapRow {
                 id: new_id("vs"),
@@ -381,12 +449,13 @@ impl Runtime {
                         )));
                     }
                     if c.shared {
-                        // Still there and still rox: mounted as it is; otherwise left out.
-                        if self.volume_row(&vs.volume).is_ok_and(|r| r.access == crate::model::Access::Rox) {
+                        // Still there and still shared: mounted as it is (as the parent did, and
+                        // read-only if it became rox since); otherwise left out.
+                        if let Some(r) = self.volume_row(&vs.volume).ok().filter(|r| r.access.shared()) {
                             shared.push(VolumeMount {
                                 volume: vs.volume.clone(),
                                 path: c.path.clone(),
-                                read_only: true,
+                                read_only: c.read_only || r.access == crate::model::Access::Rox,
                                 branch: false,
                             });
                         }

@@ -7,7 +7,6 @@
 use super::store::{Synced, VolumeRow, VolumeSnapRow};
 use crate::error::{Result, RuntimeError};
 use crate::layers::dir_is_empty;
-use crate::model::Access;
 use crate::{now, Runtime};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -125,7 +124,7 @@ impl Runtime {
         Ok(next.id)
     }
 
-    /// Synced `rwo` volumes mounted writable here, whose leases this node renews.
+    /// Synced writable (`rwo`, `rwx`) volumes mounted writable here, whose leases this node renews.
     pub(crate) fn held_volumes(&self) -> Vec<String> {
         let mut ids: Vec<String> = self
             .sandboxes
@@ -135,12 +134,7 @@ impl Runtime {
                 sb.volumes.lock().iter().filter(|m| !m.read_only).map(|m| m.volume.clone()).collect::<Vec<_>>()
             })
             .filter(|id| {
-                self.volumes
-                    .records()
-                    .get(id)
-                    .ok()
-                    .flatten()
-                    .is_some_and(|r| r.access == Access::Rwo && r.synced.is_some())
+                self.volumes.records().get(id).ok().flatten().is_some_and(|r| r.access.writable() && r.synced.is_some())
             })
             .collect();
         ids.sort();
@@ -148,11 +142,11 @@ impl Runtime {
         ids
     }
 
-    /// Take the lease of a synced `rwo` volume about to be mounted writable here (a store that
+    /// Take the lease of a synced writable volume about to be mounted writable here (a store that
     /// is down lets the mount go on with a warning: this node's state serves).
     pub(crate) async fn hold_for_mount(self: &Arc<Self>, id: &str) -> Result<()> {
         let row = self.volume_row(id)?;
-        if row.access != Access::Rwo || row.synced.is_none() {
+        if !row.access.writable() || row.synced.is_none() {
             return Ok(());
         }
         match self.hold_volume(id).await {

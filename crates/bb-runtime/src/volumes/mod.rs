@@ -512,7 +512,7 @@ impl Runtime {
             // volume to another one (its lease, or a newer commit) deletes its own copy only.
             let ours = match row.access {
                 Access::Rox => true,
-                Access::Rwo => match self.hold_volume(&row.id).await {
+                Access::Rwo | Access::Rwx => match self.hold_volume(&row.id).await {
                     Ok(()) => true,
                     Err(RuntimeError::Conflict(why)) => {
                         tracing::info!(volume = %row.id, "deleting this node's copy only: {why}");
@@ -576,22 +576,25 @@ impl Runtime {
     }
 
     /// Freeze volume `id`'s writable layer into its chain (see the module docs); returns the
-    /// row after it. Holds the volume's operation lock and its file gate; mounts of the sandbox
-    /// that holds it are held still.
+    /// row after it. Holds the volume's operation lock and its file gate; mounts of the
+    /// sandboxes that mount it are held still.
     async fn freeze_volume(self: &Arc<Self>, id: &str) -> Result<VolumeRow> {
         let row = self.volume_row(id)?;
-        let holder = self.volume_holders(&row.id).into_iter().next();
-        let held = holder.as_ref().map(|(sb, _)| sb.clone());
-        let _mounts = match &held {
-            Some(sb) => Some(sb.mounts.lock().await),
-            None => None,
-        };
+        let mut holders: Vec<(Arc<Sandbox>, VolumeMount)> =
+            self.volume_holders(&row.id).into_iter().filter(|(sb, _)| !sb.is_dead()).collect();
+        // Each holder's mounts lock, in one order (a shared volume has several holders).
+        holders.sort_by(|a, b| a.0.id.cmp(&b.0.id));
+        let sandboxes: Vec<Arc<Sandbox>> = holders.iter().map(|(sb, _)| sb.clone()).collect();
+        let mut _mounts = Vec::with_capacity(sandboxes.len());
+        for sb in &sandboxes {
+            _mounts.push(sb.mounts.lock().await);
+        }
         let gate = self.volumes.gate(&row.id);
         let _gate = gate.write().await;
         let rt = self.clone();
         let (before, after) = tokio::task::spawn_blocking(move || {
             let row = rt.volume_row(&row.id)?;
-            Ok::<_, RuntimeError>((row.upper.clone(), rt.freeze_blocking(row, holder)?))
+            Ok::<_, RuntimeError>((row.upper.clone(), rt.freeze_blocking(row, holders)?))
         })
         .await
         .map_err(RuntimeError::Worker)??;
@@ -620,12 +623,13 @@ impl Runtime {
         });
     }
 
-    /// Freeze volume `row` (see the module doc); `holder`: the sandbox that mounts it, where.
+    /// Freeze volume `row` (see the module doc); `holders`: the sandboxes that mount it, where.
     /// A mounted volume goes through the steps a checkpoint takes it through ([`branch`]),
-    /// in a freeze of its own.
-    fn freeze_blocking(&self, row: VolumeRow, holder: Option<(Arc<Sandbox>, VolumeMount)>) -> Result<VolumeRow> {
+    /// in a freeze of its own, with every sandbox that mounts it frozen.
+    fn freeze_blocking(&self, row: VolumeRow, holders: Vec<(Arc<Sandbox>, VolumeMount)>) -> Result<VolumeRow> {
         let t0 = std::time::Instant::now();
-        let Some((sb, m)) = holder.filter(|(sb, _)| !sb.is_dead()) else {
+        let holders: Vec<(Arc<Sandbox>, VolumeMount)> = holders.into_iter().filter(|(sb, _)| !sb.is_dead()).collect();
+        let Some((_, first)) = holders.first() else {
             if dir_is_empty(&self.layer_path(&row.upper)) {
                 return Ok(row);
             }
@@ -642,25 +646,41 @@ impl Runtime {
             self.remove_volume_work(&row.id, row.n);
             return Ok(next);
         };
-        let mut prepared = self.prepare_volume_checkpoint(std::slice::from_ref(&m))?;
+        let mut prepared = self.prepare_volume_checkpoint(std::slice::from_ref(first))?;
         let next = prepared[0].next.clone();
         if prepared[0].swap.is_none() {
             return Ok(next);
         }
-        let templates = self.session_templates.pids_of(&sb.id);
-        if let Err(e) = sb.cgroup.freeze() {
-            self.discard_prepared_volumes(prepared);
-            return Err(e.into());
-        }
+        let mut frozen: Vec<&Sandbox> = Vec::with_capacity(holders.len());
         let mut stale = Vec::new();
-        let swapped = self.swap_volumes_frozen(&sb, &mut prepared, &templates, &mut stale);
-        let thawed = sb.cgroup.thaw();
+        let mut swapped = Ok(());
+        for (sb, _) in &holders {
+            if let Err(e) = sb.cgroup.freeze() {
+                swapped = Err(e.into());
+                break;
+            }
+            frozen.push(sb);
+        }
+        if swapped.is_ok() {
+            swapped = self.swap_mounts_frozen(&holders, &mut prepared[0], &mut stale);
+        }
+        let mut thawed = Ok(());
+        for sb in frozen {
+            if let Err(e) = sb.cgroup.thaw() {
+                thawed = Err(e);
+            }
+        }
         drop(Stragglers(rebase_cwds(stale, Some(std::time::Instant::now() + REBASE_PATIENCE))));
         self.finish_volume_swaps(prepared, false);
         swapped?;
         thawed?;
-        self.mount_in_host_view(&sb.rootfs(), &m)?;
-        tracing::debug!(volume = %row.id, layers = next.chain.len(), took = ?t0.elapsed(), "volume frozen");
+        // The freeze happened: a sandbox whose file API view could not follow is told, not failed.
+        for (sb, m) in &holders {
+            if let Err(e) = self.mount_in_host_view(&sb.rootfs(), m) {
+                tracing::warn!(sandbox = %sb.id, path = %m.path, "the file API does not see the volume at this path: {e}");
+            }
+        }
+        tracing::debug!(volume = %row.id, layers = next.chain.len(), holders = holders.len(), took = ?t0.elapsed(), "volume frozen");
         Ok(next)
     }
 
@@ -837,13 +857,13 @@ impl Runtime {
         }
         let snaps = self.volumes.records().own_snapshots(&id)?;
         let expected = row.synced.as_ref().map(|s| s.version);
-        // One node commits an `rwo` volume: the one holding its lease.
-        if row.access == Access::Rwo {
+        // One node commits a writable volume: the one holding its lease.
+        if row.access.writable() {
             self.hold_volume(&id).await?;
         }
         let committed = self.commit_volume(&row, &snaps, expected).await;
         let mounted_rw = self.volume_holders(&id).iter().any(|(_, m)| !m.read_only);
-        if row.access == Access::Rwo && !mounted_rw {
+        if row.access.writable() && !mounted_rw {
             self.release_volume(&id).await;
         }
         let version = committed?;
@@ -928,8 +948,8 @@ impl Runtime {
             }
             *pending.entry(row.id.clone()).or_default() += 1;
             drop(pending);
-            // Shared read-only data does not branch: every sandbox sees the one volume.
-            let branch = m.branch && row.access == Access::Rwo;
+            // Shared data does not branch: every sandbox sees the one volume.
+            let branch = m.branch && !row.access.shared();
             claims.mounts.push((row, VolumeMount { path, branch, ..m.clone() }));
         }
         Ok(claims)
@@ -943,14 +963,7 @@ impl Runtime {
             let path = SbPath::parse(&m.path)?;
             SandboxFs::open(&sb.rootfs(), self.cfg.idmap.host_base)?.mkdir(&path, true)?;
             let dir = std::fs::File::open(&root).map_err(RuntimeError::io("open a volume's view"))?;
-            let fd = bb_sys::ns::open_tree(
-                dir.as_fd(),
-                Path::new(""),
-                bb_sys::ns::OPEN_TREE_CLONE | bb_sys::ns::OPEN_TREE_CLOEXEC,
-            )?;
-            if m.read_only {
-                bb_sys::mount_api::mount_setattr(fd.as_fd(), bb_sys::mount_api::MOUNT_ATTR_RDONLY)?;
-            }
+            let fd = clone_instance(dir.as_fd(), m.read_only)?;
             rootswap::mount_in_sandbox(sb.init_pid, fd, Path::new(&m.path), false)?;
             self.mount_in_host_view(&sb.rootfs(), &VolumeMount { volume: row.id.clone(), ..m.clone() })?;
             self.volumes.records().insert_mount(&MountRow {
@@ -987,14 +1000,7 @@ impl Runtime {
         }
         let root =
             std::fs::File::open(self.volume_root(&m.volume)).map_err(RuntimeError::io("open a volume's view"))?;
-        let fd = bb_sys::ns::open_tree(
-            root.as_fd(),
-            Path::new(""),
-            bb_sys::ns::OPEN_TREE_CLONE | bb_sys::ns::OPEN_TREE_CLOEXEC,
-        )?;
-        if m.read_only {
-            bb_sys::mount_api::mount_setattr(fd.as_fd(), bb_sys::mount_api::MOUNT_ATTR_RDONLY)?;
-        }
+        let fd = clone_instance(root.as_fd(), m.read_only)?;
         bb_sys::ns::move_mount(
             Some(fd.as_fd()),
             Path::new(""),
@@ -1023,7 +1029,7 @@ impl Runtime {
         let release: Vec<String> = gone
             .into_iter()
             .filter(|m| !m.read_only && !held.contains(&m.volume))
-            .filter(|m| self.volume_row(&m.volume).is_ok_and(|r| r.access == Access::Rwo && r.synced.is_some()))
+            .filter(|m| self.volume_row(&m.volume).is_ok_and(|r| r.access.writable() && r.synced.is_some()))
             .map(|m| m.volume)
             .collect();
         if let (false, Ok(handle)) = (release.is_empty(), tokio::runtime::Handle::try_current()) {
@@ -1059,6 +1065,16 @@ impl Runtime {
         }
         Ok(())
     }
+}
+
+/// A detached mount of the volume instance `at` is the root of (a clone: one instance, so
+/// every mount of it sees the same files), read-only if asked.
+fn clone_instance(at: std::os::fd::BorrowedFd<'_>, read_only: bool) -> Result<OwnedFd> {
+    let fd = bb_sys::ns::open_tree(at, Path::new(""), bb_sys::ns::OPEN_TREE_CLONE | bb_sys::ns::OPEN_TREE_CLOEXEC)?;
+    if read_only {
+        bb_sys::mount_api::mount_setattr(fd.as_fd(), bb_sys::mount_api::MOUNT_ATTR_RDONLY)?;
+    }
+    Ok(fd)
 }
 
 /// Snapshot `s` of a volume whose committed head is `synced`.
