@@ -293,6 +293,18 @@ def test_volume_mounts_are_branchbox_volumes_by_name(make):
         b = make(volume_mounts={"/mnt/data": name})
         assert b.files.read("/mnt/data/kept.txt") == "from a"
         b.kill()
+        # An rox volume (read-only for many) is mounted read-only: E2B's API has no flag for it.
+        ro_name = "e2bro-" + uuid.uuid4().hex[:8]
+        ro = BBVolume.create(ro_name, "rox", daemon=URL)
+        try:
+            ro.files.write("/seed.txt", "seed")
+            c = make(volume_mounts={"/mnt/ro": ro_name})
+            assert c.files.read("/mnt/ro/seed.txt") == "seed"
+            out = c.commands.run("touch /mnt/ro/new 2>&1 || echo refused").stdout
+            assert "Read-only file system" in out and out.endswith("refused\n"), out
+            c.kill()
+        finally:
+            ro.delete()
         for bad, says in (({"volume_mounts": {"/mnt/x": "no-such-volume-e2b"}}, "no-such-volume-e2b"),
                           ({"mcp": {"exa": {"apiKey": "k"}}}, "mcp")):
             with pytest.raises((InvalidArgumentException, NotFoundException, SandboxException)) as ei:

@@ -229,12 +229,15 @@ pub async fn create(State(e): St, bytes: axum::body::Bytes) -> E2bResult<Respons
     // E2B volumes by name are branchbox volumes, mounted writable: one made by E2B's
     // `Volume.create` (`rwx`) is shared by every sandbox that mounts it, fork children too; an
     // `rwo` one (`branchbox volume create NAME`) branches with the sandbox (fork children get
-    // copy-on-write copies).
+    // copy-on-write copies). An `rox` one is mounted read-only (E2B's API has no flag for it).
     let volumes = req
         .volume_mounts
         .unwrap_or_default()
         .into_iter()
-        .map(|m| model::VolumeMount { volume: m.name, path: m.path, read_only: false, branch: true })
+        .map(|m| {
+            let read_only = e.rt.volume_access(&m.name) == Some(model::Access::Rox);
+            model::VolumeMount { volume: m.name, path: m.path, read_only, branch: true }
+        })
         .collect();
     let mut spec = CreateSandbox {
         env: req.env_vars.unwrap_or_default(),

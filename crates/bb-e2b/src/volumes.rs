@@ -91,11 +91,11 @@ pub async fn create(State(e): St, bytes: Bytes) -> E2bResult<Response> {
 
 /// `GET /volumes`: every volume (E2B does not page them).
 pub async fn list(State(e): St) -> E2bResult<Json<Value>> {
-    let volumes = e.rt.list_volumes()?.volumes;
-    let v: Vec<Value> = volumes
-        .iter()
-        .map(|v| json!({"volumeID": v.id, "name": v.name.clone().unwrap_or_else(|| v.id.clone())}))
-        .collect();
+    let v: Vec<Value> =
+        e.rt.volume_names()?
+            .into_iter()
+            .map(|(id, name)| json!({"name": name.unwrap_or_else(|| id.clone()), "volumeID": id}))
+            .collect();
     Ok(Json(Value::Array(v)))
 }
 

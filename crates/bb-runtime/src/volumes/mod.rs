@@ -478,6 +478,18 @@ impl Runtime {
         .map_err(RuntimeError::Worker)?
     }
 
+    /// Every volume of this node as (id, name), from its records alone: nothing measured (a
+    /// listing of names that [`list_volumes`](Self::list_volumes) would make walk every
+    /// writable layer).
+    pub fn volume_names(&self) -> Result<Vec<(String, Option<String>)>> {
+        Ok(self.volumes.records().all()?.into_iter().map(|r| (r.id, r.name)).collect())
+    }
+
+    /// How volume `vid` (an id or a name) may be mounted, if this node knows it.
+    pub fn volume_access(&self, vid: &str) -> Option<Access> {
+        self.volumes.records().get(vid).ok().flatten().map(|r| r.access)
+    }
+
     pub fn list_volumes(&self) -> Result<VolumeList> {
         let rows = self.volumes.records().all()?;
         Ok(VolumeList { volumes: rows.iter().map(|r| self.volume_info_of(r)).collect::<Result<_>>()? })
