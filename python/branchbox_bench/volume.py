@@ -20,6 +20,11 @@ Measured:
   files of 256 B (written by a python loop in a sandbox, unmounted by killing it);
   ``fork_size_ratio`` = ``fork_ms_p50_100k / fork_ms_p50_1k`` (1 when a fork's cost does not
   depend on the volume's size).
+- ``shared_snapshot_ms_p50_1`` / ``shared_snapshot_ms_p50_4``: ``vol.snapshot()`` of an
+  ``rwx`` volume mounted by one sandbox and of one mounted by :data:`SHARED_HOLDERS` (a freeze
+  stops and remounts every sandbox that mounts it), interleaved sample by sample (their order
+  flips each sample), each after a one-file write through ``vol.files`` (so there is a
+  writable layer to freeze); ``shared_snapshot_ratio`` = the second / the first.
 - ``sync_mb_s``: ``vol.sync()`` on the MinIO daemon of ~64 MiB of new incompressible files
   (written through ``vol.files``; four large files and small ones of 16..128 KiB, as
   ``branchbox-store-bench`` makes), MB/s of file content (10^6 bytes); ``raw_mb_s``: a plain
@@ -111,6 +116,9 @@ SUMMARY_KEYS = (
     "snapshot_ms_p50_100k",
     "fork_ms_p50_100k",
     "fork_size_ratio",
+    "shared_snapshot_ms_p50_1",
+    "shared_snapshot_ms_p50_4",
+    "shared_snapshot_ratio",
     "sync_mb_s",
     "raw_mb_s",
     "sync_vs_raw_ratio",
@@ -119,7 +127,17 @@ SUMMARY_KEYS = (
     "samples",
     "sync_mb",
 )
-METRICS = ("snapshot_1k", "fork_1k", "snapshot_100k", "fork_100k", "sync")
+#: Sandboxes that mount the shared (``rwx``) volume of the shared-snapshot part (against one).
+SHARED_HOLDERS = 4
+METRICS = (
+    "snapshot_1k",
+    "fork_1k",
+    "snapshot_100k",
+    "fork_100k",
+    "shared_snapshot_1",
+    "shared_snapshot_%d" % SHARED_HOLDERS,
+    "sync",
+)
 
 # The file benchmark, run by the sandbox's python3 (standard library only): argv[1] is its
 # JSON configuration; it writes {"runs": [...]} to the configuration's "out", one run per
@@ -317,6 +335,10 @@ class VolumeResult:
             out["fork_ms_p50_" + tag] = self.p50("fork_" + tag)
         small_fork, large_fork = out["fork_ms_p50_1k"], out["fork_ms_p50_100k"]
         out["fork_size_ratio"] = None if not small_fork or large_fork is None else round(large_fork / small_fork, 3)
+        one, many = self.p50("shared_snapshot_1"), self.p50("shared_snapshot_%d" % SHARED_HOLDERS)
+        out["shared_snapshot_ms_p50_1"] = one
+        out["shared_snapshot_ms_p50_%d" % SHARED_HOLDERS] = many
+        out["shared_snapshot_ratio"] = None if not one or many is None else round(many / one, 3)
         sync = self.sync_mb_s_samples()
         sync_mb_s = round(percentile(sync, 50), 1) if sync else None
         raw_mb_s = self.raw.get("raw_put_mb_s")
@@ -362,9 +384,9 @@ def _unmounted(vol: Volume) -> None:
         time.sleep(0.1)
 
 
-def _bench_volume(stack: ExitStack, daemon: Optional[str], token: Optional[str]) -> Volume:
+def _bench_volume(stack: ExitStack, daemon: Optional[str], token: Optional[str], access: str = "rwo") -> Volume:
     """A new volume, deleted with ``stack`` once no sandbox mounts it."""
-    vol = stack.enter_context(Volume.create(daemon=daemon, token=token, request_timeout=600))
+    vol = stack.enter_context(Volume.create(access=access, daemon=daemon, token=token, request_timeout=600))
 
     def remove() -> None:
         _unmounted(vol)
@@ -417,6 +439,27 @@ def snapshot_fork_bench(cfg: VolumeConfig, res: VolumeResult, progress: Callable
                 res.add("fork_" + tag, _ms(t0))
                 with child:
                     child.delete()
+
+
+def shared_snapshot_bench(cfg: VolumeConfig, res: VolumeResult, progress: Callable[[str], None]) -> None:
+    """``vol.snapshot()`` of an ``rwx`` volume mounted by one sandbox and of one mounted by
+    :data:`SHARED_HOLDERS`, on the default daemon, interleaved."""
+    with ExitStack() as stack:
+        vols: Dict[int, Volume] = {}
+        for holders in (1, SHARED_HOLDERS):
+            progress("an rwx volume mounted by %d sandbox(es)" % holders)
+            vol = _bench_volume(stack, cfg.daemon, cfg.token, access="rwx")
+            for _ in range(holders):
+                stack.enter_context(_mounting(vol, cfg, cfg.daemon, cfg.token))
+            vols[holders] = vol
+        progress("snapshots of rwx volumes mounted by 1 and %d sandboxes" % SHARED_HOLDERS)
+        for i in range(cfg.samples):
+            for holders in (1, SHARED_HOLDERS) if i % 2 == 0 else (SHARED_HOLDERS, 1):
+                vol = vols[holders]
+                vol.files.write("/shared-%d" % i, b"x")
+                t0 = time.perf_counter()
+                vol.snapshot("bench volume shared %d" % i)
+                res.add("shared_snapshot_%d" % holders, _ms(t0))
 
 
 def _write_files(root: str, layout: List[Tuple[str, int]]) -> int:
@@ -508,6 +551,7 @@ def run_volume_bench(cfg: VolumeConfig, progress: Callable[[str], None] = lambda
         progress("file operations, local-directory store")
         res.files["local_store"] = file_bench(cfg, cfg.daemon, cfg.token)
         snapshot_fork_bench(cfg, res, progress)
+        shared_snapshot_bench(cfg, res, progress)
         if s3_tools is not None:
             s3_bench(cfg, *s3_tools, res, progress)
         else:

@@ -300,6 +300,12 @@ def volume_report_lines(s: Dict[str, Any]) -> List[str]:
             fmt_num(s.get("fork_ms_p50_100k"), " ms", "%.1f"),
             ratio("fork_size_ratio"),
         ),
+        "snapshot p50 of an rwx volume mounted by 1 sandbox %s, by 4 %s: ratio %s"
+        % (
+            fmt_num(s.get("shared_snapshot_ms_p50_1"), " ms", "%.1f"),
+            fmt_num(s.get("shared_snapshot_ms_p50_4"), " ms", "%.1f"),
+            ratio("shared_snapshot_ratio"),
+        ),
         "sync %s vs raw multipart upload %s (ratio %s), %s MiB of new files"
         % (
             fmt_num(s.get("sync_mb_s"), " MB/s", "%.0f"),

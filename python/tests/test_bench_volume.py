@@ -15,7 +15,7 @@ import branchbox.sandbox_sync as sync_mod
 from branchbox_bench import volume as bv
 from branchbox_cli import app as cli
 from branchbox_cli import bench as bench_cli
-from conftest import RESULT, SANDBOX, cli_runner
+from conftest import ENTRY, RESULT, SANDBOX, cli_runner
 from test_volumes_sdk import VOLUME
 
 MIB = 1 << 20
@@ -118,6 +118,8 @@ def fake_result() -> bv.VolumeResult:
         res.add("fork_1k", ms * 2)
         res.add("snapshot_100k", ms * 10)
         res.add("fork_100k", ms * 3)
+        res.add("shared_snapshot_1", ms)
+        res.add("shared_snapshot_4", ms * 1.5)
     for ms in (1000.0, 500.0):
         res.add("sync", ms)
         res.sync_bytes.append(100_000_000)
@@ -138,6 +140,7 @@ def test_summary_shape_and_ratios() -> None:
     assert (s["snapshot_ms_p50_1k"], s["fork_ms_p50_1k"], s["snapshot_ms_p50_100k"], s["fork_ms_p50_100k"]) == (
         3.0, 6.0, 30.0, 9.0)
     assert s["fork_size_ratio"] == 1.5
+    assert (s["shared_snapshot_ms_p50_1"], s["shared_snapshot_ms_p50_4"], s["shared_snapshot_ratio"]) == (3.0, 4.5, 1.5)
     # 100 MB in 1 s and in 0.5 s: median 150 MB/s, against 250 MB/s raw
     assert (s["sync_mb_s"], s["raw_mb_s"], s["sync_vs_raw_ratio"]) == (150.0, 250.0, 0.6)
     assert s["sync_mb_s_samples"] == [100.0, 200.0] and s["raw_mb_s_samples"] == [240.0, 250.0]
@@ -153,6 +156,7 @@ def test_nothing_measured_is_none_not_an_error() -> None:
     assert s["files"] == {} and s["sync_mb_s_samples"] == [] and s["raw_mb_s_samples"] == []
     lines = bench_cli.volume_report_lines(s)
     assert any("fork size ratio -" in line for line in lines)
+    assert any("by 4 -: ratio -" in line for line in lines)
 
 
 def test_the_minio_part_needs_root_and_says_how_to_skip_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -210,8 +214,12 @@ class VolumeDaemon:
         self.volumes: Dict[str, Dict[str, Any]] = {}
         self.sandboxes: Dict[str, Dict[str, Any]] = {}
         self.created_volumes: List[str] = []
+        #: Every volume made, by id (deleted ones too).
+        self.volumes_made: Dict[str, Dict[str, Any]] = {}
         self.mount_bodies: List[Any] = []
         self.fills: List[List[str]] = []
+        #: (volume, sandboxes mounting it, files written through the file API) at each snapshot.
+        self.snapshots: List[Any] = []
         self.fail_fill = False
         self.n = 0
 
@@ -222,6 +230,7 @@ class VolumeDaemon:
     def _volume(self, **kw: Any) -> Dict[str, Any]:
         vid = self._id("vol")
         self.volumes[vid] = dict(VOLUME, id=vid, name=None, mounts=[], snapshots=0, **kw)
+        self.volumes_made[vid] = self.volumes[vid]
         self.created_volumes.append(vid)
         return self.volumes[vid]
 
@@ -239,12 +248,13 @@ class VolumeDaemon:
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         m, path = request.method, request.url.path
-        body = json.loads(request.content) if request.content else None
+        json_body = request.headers.get("content-type", "").startswith("application/json")
+        body = json.loads(request.content) if request.content and json_body else None
         ok = lambda data, status=200: httpx.Response(status, json=data)  # noqa: E731
         if (m, path) == ("GET", "/v1/health"):
             return ok({"ok": True, "store": "file:///var/lib/branchbox/store"})
         if (m, path) == ("POST", "/v1/volumes"):
-            return ok(self._volume())
+            return ok(self._volume(access=body["access"]))
         mv = re.match(r"^/v1/volumes/(vol-[0-9a-f]+)(/.*)?$", path)
         if mv and mv.group(1) in self.volumes:
             vol, rest = self.volumes[mv.group(1)], mv.group(2) or ""
@@ -255,8 +265,12 @@ class VolumeDaemon:
                     return ok({"error": {"code": "conflict", "message": "mounted"}}, 409)
                 del self.volumes[vol["id"]]
                 return ok({"removed": True})
+            if (m, rest) == ("PUT", "/files"):
+                vol.setdefault("files", []).append(request.url.params["path"])
+                return ok(dict(ENTRY, path=request.url.params["path"]))
             if (m, rest) == ("POST", "/snapshots"):
                 vol["snapshots"] += 1
+                self.snapshots.append((vol["id"], len(vol["mounts"]), len(vol.get("files", []))))
                 return ok({"id": self._id("vs"), "volume": vol["id"], "created_at": 1.0, "layers": 1, "label": body.get("label")})
             if (m, rest) == ("POST", "/fork"):
                 assert body == {}
@@ -308,9 +322,17 @@ def test_whole_run_on_a_fake_daemon(volume_daemon: VolumeDaemon) -> None:
     assert s["s3_write_ratio"] is None and s["sync_mb_s"] is None and s["local_store"].startswith("file://")
     assert all(len(t[p]["ops_s_rounds"]) == 2 for t in s["files"]["local_store"]["1000x4KiB"].values() for p in bv.PHASES)
     assert [len(s["samples_ms"][k]) for k in bv.METRICS[:4]] == [3, 3, 3, 3] and s["fork_size_ratio"] > 0
-    # One sandbox per part, each mounting its new volume at /workspace.
-    assert d.mount_bodies == [[{"volume": v, "path": "/workspace", "read_only": False, "branch": True}]
-                              for v in (d.created_volumes[0], d.created_volumes[1], d.created_volumes[5])]
+    # One sandbox per part, each mounting its new volume at /workspace; then one and four
+    # sandboxes mounting the two rwx volumes of the shared-snapshot part.
+    mount = lambda v: [{"volume": v, "path": "/workspace", "read_only": False, "branch": True}]  # noqa: E731
+    shared1, shared4 = d.created_volumes[9], d.created_volumes[10]
+    assert d.mount_bodies == [mount(d.created_volumes[i]) for i in (0, 1, 5)] + [mount(shared1)] + [mount(shared4)] * 4
+    assert [d.volumes_made[v]["access"] for v in (shared1, shared4)] == ["rwx", "rwx"]
+    # Each snapshot of theirs after one more file, with every sandbox mounting; the order flips.
+    assert [x for x in d.snapshots if x[0] in (shared1, shared4)] == [
+        (shared1, 1, 1), (shared4, 4, 1), (shared4, 4, 2), (shared1, 1, 2), (shared1, 1, 3), (shared4, 4, 3)]
+    assert [len(s["samples_ms"][k]) for k in ("shared_snapshot_1", "shared_snapshot_4")] == [3, 3]
+    assert s["shared_snapshot_ratio"] > 0
     assert [f[:2] for f in d.fills] == [["/workspace/fill", "1000"], ["/workspace/fill", "100000"]]
     assert d.volumes == {} and d.sandboxes == {}, "every volume (forks too) and sandbox removed"
     assert any("--no-s3" in n for n in s["notes"])

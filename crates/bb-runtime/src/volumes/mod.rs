@@ -375,6 +375,21 @@ impl Runtime {
         })
     }
 
+    /// Bytes of layer `l` of a volume's chain: [`frozen_layer_size`](Self::frozen_layer_size),
+    /// recorded when measured here (a layer in a chain is frozen: it never changes), so only the
+    /// first status after a freeze walks it, not each one until the background measurement lands.
+    fn chain_layer_size(&self, l: &str) -> Result<u64> {
+        if let Some(b) = self.snapshots.records().layer_size(l)? {
+            return Ok(b);
+        }
+        // (The records are not held during the walk.)
+        let b = du(&self.layer_path(l));
+        if let Err(e) = self.snapshots.records().set_layer_size(l, b) {
+            tracing::debug!(layer = %l, "recording a frozen layer's size: {e}");
+        }
+        Ok(b)
+    }
+
     /// Ids of volume `id`'s own snapshots, sorted: what its committed head should carry.
     fn own_snapshot_ids(&self, id: &str) -> Result<Vec<String>> {
         let mut ids: Vec<String> = self.volumes.records().own_snapshots(id)?.into_iter().map(|s| s.id).collect();
@@ -397,7 +412,7 @@ impl Runtime {
         let mut backlog = upper_bytes;
         let synced: HashSet<&String> = row.synced.iter().flat_map(|s| s.chain.iter()).collect();
         for l in &row.chain {
-            let b = self.frozen_layer_size(l)?;
+            let b = self.chain_layer_size(l)?;
             size += b;
             if !synced.contains(l) {
                 backlog += b;
