@@ -536,6 +536,37 @@ def test_rwx_volume_is_shared_read_write_and_freezes_in_every_holder(make_volume
     assert v.files.read("/log") == frozen and not v.files.exists("/after.txt")
 
 
+def test_rwx_freezes_racing_new_mounts_leave_every_sandbox_on_the_live_instance(make_volume, make_sandbox):
+    """Sandboxes mount an rwx volume while another thread freezes it over and over (a write
+    through the file API, then a snapshot): every sandbox ends on the volume's live instance,
+    none on a replaced one, so what each writes afterwards is in the volume."""
+    v = make_volume(access="rwx")
+    first = make_sandbox(volumes={"/w": v})
+    stop = threading.Event()
+    frozen = []
+
+    def freeze_on():
+        with Volume.connect(v.id, daemon=URL) as same:
+            while not stop.is_set():
+                same.files.write("/freeze-%d" % len(frozen), "x")
+                frozen.append(same.snapshot().id)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        freezer = pool.submit(freeze_on)
+        try:
+            wait_until(lambda: len(frozen) >= 2, what="the first freezes")
+            sandboxes = [first] + [make_sandbox(volumes={"/w": v}) for _ in range(6)]
+            wait_until(lambda: len(frozen) >= 10, what="more freezes")
+        finally:
+            stop.set()
+        freezer.result()
+    for i, sbx in enumerate(sandboxes):
+        sh_in(sbx, "echo %d > /w/from-%d" % (i, i))
+    assert [v.files.read("/from-%d" % i) for i in range(len(sandboxes))] == ["%d\n" % i for i in range(len(sandboxes))]
+    for sbx in sandboxes:
+        assert sh_in(sbx, "ls /w | grep -c from-") == "%d\n" % len(sandboxes), sbx.id
+
+
 def test_bad_mounts_are_refused_and_leave_nothing(raw, make_volume, make_sandbox):
     v = make_volume("bm-" + uuid.uuid4().hex[:8])
     w = make_volume()

@@ -607,28 +607,45 @@ impl Runtime {
     /// sandboxes that mount it are held still.
     async fn freeze_volume(self: &Arc<Self>, id: &str) -> Result<VolumeRow> {
         let row = self.volume_row(id)?;
-        let mut holders: Vec<(Arc<Sandbox>, VolumeMount)> =
-            self.volume_holders(&row.id).into_iter().filter(|(sb, _)| !sb.is_dead()).collect();
-        // Each holder's mounts lock, in one order (a shared volume has several holders).
-        holders.sort_by(|a, b| a.0.id.cmp(&b.0.id));
-        let sandboxes: Vec<Arc<Sandbox>> = holders.iter().map(|(sb, _)| sb.clone()).collect();
-        let mut _mounts = Vec::with_capacity(sandboxes.len());
-        for sb in &sandboxes {
-            _mounts.push(sb.mounts.lock().await);
-        }
         let gate = self.volumes.gate(&row.id);
-        let _gate = gate.write().await;
-        let rt = self.clone();
-        let (before, after) = tokio::task::spawn_blocking(move || {
-            let row = rt.volume_row(&row.id)?;
-            Ok::<_, RuntimeError>((row.upper.clone(), rt.freeze_blocking(row, holders)?))
-        })
-        .await
-        .map_err(RuntimeError::Worker)??;
-        if after.upper != before {
-            self.measure_layers_later(vec![before]);
+        loop {
+            let holders = self.live_holders(&row.id);
+            // Each holder's mounts lock, in one order (a shared volume has several holders),
+            // then the volume's gate.
+            let mut mounts = Vec::with_capacity(holders.len());
+            for (sb, _) in &holders {
+                mounts.push(sb.mounts.lock().await);
+            }
+            let _gate = gate.write().await;
+            // A sandbox attaches a volume holding its gate: one that attached it since the
+            // holders were listed would keep the old instance. List them again then.
+            let same = |now: &[(Arc<Sandbox>, VolumeMount)]| {
+                now.len() == holders.len() && now.iter().zip(&holders).all(|(a, b)| a.0.id == b.0.id)
+            };
+            if !same(&self.live_holders(&row.id)) {
+                continue;
+            }
+            let (rt, id, holders) = (self.clone(), row.id.clone(), holders.clone());
+            let (before, after) = tokio::task::spawn_blocking(move || {
+                let row = rt.volume_row(&id)?;
+                Ok::<_, RuntimeError>((row.upper.clone(), rt.freeze_blocking(row, holders)?))
+            })
+            .await
+            .map_err(RuntimeError::Worker)??;
+            drop(mounts);
+            if after.upper != before {
+                self.measure_layers_later(vec![before]);
+            }
+            return Ok(after);
         }
-        Ok(after)
+    }
+
+    /// The live sandboxes that mount volume `id`, by sandbox id.
+    fn live_holders(&self, id: &str) -> Vec<(Arc<Sandbox>, VolumeMount)> {
+        let mut holders: Vec<(Arc<Sandbox>, VolumeMount)> =
+            self.volume_holders(id).into_iter().filter(|(sb, _)| !sb.is_dead()).collect();
+        holders.sort_by(|a, b| a.0.id.cmp(&b.0.id));
+        holders
     }
 
     /// Record the sizes of frozen layers in the background (a walk of every file: not on the
@@ -655,6 +672,7 @@ impl Runtime {
     /// in a freeze of its own, with every sandbox that mounts it frozen.
     fn freeze_blocking(&self, row: VolumeRow, holders: Vec<(Arc<Sandbox>, VolumeMount)>) -> Result<VolumeRow> {
         let t0 = std::time::Instant::now();
+        // (A sandbox killed since it was listed is left out.)
         let holders: Vec<(Arc<Sandbox>, VolumeMount)> = holders.into_iter().filter(|(sb, _)| !sb.is_dead()).collect();
         let Some((_, first)) = holders.first() else {
             if dir_is_empty(&self.layer_path(&row.upper)) {
@@ -982,9 +1000,12 @@ impl Runtime {
         Ok(claims)
     }
 
-    /// Mount claimed volumes in the new sandbox `sb` (blocking).
+    /// Mount claimed volumes in the new sandbox `sb` (blocking: on a blocking thread). Each
+    /// with its gate held, so a freeze of a shared volume sees every sandbox that mounts it.
     pub(crate) fn attach_volumes(&self, sb: &Sandbox, claims: Claims) -> Result<()> {
         for (row, m) in &claims.mounts {
+            let gate = self.volumes.gate(&row.id);
+            let _gate = gate.blocking_read();
             let row = self.volume_row(&row.id)?;
             let root = self.ensure_volume_mounted(&row)?;
             let path = SbPath::parse(&m.path)?;
