@@ -98,6 +98,9 @@ SCRIPT_TIMEOUT = 3600.0
 #: Seconds a killed sandbox's volume may take to show no mount.
 UNMOUNT_WAIT = 60.0
 
+#: Sandboxes that mount the shared (``rwx``) volume of the shared-snapshot part (against one).
+SHARED_HOLDERS = 4
+
 SUMMARY_KEYS = (
     "write_ratio",
     "read_ratio",
@@ -117,7 +120,7 @@ SUMMARY_KEYS = (
     "fork_ms_p50_100k",
     "fork_size_ratio",
     "shared_snapshot_ms_p50_1",
-    "shared_snapshot_ms_p50_4",
+    "shared_snapshot_ms_p50_%d" % SHARED_HOLDERS,
     "shared_snapshot_ratio",
     "sync_mb_s",
     "raw_mb_s",
@@ -127,8 +130,6 @@ SUMMARY_KEYS = (
     "samples",
     "sync_mb",
 )
-#: Sandboxes that mount the shared (``rwx``) volume of the shared-snapshot part (against one).
-SHARED_HOLDERS = 4
 METRICS = (
     "snapshot_1k",
     "fork_1k",

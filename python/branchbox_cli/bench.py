@@ -266,6 +266,7 @@ def bench_store(
 
 def volume_report_lines(s: Dict[str, Any]) -> List[str]:
     """Human-readable summary lines of a ``bench volume`` JSON summary."""
+    from branchbox_bench.volume import SHARED_HOLDERS
     ratio = lambda k: fmt_num(s.get(k), "", "%.2f")  # noqa: E731
     lines = []
     for backend, sets in (s.get("files") or {}).items():
@@ -300,10 +301,11 @@ def volume_report_lines(s: Dict[str, Any]) -> List[str]:
             fmt_num(s.get("fork_ms_p50_100k"), " ms", "%.1f"),
             ratio("fork_size_ratio"),
         ),
-        "snapshot p50 of an rwx volume mounted by 1 sandbox %s, by 4 %s: ratio %s"
+        "snapshot p50 of an rwx volume mounted by 1 sandbox %s, by %d %s: ratio %s"
         % (
             fmt_num(s.get("shared_snapshot_ms_p50_1"), " ms", "%.1f"),
-            fmt_num(s.get("shared_snapshot_ms_p50_4"), " ms", "%.1f"),
+            SHARED_HOLDERS,
+            fmt_num(s.get("shared_snapshot_ms_p50_%d" % SHARED_HOLDERS), " ms", "%.1f"),
             ratio("shared_snapshot_ratio"),
         ),
         "sync %s vs raw multipart upload %s (ratio %s), %s MiB of new files"

@@ -18,6 +18,16 @@ pub(crate) fn sandbox_proc(sb: &Sandbox) -> PathBuf {
     PathBuf::from(format!("/proc/{}/root/proc", sb.init_pid))
 }
 
+/// [`own_pids`], or, when the sandbox has no procfs of its own (sandbox code cannot unmount or
+/// cover its /proc: seccomp denies mounts), its procfs as reached from the host and no pids
+/// (logged).
+pub(crate) fn own_pids_or_none(sb: &Sandbox, skip: &HashSet<i32>) -> (PathBuf, Vec<i32>) {
+    own_pids(sb, skip).unwrap_or_else(|e| {
+        tracing::warn!(sandbox = %sb.id, "no procfs of its own to look for files open for writing: {e}");
+        (sandbox_proc(sb), Vec::new())
+    })
+}
+
 /// The processes of `sb`'s own pid namespace but init and `skip` (pids in the sandbox), from
 /// the sandbox's own procfs (returned too): `skip`ped ones (templates: dozens) cost nothing,
 /// where the cgroup's host pids each needed a `status` read to learn their pid inside.

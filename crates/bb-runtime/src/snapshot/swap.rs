@@ -16,7 +16,7 @@ use crate::error::{Result, RuntimeError};
 use crate::layers::du;
 use crate::layers::Generation;
 use crate::sandbox::launch::{layer_dir, new_upper};
-use crate::sandbox::procs::{kill_in_sandbox_procfs, ns_pid, own_pids, sandbox_proc};
+use crate::sandbox::procs::{kill_in_sandbox_procfs, ns_pid, own_pids_or_none};
 use crate::sandbox::rootswap;
 use crate::sandbox::Sandbox;
 use crate::Runtime;
@@ -304,11 +304,7 @@ impl Runtime {
             let dev = std::fs::metadata(&rootfs).map_err(RuntimeError::io("stat sandbox root"))?.dev();
             // Through the sandbox's own procfs: its pids are what the spare sets hold, and
             // templates (frozen copies, they never write) need no look.
-            let (proc, nspids) = own_pids(sb, scan.templates).unwrap_or_else(|e| {
-                // Sandbox code cannot unmount or cover its /proc (seccomp denies mounts).
-                tracing::warn!(sandbox = %sb.id, "no procfs of its own to look for files open for writing: {e}");
-                (sandbox_proc(sb), Vec::new())
-            });
+            let (proc, nspids) = own_pids_or_none(sb, scan.templates);
             let files = rootswap::written_files(&proc, &nspids, dev);
             let others: Vec<i32> = nspids.iter().copied().filter(|p| !scan.sessions.contains(p)).collect();
             request_rebase(sb, rootswap::stale_cwds(&proc, &others, dev), stale)?;

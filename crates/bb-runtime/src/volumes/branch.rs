@@ -208,8 +208,7 @@ impl Runtime {
         if prepared.iter().all(|p| p.swap.is_none()) {
             return Ok(());
         }
-        let scan = crate::sandbox::procs::own_pids(sb, templates)
-            .unwrap_or_else(|_| (crate::sandbox::procs::sandbox_proc(sb), Vec::new()));
+        let scan = crate::sandbox::procs::own_pids_or_none(sb, templates);
         for p in prepared.iter_mut() {
             let Some(s) = p.swap.as_mut() else { continue };
             let (old_upper, new_upper) = (self.layer_path(&p.old_upper), self.layer_path(&p.next.upper));
@@ -315,8 +314,7 @@ impl Runtime {
         let mut files = Vec::new();
         for (sb, m) in holders {
             let templates = self.session_templates.pids_of(&sb.id);
-            let scan = crate::sandbox::procs::own_pids(sb, &templates)
-                .unwrap_or_else(|_| (crate::sandbox::procs::sandbox_proc(sb), Vec::new()));
+            let scan = crate::sandbox::procs::own_pids_or_none(sb, &templates);
             let swap = MountSwap { path: &m.path, dev: s.dev, old_upper: &old_upper, new_upper: &new_upper, pin: true };
             files.extend(self.written_in_volume(sb, vid, &swap, &scan, stale)?);
         }
