@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from branchbox import ConflictError, NotFoundError, Sandbox, Snapshots
+from branchbox import ConflictError, NotFoundError, Sandbox, Snapshots, Volume
 from branchbox.sandbox_sync import health
 from helpers import SOCKET, STATE, URL, wait_until
 
@@ -213,6 +213,67 @@ def test_files_only_pause_at_the_timeout_survives_a_daemon_crash(daemon, make_sa
     again = Sandbox.connect(sbx.id, daemon=URL)  # resumes: a cold boot
     assert again.files.read("/root/note.txt") == "kept" and boot_id(again) != boot
     assert again.run_code("1 + 1").result == "2"
+
+
+def test_pause_at_the_timeout_refused_past_the_grace_keeps_the_files(restarted, make_sandbox):
+    """A full pause at the timeout that stays refused (a foreground command that outlives it)
+    does not let the sandbox run on forever: after --timeout-pause-grace it is paused with its
+    files only (the command ends), and its resume is a cold boot with the files."""
+    restarted(["--timeout-pause-grace", "2"])
+    sbx = make_sandbox(timeout=0, lifecycle={"on_timeout": "pause"})
+    sbx.files.write("/root/note.txt", "kept")
+    boot = boot_id(sbx)
+    results = {}
+
+    def run():
+        try:
+            results["r"] = sbx.commands.run("sleep 600", timeout=900)
+        except Exception as e:  # the command's end may break its request: either is fine
+            results["e"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    wait_until(lambda: "sleep 600" in sbx.commands.run("ps -eo args").stdout, what="the foreground command")
+    t0 = time.monotonic()
+    sbx.set_timeout(1)
+    # Refused at the timeout (the command runs), tried again 2 s later and then paused so.
+    wait_until(lambda: sbx.info().state == "paused", timeout=30, what="the files-only pause after the grace")
+    assert time.monotonic() - t0 >= 2.5, "paused before the grace ran out"
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert "e" in results or results["r"].exit_code != 0, results
+    r = sbx.resume(timeout=0)
+    assert r.rebooted, r.raw
+    assert sbx.files.read("/root/note.txt") == "kept" and boot_id(sbx) != boot
+    assert "sleep 600" not in sbx.commands.run("ps -eo args").stdout
+
+
+def test_resume_names_an_open_file_that_is_gone(make_sandbox):
+    """A file a paused process held open, deleted meanwhile by another sandbox mounting the same
+    rwx volume: the resume is refused naming the file and what to do; with the file back it
+    resumes, the process with it."""
+    vol = Volume.create(access="rwx", daemon=URL)
+    mounts = [{"volume": vol.id, "path": "/data"}]
+    a, b = make_sandbox(volumes=mounts), make_sandbox(volumes=mounts)
+    try:
+        hold = "import time; f = open('/data/log', 'a'); f.write('a\\n'); f.flush(); time.sleep(10000)"
+        pid = a.commands.run("python3 -c \"%s\"" % hold, background=True).pid
+        wait_until(lambda: b.files.exists("/data/log"), what="the log file")
+        a.pause()
+        b.commands.run("rm /data/log")
+        with pytest.raises(ConflictError) as ei:
+            a.resume()
+        msg = str(ei.value)
+        assert "had file /data/log open" in msg and "is gone" in msg and "reboot" in msg, msg
+        assert a.info().state == "paused"
+        b.files.write("/data/log", "put back\n")
+        r = a.resume(timeout=0)
+        assert not r.rebooted and {p.pid: p for p in a.commands.list()}[pid].running
+    finally:
+        a.kill()
+        b.kill()
+        wait_until(lambda: not vol.info().mounts, what="the volume's mounts to go")
+        vol.delete()
 
 
 def test_paused_sandbox_survives_a_daemon_crash(daemon, make_sandbox):

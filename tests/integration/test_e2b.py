@@ -471,6 +471,14 @@ def test_set_timeout_zero_pauses_with_lifecycle_pause(make):
     s = make(lifecycle={"on_timeout": "pause"})
     assert s.get_info().lifecycle["on_timeout"] == "pause"
     s.files.write("/tmp/kept", "yes")
+    # A command started here cannot be kept by a full pause: "now" is refused as the pause is,
+    # saying why (test_pause_refused_while_a_command_runs), and the sandbox runs on.
+    h = s.commands.run("sleep 1000", background=True)
+    with pytest.raises(SandboxException, match=r"pid %d \(sleep 1000\)" % h.pid):
+        s.set_timeout(0)
+    assert s.get_info().state == SandboxState.RUNNING
+    assert h.kill() is True
+    wait_until(lambda: h.pid not in {p.pid for p in s.commands.list()}, what="the killed command to leave the list")
     s.set_timeout(0)
     assert s.get_info().state == SandboxState.PAUSED
     assert not s.is_running()
@@ -564,7 +572,10 @@ def test_pause_refused_while_a_command_runs(make):
     h = s.commands.run("sleep 1000", background=True)
     with pytest.raises(SandboxException) as ei:
         s.pause()
-    assert "400" in str(ei.value) and "command" in str(ei.value), str(ei.value)
+    # It names the command and the ways out.
+    msg = str(ei.value)
+    assert "400" in msg and "pid %d (sleep 1000)" % h.pid in msg, msg
+    assert 'mode="filesystem"' in msg and "commands.kill" in msg and "nohup" in msg, msg
     assert s.get_info().state == SandboxState.RUNNING
     assert s.commands.run("echo still").stdout == "still\n"
     assert h.kill() is True

@@ -501,6 +501,9 @@ pub async fn set_timeout(State(e): St, Path(id): Path<String>, bytes: axum::body
     if t == 0 {
         // Now: the sandbox ends as its lifecycle says (paused, or killed).
         if info.lifecycle.on_timeout == OnTimeout::Pause {
+            if info.lifecycle.pause_mode == PauseMode::Full {
+                refuse_full_pause_while_attached(&e, &id)?;
+            }
             e.rt.pause(&cid, info.lifecycle.pause_mode).await?;
         } else {
             e.rt.kill(&cid).await?;
@@ -568,12 +571,49 @@ pub async fn pause(State(e): St, Path(id): Path<String>, bytes: axum::body::Byte
         return Err(E2bError::Status(StatusCode::CONFLICT, format!("sandbox \"{id}\" is already paused")));
     }
     let mode = if req.memory == Some(false) { PauseMode::Filesystem } else { PauseMode::Full };
+    if mode == PauseMode::Full {
+        refuse_full_pause_while_attached(&e, &id)?;
+    }
     // The SDK takes any 409 for "already paused": other reasons a pause is refused say so as 400.
     match e.rt.pause(&canonical_id(&id), mode).await {
         Ok(_) => Ok(StatusCode::NO_CONTENT),
         Err(err @ bb_runtime::RuntimeError::Conflict(_)) => Err(E2bError::bad_request(err.to_string())),
         Err(err) => Err(err.into()),
     }
+}
+
+/// A full pause cannot keep the commands started through the envd endpoint (attached to the
+/// daemon: their output streams to it): refused with a 400 naming those still running.
+fn refuse_full_pause_while_attached(e: &E2b, id: &str) -> E2bResult<()> {
+    let running = e.procs.of(&canonical_id(id));
+    if running.is_empty() {
+        return Ok(());
+    }
+    let words = |v: &Value| -> Vec<String> {
+        v.as_array().map(|a| a.iter().filter_map(|w| w.as_str().map(str::to_string)).collect()).unwrap_or_default()
+    };
+    let named: Vec<String> = running
+        .iter()
+        .map(|p| {
+            let mut argv: Vec<String> = p.config["cmd"].as_str().map(str::to_string).into_iter().collect();
+            argv.extend(words(&p.config["args"]));
+            // The SDK runs each command as `/bin/bash -l -c CMD`: CMD says what it is.
+            let cmd = match argv.iter().position(|w| w == "-c") {
+                Some(i) if i + 1 < argv.len() => argv[i + 1..].join(" "),
+                _ => argv.join(" "),
+            };
+            let cmd: String =
+                if cmd.chars().count() > 60 { cmd.chars().take(57).chain("...".chars()).collect() } else { cmd };
+            format!("pid {} ({cmd})", p.pid)
+        })
+        .collect();
+    Err(E2bError::bad_request(format!(
+        "sandbox \"{id}\" cannot be paused with its memory while commands started through this endpoint run ({}): \
+         they are attached to the daemon (it reads their output), which a paused sandbox cannot keep; kill them \
+         (commands.kill) or wait for them, or pause with mode=\"filesystem\" (keep_memory=False: files only, they \
+         end). A process a command leaves detached (`nohup CMD > log 2>&1 &`) is kept by a pause",
+        named.join(", ")
+    )))
 }
 
 /// `POST /sandboxes/{id}/resume` (deprecated in E2B's API, still answered).

@@ -81,6 +81,10 @@ pub struct RuntimeConfig {
     pub proxy_credentials: Option<PathBuf>,
     /// CA certificates (PEM) the proxy trusts upstream, beside the system's.
     pub proxy_ca: Option<PathBuf>,
+    /// How long a sandbox whose lifecycle pauses it at its timeout may go on running while its
+    /// full pause is refused (a command or session request that does not end) before it is
+    /// paused with its files only ([`crate::Runtime::pause_expired`]).
+    pub timeout_pause_grace: std::time::Duration,
 }
 
 impl RuntimeConfig {
@@ -122,6 +126,7 @@ impl RuntimeConfig {
             proxy_port: crate::net::proxy::DEFAULT_PORT,
             proxy_credentials: None,
             proxy_ca: None,
+            timeout_pause_grace: std::time::Duration::from_secs(300),
         }
     }
 

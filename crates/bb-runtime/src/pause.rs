@@ -524,9 +524,18 @@ impl Runtime {
                     crate::sandbox::procs::kill_members(&sbc, |p| p == sbc.init_pid)
                 })
                 .await;
+                if let Some(path) = missing_file(&why) {
+                    return Err(RuntimeError::Conflict(format!(
+                        "sandbox {} cannot be resumed: process {} had file {path} open when it was paused, and that file \
+                         is gone (deleted or renamed since, e.g. by another sandbox mounting the same volume); it stays \
+                         paused with its files and images: put the file back and resume again, resume with reboot (files \
+                         only, a cold boot), or kill it ({why})",
+                        sb.id, tree.root
+                    )));
+                }
                 return Err(RuntimeError::Conflict(format!(
                     "sandbox {} cannot be resumed: process {}: {why}; it stays paused with its files and images: fix the \
-                     cause and resume again, or kill it",
+                     cause and resume again, resume with reboot (files only, a cold boot), or kill it",
                     sb.id, tree.root
                 )));
             }
@@ -594,20 +603,71 @@ impl Runtime {
         }
     }
 
-    /// Pause sandboxes whose timeout passed and whose lifecycle says so.
+    /// Pause sandboxes whose timeout passed and whose lifecycle says so. A full pause refused
+    /// (409: a command in the foreground, a busy session) is tried again every minute, for
+    /// `timeout_pause_grace` at most; one that cannot be made at all (no CRIU, a dump that
+    /// failed) or is still refused after that becomes a files-only pause, which ends the
+    /// processes: the timeout holds, the files are kept, the resume is a cold boot.
     pub(crate) async fn pause_expired(self: &Arc<Self>, ids: Vec<String>) {
+        let grace = self.cfg.timeout_pause_grace.as_secs_f64();
         for id in ids {
-            let mode = self.get(&id).map(|sb| sb.spec.lifecycle.pause_mode).unwrap_or_default();
-            match self.pause(&id, mode).await {
-                Ok(r) => tracing::info!(%id, took_ms = r.took_ms, "sandbox reached its timeout and was paused"),
-                Err(e) => {
-                    // Tried again in a minute (a command in the foreground, a busy session).
-                    tracing::warn!(%id, "pausing a sandbox at its timeout failed (trying again in 60 s): {e}");
-                    if let Ok(sb) = self.get(&id) {
-                        *sb.expires_at.lock() = Some(now() + 60.0);
+            let Ok(sb) = self.get(&id) else { continue };
+            let mode = sb.spec.lifecycle.pause_mode;
+            let err = match self.pause(&id, mode).await {
+                Ok(r) => {
+                    *sb.timeout_pause_refused_at.lock() = None;
+                    tracing::info!(%id, took_ms = r.took_ms, "sandbox reached its timeout and was paused");
+                    continue;
+                }
+                Err(e) => e,
+            };
+            let first = *sb.timeout_pause_refused_at.lock().get_or_insert_with(now);
+            let refused = matches!(err, RuntimeError::Conflict(_));
+            if mode == PauseMode::Full && (!refused || now() - first >= grace) {
+                match self.pause(&id, PauseMode::Filesystem).await {
+                    Ok(r) => {
+                        *sb.timeout_pause_refused_at.lock() = None;
+                        tracing::warn!(%id, took_ms = r.took_ms,
+                            "sandbox reached its timeout and was paused with its files only (its processes ended): its full pause failed: {err}");
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(%id, "pausing a sandbox at its timeout failed: {err}; with its files only: {e}")
                     }
                 }
             }
+            let retry = grace.clamp(1.0, 60.0);
+            tracing::warn!(%id, "pausing a sandbox at its timeout failed (trying again in {retry} s): {err}");
+            *sb.expires_at.lock() = Some(now() + retry);
         }
+    }
+}
+
+/// The file a failed restore did not find, as the sandbox names it: CRIU logs "Can't open file
+/// PATH: No such file or directory" with PATH relative to the sandbox's root.
+fn missing_file(why: &str) -> Option<String> {
+    const OPEN: &str = "Can't open file ";
+    let rest = &why[why.find(OPEN)? + OPEN.len()..];
+    let path = &rest[..rest.find(": No such file or directory")?];
+    // (Some CRIU versions say "Can't open file PATH on restore: ...".)
+    let path = path.strip_suffix(" on restore").unwrap_or(path);
+    (!path.is_empty() && !path.contains(" | ")).then(|| format!("/{}", path.trim_start_matches('/')))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::missing_file;
+
+    #[test]
+    fn a_restore_that_misses_a_file_names_it() {
+        let why = "restoring it from image pi-1 failed (criu restore failed (exit 1): (00.005975)      5: Error \
+                   (criu/files-reg.c:2267): Can't open file data/log: No such file or directory | (00.005977)      5: \
+                   Error (criu/files.c:1221): Unable to open fd=3 id=0xf)";
+        assert_eq!(missing_file(why).as_deref(), Some("/data/log"));
+        let why = "criu restore failed (exit 1): (00.004387)      3: Error (criu/files-reg.c:2353): Can't open file \
+                   data/log on restore: No such file or directory | (00.004389)      3: Error";
+        assert_eq!(missing_file(why).as_deref(), Some("/data/log"));
+        assert_eq!(missing_file("criu restore failed: Can't open file x: Permission denied"), None);
+        assert_eq!(missing_file("it has no process image"), None);
     }
 }

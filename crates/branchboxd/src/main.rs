@@ -155,6 +155,12 @@ struct Args {
     /// PEM file of CA certificates the proxy trusts upstream (beside the system's).
     #[arg(long)]
     proxy_ca: Option<PathBuf>,
+    /// Seconds a sandbox whose lifecycle pauses it at its timeout may go on running while its
+    /// full pause is refused (a command that does not end, e.g. a server started through the E2B
+    /// endpoint, or a session request); then it is paused with its files only (its processes
+    /// end). Refused pauses are tried again every minute (or every GRACE seconds, if shorter).
+    #[arg(long, default_value_t = 300)]
+    timeout_pause_grace: u64,
     /// Serve an E2B-compatible endpoint on this TCP address (e.g. 127.0.0.1:49999): E2B's SDKs
     /// reach it with E2B_API_URL and E2B_SANDBOX_URL set to `http://ADDR` and E2B_API_KEY to the
     /// daemon's token (--token, required). Off by default.
@@ -250,6 +256,7 @@ async fn run(args: Args, store_credentials: Option<(String, String)>) -> anyhow:
     cfg.proxy_port = args.proxy_port;
     cfg.proxy_credentials = args.proxy_credentials;
     cfg.proxy_ca = args.proxy_ca;
+    cfg.timeout_pause_grace = Duration::from_secs(args.timeout_pause_grace);
     cfg.setns_key_file = args.setns_key_file;
     cfg.node_name = args.node_name;
     cfg.store_gc_grace = Duration::from_secs(args.store_gc_grace);

@@ -63,6 +63,8 @@ pub struct Sandbox {
     pub(crate) volumes: Mutex<Vec<crate::model::VolumeMount>>,
     /// Its network policy now, and its wiring to the bridge in a mode with egress.
     pub(crate) net: Mutex<crate::net::NetState>,
+    /// When a pause at its timeout was first refused (see [`crate::Runtime::pause_expired`]).
+    pub(crate) timeout_pause_refused_at: Mutex<Option<f64>>,
 }
 
 /// Where a paused sandbox is (see [`crate::pause`]).
@@ -156,6 +158,7 @@ impl Sandbox {
             memory_tight: AtomicBool::new(false),
             volumes: Default::default(),
             net: Default::default(),
+            timeout_pause_refused_at: Mutex::new(None),
         }
     }
 
