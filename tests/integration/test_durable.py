@@ -488,9 +488,17 @@ def test_a_broken_image_fails_the_resume_clearly_and_keeps_the_sandbox_paused(ma
 
 
 def test_without_criu_the_daemon_runs_degraded_and_says_why(restarted, make_sandbox, raw):
+    # Made while CRIU was there, to be paused at its timeout (fully) by a daemon without it.
+    pausing = make_sandbox(timeout=0, lifecycle={"on_timeout": "pause"})
+    pausing.files.write("/root/kept.txt", "kept")
     restarted(["--criu", "/nonexistent/criu", "--max-templates", "1"])
     pi = health(daemon=URL)["process_images"]
     assert pi["criu"] is None and "install-criu.sh" in pi["unavailable"], pi
+    # Its pause at the timeout cannot be full: it is made with the files only, at once (not
+    # after the grace, 300 s here).
+    pausing.set_timeout(1)
+    wait_until(lambda: pausing.info().state == "paused", timeout=30, what="the files-only pause at the timeout")
+    assert pausing.resume().rebooted and pausing.files.read("/root/kept.txt") == "kept"
     sbx = make_sandbox(timeout=0)
     sbx.run_code("x = 1")
     first = sbx.checkpoint()

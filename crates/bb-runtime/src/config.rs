@@ -82,8 +82,8 @@ pub struct RuntimeConfig {
     /// CA certificates (PEM) the proxy trusts upstream, beside the system's.
     pub proxy_ca: Option<PathBuf>,
     /// How long a sandbox whose lifecycle pauses it at its timeout may go on running while its
-    /// full pause is refused (a command or session request that does not end) before it is
-    /// paused with its files only ([`crate::Runtime::pause_expired`]).
+    /// full pause is refused (a command or session request that does not end) or fails before it
+    /// is paused with its files only ([`crate::Runtime::pause_expired`]).
     pub timeout_pause_grace: std::time::Duration,
 }
 

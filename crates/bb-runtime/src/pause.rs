@@ -603,10 +603,10 @@ impl Runtime {
         }
     }
 
-    /// Pause sandboxes whose timeout passed and whose lifecycle says so. A full pause refused
-    /// (409: a command in the foreground, a busy session) is tried again every minute, for
-    /// `timeout_pause_grace` at most; one that cannot be made at all (no CRIU, a dump that
-    /// failed) or is still refused after that becomes a files-only pause, which ends the
+    /// Pause sandboxes whose timeout passed and whose lifecycle says so. A full pause that
+    /// fails (refused: a command in the foreground, a busy session; or a dump that failed) is
+    /// tried again every minute, for `timeout_pause_grace` at most; one that cannot be made at
+    /// all (no CRIU) or still fails after that becomes a files-only pause, which ends the
     /// processes: the timeout holds, the files are kept, the resume is a cold boot.
     pub(crate) async fn pause_expired(self: &Arc<Self>, ids: Vec<String>) {
         let grace = self.cfg.timeout_pause_grace.as_secs_f64();
@@ -622,8 +622,8 @@ impl Runtime {
                 Err(e) => e,
             };
             let first = *sb.timeout_pause_refused_at.lock().get_or_insert_with(now);
-            let refused = matches!(err, RuntimeError::Conflict(_));
-            if mode == PauseMode::Full && (!refused || now() - first >= grace) {
+            let impossible = matches!(err, RuntimeError::Unavailable(_));
+            if mode == PauseMode::Full && (impossible || now() - first >= grace) {
                 match self.pause(&id, PauseMode::Filesystem).await {
                     Ok(r) => {
                         *sb.timeout_pause_refused_at.lock() = None;

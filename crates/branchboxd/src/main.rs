@@ -157,8 +157,9 @@ struct Args {
     proxy_ca: Option<PathBuf>,
     /// Seconds a sandbox whose lifecycle pauses it at its timeout may go on running while its
     /// full pause is refused (a command that does not end, e.g. a server started through the E2B
-    /// endpoint, or a session request); then it is paused with its files only (its processes
-    /// end). Refused pauses are tried again every minute (or every GRACE seconds, if shorter).
+    /// endpoint, or a session request) or fails; then it is paused with its files only (its
+    /// processes end). Such pauses are tried again every minute (or every GRACE seconds, if
+    /// shorter).
     #[arg(long, default_value_t = 300)]
     timeout_pause_grace: u64,
     /// Serve an E2B-compatible endpoint on this TCP address (e.g. 127.0.0.1:49999): E2B's SDKs
