@@ -615,18 +615,18 @@ impl Runtime {
             let mode = sb.spec.lifecycle.pause_mode;
             let err = match self.pause(&id, mode).await {
                 Ok(r) => {
-                    *sb.timeout_pause_refused_at.lock() = None;
+                    *sb.timeout_pause_failing_since.lock() = None;
                     tracing::info!(%id, took_ms = r.took_ms, "sandbox reached its timeout and was paused");
                     continue;
                 }
                 Err(e) => e,
             };
-            let first = *sb.timeout_pause_refused_at.lock().get_or_insert_with(now);
+            let first = *sb.timeout_pause_failing_since.lock().get_or_insert_with(now);
             let impossible = matches!(err, RuntimeError::Unavailable(_));
             if mode == PauseMode::Full && (impossible || now() - first >= grace) {
                 match self.pause(&id, PauseMode::Filesystem).await {
                     Ok(r) => {
-                        *sb.timeout_pause_refused_at.lock() = None;
+                        *sb.timeout_pause_failing_since.lock() = None;
                         tracing::warn!(%id, took_ms = r.took_ms,
                             "sandbox reached its timeout and was paused with its files only (its processes ended): its full pause failed: {err}");
                         continue;

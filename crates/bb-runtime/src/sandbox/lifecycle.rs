@@ -425,7 +425,7 @@ impl Runtime {
         let exp = (timeout > 0.0).then(|| now() + timeout);
         self.sandboxes.records().set_expiry(id, exp)?;
         *sb.expires_at.lock() = exp;
-        *sb.timeout_pause_refused_at.lock() = None;
+        *sb.timeout_pause_failing_since.lock() = None;
         Ok(sb.info())
     }
 

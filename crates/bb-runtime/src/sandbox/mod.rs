@@ -63,8 +63,9 @@ pub struct Sandbox {
     pub(crate) volumes: Mutex<Vec<crate::model::VolumeMount>>,
     /// Its network policy now, and its wiring to the bridge in a mode with egress.
     pub(crate) net: Mutex<crate::net::NetState>,
-    /// When a pause at its timeout was first refused (see [`crate::Runtime::pause_expired`]).
-    pub(crate) timeout_pause_refused_at: Mutex<Option<f64>>,
+    /// When a pause at its timeout first failed (refused or not made; see
+    /// [`crate::Runtime::pause_expired`]).
+    pub(crate) timeout_pause_failing_since: Mutex<Option<f64>>,
 }
 
 /// Where a paused sandbox is (see [`crate::pause`]).
@@ -158,7 +159,7 @@ impl Sandbox {
             memory_tight: AtomicBool::new(false),
             volumes: Default::default(),
             net: Default::default(),
-            timeout_pause_refused_at: Mutex::new(None),
+            timeout_pause_failing_since: Mutex::new(None),
         }
     }
 
