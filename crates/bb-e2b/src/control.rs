@@ -501,9 +501,7 @@ pub async fn set_timeout(State(e): St, Path(id): Path<String>, bytes: axum::body
     if t == 0 {
         // Now: the sandbox ends as its lifecycle says (paused, or killed).
         if info.lifecycle.on_timeout == OnTimeout::Pause {
-            if info.lifecycle.pause_mode == PauseMode::Full {
-                refuse_full_pause_while_attached(&e, &id)?;
-            }
+            refuse_full_pause_while_attached(&e, &id, info.lifecycle.pause_mode)?;
             e.rt.pause(&cid, info.lifecycle.pause_mode).await?;
         } else {
             e.rt.kill(&cid).await?;
@@ -571,9 +569,7 @@ pub async fn pause(State(e): St, Path(id): Path<String>, bytes: axum::body::Byte
         return Err(E2bError::Status(StatusCode::CONFLICT, format!("sandbox \"{id}\" is already paused")));
     }
     let mode = if req.memory == Some(false) { PauseMode::Filesystem } else { PauseMode::Full };
-    if mode == PauseMode::Full {
-        refuse_full_pause_while_attached(&e, &id)?;
-    }
+    refuse_full_pause_while_attached(&e, &id, mode)?;
     // The SDK takes any 409 for "already paused": other reasons a pause is refused say so as 400.
     match e.rt.pause(&canonical_id(&id), mode).await {
         Ok(_) => Ok(StatusCode::NO_CONTENT),
@@ -583,8 +579,12 @@ pub async fn pause(State(e): St, Path(id): Path<String>, bytes: axum::body::Byte
 }
 
 /// A full pause cannot keep the commands started through the envd endpoint (attached to the
-/// daemon: their output streams to it): refused with a 400 naming those still running.
-fn refuse_full_pause_while_attached(e: &E2b, id: &str) -> E2bResult<()> {
+/// daemon: their output streams to it): a pause in `mode` full is refused with a 400 naming
+/// those still running.
+fn refuse_full_pause_while_attached(e: &E2b, id: &str, mode: PauseMode) -> E2bResult<()> {
+    if mode != PauseMode::Full {
+        return Ok(());
+    }
     let running = e.procs.of(&canonical_id(id));
     if running.is_empty() {
         return Ok(());
