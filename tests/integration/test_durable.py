@@ -18,7 +18,7 @@ import pytest
 
 from branchbox import ConflictError, NotFoundError, Sandbox, Snapshots, Volume
 from branchbox.sandbox_sync import health
-from helpers import SOCKET, STATE, URL, wait_until
+from helpers import SOCKET, STATE, URL, e2b_sdk_env, wait_until
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -213,6 +213,27 @@ def test_files_only_pause_at_the_timeout_survives_a_daemon_crash(daemon, make_sa
     again = Sandbox.connect(sbx.id, daemon=URL)  # resumes: a cold boot
     assert again.files.read("/root/note.txt") == "kept" and boot_id(again) != boot
     assert again.run_code("1 + 1").result == "2"
+
+
+def test_a_command_of_the_e2b_endpoint_ends_with_its_daemon_across_a_pause(daemon, make_sandbox):
+    """A full pause keeps a command started through the E2B endpoint (its output pipes go to the
+    daemon, which gives it new ones at the resume); a daemon restarted while the sandbox is paused
+    has lost those pipes: the resume leaves that command out (it ended with its owner, as it would
+    have had the sandbox run on) and brings back the rest."""
+    import e2b
+
+    sbx = make_sandbox(timeout=0)
+    pid = start_server(sbx)
+    with e2b_sdk_env(daemon):
+        s = e2b.Sandbox.connect(sbx.id.replace("-", ""))
+        h = s.commands.run("sleep 1000", background=True)
+        assert s.pause() is True
+        daemon.stop()
+        daemon.start()
+        s.connect()
+        assert h.pid not in {p.pid for p in s.commands.list()}
+        assert s.commands.run("pgrep -x sleep || true").stdout == ""
+    check_server(Sandbox.connect(sbx.id, daemon=URL), pid)
 
 
 def test_pause_at_the_timeout_refused_past_the_grace_keeps_the_files(restarted, make_sandbox):

@@ -471,20 +471,23 @@ def test_set_timeout_zero_pauses_with_lifecycle_pause(make):
     s = make(lifecycle={"on_timeout": "pause"})
     assert s.get_info().lifecycle["on_timeout"] == "pause"
     s.files.write("/tmp/kept", "yes")
-    # A command started here cannot be kept by a full pause: "now" is refused as the pause is,
-    # saying why (test_pause_refused_while_a_command_runs), and the sandbox runs on.
+    # A command started here is kept by the pause (test_pause_keeps_commands_started_here); one
+    # on a terminal cannot be: "now" is refused as the pause is, saying why, and the sandbox runs on.
     h = s.commands.run("sleep 1000", background=True)
-    with pytest.raises(SandboxException, match=r"pid %d \(sleep 1000\)" % h.pid):
+    t = s.pty.create(PtySize(rows=24, cols=80), timeout=60)
+    with pytest.raises(SandboxException, match=r"pid %d \(" % t.pid):
         s.set_timeout(0)
     assert s.get_info().state == SandboxState.RUNNING
-    assert h.kill() is True
-    wait_until(lambda: h.pid not in {p.pid for p in s.commands.list()}, what="the killed command to leave the list")
+    assert s.pty.kill(t.pid) is True
+    wait_until(lambda: t.pid not in {p.pid for p in s.commands.list()}, what="the killed terminal to leave the list")
     s.set_timeout(0)
     assert s.get_info().state == SandboxState.PAUSED
     assert not s.is_running()
     again = Sandbox.connect(s.sandbox_id)
     assert again.get_info().state == SandboxState.RUNNING
     assert again.files.read("/tmp/kept") == "yes"
+    assert h.pid in {p.pid for p in again.commands.list()}
+    assert h.kill() is True
 
 
 def test_kill_forms_and_unknown_ids(make):
@@ -563,23 +566,81 @@ def test_pause_connect_keeps_processes_and_tmp(make):
     counter_advances(s, "pc")
 
 
-def test_pause_refused_while_a_command_runs(make):
-    """Commands started through the endpoint are attached to the daemon (their output streams to
-    it): a pause cannot keep them, so it is refused with a 400 naming them (not the 409 the SDK
-    reads as "already paused", sandbox_sync/sandbox_api.py _cls_pause) until they end; what a
-    command left detached (nohup ... &) is kept (test_pause_connect_keeps_processes_and_tmp)."""
+def test_pause_keeps_commands_started_here(make):
+    """A full pause keeps the commands started through the endpoint, as E2B's (a VM snapshot)
+    does: a server goes on serving after the resume, a handle streaming a command's output goes
+    on receiving it (the daemon holds the stream, the resume gives the command new pipes), stdin
+    still reaches it, and it is listed and killable under its pid."""
     s = make()
-    h = s.commands.run("sleep 1000", background=True)
+
+    def follow(handle):
+        """The handle's output as it comes (its wait() in a thread), and its end."""
+        out, err, end = [], [], []
+
+        def wait():
+            try:
+                end.append(handle.wait(on_stdout=out.append, on_stderr=err.append))
+            except Exception as e:  # noqa: BLE001 (kept for the test to look at)
+                end.append(e)
+        threading.Thread(target=wait, daemon=True).start()
+        return out, err, end
+
+    ticker = s.commands.run("for i in $(seq 1 100000); do echo tick $i; sleep 0.05; done", background=True)
+    cat = s.commands.run("cat", background=True, stdin=True)
+    server = s.commands.run("python3 -m http.server 8000 --bind 127.0.0.1", background=True)
+    (ticks, _, ticker_end), (echoed, _, cat_end), (_, logged, _) = follow(ticker), follow(cat), follow(server)
+    wait_until(lambda: s.commands.run("curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8000/ || true").stdout
+               == "200", timeout=20, what="the server to answer")
+    s.commands.send_stdin(cat.pid, "before\n")
+    wait_until(lambda: "before" in "".join(echoed), what="cat to echo its input")
+    wait_until(lambda: len(ticks) >= 3, what="the ticker's output")
+    assert s.pause() is True
+    assert s.get_info().state == SandboxState.PAUSED
+    during = len(ticks)
+    time.sleep(0.5)
+    assert len(ticks) - during <= 1  # paused: at most the line read as the freeze came
+    s.connect()
+    # The server answers (the access log line goes to its stderr pipe, read by the daemon).
+    seen_log = len(logged)
+    assert s.commands.run("curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8000/").stdout == "200"
+    wait_until(lambda: "GET / HTTP" in "".join(logged[seen_log:]), what="the server's log after the resume")
+    # The ticker counts on from where it was, into the same handle.
+    seen = len(ticks)
+    wait_until(lambda: len(ticks) >= seen + 3, what="the ticker's output after the resume")
+    numbers = [int(line.split()[1]) for line in "".join(ticks).splitlines() if line.startswith("tick ")]
+    assert numbers == list(range(1, len(numbers) + 1)), numbers
+    s.commands.send_stdin(cat.pid, "after\n")
+    wait_until(lambda: "after" in "".join(echoed), what="cat to echo input sent after the resume")
+    assert {ticker.pid, cat.pid, server.pid} <= {p.pid for p in s.commands.list()}
+    # Paused and resumed again: the new pipes are kept too.
+    assert s.pause() is True
+    s.connect()
+    s.commands.send_stdin(cat.pid, "again\n")
+    wait_until(lambda: "again" in "".join(echoed), what="cat to echo input after a second resume")
+    s.commands.close_stdin(cat.pid)
+    wait_until(lambda: cat_end, what="cat to end at the end of its input")
+    assert cat_end[0].exit_code == 0 and cat_end[0].stdout.split() == ["before", "after", "again"], cat_end
+    assert ticker.kill() is True
+    wait_until(lambda: ticker_end, what="the killed ticker's end")
+    assert isinstance(ticker_end[0], CommandExitException), ticker_end
+    assert server.kill() is True
+
+
+def test_pause_refused_while_a_terminal_runs(make):
+    """A command on a terminal (pty) cannot be kept (the daemon holds its master): a pause is
+    refused with a 400 naming it (not the 409 the SDK reads as "already paused",
+    sandbox_sync/sandbox_api.py _cls_pause) until it ends."""
+    s = make()
+    t = s.pty.create(PtySize(rows=24, cols=80), timeout=60)
     with pytest.raises(SandboxException) as ei:
         s.pause()
-    # It names the command and the ways out.
     msg = str(ei.value)
-    assert "400" in msg and "pid %d (sleep 1000)" % h.pid in msg, msg
-    assert 'mode="filesystem"' in msg and "commands.kill" in msg and "nohup" in msg, msg
+    assert "400" in msg and "pid %d (" % t.pid in msg, msg
+    assert "keep_memory=False" in msg and "pty.kill" in msg, msg
     assert s.get_info().state == SandboxState.RUNNING
     assert s.commands.run("echo still").stdout == "still\n"
-    assert h.kill() is True
-    wait_until(lambda: h.pid not in {p.pid for p in s.commands.list()}, what="the killed command to leave the list")
+    assert s.pty.kill(t.pid) is True
+    wait_until(lambda: t.pid not in {p.pid for p in s.commands.list()}, what="the killed terminal to leave the list")
     assert s.pause() is True
     s.connect()
     assert s.commands.run("echo back").stdout == "back\n"

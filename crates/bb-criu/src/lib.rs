@@ -433,7 +433,15 @@ impl Criu {
     /// becomes the tree root's parent). Files the image needs from outside are opened again by
     /// path ([`External`]). The pids of the tree must be free in the sandbox. With `lazy`, the
     /// tree runs before its memory is copied in ([`lazy`]): the returned server fills it.
-    pub fn restore(&self, sandbox: &SandboxRef, dir: &Path, lazy: bool) -> Result<Restored> {
+    /// `inherit`: fds that take the place of files of the tree by CRIU's name for them (e.g.
+    /// `pipe:[INODE]`: a pipe whose other end was outside the tree).
+    pub fn restore(
+        &self,
+        sandbox: &SandboxRef,
+        dir: &Path,
+        lazy: bool,
+        inherit: &[(RawFd, String)],
+    ) -> Result<Restored> {
         let manifest = Manifest::read(dir)?;
         manifest.verify(dir)?;
         let mut held: Vec<OwnedFd> = Vec::new();
@@ -482,7 +490,11 @@ impl Criu {
         } else {
             None
         };
-        let keep: Vec<RawFd> = held.iter().map(|f| f.as_raw_fd()).collect();
+        for (fd, key) in inherit {
+            args.push("--inherit-fd".into());
+            args.push(format!("fd[{fd}]:{key}"));
+        }
+        let keep: Vec<RawFd> = held.iter().map(|f| f.as_raw_fd()).chain(inherit.iter().map(|(fd, _)| *fd)).collect();
         let status = self.run(sandbox, true, &args, &keep);
         tracing::debug!(took = ?t0.elapsed(), lazy, "criu restore");
         let restored = match status {

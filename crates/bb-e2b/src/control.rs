@@ -501,7 +501,7 @@ pub async fn set_timeout(State(e): St, Path(id): Path<String>, bytes: axum::body
     if t == 0 {
         // Now: the sandbox ends as its lifecycle says (paused, or killed).
         if info.lifecycle.on_timeout == OnTimeout::Pause {
-            refuse_full_pause_while_attached(&e, &id, info.lifecycle.pause_mode)?;
+            refuse_full_pause_while_on_terminal(&e, &id, info.lifecycle.pause_mode)?;
             e.rt.pause(&cid, info.lifecycle.pause_mode).await?;
         } else {
             e.rt.kill(&cid).await?;
@@ -569,7 +569,7 @@ pub async fn pause(State(e): St, Path(id): Path<String>, bytes: axum::body::Byte
         return Err(E2bError::Status(StatusCode::CONFLICT, format!("sandbox \"{id}\" is already paused")));
     }
     let mode = if req.memory == Some(false) { PauseMode::Filesystem } else { PauseMode::Full };
-    refuse_full_pause_while_attached(&e, &id, mode)?;
+    refuse_full_pause_while_on_terminal(&e, &id, mode)?;
     // The SDK takes any 409 for "already paused": other reasons a pause is refused say so as 400.
     match e.rt.pause(&canonical_id(&id), mode).await {
         Ok(_) => Ok(StatusCode::NO_CONTENT),
@@ -578,14 +578,14 @@ pub async fn pause(State(e): St, Path(id): Path<String>, bytes: axum::body::Byte
     }
 }
 
-/// A full pause cannot keep the commands started through the envd endpoint (attached to the
-/// daemon: their output streams to it): a pause in `mode` full is refused with a 400 naming
-/// those still running.
-fn refuse_full_pause_while_attached(e: &E2b, id: &str, mode: PauseMode) -> E2bResult<()> {
+/// A full pause keeps the commands started through the envd endpoint on pipes (their new pipes
+/// are plugged in at the resume), not those on a terminal (the daemon holds its master): a pause
+/// in `mode` full is refused with a 400 naming those still running.
+fn refuse_full_pause_while_on_terminal(e: &E2b, id: &str, mode: PauseMode) -> E2bResult<()> {
     if mode != PauseMode::Full {
         return Ok(());
     }
-    let running = e.procs.of(&canonical_id(id));
+    let running: Vec<_> = e.procs.of(&canonical_id(id)).into_iter().filter(|p| p.pty.is_some()).collect();
     if running.is_empty() {
         return Ok(());
     }
@@ -608,10 +608,9 @@ fn refuse_full_pause_while_attached(e: &E2b, id: &str, mode: PauseMode) -> E2bRe
         })
         .collect();
     Err(E2bError::bad_request(format!(
-        "sandbox \"{id}\" cannot be paused with its memory while commands started through this endpoint run ({}): \
-         they are attached to the daemon (it reads their output), which a paused sandbox cannot keep; kill them \
-         (commands.kill) or wait for them, or pause with mode=\"filesystem\" (keep_memory=False: files only, they \
-         end). A process a command leaves detached (`nohup CMD > log 2>&1 &`) is kept by a pause",
+        "sandbox \"{id}\" cannot be paused with its memory while commands started on a terminal (pty) run ({}): \
+         the daemon holds their terminal, which a paused sandbox cannot keep; kill them (pty.kill) or wait for \
+         them, or pause with keep_memory=False (files only: they end). Commands without a terminal are kept",
         named.join(", ")
     )))
 }

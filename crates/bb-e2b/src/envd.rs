@@ -24,7 +24,6 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
 /// The port envd listens on in an E2B sandbox (what the SDK puts in `E2b-Sandbox-Port`).
@@ -397,11 +396,10 @@ async fn write_input(p: &crate::procs::Proc, input: &Input) -> Result<(), RpcErr
 }
 
 async fn write_stdin(p: &crate::procs::Proc, data: &[u8]) -> Result<(), RpcError> {
-    let mut stdin = p.stdin.lock().await;
-    let Some(w) = stdin.as_mut() else {
+    let Some(w) = p.stdin.as_ref() else {
         return Err(RpcError::new(
             Code::FailedPrecondition,
-            format!("process {} has no stdin: start it with stdin=True (or stdin was closed)", p.pid),
+            format!("process {} has no stdin: start it with stdin=True", p.pid),
         ));
     };
     w.write_all(data).await.map_err(|err| {
@@ -461,7 +459,9 @@ async fn close_stdin(State(e): St, Extension(t): Tgt, body: Bytes) -> Response {
     let r = async {
         let req: SelectorReq = connect::parse(&body)?;
         let p = select(&e, &t, &req.process)?;
-        p.stdin.lock().await.take();
+        if let Some(stdin) = &p.stdin {
+            stdin.close().await;
+        }
         Ok(json!({}))
     };
     unary(r.await)

@@ -2,12 +2,11 @@
 //! output read) for as long as it runs, whoever is listening. Streams (`Start`, `Connect`)
 //! subscribe to its output; one that goes away leaves the process running, as envd does.
 
-use bb_runtime::sandbox::exec::{Attached, AttachedProcess, Pty};
+use bb_runtime::sandbox::exec::{Attached, AttachedProcess, Pty, Stdin};
 use bytes::Bytes;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use tokio::net::unix::pipe;
 use tokio::sync::mpsc;
 
 /// What a stream of a process is sent.
@@ -46,7 +45,7 @@ pub struct Proc {
     /// The `ProcessConfig` it was started with (as `List` answers it).
     pub config: Value,
     pub tag: Option<String>,
-    pub stdin: tokio::sync::Mutex<Option<pipe::Sender>>,
+    pub stdin: Option<Stdin>,
     /// Its terminal, when started on one.
     pub pty: Option<Pty>,
     subs: Mutex<Subscribers>,
@@ -101,14 +100,7 @@ impl Procs {
     ) -> (Arc<Proc>, mpsc::Receiver<Ev>) {
         let AttachedProcess { pid, stdin, pty, mut events } = attached;
         let pid = pid as u32;
-        let proc = Arc::new(Proc {
-            pid,
-            config,
-            tag,
-            stdin: tokio::sync::Mutex::new(stdin),
-            pty,
-            subs: Mutex::new(Subscribers::default()),
-        });
+        let proc = Arc::new(Proc { pid, config, tag, stdin, pty, subs: Mutex::new(Subscribers::default()) });
         let first = proc.subscribe();
         let key = (sandbox.to_string(), pid);
         self.all.lock().expect("procs lock").insert(key.clone(), proc.clone());

@@ -15,6 +15,8 @@ const KEEP_EXITED: usize = 1024;
 struct Proc {
     tag: String,
     background: bool,
+    /// A foreground process a pause may dump (see `SpawnRequest::attached`).
+    attached: bool,
     started_at: f64,
     exit: Option<ExitStatus>,
 }
@@ -239,7 +241,10 @@ impl Server {
                         match self.procs.get_mut(&pid).filter(|p| p.exit.is_none()) {
                             Some(p) => p.tag = tag,
                             None => {
-                                self.procs.insert(pid, Proc { tag, background: true, started_at: now(), exit: None });
+                                self.procs.insert(
+                                    pid,
+                                    Proc { tag, background: true, attached: false, started_at: now(), exit: None },
+                                );
                             }
                         }
                         self.adopted.insert(pid, pidfd);
@@ -291,8 +296,12 @@ impl Server {
                 self.reply(fd, &resp);
             }
             Request::Suspend => {
-                let foreground: Vec<i32> =
-                    self.procs.iter().filter(|(_, p)| !p.background && p.exit.is_none()).map(|(pid, _)| *pid).collect();
+                let foreground: Vec<i32> = self
+                    .procs
+                    .iter()
+                    .filter(|(_, p)| !p.background && !p.attached && p.exit.is_none())
+                    .map(|(pid, _)| *pid)
+                    .collect();
                 let resp = if foreground.is_empty() {
                     self.suspended.get_or_insert_with(HashMap::new);
                     Response::Ok
@@ -385,8 +394,9 @@ impl Server {
         match fork_exec(&prepared, stdio, &self.policy) {
             Ok(pid) => {
                 drop(fds);
-                self.procs
-                    .insert(pid, Proc { tag: req.tag, background: req.background, started_at: now(), exit: None });
+                let attached = req.attached && !req.background;
+                let p = Proc { tag: req.tag, background: req.background, attached, started_at: now(), exit: None };
+                self.procs.insert(pid, p);
                 if !req.background {
                     if let Some(c) = self.conns.get_mut(&fd) {
                         c.owns = Some(pid);

@@ -104,6 +104,10 @@ pub struct SpawnRequest {
     /// filter is applied before the capabilities are dropped, as the kernel then requires.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_setuid: bool,
+    /// A foreground process whose owner keeps it across a pause (its stdio are pipes the owner
+    /// plugs in again when the process is restored): `Suspend` lets it be dumped.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub attached: bool,
 }
 
 impl SpawnRequest {
@@ -122,6 +126,7 @@ impl SpawnRequest {
             ids: None,
             pty: None,
             allow_setuid: false,
+            attached: false,
         }
     }
 }
@@ -331,6 +336,7 @@ mod tests {
             ids: Some((1000, 1000)),
             pty: Some((24, 80)),
             allow_setuid: true,
+            attached: true,
         });
         send(a.as_raw_fd(), &req, &[pw.as_raw_fd()]).unwrap();
         drop(pw);

@@ -36,6 +36,7 @@ use crate::session::{session_tag, Session};
 use crate::{now, Runtime};
 use bb_proto::{Request, Response};
 use std::collections::HashSet;
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Instant;
@@ -282,7 +283,7 @@ impl Runtime {
             trees: undo
                 .rechanneled
                 .iter()
-                .map(|(root, s)| PausedTree { root: *root, image: None, session: Some(s.clone()) })
+                .map(|(root, s)| PausedTree { root: *root, image: None, session: Some(s.clone()), attached: false })
                 .collect(),
         };
         self.sandboxes.records().set_paused(&row)?;
@@ -300,7 +301,7 @@ impl Runtime {
             trees.retain(|t| roots.contains(&t.root));
             for root in roots {
                 if !trees.iter().any(|t| t.root == root) {
-                    trees.push(PausedTree { root, image: None, session: None });
+                    trees.push(PausedTree { root, image: None, session: None, attached: sbc.plugs.has(root) });
                 }
             }
             Ok(trees)
@@ -498,14 +499,24 @@ impl Runtime {
     }
 
     /// Restore every tree of a paused sandbox; all or none (those restored are killed again
-    /// when one fails). Returns how many, and whether any was restored lazily.
+    /// when one fails). An attached process gets new pipes to its owner; one whose owner is gone
+    /// (the daemon restarted since the pause) is left out: it ended with its owner, as it would
+    /// have had the sandbox run on. Returns how many were restored, and whether any lazily.
     async fn restore_trees(self: &Arc<Self>, sb: &Arc<Sandbox>, row: &PausedRow) -> Result<(usize, bool)> {
         let mut lazy = false;
+        let pipes = sb.plugs.new_pipes(sb, row.trees.iter().filter(|t| t.attached).map(|t| t.root))?;
+        let inherit: Arc<Vec<(std::os::fd::RawFd, String)>> =
+            Arc::new(pipes.inherit.iter().map(|(fd, key)| (fd.as_raw_fd(), key.clone())).collect());
+        let mut restored = 0;
         for tree in &row.trees {
+            if tree.attached && !sb.plugs.has(tree.root) {
+                tracing::info!(sandbox = %sb.id, pid = tree.root, "an attached process whose owner is gone is not restored");
+                continue;
+            }
             let res = match tree.image.clone() {
                 Some(image) => {
-                    let (rt, sbc, img) = (self.clone(), sb.clone(), image.clone());
-                    tokio::task::spawn_blocking(move || rt.process_images.restore(&sbc, &img, false))
+                    let (rt, sbc, img, inh) = (self.clone(), sb.clone(), image.clone(), inherit.clone());
+                    tokio::task::spawn_blocking(move || rt.process_images.restore(&sbc, &img, false, &inh))
                         .await?
                         .map_err(|e| format!("restoring it from image {image} failed ({e})"))
                 }
@@ -514,6 +525,7 @@ impl Runtime {
             let why = match res {
                 Ok((_, l)) => {
                     lazy |= l;
+                    restored += 1;
                     continue;
                 }
                 Err(why) => why,
@@ -540,7 +552,8 @@ impl Runtime {
                 )));
             }
         }
-        Ok((row.trees.len(), lazy))
+        sb.plugs.plug_in(pipes).await?;
+        Ok((restored, lazy))
     }
 
     /// After a daemon restart: finish what a pause or resume of `sb` left (see the module docs).
@@ -565,7 +578,6 @@ impl Runtime {
                                 .ok_or_else(|| RuntimeError::Conflict("gone".into()))?;
                             let pidfd = bb_sys::process::pidfd_open(host)?;
                             let chan = UnixStream::from(bb_sys::process::pidfd_getfd(&pidfd, s.channel_fd)?);
-                            use std::os::fd::AsRawFd;
                             let keep = chan.try_clone().map_err(RuntimeError::io("session channel"))?;
                             let adopt = Request::Adopt {
                                 pid: tree.root,

@@ -297,6 +297,7 @@ impl ProcessImages {
         sb: &crate::sandbox::Sandbox,
         id: &str,
         eager: bool,
+        inherit: &[(std::os::fd::RawFd, String)],
     ) -> crate::Result<(bb_criu::Manifest, bool)> {
         let criu =
             self.criu.as_ref().ok_or_else(|| ImageError::Unavailable(self.unavailable.clone().unwrap_or_default()))?;
@@ -306,7 +307,7 @@ impl ProcessImages {
         let bytes = self.manifest(id).map(|m| m.bytes).unwrap_or(u64::MAX);
         let lazy = !eager && self.lazy_unavailable.is_none() && bytes.saturating_mul(2) <= room;
         tracing::debug!(sandbox = %sb.id, image = %id, bytes, room, eager, lazy, "restoring a process image");
-        let restored = criu.restore(&sb.criu_ref(), &self.path(id), lazy).map_err(|e| {
+        let restored = criu.restore(&sb.criu_ref(), &self.path(id), lazy, inherit).map_err(|e| {
             self.keep_failure_log(&self.path(id).join("restore.log"), &format!("failed-restore-{id}.log"));
             ImageError::Criu(e)
         })?;

@@ -597,7 +597,7 @@ impl Runtime {
         let mounts = sb.mounts.lock().await;
         let (ns_pid, chan) =
             tokio::task::spawn_blocking(move || -> crate::Result<(i32, std::os::unix::net::UnixStream)> {
-                let (m, _) = rt.process_images.restore(&sbc, &id, eager)?;
+                let (m, _) = rt.process_images.restore(&sbc, &id, eager, &[])?;
                 let host = crate::sandbox::procs::host_pid_of(&sbc, m.root_ns_pid)
                     .ok_or_else(|| crate::RuntimeError::Conflict("the restored template exited at once".into()))?;
                 let pidfd = bb_sys::process::pidfd_open(host)?;

@@ -83,18 +83,30 @@ pub fn resolve(sb: &Sandbox, req: &RunCommand) -> Result<Resolved> {
     })
 }
 
+/// How a process relates to the request that starts it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Ends with the request (its output is the answer).
+    Foreground,
+    /// Outlives it, its output in log files.
+    Background,
+    /// Outlives it, its output read by the daemon for its owner ([`AttachedProcess`]).
+    Attached,
+}
+
 /// Connect to init and ask it to spawn `r` with these stdio fds (stdin only when given).
 async fn send_spawn(
     sb: &Sandbox,
     r: &mut Resolved,
-    background: bool,
+    kind: Kind,
     stdin: Option<RawFd>,
     stdout: RawFd,
     stderr: RawFd,
 ) -> Result<InitConn> {
     let conn = InitConn::connect(&sb.dirs.sock()).await?;
     let req = SpawnRequest {
-        background,
+        background: kind == Kind::Background,
+        attached: kind == Kind::Attached,
         stdin: stdin.is_some(),
         stdout: true,
         stderr: true,
@@ -241,7 +253,7 @@ pub async fn run(sb: &Sandbox, req: &RunCommand, events: Option<mpsc::Sender<Com
     };
     let oom_before = sb.oom_seen();
     let stdin_rd = stdin_pipe.as_ref().map(|(rd, _)| rd.as_raw_fd());
-    let conn = send_spawn(sb, &mut r, false, stdin_rd, out_w.as_raw_fd(), err_w.as_raw_fd()).await?;
+    let conn = send_spawn(sb, &mut r, Kind::Foreground, stdin_rd, out_w.as_raw_fd(), err_w.as_raw_fd()).await?;
     drop(out_w);
     drop(err_w);
     let stdin_w = stdin_pipe.map(|(rd, wr)| {
@@ -350,7 +362,7 @@ pub async fn start_background(sb: &Sandbox, req: &RunCommand) -> Result<i32> {
         None => None,
     };
     let stdin_rd = stdin_pipe.as_ref().map(|(rd, _)| rd.as_raw_fd());
-    let conn = send_spawn(sb, &mut r, true, stdin_rd, out.as_raw_fd(), err.as_raw_fd()).await?;
+    let conn = send_spawn(sb, &mut r, Kind::Background, stdin_rd, out.as_raw_fd(), err.as_raw_fd()).await?;
     let pid = match conn.recv().await {
         Ok(Response::Started { pid }) => pid,
         Ok(Response::Error { errno, message }) => {
@@ -449,15 +461,40 @@ async fn drain_pty(pty: Pty, tx: mpsc::Sender<Attached>, mut exited: watch::Rece
 
 /// A process whose owner holds its stdin and reads its output as raw bytes, for as long as it
 /// runs (no timeout): it outlives the request that started it, not the daemon. Like a foreground
-/// command, it holds an init connection (init kills its process group if that drops), so a
-/// checkpoint or pause waits for it to end.
+/// command, it holds an init connection (init kills its process group if that drops). One on
+/// pipes is kept by a full pause: the resume gives it new pipes, which its owner's `stdin` and
+/// `events` then use ([`Plugs`]); one on a terminal makes a full pause wait for its end.
 pub struct AttachedProcess {
     pub pid: i32,
-    /// Its stdin, when asked for (dropping it closes the process's stdin).
-    pub stdin: Option<pipe::Sender>,
+    /// Its stdin, when asked for.
+    pub stdin: Option<Stdin>,
     /// Its terminal, when started on one (then `stdin` is None: input goes through the terminal).
     pub pty: Option<Pty>,
     pub events: mpsc::Receiver<Attached>,
+}
+
+/// The stdin of an attached process as its owner writes to it: after a pause and resume, the
+/// new pipe the process reads takes the old one's place here.
+#[derive(Clone)]
+pub struct Stdin(Arc<tokio::sync::Mutex<Option<pipe::Sender>>>);
+
+impl Stdin {
+    fn new(w: pipe::Sender) -> Stdin {
+        Stdin(Arc::new(tokio::sync::Mutex::new(Some(w))))
+    }
+
+    /// Write all of `data` (waits while the pipe is full).
+    pub async fn write_all(&self, data: &[u8]) -> std::io::Result<()> {
+        match self.0.lock().await.as_mut() {
+            Some(w) => w.write_all(data).await,
+            None => Err(std::io::Error::new(std::io::ErrorKind::BrokenPipe, "its stdin was closed")),
+        }
+    }
+
+    /// Close it: the process reads the end of its input (for good: a resume keeps it closed).
+    pub async fn close(&self) {
+        self.0.lock().await.take();
+    }
 }
 
 /// Start `req` attached (see [`AttachedProcess`]); `req.stdin` and `req.timeout` are not used.
@@ -476,12 +513,14 @@ pub async fn start_attached(
     let (err_r, err_w) = pipe_pair()?;
     let stdin_pipe = if stdin { Some(pipe_pair()?) } else { None };
     let stdin_rd = stdin_pipe.as_ref().map(|(rd, _)| rd.as_raw_fd());
-    let conn = send_spawn(sb, &mut r, false, stdin_rd, out_w.as_raw_fd(), err_w.as_raw_fd()).await?;
+    let conn = send_spawn(sb, &mut r, Kind::Attached, stdin_rd, out_w.as_raw_fd(), err_w.as_raw_fd()).await?;
     drop((out_w, err_w));
+    let inodes = (pipe_inode(&out_r)?, pipe_inode(&err_r)?);
     let stdin = match stdin_pipe {
         Some((rd, wr)) => {
             drop(rd);
-            Some(pipe::Sender::from_owned_fd(wr).map_err(RuntimeError::io("stdin pipe"))?)
+            let ino = pipe_inode(&wr)?;
+            Some((ino, Stdin::new(pipe::Sender::from_owned_fd(wr).map_err(RuntimeError::io("stdin pipe"))?)))
         }
         None => None,
     };
@@ -491,8 +530,33 @@ pub async fn start_attached(
         other => return Err(unexpected(other)),
     };
     let (tx, events) = mpsc::channel(256);
-    let (out, err) = (receiver(out_r)?, receiver(err_r)?);
+    let (replug_tx, replug) = mpsc::unbounded_channel();
+    let plug = Plug { stdin: stdin.clone(), stdout: inodes.0, stderr: inodes.1, to: replug_tx.clone() };
+    sb.plugs.0.lock().insert(pid, plug);
+    let pipes = (receiver(out_r)?, receiver(err_r)?);
+    let plugs = sb.plugs.clone();
     tokio::spawn(async move {
+        read_attached(conn, pipes, replug, tx).await;
+        let mut map = plugs.0.lock();
+        if map.get(&pid).is_some_and(|p| p.to.same_channel(&replug_tx)) {
+            map.remove(&pid);
+        }
+    });
+    Ok(AttachedProcess { pid, stdin: stdin.map(|(_, s)| s), pty: None, events })
+}
+
+/// Read an attached process's stdout and stderr into `tx` until it exits, then report its exit.
+/// When both pipes close before (a pause ended the process), the pipes the resume gives it
+/// arrive on `replug`.
+async fn read_attached(
+    conn: InitConn,
+    (mut out, mut err): (pipe::Receiver, pipe::Receiver),
+    mut replug: mpsc::UnboundedReceiver<(pipe::Receiver, pipe::Receiver)>,
+    tx: mpsc::Sender<Attached>,
+) {
+    let exit = exit_of(conn);
+    tokio::pin!(exit);
+    loop {
         let (exited_tx, exited) = watch::channel(false);
         let out_task = tokio::spawn(drain(out, Sink::Raw { tx: tx.clone(), is_err: false }, exited.clone()));
         let err_task = tokio::spawn(drain(err, Sink::Raw { tx: tx.clone(), is_err: true }, exited));
@@ -500,9 +564,37 @@ pub async fn start_attached(
             let _ = out_task.await;
             let _ = err_task.await;
         };
-        watch_exit(conn, readers, exited_tx, tx).await;
-    });
-    Ok(AttachedProcess { pid, stdin, pty: None, events })
+        tokio::pin!(readers);
+        let status = tokio::select! {
+            status = &mut exit => {
+                let _ = exited_tx.send(true);
+                readers.await;
+                status
+            }
+            () = &mut readers => tokio::select! {
+                status = &mut exit => status,
+                Some(pipes) = replug.recv() => {
+                    (out, err) = pipes;
+                    continue;
+                }
+            },
+        };
+        if let Some(status) = status {
+            let _ = tx.send(Attached::Exit(status)).await;
+        }
+        return;
+    }
+}
+
+/// The exit status init reports on `conn` (None: the sandbox went away).
+async fn exit_of(conn: InitConn) -> Option<ExitStatus> {
+    loop {
+        match conn.recv().await {
+            Ok(Response::Exited { status, .. }) => return Some(status),
+            Ok(_) => continue,
+            Err(_) => return None, // the sandbox (its init) went away
+        }
+    }
 }
 
 /// Wait for an attached process's exit on `conn` (None: the sandbox went away), then for its
@@ -513,17 +605,111 @@ async fn watch_exit(
     exited_tx: watch::Sender<bool>,
     tx: mpsc::Sender<Attached>,
 ) {
-    let status = loop {
-        match conn.recv().await {
-            Ok(Response::Exited { status, .. }) => break Some(status),
-            Ok(_) => continue,
-            Err(_) => break None, // the sandbox (its init) went away
-        }
-    };
+    let status = exit_of(conn).await;
     let _ = exited_tx.send(true);
     readers.await;
     if let Some(status) = status {
         let _ = tx.send(Attached::Exit(status)).await;
+    }
+}
+
+/// Inode of the pipe `fd` is an end of (CRIU names the pipe `pipe:[INODE]`).
+fn pipe_inode(fd: &impl AsRawFd) -> Result<u64> {
+    nix::sys::stat::fstat(fd.as_raw_fd()).map(|st| st.st_ino).map_err(|e| RuntimeError::io("pipe")(e.into()))
+}
+
+/// What the daemon keeps of an attached process on pipes, for a pause to dump it and the resume
+/// to give it new pipes: the inodes of its pipes now, and where the new ones go.
+struct Plug {
+    /// Inode of its stdin pipe, and its owner's writer.
+    stdin: Option<(u64, Stdin)>,
+    stdout: u64,
+    stderr: u64,
+    /// New read ends of its stdout and stderr, to [`read_attached`].
+    to: mpsc::UnboundedSender<(pipe::Receiver, pipe::Receiver)>,
+}
+
+/// The attached processes of a sandbox on pipes, by pid (see [`crate::pause`]).
+#[derive(Clone, Default)]
+pub struct Plugs(Arc<parking_lot::Mutex<std::collections::HashMap<i32, Plug>>>);
+
+/// Pipes made for the restore of attached processes: the process ends, each with the pipe it
+/// takes the place of (CRIU `--inherit-fd`), and the ends their owners keep once restored.
+pub(crate) struct NewPipes {
+    pub(crate) inherit: Vec<(OwnedFd, String)>,
+    /// (pid, stdout read end, stderr read end, stdin write end)
+    keep: Vec<(i32, OwnedFd, OwnedFd, Option<OwnedFd>)>,
+}
+
+impl Plugs {
+    /// Whether `pid` is an attached process on pipes.
+    pub(crate) fn has(&self, pid: i32) -> bool {
+        self.0.lock().contains_key(&pid)
+    }
+
+    /// New pipes for the attached processes among `pids` of `sb` (those the daemon holds the
+    /// other end for; the others are left out), owned by the sandbox's root: CRIU opens the
+    /// process's end again through procfs in the sandbox's user namespace.
+    pub(crate) fn new_pipes(&self, sb: &Sandbox, pids: impl IntoIterator<Item = i32>) -> Result<NewPipes> {
+        let mut pipes = NewPipes { inherit: Vec::new(), keep: Vec::new() };
+        let pids: Vec<i32> = pids.into_iter().filter(|p| self.has(*p)).collect();
+        if pids.is_empty() {
+            return Ok(pipes);
+        }
+        let root = sb.root_id()?;
+        let owned = || -> Result<(OwnedFd, OwnedFd)> {
+            let (rd, wr) = pipe_pair()?;
+            nix::unistd::fchown(rd.as_raw_fd(), Some(root.into()), Some(root.into()))
+                .map_err(|e| RuntimeError::io("chown a pipe")(e.into()))?;
+            Ok((rd, wr))
+        };
+        let map = self.0.lock();
+        let key = |ino: u64| format!("pipe:[{ino}]");
+        for pid in pids {
+            let Some(p) = map.get(&pid) else { continue };
+            let ((out_r, out_w), (err_r, err_w)) = (owned()?, owned()?);
+            pipes.inherit.push((out_w, key(p.stdout)));
+            pipes.inherit.push((err_w, key(p.stderr)));
+            let stdin = match &p.stdin {
+                Some((ino, _)) => {
+                    let (rd, wr) = owned()?;
+                    pipes.inherit.push((rd, key(*ino)));
+                    Some(wr)
+                }
+                None => None,
+            };
+            pipes.keep.push((pid, out_r, err_r, stdin));
+        }
+        Ok(pipes)
+    }
+
+    /// The processes `pipes` were made for are restored: their owners read and write the new
+    /// pipes from now on (a stdin its owner closed stays closed).
+    pub(crate) async fn plug_in(&self, pipes: NewPipes) -> Result<()> {
+        drop(pipes.inherit);
+        for (pid, out, err, stdin_w) in pipes.keep {
+            let (out_ino, err_ino) = (pipe_inode(&out)?, pipe_inode(&err)?);
+            let stdin_ino = stdin_w.as_ref().map(pipe_inode).transpose()?;
+            let (out, err) = (receiver(out)?, receiver(err)?);
+            let stdin = {
+                let mut map = self.0.lock();
+                let Some(p) = map.get_mut(&pid) else { continue };
+                p.stdout = out_ino;
+                p.stderr = err_ino;
+                let _ = p.to.send((out, err));
+                if let (Some((ino, _)), Some(new)) = (p.stdin.as_mut(), stdin_ino) {
+                    *ino = new;
+                }
+                p.stdin.as_ref().map(|(_, s)| s.clone())
+            };
+            if let (Some(stdin), Some(w)) = (stdin, stdin_w) {
+                let mut held = stdin.0.lock().await;
+                if held.is_some() {
+                    *held = Some(pipe::Sender::from_owned_fd(w).map_err(RuntimeError::io("stdin pipe"))?);
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -787,5 +973,67 @@ mod tests {
         assert!(truncated);
         assert_eq!(all.len(), MAX_OUTPUT);
         assert!(all.ends_with('y'));
+    }
+
+    /// A listening init socket at a temporary path, a connection to it, and init's end.
+    async fn fake_init() -> (tempfile::TempDir, InitConn, OwnedFd) {
+        use nix::sys::socket::{accept, bind, listen, socket, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+        use std::os::fd::FromRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("init.sock");
+        let listener = socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None).unwrap();
+        bind(listener.as_raw_fd(), &UnixAddr::new(&path).unwrap()).unwrap();
+        listen(&listener, Backlog::new(4).unwrap()).unwrap();
+        let conn = InitConn::connect(&path).await.unwrap();
+        // SAFETY: accept returned a fresh fd that nothing else owns.
+        let init = unsafe { OwnedFd::from_raw_fd(accept(listener.as_raw_fd()).unwrap()) };
+        (dir, conn, init)
+    }
+
+    async fn next(events: &mut mpsc::Receiver<Attached>) -> Attached {
+        tokio::time::timeout(Duration::from_secs(10), events.recv()).await.expect("an event in time").expect("open")
+    }
+
+    #[tokio::test]
+    async fn an_attached_process_is_read_from_new_pipes_after_a_pause_until_it_exits() {
+        let (_dir, conn, init) = fake_init().await;
+        let (out_r, out_w) = pipe_pair().unwrap();
+        let (err_r, err_w) = pipe_pair().unwrap();
+        let (replug_tx, replug) = mpsc::unbounded_channel();
+        let (tx, mut events) = mpsc::channel(16);
+        let task = tokio::spawn(read_attached(conn, (receiver(out_r).unwrap(), receiver(err_r).unwrap()), replug, tx));
+        nix::unistd::write(&out_w, b"before").unwrap();
+        assert!(matches!(next(&mut events).await, Attached::Stdout(b) if &b[..] == b"before"));
+        // The pause: the process is killed (its pipe ends close); init holds its exit.
+        drop((out_w, err_w));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!task.is_finished(), "the reader waits for the resume or the exit");
+        // The resume: new pipes.
+        let (out_r, out_w) = pipe_pair().unwrap();
+        let (err_r, err_w) = pipe_pair().unwrap();
+        replug_tx.send((receiver(out_r).unwrap(), receiver(err_r).unwrap())).unwrap();
+        nix::unistd::write(&err_w, b"after").unwrap();
+        assert!(matches!(next(&mut events).await, Attached::Stderr(b) if &b[..] == b"after"));
+        // Its exit, with output still in the pipe: read first, then the exit.
+        nix::unistd::write(&out_w, b"last").unwrap();
+        let status = ExitStatus { code: Some(3), signal: None };
+        bb_proto::send(init.as_raw_fd(), &Response::Exited { pid: 7, status }, &[]).unwrap();
+        drop((out_w, err_w));
+        assert!(matches!(next(&mut events).await, Attached::Stdout(b) if &b[..] == b"last"));
+        assert!(matches!(next(&mut events).await, Attached::Exit(s) if s.code == Some(3)));
+        tokio::time::timeout(Duration::from_secs(10), task).await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_attached_process_whose_sandbox_goes_away_while_paused_ends_without_an_exit() {
+        let (_dir, conn, init) = fake_init().await;
+        let (out_r, out_w) = pipe_pair().unwrap();
+        let (err_r, err_w) = pipe_pair().unwrap();
+        let (_replug_tx, replug) = mpsc::unbounded_channel();
+        let (tx, mut events) = mpsc::channel(16);
+        let task = tokio::spawn(read_attached(conn, (receiver(out_r).unwrap(), receiver(err_r).unwrap()), replug, tx));
+        drop((out_w, err_w, init));
+        tokio::time::timeout(Duration::from_secs(10), task).await.unwrap().unwrap();
+        assert!(events.recv().await.is_none());
     }
 }

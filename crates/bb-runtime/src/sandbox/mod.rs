@@ -66,6 +66,8 @@ pub struct Sandbox {
     /// When a pause at its timeout first failed (refused or not made; see
     /// [`crate::Runtime::pause_expired`]).
     pub(crate) timeout_pause_failing_since: Mutex<Option<f64>>,
+    /// Its attached processes on pipes (see [`crate::sandbox::exec::Plugs`]).
+    pub(crate) plugs: crate::sandbox::exec::Plugs,
 }
 
 /// Where a paused sandbox is (see [`crate::pause`]).
@@ -160,6 +162,7 @@ impl Sandbox {
             volumes: Default::default(),
             net: Default::default(),
             timeout_pause_failing_since: Mutex::new(None),
+            plugs: Default::default(),
         }
     }
 
@@ -211,7 +214,6 @@ impl Sandbox {
     /// belongs to the sandbox's root user, like the sandbox dir: a process restored from a
     /// process image reopens its stdout and stderr through /proc as that user.
     pub fn open_log(&self, name: &str, append: bool) -> crate::Result<std::fs::File> {
-        use std::os::unix::fs::MetadataExt;
         let f = std::fs::OpenOptions::new()
             .create(true)
             .write(true)
@@ -219,9 +221,16 @@ impl Sandbox {
             .truncate(!append)
             .open(self.dirs.logs().join(name))
             .map_err(crate::RuntimeError::io("open a log file"))?;
-        let owner = std::fs::metadata(&self.dirs.dir).map_err(crate::RuntimeError::io("sandbox dir"))?.uid();
-        std::os::unix::fs::fchown(&f, Some(owner), Some(owner)).map_err(crate::RuntimeError::io("chown a log file"))?;
+        let root = self.root_id()?;
+        std::os::unix::fs::fchown(&f, Some(root), Some(root)).map_err(crate::RuntimeError::io("chown a log file"))?;
         Ok(f)
+    }
+
+    /// Host uid of the sandbox's root user (the owner of the sandbox dir), and its gid: uids
+    /// and gids are mapped alike.
+    pub(crate) fn root_id(&self) -> crate::Result<u32> {
+        use std::os::unix::fs::MetadataExt;
+        Ok(std::fs::metadata(&self.dirs.dir).map_err(crate::RuntimeError::io("sandbox dir"))?.uid())
     }
 
     /// Host-side path of the sandbox's current root (the file API works there).

@@ -219,6 +219,7 @@ pub async fn create_as(
             ids: None,
             pty: None,
             allow_setuid: false,
+            attached: false,
         }),
         &[log.as_raw_fd(), log.as_raw_fd(), theirs.as_raw_fd()],
     )?;

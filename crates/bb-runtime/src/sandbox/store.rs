@@ -58,6 +58,10 @@ pub struct PausedTree {
     pub image: Option<String>,
     /// The session whose server is the root, if it is one.
     pub session: Option<PausedSession>,
+    /// Its root is an attached process on pipes (`sandbox::exec::Plugs`): restored only while
+    /// the daemon that paused it still runs (it holds the other ends).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub attached: bool,
 }
 
 /// A session of a paused sandbox: what the daemon needs to take it back after a restore.
@@ -317,8 +321,8 @@ mod tests {
             state: PauseState::Pausing,
             paused_at: 3.0,
             trees: vec![
-                PausedTree { root: 2, image: None, session: None },
-                PausedTree { root: 4, image: None, session: Some(session) },
+                PausedTree { root: 2, image: None, session: None, attached: true },
+                PausedTree { root: 4, image: None, session: Some(session), attached: false },
             ],
             mode: PauseMode::Full,
         };

@@ -247,7 +247,7 @@ impl Runtime {
                 tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             }
             let (rt, sbc, img) = (self.clone(), sb.clone(), p.image.clone());
-            let res = tokio::task::spawn_blocking(move || rt.process_images.restore(&sbc, &img, eager))
+            let res = tokio::task::spawn_blocking(move || rt.process_images.restore(&sbc, &img, eager, &[]))
                 .await
                 .map_err(RuntimeError::Worker)
                 .and_then(|r| r);
