@@ -16,7 +16,7 @@ fn main() {
         &sb,
         root,
         a[4].as_ref(),
-        &bb_criu::DumpOptions { leave_running: false, kind: "test".into(), frozen_cgroup: None },
+        &bb_criu::DumpOptions { leave_running: false, kind: "test".into(), ..Default::default() },
     );
     println!("dump {:?} {:?}", t.elapsed(), m.as_ref().map(|m| (m.bytes, m.externals.len())));
     m.unwrap();

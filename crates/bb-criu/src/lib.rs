@@ -167,6 +167,9 @@ pub struct DumpOptions {
     /// other processes: CRIU seizes the tree there and leaves the cgroup frozen, so several
     /// trees dumped one after the other are one consistent state.
     pub frozen_cgroup: Option<PathBuf>,
+    /// More files of the tree to mark external by CRIU's name for them (e.g. `tty[RDEV:DEV]`: a
+    /// terminal whose master is outside the tree); the restore must hand each in (`inherit`).
+    pub external: Vec<String>,
 }
 
 /// A restored tree: its image's manifest and, when restored lazily, the server filling its
@@ -403,9 +406,9 @@ impl Criu {
             args.push("--freeze-cgroup".into());
             args.push(cg.to_string_lossy().into_owned());
         }
-        for e in &found.externals {
+        for key in found.externals.iter().map(|e| &e.key).chain(&opts.external) {
             args.push("--external".into());
-            args.push(e.key.clone());
+            args.push(key.clone());
         }
         let status = self.run(sandbox, false, &args, &[])?;
         if status != Some(0) {

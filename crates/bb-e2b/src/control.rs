@@ -501,8 +501,7 @@ pub async fn set_timeout(State(e): St, Path(id): Path<String>, bytes: axum::body
     if t == 0 {
         // Now: the sandbox ends as its lifecycle says (paused, or killed).
         if info.lifecycle.on_timeout == OnTimeout::Pause {
-            refuse_full_pause_while_on_terminal(&e, &id, info.lifecycle.pause_mode)?;
-            e.rt.pause(&cid, info.lifecycle.pause_mode).await?;
+            pause_now(&e, &id, info.lifecycle.pause_mode).await?;
         } else {
             e.rt.kill(&cid).await?;
         }
@@ -569,50 +568,19 @@ pub async fn pause(State(e): St, Path(id): Path<String>, bytes: axum::body::Byte
         return Err(E2bError::Status(StatusCode::CONFLICT, format!("sandbox \"{id}\" is already paused")));
     }
     let mode = if req.memory == Some(false) { PauseMode::Filesystem } else { PauseMode::Full };
-    refuse_full_pause_while_on_terminal(&e, &id, mode)?;
-    // The SDK takes any 409 for "already paused": other reasons a pause is refused say so as 400.
-    match e.rt.pause(&canonical_id(&id), mode).await {
-        Ok(_) => Ok(StatusCode::NO_CONTENT),
+    pause_now(&e, &id, mode).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Pause sandbox `id` in `mode`. The SDK takes any 409 for "already paused": other reasons a
+/// pause is refused (a command of branchbox's own API in the foreground, a busy code context)
+/// say so as 400.
+async fn pause_now(e: &E2b, id: &str, mode: PauseMode) -> E2bResult<()> {
+    match e.rt.pause(&canonical_id(id), mode).await {
+        Ok(_) => Ok(()),
         Err(err @ bb_runtime::RuntimeError::Conflict(_)) => Err(E2bError::bad_request(err.to_string())),
         Err(err) => Err(err.into()),
     }
-}
-
-/// A full pause keeps the commands started through the envd endpoint on pipes (their new pipes
-/// are plugged in at the resume), not those on a terminal (the daemon holds its master): a pause
-/// in `mode` full is refused with a 400 naming those still running.
-fn refuse_full_pause_while_on_terminal(e: &E2b, id: &str, mode: PauseMode) -> E2bResult<()> {
-    if mode != PauseMode::Full {
-        return Ok(());
-    }
-    let running: Vec<_> = e.procs.of(&canonical_id(id)).into_iter().filter(|p| p.pty.is_some()).collect();
-    if running.is_empty() {
-        return Ok(());
-    }
-    let words = |v: &Value| -> Vec<String> {
-        v.as_array().map(|a| a.iter().filter_map(|w| w.as_str().map(str::to_string)).collect()).unwrap_or_default()
-    };
-    let named: Vec<String> = running
-        .iter()
-        .map(|p| {
-            let mut argv: Vec<String> = p.config["cmd"].as_str().map(str::to_string).into_iter().collect();
-            argv.extend(words(&p.config["args"]));
-            // The SDK runs each command as `/bin/bash -l -c CMD`: CMD says what it is.
-            let cmd = match argv.iter().position(|w| w == "-c") {
-                Some(i) if i + 1 < argv.len() => argv[i + 1..].join(" "),
-                _ => argv.join(" "),
-            };
-            let cmd: String =
-                if cmd.chars().count() > 60 { cmd.chars().take(57).chain("...".chars()).collect() } else { cmd };
-            format!("pid {} ({cmd})", p.pid)
-        })
-        .collect();
-    Err(E2bError::bad_request(format!(
-        "sandbox \"{id}\" cannot be paused with its memory while commands started on a terminal (pty) run ({}): \
-         the daemon holds their terminal, which a paused sandbox cannot keep; kill them (pty.kill) or wait for \
-         them, or pause with keep_memory=False (files only: they end). Commands without a terminal are kept",
-        named.join(", ")
-    )))
 }
 
 /// `POST /sandboxes/{id}/resume` (deprecated in E2B's API, still answered).

@@ -47,6 +47,17 @@ pub struct Server {
     suspended: Option<HashMap<i32, ExitStatus>>,
 }
 
+/// A new pseudo-terminal of the sandbox's devpts, this size, its slave owned by `ids`: (master,
+/// slave), or the error to answer.
+fn open_pty(rows: u16, cols: u16, ids: Option<(u32, u32)>) -> Result<(OwnedFd, OwnedFd), Response> {
+    let (master, slave) = bb_sys::pty::open_pty(rows, cols)
+        .map_err(|e| Response::Error { errno: e.errno(), message: format!("cannot open a pseudo-terminal: {e}") })?;
+    if let Some((uid, gid)) = ids {
+        let _ = nix::unistd::fchown(slave.as_raw_fd(), Some(uid.into()), Some(gid.into()));
+    }
+    Ok((master, slave))
+}
+
 fn now() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
@@ -276,6 +287,14 @@ impl Server {
                 },
                 Err(message) => self.reply(fd, &Response::Error { errno: libc::EIO, message }),
             },
+            Request::OpenPty { rows, cols, ids } => match open_pty(rows, cols, ids) {
+                Ok((master, slave)) => {
+                    if bb_proto::send(fd, &Response::Ok, &[master.as_raw_fd(), slave.as_raw_fd()]).is_err() {
+                        self.drop_conn(fd);
+                    }
+                }
+                Err(resp) => self.reply(fd, &resp),
+            },
             Request::Reset { hostname, shm_bytes, cgroupns } => {
                 // Every other process is dead (the daemon killed them with the cgroup frozen):
                 // reap them, forget them and their channels, drop other connections.
@@ -363,17 +382,9 @@ impl Server {
                 let message = "a spawn on a pty takes no stdio fds".to_string();
                 return self.reply(fd, &Response::Error { errno: libc::EINVAL, message });
             }
-            Some((rows, cols)) => match bb_sys::pty::open_pty(rows, cols) {
-                Ok((master, slave)) => {
-                    if let Some((uid, gid)) = req.ids {
-                        let _ = nix::unistd::fchown(slave.as_raw_fd(), Some(uid.into()), Some(gid.into()));
-                    }
-                    Some((master, slave))
-                }
-                Err(e) => {
-                    let message = format!("cannot open a pseudo-terminal: {e}");
-                    return self.reply(fd, &Response::Error { errno: e.errno(), message });
-                }
+            Some((rows, cols)) => match open_pty(rows, cols, req.ids) {
+                Ok(pair) => Some(pair),
+                Err(resp) => return self.reply(fd, &resp),
             },
             None => None,
         };

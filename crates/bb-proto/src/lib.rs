@@ -104,8 +104,9 @@ pub struct SpawnRequest {
     /// filter is applied before the capabilities are dropped, as the kernel then requires.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_setuid: bool,
-    /// A foreground process whose owner keeps it across a pause (its stdio are pipes the owner
-    /// plugs in again when the process is restored): `Suspend` lets it be dumped.
+    /// A foreground process whose owner keeps it across a pause (its stdio, pipes or a terminal
+    /// whose other ends the owner holds, are replaced when the process is restored): `Suspend`
+    /// lets it be dumped.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub attached: bool,
 }
@@ -194,12 +195,21 @@ pub enum Request {
     /// The sandbox is being paused: every process but init is about to be dumped and killed, to
     /// be restored later under the same pids. Until `Resume`, init records no exit of the
     /// processes it tracks (their waiters keep waiting) and refuses `Spawn` and `Adopt`.
-    /// `Error{EBUSY}` (nothing changes) while a foreground process runs: its output goes to a
-    /// daemon connection that a dump cannot keep.
+    /// `Error{EBUSY}` (nothing changes) while a foreground process runs that is not `attached`
+    /// (`SpawnRequest::attached`): its output goes to a daemon connection that a dump cannot keep.
     Suspend,
     /// The sandbox's processes were restored (or the pause was called off): tracked processes
     /// that live are running again; those that do not are recorded as killed (SIGKILL).
     Resume,
+    /// Open a new pseudo-terminal of the sandbox's devpts, this size, its slave owned by `ids`
+    /// (root when absent), for a process restored from a process image in place of the one it
+    /// had. Answer: `Ok` with the master and the slave attached.
+    OpenPty {
+        rows: u16,
+        cols: u16,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ids: Option<(u32, u32)>,
+    },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

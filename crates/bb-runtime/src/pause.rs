@@ -322,6 +322,7 @@ impl Runtime {
                     leave_running: true,
                     kind: crate::process_images::PAUSED_TREE_KIND.into(),
                     frozen_cgroup: Some(fz),
+                    external: sbc.plugs.external_tty(root, host).into_iter().collect(),
                 };
                 rt.process_images.dump(&sbc.criu_ref(), &sbc.id, r, None, &opts)
             })
@@ -504,9 +505,9 @@ impl Runtime {
     /// have had the sandbox run on. Returns how many were restored, and whether any lazily.
     async fn restore_trees(self: &Arc<Self>, sb: &Arc<Sandbox>, row: &PausedRow) -> Result<(usize, bool)> {
         let mut lazy = false;
-        let pipes = sb.plugs.new_pipes(sb, row.trees.iter().filter(|t| t.attached).map(|t| t.root))?;
+        let ends = sb.plugs.new_ends(sb, row.trees.iter().filter(|t| t.attached).map(|t| t.root)).await?;
         let inherit: Arc<Vec<(std::os::fd::RawFd, String)>> =
-            Arc::new(pipes.inherit.iter().map(|(fd, key)| (fd.as_raw_fd(), key.clone())).collect());
+            Arc::new(ends.inherit.iter().map(|(fd, key)| (fd.as_raw_fd(), key.clone())).collect());
         let mut restored = 0;
         for tree in &row.trees {
             if tree.attached && !sb.plugs.has(tree.root) {
@@ -552,7 +553,7 @@ impl Runtime {
                 )));
             }
         }
-        sb.plugs.plug_in(pipes).await?;
+        sb.plugs.plug_in(ends).await?;
         Ok((restored, lazy))
     }
 

@@ -490,6 +490,7 @@ impl Runtime {
                     leave_running: false,
                     kind: crate::process_images::TEMPLATE_KIND.into(),
                     frozen_cgroup: None,
+                    ..Default::default()
                 };
                 rt.process_images.dump(&sbc.criu_ref(), &sbc.id, root, Some((&key, channel_fd)), &opts)
             })

@@ -36,6 +36,28 @@ fn master_fd(fd: &OwnedFd) -> BorrowedFd<'_> {
     fd.as_fd()
 }
 
+/// The index of a pty master's slave (N of `/dev/pts/N`).
+pub fn pty_index(master: BorrowedFd<'_>) -> SysResult<u32> {
+    let mut n: libc::c_uint = 0;
+    // SAFETY: TIOCGPTN writes one unsigned int to the pointer, which outlives the call.
+    let r = unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGPTN, &mut n) };
+    if r < 0 {
+        return Err(SysError::last("ioctl(TIOCGPTN)"));
+    }
+    Ok(n)
+}
+
+/// A terminal's window size: (rows, cols).
+pub fn window_size(fd: BorrowedFd<'_>) -> SysResult<(u16, u16)> {
+    let mut ws = libc::winsize { ws_row: 0, ws_col: 0, ws_xpixel: 0, ws_ypixel: 0 };
+    // SAFETY: TIOCGWINSZ writes one winsize to the pointer, which outlives the call.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::TIOCGWINSZ, &mut ws) };
+    if r < 0 {
+        return Err(SysError::last("ioctl(TIOCGWINSZ)"));
+    }
+    Ok((ws.ws_row, ws.ws_col))
+}
+
 /// Set a terminal's window size (the foreground process group gets SIGWINCH).
 pub fn set_window_size(fd: BorrowedFd<'_>, rows: u16, cols: u16) -> SysResult<()> {
     let ws = libc::winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
@@ -65,15 +87,12 @@ mod tests {
     #[test]
     fn a_new_pty_carries_bytes_and_its_size() {
         let (master, slave) = open_pty(30, 100).expect("open a pty");
-        // SAFETY: winsize is plain integers; all zeroes is a valid value.
-        let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
-        // SAFETY: TIOCGWINSZ writes one winsize to a valid pointer.
-        assert_eq!(unsafe { libc::ioctl(slave.as_raw_fd(), libc::TIOCGWINSZ, &mut ws) }, 0);
-        assert_eq!((ws.ws_row, ws.ws_col), (30, 100));
+        assert_eq!(window_size(master_fd(&slave)).unwrap(), (30, 100));
         set_window_size(master_fd(&master), 40, 120).unwrap();
-        // SAFETY: as above.
-        assert_eq!(unsafe { libc::ioctl(slave.as_raw_fd(), libc::TIOCGWINSZ, &mut ws) }, 0);
-        assert_eq!((ws.ws_row, ws.ws_col), (40, 120));
+        assert_eq!(window_size(master_fd(&slave)).unwrap(), (40, 120));
+        assert_eq!(window_size(master_fd(&master)).unwrap(), (40, 120));
+        let st = nix::sys::stat::fstat(slave.as_raw_fd()).unwrap();
+        assert_eq!(libc::minor(st.st_rdev), pty_index(master_fd(&master)).unwrap());
         nix::unistd::write(&slave, b"hi\n").unwrap();
         let mut buf = [0u8; 16];
         let n = nix::unistd::read(master.as_raw_fd(), &mut buf).unwrap();

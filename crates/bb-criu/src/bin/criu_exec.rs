@@ -12,7 +12,8 @@
 //! there.
 //!
 //! Single-threaded: forks after joining the pid namespace; the parent waits and exits with the
-//! child's status.
+//! child's status. The child (CRIU) leads a session of its own in the sandbox's pid namespace,
+//! and dies with the parent.
 
 use nix::mount::{mount, MsFlags};
 use std::ffi::CString;
@@ -78,6 +79,21 @@ fn main() {
     match unsafe { nix::unistd::fork() } {
         Err(e) => fail("fork", e),
         Ok(nix::unistd::ForkResult::Child) => {
+            // A session of its own inside the sandbox's pid namespace: a restored task whose
+            // session leader is not in the image (the orphan of a command that ended, `nohup CMD
+            // &`) joins CRIU's session (`--shell-job`), and one led from outside the namespace
+            // reads as session 0, which the next dump of that task refuses. Leaving the helper's
+            // process group, it dies with the helper instead (whose group a timeout kills).
+            if let Err(e) = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL) {
+                fail("set the parent-death signal", e);
+            }
+            // The helper is outside the namespace: its pid reads as 0 here (1 once it is gone).
+            if nix::unistd::getppid().as_raw() != 0 {
+                fail("start CRIU", "the helper is gone");
+            }
+            if let Err(e) = nix::unistd::setsid() {
+                fail("start a session", e);
+            }
             // Now in the sandbox's pid namespace: a procfs of it, on this private /proc.
             if let Err(e) = mount(Some("proc"), "/proc", Some("proc"), MsFlags::empty(), None::<&str>) {
                 fail("mount the sandbox's procfs", e);

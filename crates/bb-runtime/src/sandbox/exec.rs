@@ -397,19 +397,37 @@ pub enum Attached {
     Exit(ExitStatus),
 }
 
+/// The master of a pseudo-terminal, registered with the reactor.
+type Master = Arc<tokio::io::unix::AsyncFd<OwnedFd>>;
+
+fn master(fd: OwnedFd) -> Result<Master> {
+    nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK))
+        .map_err(|e| RuntimeError::io("pty")(e.into()))?;
+    // SAFETY: `fd` is an fd we own, moved into the AsyncFd, which keeps it open while it lives.
+    let fd =
+        unsafe { tokio::io::unix::AsyncFd::register(fd) }.map_err(|e| RuntimeError::io("pty")(e.into_parts().1))?;
+    Ok(Arc::new(fd))
+}
+
 /// The master of a pseudo-terminal a process was started on, held by the daemon: input goes in,
-/// the terminal's size changes here.
+/// the terminal's size changes here. After a pause and resume, the process's new terminal takes
+/// the old one's place here.
 #[derive(Clone)]
 pub struct Pty {
-    fd: Arc<tokio::io::unix::AsyncFd<OwnedFd>>,
+    fd: Arc<parking_lot::Mutex<Master>>,
 }
 
 impl Pty {
+    fn current(&self) -> Master {
+        self.fd.lock().clone()
+    }
+
     /// Type `data` into the terminal.
     pub async fn write(&self, mut data: &[u8]) -> Result<()> {
+        let fd = self.current();
         while !data.is_empty() {
-            let mut guard = self.fd.writable().await.map_err(RuntimeError::io("pty"))?;
-            match nix::unistd::write(self.fd.get_ref(), data) {
+            let mut guard = fd.writable().await.map_err(RuntimeError::io("pty"))?;
+            match nix::unistd::write(fd.get_ref(), data) {
                 Ok(n) => data = &data[n..],
                 Err(nix::Error::EAGAIN) => guard.clear_ready(),
                 Err(nix::Error::EINTR) => {}
@@ -422,16 +440,22 @@ impl Pty {
     /// Resize the terminal (its foreground process group gets SIGWINCH).
     pub fn resize(&self, rows: u16, cols: u16) -> Result<()> {
         use std::os::fd::AsFd;
-        bb_sys::pty::set_window_size(self.fd.get_ref().as_fd(), rows, cols)
+        bb_sys::pty::set_window_size(self.current().get_ref().as_fd(), rows, cols)
             .map_err(|e| RuntimeError::io("resize the pty")(e.source))
+    }
+
+    /// The terminal's size: (rows, cols).
+    fn size(&self) -> Result<(u16, u16)> {
+        use std::os::fd::AsFd;
+        bb_sys::pty::window_size(self.current().get_ref().as_fd()).map_err(|e| RuntimeError::io("pty size")(e.source))
     }
 }
 
 /// Read a pty's output until the terminal closes, or, once the process exited, until nothing is
 /// left (processes it left behind may keep the terminal open).
-async fn drain_pty(pty: Pty, tx: mpsc::Sender<Attached>, mut exited: watch::Receiver<bool>) {
+async fn drain_pty(fd: Master, tx: mpsc::Sender<Attached>, mut exited: watch::Receiver<bool>) {
     let mut buf = vec![0u8; 64 * 1024];
-    let raw = pty.fd.get_ref().as_raw_fd();
+    let raw = fd.get_ref().as_raw_fd();
     loop {
         if *exited.borrow() {
             match nix::unistd::read(raw, &mut buf) {
@@ -444,7 +468,7 @@ async fn drain_pty(pty: Pty, tx: mpsc::Sender<Attached>, mut exited: watch::Rece
             }
         }
         tokio::select! {
-            ready = pty.fd.readable() => {
+            ready = fd.readable() => {
                 let Ok(mut guard) = ready else { return };
                 match nix::unistd::read(raw, &mut buf) {
                     Ok(0) => return,
@@ -459,11 +483,11 @@ async fn drain_pty(pty: Pty, tx: mpsc::Sender<Attached>, mut exited: watch::Rece
     }
 }
 
-/// A process whose owner holds its stdin and reads its output as raw bytes, for as long as it
-/// runs (no timeout): it outlives the request that started it, not the daemon. Like a foreground
-/// command, it holds an init connection (init kills its process group if that drops). One on
-/// pipes is kept by a full pause: the resume gives it new pipes, which its owner's `stdin` and
-/// `events` then use ([`Plugs`]); one on a terminal makes a full pause wait for its end.
+/// A process whose owner holds its stdin (or terminal) and reads its output as raw bytes, for as
+/// long as it runs (no timeout): it outlives the request that started it, not the daemon. Like a
+/// foreground command, it holds an init connection (init kills its process group if that drops).
+/// A full pause keeps it: the resume gives it new pipes (or a new terminal), which its owner's
+/// `stdin`, `pty` and `events` then use ([`Plugs`]).
 pub struct AttachedProcess {
     pub pid: i32,
     /// Its stdin, when asked for.
@@ -530,40 +554,85 @@ pub async fn start_attached(
         other => return Err(unexpected(other)),
     };
     let (tx, events) = mpsc::channel(256);
-    let (replug_tx, replug) = mpsc::unbounded_channel();
-    let plug = Plug { stdin: stdin.clone(), stdout: inodes.0, stderr: inodes.1, to: replug_tx.clone() };
-    sb.plugs.0.lock().insert(pid, plug);
+    let (to, replug) = mpsc::unbounded_channel();
+    let wiring = Wiring::Pipes { stdin: stdin.clone(), stdout: inodes.0, stderr: inodes.1, to };
     let pipes = (receiver(out_r)?, receiver(err_r)?);
-    let plugs = sb.plugs.clone();
-    tokio::spawn(async move {
-        read_attached(conn, pipes, replug, tx).await;
-        let mut map = plugs.0.lock();
-        if map.get(&pid).is_some_and(|p| p.to.same_channel(&replug_tx)) {
-            map.remove(&pid);
-        }
-    });
+    sb.plugs.watch(pid, wiring, read_pipes(conn, pipes, replug, tx));
     Ok(AttachedProcess { pid, stdin: stdin.map(|(_, s)| s), pty: None, events })
 }
 
-/// Read an attached process's stdout and stderr into `tx` until it exits, then report its exit.
-/// When both pipes close before (a pause ended the process), the pipes the resume gives it
-/// arrive on `replug`.
-async fn read_attached(
+/// [`read_attached`] for a process on pipes (stdout, stderr).
+async fn read_pipes(
     conn: InitConn,
-    (mut out, mut err): (pipe::Receiver, pipe::Receiver),
-    mut replug: mpsc::UnboundedReceiver<(pipe::Receiver, pipe::Receiver)>,
+    pipes: (pipe::Receiver, pipe::Receiver),
+    replug: mpsc::UnboundedReceiver<(pipe::Receiver, pipe::Receiver)>,
     tx: mpsc::Sender<Attached>,
 ) {
+    let read = |(out, err): (pipe::Receiver, pipe::Receiver), tx: &mpsc::Sender<Attached>, exited| {
+        let (tx, exited_too) = (tx.clone(), watch::Receiver::clone(&exited));
+        let out_task = tokio::spawn(drain(out, Sink::Raw { tx: tx.clone(), is_err: false }, exited_too));
+        let err_task = tokio::spawn(drain(err, Sink::Raw { tx, is_err: true }, exited));
+        async move {
+            let _ = out_task.await;
+            let _ = err_task.await;
+        }
+    };
+    read_attached(conn, pipes, replug, tx, read).await
+}
+
+async fn start_on_pty(sb: &Sandbox, req: &RunCommand, (rows, cols): (u16, u16)) -> Result<AttachedProcess> {
+    if rows == 0 || cols == 0 {
+        return Err(RuntimeError::BadRequest(format!("a terminal of {rows}x{cols}: give at least 1 row and 1 column")));
+    }
+    let mut r = resolve(sb, req)?;
+    let conn = InitConn::connect(&sb.dirs.sock()).await?;
+    let spawn = SpawnRequest {
+        tag: std::mem::take(&mut r.tag),
+        ids: r.ids,
+        allow_setuid: sb.spec.sudo,
+        pty: Some((rows, cols)),
+        attached: true,
+        ..SpawnRequest::new(std::mem::take(&mut r.argv), std::mem::take(&mut r.env), std::mem::take(&mut r.cwd))
+    };
+    conn.send(&Request::Spawn(spawn), &[])?;
+    let (pid, fd) = match conn.recv_fds().await? {
+        (Response::Started { pid }, fds) => match fds.into_iter().next() {
+            Some(m) => (pid, m),
+            None => return Err(unexpected(Response::Started { pid })),
+        },
+        (Response::Error { errno, message }, _) => return Err(init_error(errno, message)),
+        (other, _) => return Err(unexpected(other)),
+    };
+    let fd = master(fd)?;
+    let pty = Pty { fd: Arc::new(parking_lot::Mutex::new(fd.clone())) };
+    let (tx, events) = mpsc::channel(256);
+    let (to, replug) = mpsc::unbounded_channel();
+    let wiring = Wiring::Terminal { pty: pty.clone(), ids: r.ids, tty: None, to };
+    sb.plugs.watch(pid, wiring, async move {
+        let read = |fd: Master, tx: &mpsc::Sender<Attached>, exited| drain_pty(fd, tx.clone(), exited);
+        read_attached(conn, fd, replug, tx, read).await
+    });
+    Ok(AttachedProcess { pid, stdin: None, pty: Some(pty), events })
+}
+
+/// Read an attached process's output (from `ends`, with `read`) into `tx` until it exits, then
+/// report its exit. When its ends close before (a pause ended the process), the ends the resume
+/// gives it arrive on `replug`.
+async fn read_attached<E, R, F>(
+    conn: InitConn,
+    mut ends: E,
+    mut replug: mpsc::UnboundedReceiver<E>,
+    tx: mpsc::Sender<Attached>,
+    read: F,
+) where
+    F: Fn(E, &mpsc::Sender<Attached>, watch::Receiver<bool>) -> R,
+    R: std::future::Future<Output = ()>,
+{
     let exit = exit_of(conn);
     tokio::pin!(exit);
     loop {
         let (exited_tx, exited) = watch::channel(false);
-        let out_task = tokio::spawn(drain(out, Sink::Raw { tx: tx.clone(), is_err: false }, exited.clone()));
-        let err_task = tokio::spawn(drain(err, Sink::Raw { tx: tx.clone(), is_err: true }, exited));
-        let readers = async move {
-            let _ = out_task.await;
-            let _ = err_task.await;
-        };
+        let readers = read(ends, &tx, exited);
         tokio::pin!(readers);
         let status = tokio::select! {
             status = &mut exit => {
@@ -573,8 +642,8 @@ async fn read_attached(
             }
             () = &mut readers => tokio::select! {
                 status = &mut exit => status,
-                Some(pipes) = replug.recv() => {
-                    (out, err) = pipes;
+                Some(new) = replug.recv() => {
+                    ends = new;
                     continue;
                 }
             },
@@ -597,158 +666,203 @@ async fn exit_of(conn: InitConn) -> Option<ExitStatus> {
     }
 }
 
-/// Wait for an attached process's exit on `conn` (None: the sandbox went away), then for its
-/// output readers, and report the exit.
-async fn watch_exit(
-    conn: InitConn,
-    readers: impl std::future::Future<Output = ()>,
-    exited_tx: watch::Sender<bool>,
-    tx: mpsc::Sender<Attached>,
-) {
-    let status = exit_of(conn).await;
-    let _ = exited_tx.send(true);
-    readers.await;
-    if let Some(status) = status {
-        let _ = tx.send(Attached::Exit(status)).await;
-    }
-}
-
 /// Inode of the pipe `fd` is an end of (CRIU names the pipe `pipe:[INODE]`).
 fn pipe_inode(fd: &impl AsRawFd) -> Result<u64> {
     nix::sys::stat::fstat(fd.as_raw_fd()).map(|st| st.st_ino).map_err(|e| RuntimeError::io("pipe")(e.into()))
 }
 
-/// What the daemon keeps of an attached process on pipes, for a pause to dump it and the resume
-/// to give it new pipes: the inodes of its pipes now, and where the new ones go.
-struct Plug {
-    /// Inode of its stdin pipe, and its owner's writer.
-    stdin: Option<(u64, Stdin)>,
-    stdout: u64,
-    stderr: u64,
-    /// New read ends of its stdout and stderr, to [`read_attached`].
-    to: mpsc::UnboundedSender<(pipe::Receiver, pipe::Receiver)>,
+/// How an attached process is wired to the daemon, for a pause to dump it and the resume to
+/// give it new ends: what CRIU calls its ends now, and where the new ones go.
+enum Wiring {
+    Pipes {
+        /// Inode of its stdin pipe, and its owner's writer.
+        stdin: Option<(u64, Stdin)>,
+        /// Inodes of its stdout and stderr pipes.
+        stdout: u64,
+        stderr: u64,
+        /// New read ends of its stdout and stderr, to [`read_attached`].
+        to: mpsc::UnboundedSender<(pipe::Receiver, pipe::Receiver)>,
+    },
+    Terminal {
+        pty: Pty,
+        /// Owner of its terminal (sandbox ids; root when None).
+        ids: Option<(u32, u32)>,
+        /// CRIU's name of its terminal (`tty[RDEV:DEV]`), read from the process as it is dumped.
+        tty: Option<String>,
+        /// New masters, to [`read_attached`].
+        to: mpsc::UnboundedSender<Master>,
+    },
 }
 
-/// The attached processes of a sandbox on pipes, by pid (see [`crate::pause`]).
+struct Plug {
+    /// Tells this process's plug from that of a later one under the same pid.
+    serial: u64,
+    wiring: Wiring,
+}
+
+/// The attached processes of a sandbox, by pid (see [`crate::pause`]).
 #[derive(Clone, Default)]
 pub struct Plugs(Arc<parking_lot::Mutex<std::collections::HashMap<i32, Plug>>>);
 
-/// Pipes made for the restore of attached processes: the process ends, each with the pipe it
-/// takes the place of (CRIU `--inherit-fd`), and the ends their owners keep once restored.
-pub(crate) struct NewPipes {
+/// Ends made for the restore of attached processes: the process ends, each with CRIU's name of
+/// the end it takes the place of (`--inherit-fd`), and the ends their owners keep once restored.
+pub(crate) struct NewEnds {
     pub(crate) inherit: Vec<(OwnedFd, String)>,
-    /// (pid, stdout read end, stderr read end, stdin write end)
-    keep: Vec<(i32, OwnedFd, OwnedFd, Option<OwnedFd>)>,
+    keep: Vec<(i32, Kept)>,
+}
+
+enum Kept {
+    /// Read ends of stdout and stderr, write end of stdin.
+    Pipes(OwnedFd, OwnedFd, Option<OwnedFd>),
+    Master(OwnedFd),
 }
 
 impl Plugs {
-    /// Whether `pid` is an attached process on pipes.
+    /// Track attached process `pid`, wired as `wiring`, while `reader` (which reads its output
+    /// until it exits) runs.
+    fn watch(&self, pid: i32, wiring: Wiring, reader: impl std::future::Future<Output = ()> + Send + 'static) {
+        static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let serial = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.0.lock().insert(pid, Plug { serial, wiring });
+        let plugs = self.clone();
+        tokio::spawn(async move {
+            reader.await;
+            let mut map = plugs.0.lock();
+            if map.get(&pid).is_some_and(|p| p.serial == serial) {
+                map.remove(&pid);
+            }
+        });
+    }
+
+    /// Whether `pid` is an attached process.
     pub(crate) fn has(&self, pid: i32) -> bool {
         self.0.lock().contains_key(&pid)
     }
 
-    /// New pipes for the attached processes among `pids` of `sb` (those the daemon holds the
-    /// other end for; the others are left out), owned by the sandbox's root: CRIU opens the
-    /// process's end again through procfs in the sandbox's user namespace.
-    pub(crate) fn new_pipes(&self, sb: &Sandbox, pids: impl IntoIterator<Item = i32>) -> Result<NewPipes> {
-        let mut pipes = NewPipes { inherit: Vec::new(), keep: Vec::new() };
+    /// For the dump of attached process `pid` (`host_pid` on the host): CRIU's name of its
+    /// terminal, whose master the daemon holds (to be marked external), if it is on one: the
+    /// slave of that master among its open files.
+    pub(crate) fn external_tty(&self, pid: i32, host_pid: i32) -> Option<String> {
+        use std::os::fd::AsFd;
+        use std::os::unix::fs::MetadataExt;
+        /// Major of Unix98 pty slaves (their minor is the pty's index).
+        const PTS_MAJOR: u32 = 136;
+        let mut map = self.0.lock();
+        let Some(Plug { wiring: Wiring::Terminal { pty, tty, .. }, .. }) = map.get_mut(&pid) else { return None };
+        let index = bb_sys::pty::pty_index(pty.current().get_ref().as_fd()).ok()?;
+        let key = std::fs::read_dir(format!("/proc/{host_pid}/fd"))
+            .ok()?
+            .flatten()
+            .filter_map(|e| std::fs::metadata(e.path()).ok())
+            .find(|st| libc::major(st.rdev()) == PTS_MAJOR && libc::minor(st.rdev()) == index)
+            .map(|st| format!("tty[{:x}:{:x}]", st.rdev(), st.dev()));
+        tty.clone_from(&key);
+        key
+    }
+
+    /// New ends for the attached processes among `pids` of `sb` (those the daemon holds the
+    /// other ends for; the others are left out). Pipes are owned by the sandbox's root (CRIU
+    /// opens the process's end again through procfs in the sandbox's user namespace); terminals
+    /// are new ones of the sandbox's devpts, opened by its init, the size the old ones had.
+    pub(crate) async fn new_ends(&self, sb: &Sandbox, pids: impl IntoIterator<Item = i32>) -> Result<NewEnds> {
+        let mut ends = NewEnds { inherit: Vec::new(), keep: Vec::new() };
         let pids: Vec<i32> = pids.into_iter().filter(|p| self.has(*p)).collect();
         if pids.is_empty() {
-            return Ok(pipes);
+            return Ok(ends);
         }
         let root = sb.root_id()?;
-        let owned = || -> Result<(OwnedFd, OwnedFd)> {
+        let owned_pipe = || -> Result<(OwnedFd, OwnedFd)> {
             let (rd, wr) = pipe_pair()?;
             nix::unistd::fchown(rd.as_raw_fd(), Some(root.into()), Some(root.into()))
                 .map_err(|e| RuntimeError::io("chown a pipe")(e.into()))?;
             Ok((rd, wr))
         };
-        let map = self.0.lock();
         let key = |ino: u64| format!("pipe:[{ino}]");
-        for pid in pids {
-            let Some(p) = map.get(&pid) else { continue };
-            let ((out_r, out_w), (err_r, err_w)) = (owned()?, owned()?);
-            pipes.inherit.push((out_w, key(p.stdout)));
-            pipes.inherit.push((err_w, key(p.stderr)));
-            let stdin = match &p.stdin {
-                Some((ino, _)) => {
-                    let (rd, wr) = owned()?;
-                    pipes.inherit.push((rd, key(*ino)));
-                    Some(wr)
+        let mut terminals = Vec::new();
+        {
+            let map = self.0.lock();
+            for pid in pids {
+                match map.get(&pid).map(|p| &p.wiring) {
+                    Some(Wiring::Pipes { stdin, stdout, stderr, .. }) => {
+                        let ((out_r, out_w), (err_r, err_w)) = (owned_pipe()?, owned_pipe()?);
+                        ends.inherit.push((out_w, key(*stdout)));
+                        ends.inherit.push((err_w, key(*stderr)));
+                        let stdin = match stdin {
+                            Some((ino, _)) => {
+                                let (rd, wr) = owned_pipe()?;
+                                ends.inherit.push((rd, key(*ino)));
+                                Some(wr)
+                            }
+                            None => None,
+                        };
+                        ends.keep.push((pid, Kept::Pipes(out_r, err_r, stdin)));
+                    }
+                    Some(Wiring::Terminal { pty, ids, tty: Some(tty), .. }) => {
+                        terminals.push((pid, pty.size()?, *ids, tty.clone()));
+                    }
+                    Some(Wiring::Terminal { tty: None, .. }) | None => {}
                 }
-                None => None,
-            };
-            pipes.keep.push((pid, out_r, err_r, stdin));
+            }
         }
-        Ok(pipes)
+        for (pid, (rows, cols), ids, tty) in terminals {
+            let conn = InitConn::connect(&sb.dirs.sock()).await?;
+            conn.send(&Request::OpenPty { rows, cols, ids }, &[])?;
+            match conn.recv_fds().await? {
+                (Response::Ok, fds) if fds.len() == 2 => {
+                    let mut fds = fds.into_iter();
+                    let (m, slave) = (fds.next().expect("two fds"), fds.next().expect("two fds"));
+                    ends.inherit.push((slave, tty));
+                    ends.keep.push((pid, Kept::Master(m)));
+                }
+                (Response::Error { errno, message }, _) => return Err(init_error(errno, message)),
+                (other, _) => return Err(unexpected(other)),
+            }
+        }
+        Ok(ends)
     }
 
-    /// The processes `pipes` were made for are restored: their owners read and write the new
-    /// pipes from now on (a stdin its owner closed stays closed).
-    pub(crate) async fn plug_in(&self, pipes: NewPipes) -> Result<()> {
-        drop(pipes.inherit);
-        for (pid, out, err, stdin_w) in pipes.keep {
-            let (out_ino, err_ino) = (pipe_inode(&out)?, pipe_inode(&err)?);
-            let stdin_ino = stdin_w.as_ref().map(pipe_inode).transpose()?;
-            let (out, err) = (receiver(out)?, receiver(err)?);
-            let stdin = {
-                let mut map = self.0.lock();
-                let Some(p) = map.get_mut(&pid) else { continue };
-                p.stdout = out_ino;
-                p.stderr = err_ino;
-                let _ = p.to.send((out, err));
-                if let (Some((ino, _)), Some(new)) = (p.stdin.as_mut(), stdin_ino) {
-                    *ino = new;
+    /// The processes `ends` were made for are restored: their owners read and write the new ends
+    /// from now on (a stdin its owner closed stays closed).
+    pub(crate) async fn plug_in(&self, ends: NewEnds) -> Result<()> {
+        drop(ends.inherit);
+        for (pid, kept) in ends.keep {
+            match kept {
+                Kept::Pipes(out, err, stdin_w) => {
+                    let (out_ino, err_ino) = (pipe_inode(&out)?, pipe_inode(&err)?);
+                    let stdin_ino = stdin_w.as_ref().map(pipe_inode).transpose()?;
+                    let pipes = (receiver(out)?, receiver(err)?);
+                    let stdin = {
+                        let mut map = self.0.lock();
+                        let Some(Plug { wiring: Wiring::Pipes { stdin, stdout, stderr, to }, .. }) = map.get_mut(&pid)
+                        else {
+                            continue;
+                        };
+                        (*stdout, *stderr) = (out_ino, err_ino);
+                        let _ = to.send(pipes);
+                        if let (Some((ino, _)), Some(new)) = (stdin.as_mut(), stdin_ino) {
+                            *ino = new;
+                        }
+                        stdin.as_ref().map(|(_, s)| s.clone())
+                    };
+                    if let (Some(stdin), Some(w)) = (stdin, stdin_w) {
+                        let mut held = stdin.0.lock().await;
+                        if held.is_some() {
+                            *held = Some(pipe::Sender::from_owned_fd(w).map_err(RuntimeError::io("stdin pipe"))?);
+                        }
+                    }
                 }
-                p.stdin.as_ref().map(|(_, s)| s.clone())
-            };
-            if let (Some(stdin), Some(w)) = (stdin, stdin_w) {
-                let mut held = stdin.0.lock().await;
-                if held.is_some() {
-                    *held = Some(pipe::Sender::from_owned_fd(w).map_err(RuntimeError::io("stdin pipe"))?);
+                Kept::Master(fd) => {
+                    let fd = master(fd)?;
+                    let map = self.0.lock();
+                    if let Some(Plug { wiring: Wiring::Terminal { pty, to, .. }, .. }) = map.get(&pid) {
+                        *pty.fd.lock() = fd.clone();
+                        let _ = to.send(fd);
+                    }
                 }
             }
         }
         Ok(())
     }
-}
-
-async fn start_on_pty(sb: &Sandbox, req: &RunCommand, (rows, cols): (u16, u16)) -> Result<AttachedProcess> {
-    if rows == 0 || cols == 0 {
-        return Err(RuntimeError::BadRequest(format!("a terminal of {rows}x{cols}: give at least 1 row and 1 column")));
-    }
-    let mut r = resolve(sb, req)?;
-    let conn = InitConn::connect(&sb.dirs.sock()).await?;
-    let spawn = SpawnRequest {
-        tag: std::mem::take(&mut r.tag),
-        ids: r.ids,
-        allow_setuid: sb.spec.sudo,
-        pty: Some((rows, cols)),
-        ..SpawnRequest::new(std::mem::take(&mut r.argv), std::mem::take(&mut r.env), std::mem::take(&mut r.cwd))
-    };
-    conn.send(&Request::Spawn(spawn), &[])?;
-    let (pid, master) = match conn.recv_fds().await? {
-        (Response::Started { pid }, fds) => match fds.into_iter().next() {
-            Some(m) => (pid, m),
-            None => return Err(unexpected(Response::Started { pid })),
-        },
-        (Response::Error { errno, message }, _) => return Err(init_error(errno, message)),
-        (other, _) => return Err(unexpected(other)),
-    };
-    nix::fcntl::fcntl(master.as_raw_fd(), nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK))
-        .map_err(|e| RuntimeError::io("pty")(e.into()))?;
-    // SAFETY: `master` is an fd we own, moved into the AsyncFd, which keeps it open while it lives.
-    let fd =
-        unsafe { tokio::io::unix::AsyncFd::register(master) }.map_err(|e| RuntimeError::io("pty")(e.into_parts().1))?;
-    let pty = Pty { fd: Arc::new(fd) };
-    let (tx, events) = mpsc::channel(256);
-    let reader = pty.clone();
-    tokio::spawn(async move {
-        let (exited_tx, exited) = watch::channel(false);
-        let out = tokio::spawn(drain_pty(reader, tx.clone(), exited));
-        watch_exit(conn, async move { drop(out.await) }, exited_tx, tx).await;
-    });
-    Ok(AttachedProcess { pid, stdin: None, pty: Some(pty), events })
 }
 
 fn read_log(path: &std::path::Path) -> (String, bool) {
@@ -1001,7 +1115,7 @@ mod tests {
         let (err_r, err_w) = pipe_pair().unwrap();
         let (replug_tx, replug) = mpsc::unbounded_channel();
         let (tx, mut events) = mpsc::channel(16);
-        let task = tokio::spawn(read_attached(conn, (receiver(out_r).unwrap(), receiver(err_r).unwrap()), replug, tx));
+        let task = tokio::spawn(read_pipes(conn, (receiver(out_r).unwrap(), receiver(err_r).unwrap()), replug, tx));
         nix::unistd::write(&out_w, b"before").unwrap();
         assert!(matches!(next(&mut events).await, Attached::Stdout(b) if &b[..] == b"before"));
         // The pause: the process is killed (its pipe ends close); init holds its exit.
@@ -1031,7 +1145,7 @@ mod tests {
         let (err_r, err_w) = pipe_pair().unwrap();
         let (_replug_tx, replug) = mpsc::unbounded_channel();
         let (tx, mut events) = mpsc::channel(16);
-        let task = tokio::spawn(read_attached(conn, (receiver(out_r).unwrap(), receiver(err_r).unwrap()), replug, tx));
+        let task = tokio::spawn(read_pipes(conn, (receiver(out_r).unwrap(), receiver(err_r).unwrap()), replug, tx));
         drop((out_w, err_w, init));
         tokio::time::timeout(Duration::from_secs(10), task).await.unwrap().unwrap();
         assert!(events.recv().await.is_none());

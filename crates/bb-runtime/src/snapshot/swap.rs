@@ -210,6 +210,7 @@ impl Runtime {
                     leave_running: true,
                     kind: crate::process_images::SNAPSHOT_TREE_KIND.into(),
                     frozen_cgroup: Some(freezer.clone()),
+                    ..Default::default()
                 };
                 let root_ref = bb_criu::Root { host_pid: host, ns_pid: root };
                 let (image, _) = self
