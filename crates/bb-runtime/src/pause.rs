@@ -3,9 +3,10 @@
 //!
 //! **Pause.** With the sandbox's operation lock and file gate held: its session templates are
 //! evicted (dumped, [`crate::session_templates`]); init is told to hold the exits it sees
-//! (`Suspend`: refused while a foreground command runs); each session's channel moves into its
-//! own process (`rechannel`); the pause record is written (`pausing`); the cgroup is frozen and
-//! every child of init (each a *tree*: a session, a background command, an orphan) is dumped
+//! (`Suspend`: refused while a foreground command runs, not for attached processes); each
+//! session's channel moves into its own process (`rechannel`); the pause record is written
+//! (`pausing`); the cgroup is frozen and every child of init (each a *tree*: a session, a
+//! background command, an attached process, an orphan) is dumped
 //! from the frozen cgroup, so the trees are one consistent state; the record is committed
 //! (`paused`); every process but init is killed; the cgroup's page cache is reclaimed. What
 //! stays: init (which keeps the namespaces, the mounts and the writable layer) and the images.
@@ -18,8 +19,10 @@
 //! afresh on first use, and the sandbox gets a new boot id. No CRIU is needed.
 //!
 //! **Resume.** Each tree is restored into the sandbox (CRIU joins its namespaces; pids are free
-//! since only init runs), init takes the processes back (`Resume`), and each session is
-//! re-attached through the channel end its process held (`pidfd_getfd`). A tree that cannot be
+//! since only init runs), an attached process with new pipes or a new terminal in place of the
+//! ones whose other ends the daemon holds ([`crate::sandbox::exec::Plugs`]), init takes the
+//! processes back (`Resume`), and each session is re-attached through the channel end its
+//! process held (`pidfd_getfd`). A tree that cannot be
 //! restored kills the ones restored so far: the sandbox stays paused with its images, and the
 //! error names the cause.
 //!

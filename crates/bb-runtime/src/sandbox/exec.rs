@@ -798,7 +798,8 @@ impl Plugs {
                         ends.keep.push((pid, Kept::Pipes(out_r, err_r, stdin)));
                     }
                     Some(Wiring::Terminal { pty, ids, tty: Some(tty), .. }) => {
-                        terminals.push((pid, pty.size()?, *ids, tty.clone()));
+                        // (A size that cannot be read is no reason to keep the sandbox paused.)
+                        terminals.push((pid, pty.size().unwrap_or((24, 80)), *ids, tty.clone()));
                     }
                     Some(Wiring::Terminal { tty: None, .. }) | None => {}
                 }
