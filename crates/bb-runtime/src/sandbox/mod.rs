@@ -66,7 +66,7 @@ pub struct Sandbox {
     /// When a pause at its timeout first failed (refused or not made; see
     /// [`crate::Runtime::pause_expired`]).
     pub(crate) timeout_pause_failing_since: Mutex<Option<f64>>,
-    /// Its attached processes on pipes (see [`crate::sandbox::exec::Plugs`]).
+    /// Its attached processes, on pipes or a terminal (see [`crate::sandbox::exec::Plugs`]).
     pub(crate) plugs: crate::sandbox::exec::Plugs,
 }
 

@@ -58,8 +58,8 @@ pub struct PausedTree {
     pub image: Option<String>,
     /// The session whose server is the root, if it is one.
     pub session: Option<PausedSession>,
-    /// Its root is an attached process on pipes (`sandbox::exec::Plugs`): restored only while
-    /// the daemon that paused it still runs (it holds the other ends).
+    /// Its root is an attached process (`sandbox::exec::Plugs`): restored only while the daemon
+    /// that paused it still runs (it holds the other ends of its pipes or its terminal).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub attached: bool,
 }
