@@ -280,14 +280,7 @@ pub async fn run(sb: &Sandbox, req: &RunCommand, events: Option<mpsc::Sender<Com
     let out_task = tokio::spawn(collect(receiver(out_r)?, col(false), exited.clone()));
     let err_task = tokio::spawn(collect(receiver(err_r)?, col(true), exited.clone()));
 
-    let wait_exit = async {
-        loop {
-            match conn.recv().await? {
-                Response::Exited { status, .. } => return Ok::<ExitStatus, RuntimeError>(status),
-                _ => continue,
-            }
-        }
-    };
+    let wait_exit = exit_status(&conn);
     let (status, timed_out) = match r.timeout {
         None => (wait_exit.await?, false),
         Some(t) => {
@@ -628,7 +621,7 @@ async fn read_attached<E, R, F>(
     F: Fn(E, &mpsc::Sender<Attached>, watch::Receiver<bool>) -> R,
     R: std::future::Future<Output = ()>,
 {
-    let exit = exit_of(conn);
+    let exit = async move { exit_status(&conn).await.ok() }; // None: the sandbox went away
     tokio::pin!(exit);
     loop {
         let (exited_tx, exited) = watch::channel(false);
@@ -655,13 +648,12 @@ async fn read_attached<E, R, F>(
     }
 }
 
-/// The exit status init reports on `conn` (None: the sandbox went away).
-async fn exit_of(conn: InitConn) -> Option<ExitStatus> {
+/// The exit status init reports on `conn`, the spawn's connection (an error: the sandbox, its
+/// init, went away).
+async fn exit_status(conn: &InitConn) -> Result<ExitStatus> {
     loop {
-        match conn.recv().await {
-            Ok(Response::Exited { status, .. }) => return Some(status),
-            Ok(_) => continue,
-            Err(_) => return None, // the sandbox (its init) went away
+        if let Response::Exited { status, .. } = conn.recv().await? {
+            return Ok(status);
         }
     }
 }
@@ -1109,14 +1101,29 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), events.recv()).await.expect("an event in time").expect("open")
     }
 
-    #[tokio::test]
-    async fn an_attached_process_is_read_from_new_pipes_after_a_pause_until_it_exits() {
-        let (_dir, conn, init) = fake_init().await;
+    /// [`read_pipes`] started on `conn` and new pipes: its task, the pipes' write ends (stdout,
+    /// stderr), where new pipes go, and its events.
+    #[allow(clippy::type_complexity)]
+    fn start_reading(
+        conn: InitConn,
+    ) -> (
+        tokio::task::JoinHandle<()>,
+        (OwnedFd, OwnedFd),
+        mpsc::UnboundedSender<(pipe::Receiver, pipe::Receiver)>,
+        mpsc::Receiver<Attached>,
+    ) {
         let (out_r, out_w) = pipe_pair().unwrap();
         let (err_r, err_w) = pipe_pair().unwrap();
         let (replug_tx, replug) = mpsc::unbounded_channel();
-        let (tx, mut events) = mpsc::channel(16);
+        let (tx, events) = mpsc::channel(16);
         let task = tokio::spawn(read_pipes(conn, (receiver(out_r).unwrap(), receiver(err_r).unwrap()), replug, tx));
+        (task, (out_w, err_w), replug_tx, events)
+    }
+
+    #[tokio::test]
+    async fn an_attached_process_is_read_from_new_pipes_after_a_pause_until_it_exits() {
+        let (_dir, conn, init) = fake_init().await;
+        let (task, (out_w, err_w), replug_tx, mut events) = start_reading(conn);
         nix::unistd::write(&out_w, b"before").unwrap();
         assert!(matches!(next(&mut events).await, Attached::Stdout(b) if &b[..] == b"before"));
         // The pause: the process is killed (its pipe ends close); init holds its exit.
@@ -1142,11 +1149,7 @@ mod tests {
     #[tokio::test]
     async fn an_attached_process_whose_sandbox_goes_away_while_paused_ends_without_an_exit() {
         let (_dir, conn, init) = fake_init().await;
-        let (out_r, out_w) = pipe_pair().unwrap();
-        let (err_r, err_w) = pipe_pair().unwrap();
-        let (_replug_tx, replug) = mpsc::unbounded_channel();
-        let (tx, mut events) = mpsc::channel(16);
-        let task = tokio::spawn(read_pipes(conn, (receiver(out_r).unwrap(), receiver(err_r).unwrap()), replug, tx));
+        let (task, (out_w, err_w), _replug_tx, mut events) = start_reading(conn);
         drop((out_w, err_w, init));
         tokio::time::timeout(Duration::from_secs(10), task).await.unwrap().unwrap();
         assert!(events.recv().await.is_none());
