@@ -990,17 +990,24 @@ def _snap(sid: Any) -> str:
     return "/v1/snapshots/" + _seg(snapshot_id(sid))
 
 
+PROCESSES = ("sessions", "all", "keepable")
+
+
+def _check_processes(processes: Optional[str]) -> None:
+    if processes is not None and processes not in PROCESSES:
+        raise exc.InvalidArgumentError('processes must be "sessions", "all" or "keepable", not %r' % (processes,))
+
+
 def checkpoint(sandbox_id: str, label: Optional[str] = None, processes: Optional[str] = None) -> Call:
     if label is not None and not isinstance(label, str):
         raise exc.InvalidArgumentError("label must be a string, not %s" % type(label).__name__)
-    if processes not in (None, "sessions", "all"):
-        raise exc.InvalidArgumentError('processes must be "sessions" or "all", not %r' % (processes,))
+    _check_processes(processes)
     return Call(
         "POST",
         _sbx(sandbox_id) + "/checkpoint",
         json=_compact({"label": label, "processes": processes}),
         parse=SnapshotInfo.from_dict,
-        unbounded=processes == "all",
+        unbounded=processes in ("all", "keepable"),
     )
 
 
@@ -1020,10 +1027,12 @@ def fork(
     network: Optional[str] = None,
     allow: Optional[Sequence[str]] = None,
     replay_inflight: bool = False,
+    processes: Optional[str] = None,
 ) -> Call:
     """``network``/``allow``: the children's (see :func:`network_body`; default: the parent's
     at the fork, or with ``snapshot`` the snapshot's). ``replay_inflight``: the children get the
-    answers to the parent's proxied requests in flight at the checkpoint (not with ``snapshot``)."""
+    answers to the parent's proxied requests in flight at the checkpoint (not with ``snapshot``).
+    ``processes``: what the checkpoint taken for the fork keeps (not with ``snapshot``)."""
     if isinstance(count, bool) or not isinstance(count, int):
         raise exc.InvalidArgumentError("n (the number of children) must be an int, not %r" % (count,))
     if not 1 <= count <= MAX_FORK:
@@ -1038,6 +1047,12 @@ def fork(
         raise exc.InvalidArgumentError(
             "replay_inflight hands on the requests in flight at a checkpoint the fork takes now: leave snapshot out"
         )
+    _check_processes(processes)
+    if processes not in (None, "sessions") and snapshot is not None:
+        raise exc.InvalidArgumentError(
+            "processes is for a checkpoint the fork takes now (a named snapshot gives the children the processes "
+            "it kept): leave snapshot or processes out"
+        )
     body = _compact(
         {
             "count": count,
@@ -1046,10 +1061,13 @@ def fork(
             # Sent only when set: the default (live copies of the sessions) is the daemon's.
             "isolated": True if isolated else None,
             "replay_inflight": True if replay_inflight else None,
+            "processes": processes,
             **network_body(network, allow),
         }
     )
-    return Call("POST", _sbx(sandbox_id) + "/fork", json=body, parse=ForkResult.from_dict)
+    return Call(
+        "POST", _sbx(sandbox_id) + "/fork", json=body, parse=ForkResult.from_dict, unbounded=processes in ("all", "keepable")
+    )
 
 
 def evaluate(sandbox_id: str, body: Dict[str, Any]) -> Call:

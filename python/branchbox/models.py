@@ -596,6 +596,9 @@ class ForkResult(_Model):
     sandboxes: List[SandboxInfo] = field(default_factory=list)
     sessions_restarted: bool = False
     inflight_handed: int = 0
+    #: Background processes of the snapshot that did not come back in a child, each naming the
+    #: child and why (the child runs on without them).
+    processes_not_restored: List[str] = field(default_factory=list)
     took_ms: Optional[float] = None
     raw: Dict[str, Any] = _raw()
 

@@ -333,8 +333,9 @@ class AsyncSandbox:
     # -- snapshots
 
     async def checkpoint(self, label: Optional[str] = None, processes: Optional[str] = None) -> str:
-        """Snapshot the sandbox (filesystem and live sessions; ``processes="all"``: background
-        processes too); returns the snapshot id."""
+        """Snapshot the sandbox (filesystem and live sessions; ``processes="all"`` or
+        ``"keepable"``: background processes too, see :meth:`branchbox.Sandbox.checkpoint`);
+        returns the snapshot id."""
         return (await self.checkpoint_info(label, processes)).id
 
     async def checkpoint_info(self, label: Optional[str] = None, processes: Optional[str] = None) -> SnapshotInfo:
@@ -361,6 +362,7 @@ class AsyncSandbox:
         network: Optional[str] = None,
         allow: Optional[Sequence[str]] = None,
         replay_inflight: bool = False,
+        processes: Optional[str] = None,
     ) -> List["AsyncSandbox"]:
         """Start ``n`` (1..64) new sandboxes from ``snapshot`` (see :meth:`branchbox.Sandbox.fork`;
         ``network``/``allow``: the children's, default the parent's).
@@ -368,7 +370,7 @@ class AsyncSandbox:
         Each child has its own connection with this sandbox's settings: close (or kill)
         them when done.
         """
-        return (await self.fork_info(n, snapshot, timeout, isolated, network, allow, replay_inflight))[0]
+        return (await self.fork_info(n, snapshot, timeout, isolated, network, allow, replay_inflight, processes))[0]
 
     async def fork_info(
         self,
@@ -379,10 +381,11 @@ class AsyncSandbox:
         network: Optional[str] = None,
         allow: Optional[Sequence[str]] = None,
         replay_inflight: bool = False,
+        processes: Optional[str] = None,
     ) -> Tuple[List["AsyncSandbox"], ForkResult]:
         """:meth:`fork`, also returning the daemon's :class:`ForkResult` (see
         :meth:`branchbox.Sandbox.fork_info`)."""
-        call = _core.fork(self.id, n, snapshot, timeout, isolated, network, allow, replay_inflight)
+        call = _core.fork(self.id, n, snapshot, timeout, isolated, network, allow, replay_inflight, processes)
         result = await self._http.call(call)
         children = [AsyncSandbox(info.id, _http=_AsyncHTTP(self._http.config), info=info) for info in result.sandboxes]
         return children, result

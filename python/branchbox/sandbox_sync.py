@@ -603,7 +603,10 @@ class Sandbox:
     def checkpoint(self, label: Optional[str] = None, processes: Optional[str] = None) -> str:
         """Snapshot the sandbox (filesystem and live sessions); returns the snapshot id.
         ``processes="all"`` also keeps background processes (servers, watchers, a build) as
-        process images, restored by a rollback to it (needs CRIU; slower: they are dumped)."""
+        process images, restored by a rollback to it and in forks of it (needs CRIU; slower:
+        they are dumped); one that cannot be kept fails the checkpoint. ``"keepable"`` leaves
+        such a one out instead (``checkpoint_info().processes`` lists those kept). Commands
+        attached to the daemon (started through the E2B endpoint) are never kept."""
         return self.checkpoint_info(label, processes).id
 
     def checkpoint_info(self, label: Optional[str] = None, processes: Optional[str] = None) -> SnapshotInfo:
@@ -630,6 +633,7 @@ class Sandbox:
         network: Optional[str] = None,
         allow: Optional[Sequence[str]] = None,
         replay_inflight: bool = False,
+        processes: Optional[str] = None,
     ) -> List["Sandbox"]:
         """Start ``n`` (1..64) new sandboxes from ``snapshot`` (default: a checkpoint taken
         now). ``timeout`` is the children's time to live in seconds (0 = none).
@@ -648,10 +652,16 @@ class Sandbox:
         retries sends it again) gets the parent's answer instead of going upstream. Needs the
         sandbox's proxy (``proxy=True``) and a checkpoint taken now (no ``snapshot``).
 
+        ``processes="all"`` (or ``"keepable"``, see :meth:`checkpoint`) makes the checkpoint
+        keep background processes (servers, watchers) too: each child gets them under the same
+        pids, restored from process images (needs CRIU; each child costs a restore, ~0.1 s per
+        tree). A ``snapshot`` that kept them gives them to the children anyway; those that did
+        not come back are named in :meth:`fork_info`'s ``processes_not_restored``.
+
         Each child has its own connection with this sandbox's settings: close (or kill)
         them when done, e.g. ``with child: ...``.
         """
-        return self.fork_info(n, snapshot, timeout, isolated, network, allow, replay_inflight)[0]
+        return self.fork_info(n, snapshot, timeout, isolated, network, allow, replay_inflight, processes)[0]
 
     def fork_info(
         self,
@@ -662,10 +672,11 @@ class Sandbox:
         network: Optional[str] = None,
         allow: Optional[Sequence[str]] = None,
         replay_inflight: bool = False,
+        processes: Optional[str] = None,
     ) -> Tuple[List["Sandbox"], ForkResult]:
         """:meth:`fork`, also returning the daemon's whole answer: the :class:`ForkResult`
         (the snapshot forked from, ``sessions_restarted``, ``inflight_handed``, ``took_ms``)."""
-        call = _core.fork(self.id, n, snapshot, timeout, isolated, network, allow, replay_inflight)
+        call = _core.fork(self.id, n, snapshot, timeout, isolated, network, allow, replay_inflight, processes)
         result = self._http.call(call)
         return [Sandbox(info.id, _http=_HTTP(self._http.config), info=info) for info in result.sandboxes], result
 

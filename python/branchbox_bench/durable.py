@@ -17,6 +17,9 @@ Measured in one run against the running daemon (which must have CRIU):
 - ``evict_blocking``: how much slower a session request (``run_code``) and a rollback of the
   same sandbox are while a template of it is being dumped, against the same requests without a
   dump (p50 difference, 0 when not slower);
+- ``fork4_processes``: ``fork(4, processes="all")`` of a sandbox with a background process
+  holding ``heap_mb`` MiB (dumped once, restored into each child) against ``fork4_sessions``,
+  ``fork(4)`` of the same sandbox (its session copied, the process left behind), interleaved;
 - ``pause`` / ``resume`` of a sandbox whose session holds 50 and 500 MiB (all of its processes
   dumped, memory given back; restored with the same pids), the memory the paused 500 MiB
   sandbox still holds on the host, and a cold start (create and first ``run_code``) as the
@@ -56,6 +59,9 @@ SUMMARY_KEYS = (
     "resume_500mib_ms_p50",
     "paused_host_mb",
     "cold_start_ms_p50",
+    "fork4_processes_ms_p50",
+    "fork4_sessions_ms_p50",
+    "fork4_processes_vs_sessions_ratio",
     "restore_evicted_vs_template_ratio",
     "restore_evicted_vs_eager_ratio",
     "resume_500mib_vs_cold_start_ratio",
@@ -78,6 +84,8 @@ METRICS = (
     "pause_500mib",
     "resume_500mib",
     "cold_start",
+    "fork4_processes",
+    "fork4_sessions",
 )
 MIB = 1 << 20
 
@@ -141,6 +149,9 @@ class DurableResult:
             "resume_500mib_ms_p50": r(self.p50("resume_500mib")),
             "paused_host_mb": r(self.paused_host_mb),
             "cold_start_ms_p50": r(self.p50("cold_start")),
+            "fork4_processes_ms_p50": r(self.p50("fork4_processes")),
+            "fork4_sessions_ms_p50": r(self.p50("fork4_sessions")),
+            "fork4_processes_vs_sessions_ratio": ratio(self.p50("fork4_processes"), self.p50("fork4_sessions")),
             "restore_evicted_vs_template_ratio": ratio(self.p50("restore_evicted"), self.p50("template_rollback")),
             "restore_evicted_vs_eager_ratio": ratio(self.p50("restore_evicted"), self.p50("restore_evicted_eager")),
             "resume_500mib_vs_cold_start_ratio": ratio(self.p50("resume_500mib"), self.p50("cold_start")),
@@ -284,6 +295,38 @@ def run_durable_bench(
     finally:
         sbx.kill()
         sbx.close()
+
+    # Forks that carry a background process, against forks that leave it behind.
+    progress("forks with a background process of %d MiB" % heap_mb)
+    s = Sandbox.create(timeout=0, memory_mb=max(1024, heap_mb * 8), request_timeout=600, **kw)
+    try:
+        s.files.write("/root/holder.py", _heap_code(heap_mb) + "open('/root/held', 'w').close()\nimport time\ntime.sleep(1e6)\n")
+        holder = s.commands.run(["python3", "/root/holder.py"], background=True)
+        deadline = time.monotonic() + 120
+        while not s.files.exists("/root/held"):
+            if time.monotonic() > deadline:
+                raise BenchError("bench: the background process did not fill its heap in 120 s")
+            time.sleep(0.05)
+        s.run_code("x = 1")
+        for i in range(max(2, n // 2)):
+            progress("fork with and without the process %d/%d" % (i + 1, max(2, n // 2)))
+            for metric, processes in (("fork4_processes", "all"), ("fork4_sessions", None)):
+                t0 = time.perf_counter()
+                kids, r = s.fork_info(4, processes=processes)
+                res.add(metric, _ms(t0))
+                try:
+                    if r.processes_not_restored:
+                        raise BenchError("bench: a fork child lacks the process: %s" % r.processes_not_restored[0])
+                    running = {p.pid for p in kids[-1].commands.list() if p.running}
+                    if (holder.pid in running) != (processes == "all"):
+                        raise BenchError("bench: fork(processes=%r): the process is %s in a child" % (processes, "running" if holder.pid in running else "missing"))
+                finally:
+                    for k in kids:
+                        k.kill()
+                        k.close()
+    finally:
+        s.kill()
+        s.close()
 
     # Pause and resume.
     for mb, runs in ((heap_mb, pause_n), (big_mb, max(1, pause_n // 2 + 1))):

@@ -637,7 +637,11 @@ def sandbox_checkpoint(
     ctx: typer.Context,
     sandbox_id: str = typer.Argument(..., metavar="ID"),
     label: Optional[str] = typer.Option(None, "--label", "-l", help="Label shown in `snapshot ls`."),
-    processes: str = typer.Option("sessions", "--processes", help='"sessions", or "all": background processes too (CRIU).'),
+    processes: str = typer.Option(
+        "sessions",
+        "--processes",
+        help='"sessions"; "all": background processes too (CRIU); "keepable": those of them CRIU can keep.',
+    ),
 ) -> None:
     """Snapshot a sandbox (files and live sessions) and print the snapshot id."""
     c = ctx_of(ctx)
@@ -705,18 +709,35 @@ def sandbox_fork(
         help="Children that send a request the parent has in flight through the proxy get the parent's answer "
         "(needs --proxy on the sandbox).",
     ),
+    processes: str = typer.Option(
+        "sessions",
+        "--processes",
+        help='What the checkpoint keeps for the children: "sessions"; "all": background processes too (CRIU); '
+        '"keepable": those of them CRIU can keep.',
+    ),
 ) -> None:
-    """Start new sandboxes from a snapshot of ID; prints the child ids, one per line."""
+    """Start new sandboxes from a snapshot of ID; prints the child ids, one per line.
+
+    The children get the background processes the snapshot kept (--processes all/keepable, or a --snapshot taken
+    with them); those that did not come back are named on stderr."""
     c = ctx_of(ctx)
     network = parse_network(network)
     entries = parse_allow(allow, clear_allow)
     sbx = Sandbox.connect(sandbox_id, resume=False, **c.sdk())
     try:
-        children = sbx.fork(
-            n, snapshot=snapshot, isolated=isolated, network=network, allow=entries, replay_inflight=replay_inflight
+        children, result = sbx.fork_info(
+            n,
+            snapshot=snapshot,
+            isolated=isolated,
+            network=network,
+            allow=entries,
+            replay_inflight=replay_inflight,
+            processes=None if processes == "sessions" else processes,
         )
     finally:
         sbx.close()
+    for why in result.processes_not_restored:
+        err.print("not restored: %s" % why)
     for child in children:
         child.close()
         out.print(child.id)

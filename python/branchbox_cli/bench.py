@@ -185,7 +185,7 @@ def bench_durable(
     pause_n: int = typer.Option(5, "--pause-n", min=1, help="Pause/resume cycles of the small sandbox (the large one: about half)."),
     state_dir: str = typer.Option("/var/lib/branchbox", "--state-dir", help="The daemon's state dir (CRIU's restore logs are read there)."),
 ) -> None:
-    """Process images: rollback to an evicted template, dumps, pause/resume at 50 and 500 MiB.
+    """Process images: rollback to an evicted template, dumps, forks with a process, pause/resume at 50 and 500 MiB.
 
     Needs a daemon with CRIU. The last line of stdout is always the JSON summary.
     """
@@ -210,6 +210,13 @@ def bench_durable(
                 "criu_lazy_restore_ms_p50",
                 "criu_plain_restore_ms_p50",
             )
+        ),
+        "fork(4) with a %d MiB background process: %s (without it: %s, ratio %s)"
+        % (
+            heap_mb,
+            fmt_num(summary.get("fork4_processes_ms_p50"), " ms", "%.0f"),
+            fmt_num(summary.get("fork4_sessions_ms_p50"), " ms", "%.0f"),
+            fmt_num(summary.get("fork4_processes_vs_sessions_ratio"), "", "%.2f"),
         ),
         "pause / resume 500 MiB: %s / %s (cold start %s); paused sandbox holds %s"
         % (

@@ -504,7 +504,8 @@ def test_create_and_fork_signatures_mirror() -> None:
     assert "template" in inspect.signature(Sandbox.create).parameters
     assert inspect.signature(Sandbox.fork).parameters["isolated"].default is False
     for name in ("fork", "fork_info"):
-        assert list(inspect.signature(getattr(Sandbox, name)).parameters)[-1] == "replay_inflight", name
+        assert list(inspect.signature(getattr(Sandbox, name)).parameters)[-2:] == ["replay_inflight", "processes"], name
+        assert inspect.signature(getattr(AsyncSandbox, name)).parameters["processes"].default is None, name
         assert inspect.signature(getattr(Sandbox, name)).parameters["replay_inflight"].default is False, name
         assert inspect.signature(getattr(AsyncSandbox, name)).parameters["replay_inflight"].default is False, name
     assert sandbox_sync.__all__[-3:] == ["Templates", "Pool", "health"]

@@ -120,6 +120,9 @@ def test_fork_result_parsing() -> None:
     assert r.inflight_handed == 0, "inflight_handed defaults to 0 (no replay_inflight, or an older daemon)"
     r = ForkResult.from_dict(dict(FORK, inflight_handed=3))
     assert r.inflight_handed == 3 and r.raw["inflight_handed"] == 3
+    assert r.processes_not_restored == [], "none listed: every process came back (or none was kept)"
+    why = "sandbox sb-child000001: 42 (python3 -m http.server): restore failed"
+    assert ForkResult.from_dict(dict(FORK, processes_not_restored=[why])).processes_not_restored == [why]
 
 
 # ----------------------------------------------------------------------------- _core calls
@@ -136,6 +139,10 @@ def test_core_call_shapes() -> None:
         (_core.fork(SID, 3, SN1, 0), "POST", BASE + "/fork", {"count": 3, "snapshot": SN1, "timeout": 0}),
         (_core.fork(SID, 2, replay_inflight=True), "POST", BASE + "/fork", {"count": 2, "replay_inflight": True}),
         (_core.fork(SID, 3, SN1, replay_inflight=False), "POST", BASE + "/fork", {"count": 3, "snapshot": SN1}),
+        (_core.fork(SID, 2, processes="all"), "POST", BASE + "/fork", {"count": 2, "processes": "all"}),
+        (_core.fork(SID, 1, processes="keepable"), "POST", BASE + "/fork", {"count": 1, "processes": "keepable"}),
+        (_core.fork(SID, 1, SN1, processes="sessions"), "POST", BASE + "/fork", {"count": 1, "snapshot": SN1, "processes": "sessions"}),
+        (_core.checkpoint(SID, processes="keepable"), "POST", BASE + "/checkpoint", {"processes": "keepable"}),
         (_core.evaluate(SID, {"cmd": "true"}), "POST", BASE + "/evaluate", {"cmd": "true"}),
         (_core.sandbox_snapshots(SID), "GET", BASE + "/snapshots", None),
         (_core.list_snapshots(), "GET", "/v1/snapshots", None),
@@ -180,6 +187,9 @@ def test_core_accepts_snapshot_info_and_sandbox_objects() -> None:
         lambda: _core.rollback(SID, SN1, lazy_pages=0),
         lambda: _core.rollback(SID, 12),
         lambda: _core.checkpoint(SID, 5),
+        lambda: _core.checkpoint(SID, processes="some"),
+        lambda: _core.fork(SID, 1, processes="some"),
+        lambda: _core.fork(SID, 1, snapshot=SN1, processes="all"),
         lambda: _core.get_snapshot(""),
         lambda: _core.delete_snapshot("  "),
         lambda: _core.gc_snapshots(None),
@@ -430,7 +440,7 @@ def test_sandbox_snapshot_signatures() -> None:
     assert list(params) == ["self", "cmd", "env", "cwd", "timeout"]
     assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in ("env", "cwd", "timeout"))
     assert list(inspect.signature(Sandbox.fork).parameters) == [
-        "self", "n", "snapshot", "timeout", "isolated", "network", "allow", "replay_inflight"
+        "self", "n", "snapshot", "timeout", "isolated", "network", "allow", "replay_inflight", "processes"
     ]
     assert inspect.signature(Sandbox.fork).parameters["n"].default == 1
 

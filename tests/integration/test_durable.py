@@ -593,6 +593,76 @@ def test_rollback_with_processes_all_brings_back_a_writer_holding_its_file(make_
     assert r3.restored_processes == [h.pid], r3.raw
 
 
+def serves(sbx):
+    r = sbx.commands.run(HTTP_CHECK + " 2>&1; true")
+    return r.stdout.strip()
+
+
+def test_fork_with_processes_gives_each_child_the_server_under_its_pid(make_sandbox, raw):
+    # A server started in the background, and a session with state. fork(processes="all")
+    # restores the server into each child under the same pid, before the child's session
+    # copies take pids of their own; each child's server serves the child's files.
+    sbx = make_sandbox(timeout=0)
+    sbx.files.write("/srv/hello.txt", "hello from inside")
+    h = sbx.commands.run("cd /srv && exec python3 -m http.server 8765 --bind 127.0.0.1", background=True)
+    wait_until(lambda: serves(sbx) == "hello from inside", timeout=20, what="server")
+    sbx.run_code("x = 5")
+    children, r = sbx.fork_info(2, processes="all")
+    assert not r.processes_not_restored and not r.sessions_restarted, r.raw
+    for c in children:
+        procs = {p.pid: p for p in c.commands.list()}
+        assert h.pid in procs and procs[h.pid].running, procs
+        c.files.write("/srv/hello.txt", "child " + c.id)
+        assert serves(c) == "child " + c.id
+        assert c.run_code("x").result == "5"
+    assert serves(sbx) == "hello from inside"
+    children[0].commands.kill(h.pid)
+    assert serves(children[1]) == "child " + children[1].id and serves(sbx) == "hello from inside"
+    # A snapshot that kept it gives it to a fork of it and to a sandbox created from it, also
+    # isolated children (own namespaces, fresh sessions).
+    # (The pre-built shells of the next fork, nested in it, are not among its processes.)
+    info = sbx.checkpoint_info(processes="all")
+    assert [p["pid"] for p in info.processes] == [h.pid], info.raw
+    snap = info.id
+    (named,) = sbx.fork(1, snapshot=snap)
+    (isolated,) = sbx.fork(1, isolated=True, processes="keepable")
+    made = make_sandbox(snapshot=snap, timeout=0)
+    for c in (named, isolated, made):
+        assert serves(c) == "hello from inside", c.id
+        assert {p.pid: p for p in c.commands.list()}[h.pid].running
+    # A plain fork (sessions only) has no server; processes with a named snapshot is refused.
+    (plain,) = sbx.fork(1)
+    assert h.pid not in {p.pid for p in plain.commands.list()} and "refused" in serves(plain)
+    resp = raw.post("/v1/sandboxes/%s/fork" % sbx.id, json={"snapshot": snap, "processes": "all"})
+    assert resp.status_code == 400 and "leave snapshot or processes out" in resp.text, resp.text
+    # Its log has grown since (each request is logged to stderr): a rollback still restores it.
+    assert serves(sbx) == "hello from inside"
+    r = sbx.rollback(snap)
+    assert r.restored_processes == [h.pid] and not r.processes_not_restored, r.raw
+    assert serves(sbx) == "hello from inside"
+    for c in children + [named, isolated, plain]:
+        c.kill()
+
+
+def test_keepable_leaves_out_what_cannot_be_kept(make_sandbox, raw):
+    # CRIU cannot dump a vsock socket: processes="all" fails naming the process, "keepable"
+    # keeps the others and leaves it running; a fork of that snapshot gets the others.
+    sbx = make_sandbox(timeout=0)
+    sleeper = sbx.commands.run(["sleep", "600"], background=True)
+    vsock = "import socket, time\ns = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)\nopen('/tmp/held', 'w')\ntime.sleep(600)"
+    held = sbx.commands.run(["python3", "-c", vsock], background=True)
+    wait_until(lambda: sbx.files.exists("/tmp/held"), what="the vsock holder")
+    resp = raw.post("/v1/sandboxes/%s/checkpoint" % sbx.id, json={"processes": "all"})
+    assert resp.status_code == 409 and "process %d" % held.pid in resp.text, resp.text
+    info = sbx.checkpoint_info(processes="keepable")
+    assert [p["pid"] for p in info.processes] == [sleeper.pid], info.raw
+    procs = {p.pid: p for p in sbx.commands.list()}
+    assert procs[held.pid].running and procs[sleeper.pid].running, procs
+    (child,) = sbx.fork(1, snapshot=info.id)
+    assert [p.pid for p in child.commands.list() if p.running] == [sleeper.pid]
+    child.kill()
+
+
 def test_pause_of_a_sandbox_busy_starting_commands(make_sandbox):
     # A shell starting commands in a tight loop (vfork + exec, hundreds a second) while the CPU
     # is contended: a pause must neither meet a shell in vfork (CRIU hung 10 s on it) nor a

@@ -745,6 +745,34 @@ def test_snapshot_then_create_from_it(make, snapshots):
     assert s.files.read("/tmp/snap.txt") == "after the snapshot"
 
 
+def test_snapshot_and_fork_carry_a_detached_server(make, snapshots):
+    """E2B's snapshots hold the whole VM; here a snapshot (and a fork) keeps the processes CRIU
+    can keep: a server started detached (`nohup ... &`) serves in a sandbox made from the
+    snapshot and in a fork child, under its pid. Commands attached to the daemon
+    (`background=True`, a PTY) stay in the source."""
+    s = make()
+    s.files.write("www/index.html", "served")
+    s.commands.run("cd www && nohup python3 -m http.server 8123 --bind 127.0.0.1 > /dev/null 2>&1 &")
+    fetch = "curl -sS http://127.0.0.1:8123/index.html"
+    wait_until(lambda: s.commands.run(fetch + " || true").stdout == "served", timeout=20, what="the server")
+    server = s.commands.run("pgrep -f '^python3 -m http.server 8123'").stdout.strip()
+    attached = s.commands.run("sleep 1000", background=True)
+    t = s.pty.create(PtySize(rows=24, cols=80), timeout=60)
+    s.pty.send_stdin(t.pid, b"exec sleep 999\n")
+    wait_until(lambda: s.commands.run("pgrep -f '^sleep 999$' || true").stdout.strip(), what="the terminal's sleep")
+    snap = snapshots(s.create_snapshot())
+    (kid,) = s.fork(count=1)
+    for c in (make(template=snap.snapshot_id), kid):
+        assert c.commands.run(fetch).stdout == "served", c.sandbox_id
+        assert c.commands.run("pgrep -f '^python3 -m http.server 8123'").stdout.strip() == server
+        assert c.commands.run("pgrep -f '^sleep 1000$' || echo none").stdout.strip() == "none"
+        assert c.commands.run("pgrep -f '^sleep 999$' || echo none").stdout.strip() == "none"
+        c.files.write("www/index.html", "child")
+        assert c.commands.run(fetch).stdout == "child"
+    assert s.commands.run(fetch).stdout == "served"
+    assert attached.pid in {p.pid for p in s.commands.list()}
+
+
 def test_list_and_delete_snapshots(make, snapshots):
     a, b = make(), make()
     sa = snapshots(a.create_snapshot())

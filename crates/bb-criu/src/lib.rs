@@ -330,8 +330,15 @@ impl Criu {
     }
 
     /// Run CRIU with `args` in `sandbox`'s namespaces, `keep` fds inherited. Returns its exit
-    /// status.
-    fn run(&self, sandbox: &SandboxRef, join_cgroup: bool, args: &[String], keep: &[RawFd]) -> Result<Option<i32>> {
+    /// status. `restoring`: the pids of the tasks a restore makes, which CRIU must not take.
+    fn run(
+        &self,
+        sandbox: &SandboxRef,
+        join_cgroup: bool,
+        args: &[String],
+        keep: &[RawFd],
+        restoring: &[i32],
+    ) -> Result<Option<i32>> {
         use std::os::unix::process::CommandExt;
         let mut cmd = std::process::Command::new(&self.exec_helper);
         cmd.arg(sandbox.init_pid.to_string());
@@ -339,6 +346,9 @@ impl Criu {
             for f in &sandbox.cgroup_procs {
                 cmd.arg("--cgroup-procs").arg(f);
             }
+        }
+        if let Some(top) = restoring.iter().max() {
+            cmd.arg("--pids-above").arg(top.to_string());
         }
         cmd.arg("--").arg(&self.bin).args(args);
         cmd.env("XDG_RUNTIME_DIR", KDAT_UNPRIVILEGED);
@@ -410,7 +420,7 @@ impl Criu {
             args.push("--external".into());
             args.push(key.clone());
         }
-        let status = self.run(sandbox, false, &args, &[])?;
+        let status = self.run(sandbox, false, &args, &[], &[])?;
         if status != Some(0) {
             return Err(CriuError::Failed { action: "dump", status, log: log_tail(&dir.join("dump.log"), 6) });
         }
@@ -498,7 +508,7 @@ impl Criu {
             args.push(format!("fd[{fd}]:{key}"));
         }
         let keep: Vec<RawFd> = held.iter().map(|f| f.as_raw_fd()).chain(inherit.iter().map(|(fd, _)| *fd)).collect();
-        let status = self.run(sandbox, true, &args, &keep);
+        let status = self.run(sandbox, true, &args, &keep, &manifest.tasks);
         tracing::debug!(took = ?t0.elapsed(), lazy, "criu restore");
         let restored = match status {
             Ok(Some(0)) => None,

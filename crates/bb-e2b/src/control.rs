@@ -595,6 +595,16 @@ pub async fn resume(State(e): St, Path(id): Path<String>, bytes: axum::body::Byt
     Ok((StatusCode::CREATED, Json(created(&e, &r.sandbox))).into_response())
 }
 
+/// What E2B's snapshots and forks keep of the processes: as much as the daemon can (E2B's hold
+/// the whole VM). Background processes need CRIU; those it cannot keep are left out.
+fn keepable(e: &E2b) -> model::Processes {
+    if e.rt.can_keep_processes() {
+        model::Processes::Keepable
+    } else {
+        model::Processes::Sessions
+    }
+}
+
 #[derive(Deserialize, Default)]
 pub struct ForkReq {
     timeout: Option<u64>,
@@ -612,6 +622,7 @@ pub async fn fork(State(e): St, Path(id): Path<String>, bytes: axum::body::Bytes
             model::ForkRequest {
                 count: Some(req.count.unwrap_or(1)),
                 timeout: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT) as f64),
+                processes: keepable(&e),
                 ..Default::default()
             },
         )
@@ -630,9 +641,10 @@ pub struct SnapshotReq {
 pub async fn snapshot(State(e): St, Path(id): Path<String>, bytes: axum::body::Bytes) -> E2bResult<Response> {
     let req: SnapshotReq = body(&bytes)?;
     info_of(&e, &id)?;
-    let snap =
-        e.rt.checkpoint(&canonical_id(&id), model::CheckpointRequest { label: req.name.clone(), ..Default::default() })
-            .await?;
+    let snap = e
+        .rt
+        .checkpoint(&canonical_id(&id), model::CheckpointRequest { label: req.name.clone(), processes: keepable(&e) })
+        .await?;
     let names: Vec<String> = req.name.into_iter().collect();
     Ok((StatusCode::CREATED, Json(json!({"snapshotID": snap.id, "names": names}))).into_response())
 }

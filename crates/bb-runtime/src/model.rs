@@ -499,8 +499,10 @@ pub struct ProcessImageStats {
 pub struct CheckpointRequest {
     /// Free-form label shown in snapshot listings.
     pub label: Option<String>,
-    /// What of the processes the snapshot keeps: `sessions` (the default, the fast path) or
-    /// `all` (background processes too, as process images: a rollback to it restores them).
+    /// What of the processes the snapshot keeps: `sessions` (the default, the fast path),
+    /// `all` (background processes too, as process images: a rollback to it restores them, and
+    /// a fork of it or a sandbox created from it gets them) or `keepable` (those of them CRIU
+    /// can keep).
     #[serde(default)]
     pub processes: Processes,
 }
@@ -512,8 +514,20 @@ pub enum Processes {
     /// Sessions only, as live templates (background processes are killed by a rollback).
     #[default]
     Sessions,
-    /// Sessions, and every background process tree as a process image (needs CRIU).
+    /// Sessions, and every background process tree as a process image (needs CRIU). A tree
+    /// that cannot be kept fails the checkpoint. Processes attached to the daemon (commands
+    /// of the E2B endpoint, whose pipes or terminal it holds) are never kept.
     All,
+    /// As `all`, but a tree that cannot be kept (e.g. a socket CRIU cannot dump, a terminal of
+    /// a shell that ended) is left out: the snapshot's `processes` lists those kept.
+    Keepable,
+}
+
+impl Processes {
+    /// Whether background process trees are dumped.
+    pub fn trees(self) -> bool {
+        self != Processes::Sessions
+    }
 }
 
 /// A background process a snapshot keeps in a process image.
@@ -569,6 +583,12 @@ pub struct ForkRequest {
     /// for); needs the sandbox's proxy and a checkpoint taken now (not `snapshot`).
     #[serde(default)]
     pub replay_inflight: bool,
+    /// What of the processes the children get, for a checkpoint the fork takes now: `sessions`
+    /// (the default) or `all`/`keepable` (background processes too, restored into each child
+    /// from process images under their pids; needs CRIU). A named `snapshot` that kept
+    /// background processes gives them to the children whatever this says.
+    #[serde(default)]
+    pub processes: Processes,
 }
 
 /// A new network policy for a running sandbox (`PUT /v1/sandboxes/{id}/network`): it applies to
@@ -694,6 +714,10 @@ pub struct ForkResult {
     /// (`replay_inflight`).
     #[serde(default)]
     pub inflight_handed: u32,
+    /// Background processes of the snapshot that did not come back in a child, each with the
+    /// child and why (the child runs on without them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub processes_not_restored: Vec<String>,
     pub took_ms: f64,
 }
 
@@ -1186,7 +1210,30 @@ pub struct PortList {
 
 #[cfg(test)]
 mod tests {
-    use super::Access;
+    use super::{Access, ForkRequest, ForkResult, Processes};
+
+    #[test]
+    fn processes_parse_and_say_whether_trees_are_dumped() {
+        let parsed: Vec<Processes> = serde_json::from_str(r#"["sessions", "all", "keepable"]"#).unwrap();
+        assert_eq!(parsed, [Processes::Sessions, Processes::All, Processes::Keepable]);
+        assert_eq!(parsed.iter().map(|p| p.trees()).collect::<Vec<_>>(), [false, true, true]);
+        assert!(serde_json::from_str::<Processes>(r#""some""#).is_err());
+        // A fork asks for none unless told; its answer lists no failures when there are none.
+        let req: ForkRequest = serde_json::from_str(r#"{"count": 2}"#).unwrap();
+        assert_eq!(req.processes, Processes::Sessions);
+        let req: ForkRequest = serde_json::from_str(r#"{"processes": "keepable"}"#).unwrap();
+        assert_eq!(req.processes, Processes::Keepable);
+        let answer = ForkResult {
+            snapshot: "sn-1".into(),
+            sandboxes: Vec::new(),
+            sessions_restarted: false,
+            restart_reason: None,
+            inflight_handed: 0,
+            processes_not_restored: Vec::new(),
+            took_ms: 1.0,
+        };
+        assert!(!serde_json::to_string(&answer).unwrap().contains("processes_not_restored"));
+    }
 
     #[test]
     fn access_modes_parse_and_say_who_shares_and_who_writes() {

@@ -25,6 +25,7 @@ use parking_lot::Mutex;
 use rusqlite::{params, Connection};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// An image record.
 #[derive(Debug, Clone, PartialEq)]
@@ -56,6 +57,9 @@ pub struct ProcessImages {
     lazy_unavailable: Option<String>,
     /// Lazy-pages servers still filling restored trees: (sandbox, image, server).
     serving: Mutex<Vec<(String, String, bb_criu::LazyPages)>>,
+    /// One restore per image at a time (CRIU writes its log and stats beside the image): the
+    /// lock of each image being restored.
+    restoring: Mutex<std::collections::HashMap<String, Arc<Mutex<()>>>>,
 }
 
 /// `kind` of an image of a session template.
@@ -170,6 +174,7 @@ impl ProcessImages {
             unsettled: Default::default(),
             lazy_unavailable,
             serving: Default::default(),
+            restoring: Default::default(),
         };
         settle_strays(&[criu_bin, criu_exec], &images.dir, bb_criu::DEFAULT_TIMEOUT);
         images.recover()?;
@@ -293,6 +298,28 @@ impl ProcessImages {
     /// can hold the image's memory twice below its limit, so that copy cannot drive it into its
     /// OOM killer where an eager restore would not have.
     pub fn restore(
+        &self,
+        sb: &crate::sandbox::Sandbox,
+        id: &str,
+        eager: bool,
+        inherit: &[(std::os::fd::RawFd, String)],
+    ) -> crate::Result<(bb_criu::Manifest, bool)> {
+        // The children of a fork may restore the same image at once.
+        let lock = self.restoring.lock().entry(id.to_string()).or_default().clone();
+        let restored = {
+            let _restoring = lock.lock();
+            self.restore_alone(sb, id, eager, inherit)
+        };
+        // Forgotten once nobody else holds or waits for it.
+        let mut restoring = self.restoring.lock();
+        if Arc::strong_count(&lock) == 2 {
+            restoring.remove(id);
+        }
+        restored
+    }
+
+    /// [`ProcessImages::restore`], with no other restore of image `id` under way.
+    fn restore_alone(
         &self,
         sb: &crate::sandbox::Sandbox,
         id: &str,
@@ -493,6 +520,12 @@ impl ProcessImages {
 
 impl crate::Runtime {
     /// Whether process images are on, and the disk they use (`GET /v1/health`).
+    /// Whether checkpoints and forks can keep background processes (`processes: "all"`): the
+    /// daemon has a CRIU it can use.
+    pub fn can_keep_processes(&self) -> bool {
+        self.process_images.unavailable().is_none()
+    }
+
     pub fn process_image_stats(&self) -> ProcessImageStats {
         self.process_images.stats()
     }

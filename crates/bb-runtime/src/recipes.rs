@@ -423,7 +423,11 @@ impl Runtime {
         }
         spec.metadata.remove(TEMPLATE_KEY);
         spec.metadata.insert("branchbox.from_template".into(), name.into());
-        let (children, _) = self.fork_snapshot(&snap, &spec, 1, timeout).await?;
+        let not_restored = crate::snapshot::fork::TreesNotRestored::default();
+        let (children, _) = self.fork_snapshot(&snap, &spec, 1, timeout, &not_restored).await?;
+        for why in not_restored.take() {
+            tracing::warn!(template = %name, "a background process was not restored: {why}");
+        }
         Ok(children[0].info())
     }
 }

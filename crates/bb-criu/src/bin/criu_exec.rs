@@ -1,5 +1,5 @@
-//! `branchbox-criu-exec INIT_PID [--cgroup-procs FILE]... -- CRIU ARGS...`: run CRIU as host root
-//! inside a sandbox's pid, net, uts, ipc and cgroup namespaces.
+//! `branchbox-criu-exec INIT_PID [--cgroup-procs FILE]... [--pids-above PID] -- CRIU ARGS...`: run
+//! CRIU as host root inside a sandbox's pid, net, uts, ipc and cgroup namespaces.
 //!
 //! CRIU then sees the sandbox's processes in its own namespaces (it dumps none of those, and
 //! pids are the sandbox's), while keeping the host's user namespace (init-namespace
@@ -14,6 +14,12 @@
 //! Single-threaded: forks after joining the pid namespace; the parent waits and exits with the
 //! child's status. The child (CRIU) leads a session of its own in the sandbox's pid namespace,
 //! and dies with the parent.
+//!
+//! `--pids-above PID`: CRIU (and its threads) take pids above PID in the sandbox, leaving those
+//! of the tasks it restores free. A new sandbox has handed out few pids, and CRIU would take the
+//! next one (2, 3, ...), likely one of a restored tree's: a first child moves the namespace's
+//! last pid up to PID (`ns_last_pid`, written from inside; it applies to the writer's own pid
+//! namespace) and exits, then CRIU is forked.
 
 use nix::mount::{mount, MsFlags};
 use std::ffi::CString;
@@ -35,10 +41,15 @@ fn main() {
         fail("usage", "the first argument is the sandbox init's host pid")
     };
     let mut cgroup_procs = Vec::new();
+    let mut pids_above = None;
     let mut it = ours[1..].iter();
     while let Some(a) = it.next() {
         match (a.to_str(), it.next()) {
             (Some("--cgroup-procs"), Some(f)) => cgroup_procs.push(f.clone()),
+            (Some("--pids-above"), Some(p)) => match p.to_str().and_then(|p| p.parse::<i32>().ok()) {
+                Some(p) if p > 0 => pids_above = Some(p),
+                _ => fail("usage", format!("--pids-above takes a pid, not {p:?}")),
+            },
             _ => fail("usage", format!("unknown argument {a:?}")),
         }
     }
@@ -75,6 +86,9 @@ fn main() {
         }
     }
     drop(ns);
+    if let Some(pid) = pids_above {
+        raise_last_pid(pid);
+    }
     // SAFETY: single-threaded program: the child may do anything before exec.
     match unsafe { nix::unistd::fork() } {
         Err(e) => fail("fork", e),
@@ -105,13 +119,48 @@ fn main() {
             let e = nix::unistd::execv(&argv[0], &argv).unwrap_err();
             fail(&format!("exec {:?}", argv[0]), e)
         }
-        Ok(nix::unistd::ForkResult::Parent { child }) => loop {
-            match nix::sys::wait::waitpid(child, None) {
-                Ok(nix::sys::wait::WaitStatus::Exited(_, code)) => std::process::exit(code),
-                Ok(nix::sys::wait::WaitStatus::Signaled(_, sig, _)) => std::process::exit(128 + sig as i32),
-                Ok(_) | Err(nix::Error::EINTR) => continue,
-                Err(e) => fail("wait for CRIU", e),
+        Ok(nix::unistd::ForkResult::Parent { child }) => std::process::exit(wait_exit(child, "CRIU")),
+    }
+}
+
+/// Wait for `child` to end; its exit code (128 + the signal that killed it).
+fn wait_exit(child: nix::unistd::Pid, what: &str) -> i32 {
+    loop {
+        match nix::sys::wait::waitpid(child, None) {
+            Ok(nix::sys::wait::WaitStatus::Exited(_, code)) => return code,
+            Ok(nix::sys::wait::WaitStatus::Signaled(_, sig, _)) => return 128 + sig as i32,
+            Ok(_) | Err(nix::Error::EINTR) => continue,
+            Err(e) => fail(&format!("wait for {what}"), e),
+        }
+    }
+}
+
+/// Move the last pid handed out in the pid namespace joined for children up to `pid` (never
+/// down), from a child inside it.
+fn raise_last_pid(pid: i32) {
+    const LAST_PID: &str = "/proc/sys/kernel/ns_last_pid";
+    // SAFETY: single-threaded program: the child may do anything.
+    match unsafe { nix::unistd::fork() } {
+        Err(e) => fail("fork", e),
+        Ok(nix::unistd::ForkResult::Child) => {
+            let now = std::fs::read_to_string(LAST_PID).ok().and_then(|t| t.trim().parse::<i32>().ok());
+            let code = match now {
+                Some(now) if now >= pid => 0,
+                _ => match std::fs::write(LAST_PID, pid.to_string()) {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        eprintln!("branchbox-criu-exec: raise the sandbox's last pid to {pid}: {e}");
+                        126
+                    }
+                },
+            };
+            std::process::exit(code)
+        }
+        Ok(nix::unistd::ForkResult::Parent { child }) => {
+            let code = wait_exit(child, "the child raising the last pid");
+            if code != 0 {
+                std::process::exit(code);
             }
-        },
+        }
     }
 }

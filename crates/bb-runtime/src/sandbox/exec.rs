@@ -349,7 +349,9 @@ pub async fn start_background(sb: &Sandbox, req: &RunCommand) -> Result<i32> {
     let mut r = resolve(sb, req)?;
     let tmp = format!("tmp-{}", uuid::Uuid::new_v4().simple());
     let (out_p, err_p) = log_paths(sb, &tmp);
-    let (out, err) = (sb.open_log(&format!("{tmp}.out"), false)?, sb.open_log(&format!("{tmp}.err"), false)?);
+    // Appending: CRIU then checks no size when it restores the process (after a rollback the
+    // log has grown since the checkpoint; a fork child has a log of its own, new).
+    let (out, err) = (sb.open_log(&format!("{tmp}.out"), true)?, sb.open_log(&format!("{tmp}.err"), true)?);
     let stdin_pipe = match r.stdin {
         Some(_) => Some(pipe_pair()?),
         None => None,
@@ -729,6 +731,11 @@ impl Plugs {
     /// Whether `pid` is an attached process.
     pub(crate) fn has(&self, pid: i32) -> bool {
         self.0.lock().contains_key(&pid)
+    }
+
+    /// The attached processes' pids.
+    pub(crate) fn pids(&self) -> Vec<i32> {
+        self.0.lock().keys().copied().collect()
     }
 
     /// For the dump of attached process `pid` (`host_pid` on the host): CRIU's name of its

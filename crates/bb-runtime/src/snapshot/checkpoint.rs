@@ -38,15 +38,8 @@ impl Runtime {
         let _op = sb.begin_op().await;
         self.memory_backpressure(&sb).await;
         let t_locked = t0.elapsed();
-        let all = req.processes == crate::model::Processes::All;
-        if all {
-            if let Some(why) = self.process_images.unavailable() {
-                return Err(RuntimeError::Unavailable(format!(
-                    "processes \"all\" needs CRIU, which this daemon cannot use ({why}): checkpoint with processes \"sessions\""
-                )));
-            }
-        }
-        let (row, _) = self.checkpoint_locked(&sb, req.label, true, all).await?;
+        self.check_trees_keepable(req.processes)?;
+        let (row, _) = self.checkpoint_locked(&sb, req.label, true, req.processes).await?;
         let t_done = t0.elapsed();
         // A new snapshot has no children yet: no need to read the others.
         let mut info = self.snapshot_info(&row, Vec::new());
@@ -55,17 +48,29 @@ impl Runtime {
         Ok(info)
     }
 
+    /// Refuse `processes` that keep background processes when this daemon cannot use CRIU.
+    pub(crate) fn check_trees_keepable(&self, processes: Processes) -> Result<()> {
+        match self.process_images.unavailable() {
+            Some(why) if processes.trees() => Err(RuntimeError::Unavailable(format!(
+                "processes \"all\" and \"keepable\" need CRIU, which this daemon cannot use ({why}): use processes \"sessions\""
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// Take a snapshot of `sb` (caller holds `sb.ops`). `with_sessions = false` captures files
-    /// only (evaluate); `all_processes`: background process trees too, as process images dumped
-    /// in the frozen window of the root swap (one consistent state with the files). Returns the snapshot and whether it is new (false: an existing one was
-    /// reused because nothing changed).
+    /// only (evaluate); `processes` `all`/`keepable`: background process trees too, as process
+    /// images dumped in the frozen window of the root swap (one consistent state with the
+    /// files). Returns the snapshot and whether it is new (false: an existing one was reused
+    /// because nothing changed).
     pub(crate) async fn checkpoint_locked(
         self: &Arc<Self>,
         sb: &Arc<Sandbox>,
         label: Option<String>,
         with_sessions: bool,
-        all_processes: bool,
+        processes: Processes,
     ) -> Result<(SnapshotRow, bool)> {
+        let all_processes = processes.trees();
         let gen = sb.gen.lock().clone().ok_or_else(|| legacy(&sb.id))?;
         let sessions_map = sb.sessions.lock().await;
         let default_id = sb.default_session.lock().await.clone();
@@ -190,7 +195,10 @@ impl Runtime {
                     let kept = if all_processes {
                         let mut skip = spare.0.clone();
                         skip.extend(&spare.1);
-                        match rt.dump_background_frozen(&sbc, &skip, &tags) {
+                        // Their pipes or terminal are the daemon's: nothing could take its place.
+                        skip.extend(sbc.plugs.pids());
+                        let strict = processes == Processes::All;
+                        match rt.dump_background_frozen(&sbc, &skip, &tags, strict) {
                             Ok(k) => k,
                             Err(e) => {
                                 rt.discard_prepared(prep);

@@ -21,7 +21,7 @@ impl Runtime {
         self.check_capacity(1)?;
         let (snap, created) = {
             let _op = sb.begin_op().await;
-            self.checkpoint_locked(&sb, Some("evaluate".into()), false, false).await?
+            self.checkpoint_locked(&sb, Some("evaluate".into()), false, Processes::Sessions).await?
         };
         let child = self.create_from(snap.spec.clone(), snap.layers.clone(), None, Some(600.0), None).await;
         // The volumes that branch with the sandbox, as copy-on-write forks (deleted after).

@@ -88,6 +88,14 @@ impl Runtime {
                     .into(),
             ));
         }
+        if req.processes.trees() && matches!(source, Source::Named(_)) {
+            return Err(RuntimeError::BadRequest(
+                "processes is for a checkpoint the fork takes now (a named snapshot gives the children the processes \
+                 it kept): leave snapshot or processes out"
+                    .into(),
+            ));
+        }
+        self.check_trees_keepable(req.processes)?;
         if req.replay_inflight && !proxied {
             return Err(RuntimeError::BadRequest(
                 "replay_inflight replays the proxy's answers: the sandbox has no proxy (create it with proxy=True)"
@@ -100,18 +108,19 @@ impl Runtime {
             Source::Live(sb) => {
                 let _op = sb.begin_op().await;
                 let holding = req.replay_inflight.then(|| inflight.hold(&sb.id));
-                let taken = self.checkpoint_locked(&sb, Some("fork".into()), true, false).await;
+                let taken = self.checkpoint_locked(&sb, Some("fork".into()), true, req.processes).await;
                 // The children adopt the parent's requests in flight until `handed` drops.
                 let handed = holding.map(|h| h.hand_down(taken.as_ref().ok().map(|t| t.0.id.as_str())));
                 (taken?.0, handed)
             }
         };
         let spec = SandboxSpec { network, allow, ..snap.spec.clone() };
+        let not_restored = TreesNotRestored::default();
         let (children, restart_reason) = if req.isolated {
             let why = (!snap.sessions.is_empty()).then(|| "isolated children start fresh sessions".to_string());
-            (self.fork_cold(&snap, &spec, n, timeout).await?, why)
+            (self.fork_cold(&snap, &spec, n, timeout, &not_restored).await?, why)
         } else {
-            self.fork_snapshot(&snap, &spec, n, timeout).await?
+            self.fork_snapshot(&snap, &spec, n, timeout, &not_restored).await?
         };
         // Each child gets copy-on-write forks of the volumes that branched with the snapshot.
         if let Err(e) = self.fork_volumes_into(&snap.id, &children).await {
@@ -126,6 +135,7 @@ impl Runtime {
             sessions_restarted: restart_reason.is_some(),
             restart_reason,
             inflight_handed: handed.map_or(0, |h| h.count as u32),
+            processes_not_restored: not_restored.take(),
             took_ms: ms(t0),
         })
     }
@@ -136,28 +146,34 @@ impl Runtime {
     /// When every session of the snapshot has a live template, the children are nested in the
     /// templates' sandbox and get live copies of the sessions ([`Runtime::fork_nested`]);
     /// otherwise (or if that fails) they are independent sandboxes with fresh sessions.
-    /// `spec`: what the children are created with (usually the snapshot's).
+    /// `spec`: what the children are created with (usually the snapshot's). The snapshot's
+    /// background processes are restored into each child first ([`Runtime::restore_background_trees`]);
+    /// those that are not come in `not_restored`.
     pub(crate) async fn fork_snapshot(
         self: &Arc<Self>,
         snap: &SnapshotRow,
         spec: &SandboxSpec,
         n: u32,
         timeout: Option<f64>,
+        not_restored: &TreesNotRestored,
     ) -> Result<(Vec<Arc<Sandbox>>, Option<String>)> {
         if snap.sessions.is_empty() {
-            return Ok((self.fork_cold(snap, spec, n, timeout).await?, None));
+            return Ok((self.fork_cold(snap, spec, n, timeout, not_restored).await?, None));
         }
         let why = match self.live_templates(snap).await {
-            Ok((parent, templates)) => match self.fork_nested(&parent, snap, spec, n, timeout, templates).await {
-                Ok(children) => return Ok((children, None)),
-                Err(e) => {
-                    tracing::warn!(snapshot = %snap.id, "live fork failed, forking with fresh sessions: {e}");
-                    format!("the live fork failed: {e}")
+            Ok((parent, templates)) => {
+                match self.fork_nested((&parent, templates), snap, spec, n, timeout, not_restored).await {
+                    Ok(children) => return Ok((children, None)),
+                    Err(e) => {
+                        tracing::warn!(snapshot = %snap.id, "live fork failed, forking with fresh sessions: {e}");
+                        format!("the live fork failed: {e}")
+                    }
                 }
-            },
+            }
             Err(why) => why,
         };
-        let children = self.fork_cold(snap, spec, n, timeout).await?;
+        not_restored.take();
+        let children = self.fork_cold(snap, spec, n, timeout, not_restored).await?;
         Ok((children, Some(why)))
     }
 
@@ -214,12 +230,12 @@ impl Runtime {
     /// copy is attached as soon as it runs.
     async fn fork_nested(
         self: &Arc<Self>,
-        parent: &Arc<Sandbox>,
+        (parent, templates): (&Arc<Sandbox>, LiveTemplates),
         snap: &SnapshotRow,
         spec: &SandboxSpec,
         n: u32,
         timeout: Option<f64>,
-        templates: LiveTemplates,
+        not_restored: &TreesNotRestored,
     ) -> Result<Vec<Arc<Sandbox>>> {
         use futures::stream::{FuturesUnordered, StreamExt};
         let t0 = Instant::now();
@@ -276,13 +292,19 @@ impl Runtime {
         let shells = self.fork_shells.state.lock().take(&parent.id, n);
         let claimed = shells.len();
         let mut making: FuturesUnordered<MakingChild<'_>> = FuturesUnordered::new();
+        // Each child gets the snapshot's background processes before its session copies (so
+        // their pids are still free).
         for (i, shell) in shells.into_iter().enumerate() {
             let (rt, parent, snap, spec) = (self.clone(), parent.clone(), snap.clone(), spec.clone());
             making.push(Box::pin(async move {
+                let (rt2, snap2) = (rt.clone(), snap.clone());
                 let r = tokio::task::spawn_blocking(move || rt.claim_shell(shell, &parent, &snap, &spec, timeout))
                     .await
                     .map_err(RuntimeError::Worker)
                     .and_then(|r| r);
+                if let Ok(child) = &r {
+                    rt2.restore_trees_into(child, &snap2, not_restored).await;
+                }
                 (i, r)
             }));
         }
@@ -294,7 +316,13 @@ impl Runtime {
                 timeout,
                 Some(parent.clone()),
             );
-            making.push(Box::pin(async move { (i, fut.await) }));
+            making.push(Box::pin(async move {
+                let r = fut.await;
+                if let Ok(child) = &r {
+                    self.restore_trees_into(child, snap, not_restored).await;
+                }
+                (i, r)
+            }));
         }
         let mut children: Vec<Option<Arc<Sandbox>>> = vec![None; n];
         let mut first_err: Option<RuntimeError> = None;
@@ -452,12 +480,14 @@ impl Runtime {
         spec: &SandboxSpec,
         n: u32,
         timeout: Option<f64>,
+        not_restored: &TreesNotRestored,
     ) -> Result<Vec<Arc<Sandbox>>> {
         let jobs = (0..n).map(|_| {
             let rt = self.clone();
             let (snap, spec) = (snap.clone(), spec.clone());
             async move {
                 let child = rt.create_from(spec, snap.layers.clone(), Some(snap.id.clone()), timeout, None).await?;
+                rt.restore_trees_into(&child, &snap, not_restored).await;
                 let res: Result<()> = async {
                     let mut map = child.sessions.lock().await;
                     for ss in &snap.sessions {
@@ -490,6 +520,38 @@ impl Runtime {
             }
         });
         self.all_or_none(futures::future::join_all(jobs).await).await
+    }
+}
+
+/// Why background processes of a snapshot did not come back in fork children, each naming the
+/// child (collected as the children are made).
+#[derive(Default)]
+pub(crate) struct TreesNotRestored(parking_lot::Mutex<Vec<String>>);
+
+impl TreesNotRestored {
+    pub(crate) fn take(&self) -> Vec<String> {
+        std::mem::take(&mut self.0.lock())
+    }
+}
+
+impl Runtime {
+    /// Restore `snap`'s background process trees into `child`, a new sandbox on its layers in
+    /// which nothing of its own runs yet (their pids are free). Those that do not come back are
+    /// added to `not_restored`; the child runs on without them.
+    async fn restore_trees_into(
+        self: &Arc<Self>,
+        child: &Arc<Sandbox>,
+        snap: &SnapshotRow,
+        not_restored: &TreesNotRestored,
+    ) {
+        if snap.processes.is_empty() {
+            return;
+        }
+        // Every child restores them in full: a lazy restore serves one at a time.
+        let (_, failed) = self.restore_background_trees(child, &snap.processes, true).await;
+        if !failed.is_empty() {
+            not_restored.0.lock().extend(failed.into_iter().map(|why| format!("sandbox {}: {why}", child.id)));
+        }
     }
 }
 
@@ -564,9 +626,13 @@ impl Runtime {
         }
         Self::spec_policy(&spec)?;
         if id.is_none() && self.get(&snap.sandbox_id).is_ok_and(|p| !p.is_dead()) {
-            let (mut children, why) = self.fork_snapshot(&snap, &spec, 1, timeout).await?;
+            let not_restored = TreesNotRestored::default();
+            let (mut children, why) = self.fork_snapshot(&snap, &spec, 1, timeout, &not_restored).await?;
             if let Some(why) = why {
                 tracing::info!(snapshot = %sid, "sandbox created from a snapshot with fresh sessions: {why}");
+            }
+            for why in not_restored.take() {
+                tracing::warn!(snapshot = %sid, "a background process was not restored: {why}");
             }
             return Ok(children.remove(0));
         }

@@ -224,22 +224,36 @@ impl Runtime {
         snap: &super::store::SnapshotRow,
         eager: bool,
     ) -> (Vec<i32>, Vec<String>) {
-        let (mut restored, mut failed) = (Vec::new(), Vec::new());
-        if snap.processes.is_empty() {
-            return (restored, failed);
-        }
         if snap.sandbox_id != sb.id {
-            for p in &snap.processes {
-                failed.push(format!(
-                    "{} ({}): the snapshot was taken in sandbox {}; background processes come back only there",
-                    p.pid, p.tag, snap.sandbox_id
-                ));
-            }
-            return (restored, failed);
+            let failed = snap
+                .processes
+                .iter()
+                .map(|p| {
+                    format!(
+                        "{} ({}): the snapshot was taken in sandbox {}; a rollback brings background processes back \
+                         only there (fork the snapshot instead)",
+                        p.pid, p.tag, snap.sandbox_id
+                    )
+                })
+                .collect();
+            return (Vec::new(), failed);
         }
+        self.restore_background_trees(sb, &snap.processes, eager).await
+    }
+
+    /// Restore the background process trees `processes` (a snapshot's) into `sb` under their
+    /// pids, and register them with init under their commands. Returns the restored roots, and
+    /// why the others were not (each is killed). `eager`: their memory is read in full first.
+    pub(crate) async fn restore_background_trees(
+        self: &Arc<Self>,
+        sb: &Arc<crate::sandbox::Sandbox>,
+        processes: &[super::store::SnapProcess],
+        eager: bool,
+    ) -> (Vec<i32>, Vec<String>) {
+        let (mut restored, mut failed) = (Vec::new(), Vec::new());
         let _mounts = sb.mounts.lock().await;
         let proc = crate::sandbox::procs::sandbox_proc(sb);
-        for p in &snap.processes {
+        for p in processes {
             // Killed at the swap, they die at the thaw and init reaps them.
             let tasks = self.process_images.manifest(&p.image).map(|m| m.tasks).unwrap_or_else(|| vec![p.pid]);
             let deadline = Instant::now() + PIDS_FREE_PATIENCE;

@@ -186,12 +186,14 @@ impl Runtime {
     /// Freeze `sb` and dump each of its background process trees (children of init, but those
     /// in `skip`: sessions, templates, spares) into a process image, leaving them running and the
     /// sandbox frozen for the root swap that follows (one consistent state with the files). On
-    /// failure the sandbox is thawed and the images made are deleted.
+    /// failure the sandbox is thawed and the images made are deleted; unless `strict`, a tree
+    /// that cannot be dumped is left out instead (the sandbox frozen again for the next).
     pub(crate) fn dump_background_frozen(
         &self,
         sb: &Sandbox,
         skip: &HashSet<i32>,
         tags: &HashMap<i32, String>,
+        strict: bool,
     ) -> Result<Vec<crate::snapshot::store::SnapProcess>> {
         crate::pause::freeze_for_criu(sb)?;
         let mut kept: Vec<crate::snapshot::store::SnapProcess> = Vec::new();
@@ -213,11 +215,14 @@ impl Runtime {
                     ..Default::default()
                 };
                 let root_ref = bb_criu::Root { host_pid: host, ns_pid: root };
-                let (image, _) = self
-                    .process_images
-                    .dump(&sb.criu_ref(), &sb.id, root_ref, None, &opts)
-                    .map_err(|e| fail(e.to_string()))?;
-                kept.push(crate::snapshot::store::SnapProcess { pid: root, tag, image });
+                match self.process_images.dump(&sb.criu_ref(), &sb.id, root_ref, None, &opts) {
+                    Ok((image, _)) => kept.push(crate::snapshot::store::SnapProcess { pid: root, tag, image }),
+                    Err(e) if strict => return Err(fail(e.to_string())),
+                    Err(e) => {
+                        tracing::info!(sandbox = %sb.id, pid = root, %tag, "a background process is left out of the checkpoint: {e}");
+                        sb.cgroup.freeze()?;
+                    }
+                }
             }
             Ok(())
         })();
