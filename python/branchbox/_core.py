@@ -993,21 +993,22 @@ def _snap(sid: Any) -> str:
 PROCESSES = ("sessions", "all", "keepable")
 
 
-def _check_processes(processes: Optional[str]) -> None:
+def _check_processes(processes: Optional[str]) -> bool:
+    """Whether ``processes`` (checked) keeps background processes (a slow call: no read timeout)."""
     if processes is not None and processes not in PROCESSES:
         raise exc.InvalidArgumentError('processes must be "sessions", "all" or "keepable", not %r' % (processes,))
+    return processes in ("all", "keepable")
 
 
 def checkpoint(sandbox_id: str, label: Optional[str] = None, processes: Optional[str] = None) -> Call:
     if label is not None and not isinstance(label, str):
         raise exc.InvalidArgumentError("label must be a string, not %s" % type(label).__name__)
-    _check_processes(processes)
     return Call(
         "POST",
         _sbx(sandbox_id) + "/checkpoint",
         json=_compact({"label": label, "processes": processes}),
         parse=SnapshotInfo.from_dict,
-        unbounded=processes in ("all", "keepable"),
+        unbounded=_check_processes(processes),
     )
 
 
@@ -1047,8 +1048,8 @@ def fork(
         raise exc.InvalidArgumentError(
             "replay_inflight hands on the requests in flight at a checkpoint the fork takes now: leave snapshot out"
         )
-    _check_processes(processes)
-    if processes not in (None, "sessions") and snapshot is not None:
+    trees = _check_processes(processes)
+    if trees and snapshot is not None:
         raise exc.InvalidArgumentError(
             "processes is for a checkpoint the fork takes now (a named snapshot gives the children the processes "
             "it kept): leave snapshot or processes out"
@@ -1065,9 +1066,7 @@ def fork(
             **network_body(network, allow),
         }
     )
-    return Call(
-        "POST", _sbx(sandbox_id) + "/fork", json=body, parse=ForkResult.from_dict, unbounded=processes in ("all", "keepable")
-    )
+    return Call("POST", _sbx(sandbox_id) + "/fork", json=body, parse=ForkResult.from_dict, unbounded=trees)
 
 
 def evaluate(sandbox_id: str, body: Dict[str, Any]) -> Call:

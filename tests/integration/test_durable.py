@@ -640,8 +640,18 @@ def test_fork_with_processes_gives_each_child_the_server_under_its_pid(make_sand
     r = sbx.rollback(snap)
     assert r.restored_processes == [h.pid] and not r.processes_not_restored, r.raw
     assert serves(sbx) == "hello from inside"
-    for c in children + [named, isolated, plain]:
+    for c in children + [named, isolated, plain, made]:
         c.kill()
+    # Its sandbox gone, a sandbox created from the snapshot adopts it: the server is restored
+    # before the session's template (kept in a process image) and its copy, and serves; the
+    # session's state is there.
+    with Snapshots(daemon=URL) as snaps:
+        assert snaps.offload(snap).images >= 1
+    sbx.kill()
+    adopted = make_sandbox(snapshot=snap, timeout=0)
+    assert serves(adopted) == "hello from inside"
+    assert {p.pid: p for p in adopted.commands.list()}[h.pid].running
+    assert adopted.run_code("x").result == "5"
 
 
 def test_keepable_leaves_out_what_cannot_be_kept(make_sandbox, raw):

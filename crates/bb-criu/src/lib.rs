@@ -256,18 +256,21 @@ fn parse_version(text: &str) -> Option<(u32, u32, String)> {
     Some((major, minor, v))
 }
 
-/// The last error lines of a CRIU log (what it says went wrong), at most `n`.
+/// What a CRIU log says went wrong, in at most `n` lines: its first error line (the cause: the
+/// errors after it are mostly its consequences in the other tasks, in whatever order they ran)
+/// and the last ones; the log's last lines when it has no error line.
 fn log_tail(log: &Path, n: usize) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     // "Can't setup RLIMIT_NOFILE" is CRIU's own harmless complaint in a user namespace.
     let errors: Vec<&str> = text.lines().filter(|l| l.contains("Error") && !l.contains("RLIMIT_NOFILE")).collect();
-    let lines = if errors.is_empty() {
+    let lines: Vec<&str> = if errors.is_empty() {
         text.lines().rev().take(n).collect::<Vec<_>>().into_iter().rev().collect()
+    } else if errors.len() > n && n > 1 {
+        std::iter::once(errors[0]).chain(errors[errors.len() - (n - 1)..].iter().copied()).collect()
     } else {
-        errors
+        errors[errors.len().saturating_sub(n)..].to_vec()
     };
-    let start = lines.len().saturating_sub(n);
-    lines[start..].join(" | ")
+    lines.join(" | ")
 }
 
 /// The image files CRIU wrote in `dir` (`*.img`) and their lengths.
@@ -555,6 +558,20 @@ mod tests {
         let log = d.path().join("x.log");
         std::fs::write(&log, "(0.1) Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE\n(0.2) fine\n(0.3) Error (criu/files-reg.c:1): Can't open x\n").unwrap();
         assert_eq!(log_tail(&log, 6), "(0.3) Error (criu/files-reg.c:1): Can't open x");
+    }
+
+    #[test]
+    fn the_log_tail_keeps_the_first_error_when_more_follow() {
+        // A restore that missed a file: the other tasks' errors came after the cause.
+        let d = tempfile::tempdir().unwrap();
+        let log = d.path().join("x.log");
+        let errors: Vec<String> = (0..8).map(|i| format!("({i}) Error (criu/x.c:{i}): e{i}")).collect();
+        std::fs::write(&log, format!("(start) fine\n{}\n(end) fine\n", errors.join("\n"))).unwrap();
+        let tail = log_tail(&log, 4);
+        assert_eq!(tail, [&errors[0], &errors[5], &errors[6], &errors[7]].map(|s| s.as_str()).join(" | "));
+        assert_eq!(log_tail(&log, 8), errors.join(" | "));
+        std::fs::write(&log, "a\nb\nc\n").unwrap();
+        assert_eq!(log_tail(&log, 2), "b | c");
     }
 
     #[test]

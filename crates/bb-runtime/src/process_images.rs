@@ -519,13 +519,13 @@ impl ProcessImages {
 }
 
 impl crate::Runtime {
-    /// Whether process images are on, and the disk they use (`GET /v1/health`).
     /// Whether checkpoints and forks can keep background processes (`processes: "all"`): the
     /// daemon has a CRIU it can use.
     pub fn can_keep_processes(&self) -> bool {
         self.process_images.unavailable().is_none()
     }
 
+    /// Whether process images are on, and the disk they use (`GET /v1/health`).
     pub fn process_image_stats(&self) -> ProcessImageStats {
         self.process_images.stats()
     }

@@ -172,6 +172,7 @@ impl Runtime {
             }
             Err(why) => why,
         };
+        // What the live attempt's children (killed) did not get does not count.
         not_restored.take();
         let children = self.fork_cold(snap, spec, n, timeout, not_restored).await?;
         Ok((children, Some(why)))
@@ -295,15 +296,14 @@ impl Runtime {
         // Each child gets the snapshot's background processes before its session copies (so
         // their pids are still free).
         for (i, shell) in shells.into_iter().enumerate() {
-            let (rt, parent, snap, spec) = (self.clone(), parent.clone(), snap.clone(), spec.clone());
+            let (rt, parent, snap_row, spec) = (self.clone(), parent.clone(), snap.clone(), spec.clone());
             making.push(Box::pin(async move {
-                let (rt2, snap2) = (rt.clone(), snap.clone());
-                let r = tokio::task::spawn_blocking(move || rt.claim_shell(shell, &parent, &snap, &spec, timeout))
+                let r = tokio::task::spawn_blocking(move || rt.claim_shell(shell, &parent, &snap_row, &spec, timeout))
                     .await
                     .map_err(RuntimeError::Worker)
                     .and_then(|r| r);
                 if let Ok(child) = &r {
-                    rt2.restore_trees_into(child, &snap2, not_restored).await;
+                    self.restore_trees_into(child, snap, not_restored).await;
                 }
                 (i, r)
             }));
@@ -560,9 +560,10 @@ impl Runtime {
     /// snapshot this daemon lacks is pulled from the metadata and object stores first
     /// ([`crate::remote`]).
     ///
-    /// When the snapshot's sandbox runs here, this is a fork of one child (live session copies).
-    /// Otherwise (a pulled snapshot, or its sandbox is gone) the new sandbox *adopts* the
-    /// snapshot: its session templates are restored from their process images into it and
+    /// When the snapshot's sandbox runs here, this is a fork of one child (live session copies,
+    /// the background processes the snapshot kept). Otherwise (a pulled snapshot, or its sandbox
+    /// is gone) the new sandbox *adopts* the snapshot: its background processes and then its
+    /// session templates are restored from their process images into it and
     /// the snapshot is recorded as its, so later forks of the snapshot are live copies nested in
     /// it and rollbacks in it restore the sessions; each session is forked from its template.
     /// The snapshot's image, limits and cwd are kept; the request's env is added, its metadata
@@ -641,6 +642,11 @@ impl Runtime {
             self.snapshots.records().set_sandbox(&snap.id, &child.id)?;
             let snap = SnapshotRow { sandbox_id: child.id.clone(), ..snap.clone() };
             let _op = child.begin_op().await;
+            // Before the session copies, which would take the next pids, possibly the trees'.
+            let (_, not_restored) = self.restore_snapshot_processes(&child, &snap, false).await;
+            for why in not_restored {
+                tracing::warn!(snapshot = %sid, sandbox = %child.id, "a background process was not restored: {why}");
+            }
             let mut sessions = child.sessions.lock().await;
             let mut restarted = false;
             for ss in &snap.sessions {
@@ -680,10 +686,6 @@ impl Runtime {
                 sessions.insert(ss.id.clone(), Arc::new(s));
             }
             drop(sessions);
-            let (_, not_restored) = self.restore_snapshot_processes(&child, &snap, false).await;
-            for why in not_restored {
-                tracing::warn!(snapshot = %sid, sandbox = %child.id, "a background process was not restored: {why}");
-            }
             child.dirty.store(restarted, Ordering::SeqCst);
             self.make_spares(&child, snap.sessions.iter().filter_map(|ss| ss.template.clone()).collect());
             Ok(())
