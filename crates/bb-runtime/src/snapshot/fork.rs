@@ -643,7 +643,7 @@ impl Runtime {
             let snap = SnapshotRow { sandbox_id: child.id.clone(), ..snap.clone() };
             let _op = child.begin_op().await;
             // Before the session copies, which would take the next pids, possibly the trees'.
-            let (_, not_restored) = self.restore_snapshot_processes(&child, &snap, false).await;
+            let (_, not_restored) = self.restore_background_trees(&child, &snap.processes, false).await;
             for why in not_restored {
                 tracing::warn!(snapshot = %sid, sandbox = %child.id, "a background process was not restored: {why}");
             }
