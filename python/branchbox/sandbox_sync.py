@@ -606,7 +606,8 @@ class Sandbox:
         process images, restored by a rollback to it and in forks of it (needs CRIU; slower:
         they are dumped); one that cannot be kept fails the checkpoint. ``"keepable"`` leaves
         such a one out instead (``checkpoint_info().processes`` lists those kept). Commands
-        attached to the daemon (started through the E2B endpoint) are never kept."""
+        started through the E2B endpoint are kept too (with new pipes or a new terminal where
+        they are restored, reached through that endpoint by the sandbox's id)."""
         return self.checkpoint_info(label, processes).id
 
     def checkpoint_info(self, label: Optional[str] = None, processes: Optional[str] = None) -> SnapshotInfo:

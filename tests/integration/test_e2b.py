@@ -748,29 +748,84 @@ def test_snapshot_then_create_from_it(make, snapshots):
 def test_snapshot_and_fork_carry_a_detached_server(make, snapshots):
     """E2B's snapshots hold the whole VM; here a snapshot (and a fork) keeps the processes CRIU
     can keep: a server started detached (`nohup ... &`) serves in a sandbox made from the
-    snapshot and in a fork child, under its pid. Commands attached to the daemon
-    (`background=True`, a PTY) stay in the source."""
+    snapshot and in a fork child, under its pid."""
     s = make()
     s.files.write("www/index.html", "served")
     s.commands.run("cd www && nohup python3 -m http.server 8123 --bind 127.0.0.1 > /dev/null 2>&1 &")
     fetch = "curl -sS http://127.0.0.1:8123/index.html"
     wait_until(lambda: s.commands.run(fetch + " || true").stdout == "served", timeout=20, what="the server")
     server = s.commands.run("pgrep -f '^python3 -m http.server 8123'").stdout.strip()
-    attached = s.commands.run("sleep 1000", background=True)
-    t = s.pty.create(PtySize(rows=24, cols=80), timeout=60)
-    s.pty.send_stdin(t.pid, b"exec sleep 999\n")
-    wait_until(lambda: s.commands.run("pgrep -f '^sleep 999$' || true").stdout.strip(), what="the terminal's sleep")
     snap = snapshots(s.create_snapshot())
     (kid,) = s.fork(count=1)
     for c in (make(template=snap.snapshot_id), kid):
         assert c.commands.run(fetch).stdout == "served", c.sandbox_id
         assert c.commands.run("pgrep -f '^python3 -m http.server 8123'").stdout.strip() == server
-        assert c.commands.run("pgrep -f '^sleep 1000$' || echo none").stdout.strip() == "none"
-        assert c.commands.run("pgrep -f '^sleep 999$' || echo none").stdout.strip() == "none"
         c.files.write("www/index.html", "child")
         assert c.commands.run(fetch).stdout == "child"
     assert s.commands.run(fetch).stdout == "served"
-    assert attached.pid in {p.pid for p in s.commands.list()}
+
+
+def test_snapshot_fork_and_rollback_carry_background_commands_and_terminals(make, snapshots, raw):
+    """Commands started through the SDK (`background=True`, with stdin) and PTYs are kept by a
+    snapshot and a fork as E2B's VM snapshots keep them: in a fork child, a sandbox made from the
+    snapshot and after a rollback each is listed under its pid, carries on from where it was,
+    takes input and streams output to a new handle (`connect`); the copies are independent."""
+    s = make()
+    ticker = s.commands.run("i=0; while true; do i=$((i+1)); echo tick $i; sleep 0.05; done", background=True)
+    cat = s.commands.run("cat", background=True, stdin=True)
+    t = s.pty.create(PtySize(rows=24, cols=80), timeout=60)
+    out, _, _ = pty_reader(t)
+    s.pty.send_stdin(t.pid, b"x=41; echo set-$((x+1))\n")
+    wait_until(lambda: b"set-42" in out, timeout=20, what="the shell's answer: %r" % out)
+    pids = {ticker.pid, cat.pid, t.pid}
+
+    def check(c, word):
+        assert pids <= {p.pid for p in c.commands.list()}, (c.sandbox_id, c.commands.list())
+        ticks, echoed, term = [], [], bytearray()
+        for pid, sink in ((ticker.pid, ticks), (cat.pid, echoed)):
+            h = c.commands.connect(pid, timeout=60)
+            threading.Thread(target=lambda h=h, sink=sink: _follow(h, sink), daemon=True).start()
+        h = c.pty.connect(t.pid, timeout=60)
+        threading.Thread(target=lambda: _follow(h, term, pty=True), daemon=True).start()
+        wait_until(lambda: "".join(ticks).count("\n") >= 4, what="the ticker in %s" % c.sandbox_id)
+        # (Whole lines only: the first may have begun before the stream.)
+        numbers = [int(x.split()[1]) for x in "".join(ticks).split("\n")[1:-1]]
+        assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), numbers
+        c.commands.send_stdin(cat.pid, word + "\n")
+        wait_until(lambda: word in "".join(echoed), what="cat in %s to echo its input" % c.sandbox_id)
+        c.pty.send_stdin(t.pid, ("echo %s-$((x+2)) $(stty size)\n" % word).encode())
+        wait_until(lambda: ("%s-43 24 80" % word).encode() in term, timeout=20, what="the shell: %r" % term)
+
+    snap = snapshots(s.create_snapshot())
+    kids = s.fork(count=2)
+    made = make(template=snap.snapshot_id)
+    for i, c in enumerate(kids + [made]):
+        check(c, "child%d" % i)
+    # Independent: killing the ticker in one child leaves the other's and the parent's.
+    assert kids[0].commands.kill(ticker.pid) is True
+    wait_until(lambda: ticker.pid not in {p.pid for p in kids[0].commands.list()}, what="the killed ticker to go")
+    assert ticker.pid in {p.pid for p in kids[1].commands.list()}
+    assert pids <= {p.pid for p in s.commands.list()}
+    # A rollback of the parent puts them back as the snapshot had them, after they were killed.
+    for pid in pids:
+        s.commands.kill(pid)
+    wait_until(lambda: not pids & {p.pid for p in s.commands.list()}, what="the parent's processes to end")
+    key = {"X-API-KEY": os.environ["E2B_API_KEY"]}
+    r = raw.post("/sandboxes/%s/rollback" % s.sandbox_id, headers=key, json={"snapshotID": snap.snapshot_id})
+    assert r.status_code == 200, r.text
+    check(s, "rolledback")
+
+
+def _follow(handle, sink, pty=False):
+    """Read a command handle's output into `sink` (a list of stdout chunks, or a bytearray of
+    terminal output) until it ends; errors end it quietly (the test looks at `sink`)."""
+    try:
+        if pty:
+            handle.wait(on_pty=sink.extend)
+        else:
+            handle.wait(on_stdout=sink.append)
+    except Exception:  # noqa: BLE001 (a killed command raises; the test looks at the sink)
+        pass
 
 
 def test_list_and_delete_snapshots(make, snapshots):
@@ -1531,6 +1586,32 @@ def test_branchbox_checkpoint_rollback_on_e2b_sandbox(make, snapshots):
         assert s.get_info().state == SandboxState.RUNNING
     finally:
         bb.close()
+
+
+def test_branchbox_fork_with_processes_gives_children_the_e2b_commands(make):
+    """branchbox's own fork (`processes="keepable"`) of an E2B sandbox copies the commands the
+    E2B SDK started into each child, where the E2B SDK lists and reaches them by the child's id."""
+    s = make()
+    cat = s.commands.run("cat", background=True, stdin=True)
+    bb = BBSandbox.connect(s.sandbox_id, daemon=URL)
+    try:
+        children, res = bb.fork_info(2, processes="keepable")
+    finally:
+        bb.close()
+    for c in children:
+        make.adopt(c.id.replace("-", ""))
+        c.close()
+    kids = [Sandbox.connect(c.id.replace("-", ""), timeout=120) for c in children]
+    assert not res.processes_not_restored, res.processes_not_restored
+    for k in kids:
+        assert cat.pid in {p.pid for p in k.commands.list()}, k.sandbox_id
+        echoed = []
+        h = k.commands.connect(cat.pid, timeout=60)
+        threading.Thread(target=_follow, args=(h, echoed), daemon=True).start()
+        k.commands.send_stdin(cat.pid, "to %s\n" % k.sandbox_id)
+        wait_until(lambda: "to %s" % k.sandbox_id in "".join(echoed), what="cat in %s" % k.sandbox_id)
+    s.commands.send_stdin(cat.pid, "still here\n")
+    assert cat.pid in {p.pid for p in s.commands.list()}
 
 
 def test_branchbox_rollback_of_code_state(e2b, make, snapshots):

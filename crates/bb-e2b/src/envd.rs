@@ -259,7 +259,8 @@ async fn start_process(
         user: who.user,
         ..Default::default()
     };
-    let attached = e.rt.start_attached(&t.id, run, req.stdin.unwrap_or(false), pty).await?;
+    let note = crate::procs::note(&config, req.tag.as_deref());
+    let attached = e.rt.start_attached(&t.id, run, req.stdin.unwrap_or(false), pty, note).await?;
     let pid = attached.pid as u32;
     let (_, rx) = e.procs.adopt(&t.id, config, req.tag, attached);
     Ok((pid, rx))

@@ -105,13 +105,11 @@ fn control_router(e: Arc<E2b>) -> Router {
 
 /// The endpoint: one router for both planes.
 pub fn router(rt: Arc<Runtime>, cfg: E2bConfig) -> Router {
-    let e = Arc::new(E2b {
-        rt,
-        cfg,
-        procs: Arc::new(procs::Procs::default()),
-        contexts: Default::default(),
-        watchers: Default::default(),
-    });
+    let procs = Arc::new(procs::Procs::default());
+    // Commands started here that a checkpoint kept come back with its restores.
+    let adopter = procs.clone();
+    rt.on_attached_restored(Arc::new(move |sandbox, note, attached| adopter.adopt_restored(sandbox, note, attached)));
+    let e = Arc::new(E2b { rt, cfg, procs, contexts: Default::default(), watchers: Default::default() });
     let planes = Planes {
         control: control_router(e.clone()),
         volumes: volumes::content_router(e.clone()),

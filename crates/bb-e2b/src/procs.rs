@@ -82,6 +82,12 @@ impl Proc {
     }
 }
 
+/// What the runtime keeps with a process it started for us (a checkpoint keeps it with the
+/// process): its `ProcessConfig` and tag, for [`Procs::adopt_restored`].
+pub fn note(config: &Value, tag: Option<&str>) -> Value {
+    serde_json::json!({"config": config, "tag": tag})
+}
+
 /// Processes by sandbox and pid.
 #[derive(Default)]
 pub struct Procs {
@@ -115,10 +121,26 @@ impl Procs {
                     Attached::Exit(st) => end = Ev::End { code: st.code, signal: st.signal },
                 }
             }
-            me.all.lock().expect("procs lock").remove(&key);
+            {
+                // A rollback may have restored another process under its pid already.
+                let mut all = me.all.lock().expect("procs lock");
+                if all.get(&key).is_some_and(|q| Arc::ptr_eq(q, &p)) {
+                    all.remove(&key);
+                }
+            }
             p.publish(end).await;
         });
         (proc, first)
+    }
+
+    /// Track a process a restore brought back into `sandbox` (a rollback, a fork child, a
+    /// sandbox made from a snapshot): listed and reachable as the one it was copied from, with
+    /// the config and tag of its `note` ([`note`]). Nobody listens yet: its output is dropped
+    /// until a stream connects, as for one whose stream went away.
+    pub fn adopt_restored(self: &Arc<Self>, sandbox: &str, note: Value, attached: AttachedProcess) {
+        let config = note.get("config").cloned().unwrap_or(Value::Null);
+        let tag = note.get("tag").and_then(Value::as_str).map(str::to_string);
+        drop(self.adopt(sandbox, config, tag, attached));
     }
 
     pub fn get(&self, sandbox: &str, pid: u32) -> Option<Arc<Proc>> {
@@ -165,6 +187,45 @@ mod tests {
         assert!(procs.get("sb-1", 7).is_none(), "an ended process is forgotten");
         let mut late = proc.subscribe();
         assert!(matches!(late.recv().await, Some(Ev::End { code: Some(3), .. })));
+    }
+
+    #[tokio::test]
+    async fn a_restored_process_under_the_pid_of_one_that_ended_stays_listed() {
+        let procs = Arc::new(Procs::default());
+        let (old_tx, events) = mpsc::channel(8);
+        let (_, mut old_stream) =
+            procs.adopt("sb-1", Value::Null, None, AttachedProcess { pid: 5, stdin: None, pty: None, events });
+        // A rollback restores the process (its note: config and tag) before the old one's end is read.
+        let (new_tx, events) = mpsc::channel(8);
+        let config = serde_json::json!({"cmd": "cat"});
+        let attached = AttachedProcess { pid: 5, stdin: None, pty: None, events };
+        procs.adopt_restored("sb-1", note(&config, Some("t")), attached);
+        let restored = procs.get("sb-1", 5).expect("restored");
+        assert_eq!((&restored.config, restored.tag.as_deref()), (&config, Some("t")));
+        old_tx
+            .send(Attached::Exit(bb_runtime::sandbox::exec::ExitStatus { code: None, signal: Some(9) }))
+            .await
+            .unwrap();
+        drop(old_tx);
+        assert!(matches!(old_stream.recv().await, Some(Ev::End { signal: Some(9), .. })));
+        assert!(procs.get("sb-1", 5).is_some_and(|p| Arc::ptr_eq(&p, &restored)), "the old one's end forgets only it");
+        // Nobody listens to the restored one: its output is read and dropped (4x the channel's
+        // room goes through), and a stream that connects later gets what comes next.
+        let sent = async {
+            for _ in 0..32 {
+                new_tx.send(Attached::Stdout(Bytes::from_static(b"x"))).await.unwrap();
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(10), sent).await.expect("output is read");
+        let mut late = restored.subscribe();
+        new_tx.send(Attached::Stdout(Bytes::from_static(b"late"))).await.unwrap();
+        loop {
+            match late.recv().await {
+                Some(Ev::Stdout(b)) if &b[..] == b"late" => break,
+                Some(Ev::Stdout(b)) if &b[..] == b"x" => {} // read before the stream, published after it
+                other => panic!("{other:?}"),
+            }
+        }
     }
 
     #[tokio::test]

@@ -96,6 +96,8 @@ pub struct Runtime {
     net: Arc<net::Net>,
     /// One change of a sandbox's network policy at a time.
     net_changes: parking_lot::Mutex<()>,
+    /// Who takes attached processes restores bring back ([`Runtime::on_attached_restored`]).
+    attached_hook: parking_lot::RwLock<Option<sandbox::exec::AttachedHook>>,
 }
 
 impl Runtime {
@@ -149,6 +151,7 @@ impl Runtime {
             ports: Default::default(),
             net,
             net_changes: Default::default(),
+            attached_hook: Default::default(),
         });
         rt.recover()?;
         Ok(rt)

@@ -516,7 +516,8 @@ pub enum Processes {
     Sessions,
     /// Sessions, and every background process tree as a process image (needs CRIU). A tree
     /// that cannot be kept fails the checkpoint. Processes attached to the daemon (commands
-    /// of the E2B endpoint, whose pipes or terminal it holds) are never kept.
+    /// of the E2B endpoint, whose pipes or terminal it holds) are kept too: a restore gives
+    /// them new ones there, which the daemon holds.
     All,
     /// As `all`, but a tree that cannot be kept (e.g. a socket CRIU cannot dump, a terminal of
     /// a shell that ended) is left out: the snapshot's `processes` lists those kept.

@@ -478,11 +478,17 @@ async fn drain_pty(fd: Master, tx: mpsc::Sender<Attached>, mut exited: watch::Re
     }
 }
 
+/// What takes the attached processes restores bring back: (sandbox id, note, the process).
+pub type AttachedHook = Arc<dyn Fn(&str, serde_json::Value, AttachedProcess) + Send + Sync>;
+
 /// A process whose owner holds its stdin (or terminal) and reads its output as raw bytes, for as
 /// long as it runs (no timeout): it outlives the request that started it, not the daemon. Like a
 /// foreground command, it holds an init connection (init kills its process group if that drops).
 /// A full pause keeps it: the resume gives it new pipes (or a new terminal), which its owner's
-/// `stdin`, `pty` and `events` then use ([`Plugs`]).
+/// `stdin`, `pty` and `events` then use ([`Plugs`]). A checkpoint that keeps processes keeps it
+/// too: restored elsewhere (a fork child) or after a rollback, it gets new ends there, held by
+/// the daemon, and goes to [`Runtime::on_attached_restored`]'s hook (init, not a connection,
+/// owns the restored one).
 pub struct AttachedProcess {
     pub pid: i32,
     /// Its stdin, when asked for.
@@ -517,17 +523,20 @@ impl Stdin {
 }
 
 /// Start `req` attached (see [`AttachedProcess`]); `req.stdin` and `req.timeout` are not used.
-/// `pty`: on a new pseudo-terminal of this size (rows, cols) instead of pipes.
+/// `pty`: on a new pseudo-terminal of this size (rows, cols) instead of pipes. `note`: what its
+/// owner says of it, kept with it by checkpoints (see [`KeptAttached`]).
 pub async fn start_attached(
     sb: &Sandbox,
     req: &RunCommand,
     stdin: bool,
     pty: Option<(u16, u16)>,
+    note: serde_json::Value,
 ) -> Result<AttachedProcess> {
     if let Some(size) = pty {
-        return start_on_pty(sb, req, size).await;
+        return start_on_pty(sb, req, size, note).await;
     }
     let mut r = resolve(sb, req)?;
+    let tag = r.tag.clone();
     let (out_r, out_w) = pipe_pair()?;
     let (err_r, err_w) = pipe_pair()?;
     let stdin_pipe = if stdin { Some(pipe_pair()?) } else { None };
@@ -552,7 +561,7 @@ pub async fn start_attached(
     let (to, replug) = mpsc::unbounded_channel();
     let wiring = Wiring::Pipes { stdin: stdin.clone(), stdout: inodes.0, stderr: inodes.1, to };
     let pipes = (receiver(out_r)?, receiver(err_r)?);
-    sb.plugs.watch(pid, wiring, read_pipes(conn, pipes, replug, tx));
+    sb.plugs.watch(pid, Plugged { wiring, tag, note }, read_pipes(conn, pipes, replug, tx));
     Ok(AttachedProcess { pid, stdin: stdin.map(|(_, s)| s), pty: None, events })
 }
 
@@ -575,11 +584,17 @@ async fn read_pipes(
     read_attached(conn, pipes, replug, tx, read).await
 }
 
-async fn start_on_pty(sb: &Sandbox, req: &RunCommand, (rows, cols): (u16, u16)) -> Result<AttachedProcess> {
+async fn start_on_pty(
+    sb: &Sandbox,
+    req: &RunCommand,
+    (rows, cols): (u16, u16),
+    note: serde_json::Value,
+) -> Result<AttachedProcess> {
     if rows == 0 || cols == 0 {
         return Err(RuntimeError::BadRequest(format!("a terminal of {rows}x{cols}: give at least 1 row and 1 column")));
     }
     let mut r = resolve(sb, req)?;
+    let tag = r.tag.clone();
     let conn = InitConn::connect(&sb.dirs.sock()).await?;
     let spawn = SpawnRequest {
         tag: std::mem::take(&mut r.tag),
@@ -598,16 +613,28 @@ async fn start_on_pty(sb: &Sandbox, req: &RunCommand, (rows, cols): (u16, u16)) 
         (Response::Error { errno, message }, _) => return Err(init_error(errno, message)),
         (other, _) => return Err(unexpected(other)),
     };
-    let fd = master(fd)?;
+    Ok(plug_terminal(sb, pid, conn, master(fd)?, r.ids, tag, note))
+}
+
+/// Track attached process `pid` on terminal `fd` (whose exit `conn` reports) in `sb.plugs`.
+fn plug_terminal(
+    sb: &Sandbox,
+    pid: i32,
+    conn: InitConn,
+    fd: Master,
+    ids: Option<(u32, u32)>,
+    tag: String,
+    note: serde_json::Value,
+) -> AttachedProcess {
     let pty = Pty { fd: Arc::new(parking_lot::Mutex::new(fd.clone())) };
     let (tx, events) = mpsc::channel(256);
     let (to, replug) = mpsc::unbounded_channel();
-    let wiring = Wiring::Terminal { pty: pty.clone(), ids: r.ids, tty: None, to };
-    sb.plugs.watch(pid, wiring, async move {
+    let wiring = Wiring::Terminal { pty: pty.clone(), ids, tty: None, to };
+    sb.plugs.watch(pid, Plugged { wiring, tag, note }, async move {
         let read = |fd: Master, tx: &mpsc::Sender<Attached>, exited| drain_pty(fd, tx.clone(), exited);
         read_attached(conn, fd, replug, tx, read).await
     });
-    Ok(AttachedProcess { pid, stdin: None, pty: Some(pty), events })
+    AttachedProcess { pid, stdin: None, pty: Some(pty), events }
 }
 
 /// Read an attached process's output (from `ends`, with `read`) into `tx` until it exits, then
@@ -692,6 +719,36 @@ struct Plug {
     /// Tells this process's plug from that of a later one under the same pid.
     serial: u64,
     wiring: Wiring,
+    /// Init's tag of the process (its command line).
+    tag: String,
+    /// What its owner said of it when it started it.
+    note: serde_json::Value,
+}
+
+/// What [`Plugs::watch`] tracks of a process.
+struct Plugged {
+    wiring: Wiring,
+    tag: String,
+    note: serde_json::Value,
+}
+
+/// How an attached process a checkpoint kept was wired: CRIU's names of the ends the daemon
+/// held, which a restore replaces with new ones (`--inherit-fd`), and what its owner said of it
+/// (`note`, given to [`Runtime::on_attached_restored`]'s hook with the restored process).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct KeptAttached {
+    pub wire: Wire,
+    pub note: serde_json::Value,
+}
+
+/// The daemon's ends of an attached process, as CRIU named them in its image.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Wire {
+    /// Inodes of its stdout and stderr pipes, and of its stdin pipe when its owner held one.
+    Pipes { stdout: u64, stderr: u64, stdin: Option<u64> },
+    /// CRIU's name of its terminal (`tty[RDEV:DEV]`), the terminal's size and owner.
+    Terminal { tty: String, rows: u16, cols: u16, ids: Option<(u32, u32)> },
 }
 
 /// The attached processes of a sandbox, by pid (see [`crate::pause`]).
@@ -705,19 +762,20 @@ pub(crate) struct NewEnds {
     keep: Vec<(i32, Kept)>,
 }
 
-enum Kept {
+pub(crate) enum Kept {
     /// Read ends of stdout and stderr, write end of stdin.
     Pipes(OwnedFd, OwnedFd, Option<OwnedFd>),
     Master(OwnedFd),
 }
 
 impl Plugs {
-    /// Track attached process `pid`, wired as `wiring`, while `reader` (which reads its output
-    /// until it exits) runs.
-    fn watch(&self, pid: i32, wiring: Wiring, reader: impl std::future::Future<Output = ()> + Send + 'static) {
+    /// Track attached process `pid`, wired as `plugged` says, while `reader` (which reads its
+    /// output until it exits) runs.
+    fn watch(&self, pid: i32, plugged: Plugged, reader: impl std::future::Future<Output = ()> + Send + 'static) {
         static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let serial = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.0.lock().insert(pid, Plug { serial, wiring });
+        let Plugged { wiring, tag, note } = plugged;
+        self.0.lock().insert(pid, Plug { serial, wiring, tag, note });
         let plugs = self.clone();
         tokio::spawn(async move {
             reader.await;
@@ -731,11 +789,6 @@ impl Plugs {
     /// Whether `pid` is an attached process.
     pub(crate) fn has(&self, pid: i32) -> bool {
         self.0.lock().contains_key(&pid)
-    }
-
-    /// The attached processes' pids.
-    pub(crate) fn pids(&self) -> Vec<i32> {
-        self.0.lock().keys().copied().collect()
     }
 
     /// For the dump of attached process `pid` (`host_pid` on the host): CRIU's name of its
@@ -759,64 +812,27 @@ impl Plugs {
         key
     }
 
+    /// How attached process `pid` is wired, and its tag, once a dump read its terminal's name
+    /// ([`Plugs::external_tty`]); None when it is not attached (or its terminal's name is unknown).
+    pub(crate) fn kept(&self, pid: i32) -> Option<(String, KeptAttached)> {
+        let map = self.0.lock();
+        let plug = map.get(&pid)?;
+        let wire = wire_of(&plug.wiring)?;
+        Some((plug.tag.clone(), KeptAttached { wire, note: plug.note.clone() }))
+    }
+
     /// New ends for the attached processes among `pids` of `sb` (those the daemon holds the
-    /// other ends for; the others are left out). Pipes are owned by the sandbox's root (CRIU
-    /// opens the process's end again through procfs in the sandbox's user namespace); terminals
-    /// are new ones of the sandbox's devpts, opened by its init, the size the old ones had.
+    /// other ends for; the others are left out); see [`ends_for`].
     pub(crate) async fn new_ends(&self, sb: &Sandbox, pids: impl IntoIterator<Item = i32>) -> Result<NewEnds> {
-        let mut ends = NewEnds { inherit: Vec::new(), keep: Vec::new() };
-        let pids: Vec<i32> = pids.into_iter().filter(|p| self.has(*p)).collect();
-        if pids.is_empty() {
-            return Ok(ends);
-        }
-        let root = sb.root_id()?;
-        let owned_pipe = || -> Result<(OwnedFd, OwnedFd)> {
-            let (rd, wr) = pipe_pair()?;
-            nix::unistd::fchown(rd.as_raw_fd(), Some(root.into()), Some(root.into()))
-                .map_err(|e| RuntimeError::io("chown a pipe")(e.into()))?;
-            Ok((rd, wr))
-        };
-        let key = |ino: u64| format!("pipe:[{ino}]");
-        let mut terminals = Vec::new();
-        {
+        let wires: Vec<(i32, Wire)> = {
             let map = self.0.lock();
-            for pid in pids {
-                match map.get(&pid).map(|p| &p.wiring) {
-                    Some(Wiring::Pipes { stdin, stdout, stderr, .. }) => {
-                        let ((out_r, out_w), (err_r, err_w)) = (owned_pipe()?, owned_pipe()?);
-                        ends.inherit.push((out_w, key(*stdout)));
-                        ends.inherit.push((err_w, key(*stderr)));
-                        let stdin = match stdin {
-                            Some((ino, _)) => {
-                                let (rd, wr) = owned_pipe()?;
-                                ends.inherit.push((rd, key(*ino)));
-                                Some(wr)
-                            }
-                            None => None,
-                        };
-                        ends.keep.push((pid, Kept::Pipes(out_r, err_r, stdin)));
-                    }
-                    Some(Wiring::Terminal { pty, ids, tty: Some(tty), .. }) => {
-                        // (A size that cannot be read is no reason to keep the sandbox paused.)
-                        terminals.push((pid, pty.size().unwrap_or((24, 80)), *ids, tty.clone()));
-                    }
-                    Some(Wiring::Terminal { tty: None, .. }) | None => {}
-                }
-            }
-        }
-        for (pid, (rows, cols), ids, tty) in terminals {
-            let conn = InitConn::connect(&sb.dirs.sock()).await?;
-            conn.send(&Request::OpenPty { rows, cols, ids }, &[])?;
-            match conn.recv_fds().await? {
-                (Response::Ok, fds) if fds.len() == 2 => {
-                    let mut fds = fds.into_iter();
-                    let (m, slave) = (fds.next().expect("two fds"), fds.next().expect("two fds"));
-                    ends.inherit.push((slave, tty));
-                    ends.keep.push((pid, Kept::Master(m)));
-                }
-                (Response::Error { errno, message }, _) => return Err(init_error(errno, message)),
-                (other, _) => return Err(unexpected(other)),
-            }
+            pids.into_iter().filter_map(|pid| Some((pid, wire_of(&map.get(&pid)?.wiring)?))).collect()
+        };
+        let mut ends = NewEnds { inherit: Vec::new(), keep: Vec::new() };
+        for (pid, wire) in wires {
+            let (inherit, kept) = ends_for(sb, &wire).await?;
+            ends.inherit.extend(inherit);
+            ends.keep.push((pid, kept));
         }
         Ok(ends)
     }
@@ -862,6 +878,107 @@ impl Plugs {
             }
         }
         Ok(())
+    }
+}
+
+/// How `wiring` looks to CRIU (None: a terminal whose name no dump has read yet).
+fn wire_of(wiring: &Wiring) -> Option<Wire> {
+    match wiring {
+        Wiring::Pipes { stdin, stdout, stderr, .. } => {
+            Some(Wire::Pipes { stdout: *stdout, stderr: *stderr, stdin: stdin.as_ref().map(|(ino, _)| *ino) })
+        }
+        Wiring::Terminal { pty, ids, tty: Some(tty), .. } => {
+            // (A size that cannot be read is no reason to refuse the restore.)
+            let (rows, cols) = pty.size().unwrap_or((24, 80));
+            Some(Wire::Terminal { tty: tty.clone(), rows, cols, ids: *ids })
+        }
+        Wiring::Terminal { tty: None, .. } => None,
+    }
+}
+
+/// New ends in `sb` for a process restored there that was wired as `wire`: the process's ends,
+/// each with CRIU's name of the end it takes the place of, and the ends its owner keeps. Pipes
+/// are owned by the sandbox's root (CRIU opens the process's end again through procfs in the
+/// sandbox's user namespace); a terminal is a new one of the sandbox's devpts, opened by its
+/// init, of the recorded size.
+pub(crate) async fn ends_for(sb: &Sandbox, wire: &Wire) -> Result<(Vec<(OwnedFd, String)>, Kept)> {
+    match wire {
+        Wire::Pipes { stdout, stderr, stdin } => {
+            let root = sb.root_id()?;
+            let owned_pipe = || -> Result<(OwnedFd, OwnedFd)> {
+                let (rd, wr) = pipe_pair()?;
+                nix::unistd::fchown(rd.as_raw_fd(), Some(root.into()), Some(root.into()))
+                    .map_err(|e| RuntimeError::io("chown a pipe")(e.into()))?;
+                Ok((rd, wr))
+            };
+            let key = |ino: u64| format!("pipe:[{ino}]");
+            let ((out_r, out_w), (err_r, err_w)) = (owned_pipe()?, owned_pipe()?);
+            let mut inherit = vec![(out_w, key(*stdout)), (err_w, key(*stderr))];
+            let stdin = match stdin {
+                Some(ino) => {
+                    let (rd, wr) = owned_pipe()?;
+                    inherit.push((rd, key(*ino)));
+                    Some(wr)
+                }
+                None => None,
+            };
+            Ok((inherit, Kept::Pipes(out_r, err_r, stdin)))
+        }
+        Wire::Terminal { tty, rows, cols, ids } => {
+            let conn = InitConn::connect(&sb.dirs.sock()).await?;
+            conn.send(&Request::OpenPty { rows: *rows, cols: *cols, ids: *ids }, &[])?;
+            match conn.recv_fds().await? {
+                (Response::Ok, fds) if fds.len() == 2 => {
+                    let mut fds = fds.into_iter();
+                    let (m, slave) = (fds.next().expect("two fds"), fds.next().expect("two fds"));
+                    Ok((vec![(slave, tty.clone())], Kept::Master(m)))
+                }
+                (Response::Error { errno, message }, _) => Err(init_error(errno, message)),
+                (other, _) => Err(unexpected(other)),
+            }
+        }
+    }
+}
+
+/// An attached process a checkpoint kept, restored into `sb` under `pid` (with the ends
+/// [`ends_for`] made of `kept.wire`): init takes it as its own, and the daemon holds its other
+/// ends from now on, as for one [`start_attached`] started (a later pause or checkpoint keeps it
+/// the same way). Init's tag: `tag`.
+pub(crate) async fn adopt_attached(
+    sb: &Sandbox,
+    pid: i32,
+    tag: String,
+    kept: &KeptAttached,
+    ends: Kept,
+) -> Result<AttachedProcess> {
+    adopt_background(sb, pid, tag.clone()).await?;
+    let conn = InitConn::connect(&sb.dirs.sock()).await?;
+    conn.send(&Request::Wait { pid }, &[])?;
+    let note = kept.note.clone();
+    match ends {
+        Kept::Pipes(out, err, stdin_w) => {
+            let (stdout, stderr) = (pipe_inode(&out)?, pipe_inode(&err)?);
+            let stdin = match stdin_w {
+                Some(w) => {
+                    let ino = pipe_inode(&w)?;
+                    Some((ino, Stdin::new(pipe::Sender::from_owned_fd(w).map_err(RuntimeError::io("stdin pipe"))?)))
+                }
+                None => None,
+            };
+            let (tx, events) = mpsc::channel(256);
+            let (to, replug) = mpsc::unbounded_channel();
+            let wiring = Wiring::Pipes { stdin: stdin.clone(), stdout, stderr, to };
+            let pipes = (receiver(out)?, receiver(err)?);
+            sb.plugs.watch(pid, Plugged { wiring, tag, note }, read_pipes(conn, pipes, replug, tx));
+            Ok(AttachedProcess { pid, stdin: stdin.map(|(_, s)| s), pty: None, events })
+        }
+        Kept::Master(fd) => {
+            let ids = match &kept.wire {
+                Wire::Terminal { ids, .. } => *ids,
+                Wire::Pipes { .. } => None,
+            };
+            Ok(plug_terminal(sb, pid, conn, master(fd)?, ids, tag, note))
+        }
     }
 }
 
@@ -1024,9 +1141,29 @@ impl crate::Runtime {
         req: RunCommand,
         stdin: bool,
         pty: Option<(u16, u16)>,
+        note: serde_json::Value,
     ) -> Result<AttachedProcess> {
         let sb = self.ready(id).await?;
-        start_attached(&sb, &req, stdin, pty).await
+        start_attached(&sb, &req, stdin, pty, note).await
+    }
+
+    /// Give every attached process a restore brings back (a rollback, a fork child, a sandbox
+    /// made from a snapshot that kept it) to `hook`, with its sandbox's id and its note; without
+    /// a hook its output is read and dropped. The last hook set wins.
+    pub fn on_attached_restored(&self, hook: AttachedHook) {
+        *self.attached_hook.write() = Some(hook);
+    }
+
+    /// Hand `attached`, restored into sandbox `id`, to the hook (see [`Runtime::on_attached_restored`]).
+    pub(crate) fn attached_restored(&self, id: &str, note: serde_json::Value, attached: AttachedProcess) {
+        let hook = self.attached_hook.read().clone();
+        match hook {
+            Some(hook) => hook(id, note, attached),
+            None => {
+                let mut events = attached.events;
+                tokio::spawn(async move { while events.recv().await.is_some() {} });
+            }
+        }
     }
 
     pub async fn kill_process(self: &Arc<Self>, id: &str, pid: i32, signal: Option<i32>) -> Result<()> {

@@ -195,8 +195,6 @@ impl Runtime {
                     let kept = if all_processes {
                         let mut skip = spare.0.clone();
                         skip.extend(&spare.1);
-                        // Their pipes or terminal are the daemon's: nothing could take its place.
-                        skip.extend(sbc.plugs.pids());
                         let strict = processes == Processes::All;
                         match rt.dump_background_frozen(&sbc, &skip, &tags, strict) {
                             Ok(k) => k,

@@ -260,14 +260,15 @@ impl Runtime {
             while tasks.iter().any(|t| proc.join(t.to_string()).exists()) && Instant::now() < deadline {
                 tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             }
-            let (rt, sbc, img) = (self.clone(), sb.clone(), p.image.clone());
-            let res = tokio::task::spawn_blocking(move || rt.process_images.restore(&sbc, &img, eager, &[]))
-                .await
-                .map_err(RuntimeError::Worker)
-                .and_then(|r| r);
+            let res = match &p.attached {
+                None => self.restore_tree(sb, &p.image, eager, Vec::new()).await.map(|_| ()),
+                Some(kept) => self.restore_attached(sb, p, kept, eager).await,
+            };
             let res = match res {
-                Ok(_) => crate::sandbox::exec::adopt_background(sb, p.pid, p.tag.clone()).await,
-                Err(e) => Err(e),
+                Ok(()) if p.attached.is_none() => {
+                    crate::sandbox::exec::adopt_background(sb, p.pid, p.tag.clone()).await
+                }
+                other => other,
             };
             match res {
                 Ok(()) => restored.push(p.pid),
@@ -279,6 +280,45 @@ impl Runtime {
             }
         }
         (restored, failed)
+    }
+}
+
+impl Runtime {
+    /// Restore process image `image` into `sb`, handing in `inherit` (fds, each with CRIU's name
+    /// of the file it takes the place of); the fds are closed once it is done.
+    async fn restore_tree(
+        self: &Arc<Self>,
+        sb: &Arc<crate::sandbox::Sandbox>,
+        image: &str,
+        eager: bool,
+        inherit: Vec<(std::os::fd::OwnedFd, String)>,
+    ) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        let (rt, sbc, img) = (self.clone(), sb.clone(), image.to_string());
+        tokio::task::spawn_blocking(move || {
+            let raw: Vec<(std::os::fd::RawFd, String)> =
+                inherit.iter().map(|(fd, k)| (fd.as_raw_fd(), k.clone())).collect();
+            rt.process_images.restore(&sbc, &img, eager, &raw).map(|_| ())
+        })
+        .await
+        .map_err(RuntimeError::Worker)
+        .and_then(|r| r)
+    }
+
+    /// Restore attached process `p` (wired as `kept` says) into `sb` with new ends there, and
+    /// hand it to whoever takes restored attached processes ([`Runtime::on_attached_restored`]).
+    async fn restore_attached(
+        self: &Arc<Self>,
+        sb: &Arc<crate::sandbox::Sandbox>,
+        p: &super::store::SnapProcess,
+        kept: &crate::sandbox::exec::KeptAttached,
+        eager: bool,
+    ) -> Result<()> {
+        let (inherit, ends) = crate::sandbox::exec::ends_for(sb, &kept.wire).await?;
+        self.restore_tree(sb, &p.image, eager, inherit).await?;
+        let attached = crate::sandbox::exec::adopt_attached(sb, p.pid, p.tag.clone(), kept, ends).await?;
+        self.attached_restored(&sb.id, kept.note.clone(), attached);
+        Ok(())
     }
 }
 

@@ -45,12 +45,15 @@ impl SnapSession {
 }
 
 /// A background process tree a snapshot keeps (`processes: "all"`): its root's pid in the
-/// sandbox, its command (init's tag) and the process image holding it.
+/// sandbox, its command (init's tag) and the process image holding it; for a process attached
+/// to the daemon (E2B's commands and terminals), how it was wired.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SnapProcess {
     pub pid: i32,
     pub tag: String,
     pub image: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attached: Option<crate::sandbox::exec::KeptAttached>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -609,6 +612,42 @@ mod tests {
         assert_eq!(unreachable(&all, &scope, &set(&["b", "d"])), set(&["c"]));
         assert_eq!(subtree(&all, "b"), set(&["b", "c"]));
         assert_eq!(subtree(&all, "a"), scope);
+    }
+
+    #[test]
+    fn kept_processes_round_trip_with_their_wiring_and_old_rows_read_as_unattached() {
+        use crate::sandbox::exec::{KeptAttached, Wire};
+        let d = tempfile::tempdir().unwrap();
+        let st = SnapStore::open(&d.path().join("db")).unwrap();
+        let mut r = row("p", None, &["1"]);
+        let note = serde_json::json!({"config": {"cmd": "/bin/bash"}, "tag": "srv"});
+        r.processes = vec![
+            SnapProcess { pid: 7, tag: "sleep 9".into(), image: "i1".into(), attached: None },
+            SnapProcess {
+                pid: 8,
+                tag: "cat".into(),
+                image: "i2".into(),
+                attached: Some(KeptAttached {
+                    wire: Wire::Pipes { stdout: 11, stderr: 12, stdin: Some(13) },
+                    note: note.clone(),
+                }),
+            },
+            SnapProcess {
+                pid: 9,
+                tag: "bash".into(),
+                image: "i3".into(),
+                attached: Some(KeptAttached {
+                    wire: Wire::Terminal { tty: "tty[8802:18]".into(), rows: 30, cols: 100, ids: Some((1000, 1000)) },
+                    note,
+                }),
+            },
+        ];
+        st.insert(&r).unwrap();
+        assert_eq!(st.get("p").unwrap().unwrap(), r);
+        let old: Vec<SnapProcess> = serde_json::from_str(r#"[{"pid": 7, "tag": "t", "image": "i"}]"#).unwrap();
+        assert_eq!(old[0].attached, None, "rows written before attached processes were kept");
+        let unattached = serde_json::to_value(&r.processes[0]).unwrap();
+        assert!(unattached.get("attached").is_none(), "{unattached}");
     }
 
     #[test]

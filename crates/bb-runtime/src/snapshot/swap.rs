@@ -212,11 +212,18 @@ impl Runtime {
                     leave_running: true,
                     kind: crate::process_images::SNAPSHOT_TREE_KIND.into(),
                     frozen_cgroup: Some(freezer.clone()),
-                    ..Default::default()
+                    // The terminal of an attached process: its master is the daemon's.
+                    external: sb.plugs.external_tty(root, host).into_iter().collect(),
                 };
                 let root_ref = bb_criu::Root { host_pid: host, ns_pid: root };
                 match self.process_images.dump(&sb.criu_ref(), &sb.id, root_ref, None, &opts) {
-                    Ok((image, _)) => kept.push(crate::snapshot::store::SnapProcess { pid: root, tag, image }),
+                    Ok((image, _)) => {
+                        let (tag, attached) = match sb.plugs.kept(root) {
+                            Some((tag, a)) => (tag, Some(a)),
+                            None => (tag, None),
+                        };
+                        kept.push(crate::snapshot::store::SnapProcess { pid: root, tag, image, attached })
+                    }
                     Err(e) if strict => return Err(fail(e.to_string())),
                     Err(e) => {
                         tracing::info!(sandbox = %sb.id, pid = root, %tag, "a background process is left out of the checkpoint: {e}");
