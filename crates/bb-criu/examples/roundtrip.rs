@@ -21,7 +21,7 @@ fn main() {
     println!("dump {:?} {:?}", t.elapsed(), m.as_ref().map(|m| (m.bytes, m.externals.len())));
     m.unwrap();
     let t = std::time::Instant::now();
-    let r = criu.restore(&sb, a[4].as_ref(), std::env::var_os("LAZY").is_some(), &[]);
+    let r = criu.restore(&sb, a[4].as_ref(), std::env::var_os("LAZY").is_some(), &[], None);
     println!("restore {:?} {:?}", t.elapsed(), r.as_ref().map(|r| &r.manifest.tasks));
     if let Some(server) = r.ok().and_then(|r| r.lazy) {
         println!("lazy pages {:?} after {:?}", server.wait(std::time::Duration::from_secs(60)), server.took());

@@ -450,14 +450,18 @@ impl Criu {
     /// path ([`External`]). The pids of the tree must be free in the sandbox. With `lazy`, the
     /// tree runs before its memory is copied in ([`lazy`]): the returned server fills it.
     /// `inherit`: fds that take the place of files of the tree by CRIU's name for them (e.g.
-    /// `pipe:[INODE]`: a pipe whose other end was outside the tree).
+    /// `pipe:[INODE]`: a pipe whose other end was outside the tree). `work`: where CRIU writes
+    /// its log (`restore.log`) and stats, so that several eager restores of one image can run at
+    /// once; `dir` when None. A lazy restore always works in `dir` (its server's socket is there).
     pub fn restore(
         &self,
         sandbox: &SandboxRef,
         dir: &Path,
         lazy: bool,
         inherit: &[(RawFd, String)],
+        work: Option<&Path>,
     ) -> Result<Restored> {
+        let work = if lazy { dir } else { work.unwrap_or(dir) };
         let manifest = Manifest::read(dir)?;
         manifest.verify(dir)?;
         let mut held: Vec<OwnedFd> = Vec::new();
@@ -465,6 +469,8 @@ impl Criu {
             "restore",
             "--images-dir",
             &dir.to_string_lossy(),
+            "--work-dir",
+            &work.to_string_lossy(),
             "--log-file",
             "restore.log",
             "-v4",
@@ -497,7 +503,7 @@ impl Criu {
             args.push(format!("fd[{}]:{}", fd.as_raw_fd(), e.key));
             held.push(fd);
         }
-        let _ = std::fs::remove_file(dir.join("restore.log"));
+        let _ = std::fs::remove_file(work.join("restore.log"));
         let t0 = Instant::now();
         // Started together: the restore waits for the server's socket.
         let server = if lazy {
@@ -516,7 +522,7 @@ impl Criu {
         let restored = match status {
             Ok(Some(0)) => None,
             Ok(status) => {
-                Some(CriuError::Failed { action: "restore", status, log: log_tail(&dir.join("restore.log"), 6) })
+                Some(CriuError::Failed { action: "restore", status, log: log_tail(&work.join("restore.log"), 6) })
             }
             Err(e) => Some(e),
         };

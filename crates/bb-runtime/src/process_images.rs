@@ -57,8 +57,9 @@ pub struct ProcessImages {
     lazy_unavailable: Option<String>,
     /// Lazy-pages servers still filling restored trees: (sandbox, image, server).
     serving: Mutex<Vec<(String, String, bb_criu::LazyPages)>>,
-    /// One restore per image at a time (CRIU writes its log and stats beside the image): the
-    /// lock of each image being restored.
+    /// One lazy restore per image at a time (its server's socket, CRIU's log and stats are in
+    /// the image's dir): the lock of each image being restored lazily. Eager restores each have
+    /// a work dir of their own and run at once (a fork's children).
     restoring: Mutex<std::collections::HashMap<String, Arc<Mutex<()>>>>,
 }
 
@@ -304,11 +305,17 @@ impl ProcessImages {
         eager: bool,
         inherit: &[(std::os::fd::RawFd, String)],
     ) -> crate::Result<(bb_criu::Manifest, bool)> {
-        // The children of a fork may restore the same image at once.
+        let room = sb.cgroup.anon_memory().map(|used| (sb.spec.memory_mb << 20).saturating_sub(used)).unwrap_or(0);
+        let bytes = self.manifest(id).map(|m| m.bytes).unwrap_or(u64::MAX);
+        let lazy = !eager && self.lazy_unavailable.is_none() && bytes.saturating_mul(2) <= room;
+        tracing::debug!(sandbox = %sb.id, image = %id, bytes, room, eager, lazy, "restoring a process image");
+        if !lazy {
+            return self.restore_in(sb, id, false, inherit);
+        }
         let lock = self.restoring.lock().entry(id.to_string()).or_default().clone();
         let restored = {
             let _restoring = lock.lock();
-            self.restore_alone(sb, id, eager, inherit)
+            self.restore_in(sb, id, true, inherit)
         };
         // Forgotten once nobody else holds or waits for it.
         let mut restoring = self.restoring.lock();
@@ -318,26 +325,40 @@ impl ProcessImages {
         restored
     }
 
-    /// [`ProcessImages::restore`], with no other restore of image `id` under way.
-    fn restore_alone(
+    /// [`ProcessImages::restore`], decided: lazily with no other lazy restore of image `id`
+    /// under way, or eagerly with CRIU's log and stats in a work dir of its own.
+    fn restore_in(
         &self,
         sb: &crate::sandbox::Sandbox,
         id: &str,
-        eager: bool,
+        lazy: bool,
         inherit: &[(std::os::fd::RawFd, String)],
     ) -> crate::Result<(bb_criu::Manifest, bool)> {
+        static WORK_DIRS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let criu =
             self.criu.as_ref().ok_or_else(|| ImageError::Unavailable(self.unavailable.clone().unwrap_or_default()))?;
         // One server per image directory at a time (its socket is there).
         self.settle_lazy(|_, image| image == id);
-        let room = sb.cgroup.anon_memory().map(|used| (sb.spec.memory_mb << 20).saturating_sub(used)).unwrap_or(0);
-        let bytes = self.manifest(id).map(|m| m.bytes).unwrap_or(u64::MAX);
-        let lazy = !eager && self.lazy_unavailable.is_none() && bytes.saturating_mul(2) <= room;
-        tracing::debug!(sandbox = %sb.id, image = %id, bytes, room, eager, lazy, "restoring a process image");
-        let restored = criu.restore(&sb.criu_ref(), &self.path(id), lazy, inherit).map_err(|e| {
-            self.keep_failure_log(&self.path(id).join("restore.log"), &format!("failed-restore-{id}.log"));
-            ImageError::Criu(e)
-        })?;
+        // (A temp dir: a crash leaves it to `recover`.)
+        let work = if lazy {
+            None
+        } else {
+            let n = WORK_DIRS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let w = self.dir.join(format!(".tmp-restore-{id}-{n}"));
+            std::fs::create_dir(&w).map_err(crate::RuntimeError::io("make a work dir for CRIU"))?;
+            Some(w)
+        };
+        let restored = criu.restore(&sb.criu_ref(), &self.path(id), lazy, inherit, work.as_deref());
+        if restored.is_err() {
+            let log = work.as_deref().map(Path::to_path_buf).unwrap_or_else(|| self.path(id)).join("restore.log");
+            self.keep_failure_log(&log, &format!("failed-restore-{id}.log"));
+        }
+        if let Some(w) = &work {
+            // The newest eager restore's log is kept beside the image, as a lazy one's is.
+            let _ = std::fs::rename(w.join("restore.log"), self.path(id).join("restore.log"));
+            let _ = std::fs::remove_dir_all(w);
+        }
+        let restored = restored.map_err(ImageError::Criu)?;
         if let Some(server) = restored.lazy {
             let mut serving = self.serving.lock();
             serving.retain(|(_, _, s)| s.outcome().is_none());
