@@ -185,7 +185,8 @@ def _check(sbx: Sandbox, expect_mark: int) -> None:
 
 
 def _newest_image_log(state_dir: str, since: float) -> Optional[float]:
-    logs = [p for p in glob.glob(os.path.join(state_dir, "images", "pi-*", "restore.log")) if os.path.getmtime(p) >= since]
+    # restore.log: a lazy restore's; eager-restore.log: the newest eager one's.
+    logs = [p for p in glob.glob(os.path.join(state_dir, "images", "pi-*", "*restore.log")) if os.path.getmtime(p) >= since]
     if not logs:
         return None
     with open(max(logs, key=os.path.getmtime), "r", errors="replace") as f:

@@ -63,6 +63,9 @@ pub struct ProcessImages {
     restoring: Mutex<std::collections::HashMap<String, Arc<Mutex<()>>>>,
 }
 
+/// The log of the newest eager restore of an image, in its dir (a lazy one's is `restore.log`).
+pub const EAGER_RESTORE_LOG: &str = "eager-restore.log";
+
 /// `kind` of an image of a session template.
 pub const TEMPLATE_KIND: &str = "session-template";
 /// `kind` of an image of a background process tree a snapshot keeps (`processes: "all"`).
@@ -354,8 +357,9 @@ impl ProcessImages {
             self.keep_failure_log(&log, &format!("failed-restore-{id}.log"));
         }
         if let Some(w) = &work {
-            // The newest eager restore's log is kept beside the image, as a lazy one's is.
-            let _ = std::fs::rename(w.join("restore.log"), self.path(id).join("restore.log"));
+            // The newest eager restore's log is kept beside the image (under a name of its own:
+            // a lazy restore of the image may be writing `restore.log` there).
+            let _ = std::fs::rename(w.join("restore.log"), self.path(id).join(EAGER_RESTORE_LOG));
             let _ = std::fs::remove_dir_all(w);
         }
         let restored = restored.map_err(ImageError::Criu)?;
