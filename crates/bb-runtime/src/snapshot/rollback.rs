@@ -261,14 +261,11 @@ impl Runtime {
                 tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             }
             let res = match &p.attached {
-                None => self.restore_tree(sb, &p.image, eager, Vec::new()).await.map(|_| ()),
+                None => match self.restore_tree(sb, &p.image, eager, Vec::new()).await {
+                    Ok(()) => crate::sandbox::exec::adopt_background(sb, p.pid, p.tag.clone()).await,
+                    Err(e) => Err(e),
+                },
                 Some(kept) => self.restore_attached(sb, p, kept, eager).await,
-            };
-            let res = match res {
-                Ok(()) if p.attached.is_none() => {
-                    crate::sandbox::exec::adopt_background(sb, p.pid, p.tag.clone()).await
-                }
-                other => other,
             };
             match res {
                 Ok(()) => restored.push(p.pid),
