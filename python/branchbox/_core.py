@@ -990,13 +990,15 @@ def _snap(sid: Any) -> str:
     return "/v1/snapshots/" + _seg(snapshot_id(sid))
 
 
-PROCESSES = ("sessions", "all", "keepable")
+PROCESSES = ("sessions", "all", "keepable", "none")
 
 
 def _check_processes(processes: Optional[str]) -> bool:
     """Whether ``processes`` (checked) keeps background processes (a slow call: no read timeout)."""
     if processes is not None and processes not in PROCESSES:
-        raise exc.InvalidArgumentError('processes must be "sessions", "all" or "keepable", not %r' % (processes,))
+        raise exc.InvalidArgumentError(
+            'processes must be "sessions", "all", "keepable" or "none", not %r' % (processes,)
+        )
     return processes in ("all", "keepable")
 
 

@@ -334,8 +334,8 @@ class AsyncSandbox:
 
     async def checkpoint(self, label: Optional[str] = None, processes: Optional[str] = None) -> str:
         """Snapshot the sandbox (filesystem and live sessions; ``processes="all"`` or
-        ``"keepable"``: background processes too, see :meth:`branchbox.Sandbox.checkpoint`);
-        returns the snapshot id."""
+        ``"keepable"``: background processes too; ``"none"``: the files alone; see
+        :meth:`branchbox.Sandbox.checkpoint`); returns the snapshot id."""
         return (await self.checkpoint_info(label, processes)).id
 
     async def checkpoint_info(self, label: Optional[str] = None, processes: Optional[str] = None) -> SnapshotInfo:

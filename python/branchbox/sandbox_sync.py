@@ -607,7 +607,9 @@ class Sandbox:
         they are dumped); one that cannot be kept fails the checkpoint. ``"keepable"`` leaves
         such a one out instead (``checkpoint_info().processes`` lists those kept). Commands
         started through the E2B endpoint are kept too (with new pipes or a new terminal where
-        they are restored, reached through that endpoint by the sandbox's id)."""
+        they are restored, reached through that endpoint by the sandbox's id). ``"none"``
+        keeps the files alone: a rollback to it, a fork of it or a sandbox made from it starts
+        without sessions (they start afresh when used), as after a cold boot."""
         return self.checkpoint_info(label, processes).id
 
     def checkpoint_info(self, label: Optional[str] = None, processes: Optional[str] = None) -> SnapshotInfo:
@@ -658,6 +660,7 @@ class Sandbox:
         pids, restored from process images (needs CRIU; each child costs a restore, ~0.1 s per
         tree). A ``snapshot`` that kept them gives them to the children anyway; those that did
         not come back are named in :meth:`fork_info`'s ``processes_not_restored``.
+        ``processes="none"``: the children get the files alone (no sessions).
 
         Each child has its own connection with this sandbox's settings: close (or kill)
         them when done, e.g. ``with child: ...``.

@@ -640,7 +640,8 @@ def sandbox_checkpoint(
     processes: str = typer.Option(
         "sessions",
         "--processes",
-        help='"sessions"; "all": background processes too (CRIU); "keepable": those of them CRIU can keep.',
+        help='"sessions"; "all": background processes too (CRIU); "keepable": those of them CRIU can keep; '
+        '"none": the files alone.',
     ),
 ) -> None:
     """Snapshot a sandbox (files and live sessions) and print the snapshot id."""
@@ -713,7 +714,7 @@ def sandbox_fork(
         "sessions",
         "--processes",
         help='What the checkpoint keeps for the children: "sessions"; "all": background processes too (CRIU); '
-        '"keepable": those of them CRIU can keep.',
+        '"keepable": those of them CRIU can keep; "none": the files alone.',
     ),
 ) -> None:
     """Start new sandboxes from a snapshot of ID; prints the child ids, one per line.

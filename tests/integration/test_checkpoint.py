@@ -136,6 +136,53 @@ def test_lightweight_checkpoint_when_nothing_changed(sbx, raw):
     assert py(raw, sid, "a").get("result") == "1"
 
 
+def test_files_only_checkpoint_starts_without_sessions(sbx, raw):
+    """``processes: "none"``: the files alone. A rollback to it, a fork of it and a sandbox made
+    from it start without sessions (the default one starts afresh when used); a checkpoint of
+    unchanged files is still a snapshot of its own, without the sessions its parent kept."""
+    sid = sbx.sandbox_id
+    py(raw, sid, "a = 1")
+    sh(raw, sid, "echo v1 > /root/f")
+    keeps = ckpt(raw, sid)
+    r = raw.post("/v1/sandboxes/%s/checkpoint" % sid, json={"processes": "none", "label": "files"})
+    assert r.status_code == 201, r.text
+    files = r.json()
+    assert files["id"] != keeps["id"] and files["label"] == "files" and files["sessions"] == []
+    assert files["lightweight"] is True and files["parent"] == keeps["id"]
+    sh(raw, sid, "echo v2 > /root/f")
+    r = raw.post("/v1/sandboxes/%s/checkpoint" % sid, json={"processes": "none"})
+    assert r.status_code == 201, r.text
+    changed = r.json()
+    assert changed["sessions"] == [] and changed["lightweight"] is False
+    py(raw, sid, "a = 2")
+    rollback(raw, sid, files["id"])
+    assert sh(raw, sid, "cat /root/f") == "v1\n"
+    res = raw.post("/v1/sandboxes/%s/code" % sid, json={"code": "a"}).json()
+    assert res["error"]["name"] == "NameError", res
+    r = raw.post("/v1/sandboxes/%s/fork" % sid, json={"count": 1, "snapshot": changed["id"]})
+    assert r.status_code == 201, r.text
+    (kid,) = r.json()["sandboxes"]
+    try:
+        assert sh(raw, kid["id"], "cat /root/f") == "v2\n"
+        assert raw.get("/v1/sandboxes/%s/sessions" % kid["id"]).json()["sessions"] == []
+    finally:
+        raw.delete("/v1/sandboxes/" + kid["id"])
+    # Back to the snapshot that kept the session: it comes back.
+    rollback(raw, sid, keeps["id"])
+    assert py(raw, sid, "a").get("result") == "1"
+    # A fork's own checkpoint may be files only too; with a named snapshot it is refused.
+    r = raw.post("/v1/sandboxes/%s/fork" % sid, json={"count": 1, "processes": "none"})
+    assert r.status_code == 201, r.text
+    (kid,) = r.json()["sandboxes"]
+    try:
+        assert raw.get("/v1/sandboxes/%s/sessions" % kid["id"]).json()["sessions"] == []
+        assert sh(raw, kid["id"], "cat /root/f") == "v1\n"
+    finally:
+        raw.delete("/v1/sandboxes/" + kid["id"])
+    r = raw.post("/v1/sandboxes/%s/fork" % sid, json={"count": 1, "snapshot": keeps["id"], "processes": "none"})
+    assert r.status_code == 400 and "leave snapshot or processes out" in r.text, r.text
+
+
 def _pythons(raw, sid):
     """Pids of the python3 processes in the sandbox (sessions, templates, spare copies)."""
     out = sh(raw, sid, "for d in /proc/[0-9]*; do [ \"$(cat $d/comm 2>/dev/null)\" = python3 ] && echo ${d#/proc/}; done; true")

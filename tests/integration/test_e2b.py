@@ -842,6 +842,42 @@ def test_list_and_delete_snapshots(make, snapshots):
     assert sb.snapshot_id not in [x.snapshot_id for x in Sandbox.list_snapshots().next_items()]
 
 
+def test_snapshot_names_paging_and_filesystem_mode(make, snapshots):
+    """A snapshot's name is a template id (its newest snapshot, as E2B's newest build of the
+    template), `list_snapshots(name=)` filters by name or id, newest first and paged; and
+    `create_snapshot(mode="filesystem")` keeps the files alone: what starts from it cold-boots,
+    without the source's processes."""
+    s = make()
+    name = "named-" + TAG
+    s.files.write("/tmp/n.txt", "first")
+    s.commands.run("sleep 1000", background=True)
+    first = snapshots(s.create_snapshot(name=name))
+    s.files.write("/tmp/n.txt", "second")
+    second = snapshots(s.create_snapshot(name=name))
+    assert first.names == second.names == [name] and first.snapshot_id != second.snapshot_id
+    listed = [x.snapshot_id for x in Sandbox.list_snapshots(name=name).next_items()]
+    assert listed == [second.snapshot_id, first.snapshot_id]
+    assert [x.snapshot_id for x in Sandbox.list_snapshots(name=first.snapshot_id).next_items()] == [first.snapshot_id]
+    pages = Sandbox.list_snapshots(name=name, limit=1)
+    seen = []
+    while pages.has_next:
+        seen += [x.snapshot_id for x in pages.next_items()]
+    assert seen == listed
+    for template in (name, name + ":latest"):
+        c = make(template=template)
+        assert c.files.read("/tmp/n.txt") == "second"
+        assert [p.args for p in c.commands.list()] == [["-l", "-c", "sleep 1000"]]
+    with pytest.raises(SandboxException, match="not usable as a template name"):
+        s.create_snapshot(name="../up")
+    s.files.write("/tmp/n.txt", "files only")
+    files = snapshots(s.create_snapshot(mode="filesystem"))
+    c = make(template=files.snapshot_id)
+    assert c.files.read("/tmp/n.txt") == "files only"
+    assert c.commands.list() == []
+    assert boot_id(c) != boot_id(s)
+    assert [p.args for p in s.commands.list()] == [["-l", "-c", "sleep 1000"]]  # the source keeps running
+
+
 def test_fork_children_are_independent(make):
     s = make(metadata={"role": "fork-parent"})
     s.files.write("/tmp/fork.txt", "parent")

@@ -169,7 +169,12 @@ fn resolve_template(e: &E2b, id: &str) -> Source {
         };
     }
     if e.rt.snapshot(id).is_ok() {
-        Source::Snapshot(id.into())
+        return Source::Snapshot(id.into());
+    }
+    // A snapshot's name (`create_snapshot(name=...)`): its newest snapshot, as E2B's newest build.
+    let named = untagged(id);
+    if let Some(newest) = e.rt.snapshots_labelled(named).ok().and_then(|ids| ids.last().cloned()) {
+        Source::Snapshot(newest)
     } else if e.rt.template(id).is_ok() {
         Source::Template(id.into())
     } else {
@@ -448,10 +453,7 @@ fn select(e: &E2b, q: &ListQuery) -> E2bResult<(Vec<Value>, Option<String>)> {
         Some("asc") => false,
         Some(o) => return Err(E2bError::bad_request(format!("order {o:?} is not asc or desc"))),
     };
-    let limit = q.limit.unwrap_or(100);
-    if limit == 0 || limit > MAX_LIMIT {
-        return Err(E2bError::bad_request(format!("limit {limit} is out of range: give 1 to {MAX_LIMIT}")));
-    }
+    let limit = limit_of(q.limit)?;
     let mut all: Vec<SandboxInfo> =
         e.rt.list(&[])
             .into_iter()
@@ -466,18 +468,36 @@ fn select(e: &E2b, q: &ListQuery) -> E2bResult<(Vec<Value>, Option<String>)> {
     if desc {
         all.reverse();
     }
-    let start = match &q.next_token {
+    let (page, next) = page(&all, q.next_token.as_deref(), limit, |i, tok| i.id == canonical_id(tok))?;
+    Ok((page.iter().map(|i| listed(e, i, false)).collect(), next.map(|i| dashless_id(&i.id))))
+}
+
+/// A list's page size: `limit` (100 when not given), refused out of range.
+fn limit_of(limit: Option<usize>) -> E2bResult<usize> {
+    let limit = limit.unwrap_or(100);
+    if limit == 0 || limit > MAX_LIMIT {
+        return Err(E2bError::bad_request(format!("limit {limit} is out of range: give 1 to {MAX_LIMIT}")));
+    }
+    Ok(limit)
+}
+
+/// The page of `all` that starts at the item `token` names (`is`), the first without one, at
+/// most `limit` long; and the item the next page starts at (`X-Next-Token` names it).
+fn page<'a, T>(
+    all: &'a [T],
+    token: Option<&str>,
+    limit: usize,
+    is: impl Fn(&T, &str) -> bool,
+) -> E2bResult<(&'a [T], Option<&'a T>)> {
+    let start = match token {
         None => 0,
-        Some(tok) => {
-            let id = canonical_id(tok);
-            all.iter()
-                .position(|i| i.id == id)
-                .ok_or_else(|| E2bError::bad_request(format!("nextToken {tok:?} is unknown or expired: list again")))?
-        }
+        Some(tok) => all
+            .iter()
+            .position(|i| is(i, tok))
+            .ok_or_else(|| E2bError::bad_request(format!("nextToken {tok:?} is unknown or expired: list again")))?,
     };
-    let page: Vec<Value> = all.iter().skip(start).take(limit).map(|i| listed(e, i, false)).collect();
-    let next = all.get(start + limit).map(|i| dashless_id(&i.id));
-    Ok((page, next))
+    let end = all.len().min(start.saturating_add(limit));
+    Ok((&all[start..end], all.get(end)))
 }
 
 pub async fn kill(State(e): St, Path(id): Path<String>) -> E2bResult<StatusCode> {
@@ -634,36 +654,75 @@ pub async fn fork(State(e): St, Path(id): Path<String>, bytes: axum::body::Bytes
 #[derive(Deserialize, Default)]
 pub struct SnapshotReq {
     name: Option<String>,
+    /// false: the files alone (`create_snapshot(mode="filesystem")`): what starts from the
+    /// snapshot cold-boots, without processes or code contexts.
+    memory: Option<bool>,
 }
 
 /// A snapshot of the sandbox (files and process state, branchbox's checkpoint): its id is a
 /// template id for `POST /sandboxes`, and a rollback target.
 pub async fn snapshot(State(e): St, Path(id): Path<String>, bytes: axum::body::Bytes) -> E2bResult<Response> {
     let req: SnapshotReq = body(&bytes)?;
+    if let Some(name) = &req.name {
+        check_snapshot_name(name)?;
+    }
     info_of(&e, &id)?;
-    let snap = e
-        .rt
-        .checkpoint(&canonical_id(&id), model::CheckpointRequest { label: req.name.clone(), processes: keepable(&e) })
-        .await?;
+    let processes = if req.memory == Some(false) { model::Processes::None } else { keepable(&e) };
+    let snap =
+        e.rt.checkpoint(&canonical_id(&id), model::CheckpointRequest { label: req.name.clone(), processes }).await?;
     let names: Vec<String> = req.name.into_iter().collect();
     Ok((StatusCode::CREATED, Json(json!({"snapshotID": snap.id, "names": names}))).into_response())
 }
 
+/// A snapshot's name is a template id too (`Sandbox.create(name)`): it must read as one.
+fn check_snapshot_name(name: &str) -> E2bResult<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 128
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c))
+        && !name.starts_with(['.', '/']);
+    if ok {
+        Ok(())
+    } else {
+        Err(E2bError::bad_request(format!(
+            "snapshot name {name:?} is not usable as a template name: give 1 to 128 letters, digits, '-', '_', '.' or '/' (not first)"
+        )))
+    }
+}
+
+/// A template id as a snapshot's name: its tag (`:default`, `:latest`) dropped.
+fn untagged(name: &str) -> &str {
+    name.strip_suffix(":latest").or_else(|| name.strip_suffix(":default")).unwrap_or(name)
+}
+
 #[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
 pub struct SnapshotsQuery {
     #[serde(rename = "sandboxID")]
     sandbox_id: Option<String>,
+    /// A snapshot's name (its branchbox label) or id.
+    name: Option<String>,
+    limit: Option<usize>,
+    next_token: Option<String>,
 }
 
-pub async fn list_snapshots(State(e): St, Query(q): Query<SnapshotsQuery>) -> E2bResult<Json<Value>> {
+/// `GET /snapshots`: newest first, by sandbox and name, paged with `X-Next-Token`.
+pub async fn list_snapshots(State(e): St, Query(q): Query<SnapshotsQuery>) -> E2bResult<Response> {
+    let limit = limit_of(q.limit)?;
     let sandbox = q.sandbox_id.map(|s| canonical_id(&s).into_owned());
-    let all = e.rt.list_snapshots(sandbox.as_deref())?;
-    let items = all
-        .snapshots
-        .iter()
-        .map(|s| json!({"snapshotID": s.id, "names": s.label.iter().collect::<Vec<_>>()}))
-        .collect();
-    Ok(Json(Value::Array(items)))
+    let mut all = e.rt.list_snapshots(sandbox.as_deref())?.snapshots;
+    if let Some(name) = q.name.as_deref().map(untagged) {
+        all.retain(|s| s.id == name || s.label.as_deref() == Some(name));
+    }
+    // Ties broken by id, so a page boundary is stable.
+    all.sort_by(|a, b| b.created_at.total_cmp(&a.created_at).then_with(|| b.id.cmp(&a.id)));
+    let (items, next) = page(&all, q.next_token.as_deref(), limit, |s, tok| s.id == tok)?;
+    let items: Vec<Value> =
+        items.iter().map(|s| json!({"snapshotID": s.id, "names": s.label.iter().collect::<Vec<_>>()})).collect();
+    let mut resp = Json(Value::Array(items)).into_response();
+    if let Some(next) = next.and_then(|n| HeaderValue::from_str(&n.id).ok()) {
+        resp.headers_mut().insert("x-next-token", next);
+    }
+    Ok(resp)
 }
 
 #[derive(Deserialize, Default)]
@@ -793,5 +852,27 @@ mod tests {
             let err = egress(Some(true), &net(bad)).expect_err(names).to_string();
             assert!(err.contains(names), "{err}");
         }
+    }
+
+    #[test]
+    fn pages_follow_their_token_and_snapshot_names_read_as_template_ids() {
+        let all = [1, 2, 3, 4, 5];
+        let is = |i: &i32, tok: &str| i.to_string() == tok;
+        let (p, next) = page(&all, None, 2, is).unwrap();
+        assert_eq!((p, next), (&[1, 2][..], Some(&3)));
+        let (p, next) = page(&all, Some("5"), 2, is).unwrap();
+        assert_eq!((p, next), (&[5][..], None));
+        let (p, next) = page(&all, Some("3"), usize::MAX, is).unwrap();
+        assert_eq!((p, next), (&[3, 4, 5][..], None));
+        assert!(page(&all, Some("9"), 2, is).is_err());
+        assert!(limit_of(Some(0)).is_err() && limit_of(Some(MAX_LIMIT + 1)).is_err());
+        assert_eq!(limit_of(None).unwrap(), 100);
+        for good in ["my-snap", "team/my_snap.v2", "a"] {
+            assert!(check_snapshot_name(good).is_ok(), "{good}");
+        }
+        for bad in ["", "../up", "/abs", ".hidden", "with space", "tag:v1", &"x".repeat(129)] {
+            assert!(check_snapshot_name(bad).is_err(), "{bad}");
+        }
+        assert_eq!((untagged("s:latest"), untagged("s:default"), untagged("s:v1")), ("s", "s", "s:v1"));
     }
 }

@@ -501,8 +501,8 @@ pub struct CheckpointRequest {
     pub label: Option<String>,
     /// What of the processes the snapshot keeps: `sessions` (the default, the fast path),
     /// `all` (background processes too, as process images: a rollback to it restores them, and
-    /// a fork of it or a sandbox created from it gets them) or `keepable` (those of them CRIU
-    /// can keep).
+    /// a fork of it or a sandbox created from it gets them), `keepable` (those of them CRIU
+    /// can keep) or `none` (the files alone: what starts from it starts without sessions).
     #[serde(default)]
     pub processes: Processes,
 }
@@ -522,12 +522,20 @@ pub enum Processes {
     /// As `all`, but a tree that cannot be kept (e.g. a socket CRIU cannot dump, a terminal of
     /// a shell that ended) is left out: the snapshot's `processes` lists those kept.
     Keepable,
+    /// The files alone: no sessions, no processes (a rollback to it, a fork of it and a sandbox
+    /// made from it start without sessions, as after a cold boot; they start afresh when used).
+    None,
 }
 
 impl Processes {
     /// Whether background process trees are dumped.
     pub fn trees(self) -> bool {
-        self != Processes::Sessions
+        matches!(self, Processes::All | Processes::Keepable)
+    }
+
+    /// Whether sessions are kept (as templates).
+    pub fn sessions(self) -> bool {
+        self != Processes::None
     }
 }
 
@@ -1215,9 +1223,10 @@ mod tests {
 
     #[test]
     fn processes_parse_and_say_whether_trees_are_dumped() {
-        let parsed: Vec<Processes> = serde_json::from_str(r#"["sessions", "all", "keepable"]"#).unwrap();
-        assert_eq!(parsed, [Processes::Sessions, Processes::All, Processes::Keepable]);
-        assert_eq!(parsed.iter().map(|p| p.trees()).collect::<Vec<_>>(), [false, true, true]);
+        let parsed: Vec<Processes> = serde_json::from_str(r#"["sessions", "all", "keepable", "none"]"#).unwrap();
+        assert_eq!(parsed, [Processes::Sessions, Processes::All, Processes::Keepable, Processes::None]);
+        assert_eq!(parsed.iter().map(|p| p.trees()).collect::<Vec<_>>(), [false, true, true, false]);
+        assert_eq!(parsed.iter().map(|p| p.sessions()).collect::<Vec<_>>(), [true, true, true, false]);
         assert!(serde_json::from_str::<Processes>(r#""some""#).is_err());
         // A fork asks for none unless told; its answer lists no failures when there are none.
         let req: ForkRequest = serde_json::from_str(r#"{"count": 2}"#).unwrap();

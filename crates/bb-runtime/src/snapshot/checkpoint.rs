@@ -59,7 +59,8 @@ impl Runtime {
     }
 
     /// Take a snapshot of `sb` (caller holds `sb.ops`). `with_sessions = false` captures files
-    /// only (evaluate); `processes` `all`/`keepable`: background process trees too, as process
+    /// only, and any snapshot of the same files will do (evaluate); `processes` `none`: files
+    /// only, in a snapshot of its own; `all`/`keepable`: background process trees too, as process
     /// images dumped in the frozen window of the root swap (one consistent state with the
     /// files). Returns the snapshot and whether it is new (false: an existing one was reused
     /// because nothing changed).
@@ -71,6 +72,8 @@ impl Runtime {
         processes: Processes,
     ) -> Result<(SnapshotRow, bool)> {
         let all_processes = processes.trees();
+        let files_only = !processes.sessions();
+        let with_sessions = with_sessions && !files_only;
         let gen = sb.gen.lock().clone().ok_or_else(|| legacy(&sb.id))?;
         let sessions_map = sb.sessions.lock().await;
         let default_id = sb.default_session.lock().await.clone();
@@ -97,12 +100,12 @@ impl Runtime {
             if let Some(base) = gen.base.as_deref().and_then(|b| self.snapshots.records().get(b).ok().flatten()) {
                 let same: Vec<&str> = base.sessions.iter().map(|s| s.id.as_str()).collect();
                 let now_ids: Vec<&str> = sessions.iter().map(|s| s.id.as_str()).collect();
-                if !with_sessions {
+                if !with_sessions && !files_only {
                     return Ok((base, false));
                 }
                 // Templates are forked in the sandbox that holds them: a fork child's sessions
                 // (copies of its parent's templates) need templates of their own.
-                if same == now_ids && base.sandbox_id == sb.id {
+                if files_only || (same == now_ids && base.sandbox_id == sb.id) {
                     let row = SnapshotRow {
                         id: snapshot_id(),
                         sandbox_id: sb.id.clone(),
@@ -112,7 +115,7 @@ impl Runtime {
                         layers: base.layers.clone(),
                         own_layer: None,
                         spec: self.spec_now(sb),
-                        sessions: base.sessions.clone(),
+                        sessions: if files_only { Vec::new() } else { base.sessions.clone() },
                         processes: Vec::new(),
                     };
                     self.record_snapshot(sb, &row, Generation { base: Some(row.id.clone()), ..gen })?;

@@ -88,7 +88,7 @@ impl Runtime {
                     .into(),
             ));
         }
-        if req.processes.trees() && matches!(source, Source::Named(_)) {
+        if req.processes != Processes::Sessions && matches!(source, Source::Named(_)) {
             return Err(RuntimeError::BadRequest(
                 "processes is for a checkpoint the fork takes now (a named snapshot gives the children the processes \
                  it kept): leave snapshot or processes out"

@@ -111,7 +111,8 @@ impl SnapStore {
                 at REAL NOT NULL
             );
             CREATE INDEX IF NOT EXISTS snapshots_by_parent ON snapshots(parent);
-            CREATE INDEX IF NOT EXISTS snapshots_by_sandbox ON snapshots(sandbox_id);",
+            CREATE INDEX IF NOT EXISTS snapshots_by_sandbox ON snapshots(sandbox_id);
+            CREATE INDEX IF NOT EXISTS snapshots_by_label ON snapshots(label);",
         )?;
         // Which snapshots name a session template (several do after lightweight checkpoints):
         // dropping one must not read every snapshot. Named `snap_templates` before "template"
@@ -219,6 +220,14 @@ impl SnapStore {
     /// The snapshots taken in `sandbox_id`, oldest first.
     pub fn of_sandbox(&self, sandbox_id: &str) -> Result<Vec<SnapshotRow>> {
         self.select("WHERE sandbox_id = ?1 ORDER BY created_at, rowid", params![sandbox_id])
+    }
+
+    /// Ids of the snapshots labelled `label`, oldest first.
+    pub fn labelled(&self, label: &str) -> Result<Vec<String>> {
+        let mut stmt =
+            self.conn.prepare_cached("SELECT id FROM snapshots WHERE label = ?1 ORDER BY created_at, rowid")?;
+        let rows = stmt.query_map(params![label], |r| r.get(0))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
     }
 
     /// Ids of the snapshots whose parent is `id`, oldest first.
@@ -718,6 +727,11 @@ mod tests {
         st.insert(&SnapshotRow { sandbox_id: "other".into(), ..row("f", None, &["6"]) }).unwrap();
         assert_eq!(st.children("b").unwrap(), vec!["c".to_string(), "e".into()]);
         assert_eq!(st.of_sandbox("other").unwrap().len(), 1);
+        st.insert(&SnapshotRow { label: Some("ready".into()), ..row("g", None, &["7"]) }).unwrap();
+        st.insert(&SnapshotRow { label: Some("ready".into()), created_at: 9.0, ..row("h", Some("g"), &["8"]) })
+            .unwrap();
+        assert_eq!(st.labelled("ready").unwrap(), vec!["g".to_string(), "h".into()]);
+        assert!(st.labelled("Ready").unwrap().is_empty());
         // Deleted in an order where a child comes before its parent.
         st.delete(&set(&["c", "b"])).unwrap();
         assert_eq!(st.get("d").unwrap().unwrap().parent.as_deref(), Some("a"));

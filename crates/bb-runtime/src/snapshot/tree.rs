@@ -13,6 +13,11 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 impl Runtime {
+    /// Ids of the snapshots labelled `label`, oldest first (read by index).
+    pub fn snapshots_labelled(&self, label: &str) -> Result<Vec<String>> {
+        Ok(self.snapshots.records().labelled(label)?)
+    }
+
     pub fn list_snapshots(&self, sandbox: Option<&str>) -> Result<SnapshotList> {
         let Some(id) = sandbox else {
             let all = self.snapshots.records().all()?;
