@@ -153,8 +153,9 @@ def test_files_only_checkpoint_starts_without_sessions(sbx, raw):
     r = raw.post("/v1/sandboxes/%s/checkpoint" % sid, json={"processes": "none"})
     assert r.status_code == 201, r.text
     changed = r.json()
-    assert changed["sessions"] == [] and changed["lightweight"] is False
+    assert changed["sessions"] == [] and changed["lightweight"] is False and changed["parent"] == files["id"]
     py(raw, sid, "a = 2")
+    assert ckpt(raw, sid)["parent"] == changed["id"]
     rollback(raw, sid, files["id"])
     assert sh(raw, sid, "cat /root/f") == "v1\n"
     res = raw.post("/v1/sandboxes/%s/code" % sid, json={"code": "a"}).json()

@@ -531,15 +531,23 @@ impl ProcessImages {
         gone
     }
 
-    /// Delete every image no id in `referenced` names. Returns how many bytes went.
-    pub fn collect(&self, referenced: &HashSet<String>) -> u64 {
-        let Ok(all) = self.all() else { return 0 };
+    /// Delete every image nothing names: `referenced` reads the ids the records name (snapshots,
+    /// pauses). Returns how many bytes went.
+    ///
+    /// The images and the unsettled ones are read first, the records last: an image settles
+    /// only once the record naming it is written, so one that was unsettled when listed is
+    /// either still unsettled below or named by a record `referenced` reads. (Read the other way
+    /// round, an image whose record was written, and which settled, between the two reads was
+    /// deleted under its snapshot or pause.)
+    pub fn collect(&self, referenced: impl FnOnce() -> crate::Result<HashSet<String>>) -> crate::Result<u64> {
+        let all = self.all()?;
         let unsettled = self.unsettled.lock().clone();
+        let referenced = referenced()?;
         let unused: Vec<&ImageRow> =
             all.iter().filter(|r| !referenced.contains(&r.id) && !unsettled.contains(&r.id)).collect();
         let bytes = unused.iter().map(|r| r.bytes).sum();
         self.delete(&unused.iter().map(|r| r.id.clone()).collect::<Vec<_>>());
-        bytes
+        Ok(bytes)
     }
 }
 
@@ -558,9 +566,11 @@ impl crate::Runtime {
     /// Delete the process images no snapshot and no paused sandbox names any more. Returns the
     /// bytes freed.
     pub(crate) fn collect_images(&self) -> crate::Result<u64> {
-        let mut referenced = self.snapshots.records().images()?;
-        referenced.extend(self.sandboxes.records().paused_images()?);
-        Ok(self.process_images.collect(&referenced))
+        self.process_images.collect(|| {
+            let mut referenced = self.snapshots.records().images()?;
+            referenced.extend(self.sandboxes.records().paused_images()?);
+            Ok(referenced)
+        })
     }
 }
 
@@ -571,4 +581,57 @@ pub enum ImageError {
     Unavailable(String),
     #[error(transparent)]
     Criu(#[from] bb_criu::CriuError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stage(images: &ProcessImages, id: &str) -> ImageRow {
+        std::fs::create_dir_all(images.staging(id)).unwrap();
+        let row = ImageRow {
+            id: id.into(),
+            kind: PAUSED_TREE_KIND.into(),
+            sandbox_id: "sb-1".into(),
+            template: None,
+            channel_fd: None,
+            bytes: 10,
+            created_at: 1.0,
+            last_used: 1.0,
+        };
+        images.adopt(&row).unwrap();
+        row
+    }
+
+    #[test]
+    fn collection_keeps_an_image_whose_record_lands_while_it_reads_the_records() {
+        let d = tempfile::tempdir().unwrap();
+        let none = d.path().join("no-criu");
+        let images = ProcessImages::open(d.path(), &d.path().join("db"), &none, &none, u64::MAX, false).unwrap();
+        let (kept, named, unnamed, fresh) =
+            ("pi-00000000000a", "pi-00000000000b", "pi-00000000000c", "pi-00000000000d");
+        for id in [kept, named, unnamed, fresh] {
+            stage(&images, id);
+        }
+        for id in [named, unnamed] {
+            images.settled(id);
+        }
+        // `kept`'s snapshot is recorded, and the image settles, after the records were read:
+        // it was unsettled when the images were listed, so it stays. `fresh` is still unsettled.
+        let freed = images
+            .collect(|| {
+                images.settled(kept);
+                Ok(HashSet::from([named.to_string()]))
+            })
+            .unwrap();
+        assert_eq!(freed, 10);
+        let left: HashSet<String> = images.all().unwrap().into_iter().map(|r| r.id).collect();
+        assert_eq!(left, HashSet::from([kept.to_string(), named.to_string(), fresh.to_string()]));
+        assert!(!images.path(unnamed).exists() && images.path(kept).exists());
+        // Next time round, a settled image nothing names goes.
+        images.settled(fresh);
+        assert_eq!(images.collect(|| Ok(HashSet::from([kept.to_string()]))).unwrap(), 20);
+        let left: Vec<String> = images.all().unwrap().into_iter().map(|r| r.id).collect();
+        assert_eq!(left, vec![kept.to_string()]);
+    }
 }

@@ -275,7 +275,8 @@ impl Runtime {
             sessions: snap_sessions,
             processes: kept,
         };
-        let base = with_sessions.then(|| row.id.clone());
+        // Evaluate's snapshot is deleted after: the sandbox does not stand on it.
+        let base = (with_sessions || files_only).then(|| row.id.clone());
         self.record_snapshot(sb, &row, Generation { base, ..new_gen })?;
         self.record_checkpoint_volumes(sb, &row.id, &volume_states)?;
         // Frozen volume layers are the last layer of each chain a swap moved: measured later.
