@@ -869,6 +869,8 @@ def test_snapshot_names_paging_and_filesystem_mode(make, snapshots):
         assert [p.args for p in c.commands.list()] == [["-l", "-c", "sleep 1000"]]
     with pytest.raises(SandboxException, match="not usable as a template name"):
         s.create_snapshot(name="../up")
+    with pytest.raises(SandboxException, match="is the name of a template"):
+        s.create_snapshot(name="base")
     s.files.write("/tmp/n.txt", "files only")
     files = snapshots(s.create_snapshot(mode="filesystem"))
     c = make(template=files.snapshot_id)

@@ -674,8 +674,14 @@ pub async fn snapshot(State(e): St, Path(id): Path<String>, bytes: axum::body::B
     Ok((StatusCode::CREATED, Json(json!({"snapshotID": snap.id, "names": names}))).into_response())
 }
 
-/// A snapshot's name is a template id too (`Sandbox.create(name)`): it must read as one.
+/// A snapshot's name is a template id too (`Sandbox.create(name)`): it must read as one, and not
+/// as one of the two templates that are always found first.
 fn check_snapshot_name(name: &str) -> E2bResult<()> {
+    if [BASE_TEMPLATE, CODE_INTERPRETER_TEMPLATE].contains(&name) {
+        return Err(E2bError::bad_request(format!(
+            "snapshot name {name:?} is the name of a template (Sandbox.create({name:?}) starts from that): choose another"
+        )));
+    }
     let ok = !name.is_empty()
         && name.len() <= 128
         && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c))
@@ -870,7 +876,9 @@ mod tests {
         for good in ["my-snap", "team/my_snap.v2", "a"] {
             assert!(check_snapshot_name(good).is_ok(), "{good}");
         }
-        for bad in ["", "../up", "/abs", ".hidden", "with space", "tag:v1", &"x".repeat(129)] {
+        for bad in
+            ["", "../up", "/abs", ".hidden", "with space", "tag:v1", &"x".repeat(129), "base", "code-interpreter-v1"]
+        {
             assert!(check_snapshot_name(bad).is_err(), "{bad}");
         }
         assert_eq!((untagged("s:latest"), untagged("s:default"), untagged("s:v1")), ("s", "s", "s:v1"));

@@ -593,8 +593,8 @@ pub struct ForkRequest {
     #[serde(default)]
     pub replay_inflight: bool,
     /// What of the processes the children get, for a checkpoint the fork takes now: `sessions`
-    /// (the default) or `all`/`keepable` (background processes too, restored into each child
-    /// from process images under their pids; needs CRIU). A named `snapshot` that kept
+    /// (the default), `none` (the files alone: no sessions) or `all`/`keepable` (background
+    /// processes too, restored into each child from process images under their pids; needs CRIU). A named `snapshot` that kept
     /// background processes gives them to the children whatever this says.
     #[serde(default)]
     pub processes: Processes,
