@@ -593,6 +593,31 @@ def test_rollback_with_processes_all_brings_back_a_writer_holding_its_file(make_
     assert r3.restored_processes == [h.pid], r3.raw
 
 
+def test_rollback_restores_a_group_leader_once_the_members_of_its_group_are_reaped(make_sandbox):
+    """A background command leads its process group, and the kernel hands its pid out again only
+    once the last member of the group is reaped, not when the leader's own /proc entry goes. A
+    rollback restores the leader under its pid after the members it started since the snapshot
+    are gone: here one whose memory takes a while to free after the leader is reaped. (Restored
+    as soon as /proc/<pid> was gone, CRIU met "Can't fork for <pid>: File exists".)"""
+    sbx = make_sandbox(timeout=0, memory_mb=1024)
+    leader = (
+        "while [ ! -e /root/go ]; do sleep 0.02; done; "
+        "python3 -c 'import time; big = b\"x\" * (400 << 20); open(\"/root/big\", \"w\").close(); time.sleep(600)' & "
+        "wait"
+    )
+    h = sbx.commands.run(["sh", "-c", leader], background=True)
+    info = sbx.checkpoint_info(processes="all")
+    assert [p["pid"] for p in info.processes] == [h.pid], info.raw
+    for _ in range(4):
+        sbx.files.write("/root/go", "")
+        wait_until(lambda: sbx.files.exists("/root/big"), timeout=30, what="the member to fill its memory")
+        r = sbx.rollback(info.id)
+        assert r.restored_processes == [h.pid] and not r.processes_not_restored, r.raw
+        assert not sbx.files.exists("/root/go") and not sbx.files.exists("/root/big")
+        procs = {p.pid: p for p in sbx.commands.list()}
+        assert procs[h.pid].running, procs
+
+
 def serves(sbx):
     r = sbx.commands.run(HTTP_CHECK + " 2>&1; true")
     return r.stdout.strip()

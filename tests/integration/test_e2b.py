@@ -1925,6 +1925,77 @@ async def test_async_main_surface(e2b):
         await _acleanup(s)
 
 
+TICKER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/t.new; mv /tmp/t.new /tmp/tick; sleep 0.05; done"
+
+
+async def _ticking(sbx):
+    """The ticker of ``sbx`` counts on: two counts seen within 20 s (a copy made before its first
+    count writes the file once it runs)."""
+    seen = set()
+    deadline = time.monotonic() + 20
+    while len(seen) < 2:
+        assert time.monotonic() < deadline, "the ticker of %s stopped at %s" % (sbx.sandbox_id, seen)
+        if await sbx.files.exists("/tmp/tick"):
+            seen.add((await sbx.files.read("/tmp/tick")).strip())
+        await asyncio.sleep(0.05)
+
+
+async def test_async_concurrent_snapshot_fork_rollback_pause_rounds(e2b):
+    """Clients doing snapshot, fork, rollback, create-by-name, pause and delete at once: every
+    copy keeps its background command. (Collecting unused process images, run by each delete,
+    once deleted an image whose snapshot or pause was being recorded meanwhile; a rollback once
+    restored the ticker while a killed member of its process group still held its pid.)"""
+    made, errors = [], []
+
+    async def rounds(w):
+        for r in range(3):
+            s = await AsyncSandbox.create(metadata={"suite": TAG}, timeout=300)
+            made.append(s)
+            name = "conc-%s-%d" % (TAG, w)
+            await s.files.write("f", "round %d" % r)
+            await s.commands.run(TICKER, background=True)
+            snap = await s.create_snapshot(name=name)
+            try:
+                await s.files.write("f", "changed")
+                kids = await s.fork(count=2)
+                made.extend(kids)
+                for k in kids:
+                    assert await k.files.read("f") == "changed"
+                    assert len(await k.commands.list()) == 1
+                    await _ticking(k)
+                back = await asyncio.to_thread(
+                    httpx.post, e2b.url + "/sandboxes/%s/rollback" % s.sandbox_id,
+                    json={"snapshotID": snap.snapshot_id}, headers={"X-API-KEY": e2b.key}, timeout=60,
+                )
+                assert back.status_code == 200, back.text
+                assert await s.files.read("f") == "round %d" % r
+                c = await AsyncSandbox.create(name, metadata={"suite": TAG}, timeout=300)
+                made.append(c)
+                assert await c.files.read("f") == "round %d" % r
+                assert await c.pause() is True
+                await c.connect()
+                assert len(await c.commands.list()) == 1
+                await _ticking(c)
+                await _ticking(s)
+            finally:
+                await AsyncSandbox.delete_snapshot(snap.snapshot_id)
+
+    async def guarded(w):
+        try:
+            await rounds(w)
+        except Exception as e:  # all workers finish; the first failure is reported
+            errors.append(e)
+
+    try:
+        await asyncio.gather(*(guarded(w) for w in range(4)))
+        if errors:
+            raise errors[0]
+    finally:
+        await _acleanup(*made)
+        for b in made:
+            await asyncio.to_thread(delete_snapshots_of, b.sandbox_id)  # the forks'
+
+
 async def test_async_fork(e2b):
     before = ids_now()
     s = await AsyncSandbox.create(metadata={"suite": TAG}, timeout=300)

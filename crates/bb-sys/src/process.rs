@@ -209,6 +209,19 @@ fn live_parent_in(stat: &str) -> Option<i32> {
     }
 }
 
+/// The process group and session of the process whose procfs directory is `proc_dir` (ids as
+/// that procfs sees them; 0: outside its pid namespace), or None when it is gone. A zombie has
+/// them too until it is reaped.
+pub fn group_and_session(proc_dir: &std::path::Path) -> Option<(i32, i32)> {
+    group_and_session_in(&std::fs::read_to_string(proc_dir.join("stat")).ok()?)
+}
+
+/// [`group_and_session`] of a `stat` line (state, parent, group and session follow the last ')').
+fn group_and_session_in(stat: &str) -> Option<(i32, i32)> {
+    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace().skip(2);
+    Some((fields.next()?.parse().ok()?, fields.next()?.parse().ok()?))
+}
+
 /// Whether the process whose procfs directory is `proc_dir` still holds what it owns (memory,
 /// files, mounts): it exists and is not a zombie (or dead) waiting to be reaped.
 pub fn proc_dir_holds_resources(proc_dir: &std::path::Path) -> bool {
@@ -471,6 +484,14 @@ mod tests {
         assert_eq!(super::live_parent_in("garbage"), None);
         assert_eq!(super::live_parent_in("12 (sh) Z 1 12 12 0"), None);
         assert_eq!(super::live_parent_in("12 (sh) X 1 12 12 0"), None);
+    }
+
+    #[test]
+    fn group_and_session_of_a_stat_line() {
+        assert_eq!(super::group_and_session_in("12 (python3) S 1 10 9 0"), Some((10, 9)));
+        assert_eq!(super::group_and_session_in("7 (a) b) c) Z 5 2 2 0"), Some((2, 2)));
+        assert_eq!(super::group_and_session_in("7 (a) R 5 2"), None);
+        assert_eq!(super::group_and_session_in("garbage"), None);
     }
 
     use super::*;

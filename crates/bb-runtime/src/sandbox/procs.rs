@@ -66,6 +66,36 @@ pub(crate) fn kill_in_sandbox_procfs(sb: &Sandbox, keep: &HashSet<i32>, killed: 
     Ok(())
 }
 
+/// One of the pids a restore wants that is still taken, and by which process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TakenPid {
+    pub pid: i32,
+    /// The process holding it: `pid` itself (a process or a thread), or a process (a zombie
+    /// too) whose process group or session it is.
+    pub by: i32,
+}
+
+/// Which of `pids` is still taken in the pid namespace whose procfs is `proc`, if any. The
+/// kernel hands a pid out again only once nothing uses it: a group or session leader's pid
+/// stays taken until the last member of its group or session is reaped, though no
+/// `/proc/<pid>` is left (the leader's children that outlive it for a moment).
+pub(crate) fn taken_pid(proc: &std::path::Path, pids: &[i32]) -> Option<TakenPid> {
+    if let Some(&pid) = pids.iter().find(|p| proc.join(p.to_string()).exists()) {
+        return Some(TakenPid { pid, by: pid });
+    }
+    for e in std::fs::read_dir(proc).ok()?.flatten() {
+        let Some(by) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        if let Some((group, session)) = bb_sys::process::group_and_session(&e.path()) {
+            if let Some(&pid) = pids.iter().find(|p| **p == group || **p == session) {
+                return Some(TakenPid { pid, by });
+            }
+        }
+    }
+    None
+}
+
 /// The host pid of the process that is `ns_pid` in `sb`'s pid namespace (a member of its
 /// cgroup), if it lives.
 pub(crate) fn host_pid_of(sb: &Sandbox, pid: i32) -> Option<i32> {
@@ -223,6 +253,30 @@ mod tests {
         let m = FakeMembers { alive: RefCell::new(vec![1, 21]), ..Default::default() };
         m.stubborn.borrow_mut().insert(21, 1);
         kill_all_but(&m, "sb-x", |p| p == 1, 3).unwrap();
+    }
+
+    /// A procfs-like directory: `(pid, stat line)` each.
+    fn fake_proc(procs: &[(i32, &str)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for (pid, stat) in procs {
+            std::fs::create_dir(dir.path().join(pid.to_string())).unwrap();
+            std::fs::write(dir.path().join(format!("{pid}/stat")), stat).unwrap();
+        }
+        std::fs::create_dir(dir.path().join("self")).unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_pid_is_taken_by_its_process_or_while_a_group_or_session_it_leads_has_members() {
+        let proc = fake_proc(&[(1, "1 (init) S 0 1 1 0"), (2, "2 (bash) S 1 2 2 0"), (9, "9 (sleep) Z 1 2 2 0")]);
+        assert_eq!(taken_pid(proc.path(), &[3, 2]), Some(TakenPid { pid: 2, by: 2 }));
+        // The leader is reaped; a member of its group (a zombie) still holds its pid.
+        std::fs::remove_dir_all(proc.path().join("2")).unwrap();
+        assert_eq!(taken_pid(proc.path(), &[2, 3]), Some(TakenPid { pid: 2, by: 9 }));
+        std::fs::write(proc.path().join("9/stat"), "9 (sleep) S 1 4 2 0").unwrap();
+        assert_eq!(taken_pid(proc.path(), &[2]), Some(TakenPid { pid: 2, by: 9 }), "its session");
+        std::fs::remove_dir_all(proc.path().join("9")).unwrap();
+        assert_eq!(taken_pid(proc.path(), &[2, 3]), None);
     }
 
     #[test]

@@ -10,6 +10,7 @@ use super::{legacy, ms};
 use crate::error::{Result, RuntimeError};
 use crate::layers::Generation;
 use crate::model::*;
+use crate::sandbox::procs::taken_pid;
 use crate::session::{self, Session};
 use crate::Runtime;
 use std::collections::HashSet;
@@ -254,11 +255,23 @@ impl Runtime {
         let _mounts = sb.mounts.lock().await;
         let proc = crate::sandbox::procs::sandbox_proc(sb);
         for p in processes {
-            // Killed at the swap, they die at the thaw and init reaps them.
+            // Killed at the swap, they die at the thaw and init reaps them, with the members of
+            // their groups and sessions (which hold the leaders' pids).
             let tasks = self.process_images.manifest(&p.image).map(|m| m.tasks).unwrap_or_else(|| vec![p.pid]);
-            let deadline = Instant::now() + PIDS_FREE_PATIENCE;
-            while tasks.iter().any(|t| proc.join(t.to_string()).exists()) && Instant::now() < deadline {
+            let t_wait = Instant::now();
+            let (first, mut last) = (taken_pid(&proc, &tasks), None);
+            let mut taken = first;
+            while taken.is_some() && t_wait.elapsed() < PIDS_FREE_PATIENCE {
+                last = taken;
                 tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                taken = taken_pid(&proc, &tasks);
+            }
+            if first.is_some() {
+                tracing::debug!(sandbox = %sb.id, ?first, ?last, waited = ?t_wait.elapsed(), "pids to restore were taken");
+            }
+            if let Some(t) = taken {
+                let holder = std::fs::read_to_string(proc.join(format!("{}/stat", t.by))).unwrap_or_default();
+                tracing::warn!(sandbox = %sb.id, pid = t.pid, holder = %holder.trim(), "a pid to restore is still taken after {PIDS_FREE_PATIENCE:?}");
             }
             let res = match &p.attached {
                 None => match self.restore_tree(sb, &p.image, eager, Vec::new()).await {
