@@ -618,6 +618,70 @@ def test_rollback_restores_a_group_leader_once_the_members_of_its_group_are_reap
         assert procs[h.pid].running, procs
 
 
+def test_concurrent_checkpoint_fork_rollback_gc_rounds(make_sandbox):
+    """Threads taking checkpoints of each kind, forking with processes, rolling back, deleting
+    and collecting snapshots and creating sandboxes from them, all at once: every copy has its
+    files, its session's state and its background command. (Collecting unused process images,
+    run by each delete and gc, once deleted an image whose snapshot was being recorded
+    meanwhile.)"""
+    ticker = "i=0; while true; do i=$((i+1)); echo $i > /tmp/t.n; mv /tmp/t.n /tmp/tick; sleep 0.05; done"
+    errors = []
+
+    def tick(s):
+        return int(s.files.read("/tmp/tick").strip() or 0) if s.files.exists("/tmp/tick") else 0
+
+    def ticking(s):
+        t0 = tick(s)
+        wait_until(lambda: tick(s) > t0, timeout=20, what="the ticker of %s to count on" % s.sandbox_id)
+
+    def rounds(w, snaps):
+        for it in range(2):
+            s = make_sandbox()
+            s.commands.run(ticker, background=True)
+            s.run_code("x = %d" % (w * 100 + it))
+            s.files.write("/root/f", "a")
+            ticking(s)
+            a = s.checkpoint(processes="all")
+            s.files.write("/root/f", "b")
+            s.run_code("x += 1")
+            b = s.checkpoint(processes=("sessions", "none", "keepable")[(w + it) % 3])
+            kids = s.fork(2, processes="all")
+            try:
+                for k in kids:
+                    assert k.files.read("/root/f") == "b"
+                    assert k.run_code("x").result == str(w * 100 + it + 1)
+                    ticking(k)
+            finally:
+                for k in kids:
+                    k.kill()
+            r = s.rollback(a)
+            assert len(r.restored_processes) == 1 and not r.processes_not_restored, r.raw
+            assert s.files.read("/root/f") == "a"
+            assert s.run_code("x").result == str(w * 100 + it)
+            ticking(s)
+            snaps.delete(b)
+            snaps.gc(keep=[a], sandbox=s.sandbox_id)
+            c = make_sandbox(snapshot=a)
+            assert c.files.read("/root/f") == "a"
+            assert c.run_code("x").result == str(w * 100 + it)
+            ticking(c)
+
+    def guarded(w):
+        try:
+            with Snapshots(daemon=URL) as snaps:
+                rounds(w, snaps)
+        except Exception as e:  # every thread finishes; the first failure is reported
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def serves(sbx):
     r = sbx.commands.run(HTTP_CHECK + " 2>&1; true")
     return r.stdout.strip()
