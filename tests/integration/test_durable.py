@@ -824,6 +824,54 @@ def test_a_lazy_resume_gives_the_process_and_a_child_it_forks_at_once_all_their_
     assert sbx.run_code("mark").result == "'kept'"
 
 
+SUMMER = """
+import os, time
+b = bytes(range(256)) * (200 << 12)
+n = 0
+while True:
+    n += 1
+    with open("/tmp/sum.new", "w") as f:
+        f.write("%d %d" % (n, sum(b[::4099])))
+    os.rename("/tmp/sum.new", "/tmp/sum")
+    time.sleep(0.05)
+"""
+
+
+def test_forks_restore_an_image_in_full_while_a_lazy_rollback_copies_it_in(make_sandbox):
+    # A rollback restores the background process lazily (its 200 MiB copied in after it runs);
+    # forks of the same snapshot right after read that image in full at the same time (they do
+    # not wait for the copy). Each copy has all its memory: the sum over every page of it.
+    want = sum(i % 256 for i in range(0, 200 << 20, 4099))
+    sbx = make_sandbox(timeout=0, memory_mb=1024)
+    sbx.commands.run(["python3", "-c", SUMMER], background=True)
+
+    def counted(s):
+        try:
+            n, total = s.files.read("/tmp/sum").split()
+        except NotFoundError:
+            return 0, None
+        return int(n), int(total)
+
+    wait_until(lambda: counted(sbx)[0] > 0, what="the summer to start")
+    snap = sbx.checkpoint(processes="all")
+    at_snapshot = counted(sbx)[0]
+
+    def went_on(s):
+        n, total = counted(s)
+        return (n, total) if n > at_snapshot + 2 else None
+    for _ in range(2):
+        r = sbx.rollback(snap)
+        assert len(r.restored_processes) == 1 and not r.processes_not_restored, r.raw
+        kids = sbx.fork(2, snapshot=snap)
+        try:
+            for s in [sbx] + kids:
+                n, total = wait_until(lambda: went_on(s), timeout=30, what="the summer of %s to go on" % s.sandbox_id)
+                assert total == want, (s.sandbox_id, n, total, want)
+        finally:
+            for k in kids:
+                k.kill()
+
+
 def test_a_resume_without_room_for_a_second_copy_reads_all_memory_first(make_sandbox):
     # 300 MiB under a 556 MiB limit: a fork during a lazy copy could need 600.
     sbx = big_sandbox(make_sandbox, 300)

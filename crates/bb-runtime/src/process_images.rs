@@ -340,10 +340,11 @@ impl ProcessImages {
         static WORK_DIRS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let criu =
             self.criu.as_ref().ok_or_else(|| ImageError::Unavailable(self.unavailable.clone().unwrap_or_default()))?;
-        // One server per image directory at a time (its socket is there).
-        self.settle_lazy(|_, image| image == id);
-        // (A temp dir: a crash leaves it to `recover`.)
+        // One server per image directory at a time (its socket is there). An eager restore
+        // only reads the image (its log goes to a work dir), beside a server or not.
+        // (The work dir is a temp dir: a crash leaves it to `recover`.)
         let work = if lazy {
+            self.settle_lazy(|_, image| image == id);
             None
         } else {
             let n = WORK_DIRS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
