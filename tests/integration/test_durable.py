@@ -840,7 +840,7 @@ while True:
 def test_forks_restore_an_image_in_full_while_a_lazy_rollback_copies_it_in(make_sandbox):
     # A rollback restores the background process lazily (its 200 MiB copied in after it runs);
     # forks of the same snapshot right after read that image in full at the same time (they do
-    # not wait for the copy). Each copy has all its memory: the sum over every page of it.
+    # not wait for the copy). Each copy has all its memory: a sum over a byte of nearly every page.
     want = sum(i % 256 for i in range(0, 200 << 20, 4099))
     sbx = make_sandbox(timeout=0, memory_mb=1024)
     sbx.commands.run(["python3", "-c", SUMMER], background=True)

@@ -158,7 +158,7 @@ const BASE_TEMPLATE: &str = "base";
 const CODE_INTERPRETER_TEMPLATE: &str = "code-interpreter-v1";
 
 fn resolve_template(e: &E2b, id: &str) -> Source {
-    let id = id.strip_suffix(":latest").unwrap_or(id);
+    let id = untagged(id);
     if id == BASE_TEMPLATE {
         return Source::Image("base".into()); // the common case, without a lookup
     }
@@ -172,8 +172,7 @@ fn resolve_template(e: &E2b, id: &str) -> Source {
         return Source::Snapshot(id.into());
     }
     // A snapshot's name (`create_snapshot(name=...)`): its newest snapshot, as E2B's newest build.
-    let named = untagged(id);
-    if let Some(newest) = e.rt.snapshots_labelled(named).ok().and_then(|ids| ids.last().cloned()) {
+    if let Some(newest) = e.rt.snapshots_labelled(id).ok().and_then(|ids| ids.last().cloned()) {
         Source::Snapshot(newest)
     } else if e.rt.template(id).is_ok() {
         Source::Template(id.into())
@@ -695,7 +694,7 @@ fn check_snapshot_name(name: &str) -> E2bResult<()> {
     }
 }
 
-/// A template id as a snapshot's name: its tag (`:default`, `:latest`) dropped.
+/// A template id without its tag (`:default`, `:latest`): E2B's newest build of the template.
 fn untagged(name: &str) -> &str {
     name.strip_suffix(":latest").or_else(|| name.strip_suffix(":default")).unwrap_or(name)
 }
