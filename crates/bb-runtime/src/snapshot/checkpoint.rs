@@ -28,6 +28,17 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// What a checkpoint is taken for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Purpose {
+    /// A snapshot to keep (checkpoint, fork): the sessions as its `processes` ask, and the
+    /// sandbox's new base (its successors' parent).
+    Keep,
+    /// Evaluate's, deleted after: the files alone, any snapshot of the same files will do, and
+    /// the sandbox does not stand on it.
+    Evaluate,
+}
+
 impl Runtime {
     pub async fn checkpoint(self: &Arc<Self>, id: &str, req: CheckpointRequest) -> Result<SnapshotInfo> {
         let t0 = Instant::now();
@@ -39,7 +50,7 @@ impl Runtime {
         self.memory_backpressure(&sb).await;
         let t_locked = t0.elapsed();
         self.check_trees_keepable(req.processes)?;
-        let (row, _) = self.checkpoint_locked(&sb, req.label, true, req.processes).await?;
+        let (row, _) = self.checkpoint_locked(&sb, req.label, Purpose::Keep, req.processes).await?;
         let t_done = t0.elapsed();
         // A new snapshot has no children yet: no need to read the others.
         let mut info = self.snapshot_info(&row, Vec::new());
@@ -58,8 +69,7 @@ impl Runtime {
         }
     }
 
-    /// Take a snapshot of `sb` (caller holds `sb.ops`). `with_sessions = false` captures files
-    /// only, and any snapshot of the same files will do (evaluate); `processes` `none`: files
+    /// Take a snapshot of `sb` (caller holds `sb.ops`) for `purpose`. `processes` `none`: files
     /// only, in a snapshot of its own; `all`/`keepable`: background process trees too, as process
     /// images dumped in the frozen window of the root swap (one consistent state with the
     /// files). Returns the snapshot and whether it is new (false: an existing one was reused
@@ -68,12 +78,12 @@ impl Runtime {
         self: &Arc<Self>,
         sb: &Arc<Sandbox>,
         label: Option<String>,
-        with_sessions: bool,
+        purpose: Purpose,
         processes: Processes,
     ) -> Result<(SnapshotRow, bool)> {
         let all_processes = processes.trees();
         let files_only = !processes.sessions();
-        let with_sessions = with_sessions && !files_only;
+        let with_sessions = purpose == Purpose::Keep && !files_only;
         let gen = sb.gen.lock().clone().ok_or_else(|| legacy(&sb.id))?;
         let sessions_map = sb.sessions.lock().await;
         let default_id = sb.default_session.lock().await.clone();
@@ -100,7 +110,7 @@ impl Runtime {
             if let Some(base) = gen.base.as_deref().and_then(|b| self.snapshots.records().get(b).ok().flatten()) {
                 let same: Vec<&str> = base.sessions.iter().map(|s| s.id.as_str()).collect();
                 let now_ids: Vec<&str> = sessions.iter().map(|s| s.id.as_str()).collect();
-                if !with_sessions && !files_only {
+                if purpose == Purpose::Evaluate {
                     return Ok((base, false));
                 }
                 // Templates are forked in the sandbox that holds them: a fork child's sessions
@@ -276,7 +286,7 @@ impl Runtime {
             processes: kept,
         };
         // Evaluate's snapshot is deleted after: the sandbox does not stand on it.
-        let base = (with_sessions || files_only).then(|| row.id.clone());
+        let base = (purpose == Purpose::Keep).then(|| row.id.clone());
         self.record_snapshot(sb, &row, Generation { base, ..new_gen })?;
         self.record_checkpoint_volumes(sb, &row.id, &volume_states)?;
         // Frozen volume layers are the last layer of each chain a swap moved: measured later.

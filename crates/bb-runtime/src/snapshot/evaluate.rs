@@ -3,6 +3,7 @@
 //! (deleted again if it was made for this) gives the chain the throw-away sandbox stands on;
 //! volumes that branch with the sandbox are mounted in it as copy-on-write forks, deleted after.
 
+use super::checkpoint::Purpose;
 use crate::error::{Result, RuntimeError};
 use crate::model::*;
 use crate::Runtime;
@@ -21,7 +22,7 @@ impl Runtime {
         self.check_capacity(1)?;
         let (snap, created) = {
             let _op = sb.begin_op().await;
-            self.checkpoint_locked(&sb, Some("evaluate".into()), false, Processes::Sessions).await?
+            self.checkpoint_locked(&sb, Some("evaluate".into()), Purpose::Evaluate, Processes::Sessions).await?
         };
         let child = self.create_from(snap.spec.clone(), snap.layers.clone(), None, Some(600.0), None).await;
         // The volumes that branch with the sandbox, as copy-on-write forks (deleted after).

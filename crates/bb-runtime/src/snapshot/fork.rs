@@ -108,7 +108,9 @@ impl Runtime {
             Source::Live(sb) => {
                 let _op = sb.begin_op().await;
                 let holding = req.replay_inflight.then(|| inflight.hold(&sb.id));
-                let taken = self.checkpoint_locked(&sb, Some("fork".into()), true, req.processes).await;
+                let taken = self
+                    .checkpoint_locked(&sb, Some("fork".into()), super::checkpoint::Purpose::Keep, req.processes)
+                    .await;
                 // The children adopt the parent's requests in flight until `handed` drops.
                 let handed = holding.map(|h| h.hand_down(taken.as_ref().ok().map(|t| t.0.id.as_str())));
                 (taken?.0, handed)
